@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One-command setup for a fresh Debian 12 machine (as root) or a developer box.
+# Idempotent: every step checks before it acts, so running it again is cheap.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+
+apt_install() {
+    # Installs the named Debian packages that are missing; needs root.
+    local missing=()
+    for p in "$@"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ "$(id -u)" != 0 ]; then
+        say "not root: skipping Debian packages ${missing[*]} (the kernel tests will be skipped)"
+        return 0
+    fi
+    say "installing Debian packages: ${missing[*]}"
+    if [ -z "${APT_UPDATED:-}" ]; then
+        apt-get update -qq
+        APT_UPDATED=1
+    fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# 1. System packages: bcc, the tools the datapath and its tests use, and a venv-capable Python.
+if command -v dpkg-query >/dev/null; then
+    apt_install python3-bpfcc bpfcc-tools iproute2 iptables iperf3 kmod procps
+    command -v "$PYTHON" >/dev/null || apt_install python3
+    "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || apt_install python3-venv python3-pip
+fi
+
+# 2. Kernel headers where bcc looks for them, when the running kernel ships none.
+KDIR=/lib/modules/$(uname -r)
+if [ "$(id -u)" = 0 ] && [ ! -e "$KDIR/build/include/generated" ]; then
+    apt_install linux-headers-amd64
+    build=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -n 1)
+    common=$(ls -d /usr/src/linux-headers-*-common 2>/dev/null | sort -V | tail -n 1)
+    if [ -n "$build" ] && [ -n "$common" ]; then
+        mkdir -p "$KDIR"
+        ln -sfn "$build" "$KDIR/build"
+        ln -sfn "$common" "$KDIR/source"
+        say "linked $build and $common into $KDIR for bcc"
+    fi
+fi
+
+# 3. The project's virtual environment.
+if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV with $($PYTHON --version)"
+    "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.installed-$(cat pyproject.toml | sha1sum | cut -c1-12)"
+if [ ! -e "$stamp" ]; then
+    say "installing Palisade and its dependencies into $VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q -e '.[test,dev,bench]'
+    rm -f "$VENV"/.installed-* && touch "$stamp"
+fi
+
+# 4. Debian's bcc (pure Python over libbcc) made importable inside the venv.
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [ -d /usr/lib/python3/dist-packages/bcc ] && [ ! -e "$site/bcc" ]; then
+    ln -sfn /usr/lib/python3/dist-packages/bcc "$site/bcc"
+    say "linked Debian's bcc into $VENV"
+fi
+
+# 5. Generated protobuf/gRPC code.
+make --no-print-directory proto VENV="$VENV" >/dev/null
+say "ready ($("$VENV/bin/python" -c 'import bcc' 2>/dev/null && echo 'bcc importable' || echo 'bcc NOT importable: kernel tests will skip'))"

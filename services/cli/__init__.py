@@ -1,0 +1,1 @@
+"""The `palisade` command line."""

@@ -1,0 +1,1 @@
+"""Helpers shared by every Palisade service: config, logging, bus, gRPC, etcd, lifecycle."""

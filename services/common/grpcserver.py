@@ -1,0 +1,144 @@
+"""gRPC server bootstrap: health checking, reflection, status, metrics, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+import prometheus_client
+from google.protobuf.timestamp_pb2 import Timestamp
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from palisade.v1 import common_pb2, common_pb2_grpc
+from services import __version__
+from services.common.log import get_logger
+
+log = get_logger("grpc")
+
+T = TypeVar("T")
+
+StatusProvider = Callable[[common_pb2.ServiceStatus], None]
+
+
+class StatusServicer(common_pb2_grpc.StatusServiceServicer):
+    """Serves ServiceStatus; the service fills in its own figures through ``provider``."""
+
+    def __init__(self, service: str, node: str) -> None:
+        self._service = service
+        self._node = node
+        self._started = Timestamp()
+        self._started.FromNanoseconds(time.time_ns())
+        self.provider: StatusProvider | None = None
+
+    def snapshot(self) -> common_pb2.ServiceStatus:
+        status = common_pb2.ServiceStatus(service=self._service, version=__version__, node=self._node)
+        status.started_at.CopyFrom(self._started)
+        if self.provider is not None:
+            self.provider(status)
+        return status
+
+    async def GetStatus(
+        self, request: common_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ServiceStatus:
+        return self.snapshot()
+
+
+class GrpcServer:
+    """One grpc.aio server with the standard Palisade extras.
+
+    Health starts NOT_SERVING; the service calls :meth:`set_serving` once its upstreams
+    are synced. :meth:`stop` flips health to NOT_SERVING first so load balancers and
+    clients stop sending, then lets in-flight calls finish within ``grace`` seconds.
+    """
+
+    def __init__(self, service: str, node: str, listen: str) -> None:
+        self.service = service
+        self.listen = listen
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            ]
+        )
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.status = StatusServicer(service, node)
+        common_pb2_grpc.add_StatusServiceServicer_to_server(self.status, self.server)
+        self._names: list[str] = [
+            common_pb2.DESCRIPTOR.services_by_name["StatusService"].full_name,
+        ]
+        self.port = 0
+        self._serving = False
+
+    def add_service(self, full_name: str) -> None:
+        """Record a registered service for reflection and health (by its full name)."""
+        self._names.append(full_name)
+
+    async def start(self) -> int:
+        self.port = self.server.add_insecure_port(self.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen for gRPC on {self.listen}; is the port in use? set --grpc-listen")
+        names = [*self._names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        await self.set_serving(self._serving)
+        await self.server.start()
+        host = self.listen.rpartition(":")[0]
+        log.info("grpc listening", address=f"{host}:{self.port}", services=",".join(self._names))
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        self._serving = serving
+        state = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", state)
+        for name in self._names:
+            await self.health.set(name, state)
+
+    async def stop(self, grace: float) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+def start_metrics(listen: str) -> int:
+    """Serve Prometheus metrics over HTTP; returns the port (0 when disabled)."""
+    if not listen:
+        return 0
+    host, _, port = listen.rpartition(":")
+    server, _thread = prometheus_client.start_http_server(int(port), addr=host or "127.0.0.1")
+    bound = int(server.server_port)
+    log.info("metrics listening", address=f"{host}:{bound}")
+    return bound
+
+
+async def wait_for_channel(target: str, timeout: float = 5.0) -> grpc.aio.Channel:
+    """An insecure channel to ``target`` that is ready, or raise TimeoutError naming it."""
+    channel = grpc.aio.insecure_channel(target)
+    try:
+        await asyncio.wait_for(channel.channel_ready(), timeout)
+    except TimeoutError:
+        await channel.close()
+        raise TimeoutError(f"no gRPC server answers at {target}") from None
+    return channel
+
+
+def unimplemented(servicer: type[T]) -> T:
+    """An instance of a generated servicer whose every method answers UNIMPLEMENTED.
+
+    Service shells register these for capabilities not built yet, so clients get a
+    clear status instead of fake data.
+    """
+
+    def make(method: str) -> Callable[..., Any]:
+        async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{servicer.__name__}.{method} is not implemented yet")
+
+        return handler
+
+    methods = {m: make(m) for m in dir(servicer) if m[:1].isupper()}
+    return type(f"Unimplemented{servicer.__name__}", (servicer,), methods)()  # type: ignore[no-any-return]

@@ -1,0 +1,1 @@
+"""The per-node datapath: BPF programs and maps enforcing ordered policy entries."""

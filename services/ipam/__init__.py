@@ -1,0 +1,1 @@
+"""IPAM and identities: numeric identities, pod IPs and the ipcache, backed by etcd."""

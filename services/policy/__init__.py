@@ -1,0 +1,1 @@
+"""The policy engine (pure) and the policy service around it."""

