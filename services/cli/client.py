@@ -1,0 +1,150 @@
+"""How the CLI reaches the services: addresses, channels, errors, output.
+
+Addresses come from flags (`--policy-address`...), else PALISADE_<SERVICE>_ADDRESS,
+else the default local ports that `make run` uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+
+from services.common.config import DEFAULT_GRPC_PORTS
+
+SERVICES = ("watcher", "policy", "ipam", "datapath")
+T = TypeVar("T")
+
+
+class CLIError(Exception):
+    """An error the user can act on; printed without a traceback, exit code ``code``."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def add_address_flags(parser: argparse.ArgumentParser, *services: str) -> None:
+    for name in services or SERVICES:
+        parser.add_argument(
+            f"--{name}-address",
+            default=None,
+            metavar="HOST:PORT",
+            help=f"{name} service gRPC address (env PALISADE_{name.upper()}_ADDRESS; "
+            f"default 127.0.0.1:{DEFAULT_GRPC_PORTS[name]})",
+        )
+
+
+def add_output_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+
+
+def address(args: argparse.Namespace, service: str) -> str:
+    flag = getattr(args, f"{service}_address", None)
+    return flag or os.environ.get(f"PALISADE_{service.upper()}_ADDRESS") or f"127.0.0.1:{DEFAULT_GRPC_PORTS[service]}"
+
+
+@contextmanager
+def channel(args: argparse.Namespace, service: str, timeout: float = 3.0) -> Iterator[grpc.Channel]:
+    """A ready channel to ``service``, or a CLIError naming the address and how to start it."""
+    target = address(args, service)
+    ch = grpc.insecure_channel(target)
+    try:
+        grpc.channel_ready_future(ch).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        ch.close()
+        raise CLIError(
+            f"cannot reach the {service} service at {target}: start the system with `make run` "
+            f"(or `python -m services.{service}`), or point --{service}-address / "
+            f"PALISADE_{service.upper()}_ADDRESS at it"
+        ) from None
+    try:
+        yield ch
+    finally:
+        ch.close()
+
+
+def call(service: str, fn: Callable[..., T], request: Message, timeout: float = 30.0) -> T:
+    """Call one unary method, turning gRPC errors into CLIErrors with the server's message."""
+    try:
+        return fn(request, timeout=timeout)
+    except grpc.RpcError as err:
+        code = err.code() if hasattr(err, "code") else None
+        details = err.details() if hasattr(err, "details") else str(err)
+        exit_code = 2 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) else 1
+        name = code.name if code is not None else "ERROR"
+        raise CLIError(f"{service}: {name}: {details}", exit_code) from None
+
+
+def to_dict(message: Message) -> dict[str, Any]:
+    return MessageToDict(message, preserving_proto_field_name=True)
+
+
+def print_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2, sort_keys=False)
+    sys.stdout.write("\n")
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for n, row in enumerate(cells):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if n == 0 and not rows:
+            break
+
+
+@contextmanager
+def progress(message: str) -> Iterator[None]:
+    """Show ``message`` with a spinner on stderr if the work takes more than a second."""
+    done = threading.Event()
+    tty = sys.stderr.isatty()
+
+    def spin() -> None:
+        if done.wait(1.0):
+            return
+        frames = "|/-\\"
+        n = 0
+        start = time.monotonic()
+        while not done.is_set():
+            elapsed = time.monotonic() - start + 1.0
+            if tty:
+                sys.stderr.write(f"\r{frames[n % 4]} {message} ({elapsed:.0f}s)")
+            elif n == 0:
+                sys.stderr.write(f"{message}...\n")
+            sys.stderr.flush()
+            n += 1
+            done.wait(0.2)
+        if tty:
+            sys.stderr.write("\r" + " " * (len(message) + 12) + "\r")
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def run(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Wrap a command so CLIErrors print one line to stderr and set the exit code."""
+
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except CLIError as exc:
+            print(f"palisade: error: {exc}", file=sys.stderr)
+            return exc.code
+
+    return wrapper

@@ -1,0 +1,254 @@
+"""`palisade policy import|delete|get|list|wait|trace`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
+from services.cli.client import (
+    CLIError,
+    add_address_flags,
+    add_output_flag,
+    call,
+    channel,
+    print_json,
+    print_table,
+    progress,
+    run,
+    to_dict,
+)
+
+KINDS = {
+    "networkpolicy": "NetworkPolicy",
+    "netpol": "NetworkPolicy",
+    "cnp": "CiliumNetworkPolicy",
+    "ciliumnetworkpolicy": "CiliumNetworkPolicy",
+    "ccnp": "CiliumClusterwideNetworkPolicy",
+    "ciliumclusterwidenetworkpolicy": "CiliumClusterwideNetworkPolicy",
+}
+PROTOCOLS = {
+    "tcp": common_pb2.PROTOCOL_TCP,
+    "udp": common_pb2.PROTOCOL_UDP,
+    "sctp": common_pb2.PROTOCOL_SCTP,
+    "icmp": common_pb2.PROTOCOL_ICMP,
+    "any": common_pb2.PROTOCOL_ANY,
+}
+SOURCES = {"api": policy_pb2.POLICY_SOURCE_API, "kubernetes": policy_pb2.POLICY_SOURCE_KUBERNETES}
+
+
+def _state(status: policy_pb2.PolicyStatus) -> str:
+    return policy_pb2.PolicyState.Name(status.state).removeprefix("POLICY_STATE_").lower()
+
+
+def _ref_text(ref: common_pb2.ObjectRef) -> str:
+    return f"{ref.kind} {ref.namespace + '/' if ref.namespace else ''}{ref.name}"
+
+
+def _print_statuses(statuses: list[policy_pb2.PolicyStatus]) -> None:
+    rows = []
+    for s in statuses:
+        nodes = f"{s.nodes_realized}/{s.nodes_total}" if s.nodes_total else "-"
+        rows.append(
+            (
+                s.ref.kind,
+                s.ref.namespace or "-",
+                s.ref.name,
+                _state(s),
+                s.revision or "-",
+                nodes,
+                len(s.unsupported) or "",
+            )
+        )
+    print_table(("KIND", "NAMESPACE", "NAME", "STATE", "REVISION", "NODES", "UNSUPPORTED"), rows)
+    for s in statuses:
+        if s.error:
+            print(f"\n{_ref_text(s.ref)}: {s.error}")
+        for u in s.unsupported:
+            print(f"{_ref_text(s.ref)}: unsupported, not enforced: {u}")
+
+
+def _read(paths: list[str]) -> list[tuple[str, str]]:
+    docs = []
+    for p in paths:
+        if p == "-":
+            docs.append(("<stdin>", sys.stdin.read()))
+            continue
+        path = Path(p)
+        files = (
+            sorted(f for f in path.rglob("*") if f.suffix in (".yaml", ".yml", ".json")) if path.is_dir() else [path]
+        )
+        for f in files:
+            try:
+                docs.append((str(f), f.read_text()))
+            except OSError as exc:
+                raise CLIError(f"cannot read {f}: {exc.strerror}", 2) from None
+    return docs
+
+
+@run
+def cmd_import(args: argparse.Namespace) -> int:
+    statuses: list[policy_pb2.PolicyStatus] = []
+    revision = 0
+    with channel(args, "policy") as ch:
+        stub = policy_pb2_grpc.PolicyServiceStub(ch)
+        for origin, text in _read(args.file):
+            req = policy_pb2.ImportPoliciesRequest(documents=text, dry_run=args.dry_run, origin=origin)
+            resp = call("policy", stub.ImportPolicies, req)
+            statuses.extend(resp.policies)
+            revision = max(revision, resp.revision)
+        if args.wait and not args.dry_run and revision:
+            with progress(f"waiting for revision {revision} to be realized"):
+                _wait(stub, revision, args.timeout)
+    rejected = [s for s in statuses if s.state == policy_pb2.POLICY_STATE_REJECTED]
+    if args.output == "json":
+        print_json({"revision": revision, "policies": [to_dict(s) for s in statuses]})
+    else:
+        _print_statuses(statuses)
+        print(f"\nrevision {revision}")
+    return 2 if rejected else 0
+
+
+def _ref(args: argparse.Namespace) -> common_pb2.ObjectRef:
+    kind = KINDS.get(args.kind.lower())
+    if kind is None:
+        raise CLIError(f"unknown policy kind {args.kind!r}; use one of: {', '.join(sorted(set(KINDS)))}", 2)
+    namespace = "" if kind == "CiliumClusterwideNetworkPolicy" else (args.namespace or "default")
+    return common_pb2.ObjectRef(kind=kind, namespace=namespace, name=args.name)
+
+
+@run
+def cmd_delete(args: argparse.Namespace) -> int:
+    with channel(args, "policy") as ch:
+        req = policy_pb2.DeletePolicyRequest(ref=_ref(args), source=SOURCES[args.source])
+        resp = call("policy", policy_pb2_grpc.PolicyServiceStub(ch).DeletePolicy, req)
+    if args.output == "json":
+        print_json(to_dict(resp))
+    else:
+        print(f"deleted; revision {resp.revision}")
+    return 0
+
+
+@run
+def cmd_get(args: argparse.Namespace) -> int:
+    with channel(args, "policy") as ch:
+        stub = policy_pb2_grpc.PolicyServiceStub(ch)
+        if args.name:
+            status = call(
+                "policy", stub.GetPolicy, policy_pb2.GetPolicyRequest(ref=_ref(args), source=SOURCES[args.source])
+            )
+            statuses = [status]
+        else:
+            listing = call("policy", stub.ListPolicies, policy_pb2.ListPoliciesRequest(namespace=args.namespace or ""))
+            statuses = list(listing.policies)
+    if args.output == "json":
+        print_json({"policies": [to_dict(s) for s in statuses]})
+    else:
+        _print_statuses(statuses)
+        if args.name and statuses[0].document:
+            print("\n" + statuses[0].document)
+    return 0
+
+
+def _wait(stub: policy_pb2_grpc.PolicyServiceStub, revision: int, timeout: float) -> policy_pb2.WaitForRevisionResponse:
+    req = policy_pb2.WaitForRevisionRequest(revision=revision, timeout_seconds=timeout)
+    resp: policy_pb2.WaitForRevisionResponse = call("policy", stub.WaitForRevision, req, timeout=timeout + 10)
+    if not resp.realized:
+        behind = ", ".join(f"{e.node}/{e.pod or e.endpoint_id} at {e.realized_revision}" for e in resp.behind[:10])
+        more = f" and {len(resp.behind) - 10} more" if len(resp.behind) > 10 else ""
+        raise CLIError(f"revision {revision} not realized after {timeout:g}s; behind: {behind}{more}")
+    return resp
+
+
+@run
+def cmd_wait(args: argparse.Namespace) -> int:
+    with channel(args, "policy") as ch, progress(f"waiting for revision {args.revision}"):
+        resp = _wait(policy_pb2_grpc.PolicyServiceStub(ch), args.revision, args.timeout)
+    if args.output == "json":
+        print_json(to_dict(resp))
+    else:
+        print(f"revision {args.revision} realized (current {resp.current_revision})")
+    return 0
+
+
+def _peer(text: str) -> policy_pb2.TracePeer:
+    if "=" in text or text.startswith(("k8s:", "reserved:", "any:")):
+        return policy_pb2.TracePeer(labels=[label for label in text.split(",") if label])
+    if "/" not in text:
+        raise CLIError(f"peer {text!r}: give a pod as NAMESPACE/NAME or labels as key=value[,key=value]", 2)
+    return policy_pb2.TracePeer(pod=text)
+
+
+@run
+def cmd_trace(args: argparse.Namespace) -> int:
+    proto = PROTOCOLS.get(args.protocol.lower())
+    if proto is None:
+        raise CLIError(f"unknown protocol {args.protocol!r}; use TCP, UDP, SCTP, ICMP or ANY", 2)
+    req = policy_pb2.TraceRequest(source=_peer(args.src), destination=_peer(args.dst), port=args.port, protocol=proto)
+    with channel(args, "policy") as ch:
+        resp = call("policy", policy_pb2_grpc.PolicyServiceStub(ch).Trace, req)
+    if args.output == "json":
+        print_json(to_dict(resp))
+    else:
+        print(resp.explanation.rstrip())
+        print(f"\nFinal verdict: {common_pb2.Verdict.Name(resp.verdict).removeprefix('VERDICT_')}")
+    return 0 if resp.verdict == common_pb2.VERDICT_ALLOW else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("policy", help="import, inspect and trace policies")
+    psub = p.add_subparsers(dest="policy_command", metavar="COMMAND", required=True)
+
+    imp = psub.add_parser(
+        "import", help="import policies from YAML/JSON files or folders (like `cilium policy import`)"
+    )
+    imp.add_argument("file", nargs="+", help="file, folder or - for stdin")
+    imp.add_argument("--dry-run", action="store_true", help="validate only")
+    imp.add_argument("--wait", action="store_true", help="wait until the new revision is realized")
+    imp.add_argument("--timeout", type=float, default=60.0, help="seconds to wait with --wait")
+    imp.set_defaults(func=cmd_import)
+
+    def ref_args(q: argparse.ArgumentParser, optional_name: bool = False) -> None:
+        q.add_argument(
+            "kind",
+            help="networkpolicy|cnp|ccnp" if not optional_name else "networkpolicy|cnp|ccnp (omit to list)",
+            nargs="?" if optional_name else None,
+            default="cnp",
+        )
+        q.add_argument("name", nargs="?" if optional_name else None, default="")
+        q.add_argument(
+            "-n",
+            "--namespace",
+            default=None if optional_name else "default",
+            help="namespace of the policy (listing: only this namespace)",
+        )
+        q.add_argument(
+            "--source", choices=sorted(SOURCES), default="api", help="which copy (imported or from Kubernetes)"
+        )
+
+    dele = psub.add_parser("delete", help="delete an imported policy")
+    ref_args(dele)
+    dele.set_defaults(func=cmd_delete)
+
+    get = psub.add_parser("get", help="show a policy's status, or list all")
+    ref_args(get, optional_name=True)
+    get.set_defaults(func=cmd_get)
+
+    wait = psub.add_parser("wait", help="wait until every affected endpoint realized a revision")
+    wait.add_argument("revision", type=int)
+    wait.add_argument("--timeout", type=float, default=60.0)
+    wait.set_defaults(func=cmd_wait)
+
+    trace = psub.add_parser("trace", help="explain the verdict for a connection, like `cilium policy trace`")
+    trace.add_argument(
+        "--src", required=True, help="NAMESPACE/POD or labels k8s:app=a,k8s:io.kubernetes.pod.namespace=x"
+    )
+    trace.add_argument("--dst", required=True, help="NAMESPACE/POD or labels")
+    trace.add_argument("--port", type=int, default=0, help="destination port")
+    trace.add_argument("--protocol", default="TCP", help="TCP, UDP, SCTP, ICMP or ANY")
+    trace.set_defaults(func=cmd_trace)
+
+    for q in (imp, dele, get, wait, trace):
+        add_address_flags(q, "policy")
+        add_output_flag(q)

@@ -1,0 +1,75 @@
+"""`palisade status`: each service's health, revision, synced state and figures."""
+
+from __future__ import annotations
+
+import argparse
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from palisade.v1 import common_pb2, common_pb2_grpc
+from services.cli.client import SERVICES, add_address_flags, add_output_flag, address, print_json, print_table, run
+
+
+def _probe(target: str) -> tuple[str, common_pb2.ServiceStatus | None]:
+    ch = grpc.insecure_channel(target)
+    try:
+        try:
+            grpc.channel_ready_future(ch).result(timeout=1.5)
+        except grpc.FutureTimeoutError:
+            return "unreachable", None
+        try:
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3)
+            state = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
+        except grpc.RpcError as err:
+            state = f"error: {err.code().name}"
+        try:
+            status = common_pb2_grpc.StatusServiceStub(ch).GetStatus(common_pb2.GetStatusRequest(), timeout=3)
+        except grpc.RpcError:
+            status = None
+        return state, status
+    finally:
+        ch.close()
+
+
+@run
+def cmd_status(args: argparse.Namespace) -> int:
+    results = []
+    for name in SERVICES:
+        target = address(args, name)
+        state, status = _probe(target)
+        results.append((name, target, state, status))
+    if args.output == "json":
+        out = []
+        for name, target, state, status in results:
+            item: dict[str, object] = {"service": name, "address": target, "health": state}
+            if status is not None:
+                item.update(
+                    synced=status.synced,
+                    revision=status.revision,
+                    node=status.node,
+                    version=status.version,
+                    details=dict(status.details),
+                )
+            out.append(item)
+        print_json({"services": out})
+    else:
+        rows: list[tuple[object, ...]] = []
+        for name, target, state, status in results:
+            if status is None:
+                rows.append((name, target, state, "", "", "", ""))
+                continue
+            details = " ".join(f"{k}={v}" for k, v in sorted(status.details.items()))
+            rows.append((name, target, state, status.synced, status.revision or "", status.node, details))
+        print_table(("SERVICE", "ADDRESS", "HEALTH", "SYNCED", "REVISION", "NODE", "DETAILS"), rows)
+        down = [n for n, _, s, _ in results if s == "unreachable"]
+        if down:
+            print(f"\n{', '.join(down)} unreachable: start the system with `make run`, or pass --<service>-address.")
+    return 0 if all(s == "SERVING" for _, _, s, _ in results) else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="health, revision and sync state of every service")
+    add_address_flags(p)
+    add_output_flag(p)
+    p.set_defaults(func=cmd_status)

@@ -1,0 +1,185 @@
+"""`make run`: NATS, etcd and the four services on the embedded default, plus the dev node.
+
+The watcher reads the manifest folder (``examples/`` by default); the dev node turns the
+Pod objects assigned to it into network namespaces running small servers on their
+container ports. Editing a policy file changes who can reach whom within a moment.
+Ctrl-C stops everything and removes namespaces, links, pinned maps and state, unless
+``--keep-state`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+from services.common.bus import Bus
+from services.common.config import DEFAULT_GRPC_PORTS
+from services.common.log import get_logger, setup_logging
+from services.devstack.node import DevNode
+from services.devstack.processes import Child, StackError, binary, port_free
+
+ROOT = Path(__file__).resolve().parents[2]
+log = get_logger("devstack")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="make run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--manifests", default=str(ROOT / "examples"), help="manifest folder the watcher reads")
+    p.add_argument("--node", default="dev-node", help="name of the dev node")
+    p.add_argument("--run-dir", default=str(ROOT / ".run"), help="logs and data of this run")
+    p.add_argument("--bpffs", default="/sys/fs/bpf/palisade", help="where the datapath pins its maps")
+    p.add_argument("--nats-port", type=int, default=4222)
+    p.add_argument("--etcd-port", type=int, default=2379)
+    p.add_argument("--keep-state", action="store_true", help="keep pinned maps, namespaces and data on exit")
+    p.add_argument("--no-pods", action="store_true", help="do not create the dev node's pods")
+    return p.parse_args(argv)
+
+
+def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    nats_url = f"nats://127.0.0.1:{args.nats_port}"
+    etcd = f"127.0.0.1:{args.etcd_port}"
+    etcd_peer = args.etcd_port + 1
+    common = ["--nats-url", nats_url, "--etcd-endpoints", etcd, "--node-name", args.node, "--log-format", "json"]
+
+    def svc(name: str, *extra: str) -> Child:
+        address = f"127.0.0.1:{DEFAULT_GRPC_PORTS[name]}"
+        cmd = [sys.executable, "-m", f"services.{name}", "--grpc-listen", address, *common, *extra]
+        return Child(name, cmd, logs / f"{name}.log", grpc_address=address)
+
+    return [
+        Child(
+            "nats",
+            [binary("nats-server"), "-a", "127.0.0.1", "-p", str(args.nats_port), "-js", "-sd", str(run_dir / "nats")],
+            logs / "nats.log",
+            tcp_port=args.nats_port,
+        ),
+        Child(
+            "etcd",
+            [
+                binary("etcd"),
+                "--name", "dev",
+                "--data-dir", str(run_dir / "etcd"),
+                "--listen-client-urls", f"http://{etcd}",
+                "--advertise-client-urls", f"http://{etcd}",
+                "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+                "--initial-cluster", f"dev=http://127.0.0.1:{etcd_peer}",
+                "--log-level", "warn",
+            ],
+            logs / "etcd.log",
+            tcp_port=args.etcd_port,
+        ),
+        svc("ipam"),
+        svc("policy"),
+        svc("datapath", "--policy-address", f"127.0.0.1:{DEFAULT_GRPC_PORTS['policy']}",
+            "--ipam-address", f"127.0.0.1:{DEFAULT_GRPC_PORTS['ipam']}",
+            "--state-dir", str(run_dir / "datapath"), "--bpffs", args.bpffs),
+        svc("watcher", "--source", "manifests", "--manifests", args.manifests),
+    ]  # fmt: skip
+
+
+def banner(args: argparse.Namespace, children: list[Child], node: DevNode | None, started: float) -> str:
+    lines = [f"Palisade is running ({time.monotonic() - started:.1f}s to start). Logs: {args.run_dir}/logs", ""]
+    for c in children:
+        where = c.grpc_address or f"127.0.0.1:{c.tcp_port}"
+        lines.append(f"  {c.name:9} {where:18} pid {c.proc.pid if c.proc else '-'}")
+    if node is not None:
+        lines += ["", f"Pods on {args.node}:"]
+        for key, ep in sorted(node.endpoints.items()):
+            lines.append(f"  {key:24} {','.join(ep.ips):16} identity {ep.identity}  endpoint {ep.id}")
+    lines += [
+        "",
+        "Try:",
+        "  .venv/bin/palisade status",
+        "  .venv/bin/palisade endpoint list",
+        f"  .venv/bin/palisade analyze -f {args.manifests} --probe 8080/TCP",
+        "  .venv/bin/palisade policy trace --src shop/frontend --dst shop/backend --port 8080",
+        "  .venv/bin/palisade observe --verdict dropped",
+        f"  edit a policy in {args.manifests}/ and watch the verdicts change",
+        "",
+        "Ctrl-C stops everything and cleans up.",
+    ]
+    return "\n".join(lines)
+
+
+def cleanup_kernel_state(bpffs: str, state_dir: Path) -> None:
+    """Remove what the datapath leaves on purpose (pins, namespaces) once the stack is gone."""
+    from services.datapath.datapath import teardown_all
+
+    teardown_all(bpffs, str(state_dir))
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    run_dir = Path(args.run_dir)
+    if not args.keep_state:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    children = build(args, run_dir)
+    for c in children:
+        port = c.tcp_port or int(c.grpc_address.rpartition(":")[2])
+        if not port_free(port):
+            raise StackError(
+                f"port {port} for {c.name} is in use: is another Palisade (or {c.name}) running? stop it first"
+            )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    node: DevNode | None = None
+    node_task: asyncio.Task[None] | None = None
+    bus: Bus | None = None
+    try:
+        for c in children:
+            print(f"starting {c.name}...", flush=True)
+            c.start(ROOT)
+            await asyncio.to_thread(c.wait_ready, 60.0)
+        if not args.no_pods:
+            bus = await Bus.connect([f"nats://127.0.0.1:{args.nats_port}"], name="palisade-devnode")
+            node = DevNode(bus, f"127.0.0.1:{DEFAULT_GRPC_PORTS['datapath']}", args.node)
+            node_task = asyncio.create_task(node.run(), name="devnode")
+            await asyncio.sleep(2.0)  # let the initial pods come up before the banner
+        print(banner(args, children, node, started), flush=True)
+        await stop.wait()
+        print("\nstopping...", flush=True)
+        return 0
+    finally:
+        if node is not None:
+            await node.shutdown()
+        if node_task is not None:
+            node_task.cancel()
+        if bus is not None:
+            await bus.close()
+        for c in reversed(children):
+            c.stop()
+        if not args.keep_state:
+            await asyncio.to_thread(cleanup_kernel_state, args.bpffs, run_dir / "datapath")
+            shutil.rmtree(run_dir, ignore_errors=True)
+        print("stopped; " + ("state kept in " + str(run_dir) if args.keep_state else "nothing left behind"), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if os.geteuid() != 0:
+        print("make run: needs root: it creates network namespaces and loads BPF programs (try `sudo make run`)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    setup_logging("warning", "text")
+    try:
+        return asyncio.run(main_async(args))
+    except StackError as exc:
+        print(f"make run: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

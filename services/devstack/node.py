@@ -1,0 +1,140 @@
+"""The dev node: its pods are network namespaces made from the Pod objects assigned to it.
+
+It follows pod deltas on the bus (so editing a Pod manifest adds, changes or removes
+a pod within a moment), asks the datapath to create each endpoint, and runs the pod's
+servers on its container ports inside the endpoint's namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import grpc
+
+from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc, k8s_pb2
+from services.common.bus import Bus
+from services.common.log import get_logger
+
+log = get_logger("devnode")
+
+PROTOCOLS = {"TCP": common_pb2.PROTOCOL_TCP, "UDP": common_pb2.PROTOCOL_UDP, "SCTP": common_pb2.PROTOCOL_SCTP}
+
+
+@dataclass(frozen=True)
+class PodSpec:
+    """What the dev node needs of a Pod object."""
+
+    namespace: str
+    name: str
+    ports: tuple[tuple[str, int, str], ...]  # (name, port, protocol)
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def pod_spec(obj: dict[str, object], node: str) -> PodSpec | None:
+    """The pod's spec if it runs on ``node`` (or is unassigned), else None."""
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    assert isinstance(meta, dict) and isinstance(spec, dict)
+    if spec.get("nodeName") not in (None, "", node):
+        return None
+    ports = []
+    for container in spec.get("containers") or []:
+        for p in container.get("ports") or []:
+            ports.append((str(p.get("name", "")), int(p["containerPort"]), str(p.get("protocol", "TCP")).upper()))
+    return PodSpec(str(meta.get("namespace") or "default"), str(meta["name"]), tuple(sorted(ports)))
+
+
+def server_command(netns: str, pod: PodSpec, extra_ports: tuple[tuple[int, str], ...] = ()) -> list[str]:
+    cmd = [sys.executable, "-m", "services.devstack.podserver", "--netns", netns, "--name", pod.key]
+    for _, port, proto in pod.ports:
+        cmd += [f"--{proto.lower()}", str(port)]
+    for port, proto in extra_ports:
+        cmd += [f"--{proto.lower()}", str(port)]
+    return cmd
+
+
+class DevNode:
+    """Keeps the node's endpoints and pod servers in line with the pods on the bus."""
+
+    def __init__(self, bus: Bus, datapath: str, node: str) -> None:
+        self._bus = bus
+        self._datapath = datapath
+        self._node = node
+        self._queue: asyncio.Queue[tuple[str, PodSpec | None]] = asyncio.Queue()
+        self.pods: dict[str, PodSpec] = {}
+        self.endpoints: dict[str, datapath_pb2.Endpoint] = {}
+        self._servers: dict[str, subprocess.Popen[bytes]] = {}
+
+    async def run(self) -> None:
+        async def on_delta(subject: str, delta: k8s_pb2.K8sDelta) -> None:
+            key = f"{delta.namespace}/{delta.name}"
+            if delta.op == k8s_pb2.DELTA_OP_DELETE:
+                await self._queue.put((key, None))
+                return
+            spec = pod_spec(json.loads(delta.object_json), self._node)
+            await self._queue.put((key, spec))
+
+        follower = await self._bus.follow("palisade.k8s.pod.>", k8s_pb2.K8sDelta, on_delta)
+        try:
+            async with grpc.aio.insecure_channel(self._datapath) as channel:
+                stub = datapath_pb2_grpc.DatapathServiceStub(channel)
+                while True:
+                    key, spec = await self._queue.get()
+                    await self._reconcile(stub, key, spec)
+        finally:
+            await follower.stop()
+
+    async def _reconcile(self, stub: datapath_pb2_grpc.DatapathServiceStub, key: str, spec: PodSpec | None) -> None:
+        old = self.pods.get(key)
+        if spec == old:
+            return
+        if old is not None and (spec is None or spec.ports != old.ports):
+            await self._remove(stub, old)
+        if spec is None:
+            return
+        if key in self.endpoints:  # same ports, other labels: ipam moves the identity, nothing to do here
+            self.pods[key] = spec
+            return
+        ports = [
+            datapath_pb2.ContainerPort(name=n, port=p, protocol=PROTOCOLS.get(proto, common_pb2.PROTOCOL_TCP))
+            for n, p, proto in spec.ports
+        ]
+        req = datapath_pb2.CreateEndpointRequest(namespace=spec.namespace, pod=spec.name, ports=ports)
+        try:
+            ep = await stub.CreateEndpoint(req, timeout=60)
+        except grpc.aio.AioRpcError as err:
+            log.error("endpoint not created", pod=key, code=err.code().name, error=err.details())
+            return
+        self.pods[key] = spec
+        self.endpoints[key] = ep
+        self._servers[key] = await asyncio.to_thread(
+            subprocess.Popen, server_command(ep.netns, spec), stdout=subprocess.DEVNULL
+        )
+        log.info("pod started", pod=key, ips=",".join(ep.ips), identity=ep.identity, endpoint=ep.id)
+
+    async def _remove(self, stub: datapath_pb2_grpc.DatapathServiceStub, pod: PodSpec) -> None:
+        server = self._servers.pop(pod.key, None)
+        if server is not None:
+            server.terminate()
+            await asyncio.to_thread(server.wait, 5)
+        ep = self.endpoints.pop(pod.key, None)
+        self.pods.pop(pod.key, None)
+        if ep is not None:
+            try:
+                await stub.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=ep.id), timeout=30)
+            except grpc.aio.AioRpcError as err:
+                log.warning("endpoint not deleted", pod=pod.key, error=err.details())
+        log.info("pod stopped", pod=pod.key)
+
+    async def shutdown(self) -> None:
+        async with grpc.aio.insecure_channel(self._datapath) as channel:
+            stub = datapath_pb2_grpc.DatapathServiceStub(channel)
+            for pod in list(self.pods.values()):
+                await self._remove(stub, pod)

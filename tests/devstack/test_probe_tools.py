@@ -1,0 +1,94 @@
+"""The dev node's pod servers and prober, over a plain veth between two namespaces (no policy)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from tests.harness import ROOT
+
+pytestmark = pytest.mark.root
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True)
+
+
+@pytest.fixture
+def two_pods() -> Iterator[tuple[str, str]]:
+    tag = uuid.uuid4().hex[:6]
+    a, b = f"pa{tag}", f"pb{tag}"
+    sh("ip", "netns", "add", a)
+    sh("ip", "netns", "add", b)
+    try:
+        sh("ip", "link", "add", f"va{tag}", "netns", a, "type", "veth", "peer", "name", f"vb{tag}", "netns", b)
+        for ns, dev, ip, ip6 in (
+            (a, f"va{tag}", "10.99.0.1/24", "fd99::1/64"),
+            (b, f"vb{tag}", "10.99.0.2/24", "fd99::2/64"),
+        ):
+            # No duplicate address detection: the link-local address is usable at once.
+            sh("ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv6.conf.{dev}.accept_dad=0")
+            sh("ip", "-n", ns, "addr", "add", ip, "dev", dev)
+            sh("ip", "-n", ns, "addr", "add", ip6, "dev", dev, "nodad")
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        yield a, b
+    finally:
+        subprocess.run(["ip", "netns", "del", a], capture_output=True)
+        subprocess.run(["ip", "netns", "del", b], capture_output=True)
+
+
+def test_servers_answer_and_prober_tells_open_from_closed(two_pods: tuple[str, str]) -> None:
+    a, b = two_pods
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.devstack.podserver",
+            "--netns",
+            b,
+            "--name",
+            "x/b",
+            "--tcp",
+            "80",
+            "--udp",
+            "53",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        targets = [
+            {"id": "tcp-open", "ip": "10.99.0.2", "port": 80, "protocol": "TCP"},
+            {"id": "tcp-closed", "ip": "10.99.0.2", "port": 81, "protocol": "TCP"},
+            {"id": "udp-open", "ip": "10.99.0.2", "port": 53, "protocol": "UDP"},
+            {"id": "udp-closed", "ip": "10.99.0.2", "port": 54, "protocol": "UDP"},
+            {"id": "tcp6-open", "ip": "fd99::2", "port": 80, "protocol": "TCP"},
+            {"id": "udp6-open", "ip": "fd99::2", "port": 53, "protocol": "UDP"},
+        ]
+        out = subprocess.run(
+            [sys.executable, "-m", "services.devstack.prober", "--netns", a, "--timeout", "3"],
+            cwd=ROOT,
+            input=json.dumps(targets),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert json.loads(out.stdout) == {
+            "tcp-open": True,
+            "tcp-closed": False,
+            "udp-open": True,
+            "udp-closed": False,
+            "tcp6-open": True,
+            "udp6-open": True,
+        }
+    finally:
+        server.terminate()
+        server.wait(5)

@@ -1,0 +1,95 @@
+"""``palisade analyze``: output format and exit code 2 on bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from services.cli import analyze as cli
+
+MODEL = """\
+apiVersion: v1
+kind: Pod
+metadata: {name: a, namespace: x, labels: {app: a}}
+spec: {containers: [{name: c, ports: [{name: http, containerPort: 8080}]}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: b, namespace: x, labels: {app: b}}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: s, namespace: x}
+"""
+POLICY = """\
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: p, namespace: x}
+spec:
+  podSelector: {matchLabels: {app: a}}
+  ingress:
+  - from: [{podSelector: {matchLabels: {app: b}}}]
+    ports: [{port: http}]
+"""
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["analyze", *argv])
+    result: int = args.func(args)
+    return result
+
+
+def test_json_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "model.yaml").write_text(MODEL)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "policy.yml").write_text(POLICY)
+    assert run(["-f", str(tmp_path), "--probe", "8080/TCP", "--probe", "80/tcp", "-o", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {
+        "probes": [
+            {
+                "port": 8080,
+                "protocol": "TCP",
+                "matrix": {"x/a": {"x/a": True, "x/b": True}, "x/b": {"x/a": True, "x/b": True}},
+            },
+            {
+                "port": 80,
+                "protocol": "TCP",
+                "matrix": {"x/a": {"x/a": True, "x/b": True}, "x/b": {"x/a": False, "x/b": True}},
+            },
+        ]
+    }
+    assert "ignored Service" in err
+
+
+@pytest.mark.parametrize(
+    ("content", "probe", "needle"),
+    [
+        ("kind: Pod\nmetadata: {name: [\n", "80/TCP", "invalid YAML"),
+        (POLICY.replace("port: http", "port: 90, endPort: 80"), "80/TCP", "spec.ingress[0].ports[0].endPort"),
+        (MODEL, "80/ICMPX", "--probe"),
+        (MODEL, "0/TCP", "--probe"),
+    ],
+)
+def test_bad_input_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, probe: str, needle: str
+) -> None:
+    f = tmp_path / "in.yaml"
+    f.write_text(content)
+    assert run(["-f", str(f), "--probe", probe, "-o", "json"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    if "--probe" not in needle:
+        assert str(f) in err
+
+
+def test_table_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "m.yaml").write_text(MODEL + "---\n" + POLICY)
+    assert run(["-f", str(tmp_path / "m.yaml"), "--probe", "80/TCP"]) == 0
+    out = capsys.readouterr().out
+    assert "Probe 80/TCP" in out and "x/b" in out
