@@ -63,8 +63,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 @run
 def cmd_get(args: argparse.Namespace) -> int:
+    req = endpoint_request(args.endpoint)
     with channel(args, "datapath") as ch:
-        ep = call("datapath", datapath_pb2_grpc.DatapathServiceStub(ch).GetEndpoint, endpoint_request(args.endpoint))
+        ep = call("datapath", datapath_pb2_grpc.DatapathServiceStub(ch).GetEndpoint, req)
     if args.output == "json":
         print_json(to_dict(ep))
     else:

@@ -120,8 +120,8 @@ def _ref(args: argparse.Namespace) -> common_pb2.ObjectRef:
 
 @run
 def cmd_delete(args: argparse.Namespace) -> int:
+    req = policy_pb2.DeletePolicyRequest(ref=_ref(args), source=SOURCES[args.source])
     with channel(args, "policy") as ch:
-        req = policy_pb2.DeletePolicyRequest(ref=_ref(args), source=SOURCES[args.source])
         resp = call("policy", policy_pb2_grpc.PolicyServiceStub(ch).DeletePolicy, req)
     if args.output == "json":
         print_json(to_dict(resp))

@@ -1,0 +1,222 @@
+"""`palisade connectivity probe`: the analyze matrix, measured with real packets.
+
+Creates the pods of the given manifests as network namespaces on the local dev node
+(through the datapath, with the addresses `palisade analyze` gives them), imports the
+policies through the policy service, waits until their revision is realized, probes
+every pod pair on each port/protocol, prints the matrix, and cleans up. Policies that
+are already in the running system apply as well; run it on a stack without other
+policies to compare it with `palisade analyze` on the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import grpc
+import yaml
+
+from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc, policy_pb2, policy_pb2_grpc
+from services.cli.analyze import load_documents
+from services.cli.client import CLIError, add_address_flags, call, channel, print_json, progress, run
+from services.common.labels import pod_identity_labels
+from services.policy.analyze import AnalyzeError, Document, Probe, build_model
+from services.policy.parse import POLICY_KINDS
+
+PROTOCOLS = {"TCP": common_pb2.PROTOCOL_TCP, "UDP": common_pb2.PROTOCOL_UDP, "SCTP": common_pb2.PROTOCOL_SCTP}
+
+
+def _pods(docs: list[Document]) -> tuple[list[Document], dict[str, Any]]:
+    namespaces = {str(d.body["metadata"]["name"]): d.body for d in docs if d.body.get("kind") == "Namespace"}
+    return [d for d in docs if d.body.get("kind") == "Pod"], namespaces
+
+
+def _ports(body: Mapping[str, Any], probes: list[Probe]) -> list[datapath_pb2.ContainerPort]:
+    out = []
+    for c in (body.get("spec") or {}).get("containers") or []:
+        for p in c.get("ports") or []:
+            proto = PROTOCOLS.get(str(p.get("protocol") or "TCP").upper(), common_pb2.PROTOCOL_TCP)
+            out.append(
+                datapath_pb2.ContainerPort(name=str(p.get("name") or ""), port=int(p["containerPort"]), protocol=proto)
+            )
+    return out
+
+
+@contextmanager
+def _servers(endpoints: dict[str, datapath_pb2.Endpoint], probes: list[Probe]) -> Iterator[None]:
+    """A server on every probed port in every pod, so a failed probe means policy, not a closed port."""
+    procs = []
+    try:
+        for key, ep in endpoints.items():
+            cmd = [sys.executable, "-m", "services.devstack.podserver", "--netns", ep.netns, "--name", key]
+            for pr in probes:
+                cmd += [f"--{pr.protocol.name.lower()}", str(pr.port)]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+        for proc in procs:
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() != "ready":
+                raise CLIError("a pod server did not start; see the messages above")
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(5)
+
+
+def _probe_all(
+    endpoints: dict[str, datapath_pb2.Endpoint], probes: list[Probe], timeout: float
+) -> list[dict[str, dict[str, bool]]]:
+    keys = sorted(endpoints)
+    results: dict[tuple[int, str, str], bool] = {}
+    procs = []
+    for src in keys:
+        targets = []
+        for i, pr in enumerate(probes):
+            for dst in keys:
+                if dst == src:
+                    continue  # a pod reaching itself never leaves its namespace: always allowed
+                ip = endpoints[dst].ips[0]
+                targets.append({"id": f"{i}|{dst}", "ip": ip, "port": pr.port, "protocol": pr.protocol.name})
+        cmd = [
+            sys.executable,
+            "-m",
+            "services.devstack.prober",
+            "--netns",
+            endpoints[src].netns,
+            "--timeout",
+            str(timeout),
+        ]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(targets))
+        proc.stdin.close()
+        procs.append((src, proc))
+    for src, proc in procs:
+        assert proc.stdout is not None and proc.stderr is not None
+        out, err = proc.stdout.read(), proc.stderr.read()
+        if proc.wait() != 0:
+            raise CLIError(f"probing from {src} failed: {err.strip()}")
+        for ident, ok in json.loads(out).items():
+            i, dst = ident.split("|", 1)
+            results[(int(i), src, dst)] = bool(ok)
+    return [{s: {d: True if s == d else results[(i, s, d)] for d in keys} for s in keys} for i in range(len(probes))]
+
+
+@run
+def cmd_probe(args: argparse.Namespace) -> int:
+    try:
+        probes = [Probe.parse(p) for p in args.probes]
+        docs = load_documents(args.paths)
+        model = build_model(docs)
+    except AnalyzeError as err:
+        raise CLIError(str(err), 2) from None
+    pods, namespaces = _pods(docs)
+    policy_docs = [d.body for d in docs if d.body.get("kind") in POLICY_KINDS]
+    endpoints: dict[str, datapath_pb2.Endpoint] = {}
+    imported: list[common_pb2.ObjectRef] = []
+    started = time.monotonic()
+    with ExitStack() as stack:
+        dp_ch = stack.enter_context(channel(args, "datapath"))
+        pol_ch = stack.enter_context(channel(args, "policy"))
+        datapath = datapath_pb2_grpc.DatapathServiceStub(dp_ch)
+        policy = policy_pb2_grpc.PolicyServiceStub(pol_ch)
+        try:
+            with progress(f"creating {len(pods)} pods"):
+                for doc in pods:
+                    body = doc.body
+                    ns = str(body["metadata"].get("namespace") or "default")
+                    key = f"{ns}/{body['metadata']['name']}"
+                    labels = [
+                        common_pb2.Label(source=lb.source, key=lb.key, value=lb.value)
+                        for lb in pod_identity_labels(body, namespaces.get(ns))
+                    ]
+                    req = datapath_pb2.CreateEndpointRequest(
+                        namespace=ns,
+                        pod=str(body["metadata"]["name"]),
+                        labels=labels,
+                        ports=_ports(body, probes),
+                        ips=[str(ip) for ip in model.pods[key].ips],
+                    )
+                    endpoints[key] = call("datapath", datapath.CreateEndpoint, req, timeout=60)
+            revision = 0
+            if policy_docs:
+                req_import = policy_pb2.ImportPoliciesRequest(
+                    documents=yaml.safe_dump_all(policy_docs), origin="connectivity probe"
+                )
+                resp = call("policy", policy.ImportPolicies, req_import)
+                imported = [s.ref for s in resp.policies if s.state != policy_pb2.POLICY_STATE_REJECTED]
+                rejected = [s for s in resp.policies if s.state == policy_pb2.POLICY_STATE_REJECTED]
+                if rejected:
+                    raise CLIError("; ".join(s.error for s in rejected), 2)
+                revision = resp.revision
+            if revision:
+                with progress(f"waiting for revision {revision} to be enforced"):
+                    wait = call(
+                        "policy",
+                        policy.WaitForRevision,
+                        policy_pb2.WaitForRevisionRequest(revision=revision, timeout_seconds=args.wait_timeout),
+                        timeout=args.wait_timeout + 10,
+                    )
+                if not wait.realized:
+                    behind = ", ".join(f"{e.node}/{e.pod or e.endpoint_id}" for e in wait.behind[:5])
+                    raise CLIError(f"revision {revision} not realized after {args.wait_timeout:g}s; behind: {behind}")
+            with _servers(endpoints, probes), progress("probing every pod pair"):
+                matrices = _probe_all(endpoints, probes, args.timeout)
+        finally:
+            for ref in imported:
+                try:
+                    policy.DeletePolicy(
+                        policy_pb2.DeletePolicyRequest(ref=ref, source=policy_pb2.POLICY_SOURCE_API), timeout=30
+                    )
+                except grpc.RpcError as err:
+                    print(f"warning: policy {ref.name} not deleted: {err.details()}", file=sys.stderr)
+            for key, ep in endpoints.items():
+                try:
+                    datapath.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=ep.id), timeout=30)
+                except grpc.RpcError as err:
+                    print(f"warning: pod {key} not deleted: {err.details()}", file=sys.stderr)
+    payload = {
+        "probes": [
+            {"port": pr.port, "protocol": pr.protocol.name, "matrix": m} for pr, m in zip(probes, matrices, strict=True)
+        ]
+    }
+    if args.output == "json":
+        print_json(payload)
+    else:
+        for entry in payload["probes"]:
+            matrix = entry["matrix"]
+            assert isinstance(matrix, dict)
+            print(f"Probe {entry['port']}/{entry['protocol']} (row = source, column = destination)")
+            keys = list(matrix)
+            width = max([len(k) for k in keys] + [4])
+            print(" " * width + " | " + " ".join(k.ljust(width) for k in keys))
+            for s in keys:
+                print(s.ljust(width) + " | " + " ".join(("yes" if matrix[s][d] else "-").ljust(width) for d in keys))
+            print()
+        print(f"{len(endpoints)} pods, {len(probes)} probes, {time.monotonic() - started:.1f}s")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("connectivity", help="measure connectivity with real packets")
+    csub = p.add_subparsers(dest="connectivity_command", metavar="COMMAND", required=True)
+    probe = csub.add_parser(
+        "probe",
+        help="create the manifests' pods on the dev node, enforce their policies, probe every pair",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    probe.add_argument("-f", "--filename", dest="paths", action="append", required=True, metavar="PATH")
+    probe.add_argument("--probe", dest="probes", action="append", required=True, metavar="PORT/PROTO")
+    probe.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    probe.add_argument("--timeout", type=float, default=2.0, help="seconds before a probe counts as denied")
+    probe.add_argument("--wait-timeout", type=float, default=60.0, help="seconds to wait for enforcement")
+    add_address_flags(probe, "datapath", "policy")
+    probe.set_defaults(func=cmd_probe)

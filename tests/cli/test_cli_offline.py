@@ -1,0 +1,106 @@
+"""The CLI without a running system: help everywhere, clear errors naming addresses and fields."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from services.cli.main import build_parser
+from tests.harness import ROOT, free_port
+
+COMMANDS = [
+    ["status"],
+    ["policy", "import"],
+    ["policy", "delete"],
+    ["policy", "get"],
+    ["policy", "wait"],
+    ["policy", "trace"],
+    ["identity", "list"],
+    ["identity", "get"],
+    ["endpoint", "list"],
+    ["endpoint", "get"],
+    ["bpf", "policy", "get"],
+    ["observe"],
+    ["analyze"],
+    ["connectivity", "probe"],
+]
+
+
+def palisade(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_command_has_help(command: list[str]) -> None:
+    parser = build_parser()
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args([*command, "--help"])
+    assert exc.value.code == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "service"),
+    [
+        (["policy", "get", "--policy-address", "{addr}"], "policy"),
+        (["identity", "list", "--ipam-address", "{addr}"], "ipam"),
+        (["endpoint", "list", "--datapath-address", "{addr}"], "datapath"),
+        (["bpf", "policy", "get", "1", "--datapath-address", "{addr}"], "datapath"),
+    ],
+)
+def test_unreachable_service_names_address_and_how_to_start(args: list[str], service: str) -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    result = palisade(*[a.format(addr=addr) for a in args])
+    assert result.returncode == 1
+    assert addr in result.stderr
+    assert "make run" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_status_reports_each_unreachable_service_and_fails() -> None:
+    ports = {name: free_port() for name in ("watcher", "policy", "ipam", "datapath")}
+    args = ["status", "-o", "json"]
+    for name, port in ports.items():
+        args += [f"--{name}-address", f"127.0.0.1:{port}"]
+    result = palisade(*args)
+    assert result.returncode == 1
+    import json
+
+    services = {s["service"]: s for s in json.loads(result.stdout)["services"]}
+    assert set(services) == set(ports)
+    assert all(s["health"] == "unreachable" for s in services.values())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["endpoint", "get", "not-an-endpoint", "--datapath-address"], "NAMESPACE/POD"),
+        (["bpf", "policy", "get", "x/", "--datapath-address"], "NAMESPACE/POD"),
+        (["policy", "trace", "--src", "x", "--dst", "y/b", "--policy-address"], "NAMESPACE/NAME"),
+        (["policy", "delete", "widget", "p", "--policy-address"], "unknown policy kind"),
+        (
+            ["policy", "trace", "--src", "x/a", "--dst", "y/b", "--protocol", "gre", "--policy-address"],
+            "unknown protocol",
+        ),
+    ],
+)
+def test_bad_arguments_exit_2_before_connecting(args: list[str], message: str) -> None:
+    result = palisade(*args, f"127.0.0.1:{free_port()}")
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+
+
+def test_connectivity_probe_bad_input_names_file(tmp_path: object) -> None:
+    from pathlib import Path
+
+    bad = Path(str(tmp_path)) / "bad.yaml"
+    bad.write_text(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: x}\n"
+        "spec:\n  podSelector: {}\n  ingress:\n  - from:\n    - ipBlock: {cidr: 10.0.0.0/8, except: [192.168.0.0/16]}\n"
+    )
+    result = palisade("connectivity", "probe", "-f", str(bad), "--probe", "80/TCP")
+    assert result.returncode == 2
+    assert str(bad) in result.stderr and "except" in result.stderr
