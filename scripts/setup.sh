@@ -56,8 +56,13 @@ fi
 stamp="$VENV/.installed-$(cat pyproject.toml | sha1sum | cut -c1-12)"
 if [ ! -e "$stamp" ]; then
     say "installing Palisade and its dependencies into $VENV"
-    "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -e '.[test,dev,bench]'
+    log="$VENV/pip-install.log"
+    if ! { "$VENV/bin/python" -m pip install --upgrade pip &&
+           "$VENV/bin/python" -m pip install -e '.[test,dev,bench]'; } >"$log" 2>&1; then
+        tail -n 30 "$log" >&2
+        say "pip install failed; the full log is $log"
+        exit 1
+    fi
     rm -f "$VENV"/.installed-* && touch "$stamp"
 fi
 
