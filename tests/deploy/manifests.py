@@ -1,0 +1,148 @@
+"""Loading the deploy/ files, and the checks that tie them to the code.
+
+A deployment is consistent with the code when every Palisade container runs
+``python -m services.<name>`` for a real service and sets only ``PALISADE_*``
+variables that the service's config dataclass declares, with values it accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.common.config import DEFAULT_GRPC_PORTS, ENV_PREFIX, CommonConfig, ConfigError, load_config
+from tests.harness import ROOT
+
+DEPLOY = ROOT / "deploy"
+COMPOSE_FILE = DEPLOY / "compose" / "docker-compose.yml"
+KUBERNETES_DIR = DEPLOY / "kubernetes"
+DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
+HEALTHCHECK = DEPLOY / "docker" / "healthcheck.py"
+
+# The four services; each has a gRPC port of its own.
+SERVICES = frozenset(DEFAULT_GRPC_PORTS)
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def load_documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def config_class(service: str) -> type[CommonConfig]:
+    """The one CommonConfig subclass that ``services.<service>.config`` declares."""
+    module = importlib.import_module(f"services.{service}.config")
+    found = [
+        obj
+        for obj in vars(module).values()
+        if isinstance(obj, type)
+        and issubclass(obj, CommonConfig)
+        and obj is not CommonConfig
+        and obj.__module__ == module.__name__
+    ]
+    assert len(found) == 1, f"services.{service}.config should declare one config dataclass, found {found}"
+    return found[0]
+
+
+def env_names(config: type[CommonConfig]) -> set[str]:
+    return {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(config)}
+
+
+def service_of_command(command: Sequence[str]) -> str:
+    """The service a container runs; fails unless the command is ``python -m services.<name>``."""
+    assert len(command) == 3 and command[:2] == ["python", "-m"], (
+        f"command {command!r} is not `python -m services.<name>`"
+    )
+    package, _, name = command[2].partition(".")
+    assert package == "services" and name in SERVICES, f"{command[2]!r} is not one of services.{sorted(SERVICES)}"
+    assert importlib.util.find_spec(f"services.{name}.__main__") is not None, f"services.{name} has no __main__"
+    return name
+
+
+def check_container_config(where: str, command: Sequence[str], env: Mapping[str, str]) -> tuple[str, CommonConfig]:
+    """Check one Palisade container; return its service and the config it would run with.
+
+    The values must convert to the fields' types and pass the config's own validation,
+    except for checks of paths that exist only inside the container.
+    """
+    name = service_of_command(command)
+    config = config_class(name)
+    palisade_env = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
+    unknown = set(palisade_env) - env_names(config)
+    assert not unknown, f"{where}: {sorted(unknown)} match no field of {config.__name__}: {sorted(env_names(config))}"
+    etcd_set = "PALISADE_ETCD_ENDPOINTS" in palisade_env
+    assert etcd_set == uses_etcd(name), (
+        f"{where}: services.{name} {'uses' if uses_etcd(name) else 'does not use'} etcd; "
+        f"PALISADE_ETCD_ENDPOINTS is {'set' if etcd_set else 'not set'}"
+    )
+    # Convert without the config's validate() first: some checks look at paths that
+    # exist only inside the container.
+    unvalidated: type[CommonConfig] = type(config.__name__, (config,), {"validate": lambda self: None})
+    try:
+        loaded = load_config(unvalidated, argv=[], env=palisade_env)
+    except ConfigError as exc:
+        raise AssertionError(f"{where}: services.{name} rejects its environment: {exc}") from None
+    validate = getattr(config, "validate", None)
+    try:
+        if callable(validate):
+            validate(loaded)
+    except ConfigError as exc:
+        container_paths = [v for v in palisade_env.values() if v.startswith("/") and v in str(exc)]
+        if not container_paths or any(Path(p).exists() for p in container_paths):
+            raise AssertionError(f"{where}: services.{name} rejects its environment: {exc}") from None
+    return name, loaded
+
+
+def disagreements(configs: Mapping[str, CommonConfig]) -> list[str]:
+    """Settings that several services declare (beyond the common ones) but set differently."""
+    common = {f.name for f in dataclasses.fields(CommonConfig)}
+    values: dict[str, dict[str, Any]] = {}
+    for name, config in configs.items():
+        for f in dataclasses.fields(config):
+            if f.name not in common:
+                values.setdefault(f.name, {})[name] = getattr(config, f.name)
+    return [f"{field}: {by}" for field, by in values.items() if len(by) > 1 and len(set(by.values())) > 1]
+
+
+def port_of(address: str) -> int:
+    """The port of ``host:port`` (or a URL ending in it)."""
+    return int(address.rpartition(":")[2])
+
+
+def host_of(address: str) -> str:
+    return address.split("://")[-1].rpartition(":")[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Upstream:
+    """An address a service is configured to reach: which setting, host and port."""
+
+    setting: str
+    host: str
+    port: int
+
+
+def uses_etcd(service: str) -> bool:
+    """Whether the service connects to etcd (through its ServiceContext, the one way to)."""
+    return any("ctx.etcd()" in p.read_text() for p in (ROOT / "services" / service).rglob("*.py"))
+
+
+def upstreams(name: str, config: CommonConfig) -> Iterator[Upstream]:
+    """The addresses ``name`` connects to with ``config``: NATS, etcd where used, and gRPC peers."""
+    for url in config.nats_servers():
+        yield Upstream("nats_url", host_of(url), port_of(url))
+    if uses_etcd(name):
+        for host, port in config.etcd_endpoint_list():
+            yield Upstream("etcd_endpoints", host, port)
+    for setting in ("policy_address", "ipam_address"):
+        address = getattr(config, setting, None)
+        if address is not None:
+            yield Upstream(setting, host_of(address), port_of(address))

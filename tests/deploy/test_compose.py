@@ -1,0 +1,231 @@
+"""deploy/compose: valid against the Compose specification, and consistent with the code.
+
+The PyPI ``docker-compose`` (v1) cannot be installed next to PyYAML 6, so the file is
+validated against the Compose specification's JSON schema as vendored by
+``check-jsonschema``; a Compose v2 CLI on PATH, when there is one, also renders it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.common.config import DEFAULT_GRPC_PORTS
+from services.datapath.config import DatapathConfig
+from services.datapath.netns import NETNS_DIR
+from tests.deploy.manifests import (
+    COMPOSE_FILE,
+    SERVICES,
+    Upstream,
+    check_container_config,
+    disagreements,
+    load_yaml,
+    port_of,
+    upstreams,
+)
+from tests.harness import ROOT
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    doc = load_yaml(COMPOSE_FILE)
+    assert isinstance(doc, dict)
+    return doc
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return dict(compose["services"])
+
+
+def _palisade(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The Palisade services, by service name (the compose service names are the same)."""
+    return {name: svc for name, svc in services.items() if str(svc.get("image", "")).startswith("palisade:")}
+
+
+def _env(svc: dict[str, Any]) -> dict[str, str]:
+    return {str(k): str(v) for k, v in (svc.get("environment") or {}).items()}
+
+
+def _check_schema(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_compose_file_matches_the_compose_specification() -> None:
+    result = _check_schema(COMPOSE_FILE)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_schema_check_rejects_a_broken_file(tmp_path: Path) -> None:
+    """The validator really validates: an unknown condition is an error."""
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(COMPOSE_FILE.read_text().replace("service_healthy", "service_happy", 1))
+    result = _check_schema(broken)
+    assert result.returncode != 0
+    assert "service_happy" in result.stdout
+
+
+def _compose_cli() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        cli = ["docker-compose"]
+    elif shutil.which("docker"):
+        cli = ["docker", "compose"]
+    else:
+        return None
+    probe = subprocess.run([*cli, "version"], capture_output=True, text=True, timeout=60)
+    return cli if probe.returncode == 0 and "v2" in probe.stdout + probe.stderr else None
+
+
+def test_compose_cli_renders_the_file_when_available() -> None:
+    cli = _compose_cli()
+    if cli is None:
+        pytest.skip("no Compose v2 CLI on PATH (docker compose / docker-compose); the schema check still ran")
+    result = subprocess.run(
+        [*cli, "-f", str(COMPOSE_FILE), "config", "--quiet"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_runs_nats_with_jetstream_etcd_3_5_and_the_four_services(services: dict[str, dict[str, Any]]) -> None:
+    assert set(_palisade(services)) == SERVICES
+    nats = services["nats"]
+    assert str(nats["image"]).startswith("nats:")
+    assert "-js" in nats["command"] or "--jetstream" in nats["command"]
+    assert str(services["etcd"]["image"]).startswith(
+        ("quay.io/coreos/etcd:v3.5.", "gcr.io/etcd-development/etcd:v3.5.")
+    )
+
+
+def test_every_palisade_container_runs_its_service_with_known_settings(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in _palisade(services).items():
+        service, config = check_container_config(f"compose service {name}", svc["command"], _env(svc))
+        assert service == name
+        assert port_of(config.grpc_listen) == DEFAULT_GRPC_PORTS[name]
+
+
+def _published(services: dict[str, dict[str, Any]]) -> dict[int, tuple[str, int]]:
+    """Host port -> (service, container port) for ports published on the host's loopback."""
+    out: dict[int, tuple[str, int]] = {}
+    for name, svc in services.items():
+        for mapping in svc.get("ports", []):
+            host_ip, host_port, container_port = str(mapping).split(":")
+            assert host_ip == "127.0.0.1", f"{name} publishes {mapping} beyond the host's loopback"
+            out[int(host_port)] = (name, int(container_port))
+    return out
+
+
+def _listens(svc: dict[str, Any]) -> set[int]:
+    ports = {int(str(m).split(":")[-1]) for m in svc.get("ports", [])}
+    listen = (svc.get("environment") or {}).get("PALISADE_GRPC_LISTEN")
+    if listen:
+        ports.add(port_of(listen))
+    return ports
+
+
+EXPECTED_TARGET = {"nats_url": "nats", "etcd_endpoints": "etcd", "policy_address": "policy", "ipam_address": "ipam"}
+
+
+def _reaches(services: dict[str, dict[str, Any]], client: str, up: Upstream) -> None:
+    target = EXPECTED_TARGET[up.setting]
+    where = f"{client}'s {up.setting} {up.host}:{up.port}"
+    if services[client].get("network_mode") == "host":
+        assert up.host in ("127.0.0.1", "localhost"), f"{where}: on the host network, use the loopback"
+        assert _published(services).get(up.port) == (target, up.port), f"{where}: {target} does not publish it"
+    else:
+        assert up.host == target, f"{where} should name the compose service {target}"
+        assert up.port in _listens(services[target]), f"{where}: {target} listens on {_listens(services[target])}"
+
+
+def test_every_address_reaches_the_right_service(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in _palisade(services).items():
+        _, config = check_container_config(name, svc["command"], _env(svc))
+        for up in upstreams(name, config):
+            _reaches(services, name, up)
+
+
+def test_services_wait_for_the_health_of_what_they_connect_to(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in _palisade(services).items():
+        _, config = check_container_config(name, svc["command"], _env(svc))
+        wanted = {EXPECTED_TARGET[up.setting] for up in upstreams(name, config)}
+        depends = svc["depends_on"]
+        assert set(depends) == wanted, name
+        for dep, cond in depends.items():
+            assert cond == {"condition": "service_healthy"}, f"{name} -> {dep}"
+            assert "healthcheck" in services[dep], f"{name} waits for {dep}, which has no healthcheck"
+
+
+def test_settings_shared_by_services_agree(services: dict[str, dict[str, Any]]) -> None:
+    configs = {
+        name: check_container_config(name, svc["command"], _env(svc))[1] for name, svc in _palisade(services).items()
+    }
+    assert disagreements(configs) == []
+
+
+def test_palisade_healthchecks_ask_grpc_health_on_the_service_port(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in _palisade(services).items():
+        test = svc["healthcheck"]["test"]
+        assert test[:2] == ["CMD", "palisade-healthcheck"], name
+        assert port_of(test[2]) == DEFAULT_GRPC_PORTS[name], name
+
+
+def _mounts(svc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Bind mounts by target, in long syntax."""
+    out = {}
+    for vol in svc.get("volumes", []):
+        if isinstance(vol, dict) and vol.get("type") == "bind":
+            out[vol["target"]] = vol
+    return out
+
+
+def test_datapath_is_privileged_on_the_host_network_with_bpffs_and_kernel_headers(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    dp = services["datapath"]
+    assert dp["privileged"] is True
+    assert dp["network_mode"] == "host"
+    assert str(dp["user"]).split(":")[0] == "0"
+    mounts = _mounts(dp)
+    # Pinned maps and the pods' namespaces are the host's: shared both ways.
+    for path in ("/sys/fs/bpf", NETNS_DIR):
+        assert mounts[path]["source"] == path
+        assert not mounts[path].get("read_only", False), path
+        assert mounts[path]["bind"]["propagation"] == "rshared", path
+    for path in ("/lib/modules", "/usr/src"):
+        assert mounts[path]["source"] == path
+        assert mounts[path]["read_only"] is True, f"{path} should be read-only"
+    _, config = check_container_config("datapath", dp["command"], _env(dp))
+    assert isinstance(config, DatapathConfig)
+    assert Path(config.bpffs).is_relative_to("/sys/fs/bpf")
+    volumes = [str(v).split(":")[1] for v in dp["volumes"] if isinstance(v, str) and not v.startswith("/")]
+    assert any(Path(config.state_dir).is_relative_to(v) for v in volumes), "endpoint state must be on a volume"
+
+
+def test_other_palisade_services_are_unprivileged(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in _palisade(services).items():
+        if name == "datapath":
+            continue
+        assert not svc.get("privileged", False), name
+        assert "user" not in svc, f"{name} should keep the image's unprivileged user"
+        assert svc["read_only"] is True, name
+        assert svc["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in svc["security_opt"], name
+        assert "network_mode" not in svc and "pid" not in svc, name
+
+
+def test_watcher_reads_the_repository_examples_read_only(services: dict[str, dict[str, Any]]) -> None:
+    watcher = services["watcher"]
+    env = watcher["environment"]
+    assert env["PALISADE_SOURCE"] == "manifests"
+    mount = _mounts(watcher)[env["PALISADE_MANIFESTS"]]
+    assert (COMPOSE_FILE.parent / mount["source"]).resolve() == ROOT / "examples"
+    assert mount["read_only"] is True

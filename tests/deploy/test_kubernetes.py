@@ -1,0 +1,528 @@
+"""deploy/kubernetes: valid objects, least privilege, and consistency with the code."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from services.common.config import DEFAULT_GRPC_PORTS
+from services.datapath.netns import NETNS_DIR
+from tests.deploy.manifests import (
+    KUBERNETES_DIR,
+    SERVICES,
+    Upstream,
+    check_container_config,
+    disagreements,
+    load_documents,
+    load_yaml,
+    port_of,
+    upstreams,
+)
+from tests.harness import ROOT
+
+# Schemas shipped by kubernetes-validate (offline): the oldest version the README
+# promises, and a current one.
+KUBERNETES_VERSIONS = ("1.29.0", "1.35.0")
+NAMESPACE = "palisade-system"
+WATCHER_SA = "palisade-watcher"
+READ_VERBS = {"get", "list", "watch"}
+WATCHED = {
+    ("", "namespaces"),
+    ("", "pods"),
+    ("", "nodes"),
+    ("networking.k8s.io", "networkpolicies"),
+    ("cilium.io", "ciliumnetworkpolicies"),
+    ("cilium.io", "ciliumclusterwidenetworkpolicies"),
+}
+WORKLOAD_KINDS = ("Deployment", "DaemonSet", "StatefulSet")
+CILIUM_EXAMPLES = ROOT.parent / "shared" / "testdata" / "cilium-examples"
+
+Obj = dict[str, Any]
+
+
+# ---------------------------------------------------------------------------
+# loading
+
+
+def _manifest_files() -> list[Path]:
+    return sorted(p for p in KUBERNETES_DIR.rglob("*.yaml") if p.name != "kustomization.yaml")
+
+
+@functools.cache
+def _objects() -> tuple[Obj, ...]:
+    return tuple(doc for path in _manifest_files() for doc in load_documents(path))
+
+
+def _of_kind(*kinds: str) -> list[Obj]:
+    return [o for o in _objects() if o["kind"] in kinds]
+
+
+def _named(kind: str, name: str) -> Obj:
+    found = [o for o in _of_kind(kind) if o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def _pod_spec(workload: Obj) -> Obj:
+    spec: Obj = workload["spec"]["template"]["spec"]
+    return spec
+
+
+def _palisade_containers() -> dict[str, tuple[Obj, Obj]]:
+    """Service name -> (workload, container) for every container of the Palisade image."""
+    out: dict[str, tuple[Obj, Obj]] = {}
+    for workload in _of_kind(*WORKLOAD_KINDS):
+        pod = _pod_spec(workload)
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            if container["image"].partition(":")[0] != "palisade":
+                continue
+            name, _ = _check(workload, container)
+            assert name not in out, f"services.{name} runs in two containers"
+            out[name] = (workload, container)
+    return out
+
+
+def _env(container: Obj) -> dict[str, str]:
+    """The container's environment; values from the downward API become a stand-in."""
+    return {e["name"]: e.get("value", "from-downward-api") for e in container.get("env", [])}
+
+
+def _check(workload: Obj, container: Obj) -> tuple[str, Any]:
+    where = f"{workload['kind']} {workload['metadata']['name']} container {container['name']}"
+    assert "args" not in container, f"{where}: configure with PALISADE_* variables, not args"
+    return check_container_config(where, container["command"], _env(container))
+
+
+# ---------------------------------------------------------------------------
+# schemas
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    kustomization = load_yaml(KUBERNETES_DIR / "kustomization.yaml")
+    listed = [KUBERNETES_DIR / r for r in kustomization["resources"]]
+    assert sorted(listed) == _manifest_files()
+    assert len(set(listed)) == len(listed)
+    assert kustomization["namespace"] == NAMESPACE
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_objects_match_the_kubernetes_schemas_strictly(version: str) -> None:
+    supported = {v.rpartition(".")[0] for v in kubernetes_validate.utils.all_versions()}
+    assert version.rpartition(".")[0] in supported, f"kubernetes-validate ships no schemas for {version}"
+    problems = []
+    for obj in _objects():
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            problems.append(f"{obj['kind']}/{obj['metadata']['name']}: {path}: {exc.message}")
+        except kubernetes_validate.SchemaNotFoundError as exc:
+            problems.append(exc.message)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_schema_check_rejects_unknown_fields() -> None:
+    """The validator really validates: a misspelt securityContext field is an error."""
+    workload = copy.deepcopy(_named("Deployment", "palisade-policy"))
+    _pod_spec(workload)["containers"][0]["securityContext"]["readOnlyRootFileSystem"] = True
+    with pytest.raises(kubernetes_validate.ValidationError, match="readOnlyRootFileSystem"):
+        kubernetes_validate.validate(workload, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+def test_kustomize_renders_the_same_objects() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed; the files were still validated one by one")
+    result = subprocess.run([kubectl, "kustomize", str(KUBERNETES_DIR)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+    def key(o: Obj) -> tuple[str, str, str]:
+        return (o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"])
+
+    assert sorted(map(key, rendered)) == sorted(map(key, _objects()))
+    images = {c["image"] for o in rendered if o["kind"] in WORKLOAD_KINDS for c in _pod_spec(o)["containers"]}
+    assert "palisade:0.1.0" in images
+
+
+def test_namespaced_objects_live_in_palisade_system() -> None:
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+    for obj in _objects():
+        if obj["kind"] not in cluster_scoped:
+            assert obj["metadata"].get("namespace") == NAMESPACE, f"{obj['kind']} {obj['metadata']['name']}"
+    assert _named("Namespace", NAMESPACE)["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == ("privileged")
+
+
+# ---------------------------------------------------------------------------
+# least privilege
+
+
+def test_watcher_may_only_read_what_it_watches() -> None:
+    grants = set()
+    for role in _of_kind("ClusterRole", "Role"):
+        for rule in role.get("rules", []):
+            assert "resourceNames" not in rule and "nonResourceURLs" not in rule, role["metadata"]["name"]
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        grants.add((group, resource, verb))
+    assert grants == {(g, r, v) for g, r in WATCHED for v in READ_VERBS}
+
+
+def test_only_the_watcher_service_account_is_bound_to_a_role() -> None:
+    bindings = _of_kind("ClusterRoleBinding", "RoleBinding")
+    assert bindings
+    roles = {r["metadata"]["name"] for r in _of_kind("ClusterRole")}
+    for binding in bindings:
+        assert binding["roleRef"]["name"] in roles, "bound to a role these manifests do not define"
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": WATCHER_SA, "namespace": NAMESPACE}]
+
+
+def test_only_the_watcher_gets_a_kubernetes_api_token() -> None:
+    accounts = {sa["metadata"]["name"]: sa for sa in _of_kind("ServiceAccount")}
+    for workload in _of_kind(*WORKLOAD_KINDS):
+        pod = _pod_spec(workload)
+        name = workload["metadata"]["name"]
+        account = pod.get("serviceAccountName")
+        assert account in accounts, f"{name} must use a ServiceAccount of its own, not {account!r}"
+        if name == "palisade-watcher":
+            assert account == WATCHER_SA
+            assert pod.get("automountServiceAccountToken", True) is True
+        else:
+            assert account != WATCHER_SA, f"{name} must not share the watcher's ServiceAccount"
+            assert pod["automountServiceAccountToken"] is False, name
+            assert accounts[account]["automountServiceAccountToken"] is False, account
+
+
+# ---------------------------------------------------------------------------
+# workloads
+
+
+def test_the_four_services_run_as_deployments_and_a_daemonset() -> None:
+    containers = _palisade_containers()
+    assert set(containers) == SERVICES
+    for name, (workload, _) in containers.items():
+        assert workload["kind"] == ("DaemonSet" if name == "datapath" else "Deployment"), name
+        assert workload["metadata"]["name"] == f"palisade-{name}"
+
+
+def test_every_palisade_container_runs_its_service_with_known_settings() -> None:
+    for name, (workload, container) in _palisade_containers().items():
+        service, config = _check(workload, container)
+        assert service == name
+        assert port_of(config.grpc_listen) == DEFAULT_GRPC_PORTS[name]
+        names = [e["name"] for e in container["env"]]
+        assert len(names) == len(set(names)), f"{name} sets a variable twice"
+
+
+def test_settings_shared_by_services_agree() -> None:
+    configs = {name: _check(w, c)[1] for name, (w, c) in _palisade_containers().items()}
+    assert disagreements(configs) == []
+
+
+def test_probes_ask_grpc_health_on_the_service_port() -> None:
+    for name, (_, container) in _palisade_containers().items():
+        port = DEFAULT_GRPC_PORTS[name]
+        assert {"containerPort": port, "name": "grpc"} in container["ports"], name
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": port}, f"{name} {probe}"
+
+
+def test_unprivileged_services_are_locked_down() -> None:
+    for workload in _of_kind("Deployment", "StatefulSet"):
+        pod = _pod_spec(workload)
+        name = workload["metadata"]["name"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["runAsUser"] != 0, name
+        assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC"), name
+        for container in pod["containers"]:
+            sc = container["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True, name
+            assert sc["allowPrivilegeEscalation"] is False, name
+            assert sc["capabilities"] == {"drop": ["ALL"]}, name
+            assert not sc.get("privileged", False), name
+            resources = container["resources"]
+            assert {"cpu", "memory"} <= set(resources["requests"]), name
+            assert "memory" in resources["limits"], name
+
+
+def test_datapath_is_a_privileged_daemonset_on_every_node_with_the_host_mounts() -> None:
+    ds = _named("DaemonSet", "palisade-datapath")
+    pod = _pod_spec(ds)
+    container = next(c for c in pod["containers"] if c["name"] == "datapath")
+    assert container["securityContext"]["privileged"] is True
+    assert pod["hostNetwork"] is True
+    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert {"operator": "Exists"} in pod["tolerations"]
+
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    for path, read_only in (("/sys/fs/bpf", False), (NETNS_DIR, False), ("/lib/modules", True), ("/usr/src", True)):
+        mount = mounts[path]
+        assert volumes[mount["name"]]["hostPath"]["path"] == path
+        assert mount.get("readOnly", False) is read_only, path
+    # Pinned maps and the pods' namespaces are the node's: shared both ways.
+    assert mounts["/sys/fs/bpf"]["mountPropagation"] == "Bidirectional"
+    assert mounts[NETNS_DIR]["mountPropagation"] == "Bidirectional"
+
+    node_name = next(e for e in container["env"] if e["name"] == "PALISADE_NODE_NAME")
+    assert node_name["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    _, config = _check(ds, container)
+    assert Path(config.bpffs).is_relative_to("/sys/fs/bpf")
+    host_dirs = [m for m, v in mounts.items() if "hostPath" in volumes[v["name"]]]
+    assert any(Path(config.state_dir).is_relative_to(d) for d in host_dirs), "endpoint state must be on the node"
+
+
+def test_nats_runs_jetstream_and_etcd_is_3_5() -> None:
+    nats = _pod_spec(_named("StatefulSet", "palisade-nats"))["containers"][0]
+    assert "--jetstream" in nats["command"] + nats["args"]
+    etcd = _pod_spec(_named("StatefulSet", "palisade-etcd"))["containers"][0]
+    assert etcd["image"].startswith(("quay.io/coreos/etcd:v3.5.", "gcr.io/etcd-development/etcd:v3.5."))
+
+
+# ---------------------------------------------------------------------------
+# services and addresses
+
+
+def _selected(service: Obj) -> list[Obj]:
+    selector = service["spec"]["selector"]
+    return [
+        w for w in _of_kind(*WORKLOAD_KINDS) if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+    ]
+
+
+def test_every_service_selects_one_workload_and_existing_ports() -> None:
+    for service in _of_kind("Service"):
+        name = service["metadata"]["name"]
+        selected = _selected(service)
+        assert len(selected) == 1, f"Service {name} selects {len(selected)} workloads"
+        ports = [p for c in _pod_spec(selected[0])["containers"] for p in c.get("ports", [])]
+        for port in service["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            assert any(target in (p.get("name"), p["containerPort"]) for p in ports), f"{name}: {target}"
+
+
+def _service_port(host: str, port: int) -> Obj:
+    """The Service that ``host:port`` names, as ``<service>.<namespace>.svc[.cluster.local]``."""
+    service_name, namespace, *rest = host.split(".")
+    assert rest in (["svc"], ["svc", "cluster", "local"]), f"{host} is not a Service DNS name"
+    service = _named("Service", service_name)
+    assert service["metadata"]["namespace"] == namespace
+    assert any(p["port"] == port for p in service["spec"]["ports"]), f"Service {service_name} has no port {port}"
+    return service
+
+
+EXPECTED_TARGET = {
+    "nats_url": "palisade-nats",
+    "etcd_endpoints": "palisade-etcd",
+    "policy_address": "palisade-policy",
+    "ipam_address": "palisade-ipam",
+}
+
+
+def test_every_address_reaches_the_right_service() -> None:
+    for name, (workload, container) in _palisade_containers().items():
+        _, config = _check(workload, container)
+        found: list[Upstream] = list(upstreams(name, config))
+        assert found, name
+        for up in found:
+            service = _service_port(up.host, up.port)
+            assert service["metadata"]["name"] == EXPECTED_TARGET[up.setting], f"{name} {up}"
+
+
+# ---------------------------------------------------------------------------
+# Cilium CustomResourceDefinitions
+
+
+def _crd(kind: str) -> Obj:
+    found = [c for c in _of_kind("CustomResourceDefinition") if c["spec"]["names"]["kind"] == kind]
+    assert len(found) == 1, kind
+    return found[0]
+
+
+def _schema(kind: str) -> Obj:
+    (version,) = _crd(kind)["spec"]["versions"]
+    schema: Obj = version["schema"]["openAPIV3Schema"]
+    return schema
+
+
+CILIUM_KINDS = {"CiliumNetworkPolicy": "Namespaced", "CiliumClusterwideNetworkPolicy": "Cluster"}
+
+
+def test_crds_define_the_cilium_kinds_the_watcher_may_read() -> None:
+    readable = {r for g, r in WATCHED if g == "cilium.io"}
+    plurals = set()
+    for kind, scope in CILIUM_KINDS.items():
+        spec = _crd(kind)["spec"]
+        assert spec["group"] == "cilium.io" and spec["scope"] == scope
+        assert [(v["name"], v["served"], v["storage"]) for v in spec["versions"]] == [("v2", True, True)]
+        assert _crd(kind)["metadata"]["name"] == f"{spec['names']['plural']}.cilium.io"
+        plurals.add(spec["names"]["plural"])
+    assert plurals == readable
+
+
+JUNCTORS = ("oneOf", "anyOf", "allOf", "not")
+NOT_IN_JUNCTORS = ("type", "additionalProperties", "description", "default", "nullable")
+
+
+def _structural_problems(node: Obj, path: str = "") -> list[str]:
+    """Where a schema breaks Kubernetes' rules for structural schemas (the ones that matter here)."""
+    problems = []
+    preserve = node.get("x-kubernetes-preserve-unknown-fields") is True
+    if "type" not in node and not preserve and not node.get("x-kubernetes-int-or-string"):
+        problems.append(f"{path or '.'}: no type")
+    if "properties" in node and "additionalProperties" in node:
+        problems.append(f"{path}: both properties and additionalProperties")
+    if node.get("type") == "array" and "items" not in node:
+        problems.append(f"{path}: array without items")
+    for key, sub in node.get("properties", {}).items():
+        problems += _structural_problems(sub, f"{path}.{key}")
+    if isinstance(node.get("additionalProperties"), dict):
+        problems += _structural_problems(node["additionalProperties"], f"{path}.*")
+    if "items" in node:
+        problems += _structural_problems(node["items"], f"{path}[]")
+    for junctor in JUNCTORS:
+        branches = node.get(junctor, [])
+        for branch in [branches] if isinstance(branches, dict) else branches:
+            for key in NOT_IN_JUNCTORS:
+                if key in branch:
+                    problems.append(f"{path}.{junctor}: {key} is not allowed in a junctor")
+            for key in branch.get("properties", {}):
+                if key not in node.get("properties", {}):
+                    problems.append(f"{path}.{junctor}: {key} is not in the structural properties")
+            for key in branch.get("required", []):
+                if key not in node.get("properties", {}):
+                    problems.append(f"{path}.{junctor}: required {key} is not a property")
+    return problems
+
+
+@pytest.mark.parametrize("kind", sorted(CILIUM_KINDS))
+def test_crd_schemas_are_structural_and_rule_schemas_agree(kind: str) -> None:
+    schema = _schema(kind)
+    assert _structural_problems(schema) == []
+    assert schema["type"] == "object"
+
+    def undescribed(node: Obj) -> Obj:
+        return {k: v for k, v in node.items() if k != "description"}
+
+    # One rule schema: spec, each item of specs, in both kinds.
+    rule = undescribed(schema["properties"]["spec"])
+    assert undescribed(schema["properties"]["specs"]["items"]) == rule
+    assert undescribed(_schema("CiliumNetworkPolicy")["properties"]["spec"]) == rule
+
+
+def _prune_nulls(value: Any) -> Any:
+    """What the API server stores: null values of non-nullable fields are dropped first."""
+    if isinstance(value, dict):
+        return {k: _prune_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_prune_nulls(v) for v in value]
+    return value
+
+
+def _errors(obj: Obj) -> list[str]:
+    validator = jsonschema.Draft4Validator(_schema(obj["kind"]))
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(_prune_nulls(obj))]
+
+
+CANONICAL_OPERATORS = {"In", "NotIn", "Exists", "DoesNotExist"}
+
+
+def _odd_operators(value: Any) -> list[str]:
+    """matchExpressions operators outside the Kubernetes spelling (Cilium's CRD rejects them too)."""
+    if isinstance(value, dict):
+        found = [
+            e["operator"]
+            for e in value.get("matchExpressions") or []
+            if isinstance(e, dict) and e.get("operator") not in CANONICAL_OPERATORS
+        ]
+        return found + [op for v in value.values() for op in _odd_operators(v)]
+    if isinstance(value, list):
+        return [op for v in value for op in _odd_operators(v)]
+    return []
+
+
+def _cilium_examples() -> list[tuple[str, Obj]]:
+    out = []
+    for path in sorted(CILIUM_EXAMPLES.glob("*.yaml")):
+        for doc in load_documents(path):
+            if isinstance(doc, dict) and doc.get("kind") in CILIUM_KINDS:
+                out.append((path.name, doc))
+    return out
+
+
+def test_crds_store_real_cilium_policies() -> None:
+    examples = _cilium_examples()
+    if not examples:
+        pytest.skip(f"no Cilium policy corpus at {CILIUM_EXAMPLES}")
+    kinds = {doc["kind"] for _, doc in examples}
+    assert kinds == set(CILIUM_KINDS)
+    for name, doc in examples:
+        errors = _errors(doc)
+        if _odd_operators(doc):
+            assert errors and all("operator" in e for e in errors), f"{name}: {errors}"
+        else:
+            assert errors == [], f"{name}: {errors}"
+
+
+GOOD = """
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: web, namespace: shop}
+spec:
+  description: web from frontends, DNS out
+  endpointSelector: {matchLabels: {app: web}}
+  ingress:
+    - fromEndpoints: [{matchLabels: {"k8s:role": frontend}}]
+      toPorts: [{ports: [{port: "8080", endPort: 8090, protocol: TCP}]}]
+  ingressDeny:
+    - fromCIDRSet: [{cidr: 10.0.0.0/8, except: [10.1.0.0/16]}]
+  egress:
+    - toEntities: [kube-apiserver]
+    - toFQDNs: [{matchName: example.com}]
+      toPorts: [{ports: [{port: "53", protocol: ANY}], rules: {dns: [{matchPattern: "*"}]}}]
+  enableDefaultDeny: {ingress: true, egress: false}
+"""
+
+
+def _policy(kind: str = "CiliumNetworkPolicy") -> Obj:
+    doc: Obj = yaml.safe_load(GOOD)
+    doc["kind"] = kind
+    return doc
+
+
+def test_crd_keeps_fields_it_does_not_type() -> None:
+    for kind in CILIUM_KINDS:
+        assert _errors(_policy(kind)) == []
+    doc = _policy("CiliumClusterwideNetworkPolicy")
+    doc["specs"] = [doc.pop("spec"), {"nodeSelector": {}, "egress": [{"toCIDR": ["0.0.0.0/0"]}]}]
+    assert _errors(doc) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "where"),
+    [
+        (lambda s: s.pop("endpointSelector"), "spec"),
+        (lambda s: s.update(nodeSelector={}), "spec"),
+        (lambda s: s.update(ingress={"fromEndpoints": []}), "spec.ingress"),
+        (lambda s: s["ingress"][0]["toPorts"][0]["ports"][0].update(protocol="HTTP"), "protocol"),
+        (lambda s: s["ingress"][0]["toPorts"][0]["ports"][0].update(port=8080), "port"),
+        (lambda s: s["endpointSelector"].update(matchLabels={"app": ["web"]}), "matchLabels"),
+        (lambda s: s["egress"].append({"toCIDR": "10.0.0.0/8"}), "toCIDR"),
+    ],
+)
+def test_crd_rejects_malformed_policies(change: Any, where: str) -> None:
+    doc = _policy()
+    change(doc["spec"])
+    errors = _errors(doc)
+    assert errors, "accepted"
+    assert any(where in e for e in errors), errors
