@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.common.config import CommonConfig, setting
+from services.common.config import CommonConfig, ConfigError, setting
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -15,3 +15,33 @@ class DatapathConfig(CommonConfig):
     ipam_address: str = setting("IdentityService/IPAMService address host:port.", default="127.0.0.1:9403")
     state_dir: str = setting("Per-endpoint state directory.", default="/var/run/palisade/datapath")
     bpffs: str = setting("Where maps and programs are pinned.", default="/sys/fs/bpf/palisade")
+    rpc_timeout: float = setting("Seconds one call to PolicyService or IPAMService may take.", default=10.0)
+    repair_interval: float = setting(
+        "Seconds between full dumps of every endpoint's policy map to repair drift (0 disables).",
+        default=60.0,
+    )
+    retry_backoff_max: float = setting(
+        "Longest wait, seconds, between retries of a failed resync or report.", default=5.0
+    )
+    flow_poll_ms: int = setting("Milliseconds one read of the flow ring buffer waits for events.", default=200)
+    observe_buffer: int = setting(
+        "Flow events buffered per Observe client; a slower client loses the oldest.", default=4096
+    )
+
+    def validate(self) -> None:
+        for name in ("policy_address", "ipam_address"):
+            value = getattr(self, name)
+            host, _, port = value.rpartition(":")
+            if not host or not port.isdigit():
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} {value!r} is not host:port; give the service's gRPC address")
+        if not self.state_dir:
+            raise ConfigError("--state-dir is empty; give a directory for per-endpoint state")
+        if not self.bpffs:
+            raise ConfigError("--bpffs is empty; give a directory under /sys/fs/bpf")
+        if self.rpc_timeout <= 0:
+            raise ConfigError(f"--rpc-timeout must be positive, got {self.rpc_timeout}")
+        if self.repair_interval < 0:
+            raise ConfigError(f"--repair-interval must be >= 0 (0 disables), got {self.repair_interval}")
+        if self.flow_poll_ms <= 0 or self.observe_buffer <= 0:
+            raise ConfigError("--flow-poll-ms and --observe-buffer must be positive")

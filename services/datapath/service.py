@@ -1,22 +1,177 @@
-"""The datapath service shell: NATS and DatapathService (UNIMPLEMENTED until built)."""
+"""The datapath service: endpoints, orders, ipcache and flows of one node, over pinned BPF maps.
+
+Startup, in order (SERVING only at the end, "ready means synced"):
+
+1. open the BPF facade: pinned maps and programs are reused, so the endpoints of the
+   previous run kept enforcing while the process was down;
+2. restore endpoints from the state directory (stale ones, whose namespace is gone,
+   are cleaned up) and re-attach them;
+3. subscribe to this node's orders (queued), replay the ipcache into the LPM map;
+4. start the order consumer, whose first step is a full Resync that reconciles every
+   restored endpoint's map with the current policy; re-reserve restored addresses.
+"""
 
 from __future__ import annotations
 
-from palisade.v1 import datapath_pb2, datapath_pb2_grpc
-from services.common.bus import REGEN_STREAM
-from services.common.grpcserver import unimplemented
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import grpc
+
+from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
+from services.common.bus import IPCACHE_STREAM, REGEN_STREAM, Bus
+from services.common.log import get_logger
 from services.common.runner import ServiceContext, run_service
 from services.datapath.config import DatapathConfig
+from services.datapath.datapath import Datapath, DatapathAPI
+from services.datapath.endpoints import EndpointManager, GrpcIpam, IpamPort, NetnsPodNetwork, PodNetwork
+from services.datapath.flows import FlowHub
+from services.datapath.ipcache import IpcacheSync
+from services.datapath.orders import GrpcPolicyClient, OrderConsumer, PolicyPort, Reporter
+from services.datapath.servicer import DatapathServicer
+from services.datapath.state import StateStore
+
+log = get_logger("datapath")
+
+
+async def _repair_loop(manager: EndpointManager, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            repaired = await manager.repair()
+        except Exception as exc:
+            log.error("policy map repair failed", error=str(exc))
+            continue
+        if repaired:
+            log.info("policy maps repaired", endpoints=repaired)
+
+
+@dataclasses.dataclass
+class Agent:
+    """The datapath's components, wired; :func:`start_agent` builds and starts one."""
+
+    node: str
+    manager: EndpointManager
+    consumer: OrderConsumer
+    ipcache: IpcacheSync
+    reporter: Reporter
+    flows: FlowHub
+    servicer: DatapathServicer
+
+    def status(self, out: common_pb2.ServiceStatus) -> None:
+        """The status provider: endpoints, realized revision (min over endpoints), synced."""
+        out.synced = self.ipcache.loaded.is_set() and self.consumer.synced.is_set()
+        out.revision = self.manager.realized_revision()
+        out.details["endpoints"] = str(len(self.manager.endpoints))
+        out.details["sequence"] = str(self.consumer.sequence)
+        out.details["resyncs"] = str(self.consumer.resyncs)
+        out.details["gaps"] = str(self.consumer.sequencer.gaps)
+        out.details["ipcache_prefixes"] = str(len(self.ipcache.entries))
+        out.details["reports_delivered"] = str(self.reporter.delivered)
+        out.details["flow_events"] = str(self.flows.events)
+        out.details["observers"] = str(self.flows.subscribers)
+        failed = [ep.id for ep in self.manager.endpoints.values() if ep.state == datapath_pb2.ENDPOINT_STATE_FAILED]
+        if failed:
+            out.details["failed_endpoints"] = ",".join(str(i) for i in sorted(failed))
+
+
+Spawn = Callable[[Coroutine[Any, Any, Any], str], object]
+
+
+async def start_agent(
+    cfg: DatapathConfig,
+    *,
+    bus: Bus,
+    datapath: DatapathAPI,
+    network: PodNetwork,
+    policy: PolicyPort,
+    ipam: IpamPort,
+    spawn: Spawn,
+    stack: contextlib.AsyncExitStack,
+) -> Agent:
+    """Restore endpoints, load the ipcache and start following orders; returns once ready to serve."""
+    node = cfg.node_name
+    reporter = Reporter(node, policy, cfg.retry_backoff_max)
+    manager = EndpointManager(
+        node=node,
+        datapath=datapath,
+        network=network,
+        store=StateStore(cfg.state_dir),
+        ipam=ipam,
+        policy=policy,
+        reporter=reporter,
+        backoff_max=cfg.retry_backoff_max,
+    )
+    consumer = OrderConsumer(node, policy, manager, backoff_max=cfg.retry_backoff_max)
+    ipcache = IpcacheSync(datapath, manager)
+
+    def pod_of(endpoint_id: int) -> str:
+        ep = manager.endpoints.get(endpoint_id)
+        return ep.record.key if ep is not None else ""
+
+    flows = FlowHub(datapath, node=node, pod_of=pod_of, poll_ms=cfg.flow_poll_ms, buffer=cfg.observe_buffer)
+
+    spawn(manager.run(), "endpoints")
+    spawn(manager.run_releases(), "releases")
+    spawn(reporter.run(), "reporter")
+    spawn(flows.run(), "flows")
+
+    restored = await manager.restore()
+    await consumer.subscribe(bus)
+    stack.push_async_callback(consumer.stop)
+    await ipcache.start(bus)
+    stack.push_async_callback(ipcache.stop)
+    spawn(consumer.run(), "orders")
+    spawn(manager.reclaim(restored), "reclaim")
+    if cfg.repair_interval > 0:
+        spawn(_repair_loop(manager, cfg.repair_interval), "repair")
+    servicer = DatapathServicer(manager, flows, datapath)
+    return Agent(node, manager, consumer, ipcache, reporter, flows, servicer)
 
 
 async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
+    cfg = ctx.config
     bus = await ctx.bus()
-    await bus.ensure_stream(REGEN_STREAM)
-    datapath_pb2_grpc.add_DatapathServiceServicer_to_server(
-        unimplemented(datapath_pb2_grpc.DatapathServiceServicer), ctx.server.server
+    await bus.ensure_streams(REGEN_STREAM, IPCACHE_STREAM)
+    try:
+        datapath = await asyncio.to_thread(Datapath.open, cfg.bpffs)
+    except (OSError, RuntimeError) as exc:
+        raise OSError(
+            f"cannot open the BPF datapath at {cfg.bpffs}: {exc}; run as root with bcc and kernel headers "
+            "installed (`make setup`), or fix --bpffs"
+        ) from exc
+
+    async def close_datapath() -> None:
+        # Let a flow read in flight return first; close() keeps programs and maps pinned.
+        await asyncio.sleep(cfg.flow_poll_ms / 1000 + 0.05)
+        await asyncio.to_thread(datapath.close)
+
+    ctx.stack.push_async_callback(close_datapath)
+    policy_channel = grpc.aio.insecure_channel(cfg.policy_address)
+    ctx.stack.push_async_callback(policy_channel.close)
+    ipam_channel = grpc.aio.insecure_channel(cfg.ipam_address)
+    ctx.stack.push_async_callback(ipam_channel.close)
+
+    agent = await start_agent(
+        cfg,
+        bus=bus,
+        datapath=datapath,
+        network=NetnsPodNetwork(),
+        policy=GrpcPolicyClient(policy_channel, cfg.rpc_timeout),
+        ipam=GrpcIpam(ipam_channel, cfg.rpc_timeout),
+        spawn=ctx.spawn,
+        stack=ctx.stack,
     )
+    datapath_pb2_grpc.add_DatapathServiceServicer_to_server(agent.servicer, ctx.server.server)
     ctx.server.add_service(datapath_pb2.DESCRIPTOR.services_by_name["DatapathService"].full_name)
+    ctx.server.status.provider = agent.status
     await ctx.server.set_serving(True)
+    log.info(
+        "datapath ready", node=agent.node, endpoints=len(agent.manager.endpoints), ipcache=len(agent.ipcache.entries)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

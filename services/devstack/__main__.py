@@ -116,7 +116,8 @@ def cleanup_kernel_state(bpffs: str, state_dir: Path) -> None:
     """Remove what the datapath leaves on purpose (pins, namespaces) once the stack is gone."""
     from services.datapath.datapath import teardown_all
 
-    teardown_all(bpffs, str(state_dir))
+    teardown_all(bpffs)
+    shutil.rmtree(state_dir, ignore_errors=True)
 
 
 async def main_async(args: argparse.Namespace) -> int:

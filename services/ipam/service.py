@@ -1,25 +1,196 @@
-"""The ipam service shell: NATS, etcd, IdentityService and IPAMService (UNIMPLEMENTED until built)."""
+"""The ipam service: identities, pod IPs and the ipcache, from etcd and the k8s deltas.
+
+Startup: load identities, node CIDRs, addresses and the ipcache from etcd and
+republish identities and ipcache (compacted streams, so this is idempotent and
+restores consumers even if NATS lost its data); then replay nodes, namespaces
+and pods from the k8s stream (in that order, so pods see their namespace's
+labels); once the watcher's ``palisade.k8s.synced`` marker is in and the replay
+applied, sweep what belongs to pods that went while ipam was away and report
+SERVING. Background tasks keep node leases alive and collect unused identities.
+"""
 
 from __future__ import annotations
 
-from palisade.v1 import identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc
-from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM
-from services.common.grpcserver import unimplemented
+import asyncio
+import dataclasses
+import time
+
+from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc, k8s_pb2
+from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, SYNCED_SUBJECT, Bus
+from services.common.log import get_logger
 from services.common.runner import ServiceContext, run_service
+from services.ipam.allocator import IdentityAllocator
 from services.ipam.config import IPAMConfig
+from services.ipam.gc import GcTracker
+from services.ipam.ipalloc import IPAllocator
+from services.ipam.kv import Store, StoreError
+from services.ipam.leases import NodeLeases
+from services.ipam.pods import K8sChanged, NodeResync, PodManager
+from services.ipam.podwatch import BadObject, decode
+from services.ipam.publish import IdentityPublisher, IpcacheWriter
+from services.ipam.servicer import IdentityServicer, IPAMServicer
+
+log = get_logger("ipam")
+
+#: Kinds followed, in replay order: nodes and namespaces before the pods that use them.
+K8S_SUBJECTS = ("palisade.k8s.node.>", "palisade.k8s.namespace.>", "palisade.k8s.pod.>")
+
+
+@dataclasses.dataclass
+class Ipam:
+    """The service's components, wired together."""
+
+    config: IPAMConfig
+    bus: Bus
+    store: Store
+    leases: NodeLeases
+    allocator: IdentityAllocator
+    ipalloc: IPAllocator
+    identities: IdentityPublisher
+    ipcache: IpcacheWriter
+    pods: PodManager
+    synced: bool = False
+    marker: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    def fill_status(self, status: common_pb2.ServiceStatus) -> None:
+        status.synced = self.synced
+        status.details["identities"] = str(self.allocator.count())
+        status.details["allocations"] = str(self.ipalloc.allocation_count())
+        status.details["nodes"] = str(len(self.ipalloc.node_records()))
+        status.details["pods"] = str(self.pods.pod_count())
+        status.details["ipcache"] = str(len(self.ipcache.entries))
+        status.details["mode"] = self.config.mode.value
+
+
+def build(cfg: IPAMConfig, bus: Bus, store: Store) -> Ipam:
+    leases = NodeLeases(store, cfg.identity_lease_ttl)
+    allocator = IdentityAllocator(store, leases)
+    ipalloc = IPAllocator(
+        store, cfg.cluster_networks(), mask_v4=cfg.node_mask_v4, mask_v6=cfg.node_mask_v6, mode=cfg.mode
+    )
+    identities = IdentityPublisher(bus)
+    ipcache = IpcacheWriter(store, bus)
+    pods = PodManager(allocator, ipalloc, identities, ipcache, cluster=cfg.cluster_name)
+    return Ipam(cfg, bus, store, leases, allocator, ipalloc, identities, ipcache, pods)
+
+
+async def load_and_republish(ipam: Ipam) -> None:
+    """Rebuild the in-memory view from etcd and make sure consumers have it."""
+    current = await ipam.allocator.load()
+    await ipam.ipalloc.load()
+    await ipam.ipcache.load()
+    await ipam.identities.resync(current, 0, republish=True)
+    await ipam.ipcache.republish()
+    log.info(
+        "state loaded from etcd",
+        identities=len(current),
+        allocations=ipam.ipalloc.allocation_count(),
+        ipcache=len(ipam.ipcache.entries),
+    )
+
+
+async def follow_k8s(ipam: Ipam, serve: asyncio.Event) -> None:
+    """Replay and follow the k8s stream; set ``serve`` once ready (synced, or the sync timeout passed)."""
+
+    async def on_delta(subject: str, delta: k8s_pb2.K8sDelta) -> None:
+        try:
+            change = decode(delta)
+        except BadObject as exc:
+            log.warning("k8s object ignored", subject=subject, error=str(exc))
+            return
+        if change is not None:
+            ipam.pods.submit(K8sChanged(change))
+
+    async def on_synced(subject: str, marker: k8s_pb2.SyncedMarker) -> None:
+        ipam.marker.set()
+
+    for subject in K8S_SUBJECTS:
+        # Follower.caught_up never fires for a filter with nothing to replay when the stream
+        # holds other subjects, so ask the stream first whether there is anything to wait for.
+        info = await ipam.bus.js.stream_info(K8S_STREAM.name, subjects_filter=subject)
+        follower = await ipam.bus.follow(subject, k8s_pb2.K8sDelta, on_delta)
+        if info.state.subjects:
+            await follower.caught_up.wait()
+    await ipam.bus.follow(SYNCED_SUBJECT, k8s_pb2.SyncedMarker, on_synced)
+
+    timeout = ipam.config.k8s_sync_timeout
+    if timeout > 0:
+        try:
+            await asyncio.wait_for(ipam.marker.wait(), timeout)
+        except TimeoutError:
+            log.warning(
+                "no k8s synced marker yet, serving IPAM anyway",
+                waited=timeout,
+                hint="start the watcher; pod identities follow once it has listed the cluster",
+            )
+            serve.set()
+    await ipam.marker.wait()
+    await ipam.pods.sweep()
+    ipam.synced = True
+    log.info("k8s state synced", pods=ipam.pods.pod_count(), identities=ipam.allocator.count())
+    serve.set()
+
+
+async def keep_leases(ipam: Ipam) -> None:
+    """Refresh node leases; a lease found expired means its references went, so take them again."""
+    interval = max(0.5, ipam.leases.ttl / 3)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            lost = await ipam.leases.refresh_all()
+            for node in lost:
+                moved = await ipam.allocator.retake(node)
+                for owner, old, new in moved:
+                    log.warning("reference moved after lease loss", node=node, owner=owner, previous=old, id=new)
+                ipam.pods.submit(NodeResync(node))
+        except StoreError as exc:
+            log.warning("lease keepalive failed", error=str(exc))
+
+
+async def collect_identities(ipam: Ipam) -> None:
+    """Collect identities unreferenced for the grace period; keep the bus in step with etcd."""
+    await ipam.pods.swept.wait()
+    tracker = GcTracker(ipam.config.identity_gc_grace)
+    while True:
+        try:
+            result = await ipam.allocator.collect(tracker, time.monotonic())
+            for identity in result.collected:
+                await ipam.identities.collected(identity)
+            await ipam.identities.resync(result.current, result.revision)
+        except StoreError as exc:
+            log.warning("identity collection skipped", error=str(exc))
+        await asyncio.sleep(ipam.config.identity_gc_interval)
+
+
+async def serve_when_ready(ctx: ServiceContext[IPAMConfig], serve: asyncio.Event) -> None:
+    await serve.wait()
+    await ctx.server.set_serving(True)
+    log.info("serving")
 
 
 async def setup(ctx: ServiceContext[IPAMConfig]) -> None:
+    cfg = ctx.config
     bus = await ctx.bus()
-    await bus.ensure_streams(IDENTITY_STREAM, IPCACHE_STREAM)
-    await ctx.etcd()
+    await bus.ensure_streams(K8S_STREAM, IDENTITY_STREAM, IPCACHE_STREAM)
+    store = Store(await ctx.etcd(), patience=cfg.etcd_patience)
+    ipam = build(cfg, bus, store)
+    ctx.stack.push_async_callback(ipam.leases.close)
+    await load_and_republish(ipam)
+
     identity_pb2_grpc.add_IdentityServiceServicer_to_server(
-        unimplemented(identity_pb2_grpc.IdentityServiceServicer), ctx.server.server
+        IdentityServicer(ipam.allocator, ipam.identities, ipam.pods), ctx.server.server
     )
-    ipam_pb2_grpc.add_IPAMServiceServicer_to_server(unimplemented(ipam_pb2_grpc.IPAMServiceServicer), ctx.server.server)
+    ipam_pb2_grpc.add_IPAMServiceServicer_to_server(IPAMServicer(ipam.ipalloc, ipam.pods), ctx.server.server)
     ctx.server.add_service(identity_pb2.DESCRIPTOR.services_by_name["IdentityService"].full_name)
     ctx.server.add_service(ipam_pb2.DESCRIPTOR.services_by_name["IPAMService"].full_name)
-    await ctx.server.set_serving(True)
+    ctx.server.status.provider = ipam.fill_status
+
+    serve = asyncio.Event()
+    ctx.spawn(ipam.pods.run(), "pods")
+    ctx.spawn(follow_k8s(ipam, serve), "k8s")
+    ctx.spawn(serve_when_ready(ctx, serve), "ready")
+    ctx.spawn(keep_leases(ipam), "leases")
+    ctx.spawn(collect_identities(ipam), "identity-gc")
 
 
 def main(argv: list[str] | None = None) -> int:

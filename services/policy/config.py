@@ -3,12 +3,49 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
-from services.common.config import CommonConfig, setting
+from services.common.config import CommonConfig, ConfigError, setting
+
+_BUCKET_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyConfig(CommonConfig):
     """Own the policy repository and send regeneration orders."""
 
-    max_order_bytes: int = setting("Largest order published whole; larger ones are chunked.", default=512 * 1024)
+    max_order_bytes: int = setting(
+        "Largest order published whole; larger ones are chunked (never above the server's max payload).",
+        default=512 * 1024,
+    )
+    max_order_chunks: int = setting(
+        "Most chunks one order is split into; beyond that the datapath is told to fetch it with Resync.",
+        default=16,
+    )
+    state_bucket: str = setting(
+        "JetStream key-value bucket holding the revision and per-node order sequences.",
+        default="PALISADE_POLICY",
+    )
+    cluster_name: str = setting("Cluster name, as matched by the `cluster` entity.", default="default")
+    wait_timeout: float = setting("Default WaitForRevision timeout, seconds.", default=30.0)
+    max_wait_timeout: float = setting("Longest WaitForRevision timeout a client may ask for, seconds.", default=600.0)
+    max_batch: int = setting(
+        "Most queued changes folded into one engine batch (one order per node per batch).", default=512
+    )
+
+    def validate(self) -> None:
+        if self.max_order_bytes < 1024:
+            raise ConfigError(f"--max-order-bytes {self.max_order_bytes} is too small; use 1024 or more")
+        if self.max_order_chunks < 1:
+            raise ConfigError(f"--max-order-chunks {self.max_order_chunks} must be at least 1")
+        if not _BUCKET_RE.match(self.state_bucket):
+            raise ConfigError(
+                f"--state-bucket {self.state_bucket!r} is not a valid bucket name; use letters, digits, - and _"
+            )
+        if self.wait_timeout <= 0 or self.max_wait_timeout < self.wait_timeout:
+            raise ConfigError(
+                f"--wait-timeout {self.wait_timeout} must be positive and at most --max-wait-timeout "
+                f"{self.max_wait_timeout}"
+            )
+        if self.max_batch < 1:
+            raise ConfigError(f"--max-batch {self.max_batch} must be at least 1")

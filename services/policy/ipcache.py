@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -99,9 +99,6 @@ class IpcacheTable:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, subject: str) -> IpcacheRecord | None:
-        return self._entries.get(subject)
-
     def upsert(self, subject: str, record: IpcacheRecord) -> IpcacheDelta:
         old = self._entries.get(subject)
         if old == record:
@@ -146,11 +143,6 @@ class IpcacheTable:
         if not subjects:
             return None
         return next(reversed(subjects.values()))
-
-    def endpoints(self) -> Iterable[tuple[str, str, int]]:
-        """(node, pod, identity) of every pod endpoint."""
-        for (node, pod), subjects in self._endpoints.items():
-            yield node, pod, next(reversed(subjects.values()))
 
     def find_pod(self, pod: str) -> IpcacheRecord | None:
         """Any entry of the pod "namespace/name" (the most recently added)."""

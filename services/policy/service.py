@@ -1,22 +1,107 @@
-"""The policy service shell: NATS, and PolicyService (methods UNIMPLEMENTED until built)."""
+"""The policy service: bus inputs -> one state-owning task -> per-node orders, plus PolicyService.
+
+A thin shell. Startup: load the persisted revision and sequences, follow the
+inputs (replayed into one engine batch), and only once Kubernetes is synced and
+the identity and ipcache streams are replayed send every node its whole state
+and report SERVING.
+"""
 
 from __future__ import annotations
 
-from palisade.v1 import policy_pb2, policy_pb2_grpc
-from services.common.bus import ALL_STREAMS
-from services.common.grpcserver import unimplemented
+from collections.abc import Sequence
+
+from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
+from services.common.bus import ALL_STREAMS, Bus, regen_subject
+from services.common.grpcserver import GrpcServer, StatusProvider
 from services.common.runner import ServiceContext, run_service
 from services.policy.config import PolicyConfig
+from services.policy.controller import Controller, Encoding, JobKind
+from services.policy.core import PolicyCore
+from services.policy.inputs import Inputs
+from services.policy.orders import PersistedState
+from services.policy.revision import StateStore
+from services.policy.servicer import PolicyServicer
+
+# Room left under the server's max payload for NATS/JetStream headers.
+_PAYLOAD_HEADROOM = 4096
+
+
+class BusSink:
+    """Persists counters in the KV bucket and publishes orders on ``palisade.regen.<node>``."""
+
+    def __init__(self, bus: Bus, store: StateStore) -> None:
+        self._bus = bus
+        self._store = store
+
+    async def save_state(self, state: PersistedState) -> None:
+        await self._store.save(state)
+
+    async def publish_orders(self, node: str, messages: Sequence[policy_pb2.RegenerationOrder]) -> None:
+        subject = regen_subject(node)
+        for message in messages:
+            await self._bus.publish(subject, message)
+
+
+def status_provider(controller: Controller) -> StatusProvider:
+    def fill(status: common_pb2.ServiceStatus) -> None:
+        snap = controller.core.status()
+        status.synced = snap.synced
+        status.revision = snap.revision
+        status.details.update(
+            {
+                "policies": str(snap.policies),
+                "rejected": str(snap.rejected),
+                "identities": str(snap.identities),
+                "ipcache": str(snap.ipcache),
+                "nodes": str(snap.nodes),
+                "endpoints": str(snap.endpoints),
+                "endpoints_behind": str(snap.endpoints_behind),
+            }
+        )
+
+    return fill
+
+
+async def _go_live(ctx: ServiceContext[PolicyConfig], inputs: Inputs, controller: Controller) -> None:
+    await inputs.wait_synced()
+    await controller.call(lambda core, now: core.mark_synced(now), JobKind.CHANGE, durable=True)
+    ctx.log.info("policy synced", revision=controller.core.revision)
+    await ctx.server.set_serving(True)
+
+
+def register(server: GrpcServer, servicer: PolicyServicer) -> None:
+    policy_pb2_grpc.add_PolicyServiceServicer_to_server(servicer, server.server)
+    server.add_service(policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name)
 
 
 async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
+    cfg = ctx.config
     bus = await ctx.bus()
     await bus.ensure_streams(*ALL_STREAMS)
-    policy_pb2_grpc.add_PolicyServiceServicer_to_server(
-        unimplemented(policy_pb2_grpc.PolicyServiceServicer), ctx.server.server
+    store = await StateStore.open(bus.js, cfg.state_bucket)
+    persisted = await store.load()
+    core = PolicyCore(persisted=persisted, cluster=cfg.cluster_name)
+    max_bytes = min(cfg.max_order_bytes, max(1024, bus.nc.max_payload - _PAYLOAD_HEADROOM))
+    controller = Controller(
+        core,
+        BusSink(bus, store),
+        encoding=Encoding(max_order_bytes=max_bytes, max_order_chunks=cfg.max_order_chunks),
+        max_batch=cfg.max_batch,
     )
-    ctx.server.add_service(policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name)
-    await ctx.server.set_serving(True)
+    register(
+        ctx.server,
+        PolicyServicer(controller, wait_timeout=cfg.wait_timeout, max_wait_timeout=cfg.max_wait_timeout),
+    )
+    ctx.server.status.provider = status_provider(controller)
+    ctx.spawn(controller.run(), name="policy-state")
+    ctx.spawn(controller.run_publisher(), name="policy-publisher")
+    inputs = Inputs(bus, controller)
+    await inputs.start()
+    ctx.stack.push_async_callback(inputs.stop)
+    ctx.spawn(_go_live(ctx, inputs, controller), name="policy-sync")
+    ctx.log.info(
+        "policy state loaded", revision=persisted.revision, nodes=len(persisted.sequences), max_order_bytes=max_bytes
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from palisade.v1 import common_pb2, identity_pb2
+from palisade.v1 import common_pb2
 from services.common.labels import Label, LabelSet
 from services.policy.engine import PolicyDiff
-from services.policy.identity import Identity
-from services.policy.model import Direction, EntryKey, PolicyKey, Protocol, Verdict
+from services.policy.model import Direction, EntryKey, PolicyKey, Verdict
 from services.policy.resolve import ResolvedPolicy
 
 _DIRECTIONS = {Direction.INGRESS: common_pb2.DIRECTION_INGRESS, Direction.EGRESS: common_pb2.DIRECTION_EGRESS}
@@ -25,10 +24,6 @@ def direction_to_proto(direction: Direction) -> common_pb2.Direction.ValueType:
 
 def verdict_to_proto(verdict: Verdict) -> common_pb2.Verdict.ValueType:
     return _VERDICTS[verdict]
-
-
-def protocol_from_proto(value: int) -> Protocol:
-    return Protocol(value)
 
 
 def key_to_proto(key: EntryKey) -> common_pb2.PolicyKey:
@@ -84,10 +79,6 @@ def policy_to_proto(policy: ResolvedPolicy) -> common_pb2.IdentityPolicy:
 
 def labels_from_proto(labels: Iterable[common_pb2.Label]) -> LabelSet:
     return LabelSet(tuple(Label(lb.source, lb.key, lb.value) for lb in labels))
-
-
-def identity_from_proto(identity: identity_pb2.Identity) -> Identity:
-    return Identity(identity.id, labels_from_proto(identity.labels))
 
 
 def ref_to_proto(key: PolicyKey) -> common_pb2.ObjectRef:

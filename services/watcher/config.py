@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
+from pathlib import Path
 
-from services.common.config import CommonConfig, setting
+from services.common.config import CommonConfig, ConfigError, setting
+
+
+class SourceKind(enum.StrEnum):
+    MANIFESTS = "manifests"
+    KUBERNETES = "kubernetes"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -14,3 +21,39 @@ class WatcherConfig(CommonConfig):
     source: str = setting("Where objects come from: 'manifests' or 'kubernetes'.", default="manifests")
     manifests: str = setting("Folder of YAML manifests for the manifests source.", default="examples")
     kubeconfig: str = setting("kubeconfig path for the kubernetes source; empty uses in-cluster config.", default="")
+    manifests_poll: float = setting("Seconds between two polls of the manifest folder.", default=0.5)
+    watch_timeout: int = setting(
+        "Seconds the API server keeps one watch request open before it is renewed.", default=300
+    )
+    backoff_initial: float = setting("First wait after a failed list/watch, seconds (doubles).", default=0.2)
+    backoff_max: float = setting("Longest wait between list/watch attempts, seconds.", default=10.0)
+    missing_kind_retry: float = setting(
+        "Seconds between attempts to list a kind the API server does not serve (CRD not installed).", default=10.0
+    )
+    list_page_size: int = setting("Objects per page of a list request.", default=500)
+    publish_inflight: int = setting(
+        "Subjects published concurrently to JetStream (order per subject is kept).", default=256
+    )
+
+    def source_kind(self) -> SourceKind:
+        return SourceKind(self.source)
+
+    def validate(self) -> None:
+        if self.source not in {s.value for s in SourceKind}:
+            raise ConfigError(f"--source {self.source!r} is not one of: manifests, kubernetes")
+        if self.source == SourceKind.MANIFESTS and not Path(self.manifests).is_dir():
+            raise ConfigError(
+                f"--manifests {self.manifests!r} is not a folder; create it or point --manifests at your manifests"
+            )
+        positive = {
+            "--manifests-poll": self.manifests_poll,
+            "--watch-timeout": self.watch_timeout,
+            "--backoff-initial": self.backoff_initial,
+            "--backoff-max": self.backoff_max,
+            "--missing-kind-retry": self.missing_kind_retry,
+            "--list-page-size": self.list_page_size,
+            "--publish-inflight": self.publish_inflight,
+        }
+        for flag, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{flag} must be greater than 0, got {value}")

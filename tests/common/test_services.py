@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from palisade.v1 import common_pb2, common_pb2_grpc
+from tests.conftest import _bcc_problem
 from tests.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, free_port
 
 EXPECTED = {
@@ -22,15 +26,6 @@ EXPECTED = {
 }
 
 
-def _args(name: str, nats: NatsServer, etcd: EtcdServer, tmp: str) -> list[str]:
-    args = ["--nats-url", nats.url, "--etcd-endpoints", etcd.endpoint]
-    if name == "watcher":
-        args += ["--manifests", tmp]
-    if name == "datapath":
-        args += ["--state-dir", tmp + "/state", "--bpffs", tmp + "/bpf"]
-    return args
-
-
 def _reflected(address: str) -> set[str]:
     with grpc.insecure_channel(address) as ch:
         stub = reflection_pb2_grpc.ServerReflectionStub(ch)
@@ -39,39 +34,55 @@ def _reflected(address: str) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_service_serves_health_reflection_and_exits_zero_on_sigterm(
-    name: str,
+@pytest.fixture
+def bpffs() -> Iterator[str]:
+    path = f"/sys/fs/bpf/palisade-test-{secrets.token_hex(4)}"
+    yield path
+    if os.path.exists(path):
+        from services.datapath.datapath import teardown_all
+
+        teardown_all(path)
+
+
+def test_whole_system_serves_health_reflection_status_and_exits_zero_on_sigterm(
     nats_server: NatsServer,
     etcd_server: EtcdServer,
     service: Callable[..., ServiceProcess],
-    tmp_path: object,
+    tmp_path: Path,
+    bpffs: str,
 ) -> None:
-    proc = service(name, *_args(name, nats_server, etcd_server, str(tmp_path)))
-    names = _reflected(proc.address)
-    assert EXPECTED[name] <= names
-    assert "grpc.health.v1.Health" in names
-    with grpc.insecure_channel(proc.address) as ch:
-        status = common_pb2_grpc.StatusServiceStub(ch).GetStatus(common_pb2.GetStatusRequest(), timeout=5)
-    assert status.service == name
-    assert proc.terminate() == 0, proc.logs()
-
-
-def test_unimplemented_methods_say_so(
-    nats_server: NatsServer, etcd_server: EtcdServer, service: Callable[..., ServiceProcess], tmp_path: object
-) -> None:
-    """Methods a later capability fills in answer UNIMPLEMENTED, not fake data."""
-    from palisade.v1 import datapath_pb2, datapath_pb2_grpc
-
-    proc = service("datapath", *_args("datapath", nats_server, etcd_server, str(tmp_path)))
-    with grpc.insecure_channel(proc.address) as ch:
-        stub = datapath_pb2_grpc.DatapathServiceStub(ch)
-        try:
-            stub.ListEndpoints(datapath_pb2.ListEndpointsRequest(), timeout=5)
-        except grpc.RpcError as err:
-            assert err.code() in (grpc.StatusCode.UNIMPLEMENTED,)
-        else:  # implemented by the datapath capability: then it must answer for real
-            pass
+    """Each service, started in dependency order against real NATS and etcd, reaches SERVING
+    (which means synced), lists its services via reflection, and exits 0 on SIGTERM."""
+    common = ["--nats-url", nats_server.url, "--etcd-endpoints", etcd_server.endpoint, "--node-name", "n1"]
+    (tmp_path / "manifests").mkdir()
+    procs = {
+        "watcher": service("watcher", *common, "--manifests", str(tmp_path / "manifests")),
+        "ipam": service("ipam", *common),
+    }
+    procs["policy"] = service("policy", *common)
+    if _bcc_problem() is None:
+        procs["datapath"] = service(
+            "datapath",
+            *common,
+            "--policy-address",
+            procs["policy"].address,
+            "--ipam-address",
+            procs["ipam"].address,
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--bpffs",
+            bpffs,
+        )
+    for name, proc in procs.items():
+        names = _reflected(proc.address)
+        assert EXPECTED[name] <= names, name
+        assert "grpc.health.v1.Health" in names
+        with grpc.insecure_channel(proc.address) as ch:
+            status = common_pb2_grpc.StatusServiceStub(ch).GetStatus(common_pb2.GetStatusRequest(), timeout=5)
+        assert status.service == name
+        assert status.synced, name
+    for name, proc in reversed(procs.items()):
+        assert proc.terminate() == 0, f"{name}:\n{proc.logs()[-3000:]}"
 
 
 def test_unreachable_nats_exits_nonzero_with_one_line_naming_address() -> None:

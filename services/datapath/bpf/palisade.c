@@ -1,0 +1,574 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * Palisade datapath: identity-based policy at tc on the host side of each pod's veth.
+ *
+ *   from_container  tc ingress of the host veth: packets leaving the pod (egress policy)
+ *   to_container    tc egress of the host veth: packets entering the pod (ingress policy)
+ *
+ * One compiled object serves every endpoint: the program finds its endpoint
+ * from skb->ifindex in the endpoints map, so nothing per endpoint is compiled in.
+ * All maps are created and pinned by the agent (services/datapath/maps/); this
+ * file refers to them by pin path. The loader appends static asserts that pin
+ * each struct below to its ctypes mirror.
+ *
+ * Per packet:
+ *   1. Not an endpoint's veth, or not IPv4/IPv6 (ARP...): pass.
+ *      IPv6 neighbour discovery / MLD and ICMP error messages: pass.
+ *   2. Conntrack: the packet's own tuple (an established flow), else the
+ *      reversed tuple with the opposite direction (a reply). A live entry
+ *      passes if its verdict is from the current policy epoch; otherwise
+ *      the flow is re-checked as in 4 with its original direction, identity
+ *      and port, then kept (epoch refreshed) or deleted and dropped.
+ *   3. Remote identity: a local endpoint's address (endpoints map), else the
+ *      longest ipcache prefix, else WORLD_ID.
+ *   4. Policy for a new flow, in this order:
+ *        direction not enforced for the endpoint        -> allow
+ *        deny  (identity, proto, port) (identity, any)  -> drop
+ *              (any, proto, port)      (any, any)
+ *        allow the same four lookups                     -> pass
+ *        nothing matched                                 -> default deny
+ *      ICMP/ICMPv6 echo follows policy with port 0 (matched by L3-only and
+ *      all-ports ICMP entries); the echo id stands in for ports in conntrack.
+ *   5. A new allowed flow gets a conntrack entry and one flow event; every
+ *      drop gets a flow event. Counters by endpoint/reason/direction.
+ */
+#include <uapi/linux/bpf.h>
+#include <uapi/linux/if_ether.h>
+#include <uapi/linux/in.h>
+#include <uapi/linux/ip.h>
+#include <uapi/linux/ipv6.h>
+#include <uapi/linux/pkt_cls.h>
+
+#ifndef PIN_DIR
+#error "PIN_DIR (the maps' pin directory) must be defined"
+#endif
+#ifndef WORLD_ID
+#define WORLD_ID 2
+#endif
+#ifndef CT_TCP_LIFETIME_S
+#define CT_TCP_LIFETIME_S 21600
+#endif
+#ifndef CT_CLOSING_LIFETIME_S
+#define CT_CLOSING_LIFETIME_S 10
+#endif
+#ifndef CT_OTHER_LIFETIME_S
+#define CT_OTHER_LIFETIME_S 60
+#endif
+#ifndef IPCACHE_MAX
+#define IPCACHE_MAX 65536
+#endif
+#ifndef ENDPOINTS_MAX
+#define ENDPOINTS_MAX 4096
+#endif
+#ifndef POLICY_MAX
+#define POLICY_MAX 262144
+#endif
+#ifndef CT_MAX
+#define CT_MAX 262144
+#endif
+#ifndef METRICS_MAX
+#define METRICS_MAX 65536
+#endif
+#ifndef EVENTS_BYTES
+#define EVENTS_BYTES (1 << 22)
+#endif
+
+#define DIR_INGRESS 1
+#define DIR_EGRESS 2
+#define VERDICT_ALLOW 1
+#define VERDICT_DENY 2
+#define REASON_POLICY_ALLOW 1
+#define REASON_POLICY_DENY 2
+#define REASON_DEFAULT_DENY 3
+#define REASON_ESTABLISHED 4
+#define REASON_NOT_ENFORCED 5
+#define REASON_INVALID 6
+#define REASON_EVENT_LOST 255
+#define ENFORCE_INGRESS 1
+#define ENFORCE_EGRESS 2
+#define FAMILY_V4 4
+#define FAMILY_V6 6
+#define IPCACHE_HEADER_BITS 32
+#define POLICY_FULL_PREFIX 112
+#define NSEC 1000000000ULL
+
+#define TCP_FLAG_FIN 0x01
+#define TCP_FLAG_RST 0x04
+
+struct ipcache_key {
+    u32 prefixlen;
+    u8 family;
+    u8 pad[3];
+    u8 addr[16];
+};
+struct ipcache_value {
+    u32 identity;
+    u32 flags;
+};
+
+struct endpoint_key {
+    u32 ifindex; /* set for the endpoint's veth key, 0 for address keys */
+    u8 family;
+    u8 pad[3];
+    u8 addr[16];
+};
+struct endpoint_value {
+    u32 ep_id;
+    u32 identity;
+    u32 ifindex;
+    u32 flags;
+};
+
+struct policy_key {
+    u32 prefixlen;
+    u32 ep_id;
+    u32 identity;  /* 0 = any */
+    u8 direction;
+    u8 protocol;   /* 0 = any */
+    u8 verdict;    /* in the key so allow and deny never shadow each other */
+    u8 pad;
+    __be16 dport;  /* network order: the trie matches its high bits first */
+    u16 pad2;
+};
+struct policy_value {
+    u16 port_low;  /* the owning entry's range, for dumps */
+    u16 port_high;
+    u32 flags;
+};
+
+struct enforcement_key {
+    u32 ep_id;
+};
+struct enforcement_value {
+    u32 flags;
+};
+
+struct state_key {
+    u32 index;
+};
+struct state_value {
+    u64 policy_epoch;
+};
+
+struct ct_key {
+    u8 saddr[16];
+    u8 daddr[16];
+    __be16 sport;
+    __be16 dport;
+    u32 ep_id;
+    u8 family;
+    u8 protocol;
+    u8 direction;  /* direction the connection was opened in */
+    u8 pad;
+};
+struct ct_value {
+    u64 expires_ns;
+    u64 epoch;
+    u32 remote_identity;
+    u8 closing;
+    u8 pad[3];
+};
+
+struct metrics_key {
+    u32 ep_id;
+    u8 reason;
+    u8 direction;
+    u16 pad;
+};
+struct metrics_value {
+    u64 packets;
+    u64 bytes;
+};
+
+struct flow_event {
+    u64 ts_ns;
+    u32 ep_id;
+    u32 ifindex;
+    u32 src_identity;
+    u32 dst_identity;
+    u8 saddr[16];
+    u8 daddr[16];
+    u16 sport;
+    u16 dport;
+    u8 family;
+    u8 protocol;
+    u8 direction;
+    u8 verdict;
+    u8 reason;
+    u8 pad[7];
+};
+
+BPF_TABLE_PINNED("lpm_trie", struct ipcache_key, struct ipcache_value, ipcache, IPCACHE_MAX,
+                 PIN_DIR "/ipcache", BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", struct endpoint_key, struct endpoint_value, endpoints, ENDPOINTS_MAX,
+                 PIN_DIR "/endpoints");
+BPF_TABLE_PINNED("lpm_trie", struct policy_key, struct policy_value, policy, POLICY_MAX,
+                 PIN_DIR "/policy", BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", struct enforcement_key, struct enforcement_value, enforcement, ENDPOINTS_MAX,
+                 PIN_DIR "/enforcement");
+BPF_TABLE_PINNED("array", struct state_key, struct state_value, state, 1, PIN_DIR "/state");
+BPF_TABLE_PINNED("lru_hash", struct ct_key, struct ct_value, conntrack, CT_MAX, PIN_DIR "/conntrack");
+BPF_TABLE_PINNED("percpu_hash", struct metrics_key, struct metrics_value, metrics, METRICS_MAX,
+                 PIN_DIR "/metrics");
+
+/* BPF_RINGBUF_OUTPUT has no pinned form; this is its expansion with a pin path. */
+struct events_table_t {
+    int key;
+    u32 leaf;
+    int (*ringbuf_output)(void *, u64, u64);
+    void *(*ringbuf_reserve)(u64);
+    void (*ringbuf_discard)(void *, u64);
+    void (*ringbuf_submit)(void *, u64);
+    u32 max_entries;
+};
+__attribute__((section("maps/ringbuf:" PIN_DIR "/events")))
+struct events_table_t events = {.max_entries = EVENTS_BYTES};
+
+/* A parsed packet; addresses and ports in network order. */
+struct flow {
+    u8 saddr[16];
+    u8 daddr[16];
+    __be16 sport;         /* conntrack ports (ICMP echo: id and 0) */
+    __be16 dport;
+    u16 policy_port;      /* destination port for policy, host order; 0 without ports */
+    u8 family;
+    u8 protocol;
+    u8 tcp_flags;
+    u8 pad[3];
+};
+
+#define PARSE_OK 0
+#define PARSE_PASS 1     /* not ours to judge: non-IP, ND, ICMP errors */
+#define PARSE_INVALID 2  /* an IP packet too short to parse */
+
+static __always_inline int has_ports(u8 proto)
+{
+    return proto == IPPROTO_TCP || proto == IPPROTO_UDP || proto == IPPROTO_SCTP;
+}
+
+static __always_inline int parse_l4(struct __sk_buff *skb, u32 off, struct flow *f, int first_fragment)
+{
+    if (!first_fragment)
+        return PARSE_OK;  /* later fragments carry no ports: judged with port 0 */
+    if (has_ports(f->protocol)) {
+        struct {
+            __be16 sport;
+            __be16 dport;
+            u32 seq;
+            u32 ack;
+            u8 doff;
+            u8 flags;
+        } l4 = {};
+        u32 len = f->protocol == IPPROTO_TCP ? 14 : 4;
+        if (bpf_skb_load_bytes(skb, off, &l4, len) < 0)
+            return PARSE_INVALID;
+        f->sport = l4.sport;
+        f->dport = l4.dport;
+        f->policy_port = bpf_ntohs(l4.dport);
+        if (f->protocol == IPPROTO_TCP)
+            f->tcp_flags = l4.flags;
+        return PARSE_OK;
+    }
+    if (f->protocol == IPPROTO_ICMP || f->protocol == IPPROTO_ICMPV6) {
+        struct {
+            u8 type;
+            u8 code;
+            u16 csum;
+            __be16 id;
+        } icmp = {};
+        if (bpf_skb_load_bytes(skb, off, &icmp, sizeof(icmp)) < 0)
+            return PARSE_INVALID;
+        u8 request = f->protocol == IPPROTO_ICMP ? 8 : 128;
+        u8 reply = f->protocol == IPPROTO_ICMP ? 0 : 129;
+        if (icmp.type == request) {
+            f->sport = icmp.id;
+        } else if (icmp.type == reply) {
+            f->dport = icmp.id;  /* mirrors the request so the reversed tuple matches */
+        } else if (f->protocol == IPPROTO_ICMP) {
+            /* destination unreachable, time exceeded, parameter problem */
+            if (icmp.type == 3 || icmp.type == 11 || icmp.type == 12)
+                return PARSE_PASS;
+        } else {
+            /* ICMPv6 errors (1-4), MLD (130-132, 143), router/neighbour discovery (133-137) */
+            if (icmp.type <= 4 || (icmp.type >= 130 && icmp.type <= 137) || icmp.type == 143)
+                return PARSE_PASS;
+        }
+        return PARSE_OK;
+    }
+    return PARSE_OK;
+}
+
+static __always_inline int parse(struct __sk_buff *skb, struct flow *f)
+{
+    if (skb->protocol == bpf_htons(ETH_P_IP)) {
+        struct iphdr ip;
+        if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)) < 0)
+            return PARSE_INVALID;
+        f->family = FAMILY_V4;
+        f->protocol = ip.protocol;
+        __builtin_memcpy(f->saddr, &ip.saddr, 4);
+        __builtin_memcpy(f->daddr, &ip.daddr, 4);
+        int first = (ip.frag_off & bpf_htons(0x1fff)) == 0;
+        return parse_l4(skb, ETH_HLEN + ip.ihl * 4, f, first);
+    }
+    if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+        struct ipv6hdr ip6;
+        if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip6, sizeof(ip6)) < 0)
+            return PARSE_INVALID;
+        f->family = FAMILY_V6;
+        __builtin_memcpy(f->saddr, &ip6.saddr, 16);
+        __builtin_memcpy(f->daddr, &ip6.daddr, 16);
+        u8 next = ip6.nexthdr;
+        u32 off = ETH_HLEN + sizeof(ip6);
+        int first = 1;
+        /* Skip the extension headers that may precede the L4 header. */
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            if (next == 0 /* hop-by-hop */ || next == 43 /* routing */ || next == 60 /* dest opts */) {
+                u8 ext[2];
+                if (bpf_skb_load_bytes(skb, off, ext, 2) < 0)
+                    return PARSE_INVALID;
+                next = ext[0];
+                off += ((u32)ext[1] + 1) * 8;
+            } else if (next == 44 /* fragment */) {
+                struct {
+                    u8 next;
+                    u8 reserved;
+                    __be16 frag_off;
+                    u32 id;
+                } frag;
+                if (bpf_skb_load_bytes(skb, off, &frag, sizeof(frag)) < 0)
+                    return PARSE_INVALID;
+                next = frag.next;
+                first = (frag.frag_off & bpf_htons(0xfff8)) == 0;
+                off += 8;
+            } else {
+                break;
+            }
+        }
+        f->protocol = next;
+        return parse_l4(skb, off, f, first);
+    }
+    return PARSE_PASS;
+}
+
+static __always_inline u32 resolve_identity(u8 family, const u8 *addr)
+{
+    struct endpoint_key ek = {};
+    ek.family = family;
+    __builtin_memcpy(ek.addr, addr, 16);
+    struct endpoint_value *ep = endpoints.lookup(&ek);
+    if (ep)
+        return ep->identity;
+
+    struct ipcache_key ik = {};
+    ik.prefixlen = IPCACHE_HEADER_BITS + (family == FAMILY_V4 ? 32 : 128);
+    ik.family = family;
+    __builtin_memcpy(ik.addr, addr, 16);
+    struct ipcache_value *iv = ipcache.lookup(&ik);
+    if (iv)
+        return iv->identity;
+    return WORLD_ID;
+}
+
+static __always_inline int policy_match(u32 ep_id, u8 dir, u32 remote, u8 proto, u16 port, u8 verdict)
+{
+    struct policy_key k = {};
+    k.prefixlen = POLICY_FULL_PREFIX;
+    k.ep_id = ep_id;
+    k.direction = dir;
+    k.verdict = verdict;
+    k.dport = bpf_htons(port);
+
+    k.identity = remote;
+    k.protocol = proto;
+    if (policy.lookup(&k))
+        return 1;
+    k.protocol = 0;
+    if (policy.lookup(&k))
+        return 1;
+    k.identity = 0;
+    k.protocol = proto;
+    if (policy.lookup(&k))
+        return 1;
+    k.protocol = 0;
+    if (policy.lookup(&k))
+        return 1;
+    return 0;
+}
+
+static __always_inline u8 policy_verdict(u32 ep_id, u8 dir, u32 remote, u8 proto, u16 port, u8 *reason)
+{
+    struct enforcement_key ek = {.ep_id = ep_id};
+    struct enforcement_value *en = enforcement.lookup(&ek);
+    u32 bit = dir == DIR_INGRESS ? ENFORCE_INGRESS : ENFORCE_EGRESS;
+    if (!en || !(en->flags & bit)) {
+        *reason = REASON_NOT_ENFORCED;
+        return VERDICT_ALLOW;
+    }
+    if (policy_match(ep_id, dir, remote, proto, port, VERDICT_DENY)) {
+        *reason = REASON_POLICY_DENY;
+        return VERDICT_DENY;
+    }
+    if (policy_match(ep_id, dir, remote, proto, port, VERDICT_ALLOW)) {
+        *reason = REASON_POLICY_ALLOW;
+        return VERDICT_ALLOW;
+    }
+    *reason = REASON_DEFAULT_DENY;
+    return VERDICT_DENY;
+}
+
+static __always_inline void count(u32 ep_id, u8 reason, u8 dir, u32 bytes)
+{
+    struct metrics_key mk = {.ep_id = ep_id, .reason = reason, .direction = dir};
+    struct metrics_value *mv = metrics.lookup(&mk);
+    if (mv) {
+        /* per-CPU slot: no other CPU writes it */
+        mv->packets += 1;
+        mv->bytes += bytes;
+        return;
+    }
+    struct metrics_value nv = {.packets = 1, .bytes = bytes};
+    metrics.update(&mk, &nv);
+}
+
+static __always_inline void emit(struct __sk_buff *skb, const struct flow *f, u32 ep_id, u32 local_id,
+                                 u32 remote_id, u8 dir, u8 verdict, u8 reason)
+{
+    struct flow_event ev = {};
+    ev.ts_ns = bpf_ktime_get_ns();
+    ev.ep_id = ep_id;
+    ev.ifindex = skb->ifindex;
+    ev.src_identity = dir == DIR_EGRESS ? local_id : remote_id;
+    ev.dst_identity = dir == DIR_EGRESS ? remote_id : local_id;
+    __builtin_memcpy(ev.saddr, f->saddr, 16);
+    __builtin_memcpy(ev.daddr, f->daddr, 16);
+    ev.sport = bpf_ntohs(f->sport);
+    ev.dport = bpf_ntohs(f->dport);
+    ev.family = f->family;
+    ev.protocol = f->protocol;
+    ev.direction = dir;
+    ev.verdict = verdict;
+    ev.reason = reason;
+    if (events.ringbuf_output(&ev, sizeof(ev), 0) != 0)
+        count(0, REASON_EVENT_LOST, 0, 0);
+}
+
+static __always_inline u64 ct_lifetime(u8 proto, int closing)
+{
+    if (proto == IPPROTO_TCP)
+        return (closing ? CT_CLOSING_LIFETIME_S : CT_TCP_LIFETIME_S) * NSEC;
+    return CT_OTHER_LIFETIME_S * NSEC;
+}
+
+static __always_inline u64 current_epoch(void)
+{
+    struct state_key sk = {.index = 0};
+    struct state_value *sv = state.lookup(&sk);
+    return sv ? sv->policy_epoch : 0;
+}
+
+static __always_inline int handle(struct __sk_buff *skb, u8 dir)
+{
+    struct endpoint_key self = {};
+    self.ifindex = skb->ifindex;
+    struct endpoint_value *ep = endpoints.lookup(&self);
+    if (!ep)
+        return TC_ACT_OK;  /* not an endpoint's veth (or being detached) */
+    u32 ep_id = ep->ep_id;
+    u32 local_id = ep->identity;
+
+    struct flow f = {};
+    int parsed = parse(skb, &f);
+    if (parsed == PARSE_PASS)
+        return TC_ACT_OK;
+    if (parsed == PARSE_INVALID) {
+        /* Too short to judge; the event carries whatever was parsed. */
+        emit(skb, &f, ep_id, local_id, 0, dir, VERDICT_DENY, REASON_INVALID);
+        count(ep_id, REASON_INVALID, dir, skb->len);
+        return TC_ACT_SHOT;
+    }
+
+    u64 now = bpf_ktime_get_ns();
+    u64 epoch = current_epoch();
+
+    struct ct_key fwd = {};
+    __builtin_memcpy(fwd.saddr, f.saddr, 16);
+    __builtin_memcpy(fwd.daddr, f.daddr, 16);
+    fwd.sport = f.sport;
+    fwd.dport = f.dport;
+    fwd.ep_id = ep_id;
+    fwd.family = f.family;
+    fwd.protocol = f.protocol;
+    fwd.direction = dir;
+
+    struct ct_key rev = {};
+    __builtin_memcpy(rev.saddr, f.daddr, 16);
+    __builtin_memcpy(rev.daddr, f.saddr, 16);
+    rev.sport = f.dport;
+    rev.dport = f.sport;
+    rev.ep_id = ep_id;
+    rev.family = f.family;
+    rev.protocol = f.protocol;
+    rev.direction = dir == DIR_EGRESS ? DIR_INGRESS : DIR_EGRESS;
+
+    struct ct_key *origin = &fwd;
+    struct ct_value *ct = conntrack.lookup(&fwd);
+    if (!ct || ct->expires_ns < now) {
+        origin = &rev;
+        ct = conntrack.lookup(&rev);
+        if (ct && ct->expires_ns < now)
+            ct = NULL;
+    }
+
+    if (ct) {
+        if (ct->epoch != epoch) {
+            /* Policy changed since this flow's last verdict: judge it again as it was opened. */
+            u8 odir = origin->direction;
+            u32 rid = resolve_identity(origin->family, odir == DIR_EGRESS ? origin->daddr : origin->saddr);
+            u16 oport = has_ports(origin->protocol) ? bpf_ntohs(origin->dport) : 0;
+            u8 reason = 0;
+            u8 verdict = policy_verdict(ep_id, odir, rid, origin->protocol, oport, &reason);
+            if (verdict != VERDICT_ALLOW) {
+                conntrack.delete(origin);
+                u32 prid = resolve_identity(f.family, dir == DIR_EGRESS ? f.daddr : f.saddr);
+                emit(skb, &f, ep_id, local_id, prid, dir, VERDICT_DENY, reason);
+                count(ep_id, reason, dir, skb->len);
+                return TC_ACT_SHOT;
+            }
+            ct->epoch = epoch;
+            ct->remote_identity = rid;
+        }
+        if (f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST))
+            ct->closing = 1;
+        ct->expires_ns = now + ct_lifetime(f.protocol, ct->closing);
+        count(ep_id, REASON_ESTABLISHED, dir, skb->len);
+        return TC_ACT_OK;
+    }
+
+    u32 remote_id = resolve_identity(f.family, dir == DIR_EGRESS ? f.daddr : f.saddr);
+    u8 reason = 0;
+    u8 verdict = policy_verdict(ep_id, dir, remote_id, f.protocol, f.policy_port, &reason);
+    emit(skb, &f, ep_id, local_id, remote_id, dir, verdict, reason);
+    count(ep_id, reason, dir, skb->len);
+    if (verdict != VERDICT_ALLOW)
+        return TC_ACT_SHOT;
+
+    struct ct_value nv = {};
+    nv.closing = (f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) ? 1 : 0;
+    nv.expires_ns = now + ct_lifetime(f.protocol, nv.closing);
+    nv.epoch = epoch;
+    nv.remote_identity = remote_id;
+    conntrack.update(&fwd, &nv);
+    return TC_ACT_OK;
+}
+
+int from_container(struct __sk_buff *skb)
+{
+    return handle(skb, DIR_EGRESS);
+}
+
+int to_container(struct __sk_buff *skb)
+{
+    return handle(skb, DIR_INGRESS);
+}

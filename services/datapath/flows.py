@@ -1,0 +1,147 @@
+"""Flow events: one task drains the BPF ring buffer and fans events out to Observe clients.
+
+Each client has a bounded buffer; a client that cannot keep up loses its oldest
+events (counted), never slowing the reader or the other clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Protocol
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from palisade.v1 import common_pb2, datapath_pb2
+from services.common.log import get_logger
+from services.datapath import types as dt
+
+log = get_logger("flows")
+
+
+class FlowSource(Protocol):
+    def read_flows(self, timeout_ms: int) -> Sequence[dt.FlowEvent]: ...
+
+
+def flow_to_proto(event: dt.FlowEvent, node: str, pod: str) -> datapath_pb2.FlowEvent:
+    """The wire form of a flow event. Pure."""
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(event.time * 1e9))
+    reason = 0 if event.reason is dt.Reason.INVALID else event.reason.wire
+    return datapath_pb2.FlowEvent(
+        time=stamp,
+        node=node,
+        endpoint_id=event.endpoint_id,
+        direction=event.direction.wire,  # type: ignore[arg-type]
+        verdict=event.verdict.wire,  # type: ignore[arg-type]
+        reason=reason,  # type: ignore[arg-type]
+        source_identity=event.source_identity,
+        destination_identity=event.destination_identity,
+        source_ip=event.source_ip,
+        destination_ip=event.destination_ip,
+        source_port=event.source_port,
+        destination_port=event.destination_port,
+        protocol=event.protocol,  # type: ignore[arg-type]
+        pod=pod,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowFilter:
+    """Which events an Observe client wants."""
+
+    verdicts: frozenset[int] = frozenset()
+    #: "namespace/name" of one local pod; empty for all.
+    pod: str = ""
+
+    @classmethod
+    def from_request(cls, request: datapath_pb2.ObserveRequest) -> FlowFilter:
+        return cls(frozenset(int(v) for v in request.verdicts), request.pod)
+
+    def matches(self, event: datapath_pb2.FlowEvent) -> bool:
+        if self.verdicts and event.verdict not in self.verdicts:
+            return False
+        return not self.pod or event.pod == self.pod
+
+
+class Subscription:
+    """One Observe client's buffer."""
+
+    def __init__(self, flt: FlowFilter, size: int) -> None:
+        self.filter = flt
+        self._queue: asyncio.Queue[datapath_pb2.FlowEvent] = asyncio.Queue(maxsize=size)
+        self.lost = 0
+
+    def offer(self, event: datapath_pb2.FlowEvent) -> None:
+        if not self.filter.matches(event):
+            return
+        if self._queue.full():
+            self._queue.get_nowait()
+            self.lost += 1
+        self._queue.put_nowait(event)
+
+    async def get(self) -> datapath_pb2.FlowEvent:
+        return await self._queue.get()
+
+
+class FlowHub:
+    """Reads flow events and hands each to every matching subscription."""
+
+    def __init__(
+        self,
+        source: FlowSource,
+        *,
+        node: str,
+        pod_of: Callable[[int], str],
+        poll_ms: int = 200,
+        buffer: int = 4096,
+    ) -> None:
+        self._source = source
+        self._node = node
+        self._pod_of = pod_of
+        self._poll_ms = poll_ms
+        self._buffer = buffer
+        self._subs: set[Subscription] = set()
+        self.events = 0
+
+    async def run(self) -> None:
+        errors = 0
+        while True:
+            try:
+                batch = await asyncio.to_thread(self._source.read_flows, self._poll_ms)
+                errors = 0
+            except Exception as exc:
+                errors += 1
+                if errors == 1 or errors % 100 == 0:
+                    log.error("reading flow events failed", error=str(exc), attempts=errors)
+                await asyncio.sleep(min(0.1 * errors, 5.0))
+                continue
+            for event in batch:
+                self.publish(flow_to_proto(event, self._node, self._pod_of(event.endpoint_id)))
+
+    def publish(self, event: datapath_pb2.FlowEvent) -> None:
+        self.events += 1
+        for sub in self._subs:
+            sub.offer(event)
+
+    async def stream(self, flt: FlowFilter, limit: int = 0) -> AsyncIterator[datapath_pb2.FlowEvent]:
+        """Events matching ``flt`` from now on; stops after ``limit`` (0: until the caller stops)."""
+        sub = Subscription(flt, self._buffer)
+        self._subs.add(sub)
+        sent = 0
+        try:
+            while not limit or sent < limit:
+                yield await sub.get()
+                sent += 1
+        finally:
+            self._subs.discard(sub)
+            if sub.lost:
+                log.info("observe client lost events", lost=sub.lost)
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subs)
+
+
+VERDICTS = {common_pb2.VERDICT_ALLOW, common_pb2.VERDICT_DENY}

@@ -1,0 +1,103 @@
+"""The ipcache: ``palisade.ipcache.>`` into the BPF LPM map, and relabels of local pods.
+
+The stream keeps the last entry per address, so following it from the start replays
+the current ipcache; after the replay, prefixes the map holds but the stream no
+longer has (deleted while the datapath was down) are removed. Tombstones delete.
+
+Addresses of local endpoints are the endpoint manager's: their map entries always
+carry the endpoint's identity. When an entry for a local pod's address brings a new
+identity (the pod was relabelled and ipam re-resolved it), the endpoint is switched
+to that identity, new policy first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import Mapping
+from typing import Protocol
+
+from palisade.v1 import identity_pb2
+from services.common.bus import Bus, Follower
+from services.common.log import get_logger
+
+log = get_logger("ipcache")
+
+SUBJECT = "palisade.ipcache.>"
+
+
+class IpcacheMap(Protocol):
+    """The LPM map part of the BPF facade (blocking calls)."""
+
+    def ipcache_upsert(self, prefix: str, identity: int) -> None: ...
+
+    def ipcache_delete(self, prefix: str) -> object: ...
+
+    def ipcache_dump(self) -> Mapping[str, int]: ...
+
+
+class LocalEndpoints(Protocol):
+    """The endpoint manager, as the ipcache sees it."""
+
+    def local_prefixes(self) -> dict[str, int]: ...
+
+    async def ipcache_identity(self, prefix: str, identity: int, namespace: str, pod: str) -> None: ...
+
+
+def normalize(prefix: str) -> str:
+    """``10.0.0.5`` and ``10.0.0.5/32`` name one prefix; host bits are cleared."""
+    return str(ipaddress.ip_network(prefix.strip(), strict=False))
+
+
+class IpcacheSync:
+    """Keeps the LPM map equal to the ipcache stream (plus the local endpoints' addresses)."""
+
+    def __init__(self, datapath: IpcacheMap, endpoints: LocalEndpoints) -> None:
+        self._dp = datapath
+        self._endpoints = endpoints
+        #: The desired ipcache: prefix -> identity, as the stream says.
+        self.entries: dict[str, int] = {}
+        self.loaded = asyncio.Event()
+        self.updates = 0
+        self._follower: Follower | None = None
+
+    async def start(self, bus: Bus) -> None:
+        """Replay the stream into the map, remove what it no longer has, then keep following."""
+        self._follower = await bus.follow(SUBJECT, identity_pb2.IpcacheEntry, self._on_entry)
+        await self._follower.caught_up.wait()
+        removed = await self._prune()
+        self.loaded.set()
+        log.info("ipcache loaded", prefixes=len(self.entries), stale_removed=removed)
+
+    async def stop(self) -> None:
+        if self._follower is not None:
+            await self._follower.stop()
+
+    async def _on_entry(self, subject: str, entry: identity_pb2.IpcacheEntry) -> None:
+        try:
+            prefix = normalize(entry.prefix)
+        except ValueError:
+            log.warning("ipcache entry with a bad prefix ignored", subject=subject, prefix=entry.prefix)
+            return
+        local = self._endpoints.local_prefixes()
+        if entry.deleted or not entry.identity:
+            self.entries.pop(prefix, None)
+            if prefix in local:
+                return  # the endpoint still exists here: its address keeps its identity
+            await asyncio.to_thread(self._dp.ipcache_delete, prefix)
+        else:
+            self.entries[prefix] = entry.identity
+            if prefix in local:
+                if local[prefix] != entry.identity:
+                    await self._endpoints.ipcache_identity(prefix, entry.identity, entry.namespace, entry.pod)
+                return
+            await asyncio.to_thread(self._dp.ipcache_upsert, prefix, entry.identity)
+        self.updates += 1
+
+    async def _prune(self) -> int:
+        held = await asyncio.to_thread(self._dp.ipcache_dump)
+        keep = set(self.entries) | set(self._endpoints.local_prefixes())
+        stale = [p for p in held if normalize(p) not in keep]
+        for prefix in stale:
+            await asyncio.to_thread(self._dp.ipcache_delete, prefix)
+        return len(stale)

@@ -1,0 +1,117 @@
+"""Flow events: a BPF ring buffer the program writes and the agent drains.
+
+The program emits every drop and each new allowed connection (the first packet
+that creates a conntrack entry), never established traffic, so the buffer's
+volume follows connection rate, not packet rate. The consumer position lives
+in the map, so a restarted agent continues where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import ipaddress
+import time
+
+from services.datapath.maps.bpf import BpfError, MapSpec, MapType, PinnedMap, RingBufferCallback, check, libbpf
+from services.datapath.types import Direction, FlowEvent, Reason, Verdict
+
+NAME = "events"
+FAMILY_V4 = 4
+
+
+class FlowEventRecord(ctypes.Structure):
+    # struct flow_event in bpf/palisade.c; ports in host order, addresses in network order.
+    _fields_ = [
+        ("ts_ns", ctypes.c_uint64),
+        ("ep_id", ctypes.c_uint32),
+        ("ifindex", ctypes.c_uint32),
+        ("src_identity", ctypes.c_uint32),
+        ("dst_identity", ctypes.c_uint32),
+        ("saddr", ctypes.c_uint8 * 16),
+        ("daddr", ctypes.c_uint8 * 16),
+        ("sport", ctypes.c_uint16),
+        ("dport", ctypes.c_uint16),
+        ("family", ctypes.c_uint8),
+        ("protocol", ctypes.c_uint8),
+        ("direction", ctypes.c_uint8),
+        ("verdict", ctypes.c_uint8),
+        ("reason", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 7),
+    ]
+
+
+C_STRUCTS = ((FlowEventRecord, "flow_event"),)
+
+
+def spec(size_bytes: int) -> MapSpec:
+    if size_bytes < 4096 or size_bytes & (size_bytes - 1):
+        raise ValueError("ring buffer size must be a power of two of at least one page")
+    return MapSpec(NAME, MapType.RINGBUF, 0, 0, size_bytes)
+
+
+def _addr(raw: ctypes.Array[ctypes.c_uint8], family: int) -> str:
+    return str(ipaddress.ip_address(bytes(raw[: 4 if family == FAMILY_V4 else 16])))
+
+
+def to_event(rec: FlowEventRecord, mono_to_wall: float) -> FlowEvent:
+    return FlowEvent(
+        time=mono_to_wall + int(rec.ts_ns) / 1e9,
+        endpoint_id=int(rec.ep_id),
+        ifindex=int(rec.ifindex),
+        direction=Direction.from_wire(int(rec.direction)),
+        verdict=Verdict.from_wire(int(rec.verdict)),
+        reason=Reason.from_wire(int(rec.reason)),
+        source_identity=int(rec.src_identity),
+        destination_identity=int(rec.dst_identity),
+        source_ip=_addr(rec.saddr, int(rec.family)),
+        destination_ip=_addr(rec.daddr, int(rec.family)),
+        source_port=int(rec.sport),
+        destination_port=int(rec.dport),
+        protocol=int(rec.protocol),
+    )
+
+
+class EventReader:
+    """Drains the pinned ring buffer through libbpf's ``ring_buffer`` consumer."""
+
+    def __init__(self, pinned: PinnedMap) -> None:
+        self.map = pinned
+        self._pending: list[FlowEvent] = []
+        # bpf_ktime_get_ns is CLOCK_MONOTONIC; the offset turns it into Unix time.
+        self._offset = time.time() - time.monotonic()
+
+        def on_sample(_ctx: int | None, data: int | None, size: int) -> int:
+            if data is not None and size >= ctypes.sizeof(FlowEventRecord):
+                rec = FlowEventRecord.from_buffer_copy(ctypes.string_at(data, ctypes.sizeof(FlowEventRecord)))
+                try:
+                    self._pending.append(to_event(rec, self._offset))
+                except ValueError:  # a record from a newer program; skip it
+                    pass
+            return 0
+
+        # Keep the callback object alive as long as the ring buffer may call it.
+        self._callback = RingBufferCallback(on_sample)
+        rb = libbpf().ring_buffer__new(pinned.fd, self._callback, None, None)
+        if not rb:
+            code = ctypes.get_errno() or errno.EINVAL
+            raise BpfError(code, "ring_buffer__new failed", pinned.path)
+        self._rb: int | None = rb
+
+    def read(self, timeout_ms: int = 0) -> list[FlowEvent]:
+        """Events available now, waiting up to ``timeout_ms`` for the first one."""
+        if self._rb is None:
+            raise BpfError(errno.EBADF, "event reader is closed")
+        lib = libbpf()
+        ret = lib.ring_buffer__poll(self._rb, max(0, timeout_ms))
+        if ret == -errno.EINTR:
+            ret = 0
+        check(ret, "ring_buffer__poll", self.map.path)
+        check(lib.ring_buffer__consume(self._rb), "ring_buffer__consume", self.map.path)
+        out, self._pending = self._pending, []
+        return out
+
+    def close(self) -> None:
+        if self._rb is not None:
+            libbpf().ring_buffer__free(self._rb)
+            self._rb = None

@@ -1,0 +1,224 @@
+"""The policy map: one LPM trie shared by all endpoints, in the style of Cilium's policymap.
+
+Key bytes, in trie order: endpoint id, remote identity, direction, protocol,
+verdict, a zero pad byte (96 fixed bits), then the destination port in network
+order (16 bits). A port range becomes the aligned power-of-two blocks that
+cover it, one trie prefix each (at most 30 for 16 bits); "all ports" is one
+prefix of length 96. Wildcards are stored literally (identity 0, protocol 0)
+and the program looks each combination up separately.
+
+The verdict is part of the key so an allow and a deny over the same ports are
+two prefixes: neither shadows the other, and the program looks up deny
+prefixes first, so deny wins regardless of which is more specific.
+
+The value records the port range of the entry that owns the prefix, so a dump
+re-assembles entries exactly, including adjacent ranges. An entry whose every
+block is also a block of another entry of the same (endpoint, direction,
+identity, protocol, verdict) adds nothing and folds into it in the dump.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import socket
+from collections.abc import Iterable, Mapping
+
+from services.datapath.maps.bpf import BPF_F_NO_PREALLOC, MapSpec, MapType, PinnedMap
+from services.datapath.types import (
+    IDENTITY_ANY,
+    MAX_PORT,
+    Direction,
+    Enforcement,
+    PolicyEntry,
+    PolicyKey,
+    Protocol,
+    Reason,
+    Verdict,
+)
+
+NAME = "policy"
+FIXED_BITS = 96
+PORT_BITS = 16
+FULL_PREFIX = FIXED_BITS + PORT_BITS
+
+
+class PolicyMapKey(ctypes.Structure):
+    # struct policy_key in bpf/palisade.c; dport is in network order, the rest host order.
+    _fields_ = [
+        ("prefixlen", ctypes.c_uint32),
+        ("ep_id", ctypes.c_uint32),
+        ("identity", ctypes.c_uint32),
+        ("direction", ctypes.c_uint8),
+        ("protocol", ctypes.c_uint8),
+        ("verdict", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8),
+        ("dport", ctypes.c_uint16),
+        ("pad2", ctypes.c_uint16),
+    ]
+
+
+class PolicyMapValue(ctypes.Structure):
+    # struct policy_value in bpf/palisade.c: the owning entry's range (0-0 = all ports).
+    _fields_ = [
+        ("port_low", ctypes.c_uint16),
+        ("port_high", ctypes.c_uint16),
+        ("flags", ctypes.c_uint32),
+    ]
+
+
+C_STRUCTS = ((PolicyMapKey, "policy_key"), (PolicyMapValue, "policy_value"))
+
+
+def spec(max_entries: int) -> MapSpec:
+    return MapSpec(
+        NAME,
+        MapType.LPM_TRIE,
+        ctypes.sizeof(PolicyMapKey),
+        ctypes.sizeof(PolicyMapValue),
+        max_entries,
+        BPF_F_NO_PREALLOC,
+    )
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Prefix:
+    """One trie entry: a group (endpoint, direction, identity, protocol, verdict) and a port block."""
+
+    ep_id: int
+    direction: Direction
+    identity: int
+    protocol: Protocol
+    verdict: Verdict
+    port: int
+    #: Leading port bits that must match (0 = any port, 16 = exactly ``port``).
+    port_bits: int
+
+    def covers(self, port: int) -> bool:
+        shift = PORT_BITS - self.port_bits
+        return (port >> shift) == (self.port >> shift)
+
+
+#: What the map holds for one endpoint: prefix -> owning entry's (port_low, port_high).
+PrefixMap = dict[Prefix, tuple[int, int]]
+
+
+def range_to_blocks(low: int, high: int) -> list[tuple[int, int]]:
+    """The minimal aligned blocks ``(start, prefix_bits)`` covering ``low..high``. Pure."""
+    if not 0 <= low <= high <= MAX_PORT:
+        raise ValueError(f"bad port range {low}-{high}")
+    blocks = []
+    while low <= high:
+        size = (low & -low) if low else MAX_PORT + 1
+        while size > high - low + 1:
+            size >>= 1
+        blocks.append((low, PORT_BITS + 1 - size.bit_length()))
+        low += size
+    return blocks
+
+
+def encode(ep_id: int, entries: Iterable[PolicyEntry]) -> PrefixMap:
+    """The trie contents for one endpoint's entries. Pure and deterministic."""
+    out: PrefixMap = {}
+    for entry in sorted(set(entries)):
+        key = entry.key
+        for port, bits in range_to_blocks(*key.port_range):
+            prefix = Prefix(ep_id, key.direction, key.remote_identity, key.protocol, entry.verdict, port, bits)
+            out.setdefault(prefix, (key.port_low, key.port_high))
+    return out
+
+
+def decode(prefixes: Mapping[Prefix, tuple[int, int]]) -> list[PolicyEntry]:
+    """Re-assemble entries from trie contents (inverse of :func:`encode`). Pure."""
+    entries = {
+        PolicyEntry(PolicyKey(p.direction, p.identity, p.protocol, low, high), p.verdict)
+        for p, (low, high) in prefixes.items()
+    }
+    return sorted(entries)
+
+
+def evaluate(
+    prefixes: Mapping[Prefix, tuple[int, int]],
+    enforcement: Enforcement,
+    *,
+    ep_id: int,
+    direction: Direction,
+    remote_identity: int,
+    protocol: int,
+    port: int,
+) -> tuple[Verdict, Reason]:
+    """The verdict the program reaches for a new flow, computed in Python. Pure.
+
+    Lookup order (bpf/palisade.c ``policy_verdict``): an unenforced direction
+    allows; else deny prefixes for (identity, proto), (identity, any),
+    (any, proto), (any, any) — any hit drops; then the same four for allow —
+    any hit passes; else default deny. ``port`` is 0 for protocols without ports.
+    """
+    if not enforcement.enforced(direction):
+        return Verdict.ALLOW, Reason.NOT_ENFORCED
+    combos = ((remote_identity, protocol), (remote_identity, 0), (IDENTITY_ANY, protocol), (IDENTITY_ANY, 0))
+    for verdict, reason in ((Verdict.DENY, Reason.POLICY_DENY), (Verdict.ALLOW, Reason.POLICY_ALLOW)):
+        for identity, proto in combos:
+            for p in prefixes:
+                if (
+                    p.ep_id == ep_id
+                    and p.direction is direction
+                    and p.verdict is verdict
+                    and p.identity == identity
+                    and p.protocol.number == proto
+                    and p.covers(port)
+                ):
+                    return verdict, reason
+    return Verdict.DENY, Reason.DEFAULT_DENY
+
+
+def to_key(prefix: Prefix) -> PolicyMapKey:
+    return PolicyMapKey(
+        prefixlen=FIXED_BITS + prefix.port_bits,
+        ep_id=prefix.ep_id,
+        identity=prefix.identity,
+        direction=prefix.direction.wire,
+        protocol=prefix.protocol.number,
+        verdict=prefix.verdict.wire,
+        dport=socket.htons(prefix.port),
+    )
+
+
+def from_key(key: PolicyMapKey) -> Prefix:
+    bits = int(key.prefixlen) - FIXED_BITS
+    mask = (0xFFFF << (PORT_BITS - bits)) & 0xFFFF
+    return Prefix(
+        ep_id=int(key.ep_id),
+        direction=Direction.from_wire(int(key.direction)),
+        identity=int(key.identity),
+        protocol=Protocol.from_number(int(key.protocol)),
+        verdict=Verdict.from_wire(int(key.verdict)),
+        port=socket.ntohs(int(key.dport)) & mask,
+        port_bits=bits,
+    )
+
+
+class PolicyMap:
+    def __init__(self, pinned: PinnedMap) -> None:
+        self.map = pinned
+
+    def write(self, prefixes: Mapping[Prefix, tuple[int, int]]) -> None:
+        for prefix, (low, high) in prefixes.items():
+            self.map.update(to_key(prefix), PolicyMapValue(port_low=low, port_high=high))
+
+    def delete(self, prefixes: Iterable[Prefix]) -> None:
+        for prefix in prefixes:
+            self.map.delete(to_key(prefix))
+
+    def read(self, ep_id: int | None = None) -> dict[int, PrefixMap]:
+        """The kernel's prefixes per endpoint (one endpoint, or all): a walk of the whole trie."""
+        out: dict[int, PrefixMap] = {}
+        for key in list(self.map.keys(PolicyMapKey)):
+            if ep_id is not None and key.ep_id != ep_id:
+                continue
+            value = self.map.lookup(key, PolicyMapValue)
+            if value is None:
+                continue
+            prefix = from_key(key)
+            out.setdefault(prefix.ep_id, {})[prefix] = (int(value.port_low), int(value.port_high))
+        return out

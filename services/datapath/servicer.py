@@ -1,0 +1,132 @@
+"""DatapathService over gRPC: endpoints, policy maps read back from the kernel, flow events."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, NoReturn, Protocol, TypeVar
+
+import grpc
+
+from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
+from services.common.log import get_logger
+from services.datapath import types as dt
+from services.datapath.endpoints import Endpoint, EndpointError, EndpointManager, EndpointRef, InvalidRequest
+from services.datapath.flows import VERDICTS, FlowFilter, FlowHub
+from services.datapath.orders import OrderError, enforcement_to_proto, entry_to_proto
+
+log = get_logger("servicer")
+
+T = TypeVar("T")
+
+
+class CounterSource(Protocol):
+    def counters(self) -> dt.Counters: ...
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: EndpointError) -> NoReturn:
+    await context.abort(exc.code, str(exc))
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
+    def __init__(self, manager: EndpointManager, flows: FlowHub, counters: CounterSource) -> None:
+        self._manager = manager
+        self._flows = flows
+        self._counters = counters
+
+    async def _guard(self, context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except EndpointError as exc:
+            await _abort(context, exc)
+        except OrderError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise
+
+    async def _endpoint_proto(self, ep: Endpoint) -> datapath_pb2.Endpoint:
+        out = ep.to_proto(self._manager.node)
+        try:
+            counters = await asyncio.to_thread(self._counters.counters)
+        except Exception as exc:  # counters are informational; the endpoint is still worth returning
+            log.warning("reading counters failed", error=str(exc))
+            return out
+        for key, value in counters.values.items():
+            if key.endpoint_id == ep.id and value.packets:
+                out.counters[f"{key.direction}/{key.reason}"] = value.packets
+        return out
+
+    async def CreateEndpoint(
+        self, request: datapath_pb2.CreateEndpointRequest, context: grpc.aio.ServicerContext
+    ) -> datapath_pb2.Endpoint:
+        ep = await self._guard(context, self._manager.create(request))
+        return await self._endpoint_proto(ep)
+
+    async def DeleteEndpoint(
+        self, request: datapath_pb2.DeleteEndpointRequest, context: grpc.aio.ServicerContext
+    ) -> datapath_pb2.DeleteEndpointResponse:
+        async def delete() -> None:
+            await self._manager.delete(EndpointRef.from_request(request))
+
+        await self._guard(context, delete())
+        return datapath_pb2.DeleteEndpointResponse()
+
+    async def GetEndpoint(
+        self, request: datapath_pb2.GetEndpointRequest, context: grpc.aio.ServicerContext
+    ) -> datapath_pb2.Endpoint:
+        async def get() -> Endpoint:
+            return self._manager.find(EndpointRef.from_request(request))
+
+        ep = await self._guard(context, get())
+        return await self._endpoint_proto(ep)
+
+    async def UpdateEndpoint(
+        self, request: datapath_pb2.UpdateEndpointRequest, context: grpc.aio.ServicerContext
+    ) -> datapath_pb2.Endpoint:
+        async def update() -> Endpoint:
+            ref = EndpointRef.from_request(request.endpoint)
+            if not request.labels:
+                raise InvalidRequest("give the pod's new labels; an endpoint without labels has no identity")
+            return await self._manager.relabel(ref, request.labels)
+
+        ep = await self._guard(context, update())
+        return await self._endpoint_proto(ep)
+
+    async def ListEndpoints(
+        self, request: datapath_pb2.ListEndpointsRequest, context: grpc.aio.ServicerContext
+    ) -> datapath_pb2.ListEndpointsResponse:
+        endpoints = sorted(self._manager.endpoints.values(), key=lambda e: e.id)
+        return datapath_pb2.ListEndpointsResponse(endpoints=[e.to_proto(self._manager.node) for e in endpoints])
+
+    async def GetPolicyMap(
+        self, request: datapath_pb2.GetPolicyMapRequest, context: grpc.aio.ServicerContext
+    ) -> datapath_pb2.GetPolicyMapResponse:
+        async def read() -> datapath_pb2.GetPolicyMapResponse:
+            ref = EndpointRef.from_request(request.endpoint)
+            ep, enforcement, entries = await self._manager.read_policy_map(ref)
+            return datapath_pb2.GetPolicyMapResponse(
+                endpoint_id=ep.id,
+                identity=ep.identity,
+                revision=ep.realized_revision,
+                enforcement=enforcement_to_proto(enforcement),
+                entries=[entry_to_proto(e) for e in sorted(entries)],
+            )
+
+        return await self._guard(context, read())
+
+    async def Observe(
+        self, request: datapath_pb2.ObserveRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[datapath_pb2.FlowEvent]:
+        unknown = [v for v in request.verdicts if v not in VERDICTS]
+        if unknown:
+            names = ", ".join(str(v) for v in unknown)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unknown verdict(s) {names}; filter by VERDICT_ALLOW ({common_pb2.VERDICT_ALLOW}) "
+                f"or VERDICT_DENY ({common_pb2.VERDICT_DENY})",
+            )
+        if request.pod and request.pod.count("/") != 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pod {request.pod!r} is not namespace/name")
+        stream: AsyncIterator[Any] = self._flows.stream(FlowFilter.from_request(request), request.limit)
+        async for event in stream:
+            yield event

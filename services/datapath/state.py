@@ -1,0 +1,173 @@
+"""Per-endpoint state directories: everything needed to restore an endpoint after a restart.
+
+Layout: ``<state_dir>/<endpoint id>/endpoint.json``, one directory per endpoint, like
+Cilium's ``/var/run/cilium/state/<id>``. A file is written to a temporary name, synced
+and renamed, so a crash leaves either the old or the new version, never half of one.
+Only what cannot be recomputed is stored: the pod, its namespace and veth, its
+addresses, and where its identity came from. Policy is not stored: after a restart
+it is fetched again from PolicyService (Resync), and until then the pinned maps keep
+enforcing what they held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+STATE_FILE = "endpoint.json"
+
+
+class StateError(ValueError):
+    """A state file cannot be read back; the message names the file."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Address:
+    """One pod address as IPAMService allocated it."""
+
+    ip: str
+    #: The node pod CIDR the address belongs to, e.g. "10.244.0.0/24".
+    cidr: str
+    #: The gateway of that CIDR (its first address), the pod's default route.
+    gateway: str
+    #: 4 or 6.
+    family: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PortRecord:
+    name: str
+    port: int
+    #: IP protocol number (6 TCP, 17 UDP, 132 SCTP).
+    protocol: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EndpointRecord:
+    """The durable part of an endpoint."""
+
+    id: int
+    namespace: str
+    pod: str
+    #: Path of the pod's network namespace, e.g. /run/netns/palisade-x-a.
+    netns: str
+    #: True when the datapath created the namespace (and so deletes it with the endpoint).
+    netns_owned: bool
+    host_ifname: str
+    host_ifindex: int
+    addresses: tuple[Address, ...]
+    #: Identity-relevant labels given in CreateEndpoint as (source, key, value); empty when resolved.
+    labels: tuple[tuple[str, str, str], ...]
+    #: True when the datapath took an identity reference (AllocateIdentity) it must release.
+    identity_owned: bool
+    identity: int
+    ports: tuple[PortRecord, ...] = ()
+    created_at: float = 0.0
+
+    @property
+    def key(self) -> str:
+        """ "namespace/pod", the name users know the endpoint by."""
+        return f"{self.namespace}/{self.pod}"
+
+    @property
+    def owner(self) -> str:
+        """The owner string under which IPs and identity references are held."""
+        return f"pod/{self.namespace}/{self.pod}"
+
+    @property
+    def ips(self) -> tuple[str, ...]:
+        return tuple(a.ip for a in self.addresses)
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["version"] = FORMAT_VERSION
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EndpointRecord:
+        version = data.get("version")
+        if version != FORMAT_VERSION:
+            raise ValueError(f"format version {version!r} is not {FORMAT_VERSION}")
+        return cls(
+            id=int(data["id"]),
+            namespace=str(data["namespace"]),
+            pod=str(data["pod"]),
+            netns=str(data["netns"]),
+            netns_owned=bool(data["netns_owned"]),
+            host_ifname=str(data["host_ifname"]),
+            host_ifindex=int(data["host_ifindex"]),
+            addresses=tuple(Address(**a) for a in data["addresses"]),
+            labels=tuple((str(s), str(k), str(v)) for s, k, v in data["labels"]),
+            identity_owned=bool(data["identity_owned"]),
+            identity=int(data["identity"]),
+            ports=tuple(PortRecord(**p) for p in data.get("ports", [])),
+            created_at=float(data.get("created_at", 0.0)),
+        )
+
+
+class StateStore:
+    """Reads and writes endpoint state directories. Blocking: call through ``asyncio.to_thread``."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def prepare(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(f"cannot create state directory {self.root} ({exc}); fix --state-dir") from None
+
+    def directory(self, endpoint_id: int) -> Path:
+        return self.root / str(endpoint_id)
+
+    def save(self, record: EndpointRecord) -> None:
+        directory = self.directory(record.id)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / STATE_FILE
+        tmp = directory / (STATE_FILE + ".tmp")
+        data = json.dumps(record.to_json(), indent=2, sort_keys=True).encode()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def remove(self, endpoint_id: int) -> None:
+        shutil.rmtree(self.directory(endpoint_id), ignore_errors=True)
+
+    def load_all(self) -> tuple[list[EndpointRecord], list[StateError]]:
+        """Every readable endpoint (sorted by id) and one error per unreadable directory."""
+        records: list[EndpointRecord] = []
+        errors: list[StateError] = []
+        if not self.root.is_dir():
+            return records, errors
+        for entry in sorted(self.root.iterdir()):
+            if not entry.is_dir() or not entry.name.isdigit():
+                continue
+            path = entry / STATE_FILE
+            try:
+                record = EndpointRecord.from_json(json.loads(path.read_text()))
+                if record.id != int(entry.name):
+                    raise ValueError(f"holds endpoint {record.id}, not {entry.name}")
+            except FileNotFoundError:
+                # Created but never completed (crash during CreateEndpoint): nothing to restore.
+                errors.append(StateError(f"{entry}: no {STATE_FILE}; the endpoint was never completed"))
+                continue
+            except (ValueError, KeyError, TypeError) as exc:
+                errors.append(StateError(f"{path}: unreadable endpoint state ({exc}); delete the directory"))
+                continue
+            records.append(record)
+        records.sort(key=lambda r: r.id)
+        return records, errors

@@ -1,0 +1,298 @@
+"""The datapath's own value types.
+
+The datapath keeps its own copy of the policy key and entry (like Cilium's
+``pkg/policy/types``) so it never imports the policy engine; the service
+translates protobuf messages into these at its edge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from enum import StrEnum
+
+#: Reserved identities the datapath itself relies on (Cilium's numbers).
+IDENTITY_ANY = 0
+IDENTITY_HOST = 1
+IDENTITY_WORLD = 2
+
+MAX_PORT = 0xFFFF
+#: Endpoint ids live in 32-bit fields of the BPF keys.
+MAX_ENDPOINT_ID = 0xFFFF_FFFF
+MAX_IDENTITY = 0xFFFF_FFFF
+
+
+class Direction(StrEnum):
+    """Traffic direction seen from the local endpoint."""
+
+    #: Traffic entering the endpoint (tc egress of its host veth).
+    INGRESS = "ingress"
+    #: Traffic leaving the endpoint (tc ingress of its host veth).
+    EGRESS = "egress"
+
+    @property
+    def wire(self) -> int:
+        """The value in BPF keys (the protobuf ``Direction`` numbers)."""
+        return 1 if self is Direction.INGRESS else 2
+
+    @classmethod
+    def from_wire(cls, value: int) -> Direction:
+        if value == 1:
+            return cls.INGRESS
+        if value == 2:
+            return cls.EGRESS
+        raise ValueError(f"unknown direction {value}")
+
+
+class Protocol(StrEnum):
+    """L4 protocol; ``ANY`` matches every protocol."""
+
+    ANY = "any"
+    ICMP = "icmp"
+    TCP = "tcp"
+    UDP = "udp"
+    ICMPV6 = "icmpv6"
+    SCTP = "sctp"
+
+    @property
+    def number(self) -> int:
+        """The IP protocol number (0 for ANY), as BPF keys and the protobuf enum use it."""
+        return _PROTO_NUMBERS[self]
+
+    @property
+    def has_ports(self) -> bool:
+        return self in (Protocol.TCP, Protocol.UDP, Protocol.SCTP, Protocol.ANY)
+
+    @classmethod
+    def from_number(cls, number: int) -> Protocol:
+        for proto, num in _PROTO_NUMBERS.items():
+            if num == number:
+                return proto
+        raise ValueError(f"unsupported IP protocol {number}")
+
+
+_PROTO_NUMBERS = {
+    Protocol.ANY: 0,
+    Protocol.ICMP: 1,
+    Protocol.TCP: 6,
+    Protocol.UDP: 17,
+    Protocol.ICMPV6: 58,
+    Protocol.SCTP: 132,
+}
+
+
+class Verdict(StrEnum):
+    ALLOW = "allow"
+    DENY = "deny"
+
+    @property
+    def wire(self) -> int:
+        """The value in BPF keys and events (the protobuf ``Verdict`` numbers)."""
+        return 1 if self is Verdict.ALLOW else 2
+
+    @classmethod
+    def from_wire(cls, value: int) -> Verdict:
+        if value == 1:
+            return cls.ALLOW
+        if value == 2:
+            return cls.DENY
+        raise ValueError(f"unknown verdict {value}")
+
+
+class Reason(StrEnum):
+    """Why a packet was forwarded or dropped; numbers follow the protobuf ``FlowReason``."""
+
+    POLICY_ALLOW = "policy-allow"
+    POLICY_DENY = "policy-deny"
+    DEFAULT_DENY = "default-deny"
+    ESTABLISHED = "established"
+    NOT_ENFORCED = "not-enforced"
+    #: An IP packet too short to parse; the datapath drops it (no protobuf equivalent).
+    INVALID = "invalid"
+
+    @property
+    def wire(self) -> int:
+        return _REASON_NUMBERS[self]
+
+    @property
+    def is_drop(self) -> bool:
+        return self in (Reason.POLICY_DENY, Reason.DEFAULT_DENY, Reason.INVALID)
+
+    @classmethod
+    def from_wire(cls, value: int) -> Reason:
+        for reason, num in _REASON_NUMBERS.items():
+            if num == value:
+                return reason
+        raise ValueError(f"unknown reason {value}")
+
+
+_REASON_NUMBERS = {
+    Reason.POLICY_ALLOW: 1,
+    Reason.POLICY_DENY: 2,
+    Reason.DEFAULT_DENY: 3,
+    Reason.ESTABLISHED: 4,
+    Reason.NOT_ENFORCED: 5,
+    Reason.INVALID: 6,
+}
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class PolicyKey:
+    """Who (remote identity), which direction, which protocol and destination ports.
+
+    ``remote_identity`` 0 is any identity; ``protocol`` ANY is any protocol;
+    ``port_low`` 0 is all ports (stored as 0-0). A ``port_high`` of 0 with a
+    non-zero ``port_low`` means the single port ``port_low`` (protobuf leaves it
+    unset for single ports). Both are normalized here so equal keys compare equal.
+    """
+
+    direction: Direction
+    remote_identity: int = IDENTITY_ANY
+    protocol: Protocol = Protocol.ANY
+    port_low: int = 0
+    port_high: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "direction", Direction(self.direction))
+        object.__setattr__(self, "protocol", Protocol(self.protocol))
+        if not 0 <= self.remote_identity <= MAX_IDENTITY:
+            raise ValueError(f"remote identity {self.remote_identity} out of range")
+        if not (0 <= self.port_low <= MAX_PORT and 0 <= self.port_high <= MAX_PORT):
+            raise ValueError(f"ports {self.port_low}-{self.port_high} out of range")
+        if self.port_low == 0:
+            object.__setattr__(self, "port_high", 0)
+        elif self.port_high == 0:
+            object.__setattr__(self, "port_high", self.port_low)
+        if self.port_high < self.port_low:
+            raise ValueError(f"port range {self.port_low}-{self.port_high} is empty")
+        if self.port_low and not self.protocol.has_ports:
+            raise ValueError(f"{self.protocol} has no ports (got {self.port_low}-{self.port_high})")
+
+    @property
+    def port_range(self) -> tuple[int, int]:
+        """The inclusive range of destination ports the key covers."""
+        if self.port_low == 0:
+            return (0, MAX_PORT)
+        return (self.port_low, self.port_high)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class PolicyEntry:
+    key: PolicyKey
+    verdict: Verdict = Verdict.ALLOW
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verdict", Verdict(self.verdict))
+
+
+@dataclasses.dataclass(frozen=True)
+class Enforcement:
+    """Whether each direction is enforced; an unenforced direction is allow-all."""
+
+    ingress: bool = False
+    egress: bool = False
+
+    def enforced(self, direction: Direction) -> bool:
+        return self.ingress if direction is Direction.INGRESS else self.egress
+
+
+@dataclasses.dataclass(frozen=True)
+class EndpointSpec:
+    """A local pod as the datapath needs it: where its veth is and what it is."""
+
+    id: int
+    #: Host-side veth: the programs attach here.
+    ifindex: int
+    host_ifname: str
+    #: The pod's addresses (IPv4 and/or IPv6), without prefix length.
+    ips: tuple[str, ...]
+    identity: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.id <= MAX_ENDPOINT_ID:
+            raise ValueError(f"endpoint id {self.id} must be in 1..{MAX_ENDPOINT_ID}")
+        if self.ifindex <= 0:
+            raise ValueError(f"ifindex {self.ifindex} must be positive")
+        if not 0 < self.identity <= MAX_IDENTITY:
+            raise ValueError(f"identity {self.identity} out of range")
+        object.__setattr__(self, "ips", tuple(str(ipaddress.ip_address(ip)) for ip in self.ips))
+
+
+@dataclasses.dataclass(frozen=True)
+class PinnedEndpoint:
+    """What the pinned maps remember of an endpoint (for restore after a restart)."""
+
+    id: int
+    ifindex: int
+    identity: int
+    ips: tuple[str, ...]
+    enforcement: Enforcement
+    #: Whether both tc programs are still attached to ``ifindex``.
+    attached: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowEvent:
+    """One flow event: every drop, and each new allowed connection."""
+
+    #: Unix time in seconds.
+    time: float
+    endpoint_id: int
+    ifindex: int
+    direction: Direction
+    verdict: Verdict
+    reason: Reason
+    source_identity: int
+    destination_identity: int
+    source_ip: str
+    destination_ip: str
+    source_port: int
+    destination_port: int
+    #: IP protocol number (not every protocol seen on the wire has a ``Protocol`` member).
+    protocol: int
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class CounterKey:
+    endpoint_id: int
+    reason: Reason
+    direction: Direction
+
+
+@dataclasses.dataclass(frozen=True)
+class CounterValue:
+    packets: int
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Counters:
+    """Per endpoint, reason and direction packet/byte counts, summed over CPUs."""
+
+    values: dict[CounterKey, CounterValue]
+    #: Flow events the ring buffer had no room for.
+    events_lost: int
+
+    def packets(
+        self, *, endpoint_id: int | None = None, reason: Reason | None = None, direction: Direction | None = None
+    ) -> int:
+        return sum(
+            v.packets
+            for k, v in self.values.items()
+            if (endpoint_id is None or k.endpoint_id == endpoint_id)
+            and (reason is None or k.reason is reason)
+            and (direction is None or k.direction is direction)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyChange:
+    """What a policy write did to the kernel map (in LPM prefixes, not entries)."""
+
+    added: int
+    removed: int
+    enforcement_changed: bool
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.removed or self.enforcement_changed)

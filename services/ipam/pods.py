@@ -1,0 +1,307 @@
+"""Pod identities and ipcache entries from the Kubernetes deltas on the bus.
+
+One task owns all pod state and applies events from a queue in order: object
+changes, IPAM allocations made for pods over gRPC, lost node leases, and the
+post-sync sweep. For each pod it computes the identity labels (its own labels,
+its namespace's labels, service account, cluster), holds a reference on that
+identity under the pod's node (owner ``pod/<ns>/<name>``), and publishes an
+ipcache entry per pod address. A label change (of the pod or its namespace)
+moves the reference in one transaction; a pod that goes, finishes or loses its
+node drops its reference and its entries are tombstoned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from palisade.v1 import identity_pb2
+from services.common.labels import LabelSet
+from services.common.log import get_logger
+from services.ipam.allocator import IdentityAllocator
+from services.ipam.errors import ErrorCode, IpamError
+from services.ipam.ipalloc import IPAllocator
+from services.ipam.kv import StoreUnavailable
+from services.ipam.model import Identity
+from services.ipam.podwatch import Change, ObjectKind, Pod, host_prefix, parse_owner, parse_pod, pod_owner
+from services.ipam.publish import IdentityPublisher, IpcacheWriter
+
+log = get_logger("pods")
+
+PodKey = tuple[str, str]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class K8sChanged:
+    change: Change
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OwnerChanged:
+    """An IPAM allocation for ``owner`` on ``node`` was made or released."""
+
+    node: str
+    owner: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeResync:
+    """The node's lease was lost: take the references of its pods again."""
+
+    node: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sweep:
+    """The initial state is in: drop what etcd still holds for pods that are gone."""
+
+    done: asyncio.Future[None]
+
+
+Event = K8sChanged | OwnerChanged | NodeResync | Sweep
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Applied:
+    node: str
+    labels: LabelSet
+    identity: Identity
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Resolution:
+    """What ipam knows of one pod (for ResolvePod)."""
+
+    identity: Identity | None
+    ips: tuple[str, ...]
+    node: str
+    #: Why the pod has no identity, when it has none.
+    reason: str = ""
+
+
+class PodManager:
+    """Owns pod -> identity/ipcache state; feed it with :meth:`submit`, run :meth:`run`."""
+
+    def __init__(
+        self,
+        allocator: IdentityAllocator,
+        ipalloc: IPAllocator,
+        identities: IdentityPublisher,
+        ipcache: IpcacheWriter,
+        *,
+        cluster: str,
+        retry_delay: float = 0.5,
+    ) -> None:
+        self._allocator = allocator
+        self._ipalloc = ipalloc
+        self._identities = identities
+        self._ipcache = ipcache
+        self._cluster = cluster
+        self._retry_delay = retry_delay
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._pods: dict[PodKey, Pod] = {}
+        self._namespaces: dict[str, Mapping[str, Any]] = {}
+        self._applied: dict[PodKey, Applied] = {}
+        self._entries: dict[PodKey, dict[str, identity_pb2.IpcacheEntry]] = {}
+        self._claims: dict[str, list[PodKey]] = {}
+        self.swept = asyncio.Event()
+
+    # -- feeding -----------------------------------------------------------
+
+    def submit(self, event: Event) -> None:
+        self._queue.put_nowait(event)
+
+    async def sweep(self) -> None:
+        """Queue the post-sync sweep and wait until everything queued before it is applied."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.submit(Sweep(done))
+        await done
+
+    # -- views -------------------------------------------------------------
+
+    def pod_count(self) -> int:
+        return len(self._pods)
+
+    def resolve(self, namespace: str, name: str) -> Resolution | None:
+        key = (namespace, name)
+        pod = self._pods.get(key)
+        if pod is None:
+            return None
+        applied = self._applied.get(key)
+        ips = tuple(e.prefix.split("/")[0] for e in self._entries.get(key, {}).values())
+        if applied is None:
+            if not pod.node:
+                reason = "it is not scheduled to a node yet"
+            elif pod.host_network:
+                reason = "it uses the host network (it has the host's identity)"
+            elif not pod.active:
+                reason = f"it has finished (phase {pod.phase})"
+            else:
+                reason = "its identity could not be allocated yet (see ipam logs)"
+            return Resolution(None, ips or pod.ips, pod.node, reason)
+        return Resolution(applied.identity, ips, applied.node)
+
+    # -- the loop ----------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            event = await self._queue.get()
+            try:
+                await self._apply(event)
+            finally:
+                if isinstance(event, Sweep):
+                    # Best effort: readiness and the collector never wait on a failed sweep.
+                    self.swept.set()
+                    if not event.done.done():
+                        event.done.set_result(None)
+
+    async def _apply(self, event: Event) -> None:
+        while True:
+            try:
+                await self._handle(event)
+                return
+            except StoreUnavailable as exc:
+                # etcd is away: keep the event and try again, nothing is dropped.
+                log.warning("pod event postponed, etcd unavailable", error=str(exc))
+                await asyncio.sleep(self._retry_delay)
+            except IpamError as exc:
+                log.error("k8s event not applied", event=type(event).__name__, error=exc.message)
+                return
+            except Exception as exc:
+                # One bad event must not stop every later one; the state stays as it was.
+                log.error("pod event failed", event=type(event).__name__, error=repr(exc), exc_info=True)
+                return
+
+    async def _handle(self, event: Event) -> None:
+        if isinstance(event, K8sChanged):
+            await self._on_change(event.change)
+        elif isinstance(event, OwnerChanged):
+            key = parse_owner(event.owner)
+            if key is not None and key in self._pods:
+                await self._ensure(key)
+        elif isinstance(event, NodeResync):
+            for key, applied in list(self._applied.items()):
+                if applied.node == event.node:
+                    await self._ensure(key, force=True)
+        else:
+            await self._sweep()
+
+    async def _on_change(self, change: Change) -> None:
+        if change.kind == ObjectKind.NAMESPACE:
+            if change.obj is None:
+                self._namespaces.pop(change.name, None)
+            else:
+                self._namespaces[change.name] = change.obj
+            for key in [k for k in self._pods if k[0] == change.name]:
+                await self._ensure(key)
+        elif change.kind == ObjectKind.POD:
+            key = (change.namespace, change.name)
+            if change.obj is None:
+                self._pods.pop(key, None)
+            else:
+                self._pods[key] = parse_pod(change)
+            await self._ensure(key)
+        else:
+            await self._ipalloc.observe_node(change.name, change.obj)
+            if change.obj is None:
+                await self._allocator.drop_node(change.name)
+                for key, applied in list(self._applied.items()):
+                    if applied.node == change.name:
+                        await self._ensure(key, force=True)
+
+    # -- one pod -----------------------------------------------------------
+
+    async def _drop_reference(self, key: PodKey, applied: Applied) -> None:
+        try:
+            await self._allocator.release(applied.identity.id, applied.node, pod_owner(*key))
+        except IpamError as exc:
+            if exc.code != ErrorCode.NOT_FOUND:
+                raise
+            await self._allocator.release_owner(applied.node, pod_owner(*key))
+
+    async def _ensure(self, key: PodKey, *, force: bool = False) -> None:
+        pod = self._pods.get(key)
+        applied = self._applied.get(key)
+        if pod is None or not pod.active:
+            if applied is not None:
+                await self._drop_reference(key, applied)
+                del self._applied[key]
+                log.info("pod identity released", namespace=key[0], pod=key[1], id=applied.identity.id)
+            await self._set_entries(key, {})
+            return
+        labels = pod.identity_labels(self._namespaces.get(pod.namespace), self._cluster)
+        if applied is not None and applied.node != pod.node:
+            await self._drop_reference(key, applied)
+            del self._applied[key]
+            applied = None
+        if force or applied is None or applied.labels != labels:
+            try:
+                result = await self._allocator.allocate(labels, pod.node, pod.owner)
+            except IpamError as exc:
+                log.error("pod identity not allocated", namespace=key[0], pod=key[1], error=exc.message)
+                return
+            await self._identities.seen(result.identity, result.revision)
+            old = applied.identity.id if applied is not None else None
+            applied = Applied(pod.node, labels, result.identity)
+            self._applied[key] = applied
+            if old != result.identity.id:
+                log.info(
+                    "pod identity set",
+                    namespace=key[0],
+                    pod=key[1],
+                    id=result.identity.id,
+                    previous=old or result.previous or 0,
+                    node=pod.node,
+                )
+        ips = pod.ips or self._ipalloc.owner_ips(pod.node, pod.owner)
+        entries = {}
+        for ip in ips:
+            prefix = host_prefix(ip)
+            entry = identity_pb2.IpcacheEntry(
+                prefix=prefix, identity=applied.identity.id, node=pod.node, namespace=key[0], pod=key[1]
+            )
+            for port_name, port in pod.named_ports:
+                entry.named_ports[port_name].port = port.port
+                entry.named_ports[port_name].protocol = port.protocol
+            entries[prefix] = entry
+        await self._set_entries(key, entries)
+
+    async def _set_entries(self, key: PodKey, entries: dict[str, identity_pb2.IpcacheEntry]) -> None:
+        old = self._entries.get(key, {})
+        if entries:
+            self._entries[key] = entries
+        else:
+            self._entries.pop(key, None)
+        for prefix in sorted(set(old) - set(entries)):
+            claimants = self._claims.get(prefix, [])
+            if key in claimants:
+                claimants.remove(key)
+            if claimants:
+                # Another pod claims the address too (e.g. it was reused): it is theirs now.
+                await self._ipcache.upsert(self._entries[claimants[-1]][prefix])
+            else:
+                self._claims.pop(prefix, None)
+                await self._ipcache.delete(prefix)
+        for prefix, entry in sorted(entries.items()):
+            claimants = self._claims.setdefault(prefix, [])
+            if key in claimants:
+                claimants.remove(key)
+            claimants.append(key)
+            await self._ipcache.upsert(entry)
+
+    async def _sweep(self) -> None:
+        """Forget what etcd holds for pods that went while ipam was away."""
+        for prefix in sorted(set(self._ipcache.entries) - set(self._claims)):
+            await self._ipcache.delete(prefix)
+            log.info("stale ipcache entry removed", prefix=prefix)
+        for holder in await self._allocator.holders("pod/"):
+            key = parse_owner(holder.owner)
+            applied = self._applied.get(key) if key is not None else None
+            if applied is None or applied.node != holder.node:
+                try:
+                    await self._allocator.release(holder.identity, holder.node, holder.owner)
+                except IpamError:
+                    continue
+                log.info("stale pod reference released", node=holder.node, owner=holder.owner, id=holder.identity)

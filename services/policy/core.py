@@ -1,0 +1,526 @@
+"""The policy service's state, with no I/O: engine, registry, ipcache, orders, realized table.
+
+One owner (the controller task) calls these methods one at a time. Changes are
+folded into an engine batch and :meth:`PolicyCore.commit` turns the batch into
+per-node orders and the state to persist. Until :meth:`PolicyCore.mark_synced`
+the world is half-known: everything is taken in but no order is planned; the
+first commit after it sends every node its whole state.
+
+Which identities a node hosts (so which diffs it gets) comes from the ipcache,
+and from the node itself for endpoints the ipcache does not know: identities
+it names in a Resync, and those of endpoints it reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from palisade.v1 import common_pb2, identity_pb2, k8s_pb2
+from services.common.labels import CLUSTER_NAME_DEFAULT, LabelSet, LabelSource, parse_label
+from services.common.log import get_logger
+from services.policy.engine import PolicyEngine
+from services.policy.identity import Identity
+from services.policy.ipcache import IpcacheError, IpcacheTable, is_endpoint_identity, record_from_proto
+from services.policy.model import Policy, PolicyKey, PolicyKind, PolicyValidationError, Protocol
+from services.policy.orders import OrderPlanner, PersistedState, PlannedOrder
+from services.policy.parse import parse_policy
+from services.policy.realized import Lag, RealizedTable, Report, Rollup
+from services.policy.registry import PolicyRecord, Registry
+from services.policy.resolve import ResolvedPolicy
+from services.policy.sources import Source, engine_key, object_key
+from services.policy.trace import TraceEndpoint, TraceResult, trace
+from services.policy.wire import labels_from_proto, policy_to_proto
+
+log = get_logger("policy")
+
+_DELTA_KINDS = {
+    k8s_pb2.K8S_KIND_NETWORK_POLICY: PolicyKind.NETWORK_POLICY,
+    k8s_pb2.K8S_KIND_CILIUM_NETWORK_POLICY: PolicyKind.CILIUM_NETWORK_POLICY,
+    k8s_pb2.K8S_KIND_CILIUM_CLUSTERWIDE_NETWORK_POLICY: PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY,
+}
+_API_VERSIONS = {
+    PolicyKind.NETWORK_POLICY: "networking.k8s.io/v1",
+    PolicyKind.CILIUM_NETWORK_POLICY: "cilium.io/v2",
+    PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY: "cilium.io/v2",
+}
+
+
+class RequestError(ValueError):
+    """A request the state cannot answer; ``not_found`` tells NOT_FOUND from INVALID_ARGUMENT."""
+
+    def __init__(self, message: str, *, not_found: bool = False) -> None:
+        super().__init__(message)
+        self.not_found = not_found
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What happened to one policy document."""
+
+    source: Source
+    key: PolicyKey
+    accepted: bool
+    error: str = ""
+    document: str = ""
+    policy: Policy | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """The result of closing a batch: orders to publish, in order, and the state to persist first."""
+
+    revision: int
+    orders: tuple[PlannedOrder, ...] = ()
+    state: PersistedState | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyView:
+    """One policy with its realization, for status answers."""
+
+    record: PolicyRecord
+    subjects: tuple[int, ...]
+    rollup: Rollup
+
+
+@dataclass(frozen=True, slots=True)
+class TraceAnswer:
+    result: TraceResult
+    source_identity: int
+    destination_identity: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncAnswer:
+    revision: int
+    sequence: int
+    policies: tuple[common_pb2.IdentityPolicy, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StatusSnapshot:
+    synced: bool = False
+    revision: int = 0
+    policies: int = 0
+    rejected: int = 0
+    identities: int = 0
+    ipcache: int = 0
+    nodes: int = 0
+    endpoints: int = 0
+    endpoints_behind: int = 0
+
+
+class PolicyCore:
+    def __init__(self, *, persisted: PersistedState, cluster: str = CLUSTER_NAME_DEFAULT) -> None:
+        self.cluster = cluster
+        self.engine = PolicyEngine(cluster=cluster)
+        self.engine.seed_revision(persisted.revision)
+        self.planner = OrderPlanner(persisted.sequences)
+        self.ipcache = IpcacheTable()
+        self.realized = RealizedTable()
+        self.registry = Registry()
+        self.synced = False
+        self._replace_pending = False
+        self._batch_open = False
+        self._dirty: set[tuple[str, int]] = set()
+        #: Identities nodes asked for by name in a Resync (hosted there, ipcache or not).
+        self._requested: dict[str, set[int]] = {}
+        self._caused_at: float | None = None
+        self._persisted = persisted
+
+    # --- batching -------------------------------------------------------------------------
+
+    @property
+    def revision(self) -> int:
+        return self.engine.revision
+
+    @property
+    def batch_open(self) -> bool:
+        return self._batch_open
+
+    # --- presence: which identities each node hosts -----------------------------------------
+
+    def hosts(self, node: str, identity: int) -> bool:
+        return (
+            self.ipcache.is_local(node, identity)
+            or identity in self._requested.get(node, ())
+            or self.realized.declares(node, identity)
+        )
+
+    def hosted(self, node: str) -> set[int]:
+        return (
+            self.ipcache.local_identities(node)
+            | self._requested.get(node, set())
+            | self.realized.declared_identities(node)
+        )
+
+    def hosting(self, identity: int) -> set[str]:
+        return (
+            self.ipcache.nodes_of(identity)
+            | {node for node, ids in self._requested.items() if identity in ids}
+            | self.realized.declaring_nodes(identity)
+        )
+
+    def nodes(self) -> set[str]:
+        """Nodes hosting at least one identity."""
+        return set(self.ipcache.nodes()) | set(self._requested) | self.realized.declaring()
+
+    def _change(self, now: float) -> None:
+        if not self._batch_open:
+            self.engine.begin_batch()
+            self._batch_open = True
+        if self._caused_at is None or now < self._caused_at:
+            self._caused_at = now
+
+    def mark_synced(self, now: float) -> None:
+        """Upstreams delivered their state: the next commit sends every node its whole state."""
+        if self.synced:
+            return
+        self._change(now)
+        self.synced = True
+        self._replace_pending = True
+
+    def commit(self, now: float) -> Commit:
+        """Close the open batch: per-node orders and the state to persist before publishing them."""
+        if not self.synced or not self._batch_open:
+            return Commit(self.revision)
+        result = self.engine.end_batch()
+        self._batch_open = False
+        revision = self.engine.revision
+        self.registry.settle(revision)
+        caused_at = self._caused_at if self._caused_at is not None else now
+        self._caused_at = None
+        if self._replace_pending:
+            self._replace_pending = False
+            orders = self.planner.plan_replace(
+                revision=revision,
+                nodes=self.nodes(),
+                local=self.hosted,
+                policy_of=self.engine.policy_for,
+                caused_at=caused_at,
+            )
+        else:
+            orders = self.planner.plan(
+                revision=revision,
+                diffs=result.diffs,
+                dirty=self._dirty,
+                nodes=self.nodes(),
+                local_nodes=self.hosting,
+                is_local=self.hosts,
+                policy_of=self.engine.policy_for,
+                caused_at=caused_at,
+            )
+        self._dirty.clear()
+        self.realized.record_changes(revision, ((o.node, i) for o in orders for i in o.changed_identities()), caused_at)
+        state = PersistedState(revision, self.planner.sequences())
+        if state == self._persisted:
+            return Commit(revision, tuple(orders))
+        self._persisted = state
+        return Commit(revision, tuple(orders), state)
+
+    # --- policies -------------------------------------------------------------------------
+
+    def apply_policy_delta(self, delta: k8s_pb2.K8sDelta, now: float) -> Outcome | None:
+        """A NetworkPolicy/CNP/CCNP from the watcher; None for kinds that are not policies."""
+        kind = _DELTA_KINDS.get(delta.kind)
+        if kind is None:
+            return None
+        key = object_key(kind, delta.namespace, delta.name)
+        if delta.op == k8s_pb2.DELTA_OP_DELETE:
+            self.delete(Source.KUBERNETES, key, now)
+            return Outcome(Source.KUBERNETES, key, True)
+        text = delta.object_json.decode("utf-8", errors="replace")
+        try:
+            doc = json.loads(text)
+        except ValueError as exc:
+            return self._reject(Source.KUBERNETES, key, f"{kind.value} {key.namespace}/{key.name}: {exc}", text)
+        if not isinstance(doc, dict):
+            return self._reject(
+                Source.KUBERNETES, key, f"{kind.value} {key.name}: object_json is not a JSON object", text
+            )
+        # Watchers may strip type metadata; the subject already says what the object is.
+        doc.setdefault("kind", kind.value)
+        doc.setdefault("apiVersion", _API_VERSIONS[kind])
+        return self.upsert(Source.KUBERNETES, doc, text, now, key=key)
+
+    def upsert(
+        self,
+        source: Source,
+        doc: Mapping[str, Any],
+        document: str,
+        now: float,
+        *,
+        key: PolicyKey | None = None,
+        origin: str = "",
+        dry_run: bool = False,
+    ) -> Outcome:
+        """Parse and enforce one document; a rejected one changes nothing but its error."""
+        try:
+            parsed = parse_policy(doc, cluster=self.cluster)
+        except PolicyValidationError as exc:
+            error = f"{origin}: {exc}" if origin else str(exc)
+            rk = key or _key_of(doc)
+            if dry_run:
+                return Outcome(source, rk, False, error, document)
+            if source is Source.API:
+                # The caller sees the error in its answer; an import that fails changes nothing.
+                log.warning("policy rejected", source=source.value, policy=str(rk), error=error)
+                return Outcome(source, rk, False, error, document)
+            return self._reject(source, rk, error, document)
+        key = key or parsed.key
+        if dry_run:
+            return Outcome(source, key, True, "", document, parsed)
+        policy = dataclasses.replace(parsed, key=engine_key(source, key))
+        changed = self.engine.repository.get(policy.key) != policy
+        if changed:
+            self._change(now)
+            self.engine.upsert_policy(policy)
+        self.registry.accepted(source, key, policy, document, changed=changed)
+        if changed:
+            log.info("policy accepted", source=source.value, policy=str(key), unsupported=len(policy.unsupported))
+        else:
+            log.debug("policy unchanged", source=source.value, policy=str(key))
+        return Outcome(source, key, True, "", document, policy)
+
+    def _reject(self, source: Source, key: PolicyKey, error: str, document: str) -> Outcome:
+        self.registry.rejected(source, key, error, document)
+        log.warning("policy rejected", source=source.value, policy=str(key), error=error)
+        return Outcome(source, key, False, error, document)
+
+    def delete(self, source: Source, key: PolicyKey, now: float) -> bool:
+        """Remove a policy; False when this source has no such object."""
+        record = self.registry.remove(source, key)
+        if record is None:
+            return False
+        if record.policy is not None:
+            self._change(now)
+            self.engine.delete_policy(engine_key(source, key))
+        log.info("policy deleted", source=source.value, policy=str(key))
+        return True
+
+    # --- identities and ipcache -------------------------------------------------------------
+
+    def apply_identity(self, subject: str, update: identity_pb2.IdentityUpdate, now: float) -> None:
+        number = update.identity.id or _subject_number(subject)
+        if number is None:
+            log.warning("identity update without id", subject=subject)
+            return
+        if update.deleted:
+            for requested in self._requested.values():
+                requested.discard(number)
+            if self.engine.identity(number) is not None:
+                self._change(now)
+                self.engine.remove_identity(number)
+            return
+        identity = Identity(number, labels_from_proto(update.identity.labels))
+        if self.engine.identity(number) == identity:
+            return
+        self._change(now)
+        self.engine.upsert_identity(identity)
+
+    def apply_ipcache(self, subject: str, entry: identity_pb2.IpcacheEntry, now: float) -> None:
+        if entry.deleted:
+            delta = self.ipcache.delete(subject)
+        else:
+            try:
+                record = record_from_proto(entry)
+            except IpcacheError as exc:
+                log.warning("ipcache entry ignored", subject=subject, error=str(exc))
+                return
+            delta = self.ipcache.upsert(subject, record)
+        old, new = delta.old, delta.new
+        if old == new:
+            return
+        self._change(now)
+        if old is not None and old.ip is not None and (new is None or new.ip != old.ip):
+            self.engine.delete_ipcache(old.ip)
+        if new is not None and new.ip is not None:
+            self.engine.upsert_ipcache(new.ip, new.identity)
+        for identity in delta.ports_changed:
+            self.engine.set_named_ports(identity, _port_tuples(self.ipcache.named_ports(identity)))
+        for r in (old, new):
+            if r is None or not r.node or not is_endpoint_identity(r.identity):
+                continue
+            self._dirty.add((r.node, r.identity))
+            ep = r.endpoint
+            if ep is not None:
+                declared = self.realized.identity_of(*ep)
+                current = self.ipcache.endpoint_identity(*ep)
+                if current is None:
+                    self.realized.remove_endpoint(*ep)
+                else:
+                    self.realized.upsert_endpoint(ep[0], ep[1], current, self.revision)
+                if declared is not None and declared != current:
+                    # The datapath's word for this endpoint gave way to the ipcache's.
+                    self._dirty.add((ep[0], declared))
+            if not self.hosts(r.node, r.identity):
+                self.realized.drop_changes(r.node, r.identity)
+
+    # --- realized revisions -----------------------------------------------------------------
+
+    def report(self, reports: Iterable[Report], now: float) -> list[tuple[int, float]]:
+        """Apply realized reports; returns (revision, caused_at) of revisions now fully realized."""
+        batch = list(reports)
+        for i, r in enumerate(batch):
+            if not r.deleted and r.revision > self.revision:
+                raise RequestError(
+                    f"reports[{i}]: revision {r.revision} is above the current revision {self.revision}; "
+                    "report only revisions received in orders"
+                )
+        done: list[tuple[int, float]] = []
+        for r in batch:
+            if r.deleted:
+                gone = self.realized.forget(r)
+                if gone is not None and not self.hosts(gone.node, gone.identity):
+                    self._change(now)
+                    self._dirty.add((gone.node, gone.identity))
+                continue
+            known = self.hosts(r.node, r.identity)
+            before = self.realized.identity_of(*self.realized.key_of(r))
+            done.extend(self.realized.report(r, self.revision))
+            if before is not None and before != r.identity and not self.hosts(r.node, before):
+                self._change(now)
+                self._dirty.add((r.node, before))
+            if not known and is_endpoint_identity(r.identity):
+                # A node hosts an identity nobody told us about (we restarted, or its pod is not in
+                # the ipcache): send it the policy under a new revision, so the revision it just
+                # reported, realized without that policy, does not count as realizing it.
+                self._change(now)
+                self.engine.repository.bump()
+                self._dirty.add((r.node, r.identity))
+        return done
+
+    def wait_state(self, revision: int) -> list[Lag]:
+        """Endpoints that ``revision`` affects and that have not realized it (empty: realized)."""
+        return self.realized.behind(revision)
+
+    # --- read side ----------------------------------------------------------------------------
+
+    def resync(self, node: str, identities: Iterable[int] = ()) -> ResyncAnswer:
+        """The whole policy of a node's identities, consistent with its last order sequence.
+
+        Naming identities also records that the node hosts them: from now on its orders
+        carry their diffs, whether the ipcache knows their endpoints or not.
+        """
+        wanted = {i for i in identities if is_endpoint_identity(i)}
+        if wanted:
+            self._requested.setdefault(node, set()).update(wanted)
+            for identity in wanted:
+                if self.engine.policy_for(identity) is not None:
+                    self.planner.adopt(node, identity)
+        held = self.planner.delivered(node)
+        chosen = sorted(held & wanted if wanted else held)
+        policies = []
+        for identity in chosen:
+            policy = self.engine.policy_for(identity)
+            if policy is not None:
+                policies.append(policy_to_proto(policy))
+        return ResyncAnswer(self.revision, self.planner.sequence(node), tuple(policies))
+
+    def policy_of(self, identity: int) -> ResolvedPolicy | None:
+        return self.engine.policy_for(identity)
+
+    def view(self, record: PolicyRecord) -> PolicyView:
+        subjects: set[int] = set()
+        if record.policy is not None:
+            for rule in record.policy.rules:
+                subjects |= {i for i in self.engine.selection_set(rule.subject) if is_endpoint_identity(i)}
+        rollup = self.realized.rollup(subjects, record.revision) if record.policy is not None else Rollup()
+        return PolicyView(record, tuple(sorted(subjects)), rollup)
+
+    def get_policy(self, source: Source | None, key: PolicyKey) -> PolicyView:
+        sources = (source,) if source is not None else (Source.API, Source.KUBERNETES)
+        for s in sources:
+            record = self.registry.get(s, key)
+            if record is not None:
+                return self.view(record)
+        where = f" from source {source.value}" if source is not None else ""
+        raise RequestError(
+            f"no policy {key}{where}; list them with `palisade policy get` without a name", not_found=True
+        )
+
+    def list_policies(self, namespace: str = "") -> list[PolicyView]:
+        return [self.view(r) for r in self.registry.search(namespace)]
+
+    def trace(
+        self,
+        source: tuple[str, tuple[str, ...]],
+        destination: tuple[str, tuple[str, ...]],
+        port: int,
+        protocol: Protocol,
+    ) -> TraceAnswer:
+        """Trace a connection between two peers, each (pod "ns/name", labels)."""
+        src = self._trace_peer("source", *source)
+        dst = self._trace_peer("destination", *destination)
+        result = trace(self.engine, src=src, dst=dst, port=port, protocol=protocol)
+        return TraceAnswer(
+            result,
+            src if isinstance(src, int) else src.identity,
+            dst if isinstance(dst, int) else dst.identity,
+        )
+
+    def _trace_peer(self, which: str, pod: str, labels: tuple[str, ...]) -> TraceEndpoint | int:
+        if pod:
+            if "/" not in pod:
+                raise RequestError(f"{which}.pod {pod!r} must be namespace/name")
+            record = self.ipcache.find_pod(pod)
+            if record is None:
+                raise RequestError(
+                    f"{which}.pod {pod} is not in the ipcache; check the name, or wait until ipam publishes it",
+                    not_found=True,
+                )
+            if self.engine.identity(record.identity) is None:
+                raise RequestError(
+                    f"{which}.pod {pod} has identity {record.identity}, which is not known yet; retry shortly",
+                    not_found=True,
+                )
+            return record.identity
+        if not labels:
+            raise RequestError(f"{which} needs a pod (namespace/name) or labels (source:key=value)")
+        try:
+            label_set = LabelSet(tuple(parse_label(text, default_source=LabelSource.K8S) for text in labels))
+        except ValueError as exc:
+            raise RequestError(f"{which}.labels: {exc}") from None
+        known = self.engine.identity_by_labels(label_set)
+        if known is not None:
+            return known.id
+        return TraceEndpoint(label_set)
+
+    def status(self) -> StatusSnapshot:
+        counts = self.registry.counts()
+        return StatusSnapshot(
+            synced=self.synced,
+            revision=self.revision,
+            policies=sum(counts.values()),
+            rejected=sum(n for (_, rejected), n in counts.items() if rejected),
+            identities=len(self.engine.identities()),
+            ipcache=len(self.ipcache),
+            nodes=len(self.nodes() | set(self.planner.nodes())),
+            endpoints=len(self.realized),
+            endpoints_behind=len(self.realized.behind(self.revision)),
+        )
+
+
+def _key_of(doc: Mapping[str, Any]) -> PolicyKey:
+    """Best-effort key of a document that failed to parse, for its status."""
+    meta = doc.get("metadata") if isinstance(doc.get("metadata"), Mapping) else {}
+    assert isinstance(meta, Mapping)
+    kind_text = str(doc.get("kind") or "")
+    try:
+        kind = PolicyKind(kind_text)
+    except ValueError:
+        kind = PolicyKind.NETWORK_POLICY
+    return object_key(kind, str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+
+
+def _subject_number(subject: str) -> int | None:
+    last = subject.rpartition(".")[2]
+    return int(last) if last.isdigit() else None
+
+
+def _port_tuples(ports: Mapping[str, frozenset[tuple[Protocol, int]]]) -> dict[str, list[tuple[Protocol, int]]]:
+    return {name: sorted(values) for name, values in ports.items()}

@@ -1,0 +1,260 @@
+"""Regeneration orders: which node gets what (the span), per-node sequencing, chunking.
+
+Pure. After every engine change the planner decides, per node, from the
+identities present there (the ipcache) and the engine's per-identity diffs:
+
+* an identity that changed and is present on the node: its diff;
+* an identity newly present (or newly known) on the node: its full policy;
+* an identity that left the node: listed in ``removed_identities``;
+* nothing of the node changed but the revision moved: a bare revision bump.
+
+Each order takes the node's next sequence number (persisted by the service, so
+a restart continues it); a datapath that sees a gap asks for a resync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from palisade.v1 import common_pb2, policy_pb2
+from services.policy.engine import PolicyDiff
+from services.policy.resolve import ResolvedPolicy
+from services.policy.wire import diff_to_proto, full_diff_to_proto
+
+PolicyOf = Callable[[int], ResolvedPolicy | None]
+
+
+@dataclass(frozen=True, slots=True)
+class PersistedState:
+    """What must survive a restart: the last revision and every node's last order sequence."""
+
+    revision: int = 0
+    sequences: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedOrder:
+    """One node's order before encoding."""
+
+    node: str
+    sequence: int
+    revision: int
+    diffs: tuple[common_pb2.IdentityPolicyDiff, ...] = ()
+    removed: tuple[int, ...] = ()
+    replace: bool = False
+    caused_at: float = 0.0
+
+    @property
+    def is_bump(self) -> bool:
+        return not self.diffs and not self.removed and not self.replace
+
+    def changed_identities(self) -> list[int]:
+        return [d.identity for d in self.diffs]
+
+
+class OrderPlanner:
+    """Per-node sequences, last revision sent, and the identities each node holds."""
+
+    def __init__(self, sequences: Mapping[str, int] | None = None) -> None:
+        self._seq: dict[str, int] = dict(sequences or {})
+        self._sent: dict[str, int] = {}
+        self._delivered: dict[str, set[int]] = {}
+        self._holders: dict[int, set[str]] = {}
+
+    # --- read side ------------------------------------------------------------------------
+
+    def sequences(self) -> dict[str, int]:
+        return dict(self._seq)
+
+    def sequence(self, node: str) -> int:
+        return self._seq.get(node, 0)
+
+    def nodes(self) -> list[str]:
+        return sorted(self._seq)
+
+    def delivered(self, node: str) -> set[int]:
+        """Identities whose policy the node has been sent (what a resync must return)."""
+        return set(self._delivered.get(node, ()))
+
+    # --- planning ---------------------------------------------------------------------------
+
+    def plan_replace(
+        self,
+        *,
+        revision: int,
+        nodes: Iterable[str],
+        local: Callable[[str], set[int]],
+        policy_of: PolicyOf,
+        caused_at: float,
+    ) -> list[PlannedOrder]:
+        """The whole state of every node (first orders after a start): every diff full."""
+        orders = []
+        full: dict[int, common_pb2.IdentityPolicyDiff] = {}
+        for node in sorted(set(nodes) | set(self._seq)):
+            for identity in self._delivered.pop(node, set()):
+                self._unhold(identity, node)
+            diffs = []
+            for identity in sorted(local(node)):
+                policy = policy_of(identity)
+                if policy is None:
+                    continue
+                if identity not in full:
+                    full[identity] = full_diff_to_proto(policy)
+                diffs.append(full[identity])
+                self._hold(identity, node)
+            orders.append(self._order(node, revision, tuple(diffs), (), True, caused_at))
+        return orders
+
+    def plan(
+        self,
+        *,
+        revision: int,
+        diffs: Mapping[int, PolicyDiff],
+        dirty: Iterable[tuple[str, int]],
+        nodes: Iterable[str],
+        local_nodes: Callable[[int], set[str]],
+        is_local: Callable[[str, int], bool],
+        policy_of: PolicyOf,
+        caused_at: float,
+    ) -> list[PlannedOrder]:
+        """Orders after one change.
+
+        ``diffs``: the engine's per-identity diffs; ``dirty``: (node, identity) pairs whose
+        presence on the node changed; ``nodes``: the nodes hosting identities.
+        """
+        candidates: dict[str, set[int]] = {}
+        for node, identity in dirty:
+            candidates.setdefault(node, set()).add(identity)
+        for identity in diffs:
+            for node in local_nodes(identity) | self._holders.get(identity, set()):
+                candidates.setdefault(node, set()).add(identity)
+        converted: dict[int, common_pb2.IdentityPolicyDiff] = {}
+        # Full and incremental forms of one identity can both be needed in one plan.
+        full_forms: dict[int, common_pb2.IdentityPolicyDiff] = {}
+        orders = []
+        # Nodes holding nothing (their pods are gone) need no revision bumps; their sequence is kept.
+        holding = {node for node, held in self._delivered.items() if held}
+        for node in sorted(set(nodes) | holding | set(candidates)):
+            held = self._delivered.setdefault(node, set())
+            out: list[common_pb2.IdentityPolicyDiff] = []
+            removed: list[int] = []
+            for identity in sorted(candidates.get(node, ())):
+                want = is_local(node, identity) and policy_of(identity) is not None
+                had = identity in held
+                if want and not had:
+                    if identity not in full_forms:
+                        policy = policy_of(identity)
+                        assert policy is not None
+                        full_forms[identity] = full_diff_to_proto(policy)
+                    out.append(full_forms[identity])
+                    self._hold(identity, node)
+                elif had and not want:
+                    removed.append(identity)
+                    self._unhold(identity, node)
+                elif want and identity in diffs:
+                    if identity not in converted:
+                        converted[identity] = diff_to_proto(diffs[identity])
+                    out.append(converted[identity])
+            if not held:
+                self._delivered.pop(node, None)
+            if out or removed or revision > self._sent.get(node, 0):
+                orders.append(self._order(node, revision, tuple(out), tuple(removed), False, caused_at))
+        return orders
+
+    def _order(
+        self,
+        node: str,
+        revision: int,
+        diffs: tuple[common_pb2.IdentityPolicyDiff, ...],
+        removed: tuple[int, ...],
+        replace: bool,
+        caused_at: float,
+    ) -> PlannedOrder:
+        self._seq[node] = self._seq.get(node, 0) + 1
+        self._sent[node] = max(self._sent.get(node, 0), revision)
+        return PlannedOrder(node, self._seq[node], revision, diffs, removed, replace, caused_at)
+
+    def adopt(self, node: str, identity: int) -> None:
+        """The node got this identity's policy outside an order (a Resync naming it)."""
+        self._hold(identity, node)
+
+    def _hold(self, identity: int, node: str) -> None:
+        self._delivered.setdefault(node, set()).add(identity)
+        self._holders.setdefault(identity, set()).add(node)
+
+    def _unhold(self, identity: int, node: str) -> None:
+        held = self._delivered.get(node)
+        if held is not None:
+            held.discard(identity)
+        holders = self._holders.get(identity)
+        if holders is not None:
+            holders.discard(node)
+            if not holders:
+                del self._holders[identity]
+
+
+# --- encoding -------------------------------------------------------------------------------
+
+# Bytes a repeated message field adds around each element: tag plus length varint.
+_FIELD_OVERHEAD = 6
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def encode(order: PlannedOrder, *, max_bytes: int, max_chunks: int) -> list[policy_pb2.RegenerationOrder]:
+    """The message(s) to publish for one order.
+
+    Whole if it fits in ``max_bytes``; else split into at most ``max_chunks`` chunks
+    (one identity's diff is never split); else one ``fetch=true`` order telling
+    the datapath to call Resync.
+    """
+
+    def header() -> policy_pb2.RegenerationOrder:
+        msg = policy_pb2.RegenerationOrder(
+            node=order.node, sequence=order.sequence, revision=order.revision, replace=order.replace
+        )
+        if order.caused_at:
+            msg.caused_at.CopyFrom(_timestamp(order.caused_at))
+        return msg
+
+    whole = header()
+    whole.removed_identities.extend(order.removed)
+    whole.diffs.extend(order.diffs)
+    if whole.ByteSize() <= max_bytes:
+        return [whole]
+    base = header().ByteSize() + 8  # + chunk/chunks fields
+    chunks: list[list[common_pb2.IdentityPolicyDiff]] = [[]]
+    size = base + len(order.removed) * 6
+    for diff in order.diffs:
+        cost = diff.ByteSize() + _FIELD_OVERHEAD
+        if base + cost > max_bytes:
+            return [_fetch(header())]
+        if size + cost > max_bytes and chunks[-1]:
+            chunks.append([])
+            size = base
+        chunks[-1].append(diff)
+        size += cost
+    if len(chunks) > max_chunks:
+        return [_fetch(header())]
+    out = []
+    for i, part in enumerate(chunks):
+        msg = header()
+        if i == 0:
+            msg.removed_identities.extend(order.removed)
+        msg.diffs.extend(part)
+        msg.chunk = i
+        msg.chunks = len(chunks)
+        out.append(msg)
+    return out
+
+
+def _fetch(msg: policy_pb2.RegenerationOrder) -> policy_pb2.RegenerationOrder:
+    msg.fetch = True
+    return msg

@@ -1,0 +1,317 @@
+"""Realized revisions: which endpoint enforces which revision, who is behind, status roll-up.
+
+Pure bookkeeping. Endpoints come from the ipcache (pods on nodes) and from the
+datapaths' reports. A revision *affects* an endpoint when some order up to that
+revision changed the policy of the endpoint's identity on its node after the
+revision the endpoint last realized, or when the endpoint appeared and never
+reported. Revision bumps (orders with no diff for an identity) affect nobody,
+like Cilium's endpointsToBumpRevision: an endpoint need not report them.
+
+Endpoints a datapath reports that the ipcache does not know (pods created on a
+node directly) *declare* their identity present on that node, so orders carry
+its diffs there; the datapath reports such an endpoint ``deleted`` when it goes.
+
+Policy implementation delay: for every revision whose orders changed some
+endpoint's policy, the time from the change's arrival until the last of those
+endpoints reported it (Cilium's policy implementation delay).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+EndpointKey = tuple[str, str]
+
+#: Revisions tracked for implementation delay at once; older ones are given up.
+MAX_PENDING_REVISIONS = 4096
+#: Change revisions kept per (node, identity) before pruning below the lowest realized one.
+_PRUNE_AT = 64
+
+
+@dataclass(slots=True)
+class Endpoint:
+    """One endpoint as far as realization goes."""
+
+    node: str
+    #: "namespace/name" of the pod, or "#<endpoint id>" when a datapath reported no pod.
+    key: str
+    identity: int
+    #: Revision current when the endpoint became known.
+    since: int
+    endpoint_id: int = 0
+    #: Highest revision reported for ``identity``; 0 when none yet.
+    realized: int = 0
+    #: Known from the ipcache (authoritative for identity and lifetime).
+    in_ipcache: bool = False
+
+    @property
+    def pod(self) -> str:
+        return "" if self.key.startswith("#") else self.key
+
+
+@dataclass(frozen=True, slots=True)
+class Lag:
+    """An endpoint behind a wanted revision."""
+
+    node: str
+    endpoint_id: int
+    identity: int
+    realized: int
+    pod: str
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRollup:
+    node: str
+    endpoints: int
+    endpoints_realized: int
+    #: Lowest revision realized by the node's affected endpoints.
+    realized_revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rollup:
+    """Realization of one policy revision over the endpoints of its subject identities."""
+
+    nodes: tuple[NodeRollup, ...] = ()
+
+    @property
+    def realized(self) -> bool:
+        return all(n.endpoints_realized == n.endpoints for n in self.nodes)
+
+    @property
+    def nodes_realized(self) -> int:
+        return sum(1 for n in self.nodes if n.endpoints_realized == n.endpoints)
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """One realized report from a datapath."""
+
+    node: str
+    endpoint_id: int
+    identity: int
+    revision: int
+    pod: str = ""
+    deleted: bool = False
+
+
+@dataclass(slots=True)
+class _Pending:
+    caused_at: float
+    waiting: set[EndpointKey] = field(default_factory=set)
+
+
+class RealizedTable:
+    def __init__(self) -> None:
+        self._endpoints: dict[EndpointKey, Endpoint] = {}
+        self._by_identity: dict[int, set[EndpointKey]] = {}
+        self._by_node_id: dict[tuple[str, int], EndpointKey] = {}
+        self._declared: dict[str, Counter[int]] = {}
+        self._changes: dict[tuple[str, int], list[int]] = {}
+        self._pending: dict[int, _Pending] = {}
+
+    def __len__(self) -> int:
+        return len(self._endpoints)
+
+    # --- endpoints ----------------------------------------------------------------------
+
+    def upsert_endpoint(self, node: str, pod: str, identity: int, revision: int) -> None:
+        """An endpoint seen in the ipcache (new, or its identity changed)."""
+        ep = self._endpoints.get((node, pod))
+        if ep is None:
+            self._add(Endpoint(node, pod, identity, since=revision, in_ipcache=True))
+            return
+        self._unindex(ep)
+        ep.in_ipcache = True
+        if ep.identity != identity:
+            ep.identity = identity
+            ep.realized = 0
+            ep.since = revision
+        self._index(ep)
+
+    def remove_endpoint(self, node: str, key: str) -> Endpoint | None:
+        ep = self._endpoints.pop((node, key), None)
+        if ep is None:
+            return None
+        self._unindex(ep)
+        for pending in self._pending.values():
+            pending.waiting.discard((node, key))
+        for revision in [r for r, p in self._pending.items() if not p.waiting]:
+            del self._pending[revision]
+        return ep
+
+    def forget(self, report: Report) -> Endpoint | None:
+        """A datapath deleted an endpoint; returns what it was, if known."""
+        key = self.key_of(report)
+        return self.remove_endpoint(*key)
+
+    def identity_of(self, node: str, key: str) -> int | None:
+        ep = self._endpoints.get((node, key))
+        return ep.identity if ep is not None else None
+
+    def declares(self, node: str, identity: int) -> bool:
+        """Whether an endpoint the ipcache does not know puts ``identity`` on ``node``."""
+        return identity in self._declared.get(node, ())
+
+    def declared_identities(self, node: str) -> set[int]:
+        return set(self._declared.get(node, ()))
+
+    def declaring_nodes(self, identity: int) -> set[str]:
+        return {node for node, ids in self._declared.items() if identity in ids}
+
+    def declaring(self) -> set[str]:
+        return set(self._declared)
+
+    def drop_changes(self, node: str, identity: int) -> None:
+        """The identity left the node: its change history there is no longer needed."""
+        self._changes.pop((node, identity), None)
+
+    def _add(self, ep: Endpoint) -> None:
+        self._endpoints[(ep.node, ep.key)] = ep
+        self._index(ep)
+
+    def _index(self, ep: Endpoint) -> None:
+        key = (ep.node, ep.key)
+        self._by_identity.setdefault(ep.identity, set()).add(key)
+        if ep.endpoint_id:
+            self._by_node_id[(ep.node, ep.endpoint_id)] = key
+        if not ep.in_ipcache:
+            self._declared.setdefault(ep.node, Counter())[ep.identity] += 1
+
+    def _unindex(self, ep: Endpoint) -> None:
+        key = (ep.node, ep.key)
+        bucket = self._by_identity.get(ep.identity)
+        if bucket is not None:
+            bucket.discard(key)
+            if not bucket:
+                del self._by_identity[ep.identity]
+        if ep.endpoint_id and self._by_node_id.get((ep.node, ep.endpoint_id)) == key:
+            del self._by_node_id[(ep.node, ep.endpoint_id)]
+        if not ep.in_ipcache:
+            counts = self._declared.get(ep.node)
+            if counts is not None:
+                counts[ep.identity] -= 1
+                if counts[ep.identity] <= 0:
+                    del counts[ep.identity]
+                if not counts:
+                    del self._declared[ep.node]
+
+    # --- changes and reports ------------------------------------------------------------
+
+    def record_changes(self, revision: int, pairs: Iterable[tuple[str, int]], caused_at: float) -> None:
+        """Orders at ``revision`` changed the policy of these (node, identity) pairs."""
+        waiting: set[EndpointKey] = set()
+        for pair in pairs:
+            revs = self._changes.setdefault(pair, [])
+            if not revs or revs[-1] < revision:
+                revs.append(revision)
+            if len(revs) > _PRUNE_AT:
+                self._prune(pair, revs)
+            node, identity = pair
+            for key in self._by_identity.get(identity, ()):
+                ep = self._endpoints[key]
+                if ep.node == node and ep.realized < revision:
+                    waiting.add(key)
+        if waiting:
+            self._pending[revision] = _Pending(caused_at, waiting)
+            while len(self._pending) > MAX_PENDING_REVISIONS:
+                del self._pending[next(iter(self._pending))]
+
+    def _prune(self, pair: tuple[str, int], revs: list[int]) -> None:
+        node, identity = pair
+        realized = [
+            self._endpoints[k].realized for k in self._by_identity.get(identity, ()) if self._endpoints[k].node == node
+        ]
+        floor = min(realized, default=0)
+        keep = bisect.bisect_right(revs, floor)
+        # Keep the newest change at or below the floor: a late endpoint still needs it.
+        del revs[: max(0, keep - 1)]
+
+    def report(self, report: Report, current_revision: int) -> list[tuple[int, float]]:
+        """Apply one report; returns (revision, caused_at) of revisions now fully realized."""
+        key = self._resolve(report, current_revision)
+        ep = self._endpoints[key]
+        if ep.identity != report.identity:
+            return []  # realized an identity the endpoint no longer has
+        if report.revision <= ep.realized:
+            return []
+        ep.realized = report.revision
+        done: list[tuple[int, float]] = []
+        for revision, pending in list(self._pending.items()):
+            if revision > ep.realized:
+                break
+            pending.waiting.discard(key)
+            if not pending.waiting:
+                done.append((revision, pending.caused_at))
+                del self._pending[revision]
+        return done
+
+    def key_of(self, report: Report) -> EndpointKey:
+        if report.pod:
+            return (report.node, report.pod)
+        found = self._by_node_id.get((report.node, report.endpoint_id))
+        return found if found is not None else (report.node, f"#{report.endpoint_id}")
+
+    def _resolve(self, report: Report, current_revision: int) -> EndpointKey:
+        """Find (or create) the endpoint a report is about."""
+        key = self.key_of(report)
+        ep = self._endpoints.get(key)
+        if ep is None:
+            # Not (or not yet) in the ipcache: the datapath's word is all there is.
+            self._add(
+                Endpoint(report.node, key[1], report.identity, since=current_revision, endpoint_id=report.endpoint_id)
+            )
+            return key
+        changed_id = bool(report.endpoint_id) and ep.endpoint_id != report.endpoint_id
+        relabeled = not ep.in_ipcache and ep.identity != report.identity
+        if changed_id or relabeled:
+            self._unindex(ep)
+            if changed_id:
+                ep.endpoint_id = report.endpoint_id
+            if relabeled:
+                ep.identity = report.identity
+                ep.realized = 0
+            self._index(ep)
+        return key
+
+    # --- queries ------------------------------------------------------------------------
+
+    def is_behind(self, ep: Endpoint, revision: int) -> bool:
+        """Whether ``revision`` affects ``ep`` and ``ep`` has not realized it."""
+        if ep.realized >= revision or ep.since > revision:
+            return False
+        if ep.realized == 0:
+            return True
+        revs = self._changes.get((ep.node, ep.identity))
+        if not revs:
+            return False
+        i = bisect.bisect_right(revs, ep.realized)
+        return i < len(revs) and revs[i] <= revision
+
+    def behind(self, revision: int) -> list[Lag]:
+        """Endpoints that ``revision`` affects and that have not reported it, sorted."""
+        out = [
+            Lag(ep.node, ep.endpoint_id, ep.identity, ep.realized, ep.pod)
+            for ep in self._endpoints.values()
+            if self.is_behind(ep, revision)
+        ]
+        out.sort(key=lambda lag: (lag.node, lag.pod, lag.endpoint_id))
+        return out
+
+    def rollup(self, subjects: Iterable[int], revision: int) -> Rollup:
+        """Per node, how many endpoints of these identities realized ``revision``."""
+        per_node: dict[str, list[Endpoint]] = {}
+        for identity in subjects:
+            for key in self._by_identity.get(identity, ()):
+                ep = self._endpoints[key]
+                per_node.setdefault(ep.node, []).append(ep)
+        nodes = []
+        for node in sorted(per_node):
+            eps = per_node[node]
+            realized = sum(1 for ep in eps if not self.is_behind(ep, revision))
+            nodes.append(NodeRollup(node, len(eps), realized, min(ep.realized for ep in eps)))
+        return Rollup(tuple(nodes))

@@ -1,0 +1,137 @@
+"""The persisted revision and per-node order sequences, in a JetStream key-value bucket.
+
+Saved before the orders that use them are published, so a restarted service
+always continues above anything a datapath has seen: the revision never goes
+back and a node's sequence never repeats. Writes are compare-and-set on the
+bucket entry's own revision, so a second policy service writing the same bucket
+is detected instead of silently interleaving sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from nats.js import JetStreamContext
+from nats.js import api as jsapi
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from services.common.log import get_logger
+from services.policy.orders import PersistedState
+
+log = get_logger("revision")
+
+STATE_KEY = "state"
+
+
+class StateConflictError(RuntimeError):
+    """Someone else wrote the state bucket: two policy services share it."""
+
+
+class StateCorruptError(RuntimeError):
+    """The stored state cannot be read."""
+
+
+def encode_state(state: PersistedState) -> bytes:
+    return json.dumps({"revision": state.revision, "sequences": dict(sorted(state.sequences.items()))}).encode()
+
+
+def decode_state(data: bytes, *, where: str) -> PersistedState:
+    try:
+        raw: Any = json.loads(data)
+        revision = raw["revision"]
+        sequences = raw["sequences"]
+        if not isinstance(revision, int) or revision < 0 or not isinstance(sequences, dict):
+            raise ValueError("revision must be a non-negative integer and sequences an object")
+        for node, seq in sequences.items():
+            if not isinstance(seq, int) or seq < 0:
+                raise ValueError(f"sequence of node {node!r} must be a non-negative integer")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StateCorruptError(
+            f"{where} holds no valid policy state ({exc}); restore it from a backup, or delete it "
+            "knowing that revisions then restart from 0 and every datapath must resync"
+        ) from None
+    return PersistedState(revision, {str(k): int(v) for k, v in sequences.items()})
+
+
+class StateStore:
+    """Load and save :class:`PersistedState` under one key of a KV bucket."""
+
+    def __init__(self, kv: KeyValue, bucket: str) -> None:
+        self._kv = kv
+        self._bucket = bucket
+        self._last = 0
+        self._saved: PersistedState | None = None
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, bucket: str) -> StateStore:
+        """Bind to the bucket, creating it on first use."""
+        try:
+            kv = await js.key_value(bucket)
+        except BucketNotFoundError:
+            kv = await js.create_key_value(
+                jsapi.KeyValueConfig(
+                    bucket=bucket,
+                    history=1,
+                    storage=jsapi.StorageType.FILE,
+                    description="Palisade policy revision and per-node order sequences",
+                )
+            )
+            log.info("state bucket created", bucket=bucket)
+        return cls(kv, bucket)
+
+    @property
+    def where(self) -> str:
+        return f"key {STATE_KEY!r} of bucket {self._bucket}"
+
+    async def load(self) -> PersistedState:
+        try:
+            entry = await self._kv.get(STATE_KEY)
+        except KeyNotFoundError:
+            self._last = 0
+            self._saved = PersistedState()
+            return self._saved
+        self._last = int(entry.revision or 0)
+        self._saved = decode_state(entry.value or b"", where=self.where)
+        log.info("state loaded", revision=self._saved.revision, nodes=len(self._saved.sequences))
+        return self._saved
+
+    async def save(self, state: PersistedState) -> None:
+        """Write ``state``; retries until NATS answers, raises StateConflictError on a foreign write."""
+        if state == self._saved:
+            return
+        data = encode_state(state)
+        delay = 0.05
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self._last = await self._kv.update(STATE_KEY, data, last=self._last)
+                self._saved = state
+                return
+            except KeyWrongLastSequenceError:
+                if await self._written_by_us(data):
+                    self._saved = state
+                    return
+                raise StateConflictError(
+                    f"{self.where} was changed by another writer; run one policy service per state "
+                    "bucket (set --state-bucket) and restart this one"
+                ) from None
+            except Exception as exc:
+                if attempt == 1 or attempt % 20 == 0:
+                    log.warning("state save failed, retrying", attempt=attempt, error=str(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _written_by_us(self, data: bytes) -> bool:
+        """A retried write whose first attempt landed (its ack got lost) is not a conflict."""
+        try:
+            entry = await self._kv.get(STATE_KEY)
+        except KeyNotFoundError:
+            return False
+        if entry.value == data:
+            self._last = int(entry.revision or 0)
+            return True
+        return False

@@ -1,0 +1,416 @@
+"""gRPC PolicyService: validates requests, runs them as controller jobs, converts answers.
+
+Every error tells what is wrong and what to do: INVALID_ARGUMENT for bad input,
+NOT_FOUND for unknown objects, FAILED_PRECONDITION for requests that cannot be
+right (deleting a Kubernetes policy over the API), UNAVAILABLE while the service
+has not loaded its initial state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+import grpc
+import yaml
+
+from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
+from services.policy import metrics
+from services.policy.controller import Controller, JobKind
+from services.policy.core import Outcome, PolicyCore, PolicyView, RequestError, TraceAnswer
+from services.policy.model import PolicyKey, PolicyKind, Protocol
+from services.policy.realized import Lag, Report
+from services.policy.sources import Source, object_key, parse_kind, source_from_proto, split_engine_key
+from services.policy.trace import TraceSide
+from services.policy.wire import direction_to_proto, ref_to_proto, verdict_to_proto
+
+_NOT_SYNCED = (
+    "the policy service is still loading its initial state (waiting for the watcher's synced marker "
+    "and the identity and ipcache streams); retry when its health is SERVING"
+)
+_PROTOCOLS = {int(p): p for p in (Protocol.TCP, Protocol.UDP, Protocol.SCTP, Protocol.ICMP, Protocol.ICMPV6)}
+
+
+async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """End the call with ``code``; typed so the checker knows nothing runs after it."""
+    await context.abort(code, message)
+    raise AssertionError("grpc abort returned")
+
+
+class DocumentError(ValueError):
+    """The documents of an import cannot be read."""
+
+
+def split_documents(text: str, origin: str) -> list[tuple[str, Mapping[str, Any]]]:
+    """(label, object) for each object in multi-document YAML/JSON; ``List`` kinds are expanded."""
+    where = origin or "documents"
+    try:
+        loaded = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise DocumentError(f"{where}: not valid YAML or JSON{at}: {problem}") from None
+    out: list[tuple[str, Mapping[str, Any]]] = []
+    for i, doc in enumerate(loaded):
+        label = f"{where}[{i}]" if len(loaded) > 1 else where
+        if not isinstance(doc, Mapping):
+            raise DocumentError(f"{label}: expected an object with kind and metadata, got {type(doc).__name__}")
+        items = doc.get("items")
+        if str(doc.get("kind", "")).endswith("List") and isinstance(items, list):
+            for j, item in enumerate(items):
+                if not isinstance(item, Mapping):
+                    raise DocumentError(f"{label}.items[{j}]: expected an object, got {type(item).__name__}")
+                out.append((f"{label}.items[{j}]", item))
+        else:
+            out.append((label, doc))
+    if not out:
+        raise DocumentError(f"{where}: no documents; pass the YAML or JSON of one or more policies")
+    return out
+
+
+def _state(view: PolicyView) -> policy_pb2.PolicyState.ValueType:
+    if view.record.rejected:
+        return policy_pb2.POLICY_STATE_REJECTED
+    if view.rollup.realized:
+        return policy_pb2.POLICY_STATE_REALIZED
+    return policy_pb2.POLICY_STATE_REALIZING
+
+
+def status_to_proto(view: PolicyView) -> policy_pb2.PolicyStatus:
+    r = view.record
+    error = r.error
+    if r.rejected and r.policy is not None:
+        error += f" (the version accepted at revision {r.revision} stays enforced)"
+    status = policy_pb2.PolicyStatus(
+        ref=ref_to_proto(r.key),
+        source=r.source.to_proto(),
+        state=_state(view),
+        error=error,
+        revision=r.revision,
+        subjects=view.subjects,
+        document=r.document,
+        nodes_total=len(view.rollup.nodes),
+        nodes_realized=view.rollup.nodes_realized,
+    )
+    if r.policy is not None:
+        status.unsupported.extend(r.policy.unsupported)
+        status.warnings.extend(r.policy.warnings)
+        status.rules = len(r.policy.rules)
+    for n in view.rollup.nodes:
+        status.nodes.append(
+            policy_pb2.NodeRealization(
+                node=n.node,
+                realized_revision=n.realized_revision,
+                endpoints=n.endpoints,
+                endpoints_realized=n.endpoints_realized,
+            )
+        )
+    return status
+
+
+def _outcome_status(outcome: Outcome, doc: Mapping[str, Any]) -> policy_pb2.PolicyStatus:
+    """Status of a document that was rejected, or validated by a dry run."""
+    meta = doc.get("metadata") if isinstance(doc.get("metadata"), Mapping) else {}
+    assert isinstance(meta, Mapping)
+    ref = ref_to_proto(outcome.key)
+    if not outcome.accepted:
+        # Show the kind as written, even when it is not a policy kind.
+        ref = common_pb2.ObjectRef(
+            kind=str(doc.get("kind") or ""),
+            namespace=outcome.key.namespace,
+            name=str(meta.get("name") or ""),
+        )
+    status = policy_pb2.PolicyStatus(
+        ref=ref,
+        source=outcome.source.to_proto(),
+        state=policy_pb2.POLICY_STATE_UNSPECIFIED if outcome.accepted else policy_pb2.POLICY_STATE_REJECTED,
+        error=outcome.error,
+        document=outcome.document,
+    )
+    if outcome.policy is not None:
+        status.unsupported.extend(outcome.policy.unsupported)
+        status.warnings.extend(outcome.policy.warnings)
+        status.rules = len(outcome.policy.rules)
+    return status
+
+
+def _side_matches(side: TraceSide) -> list[policy_pb2.TraceMatch]:
+    out = []
+    for ref in side.matched:
+        _, key = split_engine_key(ref.policy)
+        out.append(
+            policy_pb2.TraceMatch(
+                policy=ref_to_proto(key),
+                rule_path=ref.peer_rule or ref.rule,
+                direction=direction_to_proto(side.direction),
+                verdict=verdict_to_proto(ref.verdict),
+            )
+        )
+    return out
+
+
+def trace_to_proto(answer: TraceAnswer) -> policy_pb2.TraceResponse:
+    r = answer.result
+    allow, deny = common_pb2.VERDICT_ALLOW, common_pb2.VERDICT_DENY
+    return policy_pb2.TraceResponse(
+        verdict=allow if r.allowed else deny,
+        egress_verdict=allow if r.egress.allowed else deny,
+        ingress_verdict=allow if r.ingress.allowed else deny,
+        egress_enforced=r.egress.enforced,
+        ingress_enforced=r.ingress.enforced,
+        matches=[*_side_matches(r.egress), *_side_matches(r.ingress)],
+        explanation=r.render(),
+        source_identity=answer.source_identity,
+        destination_identity=answer.destination_identity,
+    )
+
+
+def lag_to_proto(lag: Lag) -> policy_pb2.EndpointLag:
+    return policy_pb2.EndpointLag(
+        node=lag.node,
+        endpoint_id=lag.endpoint_id,
+        identity=lag.identity,
+        realized_revision=lag.realized,
+        pod=lag.pod,
+    )
+
+
+class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
+    def __init__(self, controller: Controller, *, wait_timeout: float, max_wait_timeout: float) -> None:
+        self._controller = controller
+        self._wait_timeout = wait_timeout
+        self._max_wait_timeout = max_wait_timeout
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    async def _require_synced(self, context: grpc.aio.ServicerContext) -> None:
+        if not self._controller.core.synced:
+            await abort(context, grpc.StatusCode.UNAVAILABLE, _NOT_SYNCED)
+
+    async def _ref(
+        self, ref: common_pb2.ObjectRef, context: grpc.aio.ServicerContext, *, field: str = "ref"
+    ) -> PolicyKey:
+        if not ref.kind:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{field}.kind is required: NetworkPolicy, CiliumNetworkPolicy or CiliumClusterwideNetworkPolicy",
+            )
+        kind = parse_kind(ref.kind)
+        if kind is None:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{field}.kind {ref.kind!r} is not a policy kind; use NetworkPolicy, CiliumNetworkPolicy or "
+                "CiliumClusterwideNetworkPolicy",
+            )
+        if not ref.name:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{field}.name is required")
+        if kind is PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY and ref.namespace:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{field}.namespace must be empty: CiliumClusterwideNetworkPolicy is cluster-scoped",
+            )
+        return object_key(kind, ref.namespace, ref.name)
+
+    async def _fail(self, exc: RequestError, context: grpc.aio.ServicerContext) -> NoReturn:
+        code = grpc.StatusCode.NOT_FOUND if exc.not_found else grpc.StatusCode.INVALID_ARGUMENT
+        await abort(context, code, str(exc))
+
+    async def _revision(self) -> int:
+        return await self._controller.call(lambda core, now: core.revision)
+
+    # --- policies --------------------------------------------------------------------------
+
+    async def ImportPolicies(
+        self, request: policy_pb2.ImportPoliciesRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.ImportPoliciesResponse:
+        if not request.documents.strip():
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "documents is empty; pass the YAML or JSON of one or more policies",
+            )
+        try:
+            docs = split_documents(request.documents, request.origin)
+        except DocumentError as exc:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not request.dry_run:
+            await self._require_synced(context)
+        texts = [yaml.safe_dump(dict(doc), sort_keys=False) for _, doc in docs]
+
+        def apply(core: PolicyCore, now: float) -> list[Outcome]:
+            return [
+                core.upsert(Source.API, doc, text, now, origin=label, dry_run=request.dry_run)
+                for (label, doc), text in zip(docs, texts, strict=True)
+            ]
+
+        if request.dry_run:
+            outcomes = await self._controller.call(apply, JobKind.READ)
+        else:
+            outcomes = await self._controller.call(apply, JobKind.CHANGE, durable=True)
+        for outcome in outcomes:
+            if not outcome.accepted:
+                metrics.REJECTED.labels(Source.API.value).inc()
+
+        def answer(core: PolicyCore, now: float) -> policy_pb2.ImportPoliciesResponse:
+            response = policy_pb2.ImportPoliciesResponse(revision=core.revision)
+            for outcome, (_, doc) in zip(outcomes, docs, strict=True):
+                if outcome.accepted and not request.dry_run:
+                    record = core.registry.get(Source.API, outcome.key)
+                    if record is not None:
+                        response.policies.append(status_to_proto(core.view(record)))
+                        continue
+                response.policies.append(_outcome_status(outcome, doc))
+            return response
+
+        return await self._controller.call(answer)
+
+    async def DeletePolicy(
+        self, request: policy_pb2.DeletePolicyRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.DeletePolicyResponse:
+        key = await self._ref(request.ref, context)
+        source = source_from_proto(request.source, default=Source.API)
+        if source is Source.KUBERNETES:
+            await abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{key} comes from Kubernetes; delete it there (kubectl delete) or from the manifest folder",
+            )
+        await self._require_synced(context)
+        existed = await self._controller.call(
+            lambda core, now: core.delete(source, key, now), JobKind.CHANGE, durable=True
+        )
+        if not existed:
+            await abort(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"no policy {key} imported over the API; list them with `palisade policy get`",
+            )
+        return policy_pb2.DeletePolicyResponse(revision=await self._revision())
+
+    async def GetPolicy(
+        self, request: policy_pb2.GetPolicyRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.PolicyStatus:
+        key = await self._ref(request.ref, context)
+        source = (
+            source_from_proto(request.source, default=Source.API)
+            if request.source != policy_pb2.POLICY_SOURCE_UNSPECIFIED
+            else None
+        )
+        try:
+            view = await self._controller.call(lambda core, now: core.get_policy(source, key))
+        except RequestError as exc:
+            await self._fail(exc, context)
+        return status_to_proto(view)
+
+    async def ListPolicies(
+        self, request: policy_pb2.ListPoliciesRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.ListPoliciesResponse:
+        def answer(core: PolicyCore, now: float) -> policy_pb2.ListPoliciesResponse:
+            return policy_pb2.ListPoliciesResponse(
+                revision=core.revision,
+                policies=[status_to_proto(v) for v in core.list_policies(request.namespace)],
+            )
+
+        return await self._controller.call(answer)
+
+    # --- trace and resync ------------------------------------------------------------------
+
+    async def Trace(
+        self, request: policy_pb2.TraceRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.TraceResponse:
+        protocol = _PROTOCOLS.get(request.protocol or Protocol.TCP)
+        if protocol is None:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "protocol must be TCP, UDP, SCTP, ICMP or ICMPv6")
+        if protocol in (Protocol.TCP, Protocol.UDP, Protocol.SCTP) and not 1 <= request.port <= 65535:
+            await abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, f"port {request.port} must be 1-65535 for {protocol.name}"
+            )
+        src = (request.source.pod, tuple(request.source.labels))
+        dst = (request.destination.pod, tuple(request.destination.labels))
+        try:
+            answer = await self._controller.call(lambda core, now: core.trace(src, dst, request.port, protocol))
+        except RequestError as exc:
+            await self._fail(exc, context)
+        return trace_to_proto(answer)
+
+    async def Resync(
+        self, request: policy_pb2.ResyncRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.ResyncResponse:
+        if not request.node:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "node is required: the node to resync")
+        await self._require_synced(context)
+        # Durable: the sequence returned is persisted and its order published before we answer.
+        answer = await self._controller.call(
+            lambda core, now: core.resync(request.node, request.identities), JobKind.READ, durable=True
+        )
+        return policy_pb2.ResyncResponse(revision=answer.revision, sequence=answer.sequence, policies=answer.policies)
+
+    # --- realized revisions ----------------------------------------------------------------
+
+    async def WaitForRevision(
+        self, request: policy_pb2.WaitForRevisionRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.WaitForRevisionResponse:
+        if request.revision == 0:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "revision is required: the revision printed by `palisade policy import`, or the current one "
+                "from `palisade status`",
+            )
+        if request.timeout_seconds < 0:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "timeout_seconds must be positive (0 uses the server default)",
+            )
+        await self._require_synced(context)
+        current = await self._revision()
+        if request.revision > current:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"revision {request.revision} has not been handed out yet (current is {current}); "
+                "wait for a revision returned by an import or delete",
+            )
+        timeout = min(request.timeout_seconds or self._wait_timeout, self._max_wait_timeout)
+        behind = await self._controller.wait_for_revision(request.revision, timeout)
+        return policy_pb2.WaitForRevisionResponse(
+            realized=not behind,
+            behind=[lag_to_proto(lag) for lag in behind],
+            current_revision=await self._revision(),
+        )
+
+    async def ReportRealized(
+        self, request: policy_pb2.ReportRealizedRequest, context: grpc.aio.ServicerContext
+    ) -> policy_pb2.ReportRealizedResponse:
+        reports = []
+        for i, r in enumerate(request.reports):
+            problem = ""
+            if not r.node:
+                problem = "node is required"
+            elif not r.revision and not r.deleted:
+                problem = "revision is required"
+            elif not r.identity:
+                problem = "identity is required"
+            elif not r.endpoint_id and not r.pod:
+                problem = "endpoint_id or pod is required"
+            elif r.pod and "/" not in r.pod:
+                problem = f"pod {r.pod!r} must be namespace/name"
+            if problem:
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"reports[{i}]: {problem}")
+            reports.append(Report(r.node, r.endpoint_id, r.identity, r.revision, r.pod, r.deleted))
+
+        def apply(core: PolicyCore, now: float) -> None:
+            for _revision, caused_at in core.report(reports, now):
+                metrics.IMPLEMENTATION_DELAY.observe(max(0.0, now - caused_at))
+            metrics.REALIZED_REPORTS.inc(len(reports))
+
+        try:
+            await self._controller.call(apply, JobKind.REALIZED)
+        except RequestError as exc:
+            await self._fail(exc, context)
+        return policy_pb2.ReportRealizedResponse()

@@ -1,0 +1,297 @@
+"""The manifest-folder source: a directory of YAML/JSON manifests stands in for the API server.
+
+Files (``*.yaml``, ``*.yml``, ``*.json``, recursively, hidden ones skipped) hold
+one or more documents or ``kind: List`` objects. The folder is polled: a file
+whose (mtime, size, inode) changed, or that changed very recently, is read and
+hashed, and only a new hash is parsed. After any change the whole folder's
+objects are handed over as one ``Listed`` per kind, and the reconciler turns
+that into the deltas a cluster would produce. Objects get a synthetic uid
+(stable per kind/namespace/name unless the file gives one) and a synthetic,
+increasing resourceVersion that moves only when the object's content changes.
+
+A file that fails to parse is reported (``Problem``) and its objects keep their
+last good state until the file is fixed or removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.common.log import get_logger
+from services.watcher.kinds import KINDS, Kind, KindInfo, lookup
+from services.watcher.objects import KObject, ObjectKey, from_api
+from services.watcher.source import Emit, Listed, Problem, ProblemReason, SourceEvent
+
+log = get_logger("watcher.manifests")
+
+SUFFIXES = (".yaml", ".yml", ".json")
+STATUS_TOKEN = "manifests"
+#: A file modified this recently is re-hashed on every poll: two writes within one
+#: timestamp tick and of the same size would otherwise go unnoticed.
+_RECENT_NS = 2_000_000_000
+_UID_NAMESPACE = uuid.UUID("5f0c6a52-8f4e-4c55-9a77-0d6f6f1a5e11")
+
+
+class ManifestError(ValueError):
+    """A manifest file cannot be used; the message says where and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """The watched objects of one file, and the ones of other kinds that were ignored."""
+
+    objects: tuple[KObject, ...]
+    ignored: tuple[str, ...]
+
+
+# -- pure parsing ---------------------------------------------------------------
+
+
+def load_documents(text: str, *, json_file: bool) -> list[Mapping[str, Any]]:
+    """The objects in a file's text: documents, with ``List`` objects and JSON arrays flattened."""
+    try:
+        raw: list[Any] = [json.loads(text)] if json_file else list(yaml.safe_load_all(text))
+    except (yaml.YAMLError, ValueError) as exc:
+        raise ManifestError(f"not valid {'JSON' if json_file else 'YAML'}: {exc}") from None
+    out: list[Mapping[str, Any]] = []
+
+    def add(doc: Any, where: str) -> None:
+        if doc is None:
+            return
+        if isinstance(doc, list):
+            for i, item in enumerate(doc, 1):
+                add(item, f"{where} item {i}")
+            return
+        if not isinstance(doc, Mapping):
+            raise ManifestError(f"{where} is a {type(doc).__name__}, not an object with apiVersion and kind")
+        if isinstance(doc.get("kind"), str) and doc["kind"].endswith("List") and isinstance(doc.get("items"), list):
+            add(doc["items"], f"{where} ({doc['kind']})")
+            return
+        out.append(doc)
+
+    for n, doc in enumerate(raw, 1):
+        add(doc, f"document {n}")
+    return out
+
+
+def synthetic_uid(info: KindInfo, namespace: str, name: str) -> str:
+    return str(uuid.uuid5(_UID_NAMESPACE, f"{info.kind.value}/{namespace}/{name}"))
+
+
+def to_objects(docs: list[Mapping[str, Any]], origin: str) -> Parsed:
+    """Watched objects from parsed documents: namespaces defaulted, uid filled in, other kinds ignored."""
+    objects: list[KObject] = []
+    ignored: list[str] = []
+    for n, doc in enumerate(docs, 1):
+        api_version, api_kind = doc.get("apiVersion"), doc.get("kind")
+        if not isinstance(api_version, str) or not isinstance(api_kind, str) or not api_version or not api_kind:
+            raise ManifestError(f"object {n}: apiVersion and kind are required")
+        meta = doc.get("metadata")
+        name = meta.get("name") if isinstance(meta, Mapping) else None
+        info = lookup(api_version, api_kind)
+        if info is None:
+            ignored.append(f"{api_version} {api_kind} {name or '?'}")
+            continue
+        if not isinstance(meta, Mapping) or not isinstance(name, str) or not name:
+            raise ManifestError(f"object {n} ({api_kind}): metadata.name is required")
+        new_meta = dict(meta)
+        if info.namespaced:
+            namespace = new_meta.get("namespace") or "default"
+            if not isinstance(namespace, str):
+                raise ManifestError(f"object {n} ({api_kind} {name}): metadata.namespace must be a string")
+            new_meta["namespace"] = namespace
+        else:
+            new_meta.pop("namespace", None)
+            namespace = ""
+        new_meta.setdefault("uid", synthetic_uid(info, namespace, name))
+        new_meta.pop("resourceVersion", None)  # assigned by the source
+        objects.append(from_api(info, {**doc, "metadata": new_meta}, origin=origin))
+    return Parsed(tuple(objects), tuple(ignored))
+
+
+def parse_file(origin: str, data: bytes) -> Parsed:
+    """Parse one file's bytes; ``origin`` is its path relative to the folder."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"not UTF-8 text ({exc})") from None
+    return to_objects(load_documents(text, json_file=origin.endswith(".json")), origin)
+
+
+def with_resource_version(obj: KObject, rv: str) -> KObject:
+    meta = dict(obj.body.get("metadata") or {})
+    meta["resourceVersion"] = rv
+    return dataclasses.replace(obj, resource_version=rv, body={**obj.body, "metadata": meta})
+
+
+# -- the polling source -----------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _File:
+    fingerprint: tuple[int, int, int]
+    digest: bytes
+    #: The last good objects; kept while the file does not parse.
+    objects: tuple[KObject, ...]
+    error: str = ""
+
+
+class ManifestSource:
+    """Polls ``root`` every ``poll_interval`` seconds and emits the folder's state on every change."""
+
+    status_token = STATUS_TOKEN
+
+    def __init__(self, root: Path, *, kinds: tuple[KindInfo, ...] = KINDS, poll_interval: float = 0.5) -> None:
+        self.root = root
+        self.name = f"manifests:{root}"
+        self.kinds = kinds
+        self._poll = poll_interval
+        self._files: dict[str, _File] = {}
+        self._versions: dict[ObjectKey, tuple[str, str]] = {}
+        self._last_rv = 0
+        self._listed_once = False
+        self._folder_error = ""
+
+    async def run(self, emit: Emit) -> None:
+        log.info("watching manifests", folder=str(self.root), poll_interval=self._poll)
+        while True:
+            for event in await asyncio.to_thread(self.scan):
+                emit(event)
+            await asyncio.sleep(self._poll)
+
+    def scan(self) -> list[SourceEvent]:
+        """One poll of the folder: the events its changes produce (none if nothing changed).
+
+        Only ever called by one thread at a time; it owns the source's state.
+        """
+        events: list[SourceEvent] = []
+        if not self.root.is_dir():
+            message = (
+                f"manifest folder {self.root} does not exist or is not a folder; "
+                "create it or point --manifests at your manifests (objects keep their last state)"
+            )
+            if self._folder_error != message:
+                self._folder_error = message
+                log.error("manifest folder unreadable", folder=str(self.root))
+                events.append(Problem(".", message, ProblemReason.FOLDER))
+            return events
+        if self._folder_error:
+            self._folder_error = ""
+            events.append(Problem(".", "", ProblemReason.FOLDER))
+
+        present = set(self._walk())
+        changed = not self._listed_once
+        for rel in sorted(set(self._files) - present):
+            gone = self._files.pop(rel)
+            changed = True
+            log.info("manifest file removed", file=rel, objects=len(gone.objects))
+            if gone.error:
+                events.append(Problem(rel, "", ProblemReason.PARSE))
+        now = time.time_ns()
+        for rel in sorted(present):
+            changed |= self._check_file(rel, now, events)
+        if changed:
+            events.extend(self._listing())
+            self._listed_once = True
+        return events
+
+    def _walk(self) -> Iterator[str]:
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            # Hidden folders are editors' and ConfigMap mounts' (..data) business.
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for filename in filenames:
+                if filename.startswith(".") or not filename.endswith(SUFFIXES):
+                    continue
+                yield Path(dirpath, filename).relative_to(self.root).as_posix()
+
+    def _check_file(self, rel: str, now: int, events: list[SourceEvent]) -> bool:
+        """Re-read ``rel`` if it may have changed; True if its objects changed."""
+        path = self.root / rel
+        known = self._files.get(rel)
+        try:
+            st = path.stat()
+            fingerprint = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if known is not None and known.fingerprint == fingerprint and now - st.st_mtime_ns > _RECENT_NS:
+                return False
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return False  # removed since the walk; the next poll sees it gone
+        except OSError as exc:
+            return self._failed(rel, known, (0, 0, 0), b"", f"cannot read it ({exc})", events)
+        digest = hashlib.sha256(data).digest()
+        if known is not None and known.digest == digest:
+            known.fingerprint = fingerprint
+            return False
+        try:
+            parsed = parse_file(rel, data)
+        except ManifestError as exc:
+            return self._failed(rel, known, fingerprint, digest, str(exc), events)
+        for what in parsed.ignored:
+            log.info("manifest object of an unwatched kind ignored", file=rel, object=what)
+        if known is not None and known.error:
+            log.info("manifest file fixed", file=rel)
+            events.append(Problem(rel, "", ProblemReason.PARSE))
+        self._files[rel] = _File(fingerprint, digest, parsed.objects)
+        return True
+
+    def _failed(
+        self,
+        rel: str,
+        known: _File | None,
+        fingerprint: tuple[int, int, int],
+        digest: bytes,
+        reason: str,
+        events: list[SourceEvent],
+    ) -> bool:
+        message = f"{rel}: {reason}; fix the file (its objects keep their last good state)"
+        if known is None:
+            known = self._files[rel] = _File(fingerprint, digest, ())
+        else:
+            known.fingerprint, known.digest = fingerprint, digest
+        if known.error != message:
+            known.error = message
+            log.warning("manifest file rejected", file=rel, error=reason)
+            events.append(Problem(rel, message, ProblemReason.PARSE))
+        return False
+
+    def _listing(self) -> list[SourceEvent]:
+        merged: dict[ObjectKey, KObject] = {}
+        for rel in sorted(self._files):
+            for obj in self._files[rel].objects:
+                earlier = merged.get(obj.key)
+                if earlier is not None and earlier.origin != rel:
+                    log.warning(
+                        "object defined in several manifest files, the last one wins",
+                        object=str(obj.key),
+                        files=f"{earlier.origin},{rel}",
+                    )
+                merged[obj.key] = obj
+        versions: dict[ObjectKey, tuple[str, str]] = {}
+        per_kind: dict[Kind, list[KObject]] = {info.kind: [] for info in self.kinds}
+        for key, obj in merged.items():
+            content = json.dumps(obj.body, sort_keys=True, separators=(",", ":"))
+            previous = self._versions.get(key)
+            rv = previous[1] if previous is not None and previous[0] == content else self._next_rv()
+            versions[key] = (content, rv)
+            if key.kind in per_kind:
+                per_kind[key.kind].append(with_resource_version(obj, rv))
+        self._versions = versions
+        return [Listed(kind, tuple(objs)) for kind, objs in per_kind.items()]
+
+    def _next_rv(self) -> str:
+        # Wall-clock microseconds, kept increasing: a restarted watcher's versions stay above
+        # the ones an earlier run published.
+        self._last_rv = max(self._last_rv + 1, time.time_ns() // 1000)
+        return str(self._last_rv)

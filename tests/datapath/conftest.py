@@ -1,0 +1,148 @@
+"""Shared fixtures for the datapath tests: one compiled datapath and a few pods per session.
+
+Everything carries a random run id (``pt<4 hex>``) so parallel runs on one
+machine never share a namespace, an interface, an address or a pin directory,
+and everything is removed at the end of the session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import secrets
+from collections.abc import Iterator
+
+import pytest
+
+from services.datapath import netns
+from services.datapath.datapath import Datapath
+from services.datapath.netns import PodNetwork
+from services.datapath.types import Direction, EndpointSpec, Enforcement, Reason
+from tests.datapath.traffic import EchoServer
+
+#: Ports the echo servers listen on in every pod (so a failure is the policy, never a refusal).
+TCP_PORTS = (3868, 7000, 8080, 8081, 8999, 9000, 9005, 9010, 9011)
+UDP_PORTS = (5353, 5354, 7000, 8080)
+
+IDENTITY_A = 1001
+IDENTITY_B = 1002
+IDENTITY_C = 1003
+
+
+@dataclasses.dataclass(frozen=True)
+class Pod:
+    name: str
+    net: PodNetwork
+    ep_id: int
+    identity: int
+    v4: str
+    v6: str
+
+    @property
+    def spec(self) -> EndpointSpec:
+        return EndpointSpec(self.ep_id, self.net.host_ifindex, self.net.host_ifname, self.net.ips, self.identity)
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """A node with three attached pods (a, b, c) and an outside host (ext, not an endpoint)."""
+
+    run_id: str
+    dp: Datapath
+    a: Pod
+    b: Pod
+    c: Pod
+    ext: PodNetwork
+    #: ext's addresses: two inside ``cidr``, one outside every ipcache prefix the tests add.
+    ext_in: str
+    ext_except: str
+    ext_outside: str
+    #: The /25 the CIDR tests put in the ipcache (ext_in and ext_except are in it).
+    cidr: str
+    pods: tuple[Pod, ...]
+
+
+@pytest.fixture(scope="session")
+def run_id() -> str:
+    return "pt" + secrets.token_hex(2)
+
+
+def _subnet() -> tuple[int, int]:
+    raw = secrets.randbits(16)
+    return 200 + raw % 50, raw >> 8
+
+
+@pytest.fixture(scope="session")
+def bpf_base(run_id: str) -> str:
+    return f"/sys/fs/bpf/palisade-{run_id}"
+
+
+@pytest.fixture(scope="session")
+def node(run_id: str, bpf_base: str) -> Iterator[Node]:
+    """Compiles the program once per session; pods and servers live for the whole session."""
+    netns.enable_forwarding()
+    o2, o3 = _subnet()
+    v4 = f"10.{o2}.{o3}"
+    v6 = f"fd10:{o2:x}{o3:02x}:{run_id[2:]}"
+    dp = Datapath.open(bpf_base)
+    created: list[str] = []
+    servers: list[EchoServer] = []
+    try:
+        pods = []
+        for idx, (letter, identity) in enumerate((("a", IDENTITY_A), ("b", IDENTITY_B), ("c", IDENTITY_C)), 1):
+            name = f"{run_id}{letter}"
+            ip6 = str(ipaddress.ip_address(f"{v6}::{idx}"))  # canonical, as the datapath reports it
+            net = netns.create_pod(name, name, [f"{v4}.{idx}", ip6])
+            created.append(name)
+            pod = Pod(name, net, ep_id=100 + idx, identity=identity, v4=f"{v4}.{idx}", v6=ip6)
+            dp.attach_endpoint(pod.spec)
+            pods.append(pod)
+        ext_name = f"{run_id}x"
+        ext = netns.create_pod(ext_name, ext_name, [f"{v4}.129", f"{v4}.130", f"10.{o2}.{(o3 + 1) % 256}.1"])
+        created.append(ext_name)
+        for ns in [*created]:
+            servers.append(EchoServer(ns, TCP_PORTS, UDP_PORTS))
+        yield Node(
+            run_id=run_id,
+            dp=dp,
+            a=pods[0],
+            b=pods[1],
+            c=pods[2],
+            ext=ext,
+            ext_in=f"{v4}.129",
+            ext_except=f"{v4}.130",
+            ext_outside=f"10.{o2}.{(o3 + 1) % 256}.1",
+            cidr=f"{v4}.128/25",
+            pods=tuple(pods),
+        )
+    finally:
+        for server in servers:
+            server.close()
+        for name in created:
+            netns.delete_pod(name, name)
+        dp.teardown()
+    assert not os.path.exists(bpf_base)
+
+
+@pytest.fixture
+def net(node: Node) -> Node:
+    """The session node with no policy, original identities, empty ipcache, conntrack and flow queue."""
+    dp = node.dp
+    for pod in node.pods:
+        dp.sync_policy(pod.ep_id, Enforcement(), [])
+        dp.set_identity(pod.ep_id, pod.identity)
+    for prefix in dp.ipcache_dump():
+        dp.ipcache_delete(prefix)
+    dp.flush_conntrack()
+    dp.read_flows(0)
+    return node
+
+
+def drops(dp: Datapath, ep_id: int, direction: Direction | None = None) -> int:
+    """Packets this endpoint dropped so far (policy deny and default deny)."""
+    counters = dp.counters()
+    return sum(
+        counters.packets(endpoint_id=ep_id, reason=reason, direction=direction)
+        for reason in (Reason.POLICY_DENY, Reason.DEFAULT_DENY)
+    )

@@ -1,0 +1,340 @@
+"""Policy map dumps, write ordering, the template cache, attach/detach, pinning across processes."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+
+from services.datapath import netns
+from services.datapath.datapath import Datapath, normalize_entries, teardown_all
+from services.datapath.loader import Loader, ProgramConfig, program_ids
+from services.datapath.maps import policymap
+from services.datapath.types import (
+    Direction,
+    EndpointSpec,
+    Enforcement,
+    PolicyEntry,
+    PolicyKey,
+    Protocol,
+    Verdict,
+)
+from tests.datapath.conftest import TCP_PORTS, UDP_PORTS, Node, Pod, drops
+from tests.datapath.traffic import DENY_TIMEOUT, EchoServer, streams, tcp_exchange
+
+pytestmark = [pytest.mark.root, pytest.mark.bcc]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def entry(direction: Direction, identity: int, proto: Protocol, low: int = 0, high: int = 0, deny: bool = False):
+    return PolicyEntry(PolicyKey(direction, identity, proto, low, high), Verdict.DENY if deny else Verdict.ALLOW)
+
+
+POLICY = [
+    entry(Direction.INGRESS, 1001, Protocol.TCP, 8080),
+    entry(Direction.INGRESS, 1001, Protocol.TCP, 1000, 1999),
+    entry(Direction.INGRESS, 1001, Protocol.TCP, 2000, 2999),  # adjacent to the range above
+    entry(Direction.INGRESS, 1001, Protocol.UDP, 1, 65535),
+    entry(Direction.INGRESS, 0, Protocol.SCTP, 3868),
+    entry(Direction.INGRESS, 1003, Protocol.ANY),
+    entry(Direction.INGRESS, 1003, Protocol.TCP, 22, deny=True),
+    entry(Direction.EGRESS, 0, Protocol.ANY),
+    entry(Direction.EGRESS, 2, Protocol.TCP, 0, deny=True),
+    entry(Direction.EGRESS, 1002, Protocol.ICMP),
+]
+
+
+def test_policy_dump_matches_applied_entries(net: Node) -> None:
+    dp, b = net.dp, net.b
+    enforcement = Enforcement(ingress=True, egress=True)
+    change = dp.sync_policy(b.ep_id, enforcement, POLICY)
+    assert change.added == len(dp.policy.read(b.ep_id)[b.ep_id])
+
+    assert dp.dump_policy(b.ep_id) == (enforcement, sorted(POLICY))
+    # A range costs a handful of prefixes, never one per port.
+    prefixes = dp.policy.read(b.ep_id)[b.ep_id]
+    ranged = [p for p, owner in prefixes.items() if owner == (1000, 1999)]
+    assert 1 < len(ranged) <= 2 * 16
+
+    # Incremental: remove one, overwrite one's verdict, add one.
+    removed = POLICY[1].key
+    flipped = PolicyEntry(POLICY[0].key, Verdict.DENY)
+    added = entry(Direction.INGRESS, 1002, Protocol.UDP, 5353)
+    dp.apply_policy(b.ep_id, enforcement, add=[flipped, added], remove=[removed])
+    expected = sorted({*POLICY[2:], flipped, added})
+    assert dp.dump_policy(b.ep_id) == (enforcement, expected)
+
+    # Enforcement alone.
+    dp.apply_policy(b.ep_id, Enforcement(ingress=True))
+    assert dp.dump_policy(b.ep_id) == (Enforcement(ingress=True), expected)
+
+
+def test_sync_policy_repairs_drift(net: Node) -> None:
+    dp, b = net.dp, net.b
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), POLICY)
+    prefixes = dp.policy.read(b.ep_id)[b.ep_id]
+    lost = next(iter(prefixes))
+    dp.policy.delete([lost])  # behind the facade's back
+    foreign = {policymap.Prefix(b.ep_id, Direction.INGRESS, 7777, Protocol.TCP, Verdict.ALLOW, 443, 16): (443, 443)}
+    dp.policy.write(foreign)
+    assert dp.dump_policy(b.ep_id)[1] != sorted(POLICY)
+
+    change = dp.sync_policy(b.ep_id, Enforcement(ingress=True), POLICY)
+    assert (change.added, change.removed) == (1, 1)
+    assert dp.dump_policy(b.ep_id) == (Enforcement(ingress=True), sorted(POLICY))
+
+
+def test_policy_writes_add_before_enforce_before_remove(net: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No window denies traffic both policies allow: adds land before removals."""
+    dp, b = net.dp, net.b
+    dp.sync_policy(b.ep_id, Enforcement(), [entry(Direction.INGRESS, 1001, Protocol.TCP, 8080)])
+    calls: list[str] = []
+    real_write, real_delete, real_set = dp.policy.write, dp.policy.delete, dp.enforcement.set
+
+    def write(prefixes):  # type: ignore[no-untyped-def]
+        calls.extend("add" for _ in prefixes)
+        real_write(prefixes)
+
+    def delete(prefixes):  # type: ignore[no-untyped-def]
+        prefixes = list(prefixes)
+        calls.extend("remove" for _ in prefixes)
+        real_delete(prefixes)
+
+    def set_enforcement(ep_id, enforcement):  # type: ignore[no-untyped-def]
+        calls.append("enforce")
+        real_set(ep_id, enforcement)
+
+    monkeypatch.setattr(dp.policy, "write", write)
+    monkeypatch.setattr(dp.policy, "delete", delete)
+    monkeypatch.setattr(dp.enforcement, "set", set_enforcement)
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, 1001, Protocol.TCP, 9000, 9010)])
+    assert calls and "remove" in calls and "enforce" in calls
+    assert calls == sorted(calls, key=["add", "enforce", "remove"].index)
+
+
+def test_one_template_serves_every_endpoint(net: Node, bpf_base: str) -> None:
+    dp = net.dp
+    attachments = {net.dp._loader.attachment(p.net.host_ifindex).template() for p in net.pods}
+    assert attachments == {dp.template.short}
+    # Asking again is a cache hit; a fresh loader (as after a restart) reuses the pinned programs.
+    assert dp._loader.template(dp.config) is dp.template
+    fresh = Loader(bpf_base)
+    try:
+        reused = fresh.template(dp.config)
+        assert reused.origin == "pinned" and reused.compile_seconds == 0.0
+        assert program_ids(reused) == program_ids(dp.template)
+    finally:
+        fresh.close()
+
+
+def test_reattach_swaps_the_program_in_place(net: Node, bpf_base: str) -> None:
+    dp, a, b = net.dp, net.a, net.b
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)])
+    other = Loader(bpf_base)
+    try:
+        variant = other.template(ProgramConfig(ct_other_lifetime_s=61))
+        assert variant.hash != dp.template.hash and variant.origin == "compiled"
+        with streams((a.name, b.v4, 8080)) as (stream,):
+            assert stream.ping()
+            other.attach(variant, b.net.host_ifindex)
+            assert dp._loader.attachment(b.net.host_ifindex).template() == variant.short
+            assert stream.ping(), "established flows continue across the swap"
+            assert not tcp_exchange(a.name, b.v4, 8081, timeout=DENY_TIMEOUT), "the new program enforces too"
+            dp.attach_endpoint(b.spec)  # back to the datapath's template
+            assert dp._loader.attachment(b.net.host_ifindex).template() == dp.template.short
+            assert stream.ping()
+        assert _bpf_filter_count(b.net.host_ifindex) == 2, "one filter per hook, replaced not added"
+    finally:
+        other.close()
+
+
+def _bpf_filter_count(ifindex: int) -> int:
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ipr:
+        return sum(
+            1
+            for parent in (0xFFFFFFF2, 0xFFFFFFF3)
+            for f in ipr.get_filters(index=ifindex, parent=parent)
+            if f.get_attr("TCA_KIND") == "bpf" and f["handle"] != 0  # handle 0: the prio's chain header
+        )
+
+
+@pytest.fixture
+def extra_pods(node: Node) -> Iterator[list[Pod]]:
+    """Two pods of their own (not attached by the session datapath)."""
+    pods, servers = [], []
+    v4 = node.a.v4.rsplit(".", 1)[0]
+    v6 = node.a.v6.rsplit("::", 1)[0]
+    try:
+        for idx, letter in ((61, "p"), (62, "q")):
+            name = f"{node.run_id}{letter}"
+            ip6 = str(ipaddress.ip_address(f"{v6}::{idx}"))
+            net = netns.create_pod(name, name, [f"{v4}.{idx}", ip6])
+            pods.append(Pod(name, net, ep_id=idx, identity=2000 + idx, v4=f"{v4}.{idx}", v6=ip6))
+            servers.append(EchoServer(name, TCP_PORTS, UDP_PORTS))
+        yield pods
+    finally:
+        for server in servers:
+            server.close()
+        for pod in pods:
+            netns.delete_pod(pod.name, pod.name)
+
+
+def test_detach_endpoint_removes_programs_and_state(net: Node, extra_pods: list[Pod]) -> None:
+    dp, a = net.dp, net.a
+    p = extra_pods[0]
+    dp.attach_endpoint(p.spec)
+    dp.sync_policy(p.ep_id, Enforcement(ingress=True), [])
+    assert not tcp_exchange(a.name, p.v4, 8080, timeout=DENY_TIMEOUT)
+    assert any(e.id == p.ep_id and e.attached for e in dp.pinned_endpoints())
+
+    assert dp.detach_endpoint(p.ep_id)
+    assert not dp.detach_endpoint(p.ep_id)
+    assert not dp._loader.attachment(p.net.host_ifindex).complete
+    assert all(e.id != p.ep_id for e in dp.pinned_endpoints())
+    assert dp.dump_policy(p.ep_id) == (Enforcement(), [])
+    assert tcp_exchange(a.name, p.v4, 8080), "no program, no policy"
+
+
+RESTORE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from services.datapath.datapath import Datapath
+    from services.datapath.types import Direction, Enforcement, PolicyEntry, PolicyKey, Protocol, Reason
+
+    base, ep, identity = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    dp = Datapath.open(base)
+    enforcement, entries = dp.dump_policy(ep)
+    report = {
+        "origin": dp.template.origin,
+        "endpoints": [
+            [e.id, e.identity, e.attached, list(e.ips), e.enforcement.ingress] for e in dp.pinned_endpoints()
+        ],
+        "entries": [[e.key.remote_identity, e.key.port_low, e.verdict.value] for e in entries],
+        "default_deny": dp.counters().packets(endpoint_id=ep, reason=Reason.DEFAULT_DENY),
+    }
+    dp.apply_policy(ep, enforcement, add=[PolicyEntry(PolicyKey(Direction.INGRESS, identity, Protocol.TCP, 8081))])
+    dp.close()
+    print(json.dumps(report))
+    """
+)
+
+SETUP_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from services.datapath.datapath import Datapath
+    from services.datapath.types import Direction, EndpointSpec, Enforcement, PolicyEntry, PolicyKey, Protocol
+
+    base = sys.argv[1]
+    p, q = [a.split(",") for a in sys.argv[2:4]]
+    dp = Datapath.open(base)
+    for ep, ifindex, name, identity, *ips in (p, q):
+        dp.attach_endpoint(EndpointSpec(int(ep), int(ifindex), name, tuple(ips), int(identity)))
+    dp.sync_policy(int(q[0]), Enforcement(ingress=True),
+                   [PolicyEntry(PolicyKey(Direction.INGRESS, int(p[3]), Protocol.TCP, 8080))])
+    print("ready", flush=True)
+    time.sleep(600)  # killed by the test: nothing is closed or cleaned up
+    """
+)
+
+
+def _pod_arg(pod: Pod) -> str:
+    return ",".join([str(pod.ep_id), str(pod.net.host_ifindex), pod.net.host_ifname, str(pod.identity), *pod.net.ips])
+
+
+def test_enforcement_outlives_the_process_and_a_new_one_restores(
+    node: Node, extra_pods: list[Pod], bpf_base: str
+) -> None:
+    p, q = extra_pods
+    base = bpf_base + "-restore"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    setup = subprocess.Popen(
+        [sys.executable, "-c", SETUP_SCRIPT, base, _pod_arg(p), _pod_arg(q)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert setup.stdout is not None
+        line = setup.stdout.readline()
+        assert line.strip() == "ready", setup.stderr.read() if setup.stderr else ""
+        setup.send_signal(signal.SIGKILL)
+        setup.wait(10)
+
+        # Nobody holds the datapath open: the programs and pinned maps still enforce.
+        assert tcp_exchange(p.name, q.v4, 8080)
+        assert not tcp_exchange(p.name, q.v4, 8081, timeout=DENY_TIMEOUT)
+        assert not tcp_exchange(p.name, q.v6, 8081, timeout=DENY_TIMEOUT)
+
+        restore = subprocess.run(
+            [sys.executable, "-c", RESTORE_SCRIPT, base, str(q.ep_id), str(p.identity)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert restore.returncode == 0, restore.stderr
+        report = json.loads(restore.stdout.strip().splitlines()[-1])
+        assert report["origin"] == "pinned", "the restarted process reused the pinned programs"
+        assert sorted(map(tuple, (e[:3] for e in report["endpoints"]))) == [
+            (p.ep_id, p.identity, True),
+            (q.ep_id, q.identity, True),
+        ]
+        assert next(e for e in report["endpoints"] if e[0] == q.ep_id)[3:] == [sorted(q.net.ips), True]
+        assert report["entries"] == [[p.identity, 8080, "allow"]]
+        assert report["default_deny"] >= 2, "the drops made while no process was up were counted"
+
+        # The restoring process's change is live after it closed.
+        assert tcp_exchange(p.name, q.v4, 8081)
+
+        dp = Datapath.open(base)
+        try:
+            assert {e.id for e in dp.pinned_endpoints()} == {p.ep_id, q.ep_id}
+            assert drops(dp, q.ep_id) >= 2
+            dp.apply_policy(
+                q.ep_id,
+                Enforcement(ingress=True),
+                remove=[PolicyKey(Direction.INGRESS, p.identity, Protocol.TCP, 8081)],
+            )
+        finally:
+            dp.close()
+        assert not tcp_exchange(p.name, q.v4, 8081, timeout=DENY_TIMEOUT)
+    finally:
+        if setup.poll() is None:
+            setup.kill()
+            setup.wait(10)
+        # The no-compile cleanup path: detaches by the pinned endpoints map, unpins everything.
+        assert teardown_all(base)
+    assert not os.path.exists(base)
+    assert not teardown_all(base)
+    probe = Loader(bpf_base)
+    try:
+        assert not any(probe.attachment(pod.net.host_ifindex).complete for pod in (p, q))
+    finally:
+        probe.close()
+    assert tcp_exchange(p.name, q.v4, 8081), "teardown removed the programs"
+
+
+def test_policy_before_attach_is_enforced_from_the_first_packet(net: Node, extra_pods: list[Pod]) -> None:
+    dp, a = net.dp, net.a
+    p = extra_pods[0]
+    dp.sync_policy(p.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)])
+    dp.attach_endpoint(EndpointSpec(p.ep_id, p.net.host_ifindex, p.net.host_ifname, p.net.ips, p.identity))
+    try:
+        assert tcp_exchange(a.name, p.v4, 8080)
+        assert not tcp_exchange(a.name, p.v4, 8081, timeout=DENY_TIMEOUT)
+        assert dp.dump_policy(p.ep_id)[1] == normalize_entries(
+            [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)]
+        )
+    finally:
+        dp.detach_endpoint(p.ep_id)

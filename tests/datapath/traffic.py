@@ -1,0 +1,277 @@
+"""Real packets between pod namespaces: echo servers, TCP/UDP/ICMP clients, raw SCTP INIT.
+
+Sockets are created on a thread that entered the pod's namespace
+(:func:`services.datapath.netns.in_netns`) and used from the test thread;
+a socket stays in the namespace it was created in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
+from services.datapath.netns import in_netns
+
+#: How long an allowed exchange may take before the test calls it failed (generous: loaded CI).
+ALLOW_TIMEOUT = 5.0
+#: How long to wait before concluding a packet was dropped; drops are also checked in counters.
+DENY_TIMEOUT = 0.6
+
+IPPROTO_SCTP = 132
+ETH_P_ALL = 0x0003
+
+
+def family_of(ip: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ipaddress.ip_address(ip).version == 6 else socket.AF_INET
+
+
+def socket_in(ns: str, family: int, kind: int, proto: int = 0) -> socket.socket:
+    return in_netns(ns, socket.socket, family, kind, proto)
+
+
+class EchoServer:
+    """TCP and UDP echo on the given ports, IPv4 and IPv6, in one namespace, served by one thread."""
+
+    def __init__(self, ns: str, tcp_ports: Iterable[int], udp_ports: Iterable[int]) -> None:
+        self.ns = ns
+        self._sel = selectors.DefaultSelector()
+        self._socks: list[socket.socket] = []
+        self._stop = threading.Event()
+        for family, any_addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+            for port in tcp_ports:
+                s = self._bound(family, socket.SOCK_STREAM, any_addr, port)
+                s.listen(64)
+                self._sel.register(s, selectors.EVENT_READ, "accept")
+            for port in udp_ports:
+                s = self._bound(family, socket.SOCK_DGRAM, any_addr, port)
+                self._sel.register(s, selectors.EVENT_READ, "udp")
+        self._thread = threading.Thread(target=self._serve, name=f"echo-{ns}", daemon=True)
+        self._thread.start()
+
+    def _bound(self, family: int, kind: int, addr: str, port: int) -> socket.socket:
+        s = socket_in(self.ns, family, kind)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        s.bind((addr, port))
+        s.setblocking(False)
+        self._socks.append(s)
+        return s
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._sel.select(0.1):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    if key.data == "accept":
+                        conn, _ = sock.accept()
+                        conn.setblocking(False)
+                        self._socks.append(conn)
+                        self._sel.register(conn, selectors.EVENT_READ, "tcp")
+                    elif key.data == "udp":
+                        data, peer = sock.recvfrom(65535)
+                        sock.sendto(data, peer)
+                    else:
+                        data = sock.recv(65535)
+                        if not data:
+                            self._sel.unregister(sock)
+                            sock.close()
+                        else:
+                            sock.sendall(data)
+                except OSError:
+                    with contextlib.suppress(Exception):
+                        self._sel.unregister(sock)
+                    sock.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for s in self._socks:
+            s.close()
+        self._sel.close()
+
+
+def tcp_exchange(ns: str, ip: str, port: int, timeout: float = ALLOW_TIMEOUT) -> bool:
+    """Connect from ``ns`` and get one message echoed: the handshake and data passed both ways."""
+    with socket_in(ns, family_of(ip), socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect((ip, port))
+            s.sendall(b"palisade")
+            return _recv_exact(s, 8) == b"palisade"
+        except OSError:
+            return False
+
+
+def udp_exchange(ns: str, ip: str, port: int, timeout: float = ALLOW_TIMEOUT) -> bool:
+    """Send one datagram from ``ns`` and get it echoed back (the reply crossed both veths too)."""
+    payload = os.urandom(8)
+    with socket_in(ns, family_of(ip), socket.SOCK_DGRAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.sendto(payload, (ip, port))
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                data, _ = s.recvfrom(65535)
+                if data == payload:
+                    return True
+        except OSError:
+            return False
+    return False
+
+
+def _recv_exact(s: socket.socket, size: int) -> bytes:
+    buf = b""
+    while len(buf) < size:
+        chunk = s.recv(size - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
+class Stream:
+    """A long-lived TCP connection whose liveness is probed with echoed messages."""
+
+    def __init__(self, ns: str, ip: str, port: int) -> None:
+        self.sock = socket_in(ns, family_of(ip), socket.SOCK_STREAM)
+        self.sock.settimeout(ALLOW_TIMEOUT)
+        self.sock.connect((ip, port))
+        self._n = 0
+
+    def ping(self, timeout: float = ALLOW_TIMEOUT) -> bool:
+        self._n += 1
+        msg = f"m{self._n:07d}".encode()
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.sendall(msg)
+            return _recv_exact(self.sock, len(msg)) == msg
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@contextlib.contextmanager
+def streams(*targets: tuple[str, str, int]) -> Iterator[list[Stream]]:
+    opened = [Stream(*t) for t in targets]
+    try:
+        yield opened
+    finally:
+        for s in opened:
+            s.close()
+
+
+def _checksum(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    total: int = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def icmp_echo(ns: str, ip: str, timeout: float = ALLOW_TIMEOUT) -> bool:
+    """One ICMP/ICMPv6 echo request from ``ns`` over a raw socket; True if the reply came back."""
+    v6 = ipaddress.ip_address(ip).version == 6
+    ident = int.from_bytes(os.urandom(2), "big")
+    req_type, reply_type = (128, 129) if v6 else (8, 0)
+    proto = socket.IPPROTO_ICMPV6 if v6 else socket.IPPROTO_ICMP
+    header = struct.pack("!BBHHH", req_type, 0, 0, ident, 1) + b"palisade"
+    packet = header if v6 else header[:2] + struct.pack("!H", _checksum(header)) + header[4:]
+    with socket_in(ns, family_of(ip), socket.SOCK_RAW, proto) as s:
+        s.settimeout(timeout)
+        s.sendto(packet, (ip, 0))
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                data, _ = s.recvfrom(65535)
+                icmp = data if v6 else data[(data[0] & 0x0F) * 4 :]
+                if len(icmp) >= 8 and icmp[0] == reply_type and struct.unpack("!H", icmp[4:6])[0] == ident:
+                    return True
+        except OSError:
+            return False
+    return False
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for i in range(256):
+        crc = i
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+        table.append(crc)
+    return table
+
+
+_CRC32C = _crc32c_table()
+
+
+def crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def sctp_init_packet(sport: int, dport: int, initiate_tag: int) -> bytes:
+    """An SCTP common header plus an INIT chunk (RFC 9260 3.3.2), with a valid CRC32c."""
+    chunk = struct.pack("!BBHIIHHI", 1, 0, 20, initiate_tag, 65535, 1, 1, initiate_tag)
+    header = struct.pack("!HHII", sport, dport, 0, 0)
+    checksum = crc32c(header + chunk)
+    # The CRC32c goes on the wire least significant byte first.
+    return struct.pack("!HHI", sport, dport, 0) + struct.pack("<I", checksum) + chunk
+
+
+def sctp_init_crosses(
+    src_ns: str, dst_ns: str, dst_ip: str, dport: int, *, dst_ifname: str = "eth0", timeout: float = ALLOW_TIMEOUT
+) -> bool:
+    """Send a raw SCTP INIT from ``src_ns``; True if it is captured arriving on ``dst_ns``'s interface.
+
+    The kernel here has no SCTP sockets, so the INIT is crafted on a raw IP
+    socket and observed with an AF_PACKET socket on the destination's eth0:
+    the packet itself crosses both veths and both programs.
+    """
+    tag = int.from_bytes(os.urandom(4), "big") | 1
+    sport = 30000 + (tag % 20000)
+    packet = sctp_init_packet(sport, dport, tag)
+    v6 = ipaddress.ip_address(dst_ip).version == 6
+    cap = socket_in(dst_ns, socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+    with cap, socket_in(src_ns, family_of(dst_ip), socket.SOCK_RAW, IPPROTO_SCTP) as tx:
+        cap.bind((dst_ifname, ETH_P_ALL))
+        cap.settimeout(0.05)
+        tx.sendto(packet, (dst_ip, 0))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                frame = cap.recv(65535)
+            except TimeoutError:
+                continue
+            if _is_our_sctp(frame, v6, sport, dport, tag):
+                return True
+    return False
+
+
+def _is_our_sctp(frame: bytes, v6: bool, sport: int, dport: int, tag: int) -> bool:
+    ethertype = struct.unpack("!H", frame[12:14])[0]
+    if v6:
+        if ethertype != 0x86DD or frame[14 + 6] != IPPROTO_SCTP:
+            return False
+        l4 = frame[14 + 40 :]
+    else:
+        if ethertype != 0x0800 or frame[14 + 9] != IPPROTO_SCTP:
+            return False
+        l4 = frame[14 + (frame[14] & 0x0F) * 4 :]
+    if len(l4) < 20:
+        return False
+    got_sport, got_dport = struct.unpack("!HH", l4[:4])
+    return (got_sport, got_dport) == (sport, dport) and struct.unpack("!I", l4[16:20])[0] == tag

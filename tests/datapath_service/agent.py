@@ -1,0 +1,133 @@
+"""The datapath agent run in the test process over the in-memory BPF fake, for tests without root.
+
+Everything else is real: NATS, gRPC to the control plane, gRPC to the agent's own
+DatapathService, the state directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from palisade.v1 import datapath_pb2_grpc
+from services.common.bus import Bus
+from services.datapath.config import DatapathConfig
+from services.datapath.datapath import FakeDatapath
+from services.datapath.endpoints import GrpcIpam, PodLink
+from services.datapath.orders import GrpcPolicyClient
+from services.datapath.service import Agent, start_agent
+from services.datapath.state import Address
+
+
+class FakeNetwork:
+    """Namespaces and veths as names in sets; works like the real one as far as the agent can tell."""
+
+    def __init__(self) -> None:
+        self.namespaces: set[str] = set()
+        self.links: dict[str, int] = {}
+        self._ifindex = itertools.count(100)
+
+    def setup(self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[Address]) -> PodLink:
+        if create:
+            if netns in self.namespaces:
+                raise FileExistsError(f"network namespace {netns} exists")
+            self.namespaces.add(netns)
+        elif netns not in self.namespaces:
+            raise FileNotFoundError(netns)
+        self.links[host_ifname] = next(self._ifindex)
+        return PodLink(netns, create, host_ifname, self.links[host_ifname])
+
+    def teardown(self, link: PodLink) -> None:
+        self.links.pop(link.host_ifname, None)
+        if link.netns_owned:
+            self.namespaces.discard(link.netns)
+
+    def alive(self, link: PodLink) -> bool:
+        return link.netns in self.namespaces and link.host_ifname in self.links
+
+
+class InProcessAgent:
+    """Start, stop (as a crash would leave things: pinned maps and state stay) and restart the agent."""
+
+    def __init__(self, nats_url: str, control_plane: str, tmp: Path, node: str = "node-a") -> None:
+        self.config = DatapathConfig(
+            nats_url=nats_url,
+            node_name=node,
+            policy_address=control_plane,
+            ipam_address=control_plane,
+            state_dir=str(tmp / "state"),
+            bpffs=str(tmp / "bpf"),
+            repair_interval=0,
+            flow_poll_ms=50,
+            retry_backoff_max=0.5,
+        )
+        self.network = FakeNetwork()
+        self.datapath: FakeDatapath | None = None
+        self.agent: Agent | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._stack: contextlib.AsyncExitStack | None = None
+        self.server: grpc.aio.Server | None = None
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: datapath_pb2_grpc.DatapathServiceStub | None = None
+
+    async def start(self) -> Agent:
+        stack = contextlib.AsyncExitStack()
+        self._stack = stack
+        bus = await Bus.connect([self.config.nats_url], name="datapath-test")
+        stack.push_async_callback(bus.close)
+        cp = grpc.aio.insecure_channel(self.config.policy_address)
+        stack.push_async_callback(cp.close)
+        self.datapath = FakeDatapath.open(self.config.bpffs)
+
+        def spawn(coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+            task = asyncio.create_task(coro, name=name)
+            self._tasks.append(task)
+            return task
+
+        self.agent = await start_agent(
+            self.config,
+            bus=bus,
+            datapath=self.datapath,
+            network=self.network,
+            policy=GrpcPolicyClient(cp, 5.0),
+            ipam=GrpcIpam(cp, 5.0),
+            spawn=spawn,
+            stack=stack,
+        )
+        self.server = grpc.aio.server()
+        datapath_pb2_grpc.add_DatapathServiceServicer_to_server(self.agent.servicer, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = datapath_pb2_grpc.DatapathServiceStub(self.channel)
+        return self.agent
+
+    async def stop(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+        if self.server is not None:
+            await self.server.stop(0)
+        failed = [t for t in self._tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        if self._stack is not None:
+            await self._stack.aclose()
+        if self.datapath is not None:
+            self.datapath.close()
+        self.agent = None
+        if failed:
+            raise RuntimeError(f"agent task {failed[0].get_name()} failed") from failed[0].exception()
+
+    async def wait_synced(self, timeout: float = 10.0) -> None:
+        assert self.agent is not None
+        await asyncio.wait_for(self.agent.consumer.synced.wait(), timeout)

@@ -1,0 +1,308 @@
+"""The datapath agent end to end over the in-memory BPF fake: real NATS, real gRPC, no root needed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from palisade.v1 import common_pb2, datapath_pb2, policy_pb2
+from services.common.bus import Bus
+from services.datapath import types as dt
+from services.datapath.datapath import FakeDatapath
+from tests.datapath_service.agent import InProcessAgent
+from tests.datapath_service.controlplane import ALLOW, DENY, ING, TCP, ControlPlane, entry
+from tests.harness import NatsServer
+
+NODE = "node-a"
+
+
+@pytest.fixture
+async def cp(nats_server: NatsServer) -> AsyncIterator[ControlPlane]:
+    bus = await Bus.connect([nats_server.url], name="control-plane")
+    plane = ControlPlane(bus, NODE)  # type: ignore[abstract]
+    await plane.start()
+    yield plane
+    await plane.stop()
+    await bus.close()
+
+
+@pytest.fixture
+async def agent(nats_server: NatsServer, cp: ControlPlane, tmp_path: Path) -> AsyncIterator[InProcessAgent]:
+    runner = InProcessAgent(nats_server.url, cp.address, tmp_path, NODE)
+    await runner.start()
+    await runner.wait_synced()
+    yield runner
+    await runner.stop()
+    FakeDatapath.open(runner.config.bpffs).teardown()
+
+
+def labels(**kv: str) -> list[common_pb2.Label]:
+    return [common_pb2.Label(source="k8s", key=k, value=v) for k, v in kv.items()]
+
+
+async def create(agent: InProcessAgent, pod: str, **kv: str) -> datapath_pb2.Endpoint:
+    assert agent.stub is not None
+    request = datapath_pb2.CreateEndpointRequest(namespace="x", pod=pod, labels=labels(**kv))
+    ep: datapath_pb2.Endpoint = await agent.stub.CreateEndpoint(request)
+    return ep
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not check():  # noqa: ASYNC110 - the conditions are plain state, no event to wait on
+            await asyncio.sleep(0.02)
+
+
+def verdict(agent: InProcessAgent, ep_id: int, remote_ip: str, port: int) -> dt.Verdict:
+    assert agent.datapath is not None
+    return agent.datapath.evaluate(ep_id, dt.Direction.INGRESS, remote_ip, dt.Protocol.TCP, port)[0]
+
+
+async def test_endpoints_realize_ordered_policy_and_report_it(agent: InProcessAgent, cp: ControlPlane) -> None:
+    assert agent.stub is not None
+    web = await create(agent, "web", app="web")
+    db = await create(agent, "db", app="db")
+    assert (web.id, db.id) == (1, 2)
+    assert web.ips != db.ips and web.identity != db.identity
+    assert web.state == datapath_pb2.ENDPOINT_STATE_READY
+
+    # db admits web on 5432 and denies it on 22; nothing else.
+    rev = await cp.set_policy(
+        db.identity,
+        [entry(ING, web.identity, 5432), entry(ING, web.identity, 22, verdict=DENY)],
+    )
+    await cp.wait_realized(rev, [web.id, db.id])
+    assert cp.realized[db.id] == (db.identity, rev)
+    assert verdict(agent, db.id, web.ips[0], 5432) is dt.Verdict.ALLOW
+    assert verdict(agent, db.id, web.ips[0], 22) is dt.Verdict.DENY
+    assert verdict(agent, db.id, web.ips[0], 80) is dt.Verdict.DENY  # default deny
+    assert verdict(agent, web.id, db.ips[0], 80) is dt.Verdict.ALLOW  # web is not enforced
+
+    # GetPolicyMap reads the map back: exactly the ordered entries.
+    got = await agent.stub.GetPolicyMap(
+        datapath_pb2.GetPolicyMapRequest(endpoint=datapath_pb2.GetEndpointRequest(namespace="x", pod="db"))
+    )
+    assert got.enforcement.ingress and not got.enforcement.egress
+    assert got.revision == rev
+    assert {(e.key.remote_identity, e.key.port_low, e.verdict) for e in got.entries} == {
+        (web.identity, 5432, ALLOW),
+        (web.identity, 22, DENY),
+    }
+    listed = await agent.stub.ListEndpoints(datapath_pb2.ListEndpointsRequest())
+    assert [e.pod for e in listed.endpoints] == ["web", "db"]
+    assert all(e.realized_revision == rev for e in listed.endpoints)
+
+
+async def test_bad_requests_get_clear_codes_and_leave_other_endpoints_alone(
+    agent: InProcessAgent, cp: ControlPlane
+) -> None:
+    assert agent.stub is not None
+    web = await create(agent, "web", app="web")
+    rev = await cp.set_policy(web.identity, [entry(ING, 999, 80)])
+    await cp.wait_realized(rev, [web.id])
+
+    cases = [
+        (datapath_pb2.CreateEndpointRequest(namespace="x", pod="web", labels=labels(app="web")), "ALREADY_EXISTS"),
+        (datapath_pb2.CreateEndpointRequest(pod="p", labels=labels(app="a")), "INVALID_ARGUMENT"),
+        (datapath_pb2.CreateEndpointRequest(namespace="x", labels=labels(app="a")), "INVALID_ARGUMENT"),
+        (datapath_pb2.CreateEndpointRequest(namespace="x", pod="Bad_Name"), "INVALID_ARGUMENT"),
+        (datapath_pb2.CreateEndpointRequest(namespace="x", pod="ghost"), "NOT_FOUND"),  # unknown, no labels
+        (datapath_pb2.CreateEndpointRequest(namespace="x", pod="p", netns="/run/netns/absent"), "INVALID_ARGUMENT"),
+    ]
+    for request, code in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await agent.stub.CreateEndpoint(request)
+        assert err.value.code().name == code, request
+        assert err.value.details()
+    for ref, code in [
+        (datapath_pb2.GetEndpointRequest(id=77), "NOT_FOUND"),
+        (datapath_pb2.GetEndpointRequest(namespace="x", pod="nope"), "NOT_FOUND"),
+        (datapath_pb2.GetEndpointRequest(namespace="x"), "INVALID_ARGUMENT"),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await agent.stub.GetEndpoint(ref)
+        assert err.value.code().name == code
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await agent.stub.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=77))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "77" in (err.value.details() or "")
+
+    # The failed creates released what they took and touched nothing else.
+    assert set(cp.ips.values()) == {"pod/x/web"}
+    assert agent.network.namespaces == {"/run/netns/pal_x_web"}
+    assert verdict(agent, web.id, "10.9.9.9", 80) is dt.Verdict.DENY
+    again = await agent.stub.GetEndpoint(datapath_pb2.GetEndpointRequest(id=web.id))
+    assert again.state == datapath_pb2.ENDPOINT_STATE_READY and again.realized_revision == rev
+
+    await agent.stub.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(namespace="x", pod="web"))
+    assert cp.ips == {} and agent.network.namespaces == set()
+    assert agent.datapath is not None and agent.datapath.pinned_endpoints() == []
+
+
+async def test_a_sequence_gap_resyncs_and_later_orders_apply_on_top(agent: InProcessAgent, cp: ControlPlane) -> None:
+    web = await create(agent, "web", app="web")
+    db = await create(agent, "db", app="db")
+    await cp.set_policy(db.identity, [entry(ING, web.identity, 1)], publish=False)  # lost
+    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 2)])
+    await cp.wait_realized(rev, [db.id])
+    assert any(not r.identities for r in cp.resyncs[1:])  # a full resync after the startup one
+    assert verdict(agent, db.id, web.ips[0], 2) is dt.Verdict.ALLOW
+    assert verdict(agent, db.id, web.ips[0], 1) is dt.Verdict.DENY
+    assert agent.agent is not None and agent.agent.consumer.sequencer.gaps == 1
+
+    # A chunked order applies once all chunks are in; a fetch order resyncs.
+    cp.sequence += 1
+    cp.revision += 1
+    chunks = [
+        policy_pb2.RegenerationOrder(
+            node=NODE,
+            sequence=cp.sequence,
+            revision=cp.revision,
+            chunk=i,
+            chunks=2,
+            diffs=[
+                common_pb2.IdentityPolicyDiff(
+                    identity=db.identity,
+                    enforcement=common_pb2.Enforcement(ingress=True),
+                    add=[entry(ING, web.identity, 10 + i)],
+                    full=i == 0,
+                )
+            ],
+        )
+        for i in range(2)
+    ]
+    cp.policies[db.identity].entries = {e.key.SerializeToString(): e for c in chunks for e in c.diffs[0].add}
+    await cp.publish_raw(chunks[1])
+    await cp.publish_raw(chunks[0])
+    await cp.wait_realized(cp.revision, [db.id])
+    assert [verdict(agent, db.id, web.ips[0], p) for p in (2, 10, 11)] == [
+        dt.Verdict.DENY,
+        dt.Verdict.ALLOW,
+        dt.Verdict.ALLOW,
+    ]
+    resyncs = len(cp.resyncs)
+    cp.policies[db.identity].entries = {}
+    cp.sequence += 1
+    cp.revision += 1
+    await cp.publish_raw(
+        policy_pb2.RegenerationOrder(node=NODE, sequence=cp.sequence, revision=cp.revision, fetch=True)
+    )
+    await cp.wait_realized(cp.revision, [db.id])
+    assert len(cp.resyncs) == resyncs + 1
+    assert verdict(agent, db.id, web.ips[0], 10) is dt.Verdict.DENY
+
+
+async def test_restart_restores_endpoints_cleans_stale_ones_and_catches_up(
+    agent: InProcessAgent, cp: ControlPlane
+) -> None:
+    assert agent.stub is not None
+    web = await create(agent, "web", app="web")
+    db = await create(agent, "db", app="db")
+    gone = await create(agent, "gone", app="gone")
+    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 5432)])
+    await cp.wait_realized(rev, [db.id])
+
+    await agent.stop()
+    # While the agent is down: the pinned maps keep enforcing, policy changes, a pod's namespace goes.
+    assert agent.datapath is not None
+    down = FakeDatapath.open(agent.config.bpffs)
+    assert down.evaluate(db.id, dt.Direction.INGRESS, web.ips[0], dt.Protocol.TCP, 5432)[0] is dt.Verdict.ALLOW
+    rev2 = await cp.set_policy(db.identity, [entry(ING, web.identity, 6000)])
+    agent.network.namespaces.discard("/run/netns/pal_x_gone")
+    cp.realized.clear()
+
+    await agent.start()
+    await agent.wait_synced()
+    await cp.wait_realized(rev2, [web.id, db.id])
+    listed = await agent.stub.ListEndpoints(datapath_pb2.ListEndpointsRequest())
+    assert [(e.id, e.pod, list(e.ips)) for e in listed.endpoints] == [
+        (web.id, "web", list(web.ips)),
+        (db.id, "db", list(db.ips)),
+    ]
+    assert verdict(agent, db.id, web.ips[0], 6000) is dt.Verdict.ALLOW
+    assert verdict(agent, db.id, web.ips[0], 5432) is dt.Verdict.DENY
+    # The stale endpoint is gone everywhere: programs, state, its address.
+    assert gone.id not in {p.id for p in agent.datapath.pinned_endpoints()}
+    assert not (Path(agent.config.state_dir) / str(gone.id)).exists()
+    await eventually(lambda: gone.ips[0] not in cp.ips)
+    assert cp.ips[web.ips[0]] == "pod/x/web"
+
+    status = common_pb2.ServiceStatus()
+    assert agent.agent is not None
+    agent.agent.status(status)
+    assert status.synced and status.revision == rev2 and status.details["endpoints"] == "2"
+
+
+async def test_relabel_switches_identity_with_new_policy_first(agent: InProcessAgent, cp: ControlPlane) -> None:
+    assert agent.stub is not None
+    web = await create(agent, "web", app="web")
+    cp.pods["x/api"] = 4000  # a pod the control plane knows from the bus
+    api = await agent.stub.CreateEndpoint(datapath_pb2.CreateEndpointRequest(namespace="x", pod="api"))
+    assert api.identity == 4000
+    await cp.set_policy(4000, [entry(ING, web.identity, 80)])
+    rev = await cp.set_policy(4001, [entry(ING, web.identity, 81)])
+    await cp.wait_realized(rev, [api.id])
+    assert verdict(agent, api.id, web.ips[0], 80) is dt.Verdict.ALLOW
+
+    # ipam relabels the pod: a new ipcache entry for its address.
+    await cp.relabel_pod("x", "api", 4001)
+    await eventually(lambda: cp.realized.get(api.id, (0, 0))[0] == 4001)
+    assert verdict(agent, api.id, web.ips[0], 81) is dt.Verdict.ALLOW
+    assert verdict(agent, api.id, web.ips[0], 80) is dt.Verdict.DENY
+    assert agent.datapath is not None and agent.datapath.resolve_identity(api.ips[0]) == 4001
+
+    # An explicit update of a labelled pod allocates the new labels' identity.
+    got = await agent.stub.UpdateEndpoint(
+        datapath_pb2.UpdateEndpointRequest(endpoint=datapath_pb2.GetEndpointRequest(id=web.id), labels=labels(app="v2"))
+    )
+    assert got.identity not in (web.identity, 0)
+    assert agent.datapath.resolve_identity(web.ips[0]) == got.identity
+    assert ("k8s", "app", "v2") in {(x.source, x.key, x.value) for x in got.labels}
+
+
+async def test_observe_streams_filtered_flow_events(agent: InProcessAgent, cp: ControlPlane) -> None:
+    assert agent.stub is not None and agent.datapath is not None
+    web = await create(agent, "web", app="web")
+    db = await create(agent, "db", app="db")
+    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 80)])
+    await cp.wait_realized(rev, [db.id])
+    call = agent.stub.Observe(datapath_pb2.ObserveRequest(verdicts=[common_pb2.VERDICT_DENY], pod="x/db", limit=1))
+    await eventually(lambda: agent.agent is not None and agent.agent.flows.subscribers == 1)
+    agent.datapath.simulate_flow(db.id, dt.Direction.INGRESS, web.ips[0], dt.Protocol.TCP, 80)  # allowed
+    agent.datapath.simulate_flow(web.id, dt.Direction.EGRESS, db.ips[0], dt.Protocol.TCP, 99)  # other pod
+    agent.datapath.simulate_flow(db.id, dt.Direction.INGRESS, web.ips[0], dt.Protocol.TCP, 99)  # the one
+    events = [e async for e in call]
+    assert len(events) == 1
+    (ev,) = events
+    assert (ev.pod, ev.verdict, ev.destination_port, ev.source_identity) == (
+        "x/db",
+        common_pb2.VERDICT_DENY,
+        99,
+        web.identity,
+    )
+    assert ev.reason == datapath_pb2.FLOW_REASON_DEFAULT_DENY and ev.node == NODE
+    bad = datapath_pb2.ObserveRequest(verdicts=[7])  # type: ignore[list-item]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in agent.stub.Observe(bad):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_periodic_repair_rewrites_a_drifted_map(agent: InProcessAgent, cp: ControlPlane) -> None:
+    assert agent.datapath is not None and agent.agent is not None
+    web = await create(agent, "web", app="web")
+    db = await create(agent, "db", app="db")
+    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 80)])
+    await cp.wait_realized(rev, [db.id])
+    # Someone writes the map behind the agent's back.
+    agent.datapath.sync_policy(db.id, dt.Enforcement(ingress=False), [])
+    assert verdict(agent, db.id, web.ips[0], 99) is dt.Verdict.ALLOW
+    assert await agent.agent.manager.repair() == 1
+    assert verdict(agent, db.id, web.ips[0], 99) is dt.Verdict.DENY
+    assert verdict(agent, db.id, web.ips[0], 80) is dt.Verdict.ALLOW
+    assert await agent.agent.manager.repair() == 0
+    assert TCP == 6

@@ -1,0 +1,165 @@
+"""Order sequencing, chunk reassembly and diff application: pure tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from palisade.v1 import common_pb2, policy_pb2
+from services.datapath import types as dt
+from services.datapath.endpoints import IdentityPolicy
+from services.datapath.orders import (
+    Apply,
+    NeedResync,
+    OrderError,
+    Sequencer,
+    entry_from_proto,
+    entry_to_proto,
+    merge_diffs,
+)
+
+ING = common_pb2.DIRECTION_INGRESS
+EGR = common_pb2.DIRECTION_EGRESS
+
+
+def pb_entry(
+    remote: int, port: int = 0, proto: int = 6, direction: int = ING, verdict: int = 1
+) -> common_pb2.PolicyEntry:
+    key = common_pb2.PolicyKey(
+        direction=direction,  # type: ignore[arg-type]
+        remote_identity=remote,
+        protocol=proto if port else 0,  # type: ignore[arg-type]
+        port_low=port,
+        port_high=port,
+    )
+    return common_pb2.PolicyEntry(key=key, verdict=verdict)  # type: ignore[arg-type]
+
+
+def diff(identity: int, add=(), remove=(), full=False, ingress=True) -> common_pb2.IdentityPolicyDiff:
+    return common_pb2.IdentityPolicyDiff(
+        identity=identity,
+        enforcement=common_pb2.Enforcement(ingress=ingress),
+        add=list(add),
+        remove=list(remove),
+        full=full,
+    )
+
+
+def order(
+    seq: int, *diffs: common_pb2.IdentityPolicyDiff, chunk=0, chunks=0, fetch=False
+) -> policy_pb2.RegenerationOrder:
+    return policy_pb2.RegenerationOrder(
+        node="n1", sequence=seq, revision=100 + seq, diffs=list(diffs), chunk=chunk, chunks=chunks, fetch=fetch
+    )
+
+
+def kinds(actions: list) -> list[str]:
+    out = []
+    for a in actions:
+        out.append(f"apply {a.batch.sequence}" if isinstance(a, Apply) else f"resync {a.reason}")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "expected"),
+    [
+        ([1, 2, 3], [["apply 1"], ["apply 2"], ["apply 3"]]),
+        ([1, 1, 2], [["apply 1"], [], ["apply 2"]]),  # redelivery is ignored
+        ([1, 3], [["apply 1"], ["resync gap"]]),
+        ([0], [[]]),  # covered by the resync the sequencer started from
+    ],
+)
+def test_sequence_numbers(arrivals: list[int], expected: list[list[str]]) -> None:
+    seq = Sequencer()
+    assert seq.resynced(0) == []
+    assert [kinds(seq.offer(order(n))) for n in arrivals] == expected
+
+
+def test_orders_after_a_gap_are_held_and_applied_on_top_of_the_resync() -> None:
+    seq = Sequencer()
+    seq.resynced(5)
+    assert kinds(seq.offer(order(8))) == ["resync gap"]
+    assert kinds(seq.offer(order(9))) == ["resync gap"]
+    # The resync reflects sequence 7: 8 and 9 still apply, in order.
+    assert kinds(seq.resynced(7)) == ["apply 8", "apply 9"]
+    assert seq.last == 9
+
+
+def test_held_orders_older_than_the_resync_are_dropped() -> None:
+    seq = Sequencer()
+    seq.resynced(1)
+    seq.offer(order(3))
+    assert kinds(seq.resynced(4)) == []
+    assert seq.last == 4
+
+
+def test_a_gap_remaining_after_the_resync_asks_again() -> None:
+    seq = Sequencer()
+    seq.resynced(1)
+    seq.offer(order(6))
+    assert kinds(seq.resynced(3)) == ["resync gap"]
+
+
+def test_orders_before_the_first_resync_wait_for_it() -> None:
+    seq = Sequencer()
+    assert seq.offer(order(4)) == []
+    assert seq.offer(order(5)) == []
+    assert kinds(seq.resynced(4)) == ["apply 5"]
+
+
+def test_fetch_orders_resync() -> None:
+    seq = Sequencer()
+    seq.resynced(1)
+    actions = seq.offer(order(2, fetch=True))
+    assert actions == [NeedResync("fetch", 2)]
+
+
+def test_chunks_apply_once_complete_in_any_arrival_order() -> None:
+    seq = Sequencer()
+    seq.resynced(1)
+    a = pb_entry(300, 80)
+    b = pb_entry(301, 443)
+    assert seq.offer(order(2, diff(256, add=[b]), chunk=1, chunks=2)) == []
+    actions = seq.offer(order(2, diff(256, add=[a], full=True), chunk=0, chunks=2))
+    assert kinds(actions) == ["apply 2"]
+    assert isinstance(actions[0], Apply)
+    (merged,) = actions[0].batch.diffs
+    assert merged.full
+    assert list(merged.add) == [a, b]
+
+
+def test_merge_diffs_keeps_one_diff_per_identity() -> None:
+    merged = merge_diffs([diff(256, add=[pb_entry(1)]), diff(257, add=[pb_entry(2)]), diff(256, remove=[pb_entry(3)])])
+    assert [d.identity for d in merged] == [256, 257]
+    assert len(merged[0].add) == 1 and len(merged[0].remove) == 1
+
+
+def test_identity_policy_diffs_and_full_replacement() -> None:
+    p = IdentityPolicy.empty(256)
+    p = p.apply(diff(256, add=[pb_entry(300, 80), pb_entry(301, 81)]), 1, 10)
+    assert {e.key.remote_identity for e in p.entries.values()} == {300, 301}
+    p = p.apply(diff(256, add=[pb_entry(302, 82)], remove=[pb_entry(300, 80)]), 2, 11)
+    assert {e.key.remote_identity for e in p.entries.values()} == {301, 302}
+    p = p.apply(diff(256, add=[pb_entry(303)], remove=[pb_entry(301, 81)], full=True, ingress=False), 3, 12)
+    assert {e.key.remote_identity for e in p.entries.values()} == {303}
+    assert p.enforcement == dt.Enforcement(ingress=False, egress=False)
+    assert (p.sequence, p.revision) == (3, 12)
+
+
+@pytest.mark.parametrize("proto", [0, 1, 6, 17, 58, 132])
+@pytest.mark.parametrize("verdict", [1, 2])
+@pytest.mark.parametrize("direction", [ING, EGR])
+def test_entry_round_trip(proto: int, verdict: int, direction: int) -> None:
+    port = 8080 if proto in (6, 17, 132) else 0
+    pb = pb_entry(4242, port, proto, direction, verdict)
+    if not port:
+        pb.key.protocol = proto  # type: ignore[assignment]
+    assert entry_to_proto(entry_from_proto(pb)) == pb
+
+
+def test_bad_entries_are_named() -> None:
+    bad = pb_entry(0, 0)
+    bad.key.protocol = 99  # type: ignore[assignment]
+    with pytest.raises(OrderError, match="proto=99"):
+        entry_from_proto(bad)
+    with pytest.raises(OrderError, match="verdict"):
+        entry_from_proto(pb_entry(0, 0, verdict=0))

@@ -1,0 +1,232 @@
+"""The datapath service process with real BPF, namespaces and packets (root, bcc).
+
+The control plane is the in-test :class:`ControlPlane` over real gRPC and NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
+from services.common.bus import Bus
+from tests.datapath_service.controlplane import ALLOW, ING, ControlPlane, entry
+from tests.harness import NatsServer, ServiceProcess
+
+pytestmark = [pytest.mark.root, pytest.mark.bcc]
+
+NODE = "node-a"
+PROBE = str(Path(__file__).with_name("netprobe.py"))
+
+
+class Pods:
+    """Traffic helpers inside the namespaces the datapath created."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def netns(self, pod: str) -> str:
+        return f"pal_{self.namespace}_{pod}"
+
+    def spawn(self, pod: str, *args: str) -> subprocess.Popen[str]:
+        cmd = ["ip", "netns", "exec", self.netns(pod), sys.executable, PROBE, *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.procs.append(proc)
+        return proc
+
+    def serve(self, pod: str, *ports: int) -> subprocess.Popen[str]:
+        proc = self.spawn(pod, "serve", *(str(p) for p in ports))
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        return proc
+
+    def connects(self, pod: str, ip: str, port: int, timeout: float = 1.0) -> bool:
+        cmd = ["ip", "netns", "exec", self.netns(pod), sys.executable, PROBE, "connect", ip, str(port), str(timeout)]
+        return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait(5)
+
+
+@pytest.fixture
+def bpffs() -> Iterator[str]:
+    path = f"/sys/fs/bpf/palisade-test-{secrets.token_hex(4)}"
+    yield path
+    from services.datapath.datapath import Datapath
+
+    if os.path.exists(path):
+        Datapath.open(path).teardown()
+
+
+@pytest.fixture
+def pods() -> Iterator[Pods]:
+    p = Pods("t" + secrets.token_hex(3))
+    yield p
+    p.close()
+    for name in os.listdir("/run/netns") if os.path.isdir("/run/netns") else []:
+        if name.startswith(f"pal_{p.namespace}_"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.fixture
+async def cp(nats_server: NatsServer) -> AsyncIterator[ControlPlane]:
+    bus = await Bus.connect([nats_server.url], name="control-plane")
+    plane = ControlPlane(bus, NODE, cidr="10.251.3.0/24")  # type: ignore[abstract]
+    await plane.start()
+    yield plane
+    await plane.stop()
+    await bus.close()
+
+
+@pytest.fixture
+def start_datapath(
+    service: Callable[..., ServiceProcess], nats_server: NatsServer, cp: ControlPlane, tmp_path: Path, bpffs: str
+) -> Callable[[], ServiceProcess]:
+    def start() -> ServiceProcess:
+        return service(
+            "datapath",
+            "--nats-url",
+            nats_server.url,
+            "--node-name",
+            NODE,
+            "--policy-address",
+            cp.address,
+            "--ipam-address",
+            cp.address,
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--bpffs",
+            bpffs,
+            "--retry-backoff-max",
+            "0.5",
+            "--log-level",
+            "debug",
+        )
+
+    return start
+
+
+async def started(start: Callable[[], ServiceProcess]) -> tuple[ServiceProcess, datapath_pb2_grpc.DatapathServiceStub]:
+    proc = await asyncio.to_thread(start)
+    channel = grpc.aio.insecure_channel(proc.address)
+    return proc, datapath_pb2_grpc.DatapathServiceStub(channel)
+
+
+async def create(stub: datapath_pb2_grpc.DatapathServiceStub, ns: str, pod: str, app: str) -> datapath_pb2.Endpoint:
+    request = datapath_pb2.CreateEndpointRequest(
+        namespace=ns, pod=pod, labels=[common_pb2.Label(source="k8s", key="app", value=app)]
+    )
+    ep: datapath_pb2.Endpoint = await stub.CreateEndpoint(request, timeout=60)
+    return ep
+
+
+async def in_thread(fn: Callable[..., bool], *args: object) -> bool:
+    return await asyncio.to_thread(fn, *args)
+
+
+async def test_policy_is_enforced_read_back_and_follows_a_relabel(
+    start_datapath: Callable[[], ServiceProcess], cp: ControlPlane, pods: Pods
+) -> None:
+    proc, stub = await started(start_datapath)
+    ns = pods.namespace
+    web = await create(stub, ns, "web", "web")
+    db = await create(stub, ns, "db", "db")
+    other = await create(stub, ns, "other", "other")
+    pods.serve("db", 8080, 9090)
+    db_ip = db.ips[0]
+
+    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 8080)])
+    await cp.wait_realized(rev, [web.id, db.id, other.id])
+    assert await in_thread(pods.connects, "web", db_ip, 8080)
+    assert not await in_thread(pods.connects, "web", db_ip, 9090)
+    assert not await in_thread(pods.connects, "other", db_ip, 8080)
+
+    got = await stub.GetPolicyMap(datapath_pb2.GetPolicyMapRequest(endpoint=datapath_pb2.GetEndpointRequest(id=db.id)))
+    assert [(e.key.direction, e.key.remote_identity, e.key.port_low, e.verdict) for e in got.entries] == [
+        (ING, web.identity, 8080, ALLOW)
+    ]
+    assert got.enforcement.ingress and got.revision == rev
+
+    # Relabel "other" to the labels of web: it gets web's identity, and with it web's access.
+    moved = await stub.UpdateEndpoint(
+        datapath_pb2.UpdateEndpointRequest(
+            endpoint=datapath_pb2.GetEndpointRequest(id=other.id),
+            labels=[common_pb2.Label(source="k8s", key="app", value="web")],
+        )
+    )
+    assert moved.identity == web.identity
+    assert await in_thread(pods.connects, "other", db_ip, 8080)
+
+    # Delete leaves the others enforcing.
+    await stub.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=web.id))
+    assert not await asyncio.to_thread(os.path.exists, f"/run/netns/{pods.netns('web')}")
+    assert not await in_thread(pods.connects, "other", db_ip, 9090)
+    assert await in_thread(pods.connects, "other", db_ip, 8080)
+    assert proc.terminate() == 0, proc.logs()[-3000:]
+
+
+async def test_kill_9_keeps_enforcing_and_restart_restores_and_catches_up(
+    start_datapath: Callable[[], ServiceProcess], cp: ControlPlane, pods: Pods
+) -> None:
+    proc, stub = await started(start_datapath)
+    ns = pods.namespace
+    eps = {name: await create(stub, ns, name, name) for name in ("a", "b", "c", "d")}
+    a, b, c, d = (eps[n] for n in "abcd")
+    sink = pods.serve("b", 8080)
+    pods.serve("d", 8080, 9090, 7070)
+    await cp.set_policy(b.identity, [entry(ING, a.identity, 8080)])
+    rev = await cp.set_policy(d.identity, [entry(ING, c.identity, 8080)])
+    await cp.wait_realized(rev, [e.id for e in eps.values()])
+
+    seconds = 14
+    stream = pods.spawn("a", "stream", b.ips[0], "8080", str(seconds))
+    probe = pods.spawn("c", "probe", d.ips[0], "8080", "9090", str(seconds))
+    assert stream.stdout is not None and stream.stdout.readline().strip() == "connected"
+    await asyncio.sleep(2)
+
+    proc.kill()  # kill -9: no cleanup at all
+    await asyncio.sleep(2)
+    # While it is down: a policy change (its order is published, nobody is listening).
+    rev_down = await cp.set_policy(d.identity, [entry(ING, c.identity, 8080), entry(ING, c.identity, 7070)])
+    await asyncio.sleep(2)
+    proc, stub = await started(start_datapath)
+    await cp.wait_realized(rev_down, [e.id for e in eps.values()])
+
+    stream_out = await asyncio.to_thread(stream.communicate, None, seconds + 30)
+    probe_out = await asyncio.to_thread(probe.communicate, None, seconds + 30)
+    assert stream.returncode == 0, stream_out
+    rounds = [line.split() for line in probe_out[0].splitlines() if line.strip()]
+    assert len(rounds) == seconds
+    assert all(r[1] == "1" for r in rounds), f"an allowed probe failed: {rounds}"
+    assert all(r[2] == "0" for r in rounds), f"a denied probe got through: {rounds}"
+
+    # Every endpoint came back with its id and address, at the current revision.
+    listed = await stub.ListEndpoints(datapath_pb2.ListEndpointsRequest())
+    assert {(e.id, e.pod, tuple(e.ips)) for e in listed.endpoints} == {
+        (e.id, e.pod, tuple(e.ips)) for e in eps.values()
+    }
+    assert all(e.realized_revision >= rev_down for e in listed.endpoints)
+    # The change made while the datapath was down is enforced.
+    assert await in_thread(pods.connects, "c", d.ips[0], 7070)
+    assert not await in_thread(pods.connects, "a", d.ips[0], 7070)
+
+    # Not one packet of the stream was dropped: no drop counted for a or b.
+    for ep in (a, b):
+        got = await stub.GetEndpoint(datapath_pb2.GetEndpointRequest(id=ep.id))
+        drops = {k: v for k, v in got.counters.items() if "deny" in k}
+        assert drops == {}, (ep.pod, dict(got.counters))
+    # ...while the denied probes to d were counted as drops the whole time.
+    got = await stub.GetEndpoint(datapath_pb2.GetEndpointRequest(id=d.id))
+    assert sum(v for k, v in got.counters.items() if "deny" in k) >= seconds
+    sink.kill()
+    assert proc.terminate() == 0, proc.logs()[-3000:]

@@ -1,0 +1,19 @@
+"""Fixtures of the ipam tests: an ipam Store on the test etcd."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from services.common.store import connect_etcd
+from services.ipam.kv import Store
+from tests.harness import EtcdServer
+
+
+@pytest.fixture
+async def store(etcd_server: EtcdServer) -> AsyncIterator[Store]:
+    host, port = etcd_server.endpoint.split(":")
+    client = await connect_etcd([(host, int(port))])
+    yield Store(client, patience=20.0)
+    await client.close()

@@ -1,0 +1,176 @@
+"""Shared pieces of the ipam tests: k8s deltas to publish, a view of what ipam announces, polling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from palisade.v1 import identity_pb2, k8s_pb2
+from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, SYNCED_SUBJECT, Bus, k8s_subject
+from tests.harness import ROOT
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 20.0) -> Any:
+    """Poll ``check`` until it returns something truthy; fail with its last value after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        value = check()
+        if asyncio.iscoroutine(value):
+            value = await value
+        last = value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached within {timeout}s; last value {last!r}")
+        await asyncio.sleep(0.05)
+
+
+def pod(
+    namespace: str,
+    name: str,
+    labels: dict[str, str],
+    *,
+    node: str = "node-a",
+    ip: str | None = None,
+    ports: dict[str, int] | None = None,
+    service_account: str = "",
+    phase: str = "Running",
+) -> dict[str, Any]:
+    obj: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels, "uid": f"uid-{namespace}-{name}"},
+        "spec": {
+            "nodeName": node,
+            "containers": [
+                {
+                    "name": "c",
+                    "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in (ports or {}).items()],
+                }
+            ],
+        },
+        "status": {"phase": phase},
+    }
+    if service_account:
+        obj["spec"]["serviceAccountName"] = service_account
+    if ip:
+        obj["status"]["podIP"] = ip
+        obj["status"]["podIPs"] = [{"ip": ip}]
+    return obj
+
+
+def namespace(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}}
+
+
+def node(name: str, *, pod_cidrs: list[str] | None = None, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    obj: dict[str, Any] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}, "spec": {}}
+    if pod_cidrs:
+        obj["spec"]["podCIDRs"] = pod_cidrs
+        obj["spec"]["podCIDR"] = pod_cidrs[0]
+    if annotations:
+        obj["metadata"]["annotations"] = annotations
+    return obj
+
+
+_KINDS = {
+    "Pod": (k8s_pb2.K8S_KIND_POD, "pod"),
+    "Namespace": (k8s_pb2.K8S_KIND_NAMESPACE, "namespace"),
+    "Node": (k8s_pb2.K8S_KIND_NODE, "node"),
+}
+
+
+class K8s:
+    """Plays the watcher: publishes K8sDelta and the synced marker."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    async def apply(self, obj: dict[str, Any]) -> None:
+        kind, tok = _KINDS[obj["kind"]]
+        meta = obj["metadata"]
+        ns = meta.get("namespace", "")
+        delta = k8s_pb2.K8sDelta(
+            kind=kind,
+            op=k8s_pb2.DELTA_OP_UPSERT,
+            namespace=ns,
+            name=meta["name"],
+            uid=meta.get("uid", ""),
+            object_json=json.dumps(obj).encode(),
+            source="test",
+        )
+        await self.bus.publish(k8s_subject(tok, ns, meta["name"]), delta)
+
+    async def delete(self, obj: dict[str, Any]) -> None:
+        kind, tok = _KINDS[obj["kind"]]
+        meta = obj["metadata"]
+        ns = meta.get("namespace", "")
+        delta = k8s_pb2.K8sDelta(kind=kind, op=k8s_pb2.DELTA_OP_DELETE, namespace=ns, name=meta["name"], source="test")
+        await self.bus.publish(k8s_subject(tok, ns, meta["name"]), delta)
+
+    async def synced(self) -> None:
+        await self.bus.publish(SYNCED_SUBJECT, k8s_pb2.SyncedMarker(kinds=["pod", "namespace", "node"], source="test"))
+
+
+class BusView:
+    """The latest IdentityUpdate and IpcacheEntry per subject, as a consumer sees them."""
+
+    def __init__(self) -> None:
+        self.identities: dict[int, identity_pb2.IdentityUpdate] = {}
+        self.ipcache: dict[str, identity_pb2.IpcacheEntry] = {}
+
+    @classmethod
+    async def start(cls, bus: Bus) -> BusView:
+        view = cls()
+        await bus.ensure_streams(K8S_STREAM, IDENTITY_STREAM, IPCACHE_STREAM)
+
+        async def on_identity(subject: str, msg: identity_pb2.IdentityUpdate) -> None:
+            view.identities[msg.identity.id] = msg
+
+        async def on_ipcache(subject: str, msg: identity_pb2.IpcacheEntry) -> None:
+            view.ipcache[msg.prefix] = msg
+
+        await bus.follow("palisade.identity.>", identity_pb2.IdentityUpdate, on_identity)
+        await bus.follow("palisade.ipcache.>", identity_pb2.IpcacheEntry, on_ipcache)
+        return view
+
+    def live_identity(self, ident: int) -> identity_pb2.IdentityUpdate | None:
+        msg = self.identities.get(ident)
+        return msg if msg is not None and not msg.deleted else None
+
+    def entry(self, prefix: str) -> identity_pb2.IpcacheEntry | None:
+        msg = self.ipcache.get(prefix)
+        return msg if msg is not None and not msg.deleted else None
+
+
+def grpc_code(call: Callable[[], Any]) -> grpc.StatusCode:
+    """The status code a failing unary call answers with."""
+    try:
+        call()
+    except grpc.RpcError as err:
+        return err.code()  # type: ignore[no-any-return]
+    raise AssertionError("call succeeded; an error status was expected")
+
+
+def run_worker(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.ipam.worker", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def worker_result(proc: subprocess.Popen[str], timeout: float = 120.0) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{out}\n{err[-3000:]}"
+    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]

@@ -1,0 +1,378 @@
+"""The ipam service end to end: real NATS, etcd and gRPC; pods published as K8sDelta, observed on the bus."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from palisade.v1 import (
+    common_pb2,
+    common_pb2_grpc,
+    identity_pb2,
+    identity_pb2_grpc,
+    ipam_pb2,
+    ipam_pb2_grpc,
+)
+from services.common.bus import Bus
+from tests.harness import EtcdServer, NatsServer, ServiceProcess, health_status
+from tests.ipam.helpers import BusView, K8s, eventually, namespace, node, pod
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def ipam_args(nats: NatsServer, etcd: EtcdServer, *extra: str) -> list[str]:
+    return [
+        "--nats-url",
+        nats.url,
+        "--etcd-endpoints",
+        etcd.endpoint,
+        "--k8s-sync-timeout",
+        "0",
+        "--identity-gc-interval",
+        "0.3",
+        "--identity-gc-grace",
+        "1",
+        "--identity-lease-ttl",
+        "10",
+        "--log-format",
+        "text",
+        *extra,
+    ]
+
+
+class Api:
+    """Async stubs on one channel to the service."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.identity = identity_pb2_grpc.IdentityServiceStub(self.channel)
+        self.ipam = ipam_pb2_grpc.IPAMServiceStub(self.channel)
+        self.status = common_pb2_grpc.StatusServiceStub(self.channel)
+
+    async def resolve(self, ns: str, name: str) -> identity_pb2.ResolvePodResponse | None:
+        try:
+            resp: identity_pb2.ResolvePodResponse = await self.identity.ResolvePod(
+                identity_pb2.ResolvePodRequest(namespace=ns, name=name), timeout=5
+            )
+            return resp
+        except grpc.aio.AioRpcError as err:
+            if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                return None
+            raise
+
+    async def code(self, call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+        try:
+            await call
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+        raise AssertionError("call succeeded; an error status was expected")
+
+
+@pytest.fixture
+async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
+    async with await Bus.connect([nats_server.url], name="test") as b:
+        await b.ensure_streams()  # the watcher's and ipam's streams, so publishing works before ipam runs
+        yield b
+
+
+async def test_pod_identity_follows_pod_and_namespace_labels(
+    nats_server: NatsServer, etcd_server: EtcdServer, service: Callable[..., ServiceProcess], bus: Bus
+) -> None:
+    view = await BusView.start(bus)
+    k8s = K8s(bus)
+    await k8s.apply(namespace("shop", {"team": "a"}))
+    web1 = pod("shop", "web-1", {"app": "web", "pod-template-hash": "x1"}, ip="10.244.0.10", ports={"http": 8080})
+    web2 = pod("shop", "web-2", {"app": "web", "pod-template-hash": "x2"}, ip="10.244.0.11", node="node-b")
+    await k8s.apply(web1)
+    await k8s.apply(web2)
+
+    proc = service("ipam", *ipam_args(nats_server, etcd_server), wait=False)
+    api = Api(proc.address)
+
+    # Ready means synced: pods are applied, but no SERVING before the watcher's marker.
+    async def pods_in() -> bool:
+        try:
+            status = await api.status.GetStatus(common_pb2.GetStatusRequest(), timeout=2)
+        except grpc.aio.AioRpcError:
+            return False
+        return status.details.get("pods") == "2" and bool(await api.resolve("shop", "web-2"))
+
+    await eventually(pods_in)
+    assert health_status(proc.address) != SERVING
+    assert not (await api.status.GetStatus(common_pb2.GetStatusRequest())).synced
+    await k8s.synced()
+    await eventually(lambda: health_status(proc.address) == SERVING)
+    status = await api.status.GetStatus(common_pb2.GetStatusRequest())
+    assert status.synced and status.details["identities"] == "1" and status.details["allocations"] == "0"
+
+    # Both replicas share one identity (the template hash is not identity-relevant).
+    r1, r2 = await api.resolve("shop", "web-1"), await api.resolve("shop", "web-2")
+    assert r1 is not None and r2 is not None
+    web_id = r1.identity.id
+    assert r2.identity.id == web_id and 256 <= web_id <= 65535
+    assert (list(r1.ips), r1.node, list(r2.ips), r2.node) == (["10.244.0.10"], "node-a", ["10.244.0.11"], "node-b")
+    labels = {f"{x.source}:{x.key}={x.value}" for x in r1.identity.labels}
+    assert {
+        "k8s:app=web",
+        "k8s:io.kubernetes.pod.namespace=shop",
+        "k8s:io.cilium.k8s.namespace.labels.team=a",
+    } <= labels
+    assert not any("pod-template-hash" in x for x in labels)
+    assert r1.identity.references == 2
+    announced = await eventually(lambda: view.live_identity(web_id))
+    assert {(x.source, x.key, x.value) for x in announced.identity.labels} == {
+        (x.source, x.key, x.value) for x in r1.identity.labels
+    }
+    entry = await eventually(lambda: view.entry("10.244.0.10/32"))
+    assert (entry.identity, entry.node, entry.namespace, entry.pod) == (web_id, "node-a", "shop", "web-1")
+    assert entry.named_ports["http"].port == 8080 and entry.named_ports["http"].protocol == common_pb2.PROTOCOL_TCP
+
+    # A pod label change moves that pod (only) to a new identity; the old keeps its other holder.
+    web1["metadata"]["labels"]["tier"] = "front"
+    await k8s.apply(web1)
+    front = await eventually(lambda: _moved(api, "shop", "web-1", web_id))
+    assert front != web_id
+    await eventually(lambda: (e := view.entry("10.244.0.10/32")) is not None and e.identity == front)
+    assert (await api.identity.GetIdentity(identity_pb2.GetIdentityRequest(id=web_id))).references == 1
+    assert view.live_identity(front) is not None
+
+    # A namespace label change moves every pod of the namespace; the unused identities get collected.
+    await k8s.apply(namespace("shop", {"team": "b"}))
+    await eventually(lambda: _moved(api, "shop", "web-2", web_id))
+    await eventually(lambda: _moved(api, "shop", "web-1", front))
+    r1, r2 = await api.resolve("shop", "web-1"), await api.resolve("shop", "web-2")
+    assert r1 is not None and r2 is not None and r1.identity.id != r2.identity.id
+    assert "k8s:io.cilium.k8s.namespace.labels.team=b" in {f"{x.source}:{x.key}={x.value}" for x in r2.identity.labels}
+    await eventually(lambda: (e := view.entry("10.244.0.11/32")) is not None and e.identity == r2.identity.id)
+    await eventually(lambda: web_id in view.identities and view.identities[web_id].deleted)
+    await eventually(lambda: front in view.identities and view.identities[front].deleted)
+    code = await api.code(api.identity.GetIdentity(identity_pb2.GetIdentityRequest(id=web_id), timeout=5))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+    # A pod that goes takes its ipcache entry with it.
+    await k8s.delete(web2)
+    await eventually(lambda: "10.244.0.11/32" in view.ipcache and view.ipcache["10.244.0.11/32"].deleted)
+    await eventually(lambda: _gone(api, "shop", "web-2"))
+
+    # A pod without status IPs gets its address from an IPAM allocation made for it.
+    db = pod("shop", "db", {"app": "db"})
+    await k8s.apply(db)
+    db_id = (await eventually(lambda: api.resolve("shop", "db"))).identity.id
+    alloc = await api.ipam.AllocateIP(ipam_pb2.AllocateIPRequest(node="node-a", owner="pod/shop/db"), timeout=5)
+    prefix = f"{alloc.ip}/32"
+    entry = await eventually(lambda: view.entry(prefix))
+    assert (entry.identity, entry.pod, entry.node) == (db_id, "db", "node-a")
+    assert list((await api.resolve("shop", "db")).ips) == [alloc.ip]  # type: ignore[union-attr]
+    await api.ipam.ReleaseIP(ipam_pb2.ReleaseIPRequest(node="node-a", ip=alloc.ip), timeout=5)
+    await eventually(lambda: prefix in view.ipcache and view.ipcache[prefix].deleted)
+    assert proc.terminate() == 0
+
+
+async def _moved(api: Api, ns: str, name: str, old: int) -> int | None:
+    r = await api.resolve(ns, name)
+    return r.identity.id if r is not None and r.identity.id != old else None
+
+
+async def _gone(api: Api, ns: str, name: str) -> bool:
+    code = await api.code(api.identity.ResolvePod(identity_pb2.ResolvePodRequest(namespace=ns, name=name), timeout=5))
+    return bool(code == grpc.StatusCode.NOT_FOUND)
+
+
+async def test_node_cidr_priority_and_grpc_error_codes(
+    nats_server: NatsServer, etcd_server: EtcdServer, service: Callable[..., ServiceProcess], bus: Bus
+) -> None:
+    k8s = K8s(bus)
+    await k8s.apply(
+        node("n-spec", pod_cidrs=["10.50.0.0/30"], annotations={"io.cilium.network.ipv4-pod-cidr": "10.60.0.0/30"})
+    )
+    await k8s.apply(node("n-ann", annotations={"io.cilium.network.ipv4-pod-cidr": "10.60.0.0/30"}))
+    await k8s.apply(node("n-pool"))
+    await k8s.synced()
+    proc = service("ipam", *ipam_args(nats_server, etcd_server, "--ipam-mode", "kubernetes", "--node-mask-v4", "30"))
+    api = Api(proc.address)
+    got = {}
+    for name in ("n-spec", "n-ann", "n-pool"):
+        cidr = await api.ipam.GetNodeCIDR(ipam_pb2.GetNodeCIDRRequest(node=name), timeout=5)
+        got[name] = (list(cidr.cidrs), cidr.source)
+    assert got == {
+        "n-spec": (["10.50.0.0/30"], ipam_pb2.CIDR_SOURCE_NODE_SPEC),
+        "n-ann": (["10.60.0.0/30"], ipam_pb2.CIDR_SOURCE_ANNOTATION),
+        "n-pool": (["10.244.0.0/30"], ipam_pb2.CIDR_SOURCE_POOL),
+    }
+    # A /30 holds one pod address.
+    first = await api.ipam.AllocateIP(ipam_pb2.AllocateIPRequest(node="n-spec", owner="pod/a/a"), timeout=5)
+    assert (first.ip, first.gateway, first.family) == ("10.50.0.2", "10.50.0.1", ipam_pb2.FAMILY_IPV4)
+    errors = {
+        "exhausted": api.ipam.AllocateIP(ipam_pb2.AllocateIPRequest(node="n-spec", owner="pod/a/b"), timeout=5),
+        "double": api.ipam.AllocateIP(ipam_pb2.AllocateIPRequest(node="n-spec", owner="pod/a/a"), timeout=5),
+        "unknown ip": api.ipam.ReleaseIP(ipam_pb2.ReleaseIPRequest(node="n-spec", ip="10.50.0.3"), timeout=5),
+        "wrong owner": api.ipam.ReleaseIP(
+            ipam_pb2.ReleaseIPRequest(node="n-spec", ip="10.50.0.2", owner="pod/a/z"), timeout=5
+        ),
+        "bad ip": api.ipam.AllocateIP(
+            ipam_pb2.AllocateIPRequest(node="n-ann", owner="pod/a/c", ip="10.50.0.2"), timeout=5
+        ),
+        "no labels": api.identity.AllocateIdentity(
+            identity_pb2.AllocateIdentityRequest(node="n-pool", owner="x"), timeout=5
+        ),
+        "unknown id": api.identity.GetIdentity(identity_pb2.GetIdentityRequest(id=4242), timeout=5),
+        "unknown ref": api.identity.ReleaseIdentity(
+            identity_pb2.ReleaseIdentityRequest(id=4242, node="n-pool", owner="x"), timeout=5
+        ),
+        "unknown pod": api.identity.ResolvePod(identity_pb2.ResolvePodRequest(namespace="a", name="b"), timeout=5),
+    }
+    codes = {what: await api.code(call) for what, call in errors.items()}
+    assert codes == {
+        "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "double": grpc.StatusCode.ALREADY_EXISTS,
+        "unknown ip": grpc.StatusCode.NOT_FOUND,
+        "wrong owner": grpc.StatusCode.FAILED_PRECONDITION,
+        "bad ip": grpc.StatusCode.INVALID_ARGUMENT,
+        "no labels": grpc.StatusCode.INVALID_ARGUMENT,
+        "unknown id": grpc.StatusCode.NOT_FOUND,
+        "unknown ref": grpc.StatusCode.NOT_FOUND,
+        "unknown pod": grpc.StatusCode.NOT_FOUND,
+    }
+    listed = await api.ipam.ListAllocations(ipam_pb2.ListAllocationsRequest(), timeout=5)
+    assert [(a.node, a.ip, a.owner) for a in listed.allocations] == [("n-spec", "10.50.0.2", "pod/a/a")]
+    try:
+        await api.ipam.AllocateIP(ipam_pb2.AllocateIPRequest(node="n-spec", owner="pod/a/b"), timeout=5)
+    except grpc.aio.AioRpcError as err:
+        assert "10.50.0.0/30" in (err.details() or "") and "release" in (err.details() or "")
+    # Reserved identities answer their fixed numbers and list on request.
+    host = await api.identity.AllocateIdentity(
+        identity_pb2.AllocateIdentityRequest(
+            labels=[common_pb2.Label(source="reserved", key="host")], node="n-pool", owner="x"
+        ),
+        timeout=5,
+    )
+    assert (host.identity.id, host.identity.kind) == (1, identity_pb2.IDENTITY_KIND_RESERVED)
+    listed_ids = await api.identity.ListIdentities(identity_pb2.ListIdentitiesRequest(include_reserved=True))
+    assert [i.id for i in listed_ids.identities] == [1, 2, 3, 4, 5, 6, 7]
+
+
+async def _snapshot(api: Api) -> tuple:  # type: ignore[type-arg]
+    allocations = await api.ipam.ListAllocations(ipam_pb2.ListAllocationsRequest(), timeout=5)
+    identities = await api.identity.ListIdentities(identity_pb2.ListIdentitiesRequest(), timeout=5)
+    return (
+        sorted((a.node, a.ip, a.owner, a.cidr) for a in allocations.allocations),
+        sorted((n.node, tuple(n.cidrs), n.source) for n in allocations.nodes),
+        sorted(
+            (i.id, tuple(sorted((x.source, x.key, x.value) for x in i.labels)), i.references)
+            for i in identities.identities
+        ),
+    )
+
+
+async def _publish_pods(k8s: K8s, pods: int) -> None:
+    await k8s.apply(namespace("app", {"env": "prod"}))
+    for i in range(pods):
+        await k8s.apply(pod("app", f"p{i}", {"app": f"svc-{i % 4}"}, node=f"node-{i % 2}"))
+    await k8s.synced()
+
+
+async def _allocate(api: Api, pods: int) -> None:
+    for i in range(pods):
+        await api.ipam.AllocateIP(ipam_pb2.AllocateIPRequest(node=f"node-{i % 2}", owner=f"pod/app/p{i}"), timeout=5)
+    # A datapath holding a reference of its own, and a CIDR identity.
+    await api.identity.AllocateIdentity(
+        identity_pb2.AllocateIdentityRequest(
+            labels=[common_pb2.Label(source="k8s", key="app", value="health-probe")], node="node-0", owner="ep/12"
+        ),
+        timeout=5,
+    )
+    await api.identity.AllocateIdentity(
+        identity_pb2.AllocateIdentityRequest(
+            labels=[common_pb2.Label(source="cidr", key="192.168.0.0/16")], node="node-0", owner="policy/x"
+        ),
+        timeout=5,
+    )
+
+
+async def test_kill_9_and_restart_keeps_every_allocation(
+    nats_server: NatsServer, etcd_server: EtcdServer, service: Callable[..., ServiceProcess], bus: Bus
+) -> None:
+    view = await BusView.start(bus)
+    k8s = K8s(bus)
+    await _publish_pods(k8s, pods=12)
+    proc = service("ipam", *ipam_args(nats_server, etcd_server))
+    api = Api(proc.address)
+    await _allocate(api, pods=12)
+
+    async def all_entries() -> bool:
+        return len([e for e in view.ipcache.values() if not e.deleted]) == 12
+
+    await eventually(all_entries)
+    before = await _snapshot(api)
+    resolved = {f"p{i}": await api.resolve("app", f"p{i}") for i in range(12)}
+    assert len(before[0]) == 12 and len(before[2]) == 6  # 4 pod label sets, the probe and the CIDR identity
+    bus_before = {p: (e.identity, e.deleted) for p, e in view.ipcache.items()}
+
+    proc.kill()  # SIGKILL: no cleanup at all
+    # Meanwhile a pod changes, one goes: the restarted service must catch up on both.
+    await k8s.apply(pod("app", "p0", {"app": "svc-new"}, node="node-0"))
+    await k8s.delete(pod("app", "p11", {}, node="node-1"))
+    again = service("ipam", *ipam_args(nats_server, etcd_server))
+    api = Api(again.address)
+    after = await _snapshot(api)
+    assert after[0] == before[0] and after[1] == before[1]  # every address and node CIDR, unchanged
+    old_ids = {i[0]: i for i in before[2]}
+    for ident, labels, _refs in after[2]:
+        if ident in old_ids:
+            assert old_ids[ident][1] == labels  # never renumbered
+    for i in range(1, 11):
+        r = await api.resolve("app", f"p{i}")
+        assert r is not None and r.identity.id == resolved[f"p{i}"].identity.id  # type: ignore[union-attr]
+        assert list(r.ips) == list(resolved[f"p{i}"].ips)  # type: ignore[union-attr]
+    assert (await api.resolve("app", "p0")).identity.id not in old_ids  # type: ignore[union-attr]
+    assert await _gone(api, "app", "p11")
+    # The datapath's own reference survived the restart (the node lease was adopted, not replaced).
+    probe = [i for i in after[2] if ("k8s", "app", "health-probe") in i[1]]
+    assert probe and probe[0][2] == 1
+    p11_ip = resolved["p11"].ips[0]  # type: ignore[union-attr]
+    await eventually(lambda: f"{p11_ip}/32" in view.ipcache and view.ipcache[f"{p11_ip}/32"].deleted)
+    for prefix, (ident, deleted) in bus_before.items():
+        if prefix != f"{p11_ip}/32" and prefix != f"{resolved['p0'].ips[0]}/32":  # type: ignore[union-attr]
+            assert (view.ipcache[prefix].identity, view.ipcache[prefix].deleted) == (ident, deleted)
+    # Allocating again neither duplicates nor loses anything.
+    code = await api.code(api.ipam.AllocateIP(ipam_pb2.AllocateIPRequest(node="node-0", owner="pod/app/p2"), timeout=5))
+    assert code == grpc.StatusCode.ALREADY_EXISTS
+    fresh = await api.ipam.AllocateIP(ipam_pb2.AllocateIPRequest(node="node-0", owner="pod/app/new"), timeout=5)
+    assert fresh.ip not in {a[1] for a in before[0]}
+
+
+async def test_etcd_restart_is_survived(
+    nats_server: NatsServer, etcd_server: EtcdServer, service: Callable[..., ServiceProcess], bus: Bus
+) -> None:
+    k8s = K8s(bus)
+    await _publish_pods(k8s, pods=4)
+    proc = service("ipam", *ipam_args(nats_server, etcd_server))
+    api = Api(proc.address)
+    await _allocate(api, pods=4)
+    before = await _snapshot(api)
+    r2 = await api.resolve("app", "p2")
+    assert r2 is not None
+
+    etcd_server.stop()
+    # While etcd is down a pod changes; the service applies it once etcd is back, dropping nothing.
+    await k8s.apply(pod("app", "p1", {"app": "during-outage"}, node="node-1"))
+    etcd_server.start()
+
+    async def p1_moved() -> bool:
+        r = await api.resolve("app", "p1")
+        return r is not None and ("k8s", "app", "during-outage") in {
+            (x.source, x.key, x.value) for x in r.identity.labels
+        }
+
+    await eventually(p1_moved, timeout=40)
+    fresh = await api.ipam.AllocateIP(ipam_pb2.AllocateIPRequest(node="node-1", owner="pod/app/later"), timeout=30)
+    assert fresh.ip not in {a[1] for a in before[0]}
+    after = await _snapshot(api)
+    assert set(before[0]) < set(after[0]) and after[1] == before[1]
+    r2_after = await api.resolve("app", "p2")
+    assert r2_after is not None and r2_after.identity.id == r2.identity.id
+    assert health_status(proc.address) == SERVING
+    assert proc.terminate() == 0

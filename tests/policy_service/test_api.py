@@ -1,0 +1,197 @@
+"""PolicyService over real gRPC: import, delete, get/list, trace, and clear errors for bad requests."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import yaml
+
+from palisade.v1 import common_pb2, policy_pb2
+from tests.policy_service import builders
+from tests.policy_service.scenario import DB, WEB, Env
+
+NP = "NetworkPolicy"
+
+
+def ref(name: str, kind: str = NP, namespace: str = "default") -> common_pb2.ObjectRef:
+    return common_pb2.ObjectRef(kind=kind, namespace=namespace, name=name)
+
+
+async def rpc_error(call: object) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call  # type: ignore[misc]
+    return err.value
+
+
+async def test_import_mixed_documents_accepts_the_good_and_rejects_the_bad(env: Env) -> None:
+    good = builders.netpol("web-in", {"app": "web"}, {"app": "db"}, 80)
+    bad = builders.netpol("bad", {"app": "web"}, {"app": "db"}, 80)
+    bad["spec"]["policyTypes"] = ["Sideways"]
+    l7 = builders.cnp("l7", {"app": "db"}, {"app": "web"}, 80)
+    l7["spec"]["ingress"][0]["toPorts"][0]["rules"] = {"http": [{"method": "GET"}]}
+    before = (await env.api.ListPolicies(policy_pb2.ListPoliciesRequest())).revision
+    answer = await env.api.ImportPolicies(
+        policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump_all([good, bad, l7]), origin="mixed.yaml")
+    )
+    assert answer.revision > before
+    states = {p.ref.name: p for p in answer.policies}
+    assert states["web-in"].state != policy_pb2.POLICY_STATE_REJECTED
+    assert states["web-in"].source == policy_pb2.POLICY_SOURCE_API
+    assert states["bad"].state == policy_pb2.POLICY_STATE_REJECTED
+    assert "mixed.yaml[1]" in states["bad"].error
+    assert "NetworkPolicy default/bad: spec.policyTypes[0]" in states["bad"].error
+    assert any("rules" in u for u in states["l7"].unsupported)
+    # The rejected document left no trace in the repository.
+    err = await rpc_error(env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref("bad"))))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+
+    listed = await env.api.ListPolicies(policy_pb2.ListPoliciesRequest(namespace="default"))
+    assert {(p.ref.name, p.source) for p in listed.policies} == {
+        ("db-from-web", policy_pb2.POLICY_SOURCE_KUBERNETES),
+        ("web-in", policy_pb2.POLICY_SOURCE_API),
+        ("l7", policy_pb2.POLICY_SOURCE_API),
+    }
+    assert (await env.api.ListPolicies(policy_pb2.ListPoliciesRequest(namespace="other"))).policies == []
+
+    # Importing only rejected documents changes nothing, not even the revision.
+    only_bad = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(bad)))
+    assert only_bad.revision == answer.revision
+    assert [p.state for p in only_bad.policies] == [policy_pb2.POLICY_STATE_REJECTED]
+
+    # Dry run validates without changing anything.
+    dry = await env.api.ImportPolicies(
+        policy_pb2.ImportPoliciesRequest(
+            documents=yaml.safe_dump(builders.netpol("dry", {"app": "db"}, {}, 1)), dry_run=True
+        )
+    )
+    assert dry.revision == answer.revision and dry.policies[0].state == policy_pb2.POLICY_STATE_UNSPECIFIED
+    assert (await rpc_error(env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref("dry"))))).code() == (
+        grpc.StatusCode.NOT_FOUND
+    )
+
+    # Delete the API copy; it is gone from the datapaths too.
+    deleted = await env.api.DeletePolicy(policy_pb2.DeletePolicyRequest(ref=ref("web-in")))
+    assert deleted.revision > answer.revision
+    await env.settled(deleted.revision)
+    assert env.datapaths["n1"].state.policies[WEB][1] == {}
+    err = await rpc_error(env.api.DeletePolicy(policy_pb2.DeletePolicyRequest(ref=ref("web-in"))))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_trace_explains_verdicts_between_pods_and_labels(env: Env) -> None:
+    request = policy_pb2.TraceRequest(
+        source=policy_pb2.TracePeer(pod="default/web-1"),
+        destination=policy_pb2.TracePeer(pod="default/db-1"),
+        port=5432,
+        protocol=common_pb2.PROTOCOL_TCP,
+    )
+    allowed = await env.api.Trace(request)
+    assert allowed.verdict == common_pb2.VERDICT_ALLOW
+    assert (allowed.source_identity, allowed.destination_identity) == (WEB, DB)
+    assert allowed.ingress_enforced and not allowed.egress_enforced
+    assert [(m.policy.name, m.direction) for m in allowed.matches] == [("db-from-web", common_pb2.DIRECTION_INGRESS)]
+    assert "ALLOWED" in allowed.explanation
+
+    request.port = 22
+    denied = await env.api.Trace(request)
+    assert denied.verdict == common_pb2.VERDICT_DENY and denied.ingress_verdict == common_pb2.VERDICT_DENY
+
+    by_labels = await env.api.Trace(
+        policy_pb2.TraceRequest(
+            source=policy_pb2.TracePeer(labels=["k8s:app=cache", "k8s:io.kubernetes.pod.namespace=default"]),
+            destination=policy_pb2.TracePeer(pod="default/db-1"),
+            port=5432,
+        )
+    )
+    assert by_labels.verdict == common_pb2.VERDICT_DENY
+
+
+# (method, request, status code, part of the message)
+BAD_REQUESTS: list[tuple[str, object, str, str]] = [
+    ("ImportPolicies", policy_pb2.ImportPoliciesRequest(documents=""), "INVALID_ARGUMENT", "documents is empty"),
+    (
+        "ImportPolicies",
+        policy_pb2.ImportPoliciesRequest(documents="kind: [unclosed", origin="x.yaml"),
+        "INVALID_ARGUMENT",
+        "x.yaml: not valid YAML or JSON at line",
+    ),
+    (
+        "ImportPolicies",
+        policy_pb2.ImportPoliciesRequest(documents="- 1\n- 2"),
+        "INVALID_ARGUMENT",
+        "expected an object",
+    ),
+    ("GetPolicy", policy_pb2.GetPolicyRequest(ref=ref("x", kind="")), "INVALID_ARGUMENT", "ref.kind is required"),
+    ("GetPolicy", policy_pb2.GetPolicyRequest(ref=ref("x", kind="Pod")), "INVALID_ARGUMENT", "not a policy kind"),
+    ("GetPolicy", policy_pb2.GetPolicyRequest(ref=ref("")), "INVALID_ARGUMENT", "ref.name is required"),
+    ("GetPolicy", policy_pb2.GetPolicyRequest(ref=ref("nope")), "NOT_FOUND", "no policy NetworkPolicy default/nope"),
+    (
+        "GetPolicy",
+        policy_pb2.GetPolicyRequest(ref=ref("x", kind="CiliumClusterwideNetworkPolicy", namespace="ns")),
+        "INVALID_ARGUMENT",
+        "cluster-scoped",
+    ),
+    (
+        "DeletePolicy",
+        policy_pb2.DeletePolicyRequest(ref=ref("db-from-web"), source=policy_pb2.POLICY_SOURCE_KUBERNETES),
+        "FAILED_PRECONDITION",
+        "delete it there",
+    ),
+    ("Resync", policy_pb2.ResyncRequest(), "INVALID_ARGUMENT", "node is required"),
+    ("WaitForRevision", policy_pb2.WaitForRevisionRequest(), "INVALID_ARGUMENT", "revision is required"),
+    (
+        "WaitForRevision",
+        policy_pb2.WaitForRevisionRequest(revision=1 << 40),
+        "INVALID_ARGUMENT",
+        "has not been handed out yet",
+    ),
+    (
+        "ReportRealized",
+        policy_pb2.ReportRealizedRequest(reports=[policy_pb2.RealizedReport(node="n1", identity=WEB, revision=1)]),
+        "INVALID_ARGUMENT",
+        "reports[0]: endpoint_id or pod is required",
+    ),
+    (
+        "ReportRealized",
+        policy_pb2.ReportRealizedRequest(
+            reports=[policy_pb2.RealizedReport(node="n1", endpoint_id=1, identity=WEB, revision=1 << 40)]
+        ),
+        "INVALID_ARGUMENT",
+        "above the current revision",
+    ),
+    (
+        "Trace",
+        policy_pb2.TraceRequest(source=policy_pb2.TracePeer(pod="default/ghost"), port=80),
+        "NOT_FOUND",
+        "source.pod default/ghost is not in the ipcache",
+    ),
+    (
+        "Trace",
+        policy_pb2.TraceRequest(
+            source=policy_pb2.TracePeer(pod="default/web-1"), destination=policy_pb2.TracePeer(), port=80
+        ),
+        "INVALID_ARGUMENT",
+        "destination needs a pod",
+    ),
+    ("Trace", policy_pb2.TraceRequest(port=0), "INVALID_ARGUMENT", "port 0 must be 1-65535"),
+]
+
+
+async def test_bad_requests_say_what_is_wrong(env: Env) -> None:
+    # One service for every case: starting one per case would only slow the suite down.
+    for method, request, code, says in BAD_REQUESTS:
+        err = await rpc_error(getattr(env.api, method)(request, timeout=10))
+        assert err.code() == getattr(grpc.StatusCode, code), (method, request, err.details())
+        assert says in (err.details() or ""), (method, err.details())
+
+
+async def test_status_reports_synced_revision_and_figures(env: Env) -> None:
+    from palisade.v1 import common_pb2_grpc
+
+    status = await common_pb2_grpc.StatusServiceStub(env.channel).GetStatus(common_pb2.GetStatusRequest())
+    assert status.service == "policy" and status.synced
+    current = (await env.api.ListPolicies(policy_pb2.ListPoliciesRequest())).revision
+    assert status.revision == current
+    assert status.details["policies"] == "1"
+    assert status.details["nodes"] == "3"
+    assert int(status.details["identities"]) >= 3

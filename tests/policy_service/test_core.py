@@ -1,0 +1,392 @@
+"""The policy service's state machine, without I/O: span, diffs, sequencing, sources, realization."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from palisade.v1 import common_pb2
+from services.policy.core import RequestError
+from services.policy.orders import PersistedState
+from services.policy.realized import Report
+from services.policy.sources import Source
+from tests.policy_service import builders
+from tests.policy_service.world import World, ingress_key
+
+WEB, DB, CACHE = 256, 257, 258
+
+
+def three_nodes(world: World) -> None:
+    """n1: web; n2: db; n3: web and cache."""
+    world.identity(WEB, app="web")
+    world.identity(DB, app="db")
+    world.identity(CACHE, app="cache")
+    world.pod("10.0.1.1", WEB, "n1", "web-1")
+    world.pod("10.0.2.1", DB, "n2", "db-1")
+    world.pod("10.0.3.1", WEB, "n3", "web-2")
+    world.pod("10.0.3.2", CACHE, "n3", "cache-1")
+
+
+@pytest.fixture
+def world() -> World:
+    w = World()
+    three_nodes(w)
+    w.sync()
+    return w
+
+
+def test_nothing_is_ordered_before_sync() -> None:
+    w = World()
+    three_nodes(w)
+    w.policy(builders.netpol("a", {"app": "db"}, {"app": "web"}, 5432))
+    assert w.commit().orders == ()
+    first = w.sync()
+    by_node = w.orders_by_node(first)
+    assert set(by_node) == {"n1", "n2", "n3"}
+    assert all(o.replace for o in first.orders)
+    assert [d.identity for d in by_node["n3"].diffs] == [WEB, CACHE]
+    assert all(d.full for o in first.orders for d in o.diffs)
+    w.assert_nodes_match_resync()
+
+
+@pytest.mark.parametrize(
+    ("subject", "changed"),
+    [
+        ({"app": "db"}, {"n2": [DB]}),
+        ({"app": "web"}, {"n1": [WEB], "n3": [WEB]}),
+        ({"app": "cache"}, {"n3": [CACHE]}),
+    ],
+)
+def test_policy_change_orders_diffs_only_for_affected_identities(
+    world: World, subject: dict[str, str], changed: dict[str, list[int]]
+) -> None:
+    commit = world.policy(builders.netpol("p", subject, {"app": "web"}, 80)) and world.commit()
+    assert commit
+    by_node = world.orders_by_node(commit)
+    # Every node moves to the new revision; only nodes hosting a selected identity get diffs.
+    assert set(by_node) == {"n1", "n2", "n3"}
+    assert {n: o.changed_identities() for n, o in by_node.items() if o.diffs} == changed
+    for node, order in by_node.items():
+        assert order.revision == commit.revision
+        assert order.is_bump == (node not in changed)
+    world.assert_nodes_match_resync()
+
+
+def test_replacing_a_policy_sends_the_exact_diff(world: World) -> None:
+    world.policy(builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432))
+    world.commit()
+    assert world.nodes["n2"].policies[DB][1] == {ingress_key(WEB, 5432): common_pb2.VERDICT_ALLOW}
+
+    world.policy(builders.netpol("p", {"app": "db"}, {"app": "web"}, 6432))
+    order = world.orders_by_node(world.commit())["n2"]
+    (diff,) = order.diffs
+    assert not diff.full
+    assert [builders_key(e) for e in diff.add] == [ingress_key(WEB, 6432)]
+    assert [builders_key(e) for e in diff.remove] == [ingress_key(WEB, 5432)]
+    assert world.nodes["n2"].policies[DB][1] == {ingress_key(WEB, 6432): common_pb2.VERDICT_ALLOW}
+    world.assert_nodes_match_resync()
+
+
+def builders_key(entry: common_pb2.PolicyEntry) -> tuple[int, int, int, int, int]:
+    k = entry.key
+    return (k.direction, k.remote_identity, k.protocol, k.port_low, k.port_high)
+
+
+def test_same_object_again_changes_nothing(world: World) -> None:
+    doc = builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432)
+    world.policy(doc)
+    revision = world.commit().revision
+    world.policy(doc)
+    again = world.commit()
+    assert again.revision == revision
+    assert again.orders == ()
+
+
+def test_rejected_policy_changes_nothing_and_keeps_its_error(world: World) -> None:
+    good = builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432)
+    world.policy(good)
+    revision = world.commit().revision
+    bad = builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432)
+    bad["spec"]["ingress"][0]["ports"][0]["port"] = 70000
+    outcome = world.policy(bad)
+    assert outcome is not None and not outcome.accepted
+    commit = world.commit()
+    assert commit.orders == ()
+    assert commit.revision == revision
+    view = world.core.get_policy(Source.KUBERNETES, outcome.key)
+    assert view.record.rejected
+    assert "NetworkPolicy default/p" in view.record.error
+    assert "spec.ingress[0].ports[0].port" in view.record.error
+    # The version accepted before stays enforced.
+    assert view.record.revision == revision
+    assert world.nodes["n2"].policies[DB][1] == {ingress_key(WEB, 5432): common_pb2.VERDICT_ALLOW}
+
+
+def test_invalid_json_from_the_watcher_is_a_rejection(world: World) -> None:
+    d = builders.delta(builders.netpol("p", {"app": "db"}, {"app": "web"}, 1))
+    d.object_json = b"{not json"
+    outcome = world.core.apply_policy_delta(d, world.tick())
+    assert outcome is not None and not outcome.accepted
+    assert "NetworkPolicy default/p" in outcome.error
+    assert world.commit().orders == ()
+
+
+def test_api_and_kubernetes_copies_never_clobber_each_other(world: World) -> None:
+    k8s = builders.netpol("same", {"app": "db"}, {"app": "web"}, 5432)
+    api = builders.netpol("same", {"app": "db"}, {"app": "cache"}, 11211)
+    world.policy(k8s)
+    assert world.import_policy(api).accepted
+    world.commit()
+    both = {ingress_key(WEB, 5432): common_pb2.VERDICT_ALLOW, ingress_key(CACHE, 11211): common_pb2.VERDICT_ALLOW}
+    assert world.nodes["n2"].policies[DB][1] == both
+    key = world.core.get_policy(Source.KUBERNETES, world.import_policy(api).key).record.key
+    assert world.core.get_policy(Source.API, key).record.source is Source.API
+
+    assert world.core.delete(Source.API, key, world.tick())
+    world.commit()
+    assert world.nodes["n2"].policies[DB][1] == {ingress_key(WEB, 5432): common_pb2.VERDICT_ALLOW}
+    assert world.core.get_policy(None, key).record.source is Source.KUBERNETES
+    world.assert_nodes_match_resync()
+
+
+def test_identity_arriving_on_a_node_gets_its_full_policy_and_leaving_removes_it(world: World) -> None:
+    world.policy(builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432))
+    world.commit()
+    world.pod("10.0.1.9", DB, "n1", "db-2")
+    commit = world.commit()
+    by_node = world.orders_by_node(commit)
+    assert set(by_node) == {"n1"}, "a pod move changes no policy: only n1 hears of it"
+    (diff,) = by_node["n1"].diffs
+    assert diff.full and diff.identity == DB
+    assert world.nodes["n1"].policies[DB][1] == {ingress_key(WEB, 5432): common_pb2.VERDICT_ALLOW}
+
+    world.unpod("10.0.1.9")
+    by_node = world.orders_by_node(world.commit())
+    assert list(by_node["n1"].removed) == [DB]
+    assert DB not in world.nodes["n1"].policies
+    world.assert_nodes_match_resync()
+
+
+def test_pod_before_its_identity_waits_for_the_identity(world: World) -> None:
+    world.pod("10.0.2.7", 300, "n2", "new-1")
+    assert all(300 not in o.changed_identities() for o in world.commit().orders)
+    world.identity(300, app="new")
+    orders = world.orders_by_node(world.commit())
+    assert [(d.identity, d.full) for d in orders["n2"].diffs] == [(300, True)]
+    world.assert_nodes_match_resync()
+
+
+def test_named_ports_come_from_the_ipcache() -> None:
+    w = World()
+    w.identity(WEB, app="web")
+    w.identity(DB, app="db")
+    w.pod("10.0.1.1", WEB, "n1", "web-1")
+    w.pod("10.0.2.1", DB, "n2", "db-1", named_ports={"pg": 5432})
+    w.policy(builders.netpol("p", {"app": "db"}, {"app": "web"}, "pg"))
+    w.sync()
+    assert w.nodes["n2"].policies[DB][1] == {ingress_key(WEB, 5432): common_pb2.VERDICT_ALLOW}
+
+
+def test_restart_continues_revision_and_sequences_with_a_replace_order() -> None:
+    w = World(PersistedState(revision=40, sequences={"n1": 7, "gone": 3}))
+    three_nodes(w)
+    first = w.sync()
+    assert first.revision > 40
+    by_node = w.orders_by_node(first)
+    assert by_node["n1"].sequence == 8
+    assert by_node["n2"].sequence == 1
+    # A node that had identities before the restart and has none now is told to drop them.
+    assert by_node["gone"].replace and by_node["gone"].diffs == () and by_node["gone"].sequence == 4
+    assert first.state == PersistedState(first.revision, {"gone": 4, "n1": 8, "n2": 1, "n3": 1})
+    # Afterwards an empty node hears nothing more, but keeps its sequence for when pods come back.
+    w.policy(builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432))
+    assert set(w.orders_by_node(w.commit())) == {"n1", "n2", "n3"}
+    w.pod("10.9.9.9", DB, "gone", "db-9")
+    (back,) = w.commit().orders
+    assert (back.node, back.sequence, [d.identity for d in back.diffs]) == ("gone", 5, [DB])
+
+
+def test_resync_of_an_unknown_node_is_empty(world: World) -> None:
+    empty = world.core.resync("nowhere")
+    assert empty.policies == () and empty.sequence == 0 and empty.revision == world.core.revision
+    assert [p.identity for p in world.core.resync("n3", [CACHE]).policies] == [CACHE]
+
+
+def test_a_node_naming_an_identity_in_resync_hosts_it_from_then_on(world: World) -> None:
+    """A pod the ipcache does not know (created on the node directly) still gets its diffs."""
+    answer = world.core.resync("n1", [DB])
+    assert [p.identity for p in answer.policies] == [DB]
+    world.nodes["n1"].policies[DB] = ((False, False), {})  # what the datapath learned from the answer
+    world.policy(builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432))
+    by_node = world.orders_by_node(world.commit())
+    assert by_node["n1"].changed_identities() == [DB]
+    assert world.nodes["n1"].policies[DB][1] == {ingress_key(WEB, 5432): common_pb2.VERDICT_ALLOW}
+    world.assert_nodes_match_resync()
+
+
+def test_reported_endpoints_unknown_to_the_ipcache_declare_their_identity_until_deleted(world: World) -> None:
+    base = world.core.revision
+    # After a restart of ours, n1 reports a dev pod of identity db that no ipcache entry mentions.
+    world.report("n1", "dev/db-x", DB, base, endpoint_id=7)
+    commit = world.commit()
+    assert commit.revision > base, "the policy comes under a new revision"
+    by_node = world.orders_by_node(commit)
+    assert [(d.identity, d.full) for d in by_node["n1"].diffs] == [(DB, True)]
+    assert [lag.pod for lag in world.core.wait_state(commit.revision) if lag.node == "n1"] == [
+        "default/web-1",
+        "dev/db-x",
+    ]
+    world.policy(builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432))
+    rev = world.commit().revision
+    assert world.nodes["n1"].policies[DB][1] == {ingress_key(WEB, 5432): common_pb2.VERDICT_ALLOW}
+    assert "dev/db-x" in [lag.pod for lag in world.core.wait_state(rev)]
+
+    # The datapath deletes the endpoint: it no longer holds waits, and n1 drops db.
+    world.core.report([Report("n1", 7, DB, 0, "dev/db-x", deleted=True)], world.tick())
+    by_node = world.orders_by_node(world.commit())
+    assert list(by_node["n1"].removed) == [DB]
+    assert "dev/db-x" not in [lag.pod for lag in world.core.wait_state(rev)]
+    world.assert_nodes_match_resync()
+
+
+# --- realization ---------------------------------------------------------------------------------
+
+
+def test_wait_names_endpoints_behind_until_they_report(world: World) -> None:
+    world.policy(builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432))
+    rev = world.commit().revision
+    behind = world.core.wait_state(rev)
+    assert {(lag.node, lag.pod) for lag in behind} == {
+        ("n1", "default/web-1"),
+        ("n2", "default/db-1"),
+        ("n3", "default/web-2"),
+        ("n3", "default/cache-1"),
+    }
+    for node, pod, ident in (("n1", "default/web-1", WEB), ("n3", "default/web-2", WEB)):
+        world.report(node, pod, ident, rev)
+    world.report("n3", "default/cache-1", CACHE, rev)
+    behind = world.core.wait_state(rev)
+    assert [(lag.node, lag.pod, lag.identity, lag.realized) for lag in behind] == [("n2", "default/db-1", DB, 0)]
+    world.report("n2", "default/db-1", DB, rev, endpoint_id=12)
+    assert world.core.wait_state(rev) == []
+
+
+def test_a_bump_needs_no_report_but_a_change_does(world: World) -> None:
+    base = world.core.revision
+    for node, pod, ident in (
+        ("n1", "default/web-1", WEB),
+        ("n2", "default/db-1", DB),
+        ("n3", "default/web-2", WEB),
+        ("n3", "default/cache-1", CACHE),
+    ):
+        world.report(node, pod, ident, base)
+    world.policy(builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432))
+    rev = world.commit().revision
+    assert [lag.pod for lag in world.core.wait_state(rev)] == ["default/db-1"]
+
+
+def test_report_above_current_revision_is_refused(world: World) -> None:
+    with pytest.raises(RequestError, match="above the current revision"):
+        world.report("n1", "default/web-1", WEB, world.core.revision + 1)
+
+
+def test_policy_status_rolls_up_realization_per_node(world: World) -> None:
+    outcome = world.policy(builders.netpol("p", {"app": "web"}, {"app": "db"}, 80))
+    rev = world.commit().revision
+    assert outcome is not None
+    view = world.core.get_policy(Source.KUBERNETES, outcome.key)
+    assert view.subjects == (WEB,)
+    assert [(n.node, n.endpoints, n.endpoints_realized) for n in view.rollup.nodes] == [("n1", 1, 0), ("n3", 1, 0)]
+    assert not view.rollup.realized
+    world.report("n1", "default/web-1", WEB, rev)
+    view = world.core.get_policy(Source.KUBERNETES, outcome.key)
+    assert view.rollup.nodes_realized == 1 and not view.rollup.realized
+    world.report("n3", "default/web-2", WEB, rev)
+    view = world.core.get_policy(Source.KUBERNETES, outcome.key)
+    assert view.rollup.realized and view.rollup.nodes_realized == 2
+    assert [n.realized_revision for n in view.rollup.nodes] == [rev, rev]
+
+
+def test_implementation_delay_completes_with_the_last_affected_endpoint(world: World) -> None:
+    caused = world.now + 1
+    world.policy(builders.netpol("p", {"app": "web"}, {"app": "db"}, 80))
+    rev = world.commit().revision
+    assert world.report("n1", "default/web-1", WEB, rev) == []
+    assert world.report("n3", "default/web-2", WEB, rev) == [(rev, caused)]
+
+
+def test_deleted_pod_no_longer_holds_a_wait(world: World) -> None:
+    world.policy(builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432))
+    rev = world.commit().revision
+    for node, pod, ident in (("n1", "default/web-1", WEB), ("n3", "default/web-2", WEB)):
+        world.report(node, pod, ident, rev)
+    world.report("n3", "default/cache-1", CACHE, rev)
+    world.unpod("10.0.2.1")
+    world.commit()
+    assert world.core.wait_state(rev) == []
+
+
+# --- invariant: applying every order gives exactly what Resync returns ---------------------------
+
+_LABELS = ("web", "db", "cache")
+_NODES = ("n1", "n2", "n3")
+
+_op = st.one_of(
+    st.tuples(
+        st.just("policy"), st.integers(0, 3), st.sampled_from(_LABELS), st.sampled_from(_LABELS), st.integers(1, 3)
+    ),
+    st.tuples(st.just("delete"), st.integers(0, 3)),
+    st.tuples(st.just("pod"), st.integers(0, 7), st.sampled_from(range(3)), st.sampled_from(_NODES)),
+    st.tuples(st.just("unpod"), st.integers(0, 7)),
+    st.tuples(st.just("identity"), st.sampled_from(range(3)), st.booleans()),
+    st.tuples(st.just("request"), st.sampled_from(_NODES), st.sampled_from(range(3))),
+    st.tuples(st.just("dev-pod"), st.integers(0, 3), st.sampled_from(range(3)), st.sampled_from(_NODES), st.booleans()),
+    st.tuples(st.just("commit")),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(_op, st.booleans()), max_size=30), st.integers(600, 4000))
+def test_applied_orders_always_equal_resync(ops: list[tuple[tuple[Any, ...], bool]], max_bytes: int) -> None:
+    w = World(max_bytes=max_bytes)
+    for i, label in enumerate(_LABELS):
+        w.identity(WEB + i, app=label)
+        w.pod(f"10.1.0.{i}", WEB + i, _NODES[i], f"pod-{i}")
+    w.sync()
+    for op, commit_after in ops:
+        kind = op[0]
+        if kind == "policy":
+            _, n, subject, peer, port = op
+            w.policy(builders.netpol(f"p{n}", {"app": subject}, {"app": peer}, port * 1000 + n))
+        elif kind == "delete":
+            w.delete_policy(builders.netpol(f"p{op[1]}", {}, {}, 1))
+        elif kind == "pod":
+            _, n, ident, node = op
+            w.pod(f"10.1.0.{n}", WEB + ident, node, f"pod-{n}")
+        elif kind == "unpod":
+            w.unpod(f"10.1.0.{op[1]}")
+        elif kind == "request":
+            _, node, ident = op
+            w.commit()  # a datapath asks with the orders so far applied
+            w.request(node, WEB + ident)
+        elif kind == "dev-pod":
+            _, n, ident, node, deleted = op
+            w.core.report(
+                [Report(node, 100 + n, WEB + ident, 0 if deleted else w.core.revision, f"dev/p{n}", deleted)], w.tick()
+            )
+        elif kind == "identity":
+            _, ident, present = op
+            if present:
+                w.identity(WEB + ident, app=_LABELS[ident])
+            else:
+                w.forget_identity(WEB + ident)
+        if commit_after or kind == "commit":
+            w.commit()
+            w.assert_nodes_match_resync()
+    w.commit()
+    w.assert_nodes_match_resync()
+    for node in _NODES:
+        assert set(w.resync(node)) == {i for i in w.core.hosted(node) if w.core.policy_of(i) is not None}

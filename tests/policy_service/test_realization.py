@@ -1,0 +1,119 @@
+"""Realized revisions over the real API: WaitForRevision, status roll-up, lagging endpoints named."""
+
+from __future__ import annotations
+
+import yaml
+
+from palisade.v1 import common_pb2, policy_pb2
+from tests.policy_service import builders
+from tests.policy_service.cluster import eventually
+from tests.policy_service.scenario import CACHE, DB, WEB, Env
+
+
+async def import_policy(env: Env, doc: dict[str, object]) -> policy_pb2.ImportPoliciesResponse:
+    response: policy_pb2.ImportPoliciesResponse = await env.api.ImportPolicies(
+        policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(doc), origin="test.yaml"), timeout=10
+    )
+    return response
+
+
+async def test_wait_returns_once_reported_and_times_out_naming_who_is_behind(env: Env) -> None:
+    answer = await import_policy(env, builders.cnp("web-in", {"app": "web"}, {"app": "db"}, 8443))
+    (status,) = answer.policies
+    assert status.state in (policy_pb2.POLICY_STATE_REALIZING, policy_pb2.POLICY_STATE_REALIZED)
+    waited = await env.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=answer.revision, timeout_seconds=20), timeout=30
+    )
+    assert waited.realized and not waited.behind
+    assert waited.current_revision >= answer.revision
+    ref = common_pb2.ObjectRef(kind="CiliumNetworkPolicy", namespace="default", name="web-in")
+    status = await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref, source=policy_pb2.POLICY_SOURCE_API))
+    assert status.state == policy_pb2.POLICY_STATE_REALIZED
+    assert list(status.subjects) == [WEB]
+    assert (status.nodes_total, status.nodes_realized) == (2, 2)
+    assert [(n.node, n.endpoints, n.endpoints_realized) for n in status.nodes] == [("n1", 1, 1), ("n3", 1, 1)]
+
+    # n2's datapath stops reporting; a change for db is then never realized there.
+    env.datapaths["n2"].reporting = False
+    answer = await import_policy(env, builders.cnp("db-in", {"app": "db"}, {"app": "web"}, 6000))
+    await env.settled(answer.revision)
+    waited = await env.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=answer.revision, timeout_seconds=0.3), timeout=30
+    )
+    assert not waited.realized
+    assert [(b.node, b.pod, b.endpoint_id, b.identity) for b in waited.behind] == [("n2", "default/db-1", 21, DB)]
+    assert waited.behind[0].realized_revision < answer.revision
+    ref = common_pb2.ObjectRef(kind="CiliumNetworkPolicy", namespace="default", name="db-in")
+    status = await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref))
+    assert status.state == policy_pb2.POLICY_STATE_REALIZING
+    assert [(n.node, n.endpoints, n.endpoints_realized) for n in status.nodes] == [("n2", 1, 0)]
+
+    # It reports again: a waiter that is already waiting returns.
+    pending = env.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=answer.revision, timeout_seconds=20), timeout=30
+    )
+    env.datapaths["n2"].reporting = True
+    await env.datapaths["n2"].resync()
+    waited = await pending
+    assert waited.realized
+    status = await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref))
+    assert status.state == policy_pb2.POLICY_STATE_REALIZED
+
+
+async def test_implementation_delay_is_measured(env: Env) -> None:
+    import urllib.request
+
+    def histogram_count() -> float:
+        url = f"http://127.0.0.1:{env.policy.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            if line.startswith("palisade_policy_implementation_delay_seconds_count"):
+                return float(line.split()[-1])
+        return 0.0
+
+    before = histogram_count()
+    answer = await import_policy(env, builders.cnp("web-in", {"app": "web"}, {"app": "db"}, 8443))
+    waited = await env.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=answer.revision, timeout_seconds=20), timeout=30
+    )
+    assert waited.realized
+    await eventually(lambda: histogram_count() > before, "an implementation delay observation")
+
+
+async def test_endpoint_unknown_to_the_ipcache_gets_diffs_and_counts_until_deleted(env: Env) -> None:
+    """A pod created on n1 directly (no ipcache entry), of identity cache: the datapath names it."""
+    n1 = env.datapaths["n1"]
+    answer = await n1.stub.Resync(policy_pb2.ResyncRequest(node="n1", identities=[CACHE]))
+    assert [p.identity for p in answer.policies] == [CACHE]
+    n1.endpoints["dev/cache-x"] = (99, CACHE)
+    await n1.resync()  # what the datapath holds now includes cache; it reports the new endpoint
+
+    imported = await import_policy(env, builders.cnp("cache-in", {"app": "cache"}, {"app": "web"}, 11211))
+    orders = await eventually(lambda: env.log.at_revision(imported.revision), "orders of the import")
+    assert CACHE in [d.identity for d in orders["n1"].diffs]
+    await env.settled(imported.revision)
+    assert [k[3] for k in n1.state.policies[CACHE][1]] == [11211]
+    waited = await env.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=imported.revision, timeout_seconds=20), timeout=30
+    )
+    assert waited.realized
+
+    # It stops reporting: the next change for cache waits on it, until the datapath says it is gone.
+    n1.reporting = False
+    changed = await import_policy(env, builders.cnp("cache-in", {"app": "cache"}, {"app": "web"}, 11212))
+    waited = await env.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=changed.revision, timeout_seconds=0.3), timeout=30
+    )
+    assert [(b.node, b.pod) for b in waited.behind] == [("n1", "dev/cache-x")]
+    await n1.stub.ReportRealized(
+        policy_pb2.ReportRealizedRequest(
+            reports=[
+                policy_pb2.RealizedReport(node="n1", endpoint_id=99, identity=CACHE, pod="dev/cache-x", deleted=True)
+            ]
+        )
+    )
+    waited = await env.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=changed.revision, timeout_seconds=20), timeout=30
+    )
+    assert waited.realized
