@@ -274,7 +274,9 @@ class Bus:
             caught_up.set()
         else:
             info = await sub.consumer_info()
-            delivered = info.delivered.stream_seq if info.delivered else 0
+            # consumer_seq, not stream_seq: with a filter that matches nothing, the server
+            # reports the stream's position as delivered while this consumer got nothing.
+            delivered = info.delivered.consumer_seq if info.delivered else 0
             if (info.num_pending or 0) == 0 and not delivered:
                 caught_up.set()
         return Follower(sub, caught_up)

@@ -79,12 +79,13 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
             logs / "etcd.log",
             tcp_port=args.etcd_port,
         ),
+        # Upstreams first: each service reports SERVING only once what it consumes is synced.
+        svc("watcher", "--source", "manifests", "--manifests", args.manifests),
         svc("ipam"),
         svc("policy"),
         svc("datapath", "--policy-address", f"127.0.0.1:{DEFAULT_GRPC_PORTS['policy']}",
             "--ipam-address", f"127.0.0.1:{DEFAULT_GRPC_PORTS['ipam']}",
             "--state-dir", str(run_dir / "datapath"), "--bpffs", args.bpffs),
-        svc("watcher", "--source", "manifests", "--manifests", args.manifests),
     ]  # fmt: skip
 
 

@@ -46,8 +46,8 @@ class IPAMConfig(CommonConfig):
     )
     k8s_sync_timeout: float = setting(
         "Seconds to wait for the watcher's palisade.k8s.synced marker before serving anyway "
-        "(status stays synced=false until it comes); 0 waits forever.",
-        default=5.0,
+        "(status stays synced=false until it comes); 0 waits forever, so ready means synced.",
+        default=0.0,
     )
     etcd_patience: float = setting(
         "Seconds one etcd operation keeps retrying through an etcd outage before failing.", default=30.0

@@ -70,3 +70,16 @@ async def test_etcd_transaction_through_factory(etcd_server: EtcdServer) -> None
         assert got is not None and got.value == b"v1"
     finally:
         await client.close()
+
+
+async def test_follow_with_filter_matching_nothing_in_a_busy_stream_is_caught_up(nats_server: NatsServer) -> None:
+    async with await Bus.connect([nats_server.url], name="test") as bus:
+        await bus.ensure_stream(IDENTITY_STREAM)
+        await bus.publish(identity_subject(400), identity_pb2.IdentityUpdate(identity=identity_pb2.Identity(id=400)))
+
+        async def handler(subject: str, m: identity_pb2.IdentityUpdate) -> None:
+            raise AssertionError("nothing matches the filter")
+
+        follower = await bus.follow("palisade.identity.999", identity_pb2.IdentityUpdate, handler)
+        assert follower.caught_up.is_set()
+        await follower.stop()
