@@ -158,6 +158,8 @@ class Datapath:
         self.config = config
         self._maps = maps
         self._loader = loader
+        # First, so a failed compile leaves nothing half-built behind.
+        self.template: Template = loader.template(config)
         self.ipcache = IPCacheMap(maps[ipcachemap.NAME])
         self.endpoints = EndpointMap(maps[endpointmap.NAME])
         self.policy = PolicyMap(maps[policymap.NAME])
@@ -169,7 +171,6 @@ class Datapath:
         self._lock = threading.RLock()
         self._events_lock = threading.Lock()
         self._closed = False
-        self.template: Template = loader.template(config)
         # Realized state, rebuilt from the kernel: endpoints and each endpoint's prefixes.
         self._endpoints: dict[int, EndpointRecord] = {r.id: r for r in self.endpoints.records()}
         self._policy: dict[int, PrefixMap] = self.policy.read()
@@ -292,6 +293,7 @@ class Datapath:
                         ips=record.ips,
                         enforcement=enforcement.get(record.id, Enforcement()),
                         attached=attachment.complete,
+                        template=attachment.template(),
                     )
                 )
             return out

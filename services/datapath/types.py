@@ -229,6 +229,9 @@ class PinnedEndpoint:
     enforcement: Enforcement
     #: Whether both tc programs are still attached to ``ifindex``.
     attached: bool
+    #: Short hash of the template both hooks run (None if detached or mixed); compare with
+    #: ``Datapath.template.short`` to find endpoints a restarted agent should re-attach.
+    template: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

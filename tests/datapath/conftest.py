@@ -60,6 +60,9 @@ class Node:
     ext_outside: str
     #: The /25 the CIDR tests put in the ipcache (ext_in and ext_except are in it).
     cidr: str
+    #: ext's IPv6 address and a /124 holding it.
+    ext_v6: str
+    cidr_v6: str
     pods: tuple[Pod, ...]
 
 
@@ -99,7 +102,8 @@ def node(run_id: str, bpf_base: str) -> Iterator[Node]:
             dp.attach_endpoint(pod.spec)
             pods.append(pod)
         ext_name = f"{run_id}x"
-        ext = netns.create_pod(ext_name, ext_name, [f"{v4}.129", f"{v4}.130", f"10.{o2}.{(o3 + 1) % 256}.1"])
+        ext_v6 = str(ipaddress.ip_address(f"{v6}::81"))
+        ext = netns.create_pod(ext_name, ext_name, [f"{v4}.129", f"{v4}.130", f"10.{o2}.{(o3 + 1) % 256}.1", ext_v6])
         created.append(ext_name)
         for ns in [*created]:
             servers.append(EchoServer(ns, TCP_PORTS, UDP_PORTS))
@@ -114,6 +118,8 @@ def node(run_id: str, bpf_base: str) -> Iterator[Node]:
             ext_except=f"{v4}.130",
             ext_outside=f"10.{o2}.{(o3 + 1) % 256}.1",
             cidr=f"{v4}.128/25",
+            ext_v6=ext_v6,
+            cidr_v6=str(ipaddress.ip_network(f"{v6}::80/124")),
             pods=tuple(pods),
         )
     finally:

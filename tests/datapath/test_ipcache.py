@@ -39,6 +39,20 @@ def test_cidr_rule_with_except(net: Node) -> None:
     assert tcp_exchange(a.name, net.ext_except, 8080)
 
 
+def test_ipv6_cidr_rule_with_except(net: Node) -> None:
+    dp, a = net.dp, net.a
+    dp.ipcache_upsert(net.cidr_v6, CIDR_ID)
+    dp.sync_policy(
+        a.ep_id,
+        Enforcement(egress=True),
+        [PolicyEntry(PolicyKey(Direction.EGRESS, CIDR_ID, Protocol.TCP, 8080), Verdict.ALLOW)],
+    )
+    assert tcp_exchange(a.name, net.ext_v6, 8080)
+    dp.ipcache_upsert(f"{net.ext_v6}/128", EXCEPT_ID)
+    assert not tcp_exchange(a.name, net.ext_v6, 8080, timeout=DENY_TIMEOUT)
+    assert dp.ipcache_dump() == {net.cidr_v6: CIDR_ID, f"{net.ext_v6}/128": EXCEPT_ID}
+
+
 def test_cidr_identity_on_ingress(net: Node) -> None:
     dp, b = net.dp, net.b
     dp.ipcache_upsert(net.cidr, CIDR_ID)

@@ -299,7 +299,10 @@ def test_enforcement_outlives_the_process_and_a_new_one_restores(
 
         dp = Datapath.open(base)
         try:
-            assert {e.id for e in dp.pinned_endpoints()} == {p.ep_id, q.ep_id}
+            assert {(e.id, e.template) for e in dp.pinned_endpoints()} == {
+                (p.ep_id, dp.template.short),
+                (q.ep_id, dp.template.short),
+            }
             assert drops(dp, q.ep_id) >= 2
             dp.apply_policy(
                 q.ep_id,
