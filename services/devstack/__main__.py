@@ -38,9 +38,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bpffs", default="/sys/fs/bpf/palisade", help="where the datapath pins its maps")
     p.add_argument("--nats-port", type=int, default=4222)
     p.add_argument("--etcd-port", type=int, default=2379)
+    p.add_argument(
+        "--grpc-port-base",
+        type=int,
+        default=DEFAULT_GRPC_PORTS["watcher"],
+        help="gRPC ports: watcher at this port, then policy, ipam, datapath (the CLI's defaults are 9401-9404)",
+    )
     p.add_argument("--keep-state", action="store_true", help="keep pinned maps, namespaces and data on exit")
     p.add_argument("--no-pods", action="store_true", help="do not create the dev node's pods")
     return p.parse_args(argv)
+
+
+def grpc_address(args: argparse.Namespace, name: str) -> str:
+    offset = DEFAULT_GRPC_PORTS[name] - DEFAULT_GRPC_PORTS["watcher"]
+    return f"127.0.0.1:{args.grpc_port_base + offset}"
 
 
 def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
@@ -52,7 +63,7 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
     common = ["--nats-url", nats_url, "--etcd-endpoints", etcd, "--node-name", args.node, "--log-format", "json"]
 
     def svc(name: str, *extra: str) -> Child:
-        address = f"127.0.0.1:{DEFAULT_GRPC_PORTS[name]}"
+        address = grpc_address(args, name)
         cmd = [sys.executable, "-m", f"services.{name}", "--grpc-listen", address, *common, *extra]
         return Child(name, cmd, logs / f"{name}.log", grpc_address=address)
 
@@ -83,8 +94,8 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
         svc("watcher", "--source", "manifests", "--manifests", args.manifests),
         svc("ipam"),
         svc("policy"),
-        svc("datapath", "--policy-address", f"127.0.0.1:{DEFAULT_GRPC_PORTS['policy']}",
-            "--ipam-address", f"127.0.0.1:{DEFAULT_GRPC_PORTS['ipam']}",
+        svc("datapath", "--policy-address", grpc_address(args, "policy"),
+            "--ipam-address", grpc_address(args, "ipam"),
             "--state-dir", str(run_dir / "datapath"), "--bpffs", args.bpffs),
     ]  # fmt: skip
 
@@ -147,9 +158,10 @@ async def main_async(args: argparse.Namespace) -> int:
             await asyncio.to_thread(c.wait_ready, 60.0)
         if not args.no_pods:
             bus = await Bus.connect([f"nats://127.0.0.1:{args.nats_port}"], name="palisade-devnode")
-            node = DevNode(bus, f"127.0.0.1:{DEFAULT_GRPC_PORTS['datapath']}", args.node)
+            node = DevNode(bus, grpc_address(args, "datapath"), args.node)
             node_task = asyncio.create_task(node.run(), name="devnode")
-            await asyncio.sleep(2.0)  # let the initial pods come up before the banner
+            # The banner lists the pods, so let the initial ones come up first.
+            await asyncio.wait_for(node.settled.wait(), 120)
         print(banner(args, children, node, started), flush=True)
         await stop.wait()
         print("\nstopping...", flush=True)

@@ -68,6 +68,8 @@ class DevNode:
         self._datapath = datapath
         self._node = node
         self._queue: asyncio.Queue[tuple[str, PodSpec | None]] = asyncio.Queue()
+        #: Set once the pods present at startup have been created.
+        self.settled = asyncio.Event()
         self.pods: dict[str, PodSpec] = {}
         self.endpoints: dict[str, datapath_pb2.Endpoint] = {}
         self._servers: dict[str, subprocess.Popen[bytes]] = {}
@@ -86,7 +88,12 @@ class DevNode:
             async with grpc.aio.insecure_channel(self._datapath) as channel:
                 stub = datapath_pb2_grpc.DatapathServiceStub(channel)
                 while True:
-                    key, spec = await self._queue.get()
+                    if not self.settled.is_set() and follower.caught_up.is_set() and self._queue.empty():
+                        self.settled.set()
+                    try:
+                        key, spec = await asyncio.wait_for(self._queue.get(), 0.2)
+                    except TimeoutError:
+                        continue
                     await self._reconcile(stub, key, spec)
         finally:
             await follower.stop()
