@@ -116,7 +116,7 @@ def write_kubeconfig(path: Path, url: str, token: str) -> Path:
     return server.write_kubeconfig(path)
 
 
-async def run_once(bus: Bus, kubeconfig: Path, inflight: int, page_size: int) -> dict[str, float]:
+async def run_once(bus: Bus, kubeconfig: Path, inflight: int, page_size: int, timeout: float) -> dict[str, float]:
     registry = CollectorRegistry()
     metrics = WatcherMetrics(registry)
     settings = KubeSettings(page_size=page_size)
@@ -126,7 +126,13 @@ async def run_once(bus: Bus, kubeconfig: Path, inflight: int, page_size: int) ->
     started = time.perf_counter()
     task = asyncio.create_task(watcher.run())
     try:
-        await watcher.synced.wait()
+        try:
+            await asyncio.wait_for(watcher.synced.wait(), timeout)
+        except TimeoutError:
+            raise SystemExit(
+                f"the watcher did not sync within {timeout:.0f}s; is nats-server still running "
+                "(publishing waits for it forever)? Raise --timeout for very large lists"
+            ) from None
         synced_at = time.perf_counter()
     finally:
         task.cancel()
@@ -146,7 +152,7 @@ async def run_once(bus: Bus, kubeconfig: Path, inflight: int, page_size: int) ->
     }
 
 
-async def bench(objects: int, inflight: int, page_size: int) -> dict[str, Any]:
+async def bench(objects: int, inflight: int, page_size: int, timeout: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="palisade-bench-") as tmp:
         nats = NatsServer(Path(tmp) / "nats")
         nats.start()
@@ -154,8 +160,8 @@ async def bench(objects: int, inflight: int, page_size: int) -> dict[str, Any]:
             with ApiServerProcess(objects) as (url, token):
                 kubeconfig = write_kubeconfig(Path(tmp) / "kubeconfig", url, token)
                 async with await Bus.connect([nats.url], name="bench") as bus:
-                    first = await run_once(bus, kubeconfig, inflight, page_size)
-                    restart = await run_once(bus, kubeconfig, inflight, page_size)
+                    first = await run_once(bus, kubeconfig, inflight, page_size, timeout)
+                    restart = await run_once(bus, kubeconfig, inflight, page_size, timeout)
         finally:
             nats.stop()
     return {
@@ -175,13 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--objects", type=int, default=10_000, help="pods in the initial list")
     parser.add_argument("--inflight", type=int, default=256, help="subjects published concurrently")
     parser.add_argument("--page-size", type=int, default=500, help="objects per list page")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a run may take before giving up")
     parser.add_argument(
         "--default-gc", action="store_true", help="keep CPython's GC thresholds instead of the service's tuning"
     )
     args = parser.parse_args(argv)
     if not args.default_gc:
         tune_gc()  # as the service does
-    result = asyncio.run(bench(args.objects, args.inflight, args.page_size))
+    result = asyncio.run(bench(args.objects, args.inflight, args.page_size, args.timeout))
     result["gc_thresholds"] = list(gc.get_threshold())
     print(json.dumps(result, indent=2))
     return 0
