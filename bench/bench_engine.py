@@ -1,24 +1,34 @@
 """Benchmark: full resolve of 2,000 identities under 1,000 policies in 200 namespaces,
-then one policy change applied incrementally. Prints JSON.
+then incremental changes: one policy change, and identity-side changes (add,
+relabel, ipcache upsert/delete, named ports, remove) of single identities, each
+timed over ``--samples`` identities (median and max), plus one batch of
+``--batch`` identity adds. Prints one flat JSON object.
 
 Run: .venv/bin/python bench/bench_engine.py [--policies N] [--identities N] [--namespaces N]
+     [--samples N] [--batch N] [--verify]
+
+``--verify`` checks at the end that the incrementally maintained policies equal
+a full recomputation.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import random
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.labels import pod_identity_labels
-from services.policy.engine import PolicyEngine
-from services.policy.identity import LocalAllocator
+from services.policy.engine import ChangeResult, PolicyEngine
+from services.policy.identity import Identity, LocalAllocator
 from services.policy.model import Protocol
 from services.policy.parse import parse_policy
 
@@ -26,22 +36,22 @@ APPS = [f"app{i}" for i in range(10)]
 TIERS = ["web", "api", "db"]
 
 
+def pod_labels(i: int, namespaces: int, tier: str) -> Any:
+    ns = f"ns{i % namespaces}"
+    return pod_identity_labels(
+        {
+            "metadata": {
+                "namespace": ns,
+                "labels": {"app": APPS[(i // namespaces) % len(APPS)], "tier": tier, "v": str(i)},
+            }
+        },
+        {"metadata": {"name": ns, "labels": {"team": f"t{i % namespaces % 20}"}}},
+    )
+
+
 def make_identities(n: int, namespaces: int, rng: random.Random) -> list[Any]:
     alloc = LocalAllocator()
-    out = []
-    for i in range(n):
-        ns = f"ns{i % namespaces}"
-        labels = pod_identity_labels(
-            {
-                "metadata": {
-                    "namespace": ns,
-                    "labels": {"app": APPS[(i // namespaces) % len(APPS)], "tier": rng.choice(TIERS), "v": str(i)},
-                }
-            },
-            {"metadata": {"name": ns, "labels": {"team": f"t{i % namespaces % 20}"}}},
-        )
-        out.append(alloc.allocate(labels))
-    return out
+    return [alloc.allocate(pod_labels(i, namespaces, rng.choice(TIERS))) for i in range(n)]
 
 
 def make_policy(i: int, namespaces: int, rng: random.Random, *, variant: int = 0) -> dict[str, Any]:
@@ -113,11 +123,52 @@ def make_policy(i: int, namespaces: int, rng: random.Random, *, variant: int = 0
     }
 
 
+def timed(fn: Callable[[], ChangeResult]) -> tuple[float, ChangeResult]:
+    t = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t, result
+
+
+def identity_changes(eng: PolicyEngine, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    """Time single identity-side changes on ``--samples`` new identities, each like the existing ones."""
+    times: dict[str, list[float]] = {}
+    changed: dict[str, list[int]] = {}
+
+    def record(name: str, fn: Callable[..., ChangeResult], *fn_args: Any) -> None:
+        seconds, result = timed(lambda: fn(*fn_args))
+        times.setdefault(name, []).append(seconds)
+        changed.setdefault(name, []).append(len(result.diffs))
+
+    first = max(eng.identities()) + 1
+    for n in range(args.samples):
+        number = first + n
+        i = rng.randrange(args.identities)
+        ident = Identity(number, pod_labels(i, args.namespaces, rng.choice(TIERS)))
+        ip = ipaddress.ip_address(f"10.{2 + n // 250}.{n % 250}.{1 + i % 250}")  # inside the policies' 10/8
+        record("identity_add", eng.upsert_identity, ident)
+        other_tier = rng.choice([t for t in TIERS if ident.labels != pod_labels(i, args.namespaces, t)])
+        relabeled = Identity(number, pod_labels(i, args.namespaces, other_tier))
+        record("identity_relabel", eng.upsert_identity, relabeled)
+        record("ipcache_upsert", eng.upsert_ipcache, ip, number)
+        record("named_ports", eng.set_named_ports, number, {"http": [(Protocol.TCP, 9000 + n)]})
+        record("ipcache_delete", eng.delete_ipcache, ip)
+        record("identity_remove", eng.remove_identity, number)
+    out: dict[str, Any] = {}
+    for name, values in times.items():
+        out[f"{name}_median_s"] = round(statistics.median(values), 6)
+        out[f"{name}_max_s"] = round(max(values), 6)
+        out[f"{name}_subjects_changed_median"] = statistics.median(changed[name])
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--policies", type=int, default=1000)
     ap.add_argument("--identities", type=int, default=2000)
     ap.add_argument("--namespaces", type=int, default=200)
+    ap.add_argument("--samples", type=int, default=20, help="identities to time single changes on")
+    ap.add_argument("--batch", type=int, default=100, help="identity adds in the batched case")
+    ap.add_argument("--verify", action="store_true", help="compare with a full recomputation at the end")
     args = ap.parse_args()
     rng = random.Random(7)
     idents = make_identities(args.identities, args.namespaces, rng)
@@ -141,13 +192,26 @@ def main() -> int:
     recompute_s = time.perf_counter() - t1
 
     changed = parse_policy(make_policy(3, args.namespaces, random.Random(99), variant=1))
-    t2 = time.perf_counter()
-    inc = eng.upsert_policy(changed)
-    inc_s = time.perf_counter() - t2
+    inc_s, inc = timed(lambda: eng.upsert_policy(changed))
 
-    t3 = time.perf_counter()
-    ident_change = eng.remove_identity(idents[5].id)
-    ident_s = time.perf_counter() - t3
+    ident_s, ident_change = timed(lambda: eng.remove_identity(idents[5].id))
+
+    singles = identity_changes(eng, args, random.Random(11))
+
+    first = max(eng.identities()) + 1
+    batch = [Identity(first + n, pod_labels(n, args.namespaces, TIERS[n % 3])) for n in range(args.batch)]
+
+    def add_batch() -> ChangeResult:
+        eng.begin_batch()
+        for ident in batch:
+            eng.upsert_identity(ident)
+        return eng.end_batch()
+
+    batch_s, batch_result = timed(add_batch)
+
+    verified: dict[str, Any] = {}
+    if args.verify:
+        verified["verified_equal_to_full_recompute"] = dict(eng.policies()) == eng.compute_all()
 
     print(
         json.dumps(
@@ -166,7 +230,14 @@ def main() -> int:
                 "ratio_incremental_to_full_recompute": round(inc_s / recompute_s, 6),
                 "identity_removal_s": round(ident_s, 6),
                 "identity_removal_subjects_changed": len(ident_change.diffs),
+                **singles,
+                "ratio_identity_add_to_full_recompute": round(singles["identity_add_median_s"] / recompute_s, 6),
+                "ratio_identity_remove_to_full_recompute": round(singles["identity_remove_median_s"] / recompute_s, 6),
+                "batch_identity_adds": args.batch,
+                "batch_identity_adds_s": round(batch_s, 4),
+                "batch_subjects_changed": len(batch_result.diffs),
                 "full_subjects_changed": len(full.diffs),
+                **verified,
             },
             indent=2,
         )

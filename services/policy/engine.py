@@ -6,9 +6,23 @@ returns a :class:`ChangeResult` with, for each subject identity whose computed
 policy changed, the exact :class:`PolicyDiff`. Applying the diffs to the
 previous entries always yields a full recomputation's result.
 
-Only the subjects a change can affect are recomputed: the identities selected
-by the changed rules' subject selectors, the subjects of rules whose peer
-selectors changed selection, and identities whose own named ports changed.
+Work is proportional to what a change can affect:
+
+* A policy change recomputes, whole, the subjects its rules' subject
+  selectors select (their rule sets changed).
+* An identity change (add, remove, relabel, IPs, named ports) of identity X
+  recomputes only the *slice* of entries whose remote identity is X, in the
+  subjects whose rules may select X: the selector cache reports which
+  selectors gained or lost X (Cilium's ``IdentitySelectionUpdated``), each
+  such selector leads to the rules using it as a peer (or requirement), and
+  each of those rules to its subjects. The slice is recomputed from every
+  rule of the subject that can select X, so allow/deny overlap between rules
+  stays right (a removed contribution never removes an entry another rule
+  still makes). X's own policy is recomputed whole only when its rule set,
+  endpoint status or own named ports changed.
+
+A subject that collects many slice updates in one batch is recomputed whole
+instead, which is cheaper past a point.
 
 Revisions: each accepted policy change bumps the repository revision; an
 identity/ipcache/named-port change bumps it only if some subject's policy
@@ -19,7 +33,8 @@ changes nothing.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.common.labels import CLUSTER_NAME_DEFAULT
@@ -42,7 +57,14 @@ from services.policy.model import (
 )
 from services.policy.parse import parse_policy
 from services.policy.repository import Repository
-from services.policy.resolve import NamedPorts, ResolvedPolicy, RuleRef, resolve_subject
+from services.policy.resolve import (
+    NamedPorts,
+    ResolvedPolicy,
+    RuleRef,
+    SubjectRules,
+    resolve_remote,
+    resolve_subject,
+)
 from services.policy.selector import CIDRSelector, Selector
 from services.policy.selectorcache import SelectionChange, SelectorCache
 
@@ -105,6 +127,25 @@ def apply_diff(policies: dict[int, ResolvedPolicy], diff: PolicyDiff) -> None:
     policies[diff.identity] = ResolvedPolicy(diff.identity, diff.ingress_enforced, diff.egress_enforced, entries)
 
 
+#: A subject collecting pending slice updates (in one batch) is recomputed
+#: whole once it has more than this many and more than a quarter as many as it
+#: has entries: past that, one full resolve is cheaper than the slices.
+_SLICES_BEFORE_FULL = 32
+
+
+@dataclass(slots=True)
+class _Subject:
+    """What the engine keeps per computed subject besides its :class:`ResolvedPolicy`.
+
+    ``rids`` parallels ``rules.rules``; ``by_remote`` lists the subject's entry
+    keys per remote identity, so one remote's slice is replaced without a scan.
+    """
+
+    rids: tuple[RuleId, ...]
+    rules: SubjectRules
+    by_remote: dict[int, list[EntryKey]]
+
+
 class PolicyEngine:
     """See the module docstring. Not thread-safe: one owner feeds it."""
 
@@ -122,13 +163,20 @@ class PolicyEngine:
         self._by_peer: dict[Selector, set[RuleId]] = {}
         self._egress_named: set[RuleId] = set()
         self._resolved: dict[int, ResolvedPolicy] = {}
-        self._batch: set[int] | None = None
+        self._subjects: dict[int, _Subject] = {}
+        # Work not done yet: subjects to recompute whole, and per subject the
+        # remote identities whose slice to recompute. Flushed after every
+        # change, or at end_batch while batching.
+        self._pending_full: set[int] = set()
+        self._pending_slices: dict[int, set[int]] = {}
+        self._batching = False
         if with_reserved:
             for r in DEFAULT_RESERVED:
                 ident = reserved_identity(r)
                 self._identities[ident.id] = ident
                 self._cache.upsert_identity(ident.id, IdentityState(ident))
-            self._recompute(set(self._identities), policy_change=True)
+            self._pending_full.update(self._identities)
+            self._flush(policy_change=True)
 
     # --- read side -------------------------------------------------------------------
 
@@ -198,17 +246,19 @@ class PolicyEngine:
     def identities_with_named_port(self, name: str) -> Iterable[int]:
         return [i for i in self._port_index.get(name, ()) if i in self._identities]
 
+    def selectors_selecting(self, identity: int) -> AbstractSet[Selector]:
+        return self._cache.selectors_selecting(identity)
+
     # --- batching ------------------------------------------------------------------------
 
     def begin_batch(self) -> None:
         """Defer recomputation until :meth:`end_batch` (bulk loads, initial sync)."""
-        if self._batch is None:
-            self._batch = set()
+        self._batching = True
 
     def end_batch(self) -> ChangeResult:
         """Recompute everything deferred since :meth:`begin_batch`; one combined diff."""
-        pending, self._batch = self._batch or set(), None
-        return self._recompute(pending, policy_change=False)
+        self._batching = False
+        return self._flush(policy_change=False)
 
     # --- policies ------------------------------------------------------------------------
 
@@ -219,44 +269,46 @@ class PolicyEngine:
     def upsert_policy(self, policy: Policy) -> ChangeResult:
         """Add a policy, or replace every rule of the object with the same key."""
         old = self._repo.get(policy.key)
-        affected = self._unregister(old) if old is not None else set()
+        if old is not None:
+            self._pending_full |= self._unregister(old)
         self._repo.upsert(policy)
-        affected |= self._register(policy)
-        result = self._recompute(affected, policy_change=True)
+        self._pending_full |= self._register(policy)
+        result = self._flush(policy_change=True)
         return ChangeResult(result.revision, result.diffs, policy)
 
     def delete_policy(self, key: PolicyKey) -> ChangeResult:
         old = self._repo.get(key)
         if old is None:
             return ChangeResult(self.revision)
-        affected = self._unregister(old)
+        self._pending_full |= self._unregister(old)
         self._repo.delete(key)
-        return self._recompute(affected, policy_change=True)
+        return self._flush(policy_change=True)
 
     # --- identities ------------------------------------------------------------------------
 
     def upsert_identity(self, identity: Identity) -> ChangeResult:
         """Add an identity or change its labels."""
-        old = self._identities.get(identity.id)
-        self._identities[identity.id] = identity
-        changes = self._cache.upsert_identity(identity.id, self._state(identity.id))
-        affected = self._affected_by_selections(changes)
-        if old is None or old.is_endpoint or identity.is_endpoint:
-            affected.add(identity.id)
-        if self._ports.get(identity.id):
-            affected |= self._affected_by_named_ports(identity.id)
-        return self._recompute(affected, policy_change=False)
+        x = identity.id
+        old = self._identities.get(x)
+        if old == identity:
+            return ChangeResult(self.revision)
+        self._identities[x] = identity
+        changes = self._cache.upsert_identity(x, self._state(x))
+        # Its own policy is recomputed whole when it is new or becomes (or stops
+        # being) an endpoint; otherwise only if its rule set changed.
+        whole = old is None or old.is_endpoint != identity.is_endpoint
+        named = self._affected_by_named_ports(x) if old is None and self._ports.get(x) else set()
+        self._identity_changed(x, changes, whole=whole, also=named)
+        return self._flush(policy_change=False)
 
     def remove_identity(self, identity: int) -> ChangeResult:
         if identity not in self._identities:
             return ChangeResult(self.revision)
-        had_ports = bool(self._ports.get(identity))
-        named_affected = self._affected_by_named_ports(identity) if had_ports else set()
+        named = self._affected_by_named_ports(identity) if self._ports.get(identity) else set()
         del self._identities[identity]
         changes = self._cache.remove_identity(identity)
-        affected = self._affected_by_selections(changes) | named_affected
-        affected.add(identity)
-        return self._recompute(affected, policy_change=False)
+        self._identity_changed(identity, changes, whole=True, also=named)
+        return self._flush(policy_change=False)
 
     def set_identity_ips(self, identity: int, ips: Iterable[IPAddress]) -> ChangeResult:
         """Replace the endpoint IPs known for an identity.
@@ -265,7 +317,8 @@ class PolicyEngine:
         :meth:`upsert_ipcache`/:meth:`delete_ipcache`, which maintain the
         per-identity sets from single ``ip -> identity`` entries.
         """
-        return self._recompute(self._set_ips(identity, frozenset(ips)), policy_change=False)
+        self._set_ips(identity, frozenset(ips))
+        return self._flush(policy_change=False)
 
     def upsert_ipcache(self, ip: IPAddress, identity: int) -> ChangeResult:
         """One ipcache entry: ``ip`` now maps to ``identity``."""
@@ -273,11 +326,10 @@ class PolicyEngine:
         if old == identity:
             return ChangeResult(self.revision)
         self._ipcache[ip] = identity
-        affected: set[int] = set()
         if old is not None:
-            affected |= self._set_ips(old, self._ips.get(old, frozenset()) - {ip})
-        affected |= self._set_ips(identity, self._ips.get(identity, frozenset()) | {ip})
-        return self._recompute(affected, policy_change=False)
+            self._set_ips(old, self._ips.get(old, frozenset()) - {ip})
+        self._set_ips(identity, self._ips.get(identity, frozenset()) | {ip})
+        return self._flush(policy_change=False)
 
     def delete_ipcache(self, ip: IPAddress) -> ChangeResult:
         old = self._ipcache.pop(ip, None)
@@ -291,20 +343,26 @@ class PolicyEngine:
         old = self._ports.get(identity, {})
         if dict(old) == new:
             return ChangeResult(self.revision)
-        affected = self._affected_by_named_ports(identity)
         for name in old:
             bucket = self._port_index.get(name)
             if bucket is not None:
                 bucket.discard(identity)
+                if not bucket:
+                    del self._port_index[name]
         if new:
             self._ports[identity] = new
             for name in new:
                 self._port_index.setdefault(name, set()).add(identity)
         else:
             self._ports.pop(identity, None)
-        affected |= self._affected_by_named_ports(identity)
-        affected.add(identity)
-        return self._recompute(affected, policy_change=False)
+        # Its own ingress named ports resolve against the new ports, and so do
+        # the egress named-port slices of every subject whose rules may reach it.
+        sub = self._subjects.get(identity)
+        own = sub is None or any(
+            pr.direction is Direction.INGRESS and pr.has_named_ports for _, r in sub.rules.rules for pr in r.peer_rules
+        )
+        self._identity_changed(identity, {}, whole=own, also=self._affected_by_named_ports(identity))
+        return self._flush(policy_change=False)
 
     # --- full recomputation (tests, resync) --------------------------------------------
 
@@ -318,17 +376,17 @@ class PolicyEngine:
 
     # --- internals -------------------------------------------------------------------------
 
-    def _set_ips(self, identity: int, new: frozenset[IPAddress]) -> set[int]:
+    def _set_ips(self, identity: int, new: frozenset[IPAddress]) -> None:
         if self._ips.get(identity, frozenset()) == new:
-            return set()
+            return
         if new:
             self._ips[identity] = new
         else:
             self._ips.pop(identity, None)
         if identity not in self._identities:
-            return set()
+            return
         changes = self._cache.upsert_identity(identity, self._state(identity))
-        return self._affected_by_selections(changes)
+        self._identity_changed(identity, changes, whole=False)
 
     def _state(self, identity: int) -> IdentityState:
         return IdentityState(self._identities[identity], self._ips.get(identity, frozenset()))
@@ -337,7 +395,6 @@ class PolicyEngine:
         affected: set[int] = set()
         for idx, rule in enumerate(policy.rules):
             rid = (policy.key, idx)
-            self._rules[rid] = rule
             self._cache.add_selector(rule.subject)
             self._by_subject.setdefault(rule.subject, set()).add(rid)
             affected |= self._cache.selection_set(rule.subject)
@@ -347,7 +404,21 @@ class PolicyEngine:
                     self._by_peer.setdefault(sel, set()).add(rid)
                 if pr.direction is Direction.EGRESS and pr.has_named_ports:
                     self._egress_named.add(rid)
+            self._rules[rid] = self._interned(rule)
         return affected
+
+    def _interned(self, rule: Rule) -> Rule:
+        """``rule`` holding the selector cache's instances of its selectors (equal, faster lookups)."""
+        canonical = self._cache.canonical
+        peer_rules = tuple(
+            replace(
+                pr,
+                peers=None if pr.peers is None else tuple(canonical(s) for s in pr.peers),
+                requirements=tuple(canonical(s) for s in pr.requirements),
+            )
+            for pr in rule.peer_rules
+        )
+        return replace(rule, subject=canonical(rule.subject), peer_rules=peer_rules)
 
     def _unregister(self, policy: Policy) -> set[int]:
         affected: set[int] = set()
@@ -372,21 +443,55 @@ class PolicyEngine:
             if not bucket:
                 del index[sel]
 
-    def _rules_for(self, identity: int) -> list[tuple[PolicyKey, Rule]]:
+    def _rule_ids_for(self, identity: int) -> list[RuleId]:
         rids: set[RuleId] = set()
         for sel in self._cache.selectors_selecting(identity):
             rids.update(self._by_subject.get(sel, ()))
-        return [(rid[0], self._rules[rid]) for rid in sorted(rids)]
+        return sorted(rids)
 
-    def _affected_by_selections(self, changes: Mapping[Selector, SelectionChange]) -> set[int]:
-        affected: set[int] = set()
-        for sel, change in changes.items():
-            if sel in self._by_subject:
-                affected.update(change.added)
-                affected.update(change.removed)
+    def _rules_for(self, identity: int) -> list[tuple[PolicyKey, Rule]]:
+        return [(rid[0], self._rules[rid]) for rid in self._rule_ids_for(identity)]
+
+    def _identity_changed(
+        self,
+        x: int,
+        changes: Mapping[Selector, SelectionChange],
+        *,
+        whole: bool,
+        also: Iterable[int] = (),
+    ) -> None:
+        """Schedule what a change of identity ``x`` needs (``changes``: selectors that gained/lost it).
+
+        ``x`` itself is recomputed whole when asked (``whole``) or when its
+        rule set changed (a subject selector gained or lost it). Every subject
+        of a rule using a changed selector as peer or requirement, and every
+        subject in ``also``, gets its slice for remote ``x`` recomputed.
+        """
+        if whole or any(sel in self._by_subject for sel in changes):
+            self._pending_full.add(x)
+        subject_selectors: set[Selector] = set()
+        for sel in changes:
             for rid in self._by_peer.get(sel, ()):
-                affected |= self._cache.selection_set(self._rules[rid].subject)
-        return affected
+                subject_selectors.add(self._rules[rid].subject)
+        subjects: set[int] = set(also)
+        for sel in subject_selectors:
+            subjects |= self._cache.selection_set(sel)
+        full, pending = self._pending_full, self._pending_slices
+        for s in subjects:
+            if s in full:
+                continue
+            remotes = pending.get(s)
+            if remotes is None:
+                pending[s] = {x}
+            else:
+                remotes.add(x)
+                if len(remotes) > _SLICES_BEFORE_FULL and len(remotes) * 4 > self._entry_count(s):
+                    del pending[s]
+                    full.add(s)
+
+    def _entry_count(self, subject: int) -> int:
+        policy = self._resolved.get(subject)
+        return len(policy.entries) if policy is not None else 0
 
     def _affected_by_named_ports(self, identity: int) -> set[int]:
         """Subjects whose egress named ports could resolve against ``identity``."""
@@ -401,27 +506,100 @@ class PolicyEngine:
                     break
         return affected
 
-    def _recompute(self, affected: set[int], *, policy_change: bool) -> ChangeResult:
-        """Recompute ``affected`` subjects and diff them against the stored policies.
+    def _rules_reaching(self, remote: int) -> set[RuleId]:
+        """Rules that may have entries with ``remote``: a peer or requirement selects it, or egress named ports."""
+        out: set[RuleId] = set()
+        for sel in self._cache.selectors_selecting(remote):
+            out |= self._by_peer.get(sel, set())
+        if self._ports.get(remote):
+            out |= self._egress_named
+        return out
+
+    def _flush(self, *, policy_change: bool) -> ChangeResult:
+        """Do the pending work (unless batching) and diff against the stored policies.
 
         The repository already bumped the revision for a policy change; any
         other change bumps it only when some subject's policy changed.
         """
-        if self._batch is not None:
-            self._batch |= affected
+        if self._batching:
             return ChangeResult(self.revision)
+        full, slices = self._pending_full, self._pending_slices
+        self._pending_full, self._pending_slices = set(), {}
         diffs: dict[int, PolicyDiff] = {}
-        for i in sorted(affected):
-            ident = self._identities.get(i)
-            new = resolve_subject(i, self._rules_for(i), self) if ident is not None and ident.is_endpoint else None
-            old = self._resolved.get(i)
-            d = diff_policies(old, new, i)
-            if new is None:
-                self._resolved.pop(i, None)
-            else:
-                self._resolved[i] = new
+        for i in full:
+            d = self._recompute_whole(i)
+            if d is not None:
+                diffs[i] = d
+        reaching: dict[int, set[RuleId]] = {}
+        for i, remotes in slices.items():
+            if i in full:
+                continue
+            d = self._recompute_slices(i, remotes, reaching)
             if d is not None:
                 diffs[i] = d
         if diffs and not policy_change:
             self._repo.bump()
-        return ChangeResult(self.revision, diffs)
+        return ChangeResult(self.revision, {i: diffs[i] for i in sorted(diffs)})
+
+    def _recompute_whole(self, i: int) -> PolicyDiff | None:
+        ident = self._identities.get(i)
+        old = self._resolved.get(i)
+        if ident is None or not ident.is_endpoint:
+            self._resolved.pop(i, None)
+            self._subjects.pop(i, None)
+            return diff_policies(old, None, i)
+        rids = tuple(self._rule_ids_for(i))
+        srules = SubjectRules.of((rid[0], self._rules[rid]) for rid in rids)
+        new = resolve_subject(i, srules, self)
+        by_remote: dict[int, list[EntryKey]] = {}
+        for key in new.entries:
+            by_remote.setdefault(key.identity, []).append(key)
+        self._subjects[i] = _Subject(rids, srules, by_remote)
+        self._resolved[i] = new
+        return diff_policies(old, new, i)
+
+    def _recompute_slices(self, i: int, remotes: set[int], reaching: dict[int, set[RuleId]]) -> PolicyDiff | None:
+        """Recompute subject ``i``'s entries for each remote in ``remotes``; its other entries stay.
+
+        Valid because ``i``'s rule set did not change (else it would be in
+        the whole-recompute set): only what the remotes are did.
+        """
+        sub = self._subjects.get(i)
+        old = self._resolved.get(i)
+        if sub is None or old is None:
+            return None
+        old_entries = old.entries
+        entries: dict[EntryKey, Verdict] | None = None
+        added: dict[EntryKey, Verdict] = {}
+        removed: set[EntryKey] = set()
+        for x in sorted(remotes):
+            new: dict[EntryKey, Verdict] = {}
+            if x in self._identities:
+                rules = reaching.get(x)
+                if rules is None:
+                    rules = reaching[x] = self._rules_reaching(x)
+                candidates = [r for rid, r in zip(sub.rids, sub.rules.rules, strict=True) if rid in rules]
+                if candidates:
+                    new = resolve_remote(i, x, sub.rules, self, candidates=candidates)
+            old_keys = sub.by_remote.get(x, ())
+            if len(old_keys) == len(new) and all(new.get(k) is old_entries[k] for k in old_keys):
+                continue
+            if entries is None:  # copy on first change: handed-out policies never change
+                entries = old_entries.copy() if isinstance(old_entries, dict) else dict(old_entries)
+            for k in old_keys:
+                if new.get(k) is not old_entries[k]:
+                    removed.add(k)
+                    if k not in new:
+                        del entries[k]
+            for k, v in new.items():
+                if old_entries.get(k) is not v:
+                    added[k] = v
+                    entries[k] = v
+            if new:
+                sub.by_remote[x] = list(new)
+            else:
+                sub.by_remote.pop(x, None)
+        if entries is None:
+            return None
+        self._resolved[i] = ResolvedPolicy(i, old.ingress_enforced, old.egress_enforced, entries)
+        return PolicyDiff(i, old.ingress_enforced, old.egress_enforced, added, frozenset(removed))

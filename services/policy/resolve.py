@@ -19,11 +19,17 @@ Entry conventions (the datapath contract):
 Named ports are resolved here: for ingress against the subject's own named
 ports, for egress against each remote identity's named ports (a wildcard
 remote is expanded to every identity that has the name).
+
+Every entry with remote identity X depends only on the rule set selecting the
+subject, the subject's own named ports, and X itself (which selectors select
+it, its named ports). :func:`resolve_remote` computes exactly that slice, so
+an identity change costs the entries naming that identity, not whole subjects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol as TypingProtocol
@@ -53,6 +59,8 @@ class ResolveContext(TypingProtocol):
     def named_ports(self, identity: int) -> NamedPorts: ...
 
     def identities_with_named_port(self, name: str) -> Iterable[int]: ...
+
+    def selectors_selecting(self, identity: int) -> AbstractSet[Selector]: ...
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -125,6 +133,49 @@ def lookup(policy: ResolvedPolicy | None, direction: Direction, remote: int, pro
 _PORT_PROTOCOLS = (Protocol.TCP, Protocol.UDP, Protocol.SCTP)
 
 
+@dataclass(frozen=True, slots=True)
+class SubjectRules:
+    """The rules selecting one subject, and what they decide for every remote at once.
+
+    Enforcement and ``fromRequires``/``toRequires`` are properties of the whole
+    rule set: any rule selecting the subject can put a direction in
+    default-deny, and the requirements of every rule restrict the endpoint
+    peers of every rule in that direction. Both change only when the rule set
+    does, so the engine keeps one of these per subject and reuses it for
+    per-remote updates.
+    """
+
+    rules: tuple[tuple[PolicyKey, Rule], ...]
+    ingress_enforced: bool
+    egress_enforced: bool
+    ingress_requirements: tuple[Selector, ...] = ()
+    egress_requirements: tuple[Selector, ...] = ()
+
+    @classmethod
+    def of(cls, rules: Iterable[tuple[PolicyKey, Rule]]) -> SubjectRules:
+        ordered = tuple(rules)
+        reqs: dict[Direction, list[Selector]] = {Direction.INGRESS: [], Direction.EGRESS: []}
+        for _, rule in ordered:
+            for pr in rule.peer_rules:
+                reqs[pr.direction].extend(pr.requirements)
+        return cls(
+            ordered,
+            any(r.enforce_ingress for _, r in ordered),
+            any(r.enforce_egress for _, r in ordered),
+            tuple(reqs[Direction.INGRESS]),
+            tuple(reqs[Direction.EGRESS]),
+        )
+
+    def enforced(self, direction: Direction) -> bool:
+        return self.ingress_enforced if direction is Direction.INGRESS else self.egress_enforced
+
+    def requirement_sets(self, ctx: ResolveContext) -> dict[Direction, list[set[int]]]:
+        return {
+            Direction.INGRESS: [ctx.selection_set(s) for s in self.ingress_requirements],
+            Direction.EGRESS: [ctx.selection_set(s) for s in self.egress_requirements],
+        }
+
+
 def _named(ports: NamedPorts, spec: PortSpec) -> list[tuple[Protocol, int]]:
     found = ports.get(spec.name, frozenset())
     if spec.protocol is Protocol.ANY:
@@ -145,9 +196,68 @@ def _remotes(pr: PeerRule, ctx: ResolveContext, requirements: list[set[int]]) ->
     return out
 
 
+def _selects(pr: PeerRule, selecting: AbstractSet[Selector], meets_requirements: bool) -> bool:
+    """Whether the remote selected by ``selecting`` is among :func:`_remotes` (peer rule with peers)."""
+    for sel in pr.peers or ():
+        if sel in selecting and (meets_requirements or not isinstance(sel, EndpointSelector)):
+            return True
+    return False
+
+
+def _entry_keys(
+    pr: PeerRule,
+    remotes: Sequence[int] | None,
+    own_ports: NamedPorts,
+    ctx: ResolveContext,
+    *,
+    only: int | None = None,
+) -> Iterator[EntryKey]:
+    """The keys one peer rule produces for ``remotes`` (sorted; ``None``: every remote).
+
+    With ``only`` set, just the keys whose remote identity is ``only``: for a
+    peer rule without peers these are its egress named-port expansions.
+    """
+    d = pr.direction
+    wild: Sequence[int] = remotes if remotes is not None else (() if only is not None else (WILDCARD_IDENTITY,))
+    for spec in pr.ports:
+        if spec.name:
+            if d is Direction.INGRESS:
+                numbers = _named(own_ports, spec)
+                for r in wild:
+                    for proto, n in numbers:
+                        yield EntryKey(d, r, proto, n, n)
+                continue
+            if remotes is not None:
+                targets: Sequence[int] = remotes
+            elif only is not None:
+                targets = (only,)
+            else:
+                targets = sorted(ctx.identities_with_named_port(spec.name))
+            for r in targets:
+                for proto, n in _named(ctx.named_ports(r), spec):
+                    yield EntryKey(d, r, proto, n, n)
+            continue
+        if spec == ALL_PORTS:
+            for r in wild:
+                yield EntryKey(d, r, Protocol.ANY, 0, 0)
+            continue
+        protos = _PORT_PROTOCOLS if spec.protocol is Protocol.ANY else (spec.protocol,)
+        for r in wild:
+            for proto in protos:
+                yield EntryKey(d, r, proto, spec.port_low, spec.port_high)
+
+
+def _put(entries: dict[EntryKey, Verdict], key: EntryKey, verdict: Verdict) -> None:
+    """Deny wins: a key keeps DENY once any rule denies it; an allow never overwrites."""
+    if verdict is Verdict.DENY:
+        entries[key] = Verdict.DENY
+    else:
+        entries.setdefault(key, Verdict.ALLOW)
+
+
 def resolve_subject(
     subject: int,
-    rules: Iterable[tuple[PolicyKey, Rule]],
+    rules: Iterable[tuple[PolicyKey, Rule]] | SubjectRules,
     ctx: ResolveContext,
     *,
     explain: dict[EntryKey, list[RuleRef]] | None = None,
@@ -158,54 +268,66 @@ def resolve_subject(
     ``subject``. When ``explain`` is given it is filled with the rules that
     produced each entry (used by traces).
     """
-    rules = list(rules)
-    ingress_enforced = any(r.enforce_ingress for _, r in rules)
-    egress_enforced = any(r.enforce_egress for _, r in rules)
-    reqs: dict[Direction, list[set[int]]] = {Direction.INGRESS: [], Direction.EGRESS: []}
-    for _, rule in rules:
-        for pr in rule.peer_rules:
-            for sel in pr.requirements:
-                reqs[pr.direction].append(ctx.selection_set(sel))
+    srules = rules if isinstance(rules, SubjectRules) else SubjectRules.of(rules)
+    reqs = srules.requirement_sets(ctx)
     own_ports = ctx.named_ports(subject)
     entries: dict[EntryKey, Verdict] = {}
-
-    def put(key: EntryKey, verdict: Verdict, ref: RuleRef) -> None:
-        if verdict is Verdict.DENY or entries.get(key) is Verdict.DENY:
-            entries[key] = Verdict.DENY
-        else:
-            entries[key] = Verdict.ALLOW
-        if explain is not None:
-            explain.setdefault(key, []).append(ref)
-
-    for pkey, rule in rules:
+    for pkey, rule in srules.rules:
         for pr in rule.peer_rules:
             d = pr.direction
-            if pr.verdict is Verdict.ALLOW and not (ingress_enforced if d is Direction.INGRESS else egress_enforced):
+            if pr.verdict is Verdict.ALLOW and not srules.enforced(d):
                 continue
             remotes = _remotes(pr, ctx, reqs[d])
             if remotes is not None and not remotes:
                 continue
             ref = RuleRef(pkey, rule.origin, pr.origin, pr.verdict)
-            wild = (WILDCARD_IDENTITY,) if remotes is None else sorted(remotes)
-            for spec in pr.ports:
-                if spec.name:
-                    if d is Direction.INGRESS:
-                        numbers = _named(own_ports, spec)
-                        for r in wild:
-                            for proto, n in numbers:
-                                put(EntryKey(d, r, proto, n, n), pr.verdict, ref)
-                    else:
-                        targets = sorted(ctx.identities_with_named_port(spec.name)) if remotes is None else wild
-                        for r in targets:
-                            for proto, n in _named(ctx.named_ports(r), spec):
-                                put(EntryKey(d, r, proto, n, n), pr.verdict, ref)
+            for key in _entry_keys(pr, None if remotes is None else sorted(remotes), own_ports, ctx):
+                _put(entries, key, pr.verdict)
+                if explain is not None:
+                    explain.setdefault(key, []).append(ref)
+    return ResolvedPolicy(subject, srules.ingress_enforced, srules.egress_enforced, entries)
+
+
+def resolve_remote(
+    subject: int,
+    remote: int,
+    srules: SubjectRules,
+    ctx: ResolveContext,
+    *,
+    candidates: Iterable[tuple[PolicyKey, Rule]] | None = None,
+) -> dict[EntryKey, Verdict]:
+    """The entries of ``subject`` whose remote identity is ``remote``.
+
+    Exactly ``resolve_subject(subject, ...).entries`` restricted to keys with
+    ``identity == remote``, computed without looking at any other remote:
+    this is what an identity change (add, remove, relabel, IPs, named ports)
+    recomputes for every subject whose rules may select it. ``remote`` must
+    be an identity the context knows (not the wildcard 0). ``candidates``
+    optionally narrows the rules walked to those of ``srules`` that can
+    select ``remote`` at all (peers selecting it, or no peers); enforcement
+    and requirements still come from the whole of ``srules``.
+    """
+    selecting = ctx.selectors_selecting(remote)
+    meets = {
+        Direction.INGRESS: all(s in selecting for s in srules.ingress_requirements),
+        Direction.EGRESS: all(s in selecting for s in srules.egress_requirements),
+    }
+    own_ports = ctx.named_ports(subject)
+    entries: dict[EntryKey, Verdict] = {}
+    only = (remote,)
+    for _, rule in srules.rules if candidates is None else candidates:
+        for pr in rule.peer_rules:
+            d = pr.direction
+            if pr.verdict is Verdict.ALLOW and not srules.enforced(d):
+                continue
+            if pr.peers is None:
+                if d is Direction.INGRESS or not pr.has_named_ports:
                     continue
-                if spec == ALL_PORTS:
-                    for r in wild:
-                        put(EntryKey(d, r, Protocol.ANY, 0, 0), pr.verdict, ref)
-                    continue
-                protos = _PORT_PROTOCOLS if spec.protocol is Protocol.ANY else (spec.protocol,)
-                for r in wild:
-                    for proto in protos:
-                        put(EntryKey(d, r, proto, spec.port_low, spec.port_high), pr.verdict, ref)
-    return ResolvedPolicy(subject, ingress_enforced, egress_enforced, entries)
+                remotes: Sequence[int] | None = None
+            elif _selects(pr, selecting, meets[d]):
+                remotes = only
+            else:
+                continue
+            for key in _entry_keys(pr, remotes, own_ports, ctx, only=remote):
+                _put(entries, key, pr.verdict)
+    return entries

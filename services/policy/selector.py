@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.common.labels import (
@@ -93,9 +93,19 @@ class EndpointSelector:
     """A conjunction of label requirements; no requirement selects everything."""
 
     requirements: tuple[Requirement, ...] = ()
+    # Selectors key the selector cache and the engine's indexes: hash once.
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "requirements", tuple(sorted(set(self.requirements))))
+        requirements = tuple(sorted(set(self.requirements)))
+        object.__setattr__(self, "requirements", requirements)
+        object.__setattr__(self, "_hash", hash(requirements))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (EndpointSelector, (self.requirements,))  # the hash is per process: recompute it
 
     def matches(self, identity: IdentityView) -> bool:
         labels = identity.labels
@@ -134,6 +144,16 @@ class CIDRSelector:
 
     cidr: IPNetwork
     excepts: tuple[IPNetwork, ...] = ()
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.cidr, self.excepts)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (CIDRSelector, (self.cidr, self.excepts))
 
     def _prefix_inside(self, prefix: IPNetwork) -> bool:
         if prefix.version != self.cidr.version or not _subnet_of(prefix, self.cidr):

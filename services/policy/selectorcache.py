@@ -4,8 +4,11 @@ Like Cilium's selector cache: every selector used by a rule is registered
 once (reference counted); its selection is computed when registered and then
 updated as identities come, go or change. Identity updates return which
 selectors changed and how (Cilium's ``IdentitySelectionUpdated(selector,
-added, deleted)``), so the engine recomputes only the subjects that depend on
+added, deleted)``), so the engine recomputes only the entries that depend on
 them. Selections are exposed sorted, so results are stable.
+
+Selectors are interned: :meth:`SelectorCache.canonical` gives the registered
+instance, so callers holding it hit the cache's dicts by identity.
 
 Indexes keep this fast: identities are indexed by (label key, value), and
 each endpoint selector is filed under one of its ``In`` requirements, so an
@@ -16,8 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 from services.policy.selector import CIDRSelector, EndpointSelector, IdentityView, Selector
+
+_S = TypeVar("_S", bound=Selector)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +40,7 @@ class SelectorCache:
         self._selections: dict[Selector, set[int]] = {}
         self._sorted: dict[Selector, tuple[int, ...]] = {}
         self._refs: dict[Selector, int] = {}
+        self._canonical: dict[Selector, Selector] = {}
         self._label_index: dict[tuple[str, str], set[int]] = {}
         self._anchor_of: dict[Selector, tuple[tuple[str, str], ...]] = {}
         self._anchored: dict[tuple[str, str], set[Selector]] = {}
@@ -48,6 +55,7 @@ class SelectorCache:
         self._refs[selector] = refs + 1
         if refs:
             return self.selection(selector)
+        self._canonical[selector] = selector
         selected = {i for i in self._candidates(selector) if selector.matches(self._identities[i])}
         self._selections[selector] = selected
         for i in selected:
@@ -70,6 +78,7 @@ class SelectorCache:
         if refs == 0:
             return
         del self._refs[selector]
+        self._canonical.pop(selector, None)
         for i in self._selections.pop(selector, set()):
             members = self._member_of.get(i)
             if members is not None:
@@ -82,6 +91,14 @@ class SelectorCache:
                 if not bucket:
                     del self._anchored[a]
         self._unanchored.discard(selector)
+
+    def canonical(self, selector: _S) -> _S:
+        """The registered instance equal to ``selector`` (itself if not registered).
+
+        Holding the registered instance makes every later lookup an identity
+        hit instead of a field-by-field comparison.
+        """
+        return cast(_S, self._canonical.get(selector, selector))
 
     def selection(self, selector: Selector) -> tuple[int, ...]:
         """Sorted ids selected by a registered selector (empty if unknown)."""

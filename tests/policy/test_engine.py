@@ -5,7 +5,11 @@
 
 from __future__ import annotations
 
+import copy
 import ipaddress
+import pickle
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -377,3 +381,24 @@ def test_pod_identity_labels() -> None:
     assert LabelSet.parse(str(labels)) == labels and hash(LabelSet.parse(str(labels))) == hash(labels)
     assert str(cidr_identity_labels("10.0.0.0/8")) == "cidr:10.0.0.0/8;reserved:world"
     assert int(ReservedIdentity.KUBE_APISERVER) == 7 and int(ReservedIdentity.REMOTE_NODE) == 6
+
+
+def test_selectors_copy_and_pickle_with_their_hash_recomputed() -> None:
+    policy = parse_policy(
+        doc(CNP_A + "  ingress:\n  - fromEndpoints: [{matchLabels: {app: b}}]\n  - fromCIDR: [10.0.0.0/8]\n")
+    )
+    for sel in policy.referenced_selectors():
+        for clone in (pickle.loads(pickle.dumps(sel)), copy.deepcopy(sel), copy.copy(sel)):
+            assert clone == sel and hash(clone) == hash(sel)
+    # Selectors cache their hash, and string hashes differ between processes:
+    # another process must recompute it rather than unpickle ours.
+    code = "import pickle, sys; s = pickle.loads(sys.stdin.buffer.read()); print(hash(s) == hash(type(s)(*s.__reduce__()[1])))"
+    for sel in policy.referenced_selectors():
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            input=pickle.dumps(sel),
+            capture_output=True,
+            check=True,
+            env={"PYTHONHASHSEED": "1"},
+        )
+        assert out.stdout.strip() == b"True"

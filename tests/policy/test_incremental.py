@@ -1,4 +1,12 @@
-"""Property: applying the engine's diffs always equals a full recomputation."""
+"""Properties of incremental computation.
+
+* Applying the engine's diffs always equals a full recomputation, over random
+  sequences of policy, identity (add, remove, relabel, endpoint <-> CIDR),
+  ipcache, named-port and batch operations.
+* An identity-side change of X touches, in every other subject, only entries
+  whose remote identity is X.
+* Policies handed out earlier are never modified afterwards.
+"""
 
 from __future__ import annotations
 
@@ -8,197 +16,181 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.common.labels import pod_identity_labels
-from services.policy.engine import PolicyEngine, apply_diff
+from services.policy.engine import PolicyDiff, PolicyEngine, apply_diff
 from services.policy.identity import Identity
-from services.policy.model import Protocol
+from services.policy.model import EntryKey, Verdict
+from services.policy.parse import parse_policy
 from services.policy.resolve import ResolvedPolicy
-
-NAMESPACES = ["x", "y"]
-APPS = ["a", "b", "c"]
-IDS = list(range(256, 264))
-IPS = [f"10.0.{n}.{h}" for n in (0, 1) for h in (1, 2, 130)]
-
-app_sel = st.sampled_from(
-    [
-        {},
-        {"matchLabels": {"app": "a"}},
-        {"matchLabels": {"app": "b"}},
-        {"matchExpressions": [{"key": "app", "operator": "NotIn", "values": ["c"]}]},
-    ]
-)
-ns_sel = st.sampled_from([{}, {"matchLabels": {"ns": "x"}}, {"matchLabels": {"kubernetes.io/metadata.name": "y"}}])
-knp_ports = st.sampled_from(
-    [None, [{"port": 80}], [{"port": "http"}], [{"port": 80, "endPort": 90, "protocol": "UDP"}]]
-)
-cnp_ports = st.sampled_from(
-    [
-        None,
-        [{"ports": [{"port": "80", "protocol": "TCP"}]}],
-        [{"ports": [{"port": "http"}]}],
-        [{"ports": [{"port": "80", "endPort": 85}]}],
-    ]
+from tests.policy.strategies import (
+    CIDR_PREFIXES,
+    IDS,
+    IPS,
+    NAMED_PORTS,
+    cidr_identity,
+    pod_range_labels,
+    policy_doc,
 )
 
+ids = st.sampled_from(IDS)
+ips = st.sampled_from(IPS)
 
-@st.composite
-def knp_peer(draw: Any) -> dict[str, Any]:
-    kind = draw(st.sampled_from(["pod", "ns", "both", "ip"]))
-    if kind == "pod":
-        return {"podSelector": draw(app_sel)}
-    if kind == "ns":
-        return {"namespaceSelector": draw(ns_sel)}
-    if kind == "both":
-        return {"podSelector": draw(app_sel), "namespaceSelector": draw(ns_sel)}
-    return {
-        "ipBlock": draw(
-            st.sampled_from(
-                [{"cidr": "10.0.0.0/16"}, {"cidr": "10.0.0.0/16", "except": ["10.0.1.0/24"]}, {"cidr": "10.0.0.0/25"}]
-            )
-        )
-    }
-
-
-@st.composite
-def knp(draw: Any, name: str) -> dict[str, Any]:
-    spec: dict[str, Any] = {"podSelector": draw(app_sel)}
-    for field, peer_key in (("ingress", "from"), ("egress", "to")):
-        if draw(st.booleans()):
-            rules = []
-            for _ in range(draw(st.integers(0, 2))):
-                rule: dict[str, Any] = {}
-                peers = draw(st.lists(knp_peer(), max_size=2))
-                if peers:
-                    rule[peer_key] = peers
-                ports = draw(knp_ports)
-                if ports:
-                    rule["ports"] = ports
-                rules.append(rule)
-            spec[field] = rules
-    if draw(st.booleans()):
-        spec["policyTypes"] = draw(st.sampled_from([["Ingress"], ["Egress"], ["Ingress", "Egress"]]))
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": {"name": name, "namespace": draw(st.sampled_from(NAMESPACES))},
-        "spec": spec,
-    }
-
-
-@st.composite
-def cnp_rule(draw: Any, direction: str) -> dict[str, Any]:
-    p = "from" if direction == "ingress" else "to"
-    rule: dict[str, Any] = {}
-    choice = draw(st.sampled_from(["eps", "ents", "cidr", "none", "requires"]))
-    if choice == "eps":
-        rule[f"{p}Endpoints"] = [draw(app_sel)]
-    elif choice == "ents":
-        rule[f"{p}Entities"] = [draw(st.sampled_from(["world", "cluster", "all", "host"]))]
-    elif choice == "cidr":
-        rule[f"{p}CIDRSet"] = [
-            draw(st.sampled_from([{"cidr": "10.0.0.0/16"}, {"cidr": "10.0.0.0/8", "except": ["10.0.0.0/24"]}]))
-        ]
-    elif choice == "requires":
-        rule[f"{p}Requires"] = [draw(app_sel)]
-        rule[f"{p}Endpoints"] = [{}]
-    ports = draw(cnp_ports)
-    if ports:
-        rule["toPorts"] = ports
-    return rule
-
-
-@st.composite
-def cnp(draw: Any, name: str) -> dict[str, Any]:
-    spec: dict[str, Any] = {"endpointSelector": draw(app_sel)}
-    for field, direction in (
-        ("ingress", "ingress"),
-        ("egress", "egress"),
-        ("ingressDeny", "ingress"),
-        ("egressDeny", "egress"),
-    ):
-        if draw(st.integers(0, 3)) == 0:
-            spec[field] = draw(st.lists(cnp_rule(direction), min_size=1, max_size=2))
-    clusterwide = draw(st.booleans())
-    meta: dict[str, Any] = {"name": name}
-    if not clusterwide:
-        meta["namespace"] = draw(st.sampled_from(NAMESPACES))
-    return {
-        "apiVersion": "cilium.io/v2",
-        "kind": "CiliumClusterwideNetworkPolicy" if clusterwide else "CiliumNetworkPolicy",
-        "metadata": meta,
-        "spec": spec,
-    }
-
-
-def labels_for(ns: str, app: str) -> Any:
-    return pod_identity_labels(
-        {"metadata": {"namespace": ns, "labels": {"app": app}}}, {"metadata": {"name": ns, "labels": {"ns": ns}}}
-    )
-
-
+# Identity-side operations are listed several times so that they dominate.
 op = st.one_of(
-    st.tuples(st.just("policy"), st.integers(0, 3), st.booleans()),
+    st.tuples(st.just("policy"), st.integers(0, 3)),
+    st.tuples(st.just("policy"), st.integers(0, 3)),
     st.tuples(st.just("delete"), st.integers(0, 3)),
-    st.tuples(st.just("identity"), st.sampled_from(IDS), st.sampled_from(NAMESPACES), st.sampled_from(APPS)),
-    st.tuples(st.just("remove"), st.sampled_from(IDS)),
-    st.tuples(st.just("ips"), st.sampled_from(IDS), st.lists(st.sampled_from(IPS), max_size=2)),
-    st.tuples(
-        st.just("ports"),
-        st.sampled_from(IDS),
-        st.sampled_from([{}, {"http": [(Protocol.TCP, 80)]}, {"http": [(Protocol.TCP, 8080), (Protocol.UDP, 81)]}]),
-    ),
+    st.tuples(st.just("identity"), ids, pod_range_labels),
+    st.tuples(st.just("identity"), ids, pod_range_labels),
+    st.tuples(st.just("identity"), ids, pod_range_labels),
+    st.tuples(st.just("cidr"), st.integers(0, len(CIDR_PREFIXES) - 1)),
+    st.tuples(st.just("remove"), ids),
+    st.tuples(st.just("remove"), ids),
+    st.tuples(st.just("ips"), ids, st.lists(ips, max_size=2)),
+    st.tuples(st.just("ipcache"), ips, ids),
+    st.tuples(st.just("ipcache"), ips, ids),
+    st.tuples(st.just("ipcache-delete"), ips),
+    st.tuples(st.just("ports"), ids, st.sampled_from(NAMED_PORTS)),
+    st.tuples(st.just("ports"), ids, st.sampled_from(NAMED_PORTS)),
+    st.tuples(st.just("batch")),
 )
 
+Snapshot = dict[int, tuple[bool, bool, dict[EntryKey, Verdict]]]
 
-def snapshot(policies: dict[int, ResolvedPolicy]) -> dict[int, tuple[bool, bool, dict[Any, Any]]]:
+
+def snapshot(policies: dict[int, ResolvedPolicy]) -> Snapshot:
     return {i: (p.ingress_enforced, p.egress_enforced, dict(p.entries)) for i, p in policies.items()}
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(op, min_size=1, max_size=14), data=st.data())
-def test_incremental_equals_full(ops: list[Any], data: Any) -> None:
+def assert_local(diffs: dict[int, PolicyDiff], touched: set[int], before: Snapshot) -> None:
+    """Other subjects change only in entries whose remote identity was touched."""
+    for i, d in diffs.items():
+        if i in touched:
+            continue
+        assert not d.deleted and i in before
+        assert (d.ingress_enforced, d.egress_enforced) == before[i][:2]
+        assert {k.identity for k in (*d.added, *d.removed)} <= touched, (i, d)
+
+
+def assert_minimal(d: PolicyDiff, before: Snapshot) -> None:
+    """A diff names only real changes."""
+    old = before.get(d.identity)
+    if d.deleted:
+        assert old is not None
+        return
+    entries = old[2] if old is not None else {}
+    assert all(k in entries for k in d.removed)
+    assert all(entries.get(k) is not v for k, v in d.added.items())
+    assert d.added or d.removed or old is None or (d.ingress_enforced, d.egress_enforced) != old[:2]
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    start=st.dictionaries(ids, pod_range_labels, min_size=2),
+    start_policies=st.integers(1, 4),
+    start_ports=st.dictionaries(ids, st.sampled_from(NAMED_PORTS)),
+    start_batched=st.booleans(),
+    ops=st.lists(op, min_size=1, max_size=20),
+    data=st.data(),
+)
+def test_incremental_equals_full(
+    start: dict[int, Any],
+    start_policies: int,
+    start_ports: dict[int, Any],
+    start_batched: bool,
+    ops: list[Any],
+    data: Any,
+) -> None:
     eng = PolicyEngine()
-    mirror: dict[int, ResolvedPolicy] = dict(eng.policies())
     docs: dict[int, dict[str, Any]] = {}
     identities: dict[int, Identity] = {}
-    ips: dict[int, list[str]] = {}
-    ports: dict[int, dict[str, list[tuple[Protocol, int]]]] = {}
+    ports: dict[int, dict[str, Any]] = {}
+    # A populated cluster first, so that most operations change existing subjects.
+    if start_batched:
+        eng.begin_batch()
+    for n in range(start_policies):
+        docs[n] = data.draw(policy_doc(f"p{n}"))
+        eng.upsert_policy_document(docs[n])
+    for i, named in start_ports.items():
+        ports[i] = named
+        eng.set_named_ports(i, named)
+    for i, labels in start.items():
+        identities[i] = Identity(i, labels)
+        eng.upsert_identity(identities[i])
+    if start_batched:
+        eng.end_batch()
+    mirror: dict[int, ResolvedPolicy] = dict(eng.policies())
+    assert snapshot(mirror) == snapshot(eng.compute_all())
     last_revision = eng.revision
+    batching = False
     for o in ops:
+        handed_out = {i: (p, dict(p.entries)) for i, p in eng.policies().items()}
+        before = snapshot(dict(eng.policies()))
+        touched: set[int] | None = None
+        results = []
         if o[0] == "policy":
-            doc = data.draw(cnp(f"p{o[1]}") if o[2] else knp(f"p{o[1]}"))
+            doc = data.draw(policy_doc(f"p{o[1]}"))
             old = docs.get(o[1])
-            if old is not None and (old["kind"], old["metadata"].get("namespace")) != (
-                doc["kind"],
-                doc["metadata"].get("namespace"),
-            ):
-                res = eng.delete_policy(eng_key(old))
-                for d in res.diffs.values():
-                    apply_diff(mirror, d)
+            if old is not None and parse_policy(old).key != parse_policy(doc).key:
+                results.append(eng.delete_policy(parse_policy(old).key))
             docs[o[1]] = doc
-            res = eng.upsert_policy_document(doc)
-            assert res.revision > last_revision
+            results.append(eng.upsert_policy_document(doc))
+            assert results[-1].revision > last_revision
         elif o[0] == "delete":
             old = docs.pop(o[1], None)
             if old is None:
                 continue
-            res = eng.delete_policy(eng_key(old))
-        elif o[0] == "identity":
-            ident = Identity(o[1], labels_for(o[2], o[3]))
-            identities[o[1]] = ident
-            res = eng.upsert_identity(ident)
+            results.append(eng.delete_policy(parse_policy(old).key))
+        elif o[0] in ("identity", "cidr"):
+            ident = Identity(o[1], o[2]) if o[0] == "identity" else cidr_identity(o[1])
+            identities[ident.id] = ident
+            touched = {ident.id}
+            results.append(eng.upsert_identity(ident))
         elif o[0] == "remove":
             identities.pop(o[1], None)
-            res = eng.remove_identity(o[1])
+            touched = {o[1]}
+            results.append(eng.remove_identity(o[1]))
         elif o[0] == "ips":
-            ips[o[1]] = o[2]
-            res = eng.set_identity_ips(o[1], [ipaddress.ip_address(x) for x in o[2]])
-        else:
+            touched = {o[1]}
+            results.append(eng.set_identity_ips(o[1], [ipaddress.ip_address(x) for x in o[2]]))
+        elif o[0] == "ipcache":
+            ip = ipaddress.ip_address(o[1])
+            owner = next((i for i in IDS if ip in eng.ips_of(i)), None)
+            touched = {o[2]} | ({owner} if owner is not None else set())
+            results.append(eng.upsert_ipcache(ip, o[2]))
+        elif o[0] == "ipcache-delete":
+            ip = ipaddress.ip_address(o[1])
+            touched = {i for i in IDS if ip in eng.ips_of(i)}
+            results.append(eng.delete_ipcache(ip))
+        elif o[0] == "ports":
             ports[o[1]] = o[2]
-            res = eng.set_named_ports(o[1], o[2])
-        assert res.revision >= last_revision
-        last_revision = res.revision
-        for d in res.diffs.values():
+            touched = {o[1]}
+            results.append(eng.set_named_ports(o[1], o[2]))
+        elif batching:
+            batching = False
+            results.append(eng.end_batch())
+        else:
+            batching = True
+            eng.begin_batch()
+        for res in results:
+            assert res.revision >= last_revision
+            last_revision = res.revision
+            if batching:
+                assert not res.diffs
+            for i, d in res.diffs.items():
+                assert d.identity == i
+                apply_diff(mirror, d)
+        if len(results) == 1 and o[0] != "batch" and not batching:
+            for d in results[0].diffs.values():
+                assert_minimal(d, before)
+            if touched is not None:
+                assert_local(dict(results[0].diffs), touched, before)
+        for p, entries in handed_out.values():
+            assert dict(p.entries) == entries
+        if not batching:
+            assert snapshot(mirror) == snapshot(eng.compute_all()) == snapshot(dict(eng.policies()))
+
+    if batching:
+        for d in eng.end_batch().diffs.values():
             apply_diff(mirror, d)
         assert snapshot(mirror) == snapshot(eng.compute_all()) == snapshot(dict(eng.policies()))
 
@@ -206,16 +198,9 @@ def test_incremental_equals_full(ops: list[Any], data: Any) -> None:
     fresh = PolicyEngine()
     for ident in identities.values():
         fresh.upsert_identity(ident)
-    for i, addrs in ips.items():
-        fresh.set_identity_ips(i, [ipaddress.ip_address(x) for x in addrs])
+        fresh.set_identity_ips(ident.id, eng.ips_of(ident.id))
     for i, named in ports.items():
         fresh.set_named_ports(i, named)
     for doc in docs.values():
         fresh.upsert_policy_document(doc)
     assert snapshot(dict(fresh.policies())) == snapshot(mirror)
-
-
-def eng_key(doc: dict[str, Any]) -> Any:
-    from services.policy.parse import parse_policy
-
-    return parse_policy(doc).key

@@ -48,7 +48,7 @@ REASONS = {
     addresses=st.dictionaries(st.sampled_from(IDS), st.lists(st.sampled_from(IPS), max_size=2)),
     ports=st.dictionaries(st.sampled_from(IDS), st.sampled_from(NAMED_PORTS)),
     policies_first=st.booleans(),
-    probes=st.lists(st.sampled_from(PROBES), min_size=4, max_size=6, unique=True),
+    probes=st.lists(st.sampled_from(PROBES), min_size=5, max_size=7, unique=True),
 )
 def test_trace_agrees_with_lookup(
     docs: list[dict[str, Any]],
