@@ -35,7 +35,7 @@ from palisade.v1 import common_pb2, ipam_pb2, policy_pb2  # noqa: E402
 from services.datapath.datapath import Datapath, DatapathAPI, FakeDatapath  # noqa: E402
 from services.datapath.endpoints import EndpointManager, PodLink  # noqa: E402
 from services.datapath.orders import OrderConsumer, Reporter  # noqa: E402
-from services.datapath.state import Address, StateStore  # noqa: E402
+from services.datapath.state import Address, PortRecord, StateStore  # noqa: E402
 
 NODE = "bench-node"
 
@@ -101,7 +101,9 @@ class Ipam:
     async def resolve_pod(self, namespace: str, name: str) -> int:
         raise LookupError(name)
 
-    async def allocate_ip(self, node: str, owner: str, family: int, ip: str = "") -> ipam_pb2.IPAllocation:
+    async def allocate_ip(
+        self, node: str, owner: str, family: int, ip: str = "", ports: Sequence[PortRecord] = ()
+    ) -> ipam_pb2.IPAllocation:
         n = self.next_ip
         self.next_ip += 1
         addr = ip or f"10.250.{n // 250}.{n % 250 + 1}"

@@ -206,7 +206,11 @@ class IpamPort(Protocol):
 
     async def resolve_pod(self, namespace: str, name: str) -> int: ...
 
-    async def allocate_ip(self, node: str, owner: str, family: int, ip: str = "") -> ipam_pb2.IPAllocation: ...
+    async def allocate_ip(
+        self, node: str, owner: str, family: int, ip: str = "", ports: Sequence[PortRecord] = ()
+    ) -> ipam_pb2.IPAllocation:
+        """An address for ``owner``; ``ports`` are the pod's container ports (the named ones reach the ipcache)."""
+        ...
 
     async def release_ip(self, node: str, ip: str, owner: str) -> None: ...
 
@@ -235,8 +239,14 @@ class GrpcIpam:
         response = await self._identity.ResolvePod(request, timeout=self._timeout)
         return int(response.identity.id)
 
-    async def allocate_ip(self, node: str, owner: str, family: int, ip: str = "") -> ipam_pb2.IPAllocation:
+    async def allocate_ip(
+        self, node: str, owner: str, family: int, ip: str = "", ports: Sequence[PortRecord] = ()
+    ) -> ipam_pb2.IPAllocation:
         request = ipam_pb2.AllocateIPRequest(node=node, owner=owner, family=family, ip=ip)  # type: ignore[arg-type]
+        for port in ports:
+            if port.name and port.name not in request.named_ports:  # the first of a name wins, as in a pod spec
+                request.named_ports[port.name].port = port.port
+                request.named_ports[port.name].protocol = port.protocol or common_pb2.PROTOCOL_TCP  # type: ignore[assignment]
         response: ipam_pb2.IPAllocation = await self._ipam.AllocateIP(request, timeout=self._timeout)
         return response
 
@@ -430,6 +440,10 @@ class EndpointManager:
         self._busy_ids: set[int] = set()
         self._busy_pods: set[str] = set()
         self.policies: dict[int, IdentityPolicy] = {}
+        #: Identities whose policy is kept only because local endpoints still use them, although
+        #: PolicyService no longer sends them here (removed, or missing from a resync): not
+        #: trusted for new endpoints, and dropped once no endpoint uses them.
+        self._orphaned: set[int] = set()
         #: Node-level position: sequence and revision of the last order or resync applied.
         self.sequence = 0
         self.revision = 0
@@ -525,10 +539,11 @@ class EndpointManager:
                 undo.append(lambda: self._ipam.release_identity(identity, self.node, owner))
             else:
                 identity = await self._resolve(request.namespace, request.pod)
-            # 2. addresses
+            # 2. addresses (with the named ports, which ipam puts in the address's ipcache entry)
+            ports = tuple(PortRecord(name=p.name, port=p.port, protocol=int(p.protocol)) for p in request.ports)
             addresses = []
             for family in request.families or [ipam_pb2.FAMILY_IPV4]:
-                alloc = await self._allocate_ip(owner, family)
+                alloc = await self._allocate_ip(owner, family, ports)
                 addresses.append(_address(alloc))
                 undo.append(lambda ip=alloc.ip: self._ipam.release_ip(self.node, ip, owner))  # type: ignore[misc]
             # 3. namespace, veth, addresses, routes
@@ -556,7 +571,7 @@ class EndpointManager:
                 labels=tuple((x.source, x.key, x.value) for x in labels),
                 identity_owned=bool(labels),
                 identity=identity,
-                ports=tuple(PortRecord(name=p.name, port=p.port, protocol=int(p.protocol)) for p in request.ports),
+                ports=ports,
                 created_at=time.time(),
             )
             # 4. the identity's policy, fetched if no local endpoint has it yet
@@ -603,16 +618,19 @@ class EndpointManager:
                 ) from None
             raise _unavailable(f"resolve the identity of {namespace}/{pod}", exc) from None
 
-    async def _allocate_ip(self, owner: str, family: int) -> ipam_pb2.IPAllocation:
+    async def _allocate_ip(self, owner: str, family: int, ports: Sequence[PortRecord]) -> ipam_pb2.IPAllocation:
         try:
-            return await self._ipam.allocate_ip(self.node, owner, family)
+            return await self._ipam.allocate_ip(self.node, owner, family, ports=ports)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
                 raise _unavailable(f"allocate an address for {owner}", exc) from None
         # A create that failed half-way (or a crash) left the owner's address allocated: adopt it.
         for alloc in await self._upstream(f"list allocations of {self.node}", self._ipam.allocations(self.node)):
             if alloc.owner == owner and (alloc.family or ipam_pb2.FAMILY_IPV4) == family:
-                return alloc
+                # Reserving it again by address is idempotent and hands ipam this request's ports.
+                return await self._upstream(
+                    f"reserve {alloc.ip} for {owner}", self._ipam.allocate_ip(self.node, owner, family, alloc.ip, ports)
+                )
         raise UpstreamUnavailable(f"IPAMService says {owner} already has an address but does not list it; retry")
 
     async def _upstream(self, what: str, call: Awaitable[T]) -> T:
@@ -622,8 +640,8 @@ class EndpointManager:
             raise _unavailable(what, exc) from None
 
     async def _fetch_policy(self, identity: int) -> IdentityPolicy | None:
-        """The identity's policy from PolicyService when no local endpoint has it cached."""
-        if identity in self.policies:
+        """The identity's policy from PolicyService unless orders keep it here already."""
+        if identity in self.policies and identity not in self._orphaned:
             return None
         try:
             response = await self._policy.resync(self.node, [identity])
@@ -660,8 +678,19 @@ class EndpointManager:
 
     def _learn(self, policy: IdentityPolicy) -> None:
         current = self.policies.get(policy.identity)
-        if current is None or current.sequence < policy.sequence:
+        if current is None or current.sequence < policy.sequence or policy.identity in self._orphaned:
             self.policies[policy.identity] = policy
+            self._orphaned.discard(policy.identity)
+
+    def _used_identities(self) -> set[int]:
+        return {ep.identity for ep in self.endpoints.values()}
+
+    def _drop_orphans(self) -> None:
+        """Forget kept policies no local endpoint uses any more."""
+        for identity in self._orphaned - self._used_identities():
+            self._orphaned.discard(identity)
+            self.policies.pop(identity, None)
+            log.debug("orphaned identity policy dropped", identity=identity)
 
     # --- delete --------------------------------------------------------------------------------
 
@@ -703,7 +732,8 @@ class EndpointManager:
         self._busy_ids.add(ep.id)
         self._busy_pods.add(ep.record.key)
         del self.endpoints[ep.id]
-        self._reporter.forget(ep.id)
+        self._reporter.deleted(ep.id, ep.identity, ep.record.key)
+        self._drop_orphans()
         await asyncio.to_thread(self._dp.detach_endpoint, ep.id)
         for ip in ep.record.ips:
             try:
@@ -724,7 +754,23 @@ class EndpointManager:
             if current.sequence >= batch.sequence:
                 continue  # this identity was fetched after the order was made
             updated[diff.identity] = current.apply(diff, batch.sequence, batch.revision)
+        used = self._used_identities()
+        for identity in batch.removed:
+            if identity in updated or identity not in self.policies:
+                continue
+            if self.policies[identity].sequence >= batch.sequence:
+                continue  # fetched (so named to PolicyService) after the order was made
+            if identity in used:
+                # Not hosted here as far as PolicyService knows (the ipcache moved on first), yet an
+                # endpoint still has it: keep enforcing what it had rather than open it up; the
+                # endpoint's next report tells PolicyService, or the endpoint moves on.
+                self._orphaned.add(identity)
+                log.info("removed identity kept for its local endpoints", identity=identity)
+            else:
+                del self.policies[identity]
+                self._orphaned.discard(identity)
         self.policies.update(updated)
+        self._orphaned -= set(updated)
         changed = set(updated)
         self.sequence, self.revision = batch.sequence, batch.revision
         for ep in list(self.endpoints.values()):
@@ -741,12 +787,15 @@ class EndpointManager:
         fresh = {
             p.identity: IdentityPolicy.from_proto(p, response.sequence, response.revision) for p in response.policies
         }
+        orphaned = set()
         for ep in self.endpoints.values():
             if ep.identity not in fresh and ep.identity in self.policies:
                 # PolicyService does not list it yet (its ipcache entry is on the way): keep what we have.
                 log.info("identity missing from resync, keeping its policy", identity=ep.identity, endpoint=ep.id)
                 fresh[ep.identity] = self.policies[ep.identity]
+                orphaned.add(ep.identity)
         self.policies = fresh
+        self._orphaned = orphaned
         self.sequence, self.revision = response.sequence, response.revision
         self.synced = True
         for ep in list(self.endpoints.values()):
@@ -892,6 +941,7 @@ class EndpointManager:
         for ip in record.ips:  # 3. what peers see
             await asyncio.to_thread(self._dp.ipcache_upsert, _host_prefix(ip), identity)
         await asyncio.to_thread(self._store.save, record)
+        self._drop_orphans()
         self._report([ep])
         log.info("endpoint identity changed", endpoint=ep_id, pod=record.key, old=old, new=identity)
         return ep
@@ -947,6 +997,8 @@ class EndpointManager:
         except Exception as exc:
             log.warning("stale endpoint teardown failed", endpoint=record.id, error=str(exc))
         await asyncio.to_thread(self._store.remove, record.id)
+        # PolicyService may know it from before the restart (its pod is not in the ipcache).
+        self._reporter.deleted(record.id, record.identity, record.key)
         for ip in record.ips:
             self._releases.put_nowait(lambda ip=ip: self._release_ip_quietly(ip, record.owner))  # type: ignore[misc]
         if record.identity_owned:
@@ -986,7 +1038,7 @@ class EndpointManager:
         for address in record.addresses:
             family = ipam_pb2.FAMILY_IPV6 if address.family == 6 else ipam_pb2.FAMILY_IPV4
             try:
-                await self._ipam.allocate_ip(self.node, record.owner, family, address.ip)
+                await self._ipam.allocate_ip(self.node, record.owner, family, address.ip, record.ports)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
                     continue  # still ours: the allocation outlived the restart

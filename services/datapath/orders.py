@@ -5,7 +5,9 @@ Three parts:
 * :class:`Sequencer` (pure): reassembles chunked orders, drops duplicates, and
   decides when a gap in the per-node sequence (or a ``fetch`` order) needs a full
   :meth:`PolicyService.Resync`. Orders that arrive after a gap are held and applied
-  on top of the resync if they are newer than it.
+  on top of the resync if they are newer than it. A ``replace`` order (the first
+  after the policy service starts) is the whole state, like a resync answer: it is
+  applied as one even after a gap, and needs no resync.
 * :class:`OrderConsumer` (one task): follows the subject into a queue, runs the
   sequencer, fetches resyncs over gRPC (retrying while PolicyService is away) and
   hands complete orders to the endpoint manager, which owns the maps.
@@ -99,6 +101,22 @@ class OrderBatch:
     diffs: tuple[common_pb2.IdentityPolicyDiff, ...]
     #: When the order's first chunk reached this node (time.monotonic()).
     arrived: float = 0.0
+    #: Identities the node no longer hosts: their policy is dropped.
+    removed: tuple[int, ...] = ()
+    #: The diffs are the node's whole state (apply as a resync answer).
+    replace: bool = False
+
+
+def replace_as_resync(batch: OrderBatch) -> policy_pb2.ResyncResponse:
+    """The resync answer a ``replace`` order stands for: each identity's full policy. Pure."""
+    return policy_pb2.ResyncResponse(
+        revision=batch.revision,
+        sequence=batch.sequence,
+        policies=[
+            common_pb2.IdentityPolicy(identity=d.identity, enforcement=d.enforcement, entries=list(d.add))
+            for d in batch.diffs
+        ],
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +175,11 @@ class Sequencer:
         if self.last is None:
             self._held[batch.sequence] = batch
             return []
+        if batch.replace:
+            # The whole state at its sequence: what came before it no longer matters.
+            self._forget_through(batch.sequence)
+            self.last = batch.sequence
+            return [Apply(batch), *self._drain()]
         if batch.sequence == self.last + 1:
             self.last = batch.sequence
             return [Apply(batch), *self._drain()]
@@ -167,17 +190,20 @@ class Sequencer:
     def resynced(self, sequence: int) -> list[Action]:
         """The node's state now corresponds to ``sequence``: apply what is held beyond it."""
         self.last = sequence
-        for seq in [s for s in self._held if s <= sequence]:
-            del self._held[seq]
-        for seq in [s for s in self._chunks if s <= sequence]:
-            del self._chunks[seq]
-            self._arrived.pop(seq, None)
+        self._forget_through(sequence)
         actions = self._drain()
         if self._held:
             first = min(self._held)
             self.gaps += 1
             actions.append(NeedResync("gap", first))
         return actions
+
+    def _forget_through(self, sequence: int) -> None:
+        for seq in [s for s in self._held if s <= sequence]:
+            del self._held[seq]
+        for seq in [s for s in self._chunks if s <= sequence]:
+            del self._chunks[seq]
+            self._arrived.pop(seq, None)
 
     def _drain(self) -> list[Action]:
         actions: list[Action] = []
@@ -190,7 +216,14 @@ class Sequencer:
 
     def _assemble(self, order: policy_pb2.RegenerationOrder, now: float) -> OrderBatch | None:
         if order.chunks <= 1:
-            return OrderBatch(order.sequence, order.revision, merge_diffs(order.diffs), now)
+            return OrderBatch(
+                order.sequence,
+                order.revision,
+                merge_diffs(order.diffs),
+                now,
+                removed=tuple(order.removed_identities),
+                replace=order.replace,
+            )
         parts = self._chunks.setdefault(order.sequence, {})
         self._arrived.setdefault(order.sequence, now)
         parts[order.chunk] = order
@@ -200,7 +233,9 @@ class Sequencer:
         arrived = self._arrived.pop(order.sequence, now)
         ordered = [parts[k] for k in sorted(parts)]
         diffs = merge_diffs(d for part in ordered for d in part.diffs)
-        return OrderBatch(order.sequence, order.revision, diffs, arrived)
+        removed = tuple(dict.fromkeys(i for part in ordered for i in part.removed_identities))
+        replace = any(part.replace for part in ordered)
+        return OrderBatch(order.sequence, order.revision, diffs, arrived, removed=removed, replace=replace)
 
 
 class PolicyPort(Protocol):
@@ -252,6 +287,9 @@ class Reporter:
         self._policy = policy
         self._backoff_max = backoff_max
         self._pending: dict[int, policy_pb2.RealizedReport] = {}
+        #: Deleted endpoints to report, by (endpoint id, pod); sent before the live reports of a batch,
+        #: so an id reused by a new endpoint is reported after its old endpoint went.
+        self._gone: dict[tuple[int, str], policy_pb2.RealizedReport] = {}
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -282,6 +320,20 @@ class Reporter:
         """Drop an unsent report of a deleted endpoint."""
         self._pending.pop(endpoint_id, None)
 
+    def deleted(self, endpoint_id: int, identity: int, pod: str) -> None:
+        """An endpoint was deleted: drop its unsent report and tell PolicyService to forget it.
+
+        Without this, an endpoint the ipcache does not know would hold WaitForRevision forever.
+        """
+        self.forget(endpoint_id)
+        now = Timestamp()
+        now.FromNanoseconds(time.time_ns())
+        self._gone[(endpoint_id, pod)] = policy_pb2.RealizedReport(
+            node=self._node, endpoint_id=endpoint_id, identity=identity, pod=pod, realized_at=now, deleted=True
+        )
+        self._idle.clear()
+        self._wake.set()
+
     async def flushed(self) -> None:
         """Wait until everything added so far was delivered."""
         await self._idle.wait()
@@ -291,15 +343,19 @@ class Reporter:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if not self._pending:
+            if not self._pending and not self._gone:
                 self._idle.set()
                 continue
+            gone, self._gone = self._gone, {}
             batch, self._pending = self._pending, {}
-            reports = sorted(batch.values(), key=lambda r: r.endpoint_id)
+            live = sorted(batch.values(), key=lambda r: r.endpoint_id)
+            reports = [gone[k] for k in sorted(gone)] + live
             try:
                 await self._policy.report(reports)
             except Exception as exc:
-                for report in reports:  # put back unless a newer one arrived meanwhile
+                for key, report in gone.items():
+                    self._gone.setdefault(key, report)
+                for report in live:  # put back unless a newer one arrived meanwhile
                     self._pending.setdefault(report.endpoint_id, report)
                 log.warning("report realized failed, retrying", reports=len(reports), error=rpc_error(exc))
                 self._wake.set()
@@ -311,7 +367,7 @@ class Reporter:
             log.debug("realized reported", reports=len(reports), revision=max(r.revision for r in reports))
             if self.on_delivered is not None:
                 self.on_delivered(reports)
-            if not self._pending:
+            if not self._pending and not self._gone:
                 self._idle.set()
 
 
@@ -345,6 +401,8 @@ class OrderConsumer:
         #: Set once the first full resync was applied.
         self.synced = asyncio.Event()
         self.resyncs = 0
+        #: Replace orders applied (each stands for a resync the policy service pushed).
+        self.replaces = 0
         self._follower: Follower | None = None
 
     @property
@@ -381,6 +439,21 @@ class OrderConsumer:
                 actions = self.sequencer.offer(order, self._clock())
                 continue
             action, actions = actions[0], actions[1:]
+            if isinstance(action, Apply) and action.batch.replace:
+                try:
+                    await self._applier.apply_resync(replace_as_resync(action.batch))
+                except OrderError as exc:
+                    log.error("replace order rejected, resyncing", sequence=action.batch.sequence, error=str(exc))
+                    actions = [NeedResync("bad order", action.batch.sequence)]
+                    continue
+                self.replaces += 1
+                log.info(
+                    "replace order applied",
+                    sequence=action.batch.sequence,
+                    revision=action.batch.revision,
+                    identities=len(action.batch.diffs),
+                )
+                continue
             if isinstance(action, Apply):
                 try:
                     await self._applier.apply_order(action.batch)

@@ -68,6 +68,7 @@ class Agent:
         out.details["endpoints"] = str(len(self.manager.endpoints))
         out.details["sequence"] = str(self.consumer.sequence)
         out.details["resyncs"] = str(self.consumer.resyncs)
+        out.details["replaces"] = str(self.consumer.replaces)
         out.details["gaps"] = str(self.consumer.sequencer.gaps)
         out.details["ipcache_prefixes"] = str(len(self.ipcache.entries))
         out.details["reports_delivered"] = str(self.reporter.delivered)

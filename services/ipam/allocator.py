@@ -307,6 +307,9 @@ class IdentityAllocator:
         happens only if the identity was collected in the meantime.
         """
         moved = []
+        # References of the node this process did not take went with the lease; forget them.
+        for key in [k for k in self._owners if k[0] == node and k not in self._held]:
+            del self._owners[key]
         for (n, owner), labels in list(self._held.items()):
             if n != node:
                 continue
@@ -352,6 +355,15 @@ class IdentityAllocator:
             ident = keys.parse_identity_ref(kv.key)[0]
             out[ident] = out.get(ident, 0) + 1
         return out
+
+    def held(self, node: str, owner: str) -> int | None:
+        """The identity ``owner`` holds on ``node`` as this process knows it (loaded, taken or released here)."""
+        found = self._owners.get((node, owner))
+        return found[0] if found is not None else None
+
+    def owner_keys(self) -> set[tuple[str, str]]:
+        """Every (node, owner) holding a reference, as this process knows it."""
+        return set(self._owners)
 
     async def holders(self, owner_prefix: str = "") -> list[Holder]:
         """Every owner key (across all processes), optionally only owners starting with ``owner_prefix``."""

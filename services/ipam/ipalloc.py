@@ -143,6 +143,10 @@ class IPAllocator:
         """Addresses ``owner`` holds on ``node``, IPv4 first."""
         return tuple(ip for f in (4, 6) if (ip := self._owners.get((node, f, owner))) is not None)
 
+    def owner_keys(self) -> set[tuple[str, str]]:
+        """Every (node, owner) holding an address."""
+        return {(node, owner) for node, _family, owner in self._owners}
+
     def _family_in_use(self, node: str, family: int) -> int:
         return len(self._used.get((node, family), ()))
 

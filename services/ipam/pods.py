@@ -1,20 +1,36 @@
-"""Pod identities and ipcache entries from the Kubernetes deltas on the bus.
+"""Pod identities and ipcache entries: from the Kubernetes deltas on the bus, and for API endpoints.
 
 One task owns all pod state and applies events from a queue in order: object
-changes, IPAM allocations made for pods over gRPC, lost node leases, and the
-post-sync sweep. For each pod it computes the identity labels (its own labels,
-its namespace's labels, service account, cluster), holds a reference on that
-identity under the pod's node (owner ``pod/<ns>/<name>``), and publishes an
-ipcache entry per pod address. A label change (of the pod or its namespace)
-moves the reference in one transaction; a pod that goes, finishes or loses its
-node drops its reference and its entries are tombstoned.
+changes, IPAM allocations and identity references made over gRPC, lost node
+leases, and the post-sync sweep. For each pod it computes the identity labels
+(its own labels, its namespace's labels, service account, cluster), holds a
+reference on that identity under the pod's node (owner ``pod/<ns>/<name>``), and
+publishes an ipcache entry per pod address. A label change (of the pod or its
+namespace) moves the reference in one transaction; a pod that goes, finishes or
+loses its node drops its reference and its entries are tombstoned.
+
+Endpoints created through the datapath API with explicit labels (the dev node,
+``palisade connectivity probe``) are not on the bus: the datapath takes their
+identity reference (IdentityService.AllocateIdentity) and their address
+(IPAMService.AllocateIP, with the pod's named ports) itself. ipam *joins* the two:
+whenever one owner holds both an identity reference and an address on a node, the
+address gets an ipcache entry (identity, node, namespace/pod from the owner, named
+ports), stored and published like a bus pod's; when either goes, the entry is
+tombstoned. Both halves live in etcd, so a restarted ipam rebuilds the joins (its
+named ports from the stored entries) at the post-sync sweep, and the sweep never
+releases what such an owner holds.
+
+A pod known from the bus wins over an API endpoint with the same owner: while the
+bus has the pod (or, until the sweep, a tombstone of it), no join is published for
+that owner, and a reference the API moves or drops for an active bus pod on its
+node is taken back for the bus pod's labels.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from palisade.v1 import identity_pb2
@@ -25,7 +41,16 @@ from services.ipam.errors import ErrorCode, IpamError
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import StoreUnavailable
 from services.ipam.model import Identity
-from services.ipam.podwatch import Change, ObjectKind, Pod, host_prefix, parse_owner, parse_pod, pod_owner
+from services.ipam.podwatch import (
+    Change,
+    NamedPort,
+    ObjectKind,
+    Pod,
+    host_prefix,
+    parse_owner,
+    parse_pod,
+    pod_owner,
+)
 from services.ipam.publish import IdentityPublisher, IpcacheWriter
 
 log = get_logger("pods")
@@ -38,12 +63,26 @@ class K8sChanged:
     change: Change
 
 
+NamedPorts = tuple[tuple[str, NamedPort], ...]
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class OwnerChanged:
     """An IPAM allocation for ``owner`` on ``node`` was made or released."""
 
     node: str
     owner: str
+    #: The named ports given with an allocation; None when the event says nothing about them.
+    named_ports: NamedPorts | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReferenceChanged:
+    """An identity reference of ``owner`` on ``node`` was taken (``held``) or dropped over IdentityService."""
+
+    node: str
+    owner: str
+    held: bool
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,7 +99,19 @@ class Sweep:
     done: asyncio.Future[None]
 
 
-Event = K8sChanged | OwnerChanged | NodeResync | Sweep
+Event = K8sChanged | OwnerChanged | ReferenceChanged | NodeResync | Sweep
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ApiOwner:
+    """The entries of an API endpoint: whatever ``owner`` holds on ``node``."""
+
+    node: str
+    owner: str
+
+
+#: Who claims ipcache entries: a pod from the bus, or an API owner on a node.
+EntryKey = PodKey | ApiOwner
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,8 +155,16 @@ class PodManager:
         self._pods: dict[PodKey, Pod] = {}
         self._namespaces: dict[str, Mapping[str, Any]] = {}
         self._applied: dict[PodKey, Applied] = {}
-        self._entries: dict[PodKey, dict[str, identity_pb2.IpcacheEntry]] = {}
-        self._claims: dict[str, list[PodKey]] = {}
+        self._entries: dict[EntryKey, dict[str, identity_pb2.IpcacheEntry]] = {}
+        self._claims: dict[str, list[EntryKey]] = {}
+        #: Named ports of API owners, as given with their addresses.
+        self._ports: dict[tuple[str, str], NamedPorts] = {}
+        #: (node, owner) references taken over IdentityService by this process and not dropped since.
+        self._api_refs: set[tuple[str, str]] = set()
+        #: Pods the bus deleted, until the sweep has released what they held.
+        self._bus_gone: set[PodKey] = set()
+        #: Nodes where each API owner's addresses have entries.
+        self._joined: dict[str, set[str]] = {}
         self.swept = asyncio.Event()
 
     # -- feeding -----------------------------------------------------------
@@ -123,6 +182,10 @@ class PodManager:
 
     def pod_count(self) -> int:
         return len(self._pods)
+
+    def api_endpoint_count(self) -> int:
+        """API owners whose addresses have ipcache entries."""
+        return sum(len(nodes) for nodes in self._joined.values())
 
     def resolve(self, namespace: str, name: str) -> Resolution | None:
         key = (namespace, name)
@@ -178,15 +241,44 @@ class PodManager:
         if isinstance(event, K8sChanged):
             await self._on_change(event.change)
         elif isinstance(event, OwnerChanged):
+            if event.named_ports is not None:
+                self._ports[(event.node, event.owner)] = event.named_ports
             key = parse_owner(event.owner)
             if key is not None and key in self._pods:
                 await self._ensure(key)
+            await self._join(event.node, event.owner)
+        elif isinstance(event, ReferenceChanged):
+            await self._on_reference(event)
         elif isinstance(event, NodeResync):
             for key, applied in list(self._applied.items()):
                 if applied.node == event.node:
                     await self._ensure(key, force=True)
+            await self._join_where(lambda node, _owner: node == event.node)
         else:
             await self._sweep()
+
+    async def _on_reference(self, event: ReferenceChanged) -> None:
+        holder = (event.node, event.owner)
+        key = parse_owner(event.owner)
+        if event.held:
+            self._api_refs.add(holder)
+            if key is not None:
+                self._bus_gone.discard(key)  # taken after the bus deleted the pod: the API's now
+        else:
+            self._api_refs.discard(holder)
+        pod = self._pods.get(key) if key is not None else None
+        applied = self._applied.get(key) if key is not None else None
+        taken = applied is not None and self._allocator.held(event.node, event.owner) == applied.identity.id
+        if key is not None and pod is not None and pod.active and pod.node == event.node and not taken:
+            # The bus pod wins: the API moved or dropped the reference ipam holds for it.
+            log.warning(
+                "api changed a bus pod's identity reference, taking it back",
+                namespace=key[0],
+                pod=key[1],
+                node=event.node,
+            )
+            await self._ensure(key, force=True)
+        await self._join(event.node, event.owner)
 
     async def _on_change(self, change: Change) -> None:
         if change.kind == ObjectKind.NAMESPACE:
@@ -200,16 +292,24 @@ class PodManager:
             key = (change.namespace, change.name)
             if change.obj is None:
                 self._pods.pop(key, None)
+                if not self.swept.is_set():
+                    self._bus_gone.add(key)
             else:
                 self._pods[key] = parse_pod(change)
+                self._bus_gone.discard(key)
             await self._ensure(key)
+            # After the bus pod's own entries, so an address both claim never flaps. Before the sweep
+            # there is nothing to rejoin: the sweep joins everything once the bus state is in.
+            await self._rejoin_owner(pod_owner(*key), scan=change.obj is None and self.swept.is_set())
         else:
             await self._ipalloc.observe_node(change.name, change.obj)
             if change.obj is None:
                 await self._allocator.drop_node(change.name)
+                self._api_refs = {h for h in self._api_refs if h[0] != change.name}
                 for key, applied in list(self._applied.items()):
                     if applied.node == change.name:
                         await self._ensure(key, force=True)
+                await self._join_where(lambda node, _owner: node == change.name)
 
     # -- one pod -----------------------------------------------------------
 
@@ -268,7 +368,87 @@ class PodManager:
             entries[prefix] = entry
         await self._set_entries(key, entries)
 
-    async def _set_entries(self, key: PodKey, entries: dict[str, identity_pb2.IpcacheEntry]) -> None:
+    # -- API endpoints -----------------------------------------------------
+
+    def _bus_owns(self, key: PodKey | None) -> bool:
+        """Whether the bus decides for this owner (it has the pod, or deleted it before the sweep)."""
+        return key is not None and (key in self._pods or key in self._bus_gone)
+
+    def _api_candidates(self) -> set[tuple[str, str]]:
+        joined = {(node, owner) for owner, nodes in self._joined.items() for node in nodes}
+        return self._allocator.owner_keys() | self._ipalloc.owner_keys() | joined
+
+    async def _rejoin_owner(self, owner: str, *, scan: bool) -> None:
+        """Join ``owner`` again where it has entries (and, with ``scan``, wherever it holds something)."""
+        nodes = set(self._joined.get(owner, ()))
+        if scan:
+            nodes |= {n for n, o in self._api_candidates() if o == owner}
+        for node in sorted(nodes):
+            await self._join(node, owner)
+
+    async def _join_where(self, pick: Callable[[str, str], bool]) -> None:
+        for node, owner in sorted(self._api_candidates()):
+            if pick(node, owner):
+                await self._join(node, owner)
+
+    async def _join(self, node: str, owner: str) -> None:
+        """Publish (or tombstone) the ipcache entries of what ``owner`` holds on ``node``."""
+        holder = ApiOwner(node, owner)
+        identity = self._allocator.held(node, owner)
+        ips = self._ipalloc.owner_ips(node, owner)
+        if identity is None and not ips:
+            self._ports.pop((node, owner), None)
+        key = parse_owner(owner)
+        entries: dict[str, identity_pb2.IpcacheEntry] = {}
+        if identity is not None and ips and not self._bus_owns(key):
+            namespace, pod = key if key is not None else ("", "")
+            ports = self._api_ports(node, owner, ips)
+            for ip in ips:
+                prefix = host_prefix(ip)
+                entry = identity_pb2.IpcacheEntry(
+                    prefix=prefix, identity=identity, node=node, namespace=namespace, pod=pod
+                )
+                for port_name, port in ports:
+                    entry.named_ports[port_name].port = port.port
+                    entry.named_ports[port_name].protocol = port.protocol
+                entries[prefix] = entry
+        before = self._entries.get(holder)
+        if not entries and before is None:
+            return
+        await self._set_entries(holder, entries)
+        if entries:
+            self._joined.setdefault(owner, set()).add(node)
+        else:
+            nodes = self._joined.get(owner, set())
+            nodes.discard(node)
+            if not nodes:
+                self._joined.pop(owner, None)
+        if entries and before is None:
+            log.info("api endpoint joined", node=node, owner=owner, id=identity, ips=",".join(ips))
+        elif not entries:
+            log.info("api endpoint left", node=node, owner=owner)
+
+    def _api_ports(self, node: str, owner: str, ips: tuple[str, ...]) -> NamedPorts:
+        """The owner's named ports: as last given, else as stored with its entries (after a restart)."""
+        known = self._ports.get((node, owner))
+        if known is not None:
+            return known
+        key = parse_owner(owner) or ("", "")
+        for ip in ips:
+            stored = self._ipcache.entries.get(host_prefix(ip))
+            if stored is not None and stored.node == node and (stored.namespace, stored.pod) == key:
+                ports = tuple((name, NamedPort(p.port, p.protocol)) for name, p in sorted(stored.named_ports.items()))
+                self._ports[(node, owner)] = ports
+                return ports
+        return ()
+
+    def _api_holds(self, node: str, owner: str) -> bool:
+        """Whether a reference of ``owner`` on ``node`` belongs to an API endpoint (the sweep keeps it)."""
+        if (node, owner) in self._api_refs:
+            return True
+        return not self._bus_owns(parse_owner(owner)) and bool(self._ipalloc.owner_ips(node, owner))
+
+    async def _set_entries(self, key: EntryKey, entries: dict[str, identity_pb2.IpcacheEntry]) -> None:
         old = self._entries.get(key, {})
         if entries:
             self._entries[key] = entries
@@ -292,16 +472,22 @@ class PodManager:
             await self._ipcache.upsert(entry)
 
     async def _sweep(self) -> None:
-        """Forget what etcd holds for pods that went while ipam was away."""
+        """Rejoin API endpoints, then forget what etcd holds for pods that went while ipam was away."""
+        await self._join_where(lambda _node, _owner: True)
         for prefix in sorted(set(self._ipcache.entries) - set(self._claims)):
             await self._ipcache.delete(prefix)
             log.info("stale ipcache entry removed", prefix=prefix)
         for holder in await self._allocator.holders("pod/"):
             key = parse_owner(holder.owner)
             applied = self._applied.get(key) if key is not None else None
-            if applied is None or applied.node != holder.node:
-                try:
-                    await self._allocator.release(holder.identity, holder.node, holder.owner)
-                except IpamError:
-                    continue
-                log.info("stale pod reference released", node=holder.node, owner=holder.owner, id=holder.identity)
+            if applied is not None and applied.node == holder.node:
+                continue
+            if self._api_holds(holder.node, holder.owner):
+                continue
+            try:
+                await self._allocator.release(holder.identity, holder.node, holder.owner)
+            except IpamError:
+                continue
+            log.info("stale pod reference released", node=holder.node, owner=holder.owner, id=holder.identity)
+            await self._join(holder.node, holder.owner)
+        self._bus_gone.clear()

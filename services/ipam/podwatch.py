@@ -14,8 +14,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from palisade.v1 import common_pb2, k8s_pb2
+from palisade.v1 import common_pb2, identity_pb2, k8s_pb2
 from services.common.labels import LabelSet, pod_identity_labels
+from services.ipam.errors import ErrorCode, IpamError
 
 #: Pod phases after which a pod holds no address and no identity (as for Cilium endpoints).
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
@@ -162,6 +163,28 @@ def _named_ports(spec: Mapping[str, Any]) -> tuple[tuple[str, NamedPort], ...]:
             proto = _PROTOCOLS.get(str(port.get("protocol") or "TCP").upper(), common_pb2.PROTOCOL_TCP)
             out.setdefault(str(port["name"]), NamedPort(number, proto))
     return tuple(sorted(out.items()))
+
+
+def named_ports_from_proto(ports: Mapping[str, identity_pb2.NamedPort]) -> tuple[tuple[str, NamedPort], ...]:
+    """Named ports given over the API, sorted by name; PROTOCOL_ANY means TCP, as in a pod spec.
+
+    Raises INVALID_ARGUMENT naming the port that cannot be a container port.
+    """
+    out = []
+    allowed = set(_PROTOCOLS.values())
+    for name, port in sorted(ports.items()):
+        if not name:
+            raise IpamError(ErrorCode.INVALID_ARGUMENT, "named_ports: a port has an empty name")
+        if not 0 < port.port <= 65535:
+            raise IpamError(ErrorCode.INVALID_ARGUMENT, f"named_ports[{name}]: port {port.port} is outside 1-65535")
+        protocol = port.protocol or common_pb2.PROTOCOL_TCP
+        if protocol not in allowed:
+            raise IpamError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"named_ports[{name}]: protocol {port.protocol} is not a container port protocol (TCP, UDP, SCTP)",
+            )
+        out.append((name, NamedPort(port.port, protocol)))
+    return tuple(out)
 
 
 def parse_pod(change: Change) -> Pod:

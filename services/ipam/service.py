@@ -59,6 +59,7 @@ class Ipam:
         status.details["nodes"] = str(len(self.ipalloc.node_records()))
         status.details["pods"] = str(self.pods.pod_count())
         status.details["ipcache"] = str(len(self.ipcache.entries))
+        status.details["api_endpoints"] = str(self.pods.api_endpoint_count())
         status.details["mode"] = self.config.mode.value
 
 

@@ -19,7 +19,8 @@ from services.ipam.ipalloc import IPAllocation, IPAllocator
 from services.ipam.kv import StoreError, StoreUnavailable
 from services.ipam.model import RESERVED, carries, labels_from_proto, reserved_identity
 from services.ipam.nodecidr import CIDRSource, NodeRecord
-from services.ipam.pods import OwnerChanged, PodManager
+from services.ipam.pods import OwnerChanged, PodManager, ReferenceChanged
+from services.ipam.podwatch import named_ports_from_proto
 from services.ipam.publish import IdentityPublisher
 
 log = get_logger("grpc")
@@ -75,6 +76,7 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
             result = await self._allocator.allocate(labels_from_proto(request.labels), request.node, request.owner)
             if result.revision:
                 await self._publisher.seen(result.identity, result.revision)
+                self._pods.submit(ReferenceChanged(request.node, request.owner, held=True))
             refs = await self._allocator.references(result.identity.id) if result.revision else 0
             return identity_pb2.AllocateIdentityResponse(identity=result.identity.to_proto(refs), new=result.new)
 
@@ -89,6 +91,7 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
                     ErrorCode.INVALID_ARGUMENT, f"identity {request.id} is reserved and holds no references"
                 )
             last = await self._allocator.release(request.id, request.node, request.owner)
+            self._pods.submit(ReferenceChanged(request.node, request.owner, held=False))
             return identity_pb2.ReleaseIdentityResponse(last_reference=last)
 
         return await _call(context, "ReleaseIdentity", body)
@@ -159,8 +162,9 @@ class IPAMServicer(ipam_pb2_grpc.IPAMServiceServicer):
     ) -> ipam_pb2.IPAllocation:
         async def body() -> ipam_pb2.IPAllocation:
             family = _FAMILY_IN.get(request.family)
+            ports = named_ports_from_proto(request.named_ports)
             result = await self._ipalloc.allocate(request.node, request.owner, family, request.ip)
-            self._pods.submit(OwnerChanged(result.node, result.owner))
+            self._pods.submit(OwnerChanged(result.node, result.owner, ports))
             return allocation_proto(result)
 
         return await _call(context, "AllocateIP", body)

@@ -172,7 +172,10 @@ class ControlPlane(
         async with self.changed:
             for report in request.reports:
                 self.reports.append(report)
-                self.realized[report.endpoint_id] = (report.identity, report.revision)
+                if report.deleted:
+                    self.realized.pop(report.endpoint_id, None)
+                else:
+                    self.realized[report.endpoint_id] = (report.identity, report.revision)
             self.changed.notify_all()
         return policy_pb2.ReportRealizedResponse()
 

@@ -196,6 +196,68 @@ async def test_a_sequence_gap_resyncs_and_later_orders_apply_on_top(agent: InPro
     assert verdict(agent, db.id, web.ips[0], 10) is dt.Verdict.DENY
 
 
+async def test_removed_identities_replace_orders_and_deleted_endpoints(agent: InProcessAgent, cp: ControlPlane) -> None:
+    assert agent.stub is not None and agent.agent is not None
+    manager = agent.agent.manager
+    web = await create(agent, "web", app="web")
+    db = await create(agent, "db", app="db")
+    await cp.set_policy(4500, [entry(ING, web.identity, 9)])  # an identity with no endpoint here (yet)
+    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 80)])
+    await cp.wait_realized(rev, [web.id, db.id])
+    assert 4500 in manager.policies
+
+    # The node no longer hosts 4500 (dropped) nor, as far as the policy service knows, db's identity:
+    # db's endpoint still has it, so its policy stays enforced until the endpoint moves on.
+    cp.sequence += 1
+    cp.revision += 1
+    await cp.publish_raw(
+        policy_pb2.RegenerationOrder(
+            node=NODE, sequence=cp.sequence, revision=cp.revision, removed_identities=[4500, db.identity]
+        )
+    )
+    await cp.wait_realized(cp.revision, [web.id, db.id])
+    assert 4500 not in manager.policies and db.identity in manager.policies
+    assert verdict(agent, db.id, web.ips[0], 80) is dt.Verdict.ALLOW
+    assert verdict(agent, db.id, web.ips[0], 81) is dt.Verdict.DENY
+
+    # The policy service restarted: its first order (after a gap) is the whole state; no resync is needed.
+    resyncs = len(cp.resyncs)
+    cp.sequence += 2
+    cp.revision += 1
+    full = common_pb2.IdentityPolicyDiff(
+        identity=web.identity,
+        enforcement=common_pb2.Enforcement(ingress=True),
+        add=[entry(ING, db.identity, 443)],
+        full=True,
+    )
+    await cp.publish_raw(
+        policy_pb2.RegenerationOrder(
+            node=NODE, sequence=cp.sequence, revision=cp.revision, diffs=[full, empty_full_diff(4600)], replace=True
+        )
+    )
+    await cp.wait_realized(cp.revision, [web.id, db.id])
+    assert len(cp.resyncs) == resyncs
+    assert agent.agent.consumer.replaces == 1 and agent.agent.consumer.sequence == cp.sequence
+    assert set(manager.policies) == {web.identity, db.identity, 4600}
+    assert verdict(agent, web.id, db.ips[0], 443) is dt.Verdict.ALLOW
+    assert verdict(agent, web.id, db.ips[0], 80) is dt.Verdict.DENY
+    assert verdict(agent, db.id, web.ips[0], 80) is dt.Verdict.ALLOW  # kept for its endpoint
+
+    # Deleting an endpoint tells the policy service to forget it; its kept policy goes with it.
+    await agent.stub.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=db.id))
+    await eventually(lambda: any(r.deleted for r in cp.reports))
+    (gone,) = [r for r in cp.reports if r.deleted]
+    assert (gone.node, gone.endpoint_id, gone.identity, gone.pod) == (NODE, db.id, db.identity, "x/db")
+    assert db.identity not in manager.policies
+    # A new endpoint of a kept-then-dropped identity fetches its policy again.
+    again = await create(agent, "db2", app="db")
+    assert again.identity == db.identity and cp.resyncs[-1].identities == [db.identity]
+
+
+def empty_full_diff(identity: int) -> common_pb2.IdentityPolicyDiff:
+    return common_pb2.IdentityPolicyDiff(identity=identity, enforcement=common_pb2.Enforcement(ingress=True), full=True)
+
+
 async def test_restart_restores_endpoints_cleans_stale_ones_and_catches_up(
     agent: InProcessAgent, cp: ControlPlane
 ) -> None:

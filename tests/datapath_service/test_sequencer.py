@@ -15,6 +15,7 @@ from services.datapath.orders import (
     entry_from_proto,
     entry_to_proto,
     merge_diffs,
+    replace_as_resync,
 )
 
 ING = common_pb2.DIRECTION_INGRESS
@@ -45,10 +46,18 @@ def diff(identity: int, add=(), remove=(), full=False, ingress=True) -> common_p
 
 
 def order(
-    seq: int, *diffs: common_pb2.IdentityPolicyDiff, chunk=0, chunks=0, fetch=False
+    seq: int, *diffs: common_pb2.IdentityPolicyDiff, chunk=0, chunks=0, fetch=False, removed=(), replace=False
 ) -> policy_pb2.RegenerationOrder:
     return policy_pb2.RegenerationOrder(
-        node="n1", sequence=seq, revision=100 + seq, diffs=list(diffs), chunk=chunk, chunks=chunks, fetch=fetch
+        node="n1",
+        sequence=seq,
+        revision=100 + seq,
+        diffs=list(diffs),
+        chunk=chunk,
+        chunks=chunks,
+        fetch=fetch,
+        removed_identities=list(removed),
+        replace=replace,
     )
 
 
@@ -125,6 +134,35 @@ def test_chunks_apply_once_complete_in_any_arrival_order() -> None:
     (merged,) = actions[0].batch.diffs
     assert merged.full
     assert list(merged.add) == [a, b]
+
+
+def test_a_replace_order_is_the_whole_state_even_after_a_gap() -> None:
+    seq = Sequencer()
+    seq.resynced(1)
+    assert kinds(seq.offer(order(3))) == ["resync gap"]
+    # The policy service restarted: its first order replaces everything, so 2 and 3 no longer matter.
+    actions = seq.offer(order(5, diff(256, add=[pb_entry(300, 80)], full=True), replace=True))
+    assert kinds(actions) == ["apply 5"]
+    assert isinstance(actions[0], Apply) and actions[0].batch.replace
+    assert seq.last == 5 and seq.gaps == 1
+    assert kinds(seq.offer(order(6))) == ["apply 6"]
+    assert kinds(seq.offer(order(4, replace=True))) == []  # older than what is applied
+
+    resync = replace_as_resync(actions[0].batch)
+    assert (resync.sequence, resync.revision) == (5, 105)
+    assert [(p.identity, p.enforcement.ingress, len(p.entries)) for p in resync.policies] == [(256, True, 1)]
+
+
+def test_removed_identities_and_replace_survive_chunking() -> None:
+    seq = Sequencer()
+    seq.resynced(1)
+    assert kinds(seq.offer(order(2, diff(256), chunk=1, chunks=2, replace=True))) == []
+    actions = seq.offer(order(2, diff(257), chunk=0, chunks=2, removed=[300, 301], replace=True))
+    assert isinstance(actions[0], Apply)
+    batch = actions[0].batch
+    assert (batch.removed, batch.replace, [d.identity for d in batch.diffs]) == ((300, 301), True, [257, 256])
+    plain = seq.offer(order(3, removed=[257]))
+    assert isinstance(plain[0], Apply) and plain[0].batch.removed == (257,) and not plain[0].batch.replace
 
 
 def test_merge_diffs_keeps_one_diff_per_identity() -> None:

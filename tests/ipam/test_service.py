@@ -376,3 +376,118 @@ async def test_etcd_restart_is_survived(
     assert r2_after is not None and r2_after.identity.id == r2.identity.id
     assert health_status(proc.address) == SERVING
     assert proc.terminate() == 0
+
+
+def _labels(**kv: str) -> list[common_pb2.Label]:
+    return [common_pb2.Label(source="k8s", key=k, value=v) for k, v in kv.items()]
+
+
+async def _take(api: Api, owner: str, node: str = "node-a", **labels: str) -> int:
+    ns = owner.split("/")[1]
+    resp = await api.identity.AllocateIdentity(
+        identity_pb2.AllocateIdentityRequest(
+            labels=_labels(**labels, **{"io.kubernetes.pod.namespace": ns}), node=node, owner=owner
+        ),
+        timeout=5,
+    )
+    return int(resp.identity.id)
+
+
+async def _address(api: Api, owner: str, node: str = "node-a", **ports: int) -> str:
+    request = ipam_pb2.AllocateIPRequest(node=node, owner=owner)
+    for name, port in ports.items():
+        request.named_ports[name].port = port
+        request.named_ports[name].protocol = (
+            common_pb2.PROTOCOL_UDP if name.startswith("dns") else common_pb2.PROTOCOL_ANY
+        )
+    alloc = await api.ipam.AllocateIP(request, timeout=5)
+    return str(alloc.ip)
+
+
+async def test_api_endpoints_get_ipcache_entries_joined_from_identity_and_address(
+    nats_server: NatsServer, etcd_server: EtcdServer, service: Callable[..., ServiceProcess], bus: Bus
+) -> None:
+    """An owner holding an identity reference and an address on a node gets an ipcache entry; restarts keep it."""
+    view = await BusView.start(bus)
+    k8s = K8s(bus)
+    await k8s.apply(pod("shop", "db", {"app": "db"}, ip="10.244.0.200"))  # a bus pod
+    await k8s.synced()
+    proc = service("ipam", *ipam_args(nats_server, etcd_server))
+    api = Api(proc.address)
+
+    # Identity first, then the address with named ports (the datapath's order): one entry.
+    web_id = await _take(api, "pod/dev/web", app="web")
+    web_ip = await _address(api, "pod/dev/web", http=8080, dns=53)
+    entry = await eventually(lambda: view.entry(f"{web_ip}/32"))
+    assert (entry.identity, entry.node, entry.namespace, entry.pod) == (web_id, "node-a", "dev", "web")
+    assert {n: (p.port, p.protocol) for n, p in entry.named_ports.items()} == {
+        "http": (8080, common_pb2.PROTOCOL_TCP),
+        "dns": (53, common_pb2.PROTOCOL_UDP),
+    }
+    # The other order joins too; one half alone does not.
+    cli_ip = await _address(api, "pod/dev/cli")
+    await _take(api, "pod/dev/only-identity", app="x")
+    lonely_ip = await _address(api, "pod/dev/only-address")
+    cli_id = await _take(api, "pod/dev/cli", app="cli")
+    assert (await eventually(lambda: view.entry(f"{cli_ip}/32"))).identity == cli_id
+    # A bus pod wins over an API endpoint with its owner: no entry for the API address, its identity stays.
+    db_bus = await eventually(lambda: view.entry("10.244.0.200/32"))
+    await _take(api, "pod/shop/db", app="impostor")
+    api_db_ip = await _address(api, "pod/shop/db")
+    await eventually(lambda: _resolves_to(api, "shop", "db", db_bus.identity))
+    code = await api.code(
+        api.ipam.AllocateIP(
+            ipam_pb2.AllocateIPRequest(
+                node="node-a", owner="pod/dev/bad", named_ports={"x": identity_pb2.NamedPort(port=70000)}
+            ),
+            timeout=5,
+        )
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    status = await api.status.GetStatus(common_pb2.GetStatusRequest(), timeout=5)
+    assert status.details["api_endpoints"] == "2"
+    for ip in (lonely_ip, api_db_ip):
+        assert f"{ip}/32" not in view.ipcache
+    assert view.entry("10.244.0.200/32") == db_bus
+
+    # kill -9 and restart: the sweep keeps what API owners hold, the entries are rebuilt unchanged.
+    published = {p: e.SerializeToString(deterministic=True) for p, e in view.ipcache.items()}
+    proc.kill()
+    proc = service("ipam", *ipam_args(nats_server, etcd_server))
+    api = Api(proc.address)
+    status = await api.status.GetStatus(common_pb2.GetStatusRequest(), timeout=5)
+    assert status.synced and status.details["api_endpoints"] == "2"
+    assert (await api.identity.GetIdentity(identity_pb2.GetIdentityRequest(id=web_id), timeout=5)).references == 1
+    assert (await api.identity.GetIdentity(identity_pb2.GetIdentityRequest(id=cli_id), timeout=5)).references == 1
+    # The stream is ordered: once a later entry is in, anything the sweep published is in too.
+    await _take(api, "pod/dev/late", app="late")
+    late_ip = await _address(api, "pod/dev/late")
+    await eventually(lambda: view.entry(f"{late_ip}/32"))
+    assert {p: view.ipcache[p].SerializeToString(deterministic=True) for p in published} == published
+
+    # After the restart the ports come from the stored entry: a new identity keeps them.
+    new_web = await _take(api, "pod/dev/web", app="web2")
+    moved = await eventually(lambda: (e := view.entry(f"{web_ip}/32")) is not None and e.identity == new_web and e)
+    assert set(moved.named_ports) == {"http", "dns"}
+
+    # Either half going tombstones the entry.
+    await api.ipam.ReleaseIP(ipam_pb2.ReleaseIPRequest(node="node-a", ip=web_ip, owner="pod/dev/web"), timeout=5)
+    await eventually(lambda: view.ipcache[f"{web_ip}/32"].deleted)
+    await api.identity.ReleaseIdentity(
+        identity_pb2.ReleaseIdentityRequest(id=cli_id, node="node-a", owner="pod/dev/cli"), timeout=5
+    )
+    await eventually(lambda: view.ipcache[f"{cli_ip}/32"].deleted)
+    tomb = view.ipcache[f"{cli_ip}/32"]
+    assert (tomb.identity, tomb.namespace, tomb.pod) == (cli_id, "dev", "cli")
+    status = await api.status.GetStatus(common_pb2.GetStatusRequest(), timeout=5)
+    assert status.details["api_endpoints"] == "1"  # pod/dev/late
+    assert proc.terminate() == 0
+
+
+async def _resolves_to(api: Api, ns: str, name: str, identity: int) -> bool:
+    r = await api.resolve(ns, name)
+    if r is None or r.identity.id != identity:
+        return False
+    # The reference the API moved was taken back for the bus pod's labels.
+    held = await api.identity.GetIdentity(identity_pb2.GetIdentityRequest(id=identity), timeout=5)
+    return bool(held.references == 1)

@@ -35,7 +35,13 @@ async def test_large_orders_are_chunked_or_fetched_and_applied_whole(
 
     # 30 identities x 30 peers: about 18 KB of diffs, sent as a handful of chunks.
     await feed.policy(front_policy("one-port", [80]))
-    chunked = await eventually(lambda: [o for o in log.by_node.get("n1", []) if o.chunks > 1], "a chunked order")
+
+    def all_chunks() -> list:  # type: ignore[type-arg]
+        chunks = [o for o in log.by_node.get("n1", []) if o.chunks > 1]
+        # Chunks are published one by one: wait until the last one is in.
+        return chunks if chunks and len(chunks) >= chunks[0].chunks else []
+
+    chunked = await eventually(all_chunks, "every chunk of a chunked order")
     assert all(o.ByteSize() <= 4096 for o in chunked)
     assert len({o.sequence for o in chunked}) == 1 and len(chunked) == chunked[0].chunks
     await eventually(lambda: dp.state.sequence == chunked[0].sequence, "the chunked order applied")
