@@ -85,6 +85,19 @@ class ReservedIdentity(enum.IntEnum):
         return self.name.lower().replace("_", "-")
 
 
+#: The reserved identities a cluster uses (Cilium's 1-7); ingress and the split
+#: world-ipv4/ipv6 identities are not used in single-world mode.
+CLUSTER_RESERVED_IDENTITIES = (
+    ReservedIdentity.HOST,
+    ReservedIdentity.WORLD,
+    ReservedIdentity.UNMANAGED,
+    ReservedIdentity.HEALTH,
+    ReservedIdentity.INIT,
+    ReservedIdentity.REMOTE_NODE,
+    ReservedIdentity.KUBE_APISERVER,
+)
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class Label:
     """One label. Ordering is (source, key, value) so label sets sort stably."""

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 from palisade.v1 import common_pb2, identity_pb2
 from services.common.labels import (
+    CLUSTER_RESERVED_IDENTITIES,
     Label,
     LabelSet,
     LabelSource,
@@ -31,15 +32,7 @@ MIN_CIDR_ID = 1 << 24
 MAX_CIDR_ID = (1 << 25) - 1
 
 #: Reserved identities ipam answers for (Cilium's numbers 1-7).
-RESERVED = (
-    ReservedIdentity.HOST,
-    ReservedIdentity.WORLD,
-    ReservedIdentity.UNMANAGED,
-    ReservedIdentity.HEALTH,
-    ReservedIdentity.INIT,
-    ReservedIdentity.REMOTE_NODE,
-    ReservedIdentity.KUBE_APISERVER,
-)
+RESERVED = CLUSTER_RESERVED_IDENTITIES
 _RESERVED_BY_KEY = {r.label_key: r for r in RESERVED}
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from services.common.labels import (
     CLUSTER_NAME_DEFAULT,
+    CLUSTER_RESERVED_IDENTITIES,
     LABEL_POLICY_CLUSTER,
     Label,
     LabelSet,
@@ -29,17 +30,8 @@ MIN_CLUSTER_IDENTITY = 256
 MAX_CLUSTER_IDENTITY = 65535
 LOCAL_IDENTITY_FLAG = 1 << 24
 
-#: Reserved identities an engine knows from the start (world-ipv4/ipv6 and
-#: ingress are not used in single-world mode).
-DEFAULT_RESERVED = (
-    ReservedIdentity.HOST,
-    ReservedIdentity.WORLD,
-    ReservedIdentity.UNMANAGED,
-    ReservedIdentity.HEALTH,
-    ReservedIdentity.INIT,
-    ReservedIdentity.REMOTE_NODE,
-    ReservedIdentity.KUBE_APISERVER,
-)
+#: Reserved identities an engine knows from the start.
+DEFAULT_RESERVED = CLUSTER_RESERVED_IDENTITIES
 
 _WORLD_PREFIXES: tuple[IPNetwork, ...] = (
     ipaddress.ip_network("0.0.0.0/0"),
