@@ -1,0 +1,90 @@
+"""Smoke runs of the whole-stack benchmarks in --quick mode, and their probe logic."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.bench_system import Attempt, verdict_time
+from tests.harness import ROOT
+
+
+def run_quick(script: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out: dict[str, Any] = json.loads(proc.stdout)
+    for row in out["summary"]:
+        assert set(row) == {"metric", "value", "unit"}
+        assert isinstance(row["value"], int | float)
+    for plot in out["plots"]:
+        assert plot["kind"] == "hist" and all(plot["series"].values())
+    return out
+
+
+def leftovers() -> set[str]:
+    """The benchmarks' bpffs directories and pod namespaces (theirs only: tests run alongside)."""
+    pins = {p.name for p in Path("/sys/fs/bpf").iterdir() if p.name.startswith("palisade-bench-")}
+    netns = Path("/run/netns")
+    names = {n.name for n in netns.iterdir()} if netns.is_dir() else set()
+    return pins | {n for n in names if n.startswith(("pal_bcp", "pal_bsys"))}
+
+
+@pytest.mark.root
+@pytest.mark.bcc
+@pytest.mark.timeout(240)
+def test_control_plane_quick() -> None:
+    before = leftovers()
+    out = run_quick("bench_control_plane.py")
+    services = out["services"]
+    assert services["endpoints"] == 10 and services["changes"] == 5
+    assert services["endpoints_ready_after_load"] == 10
+    assert set(services["rss_mib_loaded"]) >= {"watcher", "ipam", "policy", "datapath"}
+    assert all(v > 0 for v in services["rss_mib_loaded"].values())
+    assert services["implementation_delay_ms"]["p50"] > 0
+    assert out["engine"]["entries"] > 0 and out["policy_big"]["policy_rss_mib"] > 0
+    assert services["allocation"]["identity_new_per_s_c16"] > 0 and services["allocation"]["ip_allocate_per_s_c16"] > 0
+    assert leftovers() <= before, "pins or namespaces left behind"
+
+
+@pytest.mark.root
+@pytest.mark.bcc
+@pytest.mark.timeout(240)
+def test_system_quick() -> None:
+    before = leftovers()
+    out = run_quick("bench_system.py")
+    assert out["pods"] == 10 and out["changes"] == 5
+    assert 0 < out["file_to_enforced_ms"]["p50"] < 10_000
+    assert leftovers() <= before, "pins or namespaces left behind"
+
+
+def attempts(*spec: tuple[float, bool | None]) -> list[Attempt]:
+    """(start, ok) per attempt; ok None means still in flight."""
+    return [Attempt(start, done=ok is not None, ok=bool(ok)) for start, ok in spec]
+
+
+def test_allowed_is_the_first_success_once_earlier_attempts_are_done() -> None:
+    assert verdict_time(attempts((0.0, False), (0.1, True), (0.2, True)), True, 0.5) == 0.1
+    assert verdict_time(attempts((0.0, None), (0.1, True)), True, 0.5) is None  # 0.0 may still succeed
+    assert verdict_time(attempts((0.0, False), (0.1, False)), True, 0.5) is None
+
+
+def test_denied_needs_an_unbroken_run_of_failures_for_the_confirm_window() -> None:
+    flipped = attempts((0.0, True), (0.1, True), (0.2, False), (0.4, False), (0.7, False), (0.8, None))
+    assert verdict_time(flipped, False, 0.5) == 0.2
+    assert verdict_time(flipped[:4], False, 0.5) is None  # not yet 0.5 s of failures
+    flapping = attempts((0.0, True), (0.2, False), (0.3, True), (0.4, False), (1.0, False))
+    assert verdict_time(flapping, False, 0.5) == 0.4
+    pending = attempts((0.0, True), (0.2, None), (0.4, False), (0.8, False))
+    assert verdict_time(pending, False, 0.5) is None  # 0.2 might still succeed
