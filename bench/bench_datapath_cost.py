@@ -1,0 +1,1101 @@
+"""Datapath cost benchmark: what enforcement costs per packet, Palisade (BPF at tc) vs. iptables.
+
+Run as root on a machine with bcc, iperf3 and iptables:
+
+    .venv/bin/python bench/bench_datapath_cost.py            # about 7 minutes
+    .venv/bin/python bench/bench_datapath_cost.py --quick    # about 1 minute, a smoke run
+
+Two pods (network namespaces joined to the host by veths and routed through
+it, as Palisade wires pods) exchange traffic under three kinds of variant,
+all measured in one run:
+
+- ``none``: no filter at all: no programs attached, no iptables rules;
+- ``palisade-N``: Palisade's programs on both host veths, ingress and egress
+  enforced on both pods by a policy that allows the measured traffic, while
+  the policy map holds N other entries (other remote identities and ports:
+  half on the two measured endpoints, half on eight other endpoint ids) and
+  the ipcache N other addresses;
+- ``iptables-N``: the same policy written the way iptables-based engines write
+  it: a chain jumped to from FORWARD that accepts conntrack ESTABLISHED and
+  RELATED first (as kube-router and Calico do), then dispatches on the host
+  veth (``-i``/``-o``) to one chain per pod and direction holding one rule per
+  allowed remote address and port. All N other rules sit in the two chains a
+  new flow from the source to the destination walks (the source's egress
+  chain, then the destination's ingress chain) and the allowing rules come
+  last: the worst case of a linear ruleset, paid by the first packet of every
+  new flow (later packets match the ESTABLISHED rule).
+
+Every round runs each variant once, in forward order on even rounds and
+backward order on odd ones (A B C, C B A, ...), so a slow drift of the
+machine hits every variant alike. Metrics, as medians over rounds and as
+ratios to ``none``:
+
+- TCP throughput: one iperf3 stream;
+- 64-byte UDP rate: packets per second received (iperf3 -u -l 64 -b 0);
+- new-connection rate: a Python client in the source pod connects, waits for
+  the server's close and closes, against an accept-and-close server in the
+  destination pod. Every connection uses a fresh 4-tuple, so each one is a new
+  flow for Palisade's conntrack and for netfilter's. Palisade's flow events
+  are drained between samples, so the agent's reading of them is not counted.
+
+Samples are noisy on a small shared machine; the output also has per-round
+paired ratios (variant / none of the same round) and quartiles. After the
+rounds, a few more UDP and connection samples per Palisade variant run with
+the kernel's BPF run-time accounting on (BPF_ENABLE_STATS; it costs a little
+per run, so never during the rounds): the programs' own cost in nanoseconds
+per packet and per connection, far less sensitive to the machine's load
+(``bpf_run_time``, medians; ``--bpf-stats-rounds 0`` skips it).
+
+Before the first measurement of each variant, the script checks that it
+really does what it claims: the allowed port connects, a port the
+destination's ingress policy does not allow and a port the source's egress
+policy does not allow are both dropped, and the drop counters (BPF metrics,
+iptables rule counters) show where. The checks are in the output
+(``checks``, ``checks_passed``).
+
+Everything (namespaces, veths, iptables chains and the FORWARD jump, BPF pins
+under /sys/fs/bpf/palisade-bench-<run>) is removed at the end, on failure and
+on Ctrl-C too. The FORWARD chain's policy is never changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import ipaddress
+import json
+import os
+import re
+import secrets
+import selectors
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.datapath import netns
+from services.datapath.datapath import Datapath, teardown_all
+from services.datapath.maps.bpf import check, libbpf
+from services.datapath.netns import PodNetwork
+from services.datapath.types import (
+    Direction,
+    EndpointSpec,
+    Enforcement,
+    PolicyEntry,
+    PolicyKey,
+    Protocol,
+    Reason,
+)
+
+SCRIPT = str(Path(__file__).resolve())
+
+IPERF_PORT = 5201
+#: The connection-rate server listens on CONN_PORT .. CONN_PORT + CONN_PORTS - 1: an aligned
+#: block, so it is one policy-map prefix and one iptables rule.
+CONN_PORT = 6144
+CONN_PORTS = 32
+#: Allowed by the source's egress policy, not by the destination's ingress policy.
+PROBE_INGRESS_PORT = 7998
+#: Allowed by neither.
+PROBE_EGRESS_PORT = 7999
+#: Client source ports for the connection-rate test, below the default ephemeral range (32768+)
+#: so they never meet iperf3's. With CONN_PORTS destination ports: 704,000 distinct 4-tuples, about
+#: as many connections as a default run makes.
+CLIENT_PORT_LOW = 10000
+CLIENT_PORTS = 22000
+
+SRC_EP, DST_EP = 1, 2
+OTHER_EPS = tuple(range(11, 19))
+SRC_IDENTITY, DST_IDENTITY = 1001, 1002
+OTHER_IDENTITY_BASE = 20000
+#: The other remote addresses (rules and ipcache only; nothing routes to them).
+OTHER_ADDR_BASE = int(ipaddress.IPv4Address("100.64.0.0"))
+DEFAULT_LEVELS = (10, 1000, 10000)
+ENFORCE_BOTH = Enforcement(ingress=True, egress=True)
+
+#: How long a connection may take before a check calls it dropped.
+DENY_TIMEOUT = 0.3
+ALLOW_TIMEOUT = 3.0
+
+METRICS: dict[str, dict[str, str]] = {
+    "tcp_throughput": {"label": "TCP throughput", "unit": "Gbit/s"},
+    "udp_64b_rate": {"label": "64-byte UDP rate", "unit": "packets/s"},
+    "connection_rate": {"label": "New-connection rate", "unit": "connections/s"},
+}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def human(n: int) -> str:
+    if n >= 1000 and n % 1000 == 0:
+        return f"{n // 1000}k"
+    return str(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    kind: str  # "none" | "palisade" | "iptables"
+    entries: int = 0
+
+    @property
+    def name(self) -> str:
+        return "none" if self.kind == "none" else f"{self.kind}-{self.entries}"
+
+    @property
+    def label(self) -> str:
+        if self.kind == "none":
+            return "no filter"
+        if self.kind == "palisade":
+            return f"Palisade {human(self.entries)} entries"
+        return f"iptables {human(self.entries)} rules"
+
+
+@dataclasses.dataclass(frozen=True)
+class Other:
+    """One "other" policy entry / iptables rule: a remote that is not the measured peer."""
+
+    addr: str
+    identity: int
+    protocol: Protocol
+    port: int
+
+
+def other(i: int) -> Other:
+    # Ports 1024..5023: never one the measured traffic uses.
+    return Other(
+        addr=str(ipaddress.IPv4Address(OTHER_ADDR_BASE + 1 + i)),
+        identity=OTHER_IDENTITY_BASE + i,
+        protocol=Protocol.TCP if i % 2 == 0 else Protocol.UDP,
+        port=1024 + (i * 7) % 4000,
+    )
+
+
+# -- the allowed traffic, in both engines ----------------------------------------------
+
+#: (protocol, port_low, port_high) the source may send to the destination.
+EGRESS_ALLOWED = (
+    (Protocol.TCP, IPERF_PORT, IPERF_PORT),
+    (Protocol.UDP, IPERF_PORT, IPERF_PORT),
+    (Protocol.TCP, CONN_PORT, CONN_PORT + CONN_PORTS - 1),
+    (Protocol.TCP, PROBE_INGRESS_PORT, PROBE_INGRESS_PORT),
+)
+#: What the destination accepts from the source.
+INGRESS_ALLOWED = EGRESS_ALLOWED[:3]
+
+
+def palisade_policy(n: int) -> dict[int, list[PolicyEntry]]:
+    """Entries per endpoint: the allowing ones plus ``n`` others (half on src/dst, half elsewhere)."""
+    policy: dict[int, list[PolicyEntry]] = {ep: [] for ep in (SRC_EP, DST_EP, *OTHER_EPS)}
+    for proto, low, high in EGRESS_ALLOWED:
+        policy[SRC_EP].append(PolicyEntry(PolicyKey(Direction.EGRESS, DST_IDENTITY, proto, low, high)))
+    for proto, low, high in INGRESS_ALLOWED:
+        policy[DST_EP].append(PolicyEntry(PolicyKey(Direction.INGRESS, SRC_IDENTITY, proto, low, high)))
+    ours = n // 2
+    for i in range(n):
+        o = other(i)
+        if i < ours:
+            ep, direction = (SRC_EP, Direction.EGRESS) if i % 2 == 0 else (DST_EP, Direction.INGRESS)
+        else:
+            ep = OTHER_EPS[i % len(OTHER_EPS)]
+            direction = Direction.INGRESS if (i // len(OTHER_EPS)) % 2 else Direction.EGRESS
+        policy[ep].append(PolicyEntry(PolicyKey(direction, o.identity, o.protocol, o.port)))
+    return policy
+
+
+# -- helper processes --------------------------------------------------------------------
+
+
+def role_accept(ports: Sequence[int]) -> int:
+    """Accept-and-close server (runs inside the destination namespace)."""
+    sel = selectors.DefaultSelector()
+    listeners = []
+    for port in ports:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", port))
+        s.listen(4096)
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ)
+        listeners.append(s)
+    print("ready", flush=True)
+    while True:
+        for key, _ in sel.select():
+            sock = key.fileobj
+            assert isinstance(sock, socket.socket)
+            while True:
+                try:
+                    conn, _ = sock.accept()
+                except OSError:  # BlockingIOError: nothing more to accept now
+                    break
+                conn.close()
+
+
+def role_connect(src: str, dst: str, seconds: float, start: int) -> int:
+    """Connect / wait for the server's close / close, for ``seconds`` (runs in the source namespace).
+
+    Connection ``n`` uses destination port ``CONN_PORT + n % CONN_PORTS`` and source port
+    ``CLIENT_PORT_LOW + (n // CONN_PORTS) % CLIENT_PORTS`` (``n`` counts on across samples): a
+    4-tuple comes back only after 704,000 connections, minutes later, long after both conntracks
+    forgot the closed flow (10 s), so every connection is a new flow. The client closes with a reset
+    (SO_LINGER 0) after the server's FIN, so neither side keeps TIME_WAIT sockets.
+    """
+    linger = struct.pack("ii", 1, 0)
+    n = start
+    ok = errors = 0
+    began = time.perf_counter()
+    deadline = began + seconds
+    while time.perf_counter() < deadline:
+        dport = CONN_PORT + n % CONN_PORTS
+        sport = CLIENT_PORT_LOW + (n // CONN_PORTS) % CLIENT_PORTS
+        n += 1
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+            s.settimeout(2.0)
+            s.bind((src, sport))
+            s.connect((dst, dport))
+            if s.recv(1) == b"":
+                ok += 1
+            else:
+                errors += 1
+        except OSError:
+            errors += 1
+        finally:
+            s.close()
+    elapsed = time.perf_counter() - began
+    print(json.dumps({"connections": ok, "errors": errors, "seconds": elapsed, "next": n}))
+    return 0
+
+
+class Server:
+    """A long-running process in a namespace, ended by its pid."""
+
+    def __init__(self, name: str, ns: str, argv: list[str], ready_line: str | None = None) -> None:
+        self.name, self.ns, self.argv, self.ready_line = name, ns, argv, ready_line
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns, *self.argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if self.ready_line else subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        if self.ready_line:
+            assert self.proc.stdout is not None
+            sel = selectors.DefaultSelector()
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if not sel.select(15) or self.proc.stdout.readline().strip() != self.ready_line:
+                raise RuntimeError(f"{self.name} did not start in {self.ns}")
+            sel.close()
+        else:
+            time.sleep(0.3)
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited at start ({self.proc.returncode})")
+
+    def ensure(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self.stop()
+            self.start()
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(3)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(3)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+# -- measurements ------------------------------------------------------------------------
+
+
+def iperf(ns: str, ip: str, seconds: float, *, udp: bool, server: Server) -> dict[str, float]:
+    cmd = ["ip", "netns", "exec", ns, "iperf3", "-c", ip, "-p", str(IPERF_PORT), "-t", f"{seconds:g}", "-J"]
+    cmd += ["--connect-timeout", "3000"]
+    if udp:
+        cmd += ["-u", "-l", "64", "-b", "0"]
+    last = ""
+    for _ in range(3):
+        server.ensure()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 30)
+        try:
+            data = json.loads(proc.stdout)
+        except json.JSONDecodeError:
+            data = {"error": proc.stdout[-300:] + proc.stderr[-300:]}
+        if "error" not in data and proc.returncode == 0:
+            end = data["end"]
+            if udp:
+                recv = end.get("sum_received") or end["sum"]
+                sent = end.get("sum_sent") or end["sum"]
+                got = recv["packets"] - recv["lost_packets"]
+                return {
+                    "value": got / recv["seconds"],
+                    "sent_pps": sent["packets"] / sent["seconds"],
+                    "lost_percent": float(recv["lost_percent"]),
+                }
+            recv = end["sum_received"]
+            return {"value": recv["bits_per_second"] / 1e9, "retransmits": float(end["sum_sent"].get("retransmits", 0))}
+        last = str(data.get("error"))
+        time.sleep(0.5)
+    raise RuntimeError(f"iperf3 {'UDP' if udp else 'TCP'} failed: {last}")
+
+
+def conntrack_count() -> int | None:
+    try:
+        return int(Path("/proc/sys/net/netfilter/nf_conntrack_count").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def connection_rate(src: PodNetwork, dst_ip: str, seconds: float, start: int) -> dict[str, float]:
+    cmd = ["ip", "netns", "exec", src.netns, sys.executable, SCRIPT, "--role", "connect"]
+    cmd += ["--src", src.ips[0], "--dst", dst_ip, "--seconds", f"{seconds:g}", "--start", str(start)]
+    before = conntrack_count()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
+    after = conntrack_count()
+    if proc.returncode != 0:
+        raise RuntimeError(f"connection client failed: {proc.stderr[-500:]}")
+    out = json.loads(proc.stdout)
+    result = {
+        "value": out["connections"] / out["seconds"],
+        "connections": float(out["connections"]),
+        "errors": float(out["errors"]),
+        "next": float(out["next"]),
+    }
+    if before is not None and after is not None:
+        # Netfilter's conntrack is only active while the iptables variants' rules exist.
+        result["nf_conntrack_count_change"] = float(after - before)
+    return result
+
+
+class ProgRunStats(ctypes.Structure):
+    # struct bpf_prog_info (uapi/linux/bpf.h) up to run_cnt; the kernel fills what fits.
+    _fields_ = [("head", ctypes.c_uint8 * 192), ("run_time_ns", ctypes.c_uint64), ("run_cnt", ctypes.c_uint64)]
+
+
+BPF_STATS_RUN_TIME = 0
+
+
+def prog_run_stats(fd: int) -> tuple[int, int]:
+    """Total run time (ns) and run count the kernel has accounted to a program."""
+    info = ProgRunStats()
+    size = ctypes.c_uint32(ctypes.sizeof(info))
+    check(libbpf().bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size)), "prog info")
+    return int(info.run_time_ns), int(info.run_cnt)
+
+
+@contextlib.contextmanager
+def bpf_run_stats() -> Iterator[None]:
+    """Kernel BPF run-time accounting, on while the context lasts (BPF_ENABLE_STATS: off when the fd
+    closes, even if this process dies)."""
+    fn = libbpf().bpf_enable_stats
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    fd = check(fn(BPF_STATS_RUN_TIME), "bpf_enable_stats")
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def tcp_connects(ns: str, ip: str, port: int, timeout: float) -> bool:
+    sock = netns.in_netns(ns, socket.socket, socket.AF_INET, socket.SOCK_STREAM)
+    with sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect((ip, port))
+            return True
+        except OSError:
+            return False
+
+
+# -- iptables ------------------------------------------------------------------------------
+
+
+def run_cmd(argv: list[str], stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=120)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:3])} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+    return proc
+
+
+class Iptables:
+    """The iptables baseline: per-pod chains dispatched from FORWARD, built with iptables-restore."""
+
+    def __init__(self, run: str, src: PodNetwork, dst: PodNetwork) -> None:
+        self.prefix = f"PALB-{run}"
+        self.src, self.dst = src, dst
+        self.fwd = f"{self.prefix}-FWD"
+        self.eg_src = f"{self.prefix}-EG-S"
+        self.in_dst = f"{self.prefix}-IN-D"
+        self.eg_dst = f"{self.prefix}-EG-D"
+        self.in_src = f"{self.prefix}-IN-S"
+        self.chains = (self.fwd, self.eg_src, self.in_dst, self.eg_dst, self.in_src)
+
+    def ruleset(self, n: int) -> str:
+        src_ip, dst_ip = self.src.ips[0], self.dst.ips[0]
+        lines = ["*filter", *(f":{c} - [0:0]" for c in self.chains)]
+        add = lines.append
+        add(f"-A {self.fwd} -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT")
+        add(f"-A {self.fwd} -m conntrack --ctstate INVALID -j DROP")
+        add(f"-A {self.fwd} -i {self.src.host_ifname} -j {self.eg_src}")
+        add(f"-A {self.fwd} -i {self.dst.host_ifname} -j {self.eg_dst}")
+        add(f"-A {self.fwd} -o {self.src.host_ifname} -j {self.in_src}")
+        add(f"-A {self.fwd} -o {self.dst.host_ifname} -j {self.in_dst}")
+        # Every other rule sits in a chain a new src->dst flow walks; the allowing rules come last.
+        for i in range(n):
+            o = other(i)
+            match = f"-p {o.protocol} -m {o.protocol} --dport {o.port}"
+            if i % 2 == 0:
+                add(f"-A {self.eg_src} -d {o.addr}/32 {match} -j RETURN")
+            else:
+                add(f"-A {self.in_dst} -s {o.addr}/32 {match} -j ACCEPT")
+        for proto, low, high in EGRESS_ALLOWED:
+            ports = str(low) if low == high else f"{low}:{high}"
+            add(f"-A {self.eg_src} -d {dst_ip}/32 -p {proto} -m {proto} --dport {ports} -j RETURN")
+        add(f"-A {self.eg_src} -j DROP")
+        for proto, low, high in INGRESS_ALLOWED:
+            ports = str(low) if low == high else f"{low}:{high}"
+            add(f"-A {self.in_dst} -s {src_ip}/32 -p {proto} -m {proto} --dport {ports} -j ACCEPT")
+        add(f"-A {self.in_dst} -j DROP")
+        # The destination only answers and the source only is answered: ESTABLISHED covers both.
+        add(f"-A {self.eg_dst} -j DROP")
+        add(f"-A {self.in_src} -j DROP")
+        add(f"-I FORWARD 1 -j {self.fwd}")
+        add("COMMIT")
+        return "\n".join(lines) + "\n"
+
+    def install(self, n: int) -> None:
+        self.uninstall()
+        run_cmd(["iptables-restore", "-w", "10", "--noflush"], stdin=self.ruleset(n))
+
+    def uninstall(self) -> None:
+        while run_cmd(["iptables", "-w", "10", "-D", "FORWARD", "-j", self.fwd], check=False).returncode == 0:
+            pass
+        existing = self.our_chains()
+        for chain in self.chains:
+            if chain in existing:
+                run_cmd(["iptables", "-w", "10", "-F", chain], check=False)
+        for chain in self.chains:
+            if chain in existing:
+                run_cmd(["iptables", "-w", "10", "-X", chain], check=False)
+
+    def our_chains(self) -> set[str]:
+        out = run_cmd(["iptables-save", "-t", "filter"], check=False).stdout
+        return set(re.findall(rf"^:({re.escape(self.prefix)}-\S+)", out, re.M))
+
+    def rule_count(self) -> int:
+        out = run_cmd(["iptables-save", "-t", "filter"]).stdout
+        return sum(1 for line in out.splitlines() if line.startswith(f"-A {self.prefix}-"))
+
+    def drop_packets(self, chain: str) -> int:
+        """Packets the final DROP rule of ``chain`` has counted."""
+        out = run_cmd(["iptables", "-w", "10", "-t", "filter", "-L", chain, "-n", "-v", "-x"]).stdout
+        rows = [line.split() for line in out.splitlines()[2:] if line.strip()]
+        if not rows or rows[-1][2] != "DROP":
+            raise RuntimeError(f"{chain} does not end in DROP")
+        return int(rows[-1][0])
+
+
+def forward_chain() -> list[str]:
+    return run_cmd(["iptables", "-w", "10", "-S", "FORWARD"]).stdout.splitlines()
+
+
+def forward_policy(lines: list[str]) -> str:
+    return next((line for line in lines if line.startswith("-P FORWARD")), "")
+
+
+# -- the bench -------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.run = secrets.token_hex(2)
+        self.prefix = f"pbc{self.run}"
+        self.base = f"/sys/fs/bpf/palisade-bench-{self.run}"
+        self.pods: list[PodNetwork] = []
+        self.servers: list[Server] = []
+        self.dp: Datapath | None = None
+        self.ipt: Iptables | None = None
+        self.current: Variant | None = None
+        self.next_conn = 0
+        self.checks: list[dict[str, Any]] = []
+        self.events = {"drained": 0, "lost": 0}
+
+    # setup / teardown -----------------------------------------------------------------
+
+    def setup(self) -> None:
+        netns.enable_forwarding()
+        o2 = 150 + secrets.randbelow(50)
+        o3 = 64 + secrets.randbelow(190)
+        self.src = netns.create_pod(f"{self.prefix}s", f"{self.prefix}s", [f"10.{o2}.{o3}.1"])
+        self.pods.append(self.src)
+        self.dst = netns.create_pod(f"{self.prefix}d", f"{self.prefix}d", [f"10.{o2}.{o3}.2"])
+        self.pods.append(self.dst)
+        self.dst_ip = self.dst.ips[0]
+        self.iperf_server = Server("iperf3 server", self.dst.netns, ["iperf3", "-s", "-p", str(IPERF_PORT)])
+        ports = [*range(CONN_PORT, CONN_PORT + CONN_PORTS), PROBE_INGRESS_PORT, PROBE_EGRESS_PORT]
+        accept_argv = [sys.executable, SCRIPT, "--role", "accept", "--ports", ",".join(map(str, ports))]
+        self.accept_server = Server("accept server", self.dst.netns, accept_argv, ready_line="ready")
+        for server in (self.iperf_server, self.accept_server):
+            self.servers.append(server)
+            server.start()
+        self.dp = Datapath.open(self.base)
+        self.ipt = Iptables(self.run, self.src, self.dst)
+        self.src_spec = EndpointSpec(SRC_EP, self.src.host_ifindex, self.src.host_ifname, self.src.ips, SRC_IDENTITY)
+        self.dst_spec = EndpointSpec(DST_EP, self.dst.host_ifindex, self.dst.host_ifname, self.dst.ips, DST_IDENTITY)
+
+    def cleanup(self) -> dict[str, Any]:
+        problems: list[str] = []
+
+        def attempt(what: str, fn: Any, *a: Any) -> None:
+            try:
+                fn(*a)
+            except Exception as exc:
+                problems.append(f"{what}: {exc}")
+
+        for server in self.servers:
+            attempt(f"stop {server.name}", server.stop)
+        if self.ipt is not None:
+            attempt("iptables", self.ipt.uninstall)
+        if self.dp is not None:
+            attempt("datapath teardown", self.dp.teardown)
+        attempt("teardown_all", teardown_all, self.base)
+        for pod in self.pods:
+            attempt(f"delete {pod.netns}", netns.delete_pod, pod.netns, pod.host_ifname)
+        left_chains = sorted(self.ipt.our_chains()) if self.ipt is not None else []
+        return {
+            "problems": problems,
+            "netns_left": netns.list_netns(self.prefix),
+            "iptables_chains_left": left_chains,
+            "bpf_dir_left": os.path.exists(self.base),
+        }
+
+    # variants ---------------------------------------------------------------------------
+
+    def switch(self, variant: Variant) -> float:
+        """Leave the current variant and set up ``variant``; returns the seconds it took."""
+        assert self.dp is not None and self.ipt is not None
+        started = time.perf_counter()
+        if self.current is not None and self.current.kind == "palisade" and variant.kind != "palisade":
+            self.dp.detach_endpoint(SRC_EP)
+            self.dp.detach_endpoint(DST_EP)
+        if self.current is not None and self.current.kind == "iptables":
+            self.ipt.uninstall()
+        if variant.kind == "palisade":
+            self.palisade(variant.entries)
+        elif variant.kind == "iptables":
+            self.ipt.install(variant.entries)
+        self.current = variant
+        return time.perf_counter() - started
+
+    def palisade(self, n: int) -> None:
+        assert self.dp is not None
+        dp = self.dp
+        for ep, entries in palisade_policy(n).items():
+            dp.sync_policy(ep, ENFORCE_BOTH, entries)
+        desired = {f"{other(i).addr}/32": other(i).identity for i in range(n)}
+        desired[f"{self.src.ips[0]}/32"] = SRC_IDENTITY
+        desired[f"{self.dst_ip}/32"] = DST_IDENTITY
+        current = dp.ipcache_dump()
+        for prefix in current.keys() - desired.keys():
+            dp.ipcache_delete(prefix)
+        for prefix, identity in desired.items():
+            if current.get(prefix) != identity:
+                dp.ipcache_upsert(prefix, identity)
+        dp.attach_endpoint(self.src_spec)
+        dp.attach_endpoint(self.dst_spec)
+
+    def drain_events(self) -> None:
+        if self.dp is None:
+            return
+        while events := self.dp.read_flows(0):
+            self.events["drained"] += len(events)
+        self.events["lost"] = self.dp.counters().events_lost
+
+    # checks -----------------------------------------------------------------------------
+
+    def check(self, variant: Variant, name: str, passed: bool, detail: str) -> None:
+        self.checks.append({"variant": variant.name, "check": name, "passed": bool(passed), "detail": detail})
+        if not passed:
+            log(f"CHECK FAILED: {variant.name}: {name}: {detail}")
+
+    def run_checks(self, variant: Variant) -> None:
+        assert self.dp is not None and self.ipt is not None
+        src, ip = self.src.netns, self.dst_ip
+        allowed = tcp_connects(src, ip, CONN_PORT, ALLOW_TIMEOUT)
+        self.check(variant, "allowed-port-connects", allowed, f"tcp {CONN_PORT}")
+        if variant.kind == "none":
+            # So that a probe failing under a filter is the filter, never a missing listener.
+            for port in (PROBE_INGRESS_PORT, PROBE_EGRESS_PORT):
+                ok = tcp_connects(src, ip, port, ALLOW_TIMEOUT)
+                self.check(variant, "probe-port-open-without-filter", ok, f"tcp {port} has a listener")
+        elif variant.kind == "palisade":
+            self.palisade_checks(variant)
+        else:
+            self.iptables_checks(variant)
+
+    def _drops(self, ep_id: int, direction: Direction) -> int:
+        assert self.dp is not None
+        c = self.dp.counters()
+        return sum(
+            c.packets(endpoint_id=ep_id, reason=r, direction=direction)
+            for r in (Reason.POLICY_DENY, Reason.DEFAULT_DENY)
+        )
+
+    def palisade_checks(self, variant: Variant) -> None:
+        assert self.dp is not None
+        src, ip = self.src.netns, self.dst_ip
+        for port, ep, direction, what in (
+            (PROBE_INGRESS_PORT, DST_EP, Direction.INGRESS, "ingress"),
+            (PROBE_EGRESS_PORT, SRC_EP, Direction.EGRESS, "egress"),
+        ):
+            before = self._drops(ep, direction)
+            blocked = not tcp_connects(src, ip, port, DENY_TIMEOUT)
+            dropped = self._drops(ep, direction) - before
+            self.check(
+                variant,
+                f"{what}-denied-port-dropped",
+                blocked and dropped > 0,
+                f"tcp {port}: connect {'failed' if blocked else 'succeeded'}, "
+                f"{dropped} packets dropped at endpoint {ep} {what}",
+            )
+        prefixes = sum(len(p) for p in self.dp.policy.read().values())
+        # One prefix per other entry, plus the allowing ones (the 32-port block is one prefix).
+        expected = variant.entries + len(EGRESS_ALLOWED) + len(INGRESS_ALLOWED)
+        self.check(variant, "policy-map-populated", prefixes == expected, f"{prefixes} prefixes, {expected} expected")
+        enforced = self.dp.dump_policy(SRC_EP)[0] == ENFORCE_BOTH and self.dp.dump_policy(DST_EP)[0] == ENFORCE_BOTH
+        self.check(variant, "ingress-and-egress-enforced", enforced, "both endpoints, both directions")
+
+    def iptables_checks(self, variant: Variant) -> None:
+        assert self.ipt is not None
+        ipt, src, ip = self.ipt, self.src.netns, self.dst_ip
+        for port, chain, what in (
+            (PROBE_INGRESS_PORT, ipt.in_dst, "ingress"),
+            (PROBE_EGRESS_PORT, ipt.eg_src, "egress"),
+        ):
+            before = ipt.drop_packets(chain)
+            blocked = not tcp_connects(src, ip, port, DENY_TIMEOUT)
+            dropped = ipt.drop_packets(chain) - before
+            self.check(
+                variant,
+                f"{what}-denied-port-dropped",
+                blocked and dropped > 0,
+                f"tcp {port}: connect {'failed' if blocked else 'succeeded'}, {dropped} packets hit {chain}'s DROP",
+            )
+        rules = ipt.rule_count()
+        # 6 dispatch rules, the others, the allowing rules, a DROP in each of the 4 pod chains.
+        expected = 6 + variant.entries + len(EGRESS_ALLOWED) + len(INGRESS_ALLOWED) + 4
+        self.check(variant, "iptables-rules-installed", rules == expected, f"{rules} rules, {expected} expected")
+
+    # measuring --------------------------------------------------------------------------
+
+    def bpf_cost(self) -> dict[str, dict[str, float]]:
+        """Kernel-measured run time of Palisade's two programs under 64-byte UDP and new connections.
+
+        Runs after the measured rounds: the accounting itself costs a little per run.
+        """
+        assert self.dp is not None
+        fds = {"from_container": self.dp.template.from_container_fd, "to_container": self.dp.template.to_container_fd}
+        seconds = self.args.seconds
+        out: dict[str, dict[str, float]] = {}
+        with bpf_run_stats():
+            for workload in ("udp_64b", "connections"):
+                before = {name: prog_run_stats(fd) for name, fd in fds.items()}
+                if workload == "udp_64b":
+                    got = iperf(self.src.netns, self.dst_ip, seconds, udp=True, server=self.iperf_server)
+                    units = got["value"] * seconds
+                else:
+                    self.accept_server.ensure()
+                    got = connection_rate(self.src, self.dst_ip, seconds, self.next_conn)
+                    self.next_conn = int(got["next"])
+                    units = got["connections"]
+                after = {name: prog_run_stats(fd) for name, fd in fds.items()}
+                row: dict[str, float] = {}
+                total_ns = 0
+                for name in fds:
+                    ns, runs = after[name][0] - before[name][0], after[name][1] - before[name][1]
+                    total_ns += ns
+                    row[f"{name}_runs"] = runs
+                    row[f"{name}_ns_per_run"] = round(ns / runs, 1) if runs else 0.0
+                if workload == "udp_64b":
+                    # Each datagram crosses from_container at the source and to_container at the destination.
+                    row["ns_per_packet"] = round(row["from_container_ns_per_run"] + row["to_container_ns_per_run"], 1)
+                    row["packets_received"] = round(units)
+                else:
+                    row["ns_per_connection"] = round(total_ns / units, 1) if units else 0.0
+                    row["connections"] = units
+                out[workload] = row
+        self.drain_events()
+        return out
+
+    def measure(self, variant: Variant) -> dict[str, dict[str, float]]:
+        seconds = self.args.seconds
+        out: dict[str, dict[str, float]] = {}
+        out["tcp_throughput"] = iperf(self.src.netns, self.dst_ip, seconds, udp=False, server=self.iperf_server)
+        out["udp_64b_rate"] = iperf(self.src.netns, self.dst_ip, seconds, udp=True, server=self.iperf_server)
+        self.accept_server.ensure()
+        conn = connection_rate(self.src, self.dst_ip, seconds, self.next_conn)
+        self.next_conn = int(conn.pop("next"))
+        out["connection_rate"] = conn
+        if variant.kind == "palisade":
+            self.drain_events()
+        return out
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def round_to(value: float, digits: int = 4) -> float:
+    return float(f"{value:.{digits}g}")
+
+
+def summarize_bpf(samples: dict[str, list[dict[str, dict[str, float]]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per variant and workload, the median of every field over the repetitions."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, reps in samples.items():
+        out[name] = {
+            workload: {key: round_to(median([r[workload][key] for r in reps])) for key in reps[0][workload]}
+            for workload in reps[0]
+        }
+    return out
+
+
+def quartiles(values: Sequence[float]) -> list[float]:
+    if len(values) < 2:
+        return [round_to(v) for v in (*values, *values)][:2]
+    q = statistics.quantiles(values, n=4)
+    return [round_to(q[0]), round_to(q[2])]
+
+
+def analyse(
+    variants: list[Variant],
+    samples: dict[str, dict[str, list[float]]],
+    levels: Sequence[int],
+    bpf_cost: dict[str, dict[str, dict[str, float]]],
+) -> dict[str, Any]:
+    medians = {v.name: {m: round_to(median(samples[v.name][m])) for m in METRICS} for v in variants}
+    base = medians["none"]
+    ratios = {
+        v.name: {m: round_to(medians[v.name][m] / base[m]) if base[m] else 0.0 for m in METRICS} for v in variants
+    }
+    paired: dict[str, dict[str, float]] = {}
+    for v in variants:
+        paired[v.name] = {}
+        for m in METRICS:
+            pairs = [x / b for x, b in zip(samples[v.name][m], samples["none"][m], strict=False) if b > 0]  # same round
+            paired[v.name][m] = round_to(median(pairs))
+    spread = {v.name: {m: quartiles(samples[v.name][m]) for m in METRICS} for v in variants}
+    summary: list[dict[str, Any]] = []
+    for m, meta in METRICS.items():
+        summary.append({"metric": f"{meta['label']}, no filter (median)", "value": base[m], "unit": meta["unit"]})
+        for v in variants:
+            if v.kind != "none":
+                summary.append(
+                    {"metric": f"{meta['label']}, {v.label} / no filter", "value": ratios[v.name][m], "unit": "x"}
+                )
+    plots = []
+    for m, meta in METRICS.items():
+        series: dict[str, list[list[float]]] = {
+            "Palisade (BPF)": [[n, ratios[f"palisade-{n}"][m]] for n in levels],
+            "iptables": [[n, ratios[f"iptables-{n}"][m]] for n in levels],
+            "no filter": [[levels[0], 1.0], [levels[-1], 1.0]],
+        }
+        plots.append(
+            {
+                "name": f"cost_{m}",
+                "title": f"{meta['label']} relative to no filter",
+                "xlabel": "other policy entries (Palisade) / rules (iptables)",
+                "ylabel": "ratio to no filter (median)",
+                "kind": "line",
+                "logx": True,
+                "series": series,
+            }
+        )
+    if bpf_cost:
+        for name, cost in bpf_cost.items():
+            label = Variant("palisade", int(name.split("-")[1])).label
+            summary.append(
+                {
+                    "metric": f"BPF run time per 64-byte packet (both hooks), {label}",
+                    "value": cost["udp_64b"]["ns_per_packet"],
+                    "unit": "ns",
+                }
+            )
+            summary.append(
+                {
+                    "metric": f"BPF run time per new connection (all packets, both pods), {label}",
+                    "value": cost["connections"]["ns_per_connection"],
+                    "unit": "ns",
+                }
+            )
+        plots.append(
+            {
+                "name": "cost_bpf_run_time",
+                "title": "Palisade program run time (kernel BPF stats)",
+                "xlabel": "other policy entries",
+                "ylabel": "ns",
+                "kind": "line",
+                "logx": True,
+                "series": {
+                    "per 64-byte packet (both hooks)": [
+                        [n, bpf_cost[f"palisade-{n}"]["udp_64b"]["ns_per_packet"]] for n in levels
+                    ],
+                    "per new connection (all hooks)": [
+                        [n, bpf_cost[f"palisade-{n}"]["connections"]["ns_per_connection"]] for n in levels
+                    ],
+                },
+            }
+        )
+    return {
+        "medians": medians,
+        "ratios": ratios,
+        "paired_ratios": paired,
+        "quartiles": spread,
+        "bpf_run_time": bpf_cost,
+        "summary": summary,
+        "plots": plots,
+    }
+
+
+def tool_version(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+        return (out.stdout or out.stderr).splitlines()[0].strip()
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    levels = sorted(set(args.levels))
+    variants = [Variant("none")]
+    for n in levels:
+        variants += [Variant("palisade", n), Variant("iptables", n)]
+    bench = Bench(args)
+    result: dict[str, Any] = {
+        "config": {
+            "rounds": args.rounds,
+            "bpf_stats_rounds": args.bpf_stats_rounds,
+            "seconds_per_sample": args.seconds,
+            "levels": levels,
+            "order": "each round runs every variant once; forward order on even rounds, backward on odd",
+            "variants": {v.name: v.label for v in variants},
+            "metrics": METRICS,
+            "kernel": os.uname().release,
+            "cpus": os.cpu_count(),
+            "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+            "iptables": tool_version(["iptables", "--version"]),
+            "iperf3": tool_version(["iperf3", "--version"]),
+            "layout": {
+                "palisade": "N other entries (single ports, other identities): N/2 on the measured endpoints "
+                "(source egress, destination ingress), N/2 on 8 other endpoint ids; ipcache holds the N "
+                "other addresses; ingress and egress enforced on both pods",
+                "iptables": "FORWARD -> dispatch chain: ctstate RELATED,ESTABLISHED ACCEPT, INVALID DROP, then "
+                "-i/-o host veth to per-pod chains; all N other rules in the source's egress and the "
+                "destination's ingress chains (both walked by each new flow), allowing rules last, then DROP",
+                "connection_rate": "client: bind fresh 4-tuple, connect, wait for the server's close, close "
+                "with RST; server: accept and close",
+            },
+        }
+    }
+    forward_before = forward_chain()
+    samples: dict[str, dict[str, list[float]]] = {v.name: {m: [] for m in METRICS} for v in variants}
+    extra: dict[str, dict[str, list[dict[str, float]]]] = {v.name: {m: [] for m in METRICS} for v in variants}
+    setup_seconds: dict[str, list[float]] = {v.name: [] for v in variants}
+    checked: set[str] = set()
+    bpf_samples: dict[str, list[dict[str, dict[str, float]]]] = {}
+    started = time.monotonic()
+    try:
+        bench.setup()
+        assert bench.dp is not None
+        result["config"]["template"] = {
+            "hash": bench.dp.template.short,
+            "compile_seconds": round(bench.dp.template.compile_seconds, 3),
+        }
+        for r in range(args.rounds):
+            order = variants if r % 2 == 0 else variants[::-1]
+            for v in order:
+                setup_seconds[v.name].append(round(bench.switch(v), 4))
+                if v.name not in checked:
+                    bench.run_checks(v)
+                    checked.add(v.name)
+                got = bench.measure(v)
+                for m in METRICS:
+                    samples[v.name][m].append(got[m].pop("value"))
+                    extra[v.name][m].append(got[m])
+                log(
+                    f"[round {r + 1}/{args.rounds}] {v.name:>15}: "
+                    f"tcp {samples[v.name]['tcp_throughput'][-1]:.2f} Gbit/s, "
+                    f"udp {samples[v.name]['udp_64b_rate'][-1]:.0f} pps, "
+                    f"conn {samples[v.name]['connection_rate'][-1]:.0f}/s"
+                )
+        palisade = [v for v in variants if v.kind == "palisade"]
+        for r in range(args.bpf_stats_rounds):
+            for v in palisade if r % 2 == 0 else palisade[::-1]:
+                bench.switch(v)
+                bpf_samples.setdefault(v.name, []).append(bench.bpf_cost())
+                log(f"[bpf run time {r + 1}/{args.bpf_stats_rounds}] {v.name}: {json.dumps(bpf_samples[v.name][-1])}")
+        bench.switch(Variant("none"))
+    finally:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            cleanup = bench.cleanup()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    forward_after = forward_chain()
+    cleanup["forward_policy_unchanged"] = forward_policy(forward_after) == forward_policy(forward_before)
+    cleanup["forward_jumps_left"] = [line for line in forward_after if f"PALB-{bench.run}-" in line]
+    if forward_after != forward_before:  # someone else may edit FORWARD meanwhile; show it
+        cleanup["forward_chain_before"], cleanup["forward_chain_after"] = forward_before, forward_after
+    result.update(analyse(variants, samples, levels, summarize_bpf(bpf_samples)))
+    result["bpf_run_time_samples"] = bpf_samples
+    result["samples"] = samples
+    result["sample_details"] = extra
+    result["setup_seconds"] = setup_seconds
+    result["flow_events"] = bench.events
+    result["checks"] = bench.checks
+    result["checks_passed"] = bool(bench.checks) and all(c["passed"] for c in bench.checks)
+    result["cleanup"] = cleanup
+    result["cleanup_ok"] = (
+        not cleanup["problems"]
+        and not cleanup["netns_left"]
+        and not cleanup["iptables_chains_left"]
+        and not cleanup["bpf_dir_left"]
+        and cleanup["forward_policy_unchanged"]
+        and not cleanup["forward_jumps_left"]
+    )
+    result["run_seconds"] = round(time.monotonic() - started, 1)
+    result["config"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    result["summary"].append(
+        {
+            "metric": "enforcement checks passed",
+            "value": sum(c["passed"] for c in bench.checks),
+            "unit": f"of {len(bench.checks)}",
+        }
+    )
+    problems = []
+    if not result["checks_passed"]:
+        problems.append(
+            "enforcement checks failed: "
+            + "; ".join(f"{c['variant']} {c['check']}" for c in bench.checks if not c["passed"])
+        )
+    if not result["cleanup_ok"]:
+        problems.append(f"cleanup incomplete: {cleanup}")
+    if problems:
+        result["error"] = " | ".join(problems)
+    return result
+
+
+def missing_prerequisites() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, BPF, iptables)"
+    for tool in ("ip", "iperf3", "iptables", "iptables-restore", "iptables-save"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    return None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of 1-second samples (about 1 minute)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds; each runs every variant once (default 8; even balances the order)",
+    )
+    p.add_argument("--seconds", type=int, default=None, help="seconds per sample, whole (iperf3 -t) (default 2)")
+    p.add_argument(
+        "--levels",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=list(DEFAULT_LEVELS),
+        help="comma-separated other-entry/rule counts (default 10,1000,10000)",
+    )
+    p.add_argument(
+        "--bpf-stats-rounds",
+        type=int,
+        default=None,
+        help="repetitions of the final kernel BPF run-time measurement of Palisade's programs "
+        "(default 3, --quick 1; 0 skips it)",
+    )
+    # Helper processes started by the bench itself inside the pods' namespaces.
+    p.add_argument("--role", choices=("accept", "connect"), help=argparse.SUPPRESS)
+    p.add_argument("--ports", help=argparse.SUPPRESS)
+    p.add_argument("--src", help=argparse.SUPPRESS)
+    p.add_argument("--dst", help=argparse.SUPPRESS)
+    p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 8
+    if args.bpf_stats_rounds is None:
+        args.bpf_stats_rounds = 1 if args.quick else 3
+    if args.seconds is None:
+        args.seconds = 1 if args.quick else 2
+    if args.role is None and (args.rounds < 1 or args.seconds < 1 or not args.levels or min(args.levels) < 1):
+        p.error("--rounds, --seconds and --levels must be positive")
+    return args
+
+
+@contextlib.contextmanager
+def stdout_reserved_for_json() -> Iterator[int]:
+    """Send everything else written to fd 1 (libraries, compilers) to stderr; yield the real stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield saved
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.role == "accept":
+        return role_accept([int(p) for p in args.ports.split(",")])
+    if args.role == "connect":
+        return role_connect(args.src, args.dst, args.seconds, args.start)
+    problem = missing_prerequisites()
+    if problem:
+        print(json.dumps({"error": problem}))
+        return 2
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+    with stdout_reserved_for_json() as out_fd:
+        result = run_bench(args)
+        with os.fdopen(os.dup(out_fd), "w") as out:
+            out.write(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Smoke test of bench/bench_datapath_cost.py: a --quick run measures every variant and metric."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.root, pytest.mark.bcc]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "bench_datapath_cost.py"
+LEVELS = (10, 1000, 10000)
+VARIANTS = {"none", *(f"{kind}-{n}" for kind in ("palisade", "iptables") for n in LEVELS)}
+METRICS = ("tcp_throughput", "udp_64b_rate", "connection_rate")
+
+
+@pytest.mark.timeout(180)
+def test_quick_run_reports_every_variant_and_metric() -> None:
+    for tool in ("iperf3", "iptables-restore", "ip"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=170
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert "error" not in data, data["error"]
+
+    assert set(data["medians"]) == VARIANTS
+    for variant in VARIANTS:
+        for metric in METRICS:
+            samples = data["samples"][variant][metric]
+            assert samples and all(x > 0 for x in samples), (variant, metric, samples)
+            assert data["medians"][variant][metric] > 0, (variant, metric)
+            assert data["ratios"][variant][metric] > 0, (variant, metric)
+    assert data["ratios"]["none"] == dict.fromkeys(METRICS, 1.0)
+
+    # Every filtering variant proved it filters, in both directions, before it was measured.
+    assert data["checks_passed"] is True
+    passed = {(c["variant"], c["check"]) for c in data["checks"] if c["passed"]}
+    for variant in VARIANTS - {"none"}:
+        assert (variant, "allowed-port-connects") in passed
+        assert (variant, "ingress-denied-port-dropped") in passed
+        assert (variant, "egress-denied-port-dropped") in passed
+    assert data["cleanup_ok"] is True, data["cleanup"]
+
+    # The programs' own run time, from the kernel's BPF statistics.
+    for n in LEVELS:
+        cost = data["bpf_run_time"][f"palisade-{n}"]
+        assert cost["udp_64b"]["ns_per_packet"] > 0
+        assert cost["connections"]["ns_per_connection"] > 0
+
+    labels = [row["metric"] for row in data["summary"]]
+    assert "TCP throughput, Palisade 10k entries / no filter" in labels
+    assert "New-connection rate, iptables 10k rules / no filter" in labels
+    assert {p["name"] for p in data["plots"]} == {*(f"cost_{m}" for m in METRICS), "cost_bpf_run_time"}
+    for plot in (p for p in data["plots"] if p["name"] != "cost_bpf_run_time"):
+        assert plot["logx"] is True
+        assert [x for x, _ in plot["series"]["Palisade (BPF)"]] == list(LEVELS)
+        assert [x for x, _ in plot["series"]["iptables"]] == list(LEVELS)
