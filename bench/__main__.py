@@ -30,7 +30,12 @@ def run_one(script: Path, timeout: float, extra: list[str]) -> dict[str, Any]:
     started = time.monotonic()
     try:
         proc = subprocess.run(
-            [sys.executable, str(script), *extra], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+            # As a module from the root, so every benchmark can import the project and its test harness.
+            [sys.executable, "-m", f"bench.{script.stem}", *extra],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f}s", "seconds": round(time.monotonic() - started, 1)}
