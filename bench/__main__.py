@@ -56,7 +56,20 @@ def summary_rows(name: str, data: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows = data.get("summary")
     if isinstance(rows, list):
         return [(name, str(r["metric"]), f"{r['value']} {r.get('unit', '')}".strip()) for r in rows]
-    return [(name, k, str(v)) for k, v in data.items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    return [(name, k, str(v)) for k, v in _numbers(data)]
+
+
+def _numbers(data: dict[str, Any], prefix: str = "", depth: int = 3) -> list[tuple[str, Any]]:
+    """Every number in ``data``, nested dicts flattened to dotted keys."""
+    out: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int | float):
+            out.append((prefix + key, value))
+        elif isinstance(value, dict) and depth > 1:
+            out.extend(_numbers(value, f"{prefix}{key}.", depth - 1))
+    return out
 
 
 def render_plots(stem: str, name: str, data: dict[str, Any], out_dir: Path) -> list[str]:
