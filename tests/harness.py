@@ -13,10 +13,12 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -177,6 +179,35 @@ def health_status(address: str, service: str = "", timeout: float = 1.0) -> int:
         return int(resp.status)
 
 
+class Metrics:
+    """One scrape of a service's Prometheus endpoint."""
+
+    def __init__(self, text: str) -> None:
+        self.samples = [
+            (sample.name, sample.labels, float(sample.value))
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        ]
+
+    def get(self, name: str, **labels: str) -> float:
+        """The sum of the samples ``name`` whose labels include ``labels`` (0 when there are none)."""
+        return sum(
+            value
+            for sample, have, value in self.samples
+            if sample == name and all(have.get(k) == v for k, v in labels.items())
+        )
+
+    def series(self, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+        """Every sample ``name``, by its sorted labels."""
+        return {tuple(sorted(have.items())): value for sample, have, value in self.samples if sample == name}
+
+
+def scrape(port: int) -> Metrics:
+    """GET /metrics on the loopback ``port``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return Metrics(resp.read().decode())
+
+
 class ServiceProcess:
     """A Palisade service run as ``python -m services.<name>`` with its own ports."""
 
@@ -221,6 +252,9 @@ class ServiceProcess:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} not SERVING after {timeout}s:\n{self.logs()[-3000:]}")
+
+    def metrics(self) -> Metrics:
+        return scrape(self.metrics_port)
 
     def logs(self) -> str:
         try:

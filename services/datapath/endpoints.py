@@ -778,7 +778,7 @@ class EndpointManager:
                 await self._realize(ep, full=False)
             elif ep.state == datapath_pb2.ENDPOINT_STATE_READY:
                 ep.realized_revision = max(ep.realized_revision, batch.revision)
-        self._report(self.endpoints.values())
+        self._report(self.endpoints.values(), arrived=batch.arrived)
 
     async def apply_resync(self, response: policy_pb2.ResyncResponse) -> None:
         await self._do(lambda: self._apply_resync(response))
@@ -834,11 +834,14 @@ class EndpointManager:
         ep.error = ""
         del previous
 
-    def _report(self, endpoints: Iterable[Endpoint]) -> None:
+    def _report(self, endpoints: Iterable[Endpoint], arrived: float | None = None) -> None:
         self._reporter.add(
-            Realized(ep.id, ep.identity, ep.realized_revision, ep.record.key)
-            for ep in endpoints
-            if ep.state == datapath_pb2.ENDPOINT_STATE_READY and ep.realized_revision
+            (
+                Realized(ep.id, ep.identity, ep.realized_revision, ep.record.key)
+                for ep in endpoints
+                if ep.state == datapath_pb2.ENDPOINT_STATE_READY and ep.realized_revision
+            ),
+            arrived,
         )
 
     async def repair(self) -> int:

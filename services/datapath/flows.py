@@ -73,13 +73,16 @@ class Subscription:
         self._queue: asyncio.Queue[datapath_pb2.FlowEvent] = asyncio.Queue(maxsize=size)
         self.lost = 0
 
-    def offer(self, event: datapath_pb2.FlowEvent) -> None:
+    def offer(self, event: datapath_pb2.FlowEvent) -> bool:
+        """Buffer ``event`` if it matches; True when the oldest buffered event was dropped for it."""
         if not self.filter.matches(event):
-            return
-        if self._queue.full():
+            return False
+        dropped = self._queue.full()
+        if dropped:
             self._queue.get_nowait()
             self.lost += 1
         self._queue.put_nowait(event)
+        return dropped
 
     async def get(self) -> datapath_pb2.FlowEvent:
         return await self._queue.get()
@@ -104,6 +107,8 @@ class FlowHub:
         self._buffer = buffer
         self._subs: set[Subscription] = set()
         self.events = 0
+        #: Events dropped from the buffers of Observe clients that could not keep up.
+        self.dropped = 0
 
     async def run(self) -> None:
         errors = 0
@@ -123,7 +128,8 @@ class FlowHub:
     def publish(self, event: datapath_pb2.FlowEvent) -> None:
         self.events += 1
         for sub in self._subs:
-            sub.offer(event)
+            if sub.offer(event):
+                self.dropped += 1
 
     async def stream(self, flt: FlowFilter, limit: int = 0) -> AsyncIterator[datapath_pb2.FlowEvent]:
         """Events matching ``flt`` from now on; stops after ``limit`` (0: until the caller stops)."""

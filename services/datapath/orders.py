@@ -293,14 +293,22 @@ class Reporter:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        #: Arrival times (time.monotonic()) of the orders whose reports wait in ``_pending``.
+        self._orders: list[float] = []
         self.delivered = 0
         #: Called with each delivered batch (benchmarks measure order-to-report latency with it).
         self.on_delivered: Callable[[Sequence[policy_pb2.RealizedReport]], None] | None = None
+        #: Called once per order given to :meth:`add`, with the seconds from its arrival to the
+        #: delivery of the report that carries it.
+        self.on_order_realized: Callable[[float], None] | None = None
 
-    def add(self, items: Iterable[Realized]) -> None:
+    def add(self, items: Iterable[Realized], arrived: float | None = None) -> None:
+        """Queue realized revisions; ``arrived`` is when the order they realize reached the node (monotonic)."""
         now = Timestamp()
         now.FromNanoseconds(time.time_ns())
+        given = False
         for item in items:
+            given = True
             old = self._pending.get(item.endpoint_id)
             if old is not None and old.revision > item.revision and old.identity == item.identity:
                 continue
@@ -312,6 +320,8 @@ class Reporter:
                 pod=item.pod,
                 realized_at=now,
             )
+        if given and arrived is not None:
+            self._orders.append(arrived)
         if self._pending:
             self._idle.clear()
             self._wake.set()
@@ -348,6 +358,7 @@ class Reporter:
                 continue
             gone, self._gone = self._gone, {}
             batch, self._pending = self._pending, {}
+            orders, self._orders = self._orders, []
             live = sorted(batch.values(), key=lambda r: r.endpoint_id)
             reports = [gone[k] for k in sorted(gone)] + live
             try:
@@ -357,6 +368,7 @@ class Reporter:
                     self._gone.setdefault(key, report)
                 for report in live:  # put back unless a newer one arrived meanwhile
                     self._pending.setdefault(report.endpoint_id, report)
+                self._orders = orders + self._orders
                 log.warning("report realized failed, retrying", reports=len(reports), error=rpc_error(exc))
                 self._wake.set()
                 await asyncio.sleep(delay)
@@ -367,6 +379,10 @@ class Reporter:
             log.debug("realized reported", reports=len(reports), revision=max(r.revision for r in reports))
             if self.on_delivered is not None:
                 self.on_delivered(reports)
+            if self.on_order_realized is not None:
+                done = time.monotonic()
+                for arrived in orders:
+                    self.on_order_realized(max(0.0, done - arrived))
             if not self._pending and not self._gone:
                 self._idle.set()
 
@@ -396,11 +412,14 @@ class OrderConsumer:
         self._applier = applier
         self._backoff_max = backoff_max
         self._clock = clock
-        self._queue: asyncio.Queue[policy_pb2.RegenerationOrder] = asyncio.Queue()
+        #: Orders with the time (``clock``) they reached the node.
+        self._queue: asyncio.Queue[tuple[policy_pb2.RegenerationOrder, float]] = asyncio.Queue()
         self.sequencer = Sequencer()
         #: Set once the first full resync was applied.
         self.synced = asyncio.Event()
         self.resyncs = 0
+        #: Incremental orders applied.
+        self.applied = 0
         #: Replace orders applied (each stands for a resync the policy service pushed).
         self.replaces = 0
         self._follower: Follower | None = None
@@ -422,7 +441,7 @@ class OrderConsumer:
         )
 
     def offer(self, order: policy_pb2.RegenerationOrder) -> None:
-        self._queue.put_nowait(order)
+        self._queue.put_nowait((order, self._clock()))
 
     async def stop(self) -> None:
         if self._follower is not None:
@@ -432,11 +451,11 @@ class OrderConsumer:
         actions: list[Action] = [NeedResync("startup", 0)]
         while True:
             if not actions:
-                order = await self._queue.get()
+                order, arrived = await self._queue.get()
                 if order.node and order.node != self._node:
                     log.warning("order for another node ignored", order_node=order.node, node=self._node)
                     continue
-                actions = self.sequencer.offer(order, self._clock())
+                actions = self.sequencer.offer(order, arrived)
                 continue
             action, actions = actions[0], actions[1:]
             if isinstance(action, Apply) and action.batch.replace:
@@ -461,6 +480,8 @@ class OrderConsumer:
                     # Nothing of the order was applied; the full state replaces it.
                     log.error("order rejected, resyncing", sequence=action.batch.sequence, error=str(exc))
                     actions = [NeedResync("bad order", action.batch.sequence)]
+                    continue
+                self.applied += 1
                 continue
             # A resync supersedes whatever else was planned; the sequencer re-derives it.
             log.info("resync needed", reason=action.reason, sequence=action.sequence, last=self.sequence)

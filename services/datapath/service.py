@@ -30,6 +30,7 @@ from services.datapath.datapath import Datapath, DatapathAPI
 from services.datapath.endpoints import EndpointManager, GrpcIpam, IpamPort, NetnsPodNetwork, PodNetwork
 from services.datapath.flows import FlowHub
 from services.datapath.ipcache import IpcacheSync
+from services.datapath.metrics import AgentParts, DatapathMetrics
 from services.datapath.orders import GrpcPolicyClient, OrderConsumer, PolicyPort, Reporter
 from services.datapath.servicer import DatapathServicer
 from services.datapath.state import StateStore
@@ -166,6 +167,7 @@ async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
         spawn=ctx.spawn,
         stack=ctx.stack,
     )
+    DatapathMetrics(AgentParts(agent.manager, agent.consumer, agent.reporter, agent.flows, datapath))
     datapath_pb2_grpc.add_DatapathServiceServicer_to_server(agent.servicer, ctx.server.server)
     ctx.server.add_service(datapath_pb2.DESCRIPTOR.services_by_name["DatapathService"].full_name)
     ctx.server.status.provider = agent.status

@@ -15,7 +15,7 @@ import random
 
 from services.common.labels import LabelSet
 from services.common.log import get_logger
-from services.ipam import keys
+from services.ipam import keys, metrics
 from services.ipam.errors import ErrorCode, IpamError
 from services.ipam.gc import GcTracker
 from services.ipam.kv import (
@@ -39,6 +39,7 @@ from services.ipam.model import (
     IdRange,
     Kind,
     classify,
+    kind_of,
     reserved_by_id,
 )
 
@@ -133,6 +134,15 @@ class IdentityAllocator:
 
     def count(self) -> int:
         return len(self._by_id)
+
+    def count_by_kind(self) -> dict[Kind, int]:
+        """Identities in the cache by kind; safe from another thread (the cache is read with one copy)."""
+        out = dict.fromkeys(self._ranges, 0)
+        for ident in self._by_id.copy():
+            for kind, rng in self._ranges.items():
+                if ident in rng:
+                    out[kind] += 1
+        return out
 
     async def load(self) -> dict[int, LabelSet]:
         """Read every identity from etcd into the cache; returns them by id."""
@@ -238,6 +248,7 @@ class IdentityAllocator:
                 previous = owner_id if owner_id is not None and owner_id != ident else None
                 if creating:
                     log.info("identity allocated", id=ident, labels=canonical, node=node, owner=owner)
+                metrics.IDENTITY_ALLOCATIONS.labels(kind.value, "created" if creating else "existing").inc()
                 return Allocation(Identity(ident, labels), new=creating, previous=previous, revision=res.revision)
             found_labels, found_owner, found_id = res.first(0), res.first(1), res.first(2)
             if found_owner is not None:
@@ -282,6 +293,7 @@ class IdentityAllocator:
             )
         self._owners.pop((node, owner), None)
         self._held.pop((node, owner), None)
+        metrics.IDENTITY_RELEASES.labels(kind_of(ident).value).inc()
         remaining = await self._store.count(keys.identity_refs_of(ident))
         return remaining == 0
 

@@ -139,6 +139,12 @@ class IPAllocator:
     def allocation_count(self) -> int:
         return sum(len(v) for v in self._ips.values())
 
+    def count_by_node(self) -> dict[str, int]:
+        """Addresses allocated per node (nodes with a CIDR and none: 0); safe from another thread."""
+        out = dict.fromkeys(self._nodes.copy(), 0)
+        out.update((node, len(ips)) for node, ips in self._ips.copy().items())
+        return out
+
     def owner_ips(self, node: str, owner: str) -> tuple[str, ...]:
         """Addresses ``owner`` holds on ``node``, IPv4 first."""
         return tuple(ip for f in (4, 6) if (ip := self._owners.get((node, f, owner))) is not None)

@@ -19,6 +19,7 @@ from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, i
 from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, SYNCED_SUBJECT, Bus
 from services.common.log import get_logger
 from services.common.runner import ServiceContext, run_service
+from services.ipam import metrics
 from services.ipam.allocator import IdentityAllocator
 from services.ipam.config import IPAMConfig
 from services.ipam.gc import GcTracker
@@ -156,6 +157,7 @@ async def collect_identities(ipam: Ipam) -> None:
         try:
             result = await ipam.allocator.collect(tracker, time.monotonic())
             for identity in result.collected:
+                metrics.IDENTITIES_COLLECTED.labels(identity.kind.value).inc()
                 await ipam.identities.collected(identity)
             await ipam.identities.resync(result.current, result.revision)
         except StoreError as exc:
@@ -185,6 +187,7 @@ async def setup(ctx: ServiceContext[IPAMConfig]) -> None:
     ctx.server.add_service(identity_pb2.DESCRIPTOR.services_by_name["IdentityService"].full_name)
     ctx.server.add_service(ipam_pb2.DESCRIPTOR.services_by_name["IPAMService"].full_name)
     ctx.server.status.provider = ipam.fill_status
+    metrics.register_state(ipam.allocator, ipam.ipalloc)
 
     serve = asyncio.Event()
     ctx.spawn(ipam.pods.run(), "pods")

@@ -6,6 +6,8 @@ an etcd outage longer than the store's patience is UNAVAILABLE.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, TypeVar
 
@@ -13,6 +15,7 @@ import grpc
 
 from palisade.v1 import identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc
 from services.common.log import get_logger
+from services.ipam import metrics
 from services.ipam.allocator import IdentityAllocator
 from services.ipam.errors import ErrorCode, IpamError
 from services.ipam.ipalloc import IPAllocation, IPAllocator
@@ -42,15 +45,27 @@ async def _abort(context: grpc.aio.ServicerContext, code: str, message: str) -> 
 
 
 async def _call(context: grpc.aio.ServicerContext, method: str, body: Callable[[], Awaitable[T]]) -> T:
+    started = time.perf_counter()
+    code = "UNKNOWN"  # what grpc answers for an unexpected exception
     try:
-        return await body()
+        result = await body()
+        code = "OK"
+        return result
     except IpamError as exc:
-        await _abort(context, exc.code.value, exc.message)
+        code = exc.code.value
+        await _abort(context, code, exc.message)
     except StoreUnavailable as exc:
-        await _abort(context, ErrorCode.UNAVAILABLE.value, str(exc))
+        code = ErrorCode.UNAVAILABLE.value
+        await _abort(context, code, str(exc))
     except StoreError as exc:
+        code = "INTERNAL"
         log.error("etcd refused a request", method=method, error=str(exc))
-        await _abort(context, "INTERNAL", f"{exc}; this is a bug or a misconfigured etcd, see ipam logs")
+        await _abort(context, code, f"{exc}; this is a bug or a misconfigured etcd, see ipam logs")
+    except asyncio.CancelledError:
+        code = "CANCELLED"
+        raise
+    finally:
+        metrics.served(method, code, time.perf_counter() - started)
 
 
 def allocation_proto(a: IPAllocation) -> ipam_pb2.IPAllocation:
