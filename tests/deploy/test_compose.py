@@ -7,7 +7,6 @@ validated against the Compose specification's JSON schema as vendored by
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,27 +72,6 @@ def test_the_schema_check_rejects_a_broken_file(tmp_path: Path) -> None:
     result = _check_schema(broken)
     assert result.returncode != 0
     assert "service_happy" in result.stdout
-
-
-def _compose_cli() -> list[str] | None:
-    if shutil.which("docker-compose"):
-        cli = ["docker-compose"]
-    elif shutil.which("docker"):
-        cli = ["docker", "compose"]
-    else:
-        return None
-    probe = subprocess.run([*cli, "version"], capture_output=True, text=True, timeout=60)
-    return cli if probe.returncode == 0 and "v2" in probe.stdout + probe.stderr else None
-
-
-def test_compose_cli_renders_the_file_when_available() -> None:
-    cli = _compose_cli()
-    if cli is None:
-        pytest.skip("no Compose v2 CLI on PATH (docker compose / docker-compose); the schema check still ran")
-    result = subprocess.run(
-        [*cli, "-f", str(COMPOSE_FILE), "config", "--quiet"], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
 
 
 def test_runs_nats_with_jetstream_etcd_3_5_and_the_four_services(services: dict[str, dict[str, Any]]) -> None:
