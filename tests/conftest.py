@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -68,3 +69,14 @@ def service(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
     yield start
     for proc in started:
         proc.kill()
+
+
+@pytest.fixture
+def bpffs() -> Iterator[str]:
+    """A bpffs directory of its own for a datapath under test; everything pinned there is removed."""
+    path = f"/sys/fs/bpf/palisade-test-{secrets.token_hex(4)}"
+    yield path
+    if os.path.exists(path):
+        from services.datapath.datapath import teardown_all
+
+        teardown_all(path)

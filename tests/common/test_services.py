@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from palisade.v1 import common_pb2, common_pb2_grpc
@@ -32,16 +29,6 @@ def _reflected(address: str) -> set[str]:
         responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name for r in responses for s in r.list_services_response.service}
     return names
-
-
-@pytest.fixture
-def bpffs() -> Iterator[str]:
-    path = f"/sys/fs/bpf/palisade-test-{secrets.token_hex(4)}"
-    yield path
-    if os.path.exists(path):
-        from services.datapath.datapath import teardown_all
-
-        teardown_all(path)
 
 
 def test_whole_system_serves_health_reflection_status_and_exits_zero_on_sigterm(

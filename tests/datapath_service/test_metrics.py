@@ -36,16 +36,6 @@ NODE = "node-a"
 
 
 @pytest.fixture
-def bpffs() -> Iterator[str]:
-    path = f"/sys/fs/bpf/palisade-test-{secrets.token_hex(4)}"
-    yield path
-    from services.datapath.datapath import Datapath
-
-    if os.path.exists(path):
-        Datapath.open(path).teardown()
-
-
-@pytest.fixture
 def pods() -> Iterator[Pods]:
     p = Pods("m" + secrets.token_hex(3))
     yield p

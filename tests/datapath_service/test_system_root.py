@@ -40,15 +40,6 @@ SERVED = ((80, "TCP"), (5432, "TCP"), (53, "UDP"))
 
 
 @pytest.fixture
-def bpffs() -> Iterator[str]:
-    path = f"/sys/fs/bpf/palisade-test-{secrets.token_hex(4)}"
-    yield path
-    from services.datapath.datapath import teardown_all
-
-    teardown_all(path)
-
-
-@pytest.fixture
 def namespaces() -> Iterator[tuple[str, str]]:
     """Two Kubernetes namespace names of this test; their pods' network namespaces are removed at the end."""
     tag = secrets.token_hex(3)
