@@ -170,6 +170,7 @@ class PolicyEngine:
         self._pending_full: set[int] = set()
         self._pending_slices: dict[int, set[int]] = {}
         self._batching = False
+        self._batch_start_revision = 0
         if with_reserved:
             for r in DEFAULT_RESERVED:
                 ident = reserved_identity(r)
@@ -254,11 +255,15 @@ class PolicyEngine:
     def begin_batch(self) -> None:
         """Defer recomputation until :meth:`end_batch` (bulk loads, initial sync)."""
         self._batching = True
+        self._batch_start_revision = self.revision
 
     def end_batch(self) -> ChangeResult:
-        """Recompute everything deferred since :meth:`begin_batch`; one combined diff."""
+        """Recompute everything deferred since :meth:`begin_batch`; one combined diff.
+
+        A batch that changed policies already bumped the revision; it is not bumped again.
+        """
         self._batching = False
-        return self._flush(policy_change=False)
+        return self._flush(policy_change=self.revision != self._batch_start_revision)
 
     # --- policies ------------------------------------------------------------------------
 

@@ -188,3 +188,28 @@ def test_batch_combines_identity_changes_into_one_diff_per_subject(count: int) -
     }
     assert not res.diffs[S].removed
     assert_consistent(eng)
+
+
+@pytest.mark.parametrize(
+    ("policies", "identities", "expected_bumps"),
+    [
+        (1, 0, 1),  # one policy change: one bump, not a second one at end_batch
+        (2, 1, 2),  # each policy change bumps; the identity's diff rides on them
+        (0, 1, 1),  # identities alone: one bump for the batch's combined diff
+        (0, 0, 0),  # an empty batch changes nothing
+    ],
+)
+def test_a_batch_bumps_the_revision_once_per_policy_change_or_once_for_other_changes(
+    policies: int, identities: int, expected_bumps: int
+) -> None:
+    eng = engine()
+    before = eng.revision
+    eng.begin_batch()
+    for n in range(policies):
+        eng.upsert_policy_document(cnp(f"b{n}", "  ingress:\n  - fromEndpoints: [{matchLabels: {role: peer}}]\n"))
+    for n in range(identities):
+        eng.upsert_identity(Identity(X + n, pod("x", role="peer")))
+    result = eng.end_batch()
+    assert eng.revision == before + expected_bumps
+    assert result.revision == eng.revision
+    assert_consistent(eng)
