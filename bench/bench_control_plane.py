@@ -58,6 +58,7 @@ if str(ROOT) not in sys.path:
 import grpc  # noqa: E402
 import yaml  # noqa: E402
 
+from bench.stats import stats_ms  # noqa: E402
 from palisade.v1 import (  # noqa: E402
     common_pb2,
     datapath_pb2,
@@ -80,22 +81,6 @@ TIERS = 2
 
 def log(message: str) -> None:
     print(f"[control_plane {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
-
-
-def stats_ms(values: Sequence[float]) -> dict[str, float]:
-    return {
-        "p50": round(percentile(values, 0.50), 3),
-        "p90": round(percentile(values, 0.90), 3),
-        "p99": round(percentile(values, 0.99), 3),
-        "mean": round(statistics.fmean(values), 3),
-        "max": round(max(values), 3),
-    }
 
 
 def rss_mib(pid: int) -> float:

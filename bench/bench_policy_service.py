@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.stats import percentile  # noqa: E402
 from palisade.v1 import common_pb2, identity_pb2, k8s_pb2, policy_pb2  # noqa: E402
 from services.common.bus import (  # noqa: E402
     ALL_STREAMS,
@@ -100,12 +101,6 @@ async def load_world(bus: Bus, args: argparse.Namespace, apps_per_ns: int) -> No
         subject, delta = policy_delta(policy_doc(j, apps_per_ns, 1000 + j % 1000))
         await bus.publish(subject, delta)
     await bus.publish(SYNCED_SUBJECT, k8s_pb2.SyncedMarker(kinds=["networkpolicy"], source="bench"))
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

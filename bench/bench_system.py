@@ -30,7 +30,6 @@ import secrets
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,29 +43,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.stats import percentile, stats_ms  # noqa: E402
+
 PORT = 8080
 CLUSTER_CIDR = "10.214.0.0/16"  # apart from other stacks' pod addresses on this machine
 
 
 def log(message: str) -> None:
     print(f"[system {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
-
-
-def stats_ms(values: Sequence[float]) -> dict[str, float]:
-    return {
-        "p50": round(percentile(values, 0.50), 1),
-        "p90": round(percentile(values, 0.90), 1),
-        "p99": round(percentile(values, 0.99), 1),
-        "mean": round(statistics.fmean(values), 1),
-        "min": round(min(values), 1),
-        "max": round(max(values), 1),
-    }
 
 
 # -- the probe agent (a child process inside the source pod's namespace) -------------------
@@ -466,9 +450,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "changes": len(samples),
         "probe_interval_ms": args.interval * 1000,
         "start_to_pods_ready_s": round(ready_s, 1),
-        "file_to_enforced_ms": stats_ms(delays),
-        "file_to_allowed_ms": stats_ms(allowed),
-        "file_to_denied_ms": stats_ms(denied) if denied else {},
+        "file_to_enforced_ms": stats_ms(delays, 1),
+        "file_to_allowed_ms": stats_ms(allowed, 1),
+        "file_to_denied_ms": stats_ms(denied, 1) if denied else {},
         "samples_ms": [round(d, 1) for d in delays],
         "summary": [
             {
