@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
-import secrets
-import subprocess
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import prometheus_client
@@ -27,22 +24,13 @@ from services.datapath.flows import FlowFilter
 from services.datapath.metrics import AgentParts, DatapathMetrics, KernelTotals
 from tests.datapath_service.agent import InProcessAgent
 from tests.datapath_service.controlplane import ING, ControlPlane, entry
+from tests.datapath_service.pods import Pods
 from tests.datapath_service.test_agent import create as create_fake
 from tests.datapath_service.test_agent import eventually
-from tests.datapath_service.test_service_root import Pods, create, in_thread, started
+from tests.datapath_service.test_service_root import create, in_thread, started
 from tests.harness import Metrics, NatsServer, ServiceProcess, scrape
 
 NODE = "node-a"
-
-
-@pytest.fixture
-def pods() -> Iterator[Pods]:
-    p = Pods("m" + secrets.token_hex(3))
-    yield p
-    p.close()
-    for name in os.listdir("/run/netns") if os.path.isdir("/run/netns") else []:
-        if name.startswith(f"pal_{p.namespace}_"):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 @pytest.fixture

@@ -1,0 +1,5 @@
+"""Fixtures shared by the datapath service tests."""
+
+from tests.datapath_service.pods import pods
+
+__all__ = ["pods"]
