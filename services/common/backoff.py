@@ -1,0 +1,69 @@
+"""Exponential backoff: the one way every Palisade loop waits between attempts.
+
+``Backoff`` computes delays (doubling up to a maximum, optionally with jitter so many
+clients do not retry in lockstep); :func:`retry_forever` runs an async call until it
+succeeds, logging each failure. Both are small on purpose: callers keep their own
+notion of what counts as success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from services.common.log import get_logger
+
+T = TypeVar("T")
+
+log = get_logger("backoff")
+
+
+class Backoff:
+    """Delays that double from ``initial`` up to ``maximum``; ``reset`` after a success.
+
+    With ``jitter`` each delay is scaled by a random factor in [0.8, 1.2).
+    """
+
+    def __init__(
+        self, initial: float, maximum: float, *, jitter: bool = False, rng: random.Random | None = None
+    ) -> None:
+        if initial <= 0 or maximum < initial:
+            raise ValueError(f"backoff needs 0 < initial <= maximum, got {initial} and {maximum}")
+        self._initial = initial
+        self._max = maximum
+        self._next = initial
+        self._jitter = jitter
+        self._rng = rng or random.Random()
+
+    def reset(self) -> None:
+        self._next = self._initial
+
+    def next(self) -> float:
+        """The delay to wait now; the following one doubles (up to the maximum)."""
+        delay = self._next
+        self._next = min(self._next * 2, self._max)
+        return delay * (0.8 + 0.4 * self._rng.random()) if self._jitter else delay
+
+    async def sleep(self) -> None:
+        await asyncio.sleep(self.next())
+
+
+async def retry_forever(
+    what: str,
+    call: Callable[[], Awaitable[T]],
+    *,
+    initial: float = 0.2,
+    maximum: float = 5.0,
+    describe: Callable[[BaseException], str] = str,
+    **fields: object,
+) -> T:
+    """Await ``call()`` until it returns, waiting with backoff after each failure (logged with ``fields``)."""
+    backoff = Backoff(initial, maximum)
+    while True:
+        try:
+            return await call()
+        except Exception as exc:
+            log.warning("retrying", what=what, error=describe(exc), **fields)
+            await backoff.sleep()
