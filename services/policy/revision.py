@@ -19,7 +19,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 from nats.js.kv import KeyValue
 
 from services.common.log import get_logger
-from services.policy.orders import PersistedState
+from services.policy.engine.orders import PersistedState
 
 log = get_logger("revision")
 

@@ -16,9 +16,9 @@ from services.common.grpcserver import GrpcServer, StatusProvider
 from services.common.runner import ServiceContext, run_service
 from services.policy.config import PolicyConfig
 from services.policy.controller import Controller, Encoding, JobKind
-from services.policy.core import PolicyCore
+from services.policy.engine.core import PolicyCore
+from services.policy.engine.orders import PersistedState
 from services.policy.inputs import Inputs
-from services.policy.orders import PersistedState
 from services.policy.revision import StateStore
 from services.policy.servicer import PolicyServicer
 

@@ -24,12 +24,20 @@ from services.common.labels import (
     parse_label,
     pod_identity_labels,
 )
-from services.policy.engine import PolicyEngine
-from services.policy.identity import Identity, LocalAllocator
-from services.policy.model import Direction, EntryKey, PolicyKey, PolicyKind, PolicyValidationError, Protocol, Verdict
-from services.policy.parse import parse_policy
-from services.policy.resolve import lookup
-from services.policy.trace import trace
+from services.policy.engine.identity import Identity, LocalAllocator
+from services.policy.engine.model import (
+    Direction,
+    EntryKey,
+    PolicyKey,
+    PolicyKind,
+    PolicyValidationError,
+    Protocol,
+    Verdict,
+)
+from services.policy.engine.parse import parse_policy
+from services.policy.engine.policyengine import PolicyEngine
+from services.policy.engine.resolve import lookup
+from services.policy.engine.trace import trace
 
 ING, EGR = Direction.INGRESS, Direction.EGRESS
 

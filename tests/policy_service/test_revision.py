@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.bus import Bus
-from services.policy.orders import PersistedState
+from services.policy.engine.orders import PersistedState
 from services.policy.revision import STATE_KEY, StateConflictError, StateCorruptError, StateStore
 from tests.harness import NatsServer
 

@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from services.policy.model import Policy, PolicyKey, PolicyKind
-from services.policy.sources import Source
+from services.policy.engine.model import Policy, PolicyKey, PolicyKind
+from services.policy.engine.sources import Source
 
 RecordKey = tuple[Source, PolicyKey]
 

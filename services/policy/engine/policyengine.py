@@ -38,13 +38,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.common.labels import CLUSTER_NAME_DEFAULT
-from services.policy.identity import (
+from services.policy.engine.identity import (
     DEFAULT_RESERVED,
     Identity,
     IdentityState,
     reserved_identity,
 )
-from services.policy.model import (
+from services.policy.engine.model import (
     Direction,
     EntryKey,
     IPAddress,
@@ -55,9 +55,9 @@ from services.policy.model import (
     Rule,
     Verdict,
 )
-from services.policy.parse import parse_policy
-from services.policy.repository import Repository
-from services.policy.resolve import (
+from services.policy.engine.parse import parse_policy
+from services.policy.engine.repository import Repository
+from services.policy.engine.resolve import (
     NamedPorts,
     ResolvedPolicy,
     RuleRef,
@@ -65,8 +65,8 @@ from services.policy.resolve import (
     resolve_remote,
     resolve_subject,
 )
-from services.policy.selector import CIDRSelector, Selector
-from services.policy.selectorcache import SelectionChange, SelectorCache
+from services.policy.engine.selector import CIDRSelector, Selector
+from services.policy.engine.selectorcache import SelectionChange, SelectorCache
 
 RuleId = tuple[PolicyKey, int]
 

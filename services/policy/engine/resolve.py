@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol as TypingProtocol
 
-from services.policy.model import (
+from services.policy.engine.model import (
     ALL_PORTS,
     WILDCARD_IDENTITY,
     Direction,
@@ -46,7 +46,7 @@ from services.policy.model import (
     Rule,
     Verdict,
 )
-from services.policy.selector import EndpointSelector, Selector
+from services.policy.engine.selector import EndpointSelector, Selector
 
 NamedPorts = Mapping[str, frozenset[tuple[Protocol, int]]]
 

@@ -10,9 +10,9 @@ from collections.abc import Iterable, Mapping
 
 from palisade.v1 import common_pb2
 from services.common.labels import Label, LabelSet
-from services.policy.engine import PolicyDiff
-from services.policy.model import Direction, EntryKey, PolicyKey, Verdict
-from services.policy.resolve import ResolvedPolicy
+from services.policy.engine.model import Direction, EntryKey, PolicyKey, Verdict
+from services.policy.engine.policyengine import PolicyDiff
+from services.policy.engine.resolve import ResolvedPolicy
 
 _DIRECTIONS = {Direction.INGRESS: common_pb2.DIRECTION_INGRESS, Direction.EGRESS: common_pb2.DIRECTION_EGRESS}
 _VERDICTS = {Verdict.ALLOW: common_pb2.VERDICT_ALLOW, Verdict.DENY: common_pb2.VERDICT_DENY}

@@ -13,9 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.common.labels import LabelSet, LabelSource
-from services.policy.engine import PolicyEngine
-from services.policy.identity import Identity, IdentityState
-from services.policy.model import (
+from services.policy.engine.identity import Identity, IdentityState
+from services.policy.engine.model import (
     ALL_PORTS,
     Direction,
     IPAddress,
@@ -26,8 +25,9 @@ from services.policy.model import (
     Rule,
     Verdict,
 )
-from services.policy.resolve import NamedPorts, RuleRef
-from services.policy.selector import EndpointSelector, IdentityView
+from services.policy.engine.policyengine import PolicyEngine
+from services.policy.engine.resolve import NamedPorts, RuleRef
+from services.policy.engine.selector import EndpointSelector, IdentityView
 
 _ICMP = (Protocol.ICMP, Protocol.ICMPV6)
 _PORT_PROTOCOLS = (Protocol.TCP, Protocol.UDP, Protocol.SCTP)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 
 from palisade.v1 import policy_pb2
-from services.policy.model import PolicyKey, PolicyKind
+from services.policy.engine.model import PolicyKey, PolicyKind
 
 
 class Source(enum.StrEnum):

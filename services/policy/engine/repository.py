@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from services.common.labels import LabelSet
-from services.policy.model import Policy, PolicyKey, PolicyKind, Rule
+from services.policy.engine.model import Policy, PolicyKey, PolicyKind, Rule
 
 
 @dataclass(frozen=True, slots=True)

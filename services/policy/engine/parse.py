@@ -35,8 +35,8 @@ from services.common.labels import (
     ReservedIdentity,
     reserved_labels,
 )
-from services.policy.identity import entity_selectors
-from services.policy.model import (
+from services.policy.engine.identity import entity_selectors
+from services.policy.engine.model import (
     ALL_PORTS,
     Direction,
     IPNetwork,
@@ -50,7 +50,7 @@ from services.policy.model import (
     Rule,
     Verdict,
 )
-from services.policy.selector import (
+from services.policy.engine.selector import (
     CIDRSelector,
     EndpointSelector,
     Selector,

@@ -22,18 +22,18 @@ from typing import Any
 from palisade.v1 import common_pb2, identity_pb2, k8s_pb2
 from services.common.labels import CLUSTER_NAME_DEFAULT, LabelSet, LabelSource, parse_label
 from services.common.log import get_logger
-from services.policy.engine import PolicyEngine
-from services.policy.identity import Identity
-from services.policy.ipcache import IpcacheError, IpcacheTable, is_endpoint_identity, record_from_proto
-from services.policy.model import Policy, PolicyKey, PolicyKind, PolicyValidationError, Protocol
-from services.policy.orders import OrderPlanner, PersistedState, PlannedOrder
-from services.policy.parse import parse_policy
-from services.policy.realized import Lag, RealizedTable, Report, Rollup
-from services.policy.registry import PolicyRecord, Registry
-from services.policy.resolve import ResolvedPolicy
-from services.policy.sources import Source, engine_key, object_key
-from services.policy.trace import TraceEndpoint, TraceResult, trace
-from services.policy.wire import labels_from_proto, policy_to_proto
+from services.policy.engine.identity import Identity
+from services.policy.engine.ipcache import IpcacheError, IpcacheTable, is_endpoint_identity, record_from_proto
+from services.policy.engine.model import Policy, PolicyKey, PolicyKind, PolicyValidationError, Protocol
+from services.policy.engine.orders import OrderPlanner, PersistedState, PlannedOrder
+from services.policy.engine.parse import parse_policy
+from services.policy.engine.policyengine import PolicyEngine
+from services.policy.engine.realized import Lag, RealizedTable, Report, Rollup
+from services.policy.engine.registry import PolicyRecord, Registry
+from services.policy.engine.resolve import ResolvedPolicy
+from services.policy.engine.sources import Source, engine_key, object_key
+from services.policy.engine.trace import TraceEndpoint, TraceResult, trace
+from services.policy.engine.wire import labels_from_proto, policy_to_proto
 
 log = get_logger("policy")
 
