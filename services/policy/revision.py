@@ -56,8 +56,8 @@ def decode_state(data: bytes, *, where: str) -> PersistedState:
     return PersistedState(revision, {str(k): int(v) for k, v in sequences.items()})
 
 
-class StateStore:
-    """Load and save :class:`PersistedState` under one key of a KV bucket."""
+class RevisionStore:
+    """The policy revision and per-node order sequences (:class:`PersistedState`), under one key of a KV bucket."""
 
     def __init__(self, kv: KeyValue, bucket: str) -> None:
         self._kv = kv
@@ -66,7 +66,7 @@ class StateStore:
         self._saved: PersistedState | None = None
 
     @classmethod
-    async def open(cls, js: JetStreamContext, bucket: str) -> StateStore:
+    async def open(cls, js: JetStreamContext, bucket: str) -> RevisionStore:
         """Bind to the bucket, creating it on first use."""
         try:
             kv = await js.key_value(bucket)
