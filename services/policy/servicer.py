@@ -18,7 +18,7 @@ from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
 from services.policy import metrics
 from services.policy.controller import Controller, JobKind
 from services.policy.engine.core import Outcome, PolicyCore, PolicyView, RequestError, TraceAnswer
-from services.policy.engine.model import PolicyKey, PolicyKind, Protocol
+from services.policy.engine.model import PolicyKind, PolicyRef, Protocol
 from services.policy.engine.realized import Lag, Report
 from services.policy.engine.sources import Source, object_key, parse_kind, source_from_proto, split_engine_key
 from services.policy.engine.trace import TraceSide
@@ -190,7 +190,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
 
     async def _ref(
         self, ref: common_pb2.ObjectRef, context: grpc.aio.ServicerContext, *, field: str = "ref"
-    ) -> PolicyKey:
+    ) -> PolicyRef:
         if not ref.kind:
             await abort(
                 context,

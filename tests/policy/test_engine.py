@@ -28,8 +28,8 @@ from services.policy.engine.identity import Identity, LocalAllocator
 from services.policy.engine.model import (
     Direction,
     EntryKey,
-    PolicyKey,
     PolicyKind,
+    PolicyRef,
     PolicyValidationError,
     Protocol,
     Verdict,
@@ -139,7 +139,7 @@ def test_revisions_and_rejection(world: Any) -> None:
     assert eng.revision == 42 and dict(eng.policy_for(ids["x/a"]).entries) == before
     r2 = eng.upsert_policy_document(doc(CNP_A + "  ingress:\n  - fromEndpoints: [{matchLabels: {app: b}}]\n"))
     assert r2.revision == 43 and not r2.diffs  # accepted, unchanged result
-    r3 = eng.delete_policy(PolicyKey(PolicyKind.CILIUM_NETWORK_POLICY, "x", "p"))
+    r3 = eng.delete_policy(PolicyRef(PolicyKind.CILIUM_NETWORK_POLICY, "x", "p"))
     assert r3.revision == 44
     assert r3.diffs[ids["x/a"]].removed == frozenset(before) and not r3.diffs[ids["x/a"]].ingress_enforced
     eng.seed_revision(10)

@@ -50,7 +50,7 @@ from services.policy.engine.model import (
     IPAddress,
     IPNetwork,
     Policy,
-    PolicyKey,
+    PolicyRef,
     Protocol,
     Rule,
     Verdict,
@@ -68,7 +68,7 @@ from services.policy.engine.resolve import (
 from services.policy.engine.selector import CIDRSelector, Selector
 from services.policy.engine.selectorcache import SelectionChange, SelectorCache
 
-RuleId = tuple[PolicyKey, int]
+RuleId = tuple[PolicyRef, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +233,7 @@ class PolicyEngine:
         resolved = resolve_subject(identity, self._rules_for(identity), self, explain=why)
         return resolved, why
 
-    def rules_for(self, identity: int) -> list[tuple[PolicyKey, Rule]]:
+    def rules_for(self, identity: int) -> list[tuple[PolicyRef, Rule]]:
         return self._rules_for(identity)
 
     # --- ResolveContext ----------------------------------------------------------------
@@ -281,7 +281,7 @@ class PolicyEngine:
         result = self._flush(policy_change=True)
         return ChangeResult(result.revision, result.diffs, policy)
 
-    def delete_policy(self, key: PolicyKey) -> ChangeResult:
+    def delete_policy(self, key: PolicyRef) -> ChangeResult:
         old = self._repo.get(key)
         if old is None:
             return ChangeResult(self.revision)
@@ -454,7 +454,7 @@ class PolicyEngine:
             rids.update(self._by_subject.get(sel, ()))
         return sorted(rids)
 
-    def _rules_for(self, identity: int) -> list[tuple[PolicyKey, Rule]]:
+    def _rules_for(self, identity: int) -> list[tuple[PolicyRef, Rule]]:
         return [(rid[0], self._rules[rid]) for rid in self._rule_ids_for(identity)]
 
     def _identity_changed(

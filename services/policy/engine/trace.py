@@ -19,7 +19,7 @@ from services.policy.engine.model import (
     Direction,
     IPAddress,
     PeerRule,
-    PolicyKey,
+    PolicyRef,
     PortSpec,
     Protocol,
     Rule,
@@ -118,7 +118,7 @@ def _peer_matches(pr: PeerRule, remote: TraceEndpoint, requirements: list[Endpoi
 
 
 def _side(
-    rules: list[tuple[PolicyKey, Rule]],
+    rules: list[tuple[PolicyRef, Rule]],
     direction: Direction,
     subject: TraceEndpoint,
     remote: TraceEndpoint,
@@ -163,7 +163,7 @@ def _side(
     return TraceSide(direction, True, "default-allow", enforced, sel)
 
 
-def _rules_selecting(engine: PolicyEngine, ep: TraceEndpoint) -> list[tuple[PolicyKey, Rule]]:
+def _rules_selecting(engine: PolicyEngine, ep: TraceEndpoint) -> list[tuple[PolicyRef, Rule]]:
     view = ep.view()
     return [(policy.key, rule) for policy in engine.repository for rule in policy.rules if rule.subject.matches(view)]
 
