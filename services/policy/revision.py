@@ -9,7 +9,6 @@ is detected instead of silently interleaving sequences.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -18,6 +17,7 @@ from nats.js import api as jsapi
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from services.common.backoff import Backoff
 from services.common.log import get_logger
 from services.policy.engine.orders import PersistedState
 
@@ -103,7 +103,7 @@ class RevisionStore:
         if state == self._saved:
             return
         data = encode_state(state)
-        delay = 0.05
+        backoff = Backoff(0.05, 2.0)
         attempt = 0
         while True:
             attempt += 1
@@ -122,8 +122,7 @@ class RevisionStore:
             except Exception as exc:
                 if attempt == 1 or attempt % 20 == 0:
                     log.warning("state save failed, retrying", attempt=attempt, error=str(exc))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await backoff.sleep()
 
     async def _written_by_us(self, data: bytes) -> bool:
         """A retried write whose first attempt landed (its ack got lost) is not a conflict."""
