@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from palisade.v1 import common_pb2, common_pb2_grpc
 from services import __version__
+from services.common.errors import Code, abort
 from services.common.log import get_logger
 
 log = get_logger("grpc")
@@ -136,7 +137,7 @@ def unimplemented(servicer: type[T]) -> T:
 
     def make(method: str) -> Callable[..., Any]:
         async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{servicer.__name__}.{method} is not implemented yet")
+            await abort(context, Code.UNIMPLEMENTED, f"{servicer.__name__}.{method} is not implemented yet")
 
         return handler
 

@@ -13,10 +13,11 @@ import collections
 import dataclasses
 import random
 
+from services.common.errors import Code
 from services.common.labels import LabelSet
 from services.common.log import get_logger
 from services.ipam import keys, metrics
-from services.ipam.errors import ErrorCode, IpamError
+from services.ipam.errors import IpamError
 from services.ipam.gc import GcTracker
 from services.ipam.kv import (
     Delete,
@@ -85,11 +86,11 @@ class GcPass:
 def _check_holder(node: str, owner: str) -> None:
     if not node or "/" in node:
         raise IpamError(
-            ErrorCode.INVALID_ARGUMENT,
             f"node {node!r} is not a node name; references are held per node, pass the node's name",
+            Code.INVALID_ARGUMENT,
         )
     if not owner:
-        raise IpamError(ErrorCode.INVALID_ARGUMENT, "owner is empty; pass who holds the reference, e.g. pod/ns/name")
+        raise IpamError("owner is empty; pass who holds the reference, e.g. pod/ns/name", Code.INVALID_ARGUMENT)
 
 
 class IdentityAllocator:
@@ -192,9 +193,9 @@ class IdentityAllocator:
         if candidate is None:
             rng = self._ranges[kind]
             raise IpamError(
-                ErrorCode.RESOURCE_EXHAUSTED,
                 f"all {rng.size} {kind} identities ({rng.low}-{rng.high}) are in use; release unused label sets "
                 "and wait for the collector's grace period, or reduce label churn",
+                Code.RESOURCE_EXHAUSTED,
             )
         return candidate
 
@@ -267,8 +268,8 @@ class IdentityAllocator:
             if found_id is not None and creating:
                 self._remember(ident, LabelSet.parse(found_id.value.decode()))
         raise IpamError(
-            ErrorCode.ABORTED,
             f"gave up allocating an identity for {canonical} after {MAX_ATTEMPTS} conflicting transactions; retry",
+            Code.ABORTED,
         )
 
     async def release(self, ident: int, node: str, owner: str) -> bool:
@@ -284,12 +285,12 @@ class IdentityAllocator:
             holding, exists = res.first(0), res.first(1)
             if exists is None:
                 raise IpamError(
-                    ErrorCode.NOT_FOUND, f"identity {ident} does not exist; ListIdentities shows the allocated ones"
+                    f"identity {ident} does not exist; ListIdentities shows the allocated ones", Code.NOT_FOUND
                 )
             held = f"it holds identity {int(holding.value)}" if holding is not None else "it holds none"
             raise IpamError(
-                ErrorCode.NOT_FOUND,
                 f"{owner} on node {node} holds no reference on identity {ident} ({held}); nothing to release",
+                Code.NOT_FOUND,
             )
         self._owners.pop((node, owner), None)
         self._held.pop((node, owner), None)

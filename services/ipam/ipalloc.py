@@ -21,10 +21,11 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from services.common.errors import Code
 from services.common.log import get_logger
 from services.ipam import keys
 from services.ipam.config import IPAMMode
-from services.ipam.errors import ErrorCode, IpamError
+from services.ipam.errors import IpamError
 from services.ipam.kv import KV, Delete, Get, Op, Put, Store, Txn, absent, mod_is, value_is
 from services.ipam.nodecidr import CIDRSource, NodeCIDR, NodeRecord, desired
 from services.ipam.pool import (
@@ -55,14 +56,14 @@ class IPAllocation:
 
 def _check_node(node: str) -> None:
     if not node or "/" in node:
-        raise IpamError(ErrorCode.INVALID_ARGUMENT, f"node {node!r} is not a node name; pass the node's name")
+        raise IpamError(f"node {node!r} is not a node name; pass the node's name", Code.INVALID_ARGUMENT)
 
 
 def _parse_ip(ip: str) -> IPAddress:
     try:
         return ipaddress.ip_address(ip)
     except ValueError:
-        raise IpamError(ErrorCode.INVALID_ARGUMENT, f"{ip!r} is not an IP address; pass e.g. 10.244.1.5") from None
+        raise IpamError(f"{ip!r} is not an IP address; pass e.g. 10.244.1.5", Code.INVALID_ARGUMENT) from None
 
 
 class IPAllocator:
@@ -234,9 +235,9 @@ class IPAllocator:
                 if subnet is None:
                     pools = ", ".join(str(p) for p in self._pools[family])
                     raise IpamError(
-                        ErrorCode.RESOURCE_EXHAUSTED,
                         f"cluster pool {pools} has no free /{self._masks[family]} for node {name}; "
                         "add a cluster CIDR (--cluster-cidrs) or remove nodes",
+                        Code.RESOURCE_EXHAUSTED,
                     )
                 used.append(subnet)
                 claims.append(subnet)
@@ -295,9 +296,7 @@ class IPAllocator:
                 if taken is not None:
                     self._claims[c] = taken.value.decode()
             await self._refresh_nodes()
-        raise IpamError(
-            ErrorCode.ABORTED, f"gave up assigning a pod CIDR to node {name} after concurrent changes; retry"
-        )
+        raise IpamError(f"gave up assigning a pod CIDR to node {name} after concurrent changes; retry", Code.ABORTED)
 
     async def _refresh_nodes(self) -> None:
         nodes, _ = await self._store.get_prefix(keys.IPAM_NODES.encode())
@@ -318,15 +317,15 @@ class IPAllocator:
         """Give ``owner`` an address on ``node`` (the next free one, or exactly ``ip`` to restore it)."""
         _check_node(node)
         if not owner:
-            raise IpamError(ErrorCode.INVALID_ARGUMENT, "owner is empty; pass who gets the address, e.g. pod/ns/name")
+            raise IpamError("owner is empty; pass who gets the address, e.g. pod/ns/name", Code.INVALID_ARGUMENT)
         wanted = _parse_ip(ip) if ip else None
         if wanted is not None and family is not None and wanted.version != family:
-            raise IpamError(ErrorCode.INVALID_ARGUMENT, f"{ip} is not an IPv{family} address; fix family or ip")
+            raise IpamError(f"{ip} is not an IPv{family} address; fix family or ip", Code.INVALID_ARGUMENT)
         fam = wanted.version if wanted is not None else (family or self.families[0])
         if fam not in self.families:
             raise IpamError(
-                ErrorCode.FAILED_PRECONDITION,
                 f"IPv{fam} is not configured; add an IPv{fam} cluster CIDR to --cluster-cidrs",
+                Code.FAILED_PRECONDITION,
             )
         record = await self.node_cidrs(node)
         node_cidr = record.cidr(fam)
@@ -335,7 +334,7 @@ class IPAllocator:
         if wanted is not None:
             problem = assignable_problem(cidr, wanted)
             if problem is not None:
-                raise IpamError(ErrorCode.INVALID_ARGUMENT, f"cannot reserve {ip} on node {node}: {problem}")
+                raise IpamError(f"cannot reserve {ip} on node {node}: {problem}", Code.INVALID_ARGUMENT)
         owner_key = keys.ipam_owner(node, fam, owner)
         if wanted is None and (node, fam, owner) in self._owners:
             await self._refuse_second(node, owner, owner_key)
@@ -352,9 +351,9 @@ class IPAllocator:
                     continue
                 await self._refuse_second(node, owner, owner_key)
                 raise IpamError(
-                    ErrorCode.RESOURCE_EXHAUSTED,
                     f"node {node} pod CIDR {cidr} has no free address ({capacity(cidr)} in use); release "
                     "addresses of gone pods or give nodes larger CIDRs (--node-mask-v4/--node-mask-v6)",
+                    Code.RESOURCE_EXHAUSTED,
                 )
             text = str(candidate)
             ip_key = keys.ipam_ip(node, text)
@@ -388,19 +387,19 @@ class IPAllocator:
                 ):
                     return self._allocation(node, held, owner, record)
                 raise IpamError(
-                    ErrorCode.ALREADY_EXISTS,
                     f"{owner} already has {held} on node {node}; release it first, or pass ip={held} to restore it",
+                    Code.ALREADY_EXISTS,
                 )
             if by_ip is not None:
                 if wanted is not None:
                     raise IpamError(
-                        ErrorCode.ALREADY_EXISTS,
                         f"{text} on node {node} is allocated to {by_ip.value.decode()}; release it first "
                         "or restore a different address",
+                        Code.ALREADY_EXISTS,
                     )
                 # Lost a race for this address to another process: skip ahead past its allocations.
                 self._cursor[(node, fam)] = int(candidate) + self._rng.randint(0, 15)
-        raise IpamError(ErrorCode.ABORTED, f"gave up allocating an address on node {node} under contention; retry")
+        raise IpamError(f"gave up allocating an address on node {node} under contention; retry", Code.ABORTED)
 
     async def _refuse_second(self, node: str, owner: str, owner_key: bytes) -> None:
         """ALREADY_EXISTS if ``owner`` holds an address of this family on ``node`` (checked in etcd)."""
@@ -410,8 +409,8 @@ class IPAllocator:
         text = held.value.decode()
         self._note_ip(node, text, owner)
         raise IpamError(
-            ErrorCode.ALREADY_EXISTS,
             f"{owner} already has {text} on node {node}; release it first, or pass ip={text} to restore it",
+            Code.ALREADY_EXISTS,
         )
 
     async def release(self, node: str, ip: str, owner: str = "") -> IPAllocation:
@@ -429,13 +428,13 @@ class IPAllocator:
             if holder is None:
                 self._drop_ip(node, text)
                 raise IpamError(
-                    ErrorCode.NOT_FOUND,
                     f"{text} is not allocated on node {node}; ListAllocations shows what is",
+                    Code.NOT_FOUND,
                 )
             if owner and holder != owner:
                 raise IpamError(
-                    ErrorCode.FAILED_PRECONDITION,
                     f"{text} on node {node} belongs to {holder}, not {owner}; pass the right owner or none",
+                    Code.FAILED_PRECONDITION,
                 )
             owner_key = keys.ipam_owner(node, addr.version, holder)
             res = await self._store.txn(
@@ -453,7 +452,7 @@ class IPAllocator:
             holder = current.value.decode() if current is not None else None
             if holder is not None:
                 self._note_ip(node, text, holder)
-        raise IpamError(ErrorCode.ABORTED, f"gave up releasing {text} on node {node} under contention; retry")
+        raise IpamError(f"gave up releasing {text} on node {node} under contention; retry", Code.ABORTED)
 
     def list(self, node: str = "") -> tuple[list[IPAllocation], list[NodeRecord]]:
         nodes = [node] if node else sorted(set(self._ips) | set(self._nodes))

@@ -15,6 +15,7 @@ import ipaddress
 from collections.abc import Iterable
 
 from palisade.v1 import common_pb2, identity_pb2
+from services.common.errors import Code
 from services.common.labels import (
     CLUSTER_RESERVED_IDENTITIES,
     Label,
@@ -24,7 +25,7 @@ from services.common.labels import (
     cidr_identity_labels,
     filter_identity_labels,
 )
-from services.ipam.errors import ErrorCode, IpamError
+from services.ipam.errors import IpamError
 
 MIN_CLUSTER_ID = 256
 MAX_CLUSTER_ID = 65535
@@ -130,28 +131,28 @@ def classify(raw: LabelSet) -> tuple[Kind, LabelSet, Identity | None]:
     labels = filter_identity_labels(raw)
     if not labels:
         raise IpamError(
-            ErrorCode.INVALID_ARGUMENT,
             "no identity-relevant labels given; pass the pod's labels (e.g. k8s:app=web)",
+            Code.INVALID_ARGUMENT,
         )
     reserved = [x for x in labels if x.source == LabelSource.RESERVED]
     cidrs = [x for x in labels if x.source == LabelSource.CIDR]
     if cidrs:
         if len(cidrs) > 1:
             raise IpamError(
-                ErrorCode.INVALID_ARGUMENT,
                 f"a CIDR identity has exactly one cidr: label, got {len(cidrs)}; allocate one identity per prefix",
+                Code.INVALID_ARGUMENT,
             )
         try:
             prefix = cidr_of(cidrs[0])
         except ValueError:
             raise IpamError(
-                ErrorCode.INVALID_ARGUMENT, f"label {cidrs[0]} does not name a prefix; use e.g. cidr:10.0.0.0/8"
+                f"label {cidrs[0]} does not name a prefix; use e.g. cidr:10.0.0.0/8", Code.INVALID_ARGUMENT
             ) from None
         others = [x for x in labels if x.source not in (LabelSource.CIDR, LabelSource.RESERVED)]
         if others or any(x.key != ReservedIdentity.WORLD.label_key for x in reserved):
             raise IpamError(
-                ErrorCode.INVALID_ARGUMENT,
                 "a CIDR identity carries only its cidr: label (and reserved:world); drop the other labels",
+                Code.INVALID_ARGUMENT,
             )
         return Kind.CIDR, cidr_identity_labels(prefix), None
     if reserved:
@@ -161,9 +162,9 @@ def classify(raw: LabelSet) -> tuple[Kind, LabelSet, Identity | None]:
         if len(labels) == 1 and reserved[0].key in _RESERVED_BY_KEY:
             return Kind.RESERVED, labels, reserved_identity(_RESERVED_BY_KEY[reserved[0].key])
         raise IpamError(
-            ErrorCode.INVALID_ARGUMENT,
             f"reserved labels ({', '.join(sorted(str(x) for x in reserved))}) name fixed identities and cannot be "
             "combined with other labels; allocate the reserved label alone or drop it",
+            Code.INVALID_ARGUMENT,
         )
     return Kind.CLUSTER, labels, None
 

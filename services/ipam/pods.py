@@ -34,9 +34,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from palisade.v1 import identity_pb2
+from services.common.errors import Code
 from services.common.labels import LabelSet
 from services.common.log import get_logger
-from services.ipam.errors import ErrorCode, IpamError
+from services.ipam.errors import IpamError
 from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import StoreUnavailable
@@ -317,7 +318,7 @@ class PodManager:
         try:
             await self._allocator.release(applied.identity.id, applied.node, pod_owner(*key))
         except IpamError as exc:
-            if exc.code != ErrorCode.NOT_FOUND:
+            if exc.code != Code.NOT_FOUND:
                 raise
             await self._allocator.release_owner(applied.node, pod_owner(*key))
 

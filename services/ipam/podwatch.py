@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from palisade.v1 import common_pb2, identity_pb2, k8s_pb2
+from services.common.errors import Code
 from services.common.labels import LabelSet, pod_identity_labels
-from services.ipam.errors import ErrorCode, IpamError
+from services.ipam.errors import IpamError
 
 #: Pod phases after which a pod holds no address and no identity (as for Cilium endpoints).
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
@@ -174,14 +175,14 @@ def named_ports_from_proto(ports: Mapping[str, identity_pb2.NamedPort]) -> tuple
     allowed = set(_PROTOCOLS.values())
     for name, port in sorted(ports.items()):
         if not name:
-            raise IpamError(ErrorCode.INVALID_ARGUMENT, "named_ports: a port has an empty name")
+            raise IpamError("named_ports: a port has an empty name", Code.INVALID_ARGUMENT)
         if not 0 < port.port <= 65535:
-            raise IpamError(ErrorCode.INVALID_ARGUMENT, f"named_ports[{name}]: port {port.port} is outside 1-65535")
+            raise IpamError(f"named_ports[{name}]: port {port.port} is outside 1-65535", Code.INVALID_ARGUMENT)
         protocol = port.protocol or common_pb2.PROTOCOL_TCP
         if protocol not in allowed:
             raise IpamError(
-                ErrorCode.INVALID_ARGUMENT,
                 f"named_ports[{name}]: protocol {port.protocol} is not a container port protocol (TCP, UDP, SCTP)",
+                Code.INVALID_ARGUMENT,
             )
         out.append((name, NamedPort(port.port, protocol)))
     return tuple(out)

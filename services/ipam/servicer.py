@@ -9,14 +9,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import NoReturn, TypeVar
+from typing import TypeVar
 
 import grpc
 
 from palisade.v1 import identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc
+from services.common.errors import Code, abort, abort_with
 from services.common.log import get_logger
 from services.ipam import metrics
-from services.ipam.errors import ErrorCode, IpamError
+from services.ipam.errors import IpamError
 from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocation, IPAllocator
 from services.ipam.kv import StoreError, StoreUnavailable
@@ -39,11 +40,6 @@ _SOURCE = {
 }
 
 
-async def _abort(context: grpc.aio.ServicerContext, code: str, message: str) -> NoReturn:
-    await context.abort(getattr(grpc.StatusCode, code), message)
-    raise AssertionError("abort returned")  # abort always raises
-
-
 async def _call(context: grpc.aio.ServicerContext, method: str, body: Callable[[], Awaitable[T]]) -> T:
     started = time.perf_counter()
     code = "UNKNOWN"  # what grpc answers for an unexpected exception
@@ -53,14 +49,14 @@ async def _call(context: grpc.aio.ServicerContext, method: str, body: Callable[[
         return result
     except IpamError as exc:
         code = exc.code.value
-        await _abort(context, code, exc.message)
+        await abort_with(context, exc)
     except StoreUnavailable as exc:
-        code = ErrorCode.UNAVAILABLE.value
-        await _abort(context, code, str(exc))
+        code = Code.UNAVAILABLE.value
+        await abort(context, Code.UNAVAILABLE, str(exc))
     except StoreError as exc:
-        code = "INTERNAL"
+        code = Code.INTERNAL.value
         log.error("etcd refused a request", method=method, error=str(exc))
-        await _abort(context, code, f"{exc}; this is a bug or a misconfigured etcd, see ipam logs")
+        await abort(context, Code.INTERNAL, f"{exc}; this is a bug or a misconfigured etcd, see ipam logs")
     except asyncio.CancelledError:
         code = "CANCELLED"
         raise
@@ -102,9 +98,7 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
     ) -> identity_pb2.ReleaseIdentityResponse:
         async def body() -> identity_pb2.ReleaseIdentityResponse:
             if any(int(r) == request.id for r in RESERVED):
-                raise IpamError(
-                    ErrorCode.INVALID_ARGUMENT, f"identity {request.id} is reserved and holds no references"
-                )
+                raise IpamError(f"identity {request.id} is reserved and holds no references", Code.INVALID_ARGUMENT)
             last = await self._allocator.release(request.id, request.node, request.owner)
             self._pods.submit(ReferenceChanged(request.node, request.owner, held=False))
             return identity_pb2.ReleaseIdentityResponse(last_reference=last)
@@ -118,8 +112,8 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
             found = await self._allocator.get(request.id)
             if found is None:
                 raise IpamError(
-                    ErrorCode.NOT_FOUND,
                     f"identity {request.id} does not exist; ListIdentities shows the allocated ones",
+                    Code.NOT_FOUND,
                 )
             refs = 0 if request.id < 256 else await self._allocator.references(request.id)
             return found.to_proto(refs)
@@ -151,13 +145,13 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
             found = self._pods.resolve(request.namespace, request.name)
             if found is None:
                 raise IpamError(
-                    ErrorCode.NOT_FOUND,
                     f"pod {request.namespace}/{request.name} is unknown; is it created and is the watcher running?",
+                    Code.NOT_FOUND,
                 )
             if found.identity is None:
                 raise IpamError(
-                    ErrorCode.FAILED_PRECONDITION,
                     f"pod {request.namespace}/{request.name} has no identity: {found.reason}",
+                    Code.FAILED_PRECONDITION,
                 )
             refs = await self._allocator.references(found.identity.id)
             return identity_pb2.ResolvePodResponse(

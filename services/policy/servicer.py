@@ -9,12 +9,13 @@ has not loaded its initial state.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 import yaml
 
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
+from services.common.errors import Code, abort, abort_with
 from services.policy import metrics
 from services.policy.controller import Controller, JobKind
 from services.policy.engine.core import Outcome, PolicyCore, PolicyView, RequestError, TraceAnswer
@@ -29,12 +30,6 @@ _NOT_SYNCED = (
     "and the identity and ipcache streams); retry when its health is SERVING"
 )
 _PROTOCOLS = {int(p): p for p in (Protocol.TCP, Protocol.UDP, Protocol.SCTP, Protocol.ICMP, Protocol.ICMPV6)}
-
-
-async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    """End the call with ``code``; typed so the checker knows nothing runs after it."""
-    await context.abort(code, message)
-    raise AssertionError("grpc abort returned")
 
 
 class DocumentError(ValueError):
@@ -186,7 +181,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
 
     async def _require_synced(self, context: grpc.aio.ServicerContext) -> None:
         if not self._controller.core.synced:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, _NOT_SYNCED)
+            await abort(context, Code.UNAVAILABLE, _NOT_SYNCED)
 
     async def _ref(
         self, ref: common_pb2.ObjectRef, context: grpc.aio.ServicerContext, *, field: str = "ref"
@@ -194,30 +189,26 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         if not ref.kind:
             await abort(
                 context,
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Code.INVALID_ARGUMENT,
                 f"{field}.kind is required: NetworkPolicy, CiliumNetworkPolicy or CiliumClusterwideNetworkPolicy",
             )
         kind = parse_kind(ref.kind)
         if kind is None:
             await abort(
                 context,
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Code.INVALID_ARGUMENT,
                 f"{field}.kind {ref.kind!r} is not a policy kind; use NetworkPolicy, CiliumNetworkPolicy or "
                 "CiliumClusterwideNetworkPolicy",
             )
         if not ref.name:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{field}.name is required")
+            await abort(context, Code.INVALID_ARGUMENT, f"{field}.name is required")
         if kind is PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY and ref.namespace:
             await abort(
                 context,
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Code.INVALID_ARGUMENT,
                 f"{field}.namespace must be empty: CiliumClusterwideNetworkPolicy is cluster-scoped",
             )
         return object_key(kind, ref.namespace, ref.name)
-
-    async def _fail(self, exc: RequestError, context: grpc.aio.ServicerContext) -> NoReturn:
-        code = grpc.StatusCode.NOT_FOUND if exc.not_found else grpc.StatusCode.INVALID_ARGUMENT
-        await abort(context, code, str(exc))
 
     async def _revision(self) -> int:
         return await self._controller.call(lambda core, now: core.revision)
@@ -230,13 +221,13 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         if not request.documents.strip():
             await abort(
                 context,
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Code.INVALID_ARGUMENT,
                 "documents is empty; pass the YAML or JSON of one or more policies",
             )
         try:
             docs = split_documents(request.documents, request.origin)
         except DocumentError as exc:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort(context, Code.INVALID_ARGUMENT, str(exc))
         if not request.dry_run:
             await self._require_synced(context)
         texts = [yaml.safe_dump(dict(doc), sort_keys=False) for _, doc in docs]
@@ -276,7 +267,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         if source is Source.KUBERNETES:
             await abort(
                 context,
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Code.FAILED_PRECONDITION,
                 f"{key} comes from Kubernetes; delete it there (kubectl delete) or from the manifest folder",
             )
         await self._require_synced(context)
@@ -286,7 +277,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         if not existed:
             await abort(
                 context,
-                grpc.StatusCode.NOT_FOUND,
+                Code.NOT_FOUND,
                 f"no policy {key} imported over the API; list them with `palisade policy get`",
             )
         return policy_pb2.DeletePolicyResponse(revision=await self._revision())
@@ -303,7 +294,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         try:
             view = await self._controller.call(lambda core, now: core.get_policy(source, key))
         except RequestError as exc:
-            await self._fail(exc, context)
+            await abort_with(context, exc)
         return status_to_proto(view)
 
     async def ListPolicies(
@@ -324,24 +315,22 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     ) -> policy_pb2.TraceResponse:
         protocol = _PROTOCOLS.get(request.protocol or Protocol.TCP)
         if protocol is None:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "protocol must be TCP, UDP, SCTP, ICMP or ICMPv6")
+            await abort(context, Code.INVALID_ARGUMENT, "protocol must be TCP, UDP, SCTP, ICMP or ICMPv6")
         if protocol in (Protocol.TCP, Protocol.UDP, Protocol.SCTP) and not 1 <= request.port <= 65535:
-            await abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT, f"port {request.port} must be 1-65535 for {protocol.name}"
-            )
+            await abort(context, Code.INVALID_ARGUMENT, f"port {request.port} must be 1-65535 for {protocol.name}")
         src = (request.source.pod, tuple(request.source.labels))
         dst = (request.destination.pod, tuple(request.destination.labels))
         try:
             answer = await self._controller.call(lambda core, now: core.trace(src, dst, request.port, protocol))
         except RequestError as exc:
-            await self._fail(exc, context)
+            await abort_with(context, exc)
         return trace_to_proto(answer)
 
     async def Resync(
         self, request: policy_pb2.ResyncRequest, context: grpc.aio.ServicerContext
     ) -> policy_pb2.ResyncResponse:
         if not request.node:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "node is required: the node to resync")
+            await abort(context, Code.INVALID_ARGUMENT, "node is required: the node to resync")
         await self._require_synced(context)
         # Durable: the sequence returned is persisted and its order published before we answer.
         answer = await self._controller.call(
@@ -357,14 +346,14 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         if request.revision == 0:
             await abort(
                 context,
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Code.INVALID_ARGUMENT,
                 "revision is required: the revision printed by `palisade policy import`, or the current one "
                 "from `palisade status`",
             )
         if request.timeout_seconds < 0:
             await abort(
                 context,
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Code.INVALID_ARGUMENT,
                 "timeout_seconds must be positive (0 uses the server default)",
             )
         await self._require_synced(context)
@@ -372,7 +361,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         if request.revision > current:
             await abort(
                 context,
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Code.INVALID_ARGUMENT,
                 f"revision {request.revision} has not been handed out yet (current is {current}); "
                 "wait for a revision returned by an import or delete",
             )
@@ -401,7 +390,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             elif r.pod and "/" not in r.pod:
                 problem = f"pod {r.pod!r} must be namespace/name"
             if problem:
-                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"reports[{i}]: {problem}")
+                await abort(context, Code.INVALID_ARGUMENT, f"reports[{i}]: {problem}")
             reports.append(Report(r.node, r.endpoint_id, r.identity, r.revision, r.pod, r.deleted))
 
         def apply(core: PolicyCore, now: float) -> None:
@@ -412,5 +401,5 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         try:
             await self._controller.call(apply, JobKind.REALIZED)
         except RequestError as exc:
-            await self._fail(exc, context)
+            await abort_with(context, exc)
         return policy_pb2.ReportRealizedResponse()

@@ -10,9 +10,10 @@ import time
 
 import pytest
 
+from services.common.errors import Code
 from services.common.labels import LabelSet
 from services.ipam import keys
-from services.ipam.errors import ErrorCode, IpamError
+from services.ipam.errors import IpamError
 from services.ipam.gc import GcTracker
 from services.ipam.identities import IdentityAllocator
 from services.ipam.kv import Store
@@ -74,18 +75,18 @@ async def test_release_answers_clear_errors_and_reports_last_reference(store: St
     await alloc.allocate(WEB, "n1", "b")
     with pytest.raises(IpamError) as err:
         await alloc.release(999, "n1", "a")
-    assert err.value.code == ErrorCode.NOT_FOUND and "999 does not exist" in err.value.message
+    assert err.value.code == Code.NOT_FOUND and "999 does not exist" in err.value.message
     with pytest.raises(IpamError) as err:
         await alloc.release(web.identity.id, "n1", "nobody")
-    assert err.value.code == ErrorCode.NOT_FOUND and "holds no reference" in err.value.message
+    assert err.value.code == Code.NOT_FOUND and "holds no reference" in err.value.message
     assert await alloc.release(web.identity.id, "n1", "a") is False
     assert await alloc.release(web.identity.id, "n1", "b") is True
     with pytest.raises(IpamError) as err:
         await alloc.release(web.identity.id, "n1", "b")
-    assert err.value.code == ErrorCode.NOT_FOUND
+    assert err.value.code == Code.NOT_FOUND
     with pytest.raises(IpamError) as err:
         await alloc.allocate(WEB, "", "a")
-    assert err.value.code == ErrorCode.INVALID_ARGUMENT
+    assert err.value.code == Code.INVALID_ARGUMENT
 
 
 async def test_identity_exhaustion_is_clear_and_damages_nothing(store: Store) -> None:
@@ -94,7 +95,7 @@ async def test_identity_exhaustion_is_clear_and_damages_nothing(store: Store) ->
     assert sorted(a.identity.id for a in got) == [256, 257, 258]
     with pytest.raises(IpamError) as err:
         await alloc.allocate(LabelSet.of(["k8s:app=a3"]), "n1", "o3")
-    assert err.value.code == ErrorCode.RESOURCE_EXHAUSTED and "256-258" in err.value.message
+    assert err.value.code == Code.RESOURCE_EXHAUSTED and "256-258" in err.value.message
     # Existing label sets still resolve, and nothing half-written was left behind.
     again = await alloc.allocate(LabelSet.of(["k8s:app=a1"]), "n1", "o9")
     assert again.identity.id == got[1].identity.id

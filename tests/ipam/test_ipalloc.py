@@ -6,9 +6,10 @@ import ipaddress
 
 import pytest
 
+from services.common.errors import Code
 from services.ipam import keys
 from services.ipam.config import IPAMMode
-from services.ipam.errors import ErrorCode, IpamError
+from services.ipam.errors import IpamError
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store
 from services.ipam.nodecidr import CIDRSource
@@ -28,7 +29,7 @@ def ipalloc(
     return IPAllocator(store, [net(c) for c in cidrs.split(",")], mask_v4=mask, mask_v6=mask_v6, mode=mode)
 
 
-async def _code(coro) -> ErrorCode:  # type: ignore[no-untyped-def]
+async def _code(coro) -> Code:  # type: ignore[no-untyped-def]
     with pytest.raises(IpamError) as err:
         await coro
     return err.value.code
@@ -103,12 +104,12 @@ async def test_node_exhaustion_then_release_frees_exactly_one(store: Store) -> N
     assert got == [f"10.96.0.{i}" for i in range(2, 7)]
     with pytest.raises(IpamError) as err:
         await alloc.allocate("n", "o5")
-    assert err.value.code == ErrorCode.RESOURCE_EXHAUSTED and "10.96.0.0/29" in err.value.message
+    assert err.value.code == Code.RESOURCE_EXHAUSTED and "10.96.0.0/29" in err.value.message
     assert await store.count(keys.ipam_ips_of("n")) == 5  # nothing half-written
     assert await store.get(keys.ipam_owner("n", 4, "o5")) is None
     await alloc.release("n", "10.96.0.4")
     assert (await alloc.allocate("n", "o5")).ip == "10.96.0.4"
-    assert await _code(alloc.allocate("n", "o6")) == ErrorCode.RESOURCE_EXHAUSTED
+    assert await _code(alloc.allocate("n", "o6")) == Code.RESOURCE_EXHAUSTED
 
 
 async def test_pool_exhaustion(store: Store) -> None:
@@ -117,7 +118,7 @@ async def test_pool_exhaustion(store: Store) -> None:
     await alloc.node_cidrs("b")
     with pytest.raises(IpamError) as err:
         await alloc.node_cidrs("c")
-    assert err.value.code == ErrorCode.RESOURCE_EXHAUSTED and "10.96.0.0/23" in err.value.message
+    assert err.value.code == Code.RESOURCE_EXHAUSTED and "10.96.0.0/23" in err.value.message
     assert alloc.node_record("c") is None
 
 
@@ -126,13 +127,13 @@ async def test_double_allocation_unknown_release_wrong_owner(store: Store) -> No
     ip = (await alloc.allocate("n", "pod/ns/p")).ip
     with pytest.raises(IpamError) as err:
         await alloc.allocate("n", "pod/ns/p")
-    assert err.value.code == ErrorCode.ALREADY_EXISTS and ip in err.value.message
-    assert await _code(alloc.release("n", "10.96.0.77")) == ErrorCode.NOT_FOUND
-    assert await _code(alloc.release("other-node", ip)) == ErrorCode.NOT_FOUND
-    assert await _code(alloc.release("n", ip, "pod/ns/someone-else")) == ErrorCode.FAILED_PRECONDITION
-    assert await _code(alloc.release("n", "not-an-ip")) == ErrorCode.INVALID_ARGUMENT
-    assert await _code(alloc.allocate("n", "")) == ErrorCode.INVALID_ARGUMENT
-    assert await _code(alloc.allocate("n", "x", 6)) == ErrorCode.FAILED_PRECONDITION  # no IPv6 pool
+    assert err.value.code == Code.ALREADY_EXISTS and ip in err.value.message
+    assert await _code(alloc.release("n", "10.96.0.77")) == Code.NOT_FOUND
+    assert await _code(alloc.release("other-node", ip)) == Code.NOT_FOUND
+    assert await _code(alloc.release("n", ip, "pod/ns/someone-else")) == Code.FAILED_PRECONDITION
+    assert await _code(alloc.release("n", "not-an-ip")) == Code.INVALID_ARGUMENT
+    assert await _code(alloc.allocate("n", "")) == Code.INVALID_ARGUMENT
+    assert await _code(alloc.allocate("n", "x", 6)) == Code.FAILED_PRECONDITION  # no IPv6 pool
     # None of those changed anything.
     assert [(a.ip, a.owner) for a in alloc.list("n")[0]] == [(ip, "pod/ns/p")]
     await alloc.release("n", ip, "pod/ns/p")
@@ -145,9 +146,9 @@ async def test_restore_reserves_the_exact_address(store: Store) -> None:
     assert restored.ip == "10.96.0.50"
     # The datapath restarting again asks for the same again: same answer, not an error.
     assert (await alloc.allocate("n", "pod/ns/a", ip="10.96.0.50")).ip == "10.96.0.50"
-    assert await _code(alloc.allocate("n", "pod/ns/b", ip="10.96.0.50")) == ErrorCode.ALREADY_EXISTS
-    assert await _code(alloc.allocate("n", "pod/ns/b", ip="10.96.7.50")) == ErrorCode.INVALID_ARGUMENT
-    assert await _code(alloc.allocate("n", "pod/ns/b", ip="10.96.0.1")) == ErrorCode.INVALID_ARGUMENT  # gateway
+    assert await _code(alloc.allocate("n", "pod/ns/b", ip="10.96.0.50")) == Code.ALREADY_EXISTS
+    assert await _code(alloc.allocate("n", "pod/ns/b", ip="10.96.7.50")) == Code.INVALID_ARGUMENT
+    assert await _code(alloc.allocate("n", "pod/ns/b", ip="10.96.0.1")) == Code.INVALID_ARGUMENT  # gateway
     # A fresh process (empty cache) never hands the restored address out.
     other = ipalloc(store)
     got = {(await other.allocate("n", f"pod/ns/x{i}")).ip for i in range(60)}

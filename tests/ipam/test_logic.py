@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 from palisade.v1 import common_pb2, k8s_pb2
 from services.common.config import ConfigError, load_config
+from services.common.errors import Code
 from services.common.labels import LabelSet, ReservedIdentity
 from services.ipam import keys
 from services.ipam.config import IPAMConfig, IPAMMode
-from services.ipam.errors import ErrorCode, IpamError
+from services.ipam.errors import IpamError
 from services.ipam.gc import GcTracker
 from services.ipam.model import CIDR_RANGE, CLUSTER_RANGE, Kind, carries, classify, kind_of
 from services.ipam.nodecidr import CIDRSource, NodeCIDR, NodeRecord, desired
@@ -233,7 +234,7 @@ def test_classify_drops_noisy_labels_so_pods_of_one_deployment_share_an_identity
 def test_classify_rejects_what_cannot_be_an_identity(labels: list[str]) -> None:
     with pytest.raises(IpamError) as err:
         classify(LabelSet.of(labels))
-    assert err.value.code == ErrorCode.INVALID_ARGUMENT
+    assert err.value.code == Code.INVALID_ARGUMENT
 
 
 def test_identity_ranges_are_disjoint_and_kinds_follow() -> None:

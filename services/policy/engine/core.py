@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from palisade.v1 import common_pb2, identity_pb2, k8s_pb2
+from services.common.errors import Code, PalisadeError
 from services.common.labels import CLUSTER_NAME_DEFAULT, LabelSet, LabelSource, parse_label
 from services.common.log import get_logger
 from services.policy.engine.identity import Identity
@@ -49,12 +50,11 @@ _API_VERSIONS = {
 }
 
 
-class RequestError(ValueError):
-    """A request the state cannot answer; ``not_found`` tells NOT_FOUND from INVALID_ARGUMENT."""
+class RequestError(PalisadeError):
+    """A request the state cannot answer: INVALID_ARGUMENT, or NOT_FOUND (``not_found``) for unknown objects."""
 
     def __init__(self, message: str, *, not_found: bool = False) -> None:
-        super().__init__(message)
-        self.not_found = not_found
+        super().__init__(message, Code.NOT_FOUND if not_found else Code.INVALID_ARGUMENT)
 
 
 @dataclass(frozen=True, slots=True)
