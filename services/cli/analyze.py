@@ -9,9 +9,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-import yaml
-
-from services.policy.engine.analyze import AnalyzeError, Document, Probe, ProbeResult, analyze
+from services.common.manifests import Document, DocumentError, split_documents
+from services.policy.engine.analyze import AnalyzeError, Probe, ProbeResult, analyze
 
 _YAML_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -61,7 +60,7 @@ def _files(path: Path) -> Iterator[Path]:
 
 
 def load_documents(paths: Sequence[str]) -> list[Document]:
-    """Read every YAML document of the given files/folders. Raises AnalyzeError."""
+    """Every object in the given files/folders (``kind: List`` items included). Raises AnalyzeError."""
     docs: list[Document] = []
     for raw in paths:
         path = Path(raw)
@@ -69,23 +68,13 @@ def load_documents(paths: Sequence[str]) -> list[Document]:
             raise AnalyzeError(raw, "no such file or directory")
         for file in _files(path):
             try:
-                loaded = list(yaml.safe_load_all(file.read_text()))
+                text = file.read_text()
             except (OSError, UnicodeDecodeError) as err:
                 raise AnalyzeError(str(file), f"cannot read: {err}") from None
-            except yaml.YAMLError as err:
-                raise AnalyzeError(str(file), f"invalid YAML: {err}") from None
-            for i, body in enumerate(loaded):
-                if body is None:
-                    continue
-                if not isinstance(body, dict):
-                    raise AnalyzeError(f"{file}[{i}]", "document is not a mapping")
-                items = body.get("items") if body.get("kind") == "List" else None
-                if isinstance(items, list):
-                    for j, item in enumerate(items):
-                        if isinstance(item, dict):
-                            docs.append(Document(f"{file}[{i}].items[{j}]", item))
-                    continue
-                docs.append(Document(f"{file}[{i}]" if len(loaded) > 1 else str(file), body))
+            try:
+                docs += split_documents(text, str(file), json_file=file.suffix == ".json")
+            except DocumentError as err:
+                raise AnalyzeError("", err.message) from None
     return docs
 
 

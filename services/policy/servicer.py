@@ -16,6 +16,7 @@ import yaml
 
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
 from services.common.errors import Code, abort, abort_with
+from services.common.manifests import DocumentError, split_documents
 from services.policy import metrics
 from services.policy.controller import Controller, JobKind
 from services.policy.engine.core import Outcome, PolicyCore, PolicyView, RequestError, TraceAnswer
@@ -30,38 +31,6 @@ _NOT_SYNCED = (
     "and the identity and ipcache streams); retry when its health is SERVING"
 )
 _PROTOCOLS = {int(p): p for p in (Protocol.TCP, Protocol.UDP, Protocol.SCTP, Protocol.ICMP, Protocol.ICMPV6)}
-
-
-class DocumentError(ValueError):
-    """The documents of an import cannot be read."""
-
-
-def split_documents(text: str, origin: str) -> list[tuple[str, Mapping[str, Any]]]:
-    """(label, object) for each object in multi-document YAML/JSON; ``List`` kinds are expanded."""
-    where = origin or "documents"
-    try:
-        loaded = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise DocumentError(f"{where}: not valid YAML or JSON{at}: {problem}") from None
-    out: list[tuple[str, Mapping[str, Any]]] = []
-    for i, doc in enumerate(loaded):
-        label = f"{where}[{i}]" if len(loaded) > 1 else where
-        if not isinstance(doc, Mapping):
-            raise DocumentError(f"{label}: expected an object with kind and metadata, got {type(doc).__name__}")
-        items = doc.get("items")
-        if str(doc.get("kind", "")).endswith("List") and isinstance(items, list):
-            for j, item in enumerate(items):
-                if not isinstance(item, Mapping):
-                    raise DocumentError(f"{label}.items[{j}]: expected an object, got {type(item).__name__}")
-                out.append((f"{label}.items[{j}]", item))
-        else:
-            out.append((label, doc))
-    if not out:
-        raise DocumentError(f"{where}: no documents; pass the YAML or JSON of one or more policies")
-    return out
 
 
 def _state(view: PolicyView) -> policy_pb2.PolicyState.ValueType:
@@ -227,15 +196,21 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         try:
             docs = split_documents(request.documents, request.origin)
         except DocumentError as exc:
-            await abort(context, Code.INVALID_ARGUMENT, str(exc))
+            await abort_with(context, exc)
+        if not docs:
+            await abort(
+                context,
+                Code.INVALID_ARGUMENT,
+                f"{request.origin or 'documents'}: no documents; pass the YAML or JSON of one or more policies",
+            )
         if not request.dry_run:
             await self._require_synced(context)
-        texts = [yaml.safe_dump(dict(doc), sort_keys=False) for _, doc in docs]
+        texts = [yaml.safe_dump(dict(doc.body), sort_keys=False) for doc in docs]
 
         def apply(core: PolicyCore, now: float) -> list[Outcome]:
             return [
-                core.upsert(Source.API, doc, text, now, origin=label, dry_run=request.dry_run)
-                for (label, doc), text in zip(docs, texts, strict=True)
+                core.upsert(Source.API, doc.body, text, now, origin=doc.source, dry_run=request.dry_run)
+                for doc, text in zip(docs, texts, strict=True)
             ]
 
         if request.dry_run:
@@ -248,13 +223,13 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
 
         def answer(core: PolicyCore, now: float) -> policy_pb2.ImportPoliciesResponse:
             response = policy_pb2.ImportPoliciesResponse(revision=core.revision)
-            for outcome, (_, doc) in zip(outcomes, docs, strict=True):
+            for outcome, doc in zip(outcomes, docs, strict=True):
                 if outcome.accepted and not request.dry_run:
                     record = core.registry.get(Source.API, outcome.key)
                     if record is not None:
                         response.policies.append(status_to_proto(core.view(record)))
                         continue
-                response.policies.append(_outcome_status(outcome, doc))
+                response.policies.append(_outcome_status(outcome, doc.body))
             return response
 
         return await self._controller.call(answer)

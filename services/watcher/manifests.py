@@ -25,11 +25,9 @@ import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 from services.common.log import get_logger
+from services.common.manifests import Document, DocumentError, split_documents
 from services.watcher.kinds import KINDS, Kind, KindInfo, lookup
 from services.watcher.objects import KObject, ObjectKey, from_api
 from services.watcher.source import Emit, Listed, Problem, ProblemReason, SourceEvent
@@ -44,8 +42,8 @@ _RECENT_NS = 2_000_000_000
 _UID_NAMESPACE = uuid.UUID("5f0c6a52-8f4e-4c55-9a77-0d6f6f1a5e11")
 
 
-class ManifestError(ValueError):
-    """A manifest file cannot be used; the message says where and why."""
+class ManifestError(DocumentError):
+    """A manifest file cannot be used; the message says which file, which object and why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,75 +57,53 @@ class Parsed:
 # -- pure parsing ---------------------------------------------------------------
 
 
-def load_documents(text: str, *, json_file: bool) -> list[Mapping[str, Any]]:
-    """The objects in a file's text: documents, with ``List`` objects and JSON arrays flattened."""
-    try:
-        raw: list[Any] = [json.loads(text)] if json_file else list(yaml.safe_load_all(text))
-    except (yaml.YAMLError, ValueError) as exc:
-        raise ManifestError(f"not valid {'JSON' if json_file else 'YAML'}: {exc}") from None
-    out: list[Mapping[str, Any]] = []
-
-    def add(doc: Any, where: str) -> None:
-        if doc is None:
-            return
-        if isinstance(doc, list):
-            for i, item in enumerate(doc, 1):
-                add(item, f"{where} item {i}")
-            return
-        if not isinstance(doc, Mapping):
-            raise ManifestError(f"{where} is a {type(doc).__name__}, not an object with apiVersion and kind")
-        if isinstance(doc.get("kind"), str) and doc["kind"].endswith("List") and isinstance(doc.get("items"), list):
-            add(doc["items"], f"{where} ({doc['kind']})")
-            return
-        out.append(doc)
-
-    for n, doc in enumerate(raw, 1):
-        add(doc, f"document {n}")
-    return out
-
-
 def synthetic_uid(info: KindInfo, namespace: str, name: str) -> str:
     return str(uuid.uuid5(_UID_NAMESPACE, f"{info.kind.value}/{namespace}/{name}"))
 
 
-def to_objects(docs: list[Mapping[str, Any]], origin: str) -> Parsed:
-    """Watched objects from parsed documents: namespaces defaulted, uid filled in, other kinds ignored."""
+def to_objects(docs: list[Document], origin: str) -> Parsed:
+    """Watched objects from split documents: namespaces defaulted, uid filled in, other kinds ignored."""
     objects: list[KObject] = []
     ignored: list[str] = []
-    for n, doc in enumerate(docs, 1):
-        api_version, api_kind = doc.get("apiVersion"), doc.get("kind")
+    for doc in docs:
+        body, where = doc.body, doc.source
+        api_version, api_kind = body.get("apiVersion"), body.get("kind")
         if not isinstance(api_version, str) or not isinstance(api_kind, str) or not api_version or not api_kind:
-            raise ManifestError(f"object {n}: apiVersion and kind are required")
-        meta = doc.get("metadata")
+            raise ManifestError(f"{where}: apiVersion and kind are required")
+        meta = body.get("metadata")
         name = meta.get("name") if isinstance(meta, Mapping) else None
         info = lookup(api_version, api_kind)
         if info is None:
             ignored.append(f"{api_version} {api_kind} {name or '?'}")
             continue
         if not isinstance(meta, Mapping) or not isinstance(name, str) or not name:
-            raise ManifestError(f"object {n} ({api_kind}): metadata.name is required")
+            raise ManifestError(f"{where} ({api_kind}): metadata.name is required")
         new_meta = dict(meta)
         if info.namespaced:
             namespace = new_meta.get("namespace") or "default"
             if not isinstance(namespace, str):
-                raise ManifestError(f"object {n} ({api_kind} {name}): metadata.namespace must be a string")
+                raise ManifestError(f"{where} ({api_kind} {name}): metadata.namespace must be a string")
             new_meta["namespace"] = namespace
         else:
             new_meta.pop("namespace", None)
             namespace = ""
         new_meta.setdefault("uid", synthetic_uid(info, namespace, name))
         new_meta.pop("resourceVersion", None)  # assigned by the source
-        objects.append(from_api(info, {**doc, "metadata": new_meta}, origin=origin))
+        objects.append(from_api(info, {**body, "metadata": new_meta}, origin=origin))
     return Parsed(tuple(objects), tuple(ignored))
 
 
 def parse_file(origin: str, data: bytes) -> Parsed:
-    """Parse one file's bytes; ``origin`` is its path relative to the folder."""
+    """Parse one file's bytes; ``origin`` is its path relative to the folder (messages start with it)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ManifestError(f"not UTF-8 text ({exc})") from None
-    return to_objects(load_documents(text, json_file=origin.endswith(".json")), origin)
+        raise ManifestError(f"{origin}: not UTF-8 text ({exc})") from None
+    try:
+        docs = split_documents(text, origin, json_file=origin.endswith(".json"))
+    except DocumentError as exc:
+        raise ManifestError(exc.message) from None
+    return to_objects(docs, origin)
 
 
 def with_resource_version(obj: KObject, rv: str) -> KObject:
@@ -229,7 +205,7 @@ class ManifestSource:
         except FileNotFoundError:
             return False  # removed since the walk; the next poll sees it gone
         except OSError as exc:
-            return self._failed(rel, known, (0, 0, 0), b"", f"cannot read it ({exc})", events)
+            return self._failed(rel, known, (0, 0, 0), b"", f"{rel}: cannot read it ({exc})", events)
         digest = hashlib.sha256(data).digest()
         if known is not None and known.digest == digest:
             known.fingerprint = fingerprint
@@ -255,7 +231,7 @@ class ManifestSource:
         reason: str,
         events: list[SourceEvent],
     ) -> bool:
-        message = f"{rel}: {reason}; fix the file (its objects keep their last good state)"
+        message = f"{reason}; fix the file (its objects keep their last good state)"
         if known is None:
             known = self._files[rel] = _File(fingerprint, digest, ())
         else:

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from services.policy.engine.analyze import Document, Probe, analyze
+from services.common.manifests import Document
+from services.policy.engine.analyze import Probe, analyze
 
 NAMESPACES = ("x", "y", "z")
 PODS = ("a", "b", "c")

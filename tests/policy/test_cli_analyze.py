@@ -70,7 +70,7 @@ def test_json_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 @pytest.mark.parametrize(
     ("content", "probe", "needle"),
     [
-        ("kind: Pod\nmetadata: {name: [\n", "80/TCP", "invalid YAML"),
+        ("kind: Pod\nmetadata: {name: [\n", "80/TCP", "in.yaml: not valid YAML or JSON at line"),
         (POLICY.replace("port: http", "port: 90, endPort: 80"), "80/TCP", "spec.ingress[0].ports[0].endPort"),
         (MODEL, "80/ICMPX", "--probe"),
         (MODEL, "0/TCP", "--probe"),

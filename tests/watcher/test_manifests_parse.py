@@ -76,13 +76,26 @@ def test_the_manifest_uid_is_kept() -> None:
 @pytest.mark.parametrize(
     ("name", "text", "message"),
     [
-        ("bad.yaml", "kind: Pod\nmetadata: [oops\n", "line 2"),
-        ("bad.json", '{"kind": "Pod",', "not valid JSON"),
-        ("scalar.yaml", "just a string\n", "document 1 is a str"),
-        ("noname.yaml", "apiVersion: v1\nkind: Pod\nmetadata: {}\n", "metadata.name is required"),
+        (
+            "bad.yaml",
+            "kind: Pod\nmetadata: [oops\n",
+            "^bad.yaml: not valid YAML or JSON at line 3.*at line 2, column 11",
+        ),
+        ("bad.json", '{"kind": "Pod",', "^bad.json: not valid JSON at line 1"),
+        ("scalar.yaml", "just a string\n", "^scalar.yaml: expected an object .* got str"),
+        (
+            "noname.yaml",
+            "apiVersion: v1\nkind: Pod\nmetadata: {}\n",
+            r"^noname.yaml \(Pod\): metadata.name is required",
+        ),
         ("nokind.yaml", "apiVersion: v1\nmetadata: {name: x}\n", "apiVersion and kind are required"),
         ("ns.yaml", "apiVersion: v1\nkind: Pod\nmetadata: {name: x, namespace: [a]}\n", "metadata.namespace"),
-        ("second.yaml", yaml.safe_dump(o.pod("ok")) + "---\n- 1\n", "document 2 item 1 is a int"),
+        (
+            "second.yaml",
+            yaml.safe_dump(o.pod("ok")) + "---\n- 1\n",
+            r"^second.yaml\[1\]\[0\]: expected an object .* got int",
+        ),
+        ("list.yaml", "kind: List\nitems: [{apiVersion: v1}]\n", r"^list.yaml.items\[0\]: apiVersion and kind"),
     ],
 )
 def test_bad_files_say_where_and_why(name: str, text: str, message: str) -> None:

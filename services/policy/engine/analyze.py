@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.labels import pod_identity_labels
+from services.common.manifests import Document
 from services.policy.engine.identity import LocalAllocator
 from services.policy.engine.model import (
     Direction,
@@ -60,14 +61,6 @@ class Probe:
         if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
             raise AnalyzeError("--probe", f"{text!r}: port must be 1-65535")
         return cls(int(port_text), _PROBE_PROTOCOLS[proto_name])
-
-
-@dataclass(frozen=True, slots=True)
-class Document:
-    """One YAML document and where it came from (file, index) for messages."""
-
-    source: str
-    body: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
