@@ -508,6 +508,7 @@ async def big_policy_part(tmp: Path, args: argparse.Namespace, cleanup: Cleanup)
     from bench.bench_policy_service import load_world
     from palisade.v1 import policy_pb2 as ppb
     from services.common.bus import ALL_STREAMS, Bus
+    from services.common.subjects import REGEN_ALL
 
     nodes = 10
     world = argparse.Namespace(identities=args.big_identities, policies=args.big_policies, nodes=nodes)
@@ -530,7 +531,7 @@ async def big_policy_part(tmp: Path, args: argparse.Namespace, cleanup: Cleanup)
             if len(seen) == nodes:
                 all_nodes.set()
 
-        await bus.nc.subscribe("palisade.regen.>", cb=on_order)
+        await bus.nc.subscribe(REGEN_ALL, cb=on_order)
         await bus.nc.flush()
         logs = tmp / "logs-big"
         logs.mkdir()

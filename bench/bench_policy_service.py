@@ -29,10 +29,10 @@ if str(ROOT) not in sys.path:
 
 from bench.stats import percentile  # noqa: E402
 from palisade.v1 import common_pb2, identity_pb2, k8s_pb2, policy_pb2  # noqa: E402
-from services.common.bus import (  # noqa: E402
-    ALL_STREAMS,
+from services.common.bus import ALL_STREAMS, Bus  # noqa: E402
+from services.common.subjects import (  # noqa: E402
+    REGEN_ALL,
     SYNCED_SUBJECT,
-    Bus,
     identity_subject,
     ipcache_subject,
     k8s_subject,
@@ -128,7 +128,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     arrived[order.node] = time.perf_counter()
                     changed.set()
 
-            await bus.nc.subscribe("palisade.regen.>", cb=on_order)
+            await bus.nc.subscribe(REGEN_ALL, cb=on_order)
             await bus.nc.flush()
 
             proc = ServiceProcess("policy", Path(tmp), ["--nats-url", nats.url, "--log-level", "warning"])

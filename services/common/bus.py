@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -25,6 +25,15 @@ from nats.js.errors import NotFoundError
 from services.common.backoff import Backoff
 from services.common.log import get_logger
 from services.common.retry import tcp_probe, with_retries
+
+# Subject names live in services.common.subjects; these stay importable from here.
+from services.common.subjects import IDENTITY_ALL, IPCACHE_ALL, REGEN_ALL, k8s_filter
+from services.common.subjects import SYNCED_SUBJECT as SYNCED_SUBJECT
+from services.common.subjects import identity_subject as identity_subject
+from services.common.subjects import ipcache_subject as ipcache_subject
+from services.common.subjects import k8s_subject as k8s_subject
+from services.common.subjects import regen_subject as regen_subject
+from services.common.subjects import token as token
 
 log = get_logger("bus")
 
@@ -45,36 +54,11 @@ class StreamSpec:
     max_age: float = 0.0
 
 
-K8S_STREAM = StreamSpec("PALISADE_K8S", ("palisade.k8s.>",))
-IDENTITY_STREAM = StreamSpec("PALISADE_IDENTITY", ("palisade.identity.>",))
-IPCACHE_STREAM = StreamSpec("PALISADE_IPCACHE", ("palisade.ipcache.>",))
-REGEN_STREAM = StreamSpec("PALISADE_REGEN", ("palisade.regen.>",), compacted=False, history=10_000, max_age=3600.0)
+K8S_STREAM = StreamSpec("PALISADE_K8S", (k8s_filter(),))
+IDENTITY_STREAM = StreamSpec("PALISADE_IDENTITY", (IDENTITY_ALL,))
+IPCACHE_STREAM = StreamSpec("PALISADE_IPCACHE", (IPCACHE_ALL,))
+REGEN_STREAM = StreamSpec("PALISADE_REGEN", (REGEN_ALL,), compacted=False, history=10_000, max_age=3600.0)
 ALL_STREAMS = (K8S_STREAM, IDENTITY_STREAM, IPCACHE_STREAM, REGEN_STREAM)
-
-SYNCED_SUBJECT = "palisade.k8s.synced"
-
-
-def token(value: str) -> str:
-    """One subject token for a name or address (dots are not allowed inside a token)."""
-    if not value:
-        return "_"
-    return value.replace(".", "_").replace(" ", "_").replace("*", "_").replace(">", "_")
-
-
-def k8s_subject(kind_token: str, namespace: str, name: str) -> str:
-    return f"palisade.k8s.{kind_token}.{token(namespace)}.{token(name)}"
-
-
-def identity_subject(identity: int) -> str:
-    return f"palisade.identity.{identity}"
-
-
-def ipcache_subject(prefix: str) -> str:
-    return f"palisade.ipcache.{token(prefix.replace('/', '_'))}"
-
-
-def regen_subject(node: str) -> str:
-    return f"palisade.regen.{token(node)}"
 
 
 def _stream_config(spec: StreamSpec) -> jsapi.StreamConfig:
@@ -234,6 +218,16 @@ class Bus:
                     log.warning("publish failed, retrying", subject=subject, attempt=n, error=str(exc))
                 await backoff.sleep()
 
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server accepts, bytes."""
+        return int(self.nc.max_payload)
+
+    async def holds(self, spec: StreamSpec, subject_filter: str) -> bool:
+        """Whether the stream currently holds any message on ``subject_filter``."""
+        info = await self.js.stream_info(spec.name, subjects_filter=subject_filter)
+        return bool(info.state.subjects)
+
     async def follow(
         self,
         subject: str,
@@ -247,13 +241,31 @@ class Bus:
         The handler gets (subject, decoded message) in stream order; a handler error is
         logged and the message skipped, so one bad payload never stops a consumer.
         """
+
+        async def decoded(msg_subject: str, data: bytes) -> None:
+            message = message_type()
+            message.ParseFromString(data)
+            await handler(msg_subject, message)
+
+        return await self.follow_raw([subject], decoded, deliver_new=deliver_new)
+
+    async def follow_raw(
+        self,
+        subjects: Sequence[str],
+        handler: Callable[[str, bytes], Awaitable[None]],
+        *,
+        deliver_new: bool = False,
+    ) -> Follower:
+        """Like :meth:`follow`, for several filters of one stream in one stream order, undecoded.
+
+        For consumers that need the order between subjects carrying different messages
+        (policy deltas and the synced marker).
+        """
         caught_up = asyncio.Event()
 
         async def on_msg(msg: Msg) -> None:
-            decoded = message_type()
             try:
-                decoded.ParseFromString(msg.data)
-                await handler(msg.subject, decoded)
+                await handler(msg.subject, msg.data)
             except Exception as exc:
                 log.error("message handler failed", subject=msg.subject, error=str(exc), exc_info=True)
             if not caught_up.is_set():
@@ -264,12 +276,10 @@ class Bus:
                     pass
 
         policy = jsapi.DeliverPolicy.NEW if deliver_new else jsapi.DeliverPolicy.ALL
-        sub = await self.js.subscribe(
-            subject,
-            cb=on_msg,
-            ordered_consumer=True,
-            config=jsapi.ConsumerConfig(deliver_policy=policy),
-        )
+        config = jsapi.ConsumerConfig(deliver_policy=policy)
+        if len(subjects) > 1:  # the first subject then only finds the stream; the filters select
+            config.filter_subjects = list(subjects)
+        sub = await self.js.subscribe(subjects[0], cb=on_msg, ordered_consumer=True, config=config)
         if deliver_new:
             caught_up.set()
         else:

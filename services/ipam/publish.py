@@ -15,9 +15,10 @@ import dataclasses
 from collections.abc import Mapping
 
 from palisade.v1 import identity_pb2
-from services.common.bus import Bus, identity_subject, ipcache_subject
+from services.common.bus import Bus
 from services.common.labels import LabelSet
 from services.common.log import get_logger
+from services.common.subjects import identity_subject, ipcache_subject
 from services.ipam import keys
 from services.ipam.kv import Store
 from services.ipam.model import Identity

@@ -16,9 +16,10 @@ import dataclasses
 import time
 
 from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc, k8s_pb2
-from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, SYNCED_SUBJECT, Bus
+from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, Bus
 from services.common.log import get_logger
 from services.common.runner import ServiceContext, run_service
+from services.common.subjects import SYNCED_SUBJECT, k8s_filter
 from services.ipam import metrics
 from services.ipam.config import IPAMConfig
 from services.ipam.gc import GcTracker
@@ -34,7 +35,7 @@ from services.ipam.servicer import IdentityServicer, IPAMServicer
 log = get_logger("ipam")
 
 #: Kinds followed, in replay order: nodes and namespaces before the pods that use them.
-K8S_SUBJECTS = ("palisade.k8s.node.>", "palisade.k8s.namespace.>", "palisade.k8s.pod.>")
+K8S_SUBJECTS = (k8s_filter("node"), k8s_filter("namespace"), k8s_filter("pod"))
 
 
 @dataclasses.dataclass
@@ -109,9 +110,9 @@ async def follow_k8s(ipam: Ipam, serve: asyncio.Event) -> None:
     for subject in K8S_SUBJECTS:
         # Follower.caught_up never fires for a filter with nothing to replay when the stream
         # holds other subjects, so ask the stream first whether there is anything to wait for.
-        info = await ipam.bus.js.stream_info(K8S_STREAM.name, subjects_filter=subject)
+        replay = await ipam.bus.holds(K8S_STREAM, subject)
         follower = await ipam.bus.follow(subject, k8s_pb2.K8sDelta, on_delta)
-        if info.state.subjects:
+        if replay:
             await follower.caught_up.wait()
     await ipam.bus.follow(SYNCED_SUBJECT, k8s_pb2.SyncedMarker, on_synced)
 

@@ -9,14 +9,11 @@ ahead of it) and the identity and ipcache streams have been replayed.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
-
-from nats.aio.msg import Msg
-from nats.js import api as jsapi
 
 from palisade.v1 import identity_pb2, k8s_pb2
-from services.common.bus import SYNCED_SUBJECT, Bus, Follower
+from services.common.bus import Bus, Follower
 from services.common.log import get_logger
+from services.common.subjects import IDENTITY_ALL, IPCACHE_ALL, SYNCED_SUBJECT, k8s_filter
 from services.policy import metrics
 from services.policy.controller import Controller
 from services.policy.engine.core import PolicyCore
@@ -24,9 +21,7 @@ from services.policy.engine.sources import KIND_TOKENS
 
 log = get_logger("inputs")
 
-POLICY_SUBJECTS = tuple(f"palisade.k8s.{token}.>" for token in KIND_TOKENS)
-IDENTITY_SUBJECTS = "palisade.identity.>"
-IPCACHE_SUBJECTS = "palisade.ipcache.>"
+POLICY_SUBJECTS = tuple(k8s_filter(token) for token in KIND_TOKENS)
 
 
 class Inputs:
@@ -36,24 +31,16 @@ class Inputs:
         self._bus = bus
         self._controller = controller
         self.k8s_synced = asyncio.Event()
-        self._k8s_sub: Any = None
+        self._k8s: Follower | None = None
         self._identity: Follower | None = None
         self._ipcache: Follower | None = None
 
     async def start(self) -> None:
         # One ordered consumer over the policy kinds and the marker keeps their stream order,
         # so when the marker arrives every delta of the initial list is already queued.
-        self._k8s_sub = await self._bus.js.subscribe(
-            "palisade.k8s.>",
-            cb=self._on_k8s,
-            ordered_consumer=True,
-            config=jsapi.ConsumerConfig(
-                deliver_policy=jsapi.DeliverPolicy.ALL,
-                filter_subjects=[*POLICY_SUBJECTS, SYNCED_SUBJECT],
-            ),
-        )
-        self._identity = await self._bus.follow(IDENTITY_SUBJECTS, identity_pb2.IdentityUpdate, self._on_identity)
-        self._ipcache = await self._bus.follow(IPCACHE_SUBJECTS, identity_pb2.IpcacheEntry, self._on_ipcache)
+        self._k8s = await self._bus.follow_raw([*POLICY_SUBJECTS, SYNCED_SUBJECT], self._on_k8s)
+        self._identity = await self._bus.follow(IDENTITY_ALL, identity_pb2.IdentityUpdate, self._on_identity)
+        self._ipcache = await self._bus.follow(IPCACHE_ALL, identity_pb2.IpcacheEntry, self._on_ipcache)
 
     async def wait_synced(self) -> None:
         assert self._identity is not None and self._ipcache is not None, "start() first"
@@ -63,20 +50,15 @@ class Inputs:
         log.info("inputs synced")
 
     async def stop(self) -> None:
-        for follower in (self._identity, self._ipcache):
+        for follower in (self._identity, self._ipcache, self._k8s):
             if follower is not None:
                 await follower.stop()
-        if self._k8s_sub is not None:
-            try:
-                await self._k8s_sub.unsubscribe()
-            except Exception:  # already closed with the connection
-                pass
 
-    async def _on_k8s(self, msg: Msg) -> None:
+    async def _on_k8s(self, subject: str, data: bytes) -> None:
         try:
-            if msg.subject == SYNCED_SUBJECT:
+            if subject == SYNCED_SUBJECT:
                 marker = k8s_pb2.SyncedMarker()
-                marker.ParseFromString(msg.data)
+                marker.ParseFromString(data)
                 if not self.k8s_synced.is_set():
                     log.info(
                         "kubernetes synced",
@@ -87,9 +69,9 @@ class Inputs:
                 self.k8s_synced.set()
                 return
             delta = k8s_pb2.K8sDelta()
-            delta.ParseFromString(msg.data)
+            delta.ParseFromString(data)
         except Exception as exc:
-            log.error("undecodable message skipped", subject=msg.subject, error=str(exc))
+            log.error("undecodable message skipped", subject=subject, error=str(exc))
             return
 
         def apply(core: PolicyCore, now: float) -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
-from services.common.bus import ALL_STREAMS, Bus, regen_subject
+from services.common.bus import ALL_STREAMS, Bus
 from services.common.grpcserver import GrpcServer, StatusProvider
 from services.common.runner import ServiceContext, run_service
+from services.common.subjects import regen_subject
 from services.policy.config import PolicyConfig
 from services.policy.controller import Controller, Encoding, JobKind
 from services.policy.engine.core import PolicyCore
@@ -81,7 +82,7 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
     store = await RevisionStore.open(bus.js, cfg.state_bucket)
     persisted = await store.load()
     core = PolicyCore(persisted=persisted, cluster=cfg.cluster_name)
-    max_bytes = min(cfg.max_order_bytes, max(1024, bus.nc.max_payload - _PAYLOAD_HEADROOM))
+    max_bytes = min(cfg.max_order_bytes, max(1024, bus.max_payload - _PAYLOAD_HEADROOM))
     controller = Controller(
         core,
         BusSink(bus, store),

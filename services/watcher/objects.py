@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.bus import k8s_subject
+from services.common.subjects import k8s_subject
 from services.watcher.filter import strip_noise
 from services.watcher.kinds import Kind, KindInfo
 

@@ -16,8 +16,8 @@ import time
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from palisade.v1 import common_pb2, k8s_pb2
-from services.common.bus import SYNCED_SUBJECT, token
 from services.common.log import get_logger
+from services.common.subjects import SYNCED_SUBJECT, status_subject
 from services.watcher.cache import Change, Diff, ObjectCache, Op
 from services.watcher.kinds import Kind, KindInfo
 from services.watcher.metrics import WatcherMetrics
@@ -27,13 +27,7 @@ from services.watcher.source import Deleted, KindMissing, Listed, Problem, Sourc
 
 log = get_logger("watcher")
 
-STATUS_SUBJECT_PREFIX = "palisade.k8s.status."
-
 _OPS = {Op.UPSERT: k8s_pb2.DELTA_OP_UPSERT, Op.DELETE: k8s_pb2.DELTA_OP_DELETE}
-
-
-def status_subject(status_token: str) -> str:
-    return STATUS_SUBJECT_PREFIX + token(status_token)
 
 
 def _now() -> Timestamp:

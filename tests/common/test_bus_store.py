@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from palisade.v1 import identity_pb2
-from services.common.bus import IDENTITY_STREAM, Bus, identity_subject
+from services.common.bus import IDENTITY_STREAM, Bus
 from services.common.store import connect_etcd
+from services.common.subjects import IDENTITY_ALL, identity_subject
 from tests.harness import EtcdServer, NatsServer
 
 
@@ -24,7 +25,7 @@ async def test_nats_round_trip_and_compacted_replay(nats_server: NatsServer) -> 
         async def handler(subject: str, m: identity_pb2.IdentityUpdate) -> None:
             seen.append((subject, m.identity.id, m.identity.cidr))
 
-        follower = await bus.follow("palisade.identity.>", identity_pb2.IdentityUpdate, handler)
+        follower = await bus.follow(IDENTITY_ALL, identity_pb2.IdentityUpdate, handler)
         await asyncio.wait_for(follower.caught_up.wait(), 5)
         # Compacted: only the last value per subject is replayed.
         assert seen == [("palisade.identity.300", 300, "k8s:app=b"), ("palisade.identity.301", 301, "")]
@@ -44,7 +45,7 @@ async def test_follow_on_empty_stream_is_caught_up_at_once(nats_server: NatsServ
         async def handler(subject: str, m: identity_pb2.IdentityUpdate) -> None:
             raise AssertionError("nothing to deliver")
 
-        follower = await bus.follow("palisade.identity.>", identity_pb2.IdentityUpdate, handler)
+        follower = await bus.follow(IDENTITY_ALL, identity_pb2.IdentityUpdate, handler)
         assert follower.caught_up.is_set()
         await follower.stop()
 

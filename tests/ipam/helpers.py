@@ -13,7 +13,8 @@ from typing import Any
 import grpc
 
 from palisade.v1 import identity_pb2, k8s_pb2
-from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, SYNCED_SUBJECT, Bus, k8s_subject
+from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, Bus
+from services.common.subjects import IDENTITY_ALL, IPCACHE_ALL, SYNCED_SUBJECT, k8s_subject
 from tests.harness import ROOT
 
 
@@ -138,8 +139,8 @@ class BusView:
         async def on_ipcache(subject: str, msg: identity_pb2.IpcacheEntry) -> None:
             view.ipcache[msg.prefix] = msg
 
-        await bus.follow("palisade.identity.>", identity_pb2.IdentityUpdate, on_identity)
-        await bus.follow("palisade.ipcache.>", identity_pb2.IpcacheEntry, on_ipcache)
+        await bus.follow(IDENTITY_ALL, identity_pb2.IdentityUpdate, on_identity)
+        await bus.follow(IPCACHE_ALL, identity_pb2.IpcacheEntry, on_ipcache)
         return view
 
     def live_identity(self, ident: int) -> identity_pb2.IdentityUpdate | None:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from palisade.v1 import common_pb2, identity_pb2, k8s_pb2
+from services.common.subjects import k8s_subject
 
 KIND_ENUM = {
     "NetworkPolicy": k8s_pb2.K8S_KIND_NETWORK_POLICY,
@@ -114,4 +115,4 @@ def delta(doc: Mapping[str, Any], *, delete: bool = False) -> k8s_pb2.K8sDelta:
 
 def delta_subject(doc: Mapping[str, Any]) -> str:
     meta = doc["metadata"]
-    return f"palisade.k8s.{KIND_TOKEN[doc['kind']]}.{meta.get('namespace') or '_'}.{meta['name']}"
+    return k8s_subject(KIND_TOKEN[doc["kind"]], meta.get("namespace") or "", meta["name"])

@@ -12,8 +12,9 @@ from nats.aio.msg import Msg
 from nats.js import api as jsapi
 
 from palisade.v1 import k8s_pb2, policy_pb2, policy_pb2_grpc
-from services.common.bus import ALL_STREAMS, SYNCED_SUBJECT, Bus, identity_subject, ipcache_subject, regen_subject
+from services.common.bus import ALL_STREAMS, Bus
 from services.common.grpcserver import wait_for_channel
+from services.common.subjects import REGEN_ALL, SYNCED_SUBJECT, identity_subject, ipcache_subject, regen_subject
 from tests.harness import NatsServer, ServiceProcess
 from tests.policy_service import builders
 from tests.policy_service.nodestate import GapError, NodeState, from_policies
@@ -77,7 +78,7 @@ class OrderLog:
             order.ParseFromString(msg.data)
             self.by_node.setdefault(order.node, []).append(order)
 
-        self._sub = await bus.nc.subscribe("palisade.regen.>", cb=on_msg)
+        self._sub = await bus.nc.subscribe(REGEN_ALL, cb=on_msg)
         await bus.nc.flush()
 
     def all(self) -> list[policy_pb2.RegenerationOrder]:

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from palisade.v1 import identity_pb2, identity_pb2_grpc, k8s_pb2, policy_pb2
-from services.common.bus import k8s_subject
+from services.common.subjects import k8s_subject
 from tests.harness import EtcdServer, NatsServer, ServiceProcess
 from tests.policy_service import builders
 from tests.policy_service.cluster import Datapath, Feed, OrderLog, eventually, start_policy

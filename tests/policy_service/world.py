@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from palisade.v1 import common_pb2, policy_pb2
+from services.common.subjects import identity_subject, ipcache_subject
 from services.policy.engine.core import Commit, Outcome, PolicyCore
 from services.policy.engine.orders import PersistedState, PlannedOrder, encode
 from services.policy.engine.realized import Report
@@ -33,20 +34,20 @@ class World:
 
     def identity(self, number: int, namespace: str = "default", **labels: str) -> None:
         self.core.apply_identity(
-            f"palisade.identity.{number}", builders.identity_update(number, labels, namespace), self.tick()
+            identity_subject(number), builders.identity_update(number, labels, namespace), self.tick()
         )
 
     def forget_identity(self, number: int) -> None:
         update = builders.identity_update(number, {}, deleted=True)
-        self.core.apply_identity(f"palisade.identity.{number}", update, self.tick())
+        self.core.apply_identity(identity_subject(number), update, self.tick())
 
     def pod(self, ip: str, identity: int, node: str, name: str, **kw: Any) -> None:
         entry = builders.ipcache_entry(ip, identity, node, name, **kw)
-        self.core.apply_ipcache(f"palisade.ipcache.{ip}", entry, self.tick())
+        self.core.apply_ipcache(ipcache_subject(ip), entry, self.tick())
 
     def unpod(self, ip: str) -> None:
         entry = builders.ipcache_entry(ip, 0, "", "", deleted=True)
-        self.core.apply_ipcache(f"palisade.ipcache.{ip}", entry, self.tick())
+        self.core.apply_ipcache(ipcache_subject(ip), entry, self.tick())
 
     def policy(self, doc: Mapping[str, Any]) -> Outcome | None:
         return self.core.apply_policy_delta(builders.delta(doc), self.tick())

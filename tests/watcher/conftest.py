@@ -16,7 +16,8 @@ from nats.js import api as jsapi
 from prometheus_client import CollectorRegistry
 
 from palisade.v1 import k8s_pb2
-from services.common.bus import K8S_STREAM, SYNCED_SUBJECT, Bus
+from services.common.bus import K8S_STREAM, Bus
+from services.common.subjects import STATUS_SUBJECT_PREFIX, SYNCED_SUBJECT, k8s_filter
 from services.watcher.kube import KubeSettings, KubeSource, load_client_configuration
 from services.watcher.manifests import ManifestSource
 from services.watcher.metrics import WatcherMetrics
@@ -74,7 +75,7 @@ class StreamReader:
     async def on_msg(self, msg: Msg) -> None:
         if msg.subject == SYNCED_SUBJECT:
             self.markers.append(k8s_pb2.SyncedMarker.FromString(msg.data))
-        elif msg.subject.startswith("palisade.k8s.status."):
+        elif msg.subject.startswith(STATUS_SUBJECT_PREFIX):
             self.statuses.append(k8s_pb2.SourceStatus.FromString(msg.data))
         else:
             delta = k8s_pb2.K8sDelta.FromString(msg.data)
@@ -103,7 +104,7 @@ async def reader(bus: Bus) -> AsyncIterator[Callable[[], Awaitable[StreamReader]
     async def make() -> StreamReader:
         r = StreamReader()
         r._sub = await bus.js.subscribe(
-            "palisade.k8s.>",
+            k8s_filter(),
             cb=r.on_msg,
             ordered_consumer=True,
             config=jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.ALL),

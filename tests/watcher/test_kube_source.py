@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from palisade.v1 import common_pb2, k8s_pb2
-from services.common.bus import Bus, k8s_subject
+from services.common.bus import Bus
+from services.common.subjects import k8s_subject
 from tests.watcher import objects as o
 from tests.watcher.apiserver import FakeApiServer
 from tests.watcher.conftest import FAST_KUBE, StreamReader, eventually, kube_source, running

@@ -9,7 +9,8 @@ from pathlib import Path
 import yaml
 
 from palisade.v1 import common_pb2, k8s_pb2
-from services.common.bus import Bus, k8s_subject
+from services.common.bus import Bus
+from services.common.subjects import k8s_subject
 from tests.watcher import objects as o
 from tests.watcher.conftest import StreamReader, eventually, manifest_source, running
 

@@ -7,7 +7,8 @@ import contextlib
 from collections.abc import Awaitable, Callable
 
 from palisade.v1 import k8s_pb2
-from services.common.bus import SYNCED_SUBJECT, Bus
+from services.common.bus import Bus
+from services.common.subjects import SYNCED_SUBJECT
 from services.watcher.publisher import Publisher
 from tests.harness import NatsServer
 from tests.watcher.conftest import StreamReader, eventually

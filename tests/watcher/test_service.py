@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from palisade.v1 import common_pb2, common_pb2_grpc, k8s_pb2
-from services.common.bus import k8s_subject
+from services.common.subjects import k8s_subject
 from tests.harness import NatsServer, ServiceProcess, health_status
 from tests.watcher import objects as o
 from tests.watcher.apiserver import FakeApiServer
