@@ -47,7 +47,7 @@ def cmd_policy_get(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bpf", help="inspect the BPF maps of this node")
     bsub = p.add_subparsers(dest="bpf_command", metavar="MAP", required=True)
     pol = bsub.add_parser("policy", help="the policy map")

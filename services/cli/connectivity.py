@@ -205,7 +205,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("connectivity", help="measure connectivity with real packets")
     csub = p.add_subparsers(dest="connectivity_command", metavar="COMMAND", required=True)
     probe = csub.add_parser(

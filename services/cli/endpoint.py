@@ -89,7 +89,7 @@ def cmd_get(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("endpoint", help="endpoints (pods) on a node")
     esub = p.add_subparsers(dest="endpoint_command", metavar="COMMAND", required=True)
     lst = esub.add_parser("list", help="list endpoints")

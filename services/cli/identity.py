@@ -53,7 +53,7 @@ def cmd_get(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("identity", help="numeric identities and their labels")
     isub = p.add_subparsers(dest="identity_command", metavar="COMMAND", required=True)
     lst = isub.add_parser("list", help="list identities")

@@ -54,7 +54,7 @@ def cmd_observe(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("observe", help="stream flow events (like `hubble observe`)")
     p.add_argument("--verdict", action="append", help="dropped or forwarded (repeatable)")
     p.add_argument("--pod", help="only flows of NAMESPACE/POD")

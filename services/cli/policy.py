@@ -196,7 +196,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0 if resp.verdict == common_pb2.VERDICT_ALLOW else 1
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("policy", help="import, inspect and trace policies")
     psub = p.add_subparsers(dest="policy_command", metavar="COMMAND", required=True)
 

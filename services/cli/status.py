@@ -68,7 +68,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if all(s == "SERVING" for _, _, s, _ in results) else 1
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("status", help="health, revision and sync state of every service")
     add_address_flags(p)
     add_output_flag(p)

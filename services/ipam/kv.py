@@ -175,11 +175,11 @@ def _compare(c: Compare) -> Any:
     if c.target == Target.VALUE:
         msg.value = c.operand if isinstance(c.operand, bytes) else str(c.operand).encode()
     elif c.target == Target.CREATE:
-        msg.create_revision = int(c.operand)  # type: ignore[arg-type]
+        msg.create_revision = int(c.operand)
     elif c.target == Target.MOD:
-        msg.mod_revision = int(c.operand)  # type: ignore[arg-type]
+        msg.mod_revision = int(c.operand)
     else:
-        msg.version = int(c.operand)  # type: ignore[arg-type]
+        msg.version = int(c.operand)
     return msg
 
 

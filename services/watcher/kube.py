@@ -137,7 +137,7 @@ class _Reflector:
             response = self._response
         if response is not None:
             try:
-                response.shutdown()  # type: ignore[attr-defined]
+                response.shutdown()
             except Exception:
                 pass
 

@@ -157,7 +157,7 @@ def grpc_code(call: Callable[[], Any]) -> grpc.StatusCode:
     try:
         call()
     except grpc.RpcError as err:
-        return err.code()  # type: ignore[no-any-return]
+        return err.code()
     raise AssertionError("call succeeded; an error status was expected")
 
 

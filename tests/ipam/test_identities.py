@@ -26,7 +26,7 @@ WEB = LabelSet.of(["k8s:app=web", "k8s:io.kubernetes.pod.namespace=prod"])
 DB = LabelSet.of(["k8s:app=db", "k8s:io.kubernetes.pod.namespace=prod"])
 
 
-def allocator(store: Store, ttl: int = 30, **kw) -> IdentityAllocator:  # type: ignore[no-untyped-def]
+def allocator(store: Store, ttl: int = 30, **kw) -> IdentityAllocator:
     return IdentityAllocator(store, NodeLeases(store, ttl), **kw)
 
 
@@ -274,7 +274,7 @@ async def test_collector_transaction_refuses_an_identity_that_has_a_reference(st
     # A reference appears between the listing and the delete (written without touching the id key).
     real_get_prefix = alloc._store.get_prefix
 
-    async def listing_then_reference(prefix: bytes, *, keys_only: bool = False):  # type: ignore[no-untyped-def]
+    async def listing_then_reference(prefix: bytes, *, keys_only: bool = False):
         result = await real_get_prefix(prefix, keys_only=keys_only)
         if prefix == keys.IDENTITY_REFS.encode():
             await store.put(keys.identity_ref(web, "n2", "late"), b"")

@@ -29,7 +29,7 @@ def ipalloc(
     return IPAllocator(store, [net(c) for c in cidrs.split(",")], mask_v4=mask, mask_v6=mask_v6, mode=mode)
 
 
-async def _code(coro) -> Code:  # type: ignore[no-untyped-def]
+async def _code(coro) -> Code:
     with pytest.raises(IpamError) as err:
         await coro
     return err.value.code

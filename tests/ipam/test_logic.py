@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -167,7 +168,7 @@ V4_ANN = "io.cilium.network.ipv4-pod-cidr"
     ],
 )
 def test_node_cidr_priority_spec_over_annotation_over_pool(
-    obj: dict | None, mode: IPAMMode, v4: tuple[str, CIDRSource] | None, v6: tuple[str, CIDRSource] | None
+    obj: dict[str, Any] | None, mode: IPAMMode, v4: tuple[str, CIDRSource] | None, v6: tuple[str, CIDRSource] | None
 ) -> None:
     got, _problems = desired(obj, (4, 6), mode)
     expect = {4: v4, 6: v6}
@@ -280,7 +281,7 @@ def test_gc_zero_grace_collects_on_first_sight() -> None:
 
 
 def _delta(
-    obj: dict,
+    obj: dict[str, Any],
     op: k8s_pb2.DeltaOp.ValueType = k8s_pb2.DELTA_OP_UPSERT,
     kind: k8s_pb2.K8sKind.ValueType = k8s_pb2.K8S_KIND_POD,
 ) -> k8s_pb2.K8sDelta:
@@ -316,7 +317,7 @@ def test_decode_pod_and_parse_its_addresses_ports_and_state() -> None:
         (lambda o: o["status"].update(phase="Pending"), True),
     ],
 )
-def test_pod_active(mutate, active: bool) -> None:  # type: ignore[no-untyped-def]
+def test_pod_active(mutate, active: bool) -> None:
     obj = pod("ns", "p", {"app": "web"})
     mutate(obj)
     change = decode(_delta(obj))

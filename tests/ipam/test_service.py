@@ -63,7 +63,7 @@ class Api:
                 return None
             raise
 
-    async def code(self, call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+    async def code(self, call) -> grpc.StatusCode:
         try:
             await call
         except grpc.aio.AioRpcError as err:

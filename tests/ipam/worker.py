@@ -13,6 +13,8 @@ import ipaddress
 import json
 import random
 import sys
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from services.common.labels import LabelSet
 from services.common.store import connect_etcd
@@ -24,6 +26,8 @@ from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases
 from services.ipam.model import IdRange
 
+T = TypeVar("T")
+
 
 def shared_labels(i: int) -> LabelSet:
     return LabelSet.of([f"k8s:app=shared-{i}", "k8s:io.kubernetes.pod.namespace=race"])
@@ -33,10 +37,10 @@ def own_labels(worker: str, i: int) -> LabelSet:
     return LabelSet.of([f"k8s:app={worker}-{i}", "k8s:io.kubernetes.pod.namespace=race"])
 
 
-async def _gather_limited(jobs: list, limit: int) -> list:
+async def _gather_limited(jobs: list[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
     sem = asyncio.Semaphore(limit)
 
-    async def run(job):  # type: ignore[no-untyped-def]
+    async def run(job: Callable[[], Awaitable[T]]) -> T:
         async with sem:
             return await job()
 
@@ -52,7 +56,7 @@ async def identities(args: argparse.Namespace, store: Store, leases: NodeLeases)
     wanted += [("own", i, own_labels(args.name, i)) for i in range(args.own)]
     rng.shuffle(wanted)
 
-    def job(kind: str, i: int, labels: LabelSet):  # type: ignore[no-untyped-def]
+    def job(kind: str, i: int, labels: LabelSet) -> Callable[[], Awaitable[tuple[str, int]]]:
         async def go() -> tuple[str, int]:
             result = await allocator.allocate(labels, args.node, f"{args.name}/{kind}-{i}")
             return str(labels), result.identity.id
@@ -72,14 +76,14 @@ async def ips(args: argparse.Namespace, store: Store) -> dict[str, object]:
     nodes = [f"carve-{k}" for k in range(args.nodes)]
     random.Random(args.seed).shuffle(nodes)
 
-    def node_job(node: str):  # type: ignore[no-untyped-def]
+    def node_job(node: str) -> Callable[[], Awaitable[tuple[str, list[str]]]]:
         async def go() -> tuple[str, list[str]]:
             record = await ipalloc.node_cidrs(node)
             return node, [str(c.cidr) for c in record.cidrs]
 
         return go
 
-    def ip_job(i: int):  # type: ignore[no-untyped-def]
+    def ip_job(i: int) -> Callable[[], Awaitable[tuple[str, str]]]:
         async def go() -> tuple[str, str]:
             owner = f"{args.name}/ep-{i}"
             return owner, (await ipalloc.allocate(args.node, owner)).ip

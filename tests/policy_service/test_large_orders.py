@@ -13,9 +13,7 @@ FRONT = range(300, 330)
 
 def front_policy(name: str, ports: list[int]) -> dict[str, object]:
     doc = builders.cnp(name, {"tier": "front"}, {"tier": "front"}, ports[0])
-    doc["spec"]["ingress"][0]["toPorts"] = [  # type: ignore[index]
-        {"ports": [{"port": str(p), "protocol": "TCP"} for p in ports]}
-    ]
+    doc["spec"]["ingress"][0]["toPorts"] = [{"ports": [{"port": str(p), "protocol": "TCP"} for p in ports]}]
     return doc
 
 

@@ -161,7 +161,10 @@ async def test_kube_watcher_survives_a_nats_restart(
         apiserver.create("pods", o.pod(f"p{i}", "prod", app="web"))
     for i in range(5):
         apiserver.delete("pods", "prod", f"p{i}")
-    received = lambda: scrape(proc, "palisade_watcher_events_received_total", kind="pod")  # noqa: E731
+
+    def received() -> float:
+        return scrape(proc, "palisade_watcher_events_received_total", kind="pod")
+
     await eventually(lambda: received() == 10 + 200 + 5, "events read while NATS is down")
     assert scrape(proc, "palisade_watcher_publish_pending") >= 205
 
