@@ -32,8 +32,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from palisade.v1 import common_pb2, ipam_pb2, policy_pb2  # noqa: E402
-from services.datapath.datapath import Datapath, DatapathAPI, FakeDatapath  # noqa: E402
+from services.datapath.datapath import Datapath, DatapathAPI  # noqa: E402
 from services.datapath.endpoints import EndpointManager, PodLink  # noqa: E402
+from services.datapath.fake import FakeDatapath  # noqa: E402
 from services.datapath.orders import OrderConsumer, Reporter  # noqa: E402
 from services.datapath.state import Address, PortRecord, StateStore  # noqa: E402
 

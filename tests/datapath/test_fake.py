@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.datapath.datapath import Datapath, DatapathAPI, FakeDatapath, UnknownEndpoint
+from services.datapath.datapath import Datapath, DatapathAPI, UnknownEndpoint
+from services.datapath.fake import FakeDatapath
 from services.datapath.types import (
     Direction,
     EndpointSpec,

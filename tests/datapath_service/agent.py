@@ -18,8 +18,8 @@ import grpc
 from palisade.v1 import datapath_pb2_grpc
 from services.common.bus import Bus
 from services.datapath.config import DatapathConfig
-from services.datapath.datapath import FakeDatapath
 from services.datapath.endpoints import GrpcIpam, PodLink
+from services.datapath.fake import FakeDatapath
 from services.datapath.orders import GrpcPolicyClient
 from services.datapath.service import Agent, start_agent
 from services.datapath.state import Address

@@ -12,7 +12,7 @@ import pytest
 from palisade.v1 import common_pb2, datapath_pb2, policy_pb2
 from services.common.bus import Bus
 from services.datapath import types as dt
-from services.datapath.datapath import FakeDatapath
+from services.datapath.fake import FakeDatapath
 from tests.datapath_service.agent import InProcessAgent
 from tests.datapath_service.controlplane import ALLOW, DENY, ING, TCP, ControlPlane, entry
 from tests.harness import NatsServer

@@ -13,6 +13,7 @@ import dataclasses
 import ipaddress
 
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
+from services.datapath.maps.sizes import MapSizes
 
 NAME = "endpoints"
 FAMILY_V4 = 4
@@ -42,8 +43,8 @@ class EndpointValue(ctypes.Structure):
 C_STRUCTS = ((EndpointKey, "endpoint_key"), (EndpointValue, "endpoint_value"))
 
 
-def spec(max_entries: int) -> MapSpec:
-    return MapSpec(NAME, MapType.HASH, ctypes.sizeof(EndpointKey), ctypes.sizeof(EndpointValue), max_entries)
+def spec(sizes: MapSizes) -> MapSpec:
+    return MapSpec(NAME, MapType.HASH, ctypes.sizeof(EndpointKey), ctypes.sizeof(EndpointValue), sizes.endpoints)
 
 
 def ifindex_key(ifindex: int) -> EndpointKey:

@@ -25,6 +25,7 @@ import socket
 from collections.abc import Iterable, Mapping
 
 from services.datapath.maps.bpf import BPF_F_NO_PREALLOC, MapSpec, MapType, PinnedMap
+from services.datapath.maps.sizes import MapSizes
 from services.datapath.types import (
     IDENTITY_ANY,
     MAX_PORT,
@@ -70,13 +71,13 @@ class PolicyMapValue(ctypes.Structure):
 C_STRUCTS = ((PolicyMapKey, "policy_key"), (PolicyMapValue, "policy_value"))
 
 
-def spec(max_entries: int) -> MapSpec:
+def spec(sizes: MapSizes) -> MapSpec:
     return MapSpec(
         NAME,
         MapType.LPM_TRIE,
         ctypes.sizeof(PolicyMapKey),
         ctypes.sizeof(PolicyMapValue),
-        max_entries,
+        sizes.policy,
         BPF_F_NO_PREALLOC,
     )
 
