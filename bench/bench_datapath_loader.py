@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.datapath import netns
 from services.datapath.datapath import Datapath
-from services.datapath.netns import PodNetwork
+from services.datapath.netns import PodLink
 from services.datapath.types import (
     Direction,
     EndpointSpec,
@@ -72,14 +72,14 @@ def tcp_connects(ns: str, ip: str, port: int, timeout: float) -> bool:
             return False
 
 
-def check_enforcement(first: PodNetwork, last: PodNetwork) -> dict[str, bool]:
+def check_enforcement(first: PodLink, last: PodLink) -> dict[str, bool]:
     """first may reach last on 8080 (allowed), not on 8081 (default deny)."""
     ip = last.ips[0]
-    servers = [netns.in_netns(last.netns, socket.create_server, (ip, port)) for port in (8080, 8081)]
+    servers = [netns.in_netns(last.name, socket.create_server, (ip, port)) for port in (8080, 8081)]
     try:
         return {
-            "allowed_port_connects": tcp_connects(first.netns, ip, 8080, 5.0),
-            "denied_port_blocked": not tcp_connects(first.netns, ip, 8081, 1.0),
+            "allowed_port_connects": tcp_connects(first.name, ip, 8080, 5.0),
+            "denied_port_blocked": not tcp_connects(first.name, ip, 8081, 1.0),
         }
     finally:
         for s in servers:
@@ -98,7 +98,7 @@ def main() -> int:
     base = f"/sys/fs/bpf/palisade-{run}"
     o2 = 200 + secrets.randbelow(50)
     netns.enable_forwarding()
-    pods: list[PodNetwork] = []
+    pods: list[PodLink] = []
     dp: Datapath | None = None
     result: dict[str, object] = {"endpoints": args.endpoints, "kernel": os.uname().release, "cpus": os.cpu_count()}
     try:
@@ -181,7 +181,7 @@ def main() -> int:
         if dp is not None:
             dp.teardown()
         for pod in pods:
-            netns.delete_pod(pod.netns, pod.host_ifname)
+            netns.delete_pod(pod)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -51,7 +51,7 @@ from services.datapath.maps import (
 )
 from services.datapath.maps.bpf import PinnedMap, ensure_bpffs, unpin
 from services.datapath.maps.ctmap import CtEntry, CtMap
-from services.datapath.maps.endpointmap import EndpointMap, EndpointRecord
+from services.datapath.maps.endpointmap import EndpointEntry, EndpointMap
 from services.datapath.maps.enforcementmap import EnforcementMap
 from services.datapath.maps.eventsmap import EventReader
 from services.datapath.maps.ipcachemap import IPCacheMap
@@ -154,7 +154,7 @@ class Datapath:
         self._events_lock = threading.Lock()
         self._closed = False
         # Realized state, rebuilt from the kernel: endpoints and each endpoint's prefixes.
-        self._endpoints: dict[int, EndpointRecord] = {r.id: r for r in self.endpoints.records()}
+        self._endpoints: dict[int, EndpointEntry] = {r.id: r for r in self.endpoints.records()}
         self._policy: dict[int, PrefixMap] = self.policy.read()
 
     @classmethod
@@ -199,7 +199,7 @@ class Datapath:
             for other in self._endpoints.values():
                 if other.ifindex == spec.ifindex and other.id != spec.id:
                     raise ValueError(f"ifindex {spec.ifindex} already belongs to endpoint {other.id}")
-            record = EndpointRecord(spec.id, spec.ifindex, spec.identity, spec.ips)
+            record = EndpointEntry(spec.id, spec.ifindex, spec.identity, spec.ips)
             old = self._endpoints.get(spec.id)
             if old is not None and (old.ifindex != record.ifindex or set(old.ips) - set(record.ips)):
                 self.endpoints.remove(old)
@@ -270,7 +270,7 @@ class Datapath:
                 )
             return out
 
-    def _endpoint(self, ep_id: int) -> EndpointRecord:
+    def _endpoint(self, ep_id: int) -> EndpointEntry:
         record = self._endpoints.get(ep_id)
         if record is None:
             raise UnknownEndpoint(ep_id)
@@ -431,7 +431,7 @@ def teardown_all(base_dir: str = DEFAULT_BASE_DIR) -> bool:
     """
     if not os.path.isdir(base_dir):
         return False
-    records: list[EndpointRecord] = []
+    records: list[EndpointEntry] = []
     if os.path.exists(os.path.join(base_dir, endpointmap.NAME)):
         pinned = PinnedMap.open_any(base_dir, endpointmap.NAME)
         try:

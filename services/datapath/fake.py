@@ -24,7 +24,7 @@ from services.datapath.datapath import (
 )
 from services.datapath.loader import ProgramConfig
 from services.datapath.maps import ipcachemap, policymap
-from services.datapath.maps.endpointmap import EndpointRecord
+from services.datapath.maps.endpointmap import EndpointEntry
 from services.datapath.maps.policymap import PrefixMap
 from services.datapath.types import (
     CounterKey,
@@ -50,7 +50,7 @@ from services.datapath.types import (
 class _FakeKernel:
     """What the fake keeps "pinned": survives close() and a new open() of the same base dir."""
 
-    endpoints: dict[int, EndpointRecord] = dataclasses.field(default_factory=dict)
+    endpoints: dict[int, EndpointEntry] = dataclasses.field(default_factory=dict)
     attached: set[int] = dataclasses.field(default_factory=set)
     policy: dict[int, PrefixMap] = dataclasses.field(default_factory=dict)
     enforcement: dict[int, Enforcement] = dataclasses.field(default_factory=dict)
@@ -92,7 +92,7 @@ class FakeDatapath:
             old = self._k.endpoints.get(spec.id)
             if old is not None:
                 self._k.attached.discard(old.ifindex)
-            self._k.endpoints[spec.id] = EndpointRecord(spec.id, spec.ifindex, spec.identity, spec.ips)
+            self._k.endpoints[spec.id] = EndpointEntry(spec.id, spec.ifindex, spec.identity, spec.ips)
             self._k.attached.add(spec.ifindex)
 
     def detach_endpoint(self, ep_id: int) -> bool:

@@ -27,13 +27,16 @@ from services.common.log import get_logger
 from services.common.runner import ServiceContext, run_service
 from services.datapath.config import DatapathConfig
 from services.datapath.datapath import Datapath, DatapathAPI
-from services.datapath.endpoints import EndpointManager, GrpcIpam, IpamPort, NetnsPodNetwork, PodNetwork
 from services.datapath.flows import FlowHub
+from services.datapath.ipamclient import GrpcIpam, IpamPort
 from services.datapath.ipcache import IpcacheSync
+from services.datapath.manager import EndpointManager, PodNetwork
 from services.datapath.metrics import AgentParts, DatapathMetrics
+from services.datapath.netns import NetnsPodNetwork
 from services.datapath.orders import GrpcPolicyClient, OrderConsumer, PolicyPort, Reporter
 from services.datapath.servicer import DatapathServicer
-from services.datapath.state import StateStore
+from services.datapath.state import EndpointStore
+from services.datapath.types import EndpointState
 
 log = get_logger("datapath")
 
@@ -75,7 +78,7 @@ class Agent:
         out.details["reports_delivered"] = str(self.reporter.delivered)
         out.details["flow_events"] = str(self.flows.events)
         out.details["observers"] = str(self.flows.subscribers)
-        failed = [ep.id for ep in self.manager.endpoints.values() if ep.state == datapath_pb2.ENDPOINT_STATE_FAILED]
+        failed = [ep.id for ep in self.manager.endpoints.values() if ep.state is EndpointState.FAILED]
         if failed:
             out.details["failed_endpoints"] = ",".join(str(i) for i in sorted(failed))
 
@@ -101,7 +104,7 @@ async def start_agent(
         node=node,
         datapath=datapath,
         network=network,
-        store=StateStore(cfg.state_dir),
+        store=EndpointStore(cfg.state_dir),
         ipam=ipam,
         policy=policy,
         reporter=reporter,

@@ -186,7 +186,7 @@ def extra_pods(node: Node) -> Iterator[list[Pod]]:
         for server in servers:
             server.close()
         for pod in pods:
-            netns.delete_pod(pod.name, pod.name)
+            netns.delete_pod(pod.net)
 
 
 def test_detach_endpoint_removes_programs_and_state(net: Node, extra_pods: list[Pod]) -> None:

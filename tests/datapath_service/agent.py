@@ -18,11 +18,12 @@ import grpc
 from palisade.v1 import datapath_pb2_grpc
 from services.common.bus import Bus
 from services.datapath.config import DatapathConfig
-from services.datapath.endpoints import GrpcIpam, PodLink
 from services.datapath.fake import FakeDatapath
+from services.datapath.ipamclient import GrpcIpam
+from services.datapath.netns import PodLink
 from services.datapath.orders import GrpcPolicyClient
 from services.datapath.service import Agent, start_agent
-from services.datapath.state import Address
+from services.datapath.types import Address
 
 
 class FakeNetwork:
@@ -41,7 +42,7 @@ class FakeNetwork:
         elif netns not in self.namespaces:
             raise FileNotFoundError(netns)
         self.links[host_ifname] = next(self._ifindex)
-        return PodLink(netns, create, host_ifname, self.links[host_ifname])
+        return PodLink(netns, create, host_ifname, self.links[host_ifname], ips=tuple(a.ip for a in addresses))
 
     def teardown(self, link: PodLink) -> None:
         self.links.pop(link.host_ifname, None)

@@ -204,7 +204,7 @@ async def test_removed_identities_replace_orders_and_deleted_endpoints(agent: In
     await cp.set_policy(4500, [entry(ING, web.identity, 9)])  # an identity with no endpoint here (yet)
     rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 80)])
     await cp.wait_realized(rev, [web.id, db.id])
-    assert 4500 in manager.policies
+    assert 4500 in manager.realizer.policies
 
     # The node no longer hosts 4500 (dropped) nor, as far as the policy service knows, db's identity:
     # db's endpoint still has it, so its policy stays enforced until the endpoint moves on.
@@ -216,7 +216,7 @@ async def test_removed_identities_replace_orders_and_deleted_endpoints(agent: In
         )
     )
     await cp.wait_realized(cp.revision, [web.id, db.id])
-    assert 4500 not in manager.policies and db.identity in manager.policies
+    assert 4500 not in manager.realizer.policies and db.identity in manager.realizer.policies
     assert verdict(agent, db.id, web.ips[0], 80) is dt.Verdict.ALLOW
     assert verdict(agent, db.id, web.ips[0], 81) is dt.Verdict.DENY
 
@@ -238,7 +238,7 @@ async def test_removed_identities_replace_orders_and_deleted_endpoints(agent: In
     await cp.wait_realized(cp.revision, [web.id, db.id])
     assert len(cp.resyncs) == resyncs
     assert agent.agent.consumer.replaces == 1 and agent.agent.consumer.sequence == cp.sequence
-    assert set(manager.policies) == {web.identity, db.identity, 4600}
+    assert set(manager.realizer.policies) == {web.identity, db.identity, 4600}
     assert verdict(agent, web.id, db.ips[0], 443) is dt.Verdict.ALLOW
     assert verdict(agent, web.id, db.ips[0], 80) is dt.Verdict.DENY
     assert verdict(agent, db.id, web.ips[0], 80) is dt.Verdict.ALLOW  # kept for its endpoint
@@ -248,7 +248,7 @@ async def test_removed_identities_replace_orders_and_deleted_endpoints(agent: In
     await eventually(lambda: any(r.deleted for r in cp.reports))
     (gone,) = [r for r in cp.reports if r.deleted]
     assert (gone.node, gone.endpoint_id, gone.identity, gone.pod) == (NODE, db.id, db.identity, "x/db")
-    assert db.identity not in manager.policies
+    assert db.identity not in manager.realizer.policies
     # A new endpoint of a kept-then-dropped identity fetches its policy again.
     again = await create(agent, "db2", app="db")
     assert again.identity == db.identity and cp.resyncs[-1].identities == [db.identity]
