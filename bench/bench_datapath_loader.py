@@ -6,7 +6,8 @@ Run as root on a machine with bcc:
 
 Creates N pod namespaces with veths, opens a fresh datapath (one compile),
 attaches every endpoint (no compile: the template is reused), writes a small
-policy per endpoint, checks that enforcement works on real packets, reopens
+policy per endpoint (a full sync), then adds and removes one entry per endpoint
+(a delta, which encodes only that entry), checks that enforcement works on real packets, reopens
 the datapath as a restarted agent would (pinned programs, no compile) and
 prints one JSON object. Everything is removed afterwards.
 """
@@ -127,8 +128,17 @@ def main() -> int:
             dp.sync_policy(spec.id, Enforcement(ingress=True), policy_for(1000))
             policy.append(time.perf_counter() - start)
 
+        delta = []
+        for i in range(len(pods)):
+            extra = PolicyEntry(PolicyKey(Direction.INGRESS, 1000, Protocol.TCP, 7070))
+            start = time.perf_counter()
+            dp.apply_policy(i + 1, Enforcement(ingress=True), add=[extra])
+            delta.append(time.perf_counter() - start)
+            dp.apply_policy(i + 1, Enforcement(ingress=True), remove=[extra])
+
         result["attach_per_endpoint"] = summary(attach)
         result["policy_sync_per_endpoint"] = summary(policy)
+        result["policy_delta_one_entry_per_endpoint"] = summary(delta)
         result["netns_veth_setup_per_endpoint"] = summary(setup)
         distinct = {dp._loader.attachment(p.host_ifindex).template() for p in pods}
         result["distinct_templates_attached"] = len(distinct)
@@ -160,6 +170,11 @@ def main() -> int:
                 "unit": "ms",
             },
             {"metric": "policy sync per endpoint (mean)", "value": summary(policy)["mean_ms"], "unit": "ms"},
+            {
+                "metric": "policy delta, one entry, per endpoint (mean)",
+                "value": summary(delta)["mean_ms"],
+                "unit": "ms",
+            },
             {"metric": f"compiles for {args.endpoints} endpoints", "value": result["compiles"], "unit": ""},
             {
                 "metric": "reopen after restart (pinned, no compile)",

@@ -10,6 +10,11 @@ is down); :meth:`Datapath.open` in a new process finds them again and
 :meth:`Datapath.pinned_endpoints` says what survived. :meth:`Datapath.teardown`
 removes everything.
 
+The facade holds no policy of its own: the realizer above it owns what each
+endpoint's map should hold and hands down either a delta (:meth:`Datapath.apply_policy`,
+which encodes and writes only the entries that change) or the whole policy
+(:meth:`Datapath.sync_policy`, which diffs against the kernel's map: resync and repair).
+
 Policy writes never open a window that denies traffic both the old and the
 new policy allow: new and changed prefixes are written first, then the
 enforcement flags, then stale prefixes are removed, and finally the policy
@@ -68,8 +73,6 @@ from services.datapath.types import (
     PinnedEndpoint,
     PolicyChange,
     PolicyEntry,
-    PolicyKey,
-    Verdict,
 )
 
 log = get_logger("datapath")
@@ -89,7 +92,12 @@ class DatapathAPI(Protocol):
     def detach_endpoint(self, ep_id: int) -> bool: ...
     def set_identity(self, ep_id: int, identity: int) -> None: ...
     def apply_policy(
-        self, ep_id: int, enforcement: Enforcement, add: Iterable[PolicyEntry], remove: Iterable[PolicyKey]
+        self,
+        ep_id: int,
+        enforcement: Enforcement,
+        add: Iterable[PolicyEntry] = (),
+        remove: Iterable[PolicyEntry] = (),
+        keep: Iterable[PolicyEntry] = (),
     ) -> PolicyChange: ...
     def sync_policy(self, ep_id: int, enforcement: Enforcement, entries: Iterable[PolicyEntry]) -> PolicyChange: ...
     def dump_policy(self, ep_id: int) -> tuple[Enforcement, list[PolicyEntry]]: ...
@@ -101,30 +109,6 @@ class DatapathAPI(Protocol):
     def pinned_endpoints(self) -> list[PinnedEndpoint]: ...
     def close(self) -> None: ...
     def teardown(self) -> None: ...
-
-
-def merge_entries(
-    current: Iterable[PolicyEntry], add: Iterable[PolicyEntry], remove: Iterable[PolicyKey]
-) -> list[PolicyEntry]:
-    """``current`` without ``remove`` keys, with ``add`` inserted or overwriting by key. Pure."""
-    added = normalize_entries(add)
-    dropped = set(remove) | {e.key for e in added}
-    return normalize_entries([*(e for e in current if e.key not in dropped), *added])
-
-
-def normalize_entries(entries: Iterable[PolicyEntry]) -> list[PolicyEntry]:
-    """One verdict per key, deny winning over allow (as it would in the datapath). Pure."""
-    by_key: dict[PolicyKey, Verdict] = {}
-    for entry in entries:
-        if by_key.get(entry.key) is not Verdict.DENY:
-            by_key[entry.key] = entry.verdict
-    return sorted(PolicyEntry(k, v) for k, v in by_key.items())
-
-
-def diff_prefixes(current: PrefixMap, desired: PrefixMap) -> tuple[PrefixMap, list[Prefix]]:
-    writes = {p: v for p, v in desired.items() if current.get(p) != v}
-    stale = [p for p in current if p not in desired]
-    return writes, stale
 
 
 def check_identity(identity: int) -> None:
@@ -153,9 +137,8 @@ class Datapath:
         self._lock = threading.RLock()
         self._events_lock = threading.Lock()
         self._closed = False
-        # Realized state, rebuilt from the kernel: endpoints and each endpoint's prefixes.
+        # The endpoints the kernel holds (policy is not cached: the realizer owns it).
         self._endpoints: dict[int, EndpointEntry] = {r.id: r for r in self.endpoints.records()}
-        self._policy: dict[int, PrefixMap] = self.policy.read()
 
     @classmethod
     def open(cls, base_dir: str = DEFAULT_BASE_DIR, *, config: ProgramConfig | None = None) -> Datapath:
@@ -227,7 +210,6 @@ class Datapath:
             self._loader.detach(record.ifindex)
             self.endpoints.remove(record)
             self.policy.delete(self.policy.read(ep_id).get(ep_id, {}))
-            self._policy.pop(ep_id, None)
             self.enforcement.delete(ep_id)
             self.metrics.delete_endpoint(ep_id)
             # Stale conntrack entries are harmless: the new epoch makes any hit re-check policy.
@@ -283,36 +265,38 @@ class Datapath:
         ep_id: int,
         enforcement: Enforcement,
         add: Iterable[PolicyEntry] = (),
-        remove: Iterable[PolicyKey] = (),
+        remove: Iterable[PolicyEntry] = (),
+        keep: Iterable[PolicyEntry] = (),
     ) -> PolicyChange:
-        """Incremental: insert/overwrite ``add``, delete ``remove`` keys (any verdict), set enforcement.
+        """Incremental: write exactly this delta, encoding only the added and removed entries.
 
+        ``keep`` are entries the map holds before and after that share a direction, remote
+        identity, protocol and verdict with an added or removed one (see
+        ``policymap.encode_delta``): a port block two entries share stays while either does.
         May be called before the endpoint is attached (policy is keyed by endpoint id).
         """
+        writes, stale = policymap.encode_delta(ep_id, add, remove, keep)
         with self._lock:
             self._check_open()
-            current = self._policy.get(ep_id, {})
-            entries = merge_entries(policymap.decode(current), add, remove)
-            return self._write_policy(ep_id, enforcement, current, policymap.encode(ep_id, entries))
+            return self._write_policy(ep_id, enforcement, writes, stale)
 
     def sync_policy(self, ep_id: int, enforcement: Enforcement, entries: Iterable[PolicyEntry]) -> PolicyChange:
         """Full: make the kernel map hold exactly ``entries``, diffing against what the kernel has."""
+        desired = policymap.encode(ep_id, policymap.normalize(entries))
         with self._lock:
             self._check_open()
             current = self.policy.read(ep_id).get(ep_id, {})
-            desired = policymap.encode(ep_id, normalize_entries(entries))
-            return self._write_policy(ep_id, enforcement, current, desired)
+            writes, stale = policymap.diff(current, desired)
+            return self._write_policy(ep_id, enforcement, writes, stale)
 
     def _write_policy(
-        self, ep_id: int, enforcement: Enforcement, current: PrefixMap, desired: PrefixMap
+        self, ep_id: int, enforcement: Enforcement, writes: PrefixMap, stale: list[Prefix]
     ) -> PolicyChange:
-        writes, stale = diff_prefixes(current, desired)
         self.policy.write(writes)
         enforcement_changed = self.enforcement.lookup(ep_id) != enforcement
         if enforcement_changed:
             self.enforcement.set(ep_id, enforcement)
         self.policy.delete(stale)
-        self._policy[ep_id] = dict(desired)
         change = PolicyChange(added=len(writes), removed=len(stale), enforcement_changed=enforcement_changed)
         if change.changed:
             self.state.bump_epoch()
@@ -460,7 +444,5 @@ __all__ = [
     "Datapath",
     "DatapathAPI",
     "UnknownEndpoint",
-    "merge_entries",
-    "normalize_entries",
     "teardown_all",
 ]

@@ -18,14 +18,11 @@ from services.datapath.datapath import (
     DEFAULT_BASE_DIR,
     UnknownEndpoint,
     check_identity,
-    diff_prefixes,
-    merge_entries,
-    normalize_entries,
 )
 from services.datapath.loader import ProgramConfig
 from services.datapath.maps import ipcachemap, policymap
 from services.datapath.maps.endpointmap import EndpointEntry
-from services.datapath.maps.policymap import PrefixMap
+from services.datapath.maps.policymap import Prefix, PrefixMap
 from services.datapath.types import (
     CounterKey,
     Counters,
@@ -37,7 +34,6 @@ from services.datapath.types import (
     PinnedEndpoint,
     PolicyChange,
     PolicyEntry,
-    PolicyKey,
     Reason,
     Verdict,
 )
@@ -122,25 +118,28 @@ class FakeDatapath:
         ep_id: int,
         enforcement: Enforcement,
         add: Iterable[PolicyEntry] = (),
-        remove: Iterable[PolicyKey] = (),
+        remove: Iterable[PolicyEntry] = (),
+        keep: Iterable[PolicyEntry] = (),
     ) -> PolicyChange:
+        writes, stale = policymap.encode_delta(ep_id, add, remove, keep)
         with self._lock:
             self._check_open()
-            current = self._k.policy.get(ep_id, {})
-            entries = merge_entries(policymap.decode(current), add, remove)
-            return self._write(ep_id, enforcement, current, policymap.encode(ep_id, entries))
+            return self._write(ep_id, enforcement, writes, stale)
 
     def sync_policy(self, ep_id: int, enforcement: Enforcement, entries: Iterable[PolicyEntry]) -> PolicyChange:
+        desired = policymap.encode(ep_id, policymap.normalize(entries))
         with self._lock:
             self._check_open()
-            current = self._k.policy.get(ep_id, {})
-            return self._write(ep_id, enforcement, current, policymap.encode(ep_id, normalize_entries(entries)))
+            writes, stale = policymap.diff(self._k.policy.get(ep_id, {}), desired)
+            return self._write(ep_id, enforcement, writes, stale)
 
-    def _write(self, ep_id: int, enforcement: Enforcement, current: PrefixMap, desired: PrefixMap) -> PolicyChange:
-        writes, stale = diff_prefixes(current, desired)
+    def _write(self, ep_id: int, enforcement: Enforcement, writes: PrefixMap, stale: list[Prefix]) -> PolicyChange:
+        prefixes = self._k.policy.setdefault(ep_id, {})
+        prefixes.update(writes)
+        for prefix in stale:
+            prefixes.pop(prefix, None)
         changed = self._k.enforcement.get(ep_id) != enforcement
         self._k.enforcement[ep_id] = enforcement
-        self._k.policy[ep_id] = dict(desired)
         return PolicyChange(added=len(writes), removed=len(stale), enforcement_changed=changed)
 
     def dump_policy(self, ep_id: int) -> tuple[Enforcement, list[PolicyEntry]]:

@@ -3,9 +3,13 @@
 The :class:`Realizer` keeps desired and realized state apart. The desired policy of
 every local identity comes from orders and resyncs (:meth:`Realizer.apply_order`,
 :meth:`Realizer.apply_resync`); what each endpoint's map holds is
-:attr:`Endpoint.realized`, written only here. A change is written as a delta from the
-realized to the desired state; a full sync (new endpoint, identity switch, unknown
-map) and the periodic :meth:`Realizer.repair` compare against the kernel itself.
+:attr:`Endpoint.realized`, written only here: it is the one owner of realized state
+(the BPF facade below keeps none). A change is handed down as the entry delta from
+the realized to the desired state, which the facade encodes and writes as it is; an
+order's delta is the one :meth:`IdentityPolicy.apply` computed, so a one-entry change
+costs one entry however large the map. A full sync (new endpoint, identity switch,
+resync, unknown map) and the periodic :meth:`Realizer.repair` compare against the
+kernel's map itself.
 
 It runs only inside the endpoint manager's task (the manager owns the endpoint
 table and calls in), so nothing here locks; BPF calls block, so they go through
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
@@ -23,6 +28,7 @@ from services.common.log import get_logger
 from services.datapath import types as dt
 from services.datapath.datapath import DatapathAPI
 from services.datapath.endpoint import Endpoint, RealizedPolicy, host_prefix
+from services.datapath.maps.policymap import Group, group_of
 
 log = get_logger("realizer")
 
@@ -35,34 +41,123 @@ class RealizationSink(Protocol):
     def deleted(self, endpoint_id: int, identity: int, pod: str) -> None: ...
 
 
+_versions = itertools.count(1)
+
+
 @dataclasses.dataclass(frozen=True)
 class IdentityPolicy:
-    """The desired policy of one identity, and the order sequence it corresponds to."""
+    """The desired policy of one identity, and the order sequence it corresponds to.
+
+    Immutable: :meth:`apply` returns a new version and says what changed from this one,
+    so endpoints that hold this version are brought to the next by that delta alone.
+    """
 
     identity: int
     enforcement: dt.Enforcement
     entries: Mapping[dt.PolicyKey, dt.PolicyEntry]
     sequence: int
     revision: int
+    #: The entries by map group (direction, remote identity, protocol, verdict): the ones whose
+    #: port blocks can coincide, which a delta must name (``keep``) to keep shared blocks right.
+    groups: Mapping[Group, frozenset[dt.PolicyEntry]] = dataclasses.field(default_factory=dict)
+    #: Unique per policy object; endpoints remember the version their map holds.
+    version: int = dataclasses.field(default_factory=lambda: next(_versions))
+    #: The version this one was derived from (0: none) and the entries that differ from it.
+    base: int = 0
+    added: tuple[dt.PolicyEntry, ...] = ()
+    removed: tuple[dt.PolicyEntry, ...] = ()
+
+    @classmethod
+    def build(
+        cls,
+        identity: int,
+        enforcement: dt.Enforcement,
+        entries: Iterable[dt.PolicyEntry],
+        sequence: int,
+        revision: int,
+    ) -> IdentityPolicy:
+        by_key = {e.key: e for e in entries}
+        groups: dict[Group, set[dt.PolicyEntry]] = {}
+        for entry in by_key.values():
+            groups.setdefault(group_of(entry), set()).add(entry)
+        frozen = {g: frozenset(members) for g, members in groups.items()}
+        return cls(identity, enforcement, by_key, sequence, revision, frozen)
 
     @classmethod
     def empty(cls, identity: int, sequence: int = 0, revision: int = 0) -> IdentityPolicy:
-        return cls(identity, dt.Enforcement(), {}, sequence, revision)
+        return cls.build(identity, dt.Enforcement(), (), sequence, revision)
 
     @classmethod
     def of(cls, snapshot: dt.PolicySnapshot, sequence: int, revision: int) -> IdentityPolicy:
-        entries = {e.key: e for e in snapshot.entries}
-        return cls(snapshot.identity, snapshot.enforcement, entries, sequence, revision)
+        return cls.build(snapshot.identity, snapshot.enforcement, snapshot.entries, sequence, revision)
 
     def apply(self, diff: dt.IdentityPolicyDiff, sequence: int, revision: int) -> IdentityPolicy:
-        """This policy after ``diff`` (full replaces; otherwise removes, then adds). Pure."""
-        entries: dict[dt.PolicyKey, dt.PolicyEntry] = {} if diff.full else dict(self.entries)
-        if not diff.full:
-            for key in diff.remove:
-                entries.pop(key, None)
+        """This policy after ``diff`` (full replaces; otherwise removes, then adds), with the net change. Pure."""
+        if diff.full:
+            new = IdentityPolicy.build(diff.identity, diff.enforcement, diff.add, sequence, revision)
+            added = tuple(e for k, e in new.entries.items() if self.entries.get(k) != e)
+            removed = tuple(e for k, e in self.entries.items() if new.entries.get(k) != e)
+            return dataclasses.replace(new, base=self.version, added=added, removed=removed)
+        entries = dict(self.entries)
+        for key in diff.remove:
+            entries.pop(key, None)
         for entry in diff.add:
             entries[entry.key] = entry
-        return IdentityPolicy(diff.identity, diff.enforcement, entries, sequence, revision)
+        touched = {*diff.remove, *(e.key for e in diff.add)}
+        added_list: list[dt.PolicyEntry] = []
+        removed_list: list[dt.PolicyEntry] = []
+        for key in touched:
+            before, after = self.entries.get(key), entries.get(key)
+            if before == after:
+                continue
+            if before is not None:
+                removed_list.append(before)
+            if after is not None:
+                added_list.append(after)
+        groups = dict(self.groups)
+        for group in {group_of(e) for e in (*added_list, *removed_list)}:
+            members = (groups.get(group, frozenset()) - set(removed_list)) | {
+                e for e in added_list if group_of(e) == group
+            }
+            if members:
+                groups[group] = members
+            else:
+                groups.pop(group, None)
+        return IdentityPolicy(
+            diff.identity,
+            diff.enforcement,
+            entries,
+            sequence,
+            revision,
+            groups,
+            base=self.version,
+            added=tuple(sorted(added_list)),
+            removed=tuple(sorted(removed_list)),
+        )
+
+    def neighbours(self, changed: Iterable[dt.PolicyEntry], exclude: Iterable[dt.PolicyEntry]) -> list[dt.PolicyEntry]:
+        """Entries of this policy in the map groups of ``changed``, except ``exclude``: the ``keep`` of a delta."""
+        skip = set(exclude)
+        groups = {group_of(e) for e in changed}
+        return [e for g in groups for e in self.groups.get(g, ()) if e not in skip]
+
+    def delta_from(
+        self, realized: RealizedPolicy
+    ) -> tuple[tuple[dt.PolicyEntry, ...], tuple[dt.PolicyEntry, ...], list[dt.PolicyEntry]]:
+        """What to add, remove and keep to bring a map holding ``realized`` to this policy. Pure.
+
+        When the map holds the version this one was derived from, that is the change
+        :meth:`apply` computed (no comparison of whole maps); otherwise both are compared.
+        """
+        if realized.version and realized.version == self.base:
+            add, remove = self.added, self.removed
+        elif realized.version == self.version:
+            add, remove = (), ()
+        else:
+            held = realized.entries
+            add = tuple(e for k, e in self.entries.items() if held.get(k) != e)
+            remove = tuple(e for k, e in held.items() if self.entries.get(k) != e)
+        return add, remove, self.neighbours((*add, *remove), add)
 
 
 class Realizer:
@@ -163,35 +258,42 @@ class Realizer:
 
     # --- realized state ------------------------------------------------------------------------
 
-    async def realize(self, ep: Endpoint, *, full: bool) -> None:
-        """Bring the endpoint's map to its identity's desired policy."""
+    async def realize(self, ep: Endpoint, *, full: bool) -> dt.PolicyChange | None:
+        """Bring the endpoint's map to its identity's desired policy; returns what the write changed.
+
+        ``full`` (or a map whose content is unknown) syncs against the kernel's map;
+        otherwise only the delta from :attr:`Endpoint.realized` is written. None when the
+        endpoint waits for the first resync or the write failed (the endpoint is FAILED).
+        """
         desired = self.policies.get(ep.identity)
         if desired is None:
             if not self.synced:
-                return  # stays WAITING / RESTORING until the first resync
+                return None  # stays WAITING / RESTORING until the first resync
             desired = IdentityPolicy.empty(ep.identity)
         ep.state = dt.EndpointState.REGENERATING
         try:
             if full or ep.realized is None:
-                await asyncio.to_thread(
+                change = await asyncio.to_thread(
                     self._dp.sync_policy, ep.id, desired.enforcement, list(desired.entries.values())
                 )
             else:
-                realized = ep.realized.entries
-                add = [e for k, e in desired.entries.items() if realized.get(k) != e]
-                remove = [k for k in realized if k not in desired.entries]
+                add, remove, keep = desired.delta_from(ep.realized)
+                change = dt.PolicyChange(0, 0, enforcement_changed=False)
                 if add or remove or ep.realized.enforcement != desired.enforcement:
-                    await asyncio.to_thread(self._dp.apply_policy, ep.id, desired.enforcement, add, remove)
+                    change = await asyncio.to_thread(
+                        self._dp.apply_policy, ep.id, desired.enforcement, add, remove, keep
+                    )
         except Exception as exc:
             ep.state = dt.EndpointState.FAILED
             ep.error = f"writing the policy map failed: {exc}; the periodic repair retries"
             ep.realized = None
             log.error("policy map write failed", endpoint=ep.id, identity=ep.identity, error=str(exc))
-            return
-        ep.realized = RealizedPolicy(desired.enforcement, desired.entries)
+            return None
+        ep.realized = RealizedPolicy(desired.enforcement, desired.entries, desired.version)
         ep.realized_revision = max(desired.revision, self.revision)
         ep.state = dt.EndpointState.READY
         ep.error = ""
+        return change
 
     def report(self, endpoints: Iterable[Endpoint], arrived: float | None = None) -> None:
         self._reporter.add(
@@ -204,28 +306,23 @@ class Realizer:
         )
 
     async def repair(self) -> int:
-        """Dump every endpoint's map and rewrite those that drifted; returns how many were repaired."""
+        """Sync every endpoint's map against the kernel, rewriting what drifted; returns how many drifted.
+
+        Failed endpoints are retried here too.
+        """
         repaired = 0
         for ep in list(self._endpoints.values()):
-            desired = self.policies.get(ep.identity)
-            if desired is None:
-                continue
-            try:
-                enforcement, entries = await asyncio.to_thread(self._dp.dump_policy, ep.id)
-            except Exception as exc:
-                log.warning("policy map dump failed", endpoint=ep.id, error=str(exc))
-                enforcement, entries = dt.Enforcement(), []
-                ep.realized = None
-            actual = {e.key: e for e in entries}
-            if actual == dict(desired.entries) and enforcement == desired.enforcement:
-                ep.realized = RealizedPolicy(enforcement, actual)
-                continue
-            log.warning(
-                "policy map drifted, repairing", endpoint=ep.id, entries=len(actual), desired=len(desired.entries)
-            )
-            ep.realized = None
-            await self.realize(ep, full=True)
-            repaired += 1
+            failed = ep.state is dt.EndpointState.FAILED
+            change = await self.realize(ep, full=True)
+            if change is not None and (change.changed or failed):
+                log.warning(
+                    "policy map drifted, repaired",
+                    endpoint=ep.id,
+                    written=change.added,
+                    removed=change.removed,
+                    enforcement=change.enforcement_changed,
+                )
+                repaired += 1
         if repaired:
             self.report(self._endpoints.values())
         return repaired
