@@ -84,6 +84,12 @@ class UnknownEndpoint(KeyError):
     """No endpoint with this id is attached."""
 
 
+class CounterSource(Protocol):
+    """The packet counters part of the facade (safe from any thread)."""
+
+    def counters(self) -> Counters: ...
+
+
 @runtime_checkable
 class DatapathAPI(Protocol):
     """What the datapath service needs; :class:`Datapath` and ``fake.FakeDatapath`` implement it."""

@@ -33,10 +33,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.common.log import get_logger
+from services.datapath.datapath import CounterSource
 from services.datapath.flows import FlowHub
 from services.datapath.manager import EndpointManager
 from services.datapath.orders import OrderConsumer, Reporter
-from services.datapath.servicer import CounterSource
 from services.datapath.types import CounterKey, Counters, CounterValue, Direction, EndpointState, Reason
 
 log = get_logger("metrics")

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
 from services.common.errors import PalisadeError, abort_with
 from services.common.log import get_logger
-from services.datapath import types as dt
 from services.datapath import wire
+from services.datapath.datapath import CounterSource
 from services.datapath.endpoint import Endpoint
 from services.datapath.flows import VERDICTS, FlowFilter, FlowHub
 from services.datapath.manager import EndpointManager
@@ -26,10 +26,6 @@ from services.datapath.manager import EndpointManager
 log = get_logger("servicer")
 
 T = TypeVar("T")
-
-
-class CounterSource(Protocol):
-    def counters(self) -> dt.Counters: ...
 
 
 class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
