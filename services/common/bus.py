@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import NotFoundError
 
+from services.common.backoff import Backoff
 from services.common.log import get_logger
 from services.common.retry import tcp_probe, with_retries
 
@@ -219,7 +220,7 @@ class Bus:
         nothing is silently dropped, the caller waits instead.
         """
         data = message.SerializeToString()
-        delay = 0.05
+        backoff = Backoff(0.05, 2.0)
         n = 0
         while True:
             n += 1
@@ -231,8 +232,7 @@ class Bus:
                     raise
                 if n == 1 or n % 20 == 0:
                     log.warning("publish failed, retrying", subject=subject, attempt=n, error=str(exc))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await backoff.sleep()
 
     async def follow(
         self,

@@ -9,7 +9,6 @@ is detected instead of silently interleaving sequences.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -18,8 +17,9 @@ from nats.js import api as jsapi
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from services.common.backoff import Backoff
 from services.common.log import get_logger
-from services.policy.orders import PersistedState
+from services.policy.engine.orders import PersistedState
 
 log = get_logger("revision")
 
@@ -56,8 +56,8 @@ def decode_state(data: bytes, *, where: str) -> PersistedState:
     return PersistedState(revision, {str(k): int(v) for k, v in sequences.items()})
 
 
-class StateStore:
-    """Load and save :class:`PersistedState` under one key of a KV bucket."""
+class RevisionStore:
+    """The policy revision and per-node order sequences (:class:`PersistedState`), under one key of a KV bucket."""
 
     def __init__(self, kv: KeyValue, bucket: str) -> None:
         self._kv = kv
@@ -66,7 +66,7 @@ class StateStore:
         self._saved: PersistedState | None = None
 
     @classmethod
-    async def open(cls, js: JetStreamContext, bucket: str) -> StateStore:
+    async def open(cls, js: JetStreamContext, bucket: str) -> RevisionStore:
         """Bind to the bucket, creating it on first use."""
         try:
             kv = await js.key_value(bucket)
@@ -103,7 +103,7 @@ class StateStore:
         if state == self._saved:
             return
         data = encode_state(state)
-        delay = 0.05
+        backoff = Backoff(0.05, 2.0)
         attempt = 0
         while True:
             attempt += 1
@@ -122,8 +122,7 @@ class StateStore:
             except Exception as exc:
                 if attempt == 1 or attempt % 20 == 0:
                     log.warning("state save failed, retrying", attempt=attempt, error=str(exc))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await backoff.sleep()
 
     async def _written_by_us(self, data: bytes) -> bool:
         """A retried write whose first attempt landed (its ack got lost) is not a conflict."""

@@ -16,10 +16,10 @@ from services.common.grpcserver import GrpcServer, StatusProvider
 from services.common.runner import ServiceContext, run_service
 from services.policy.config import PolicyConfig
 from services.policy.controller import Controller, Encoding, JobKind
-from services.policy.core import PolicyCore
+from services.policy.engine.core import PolicyCore
+from services.policy.engine.orders import PersistedState
 from services.policy.inputs import Inputs
-from services.policy.orders import PersistedState
-from services.policy.revision import StateStore
+from services.policy.revision import RevisionStore
 from services.policy.servicer import PolicyServicer
 
 # Room left under the server's max payload for NATS/JetStream headers.
@@ -29,7 +29,7 @@ _PAYLOAD_HEADROOM = 4096
 class BusSink:
     """Persists counters in the KV bucket and publishes orders on ``palisade.regen.<node>``."""
 
-    def __init__(self, bus: Bus, store: StateStore) -> None:
+    def __init__(self, bus: Bus, store: RevisionStore) -> None:
         self._bus = bus
         self._store = store
 
@@ -78,7 +78,7 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
     cfg = ctx.config
     bus = await ctx.bus()
     await bus.ensure_streams(*ALL_STREAMS)
-    store = await StateStore.open(bus.js, cfg.state_bucket)
+    store = await RevisionStore.open(bus.js, cfg.state_bucket)
     persisted = await store.load()
     core = PolicyCore(persisted=persisted, cluster=cfg.cluster_name)
     max_bytes = min(cfg.max_order_bytes, max(1024, bus.nc.max_payload - _PAYLOAD_HEADROOM))

@@ -12,17 +12,17 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from services.policy.model import Policy, PolicyKey, PolicyKind
-from services.policy.sources import Source
+from services.policy.engine.model import Policy, PolicyKind, PolicyRef
+from services.policy.engine.sources import Source
 
-RecordKey = tuple[Source, PolicyKey]
+RecordKey = tuple[Source, PolicyRef]
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyRecord:
     source: Source
     #: The object's key as users name it (not the engine's key).
-    key: PolicyKey
+    key: PolicyRef
     #: The version enforced; None when no version was ever accepted.
     policy: Policy | None
     #: Revision at which ``policy`` was accepted (0 until settled at the end of its batch).
@@ -48,10 +48,10 @@ class Registry:
     def __iter__(self) -> Iterator[PolicyRecord]:
         return iter(sorted(self._records.values(), key=lambda r: (r.key, r.source)))
 
-    def get(self, source: Source, key: PolicyKey) -> PolicyRecord | None:
+    def get(self, source: Source, key: PolicyRef) -> PolicyRecord | None:
         return self._records.get((source, key))
 
-    def accepted(self, source: Source, key: PolicyKey, policy: Policy, document: str, *, changed: bool) -> None:
+    def accepted(self, source: Source, key: PolicyRef, policy: Policy, document: str, *, changed: bool) -> None:
         """The latest version is enforced; ``changed`` when the engine got new rules."""
         old = self._records.get((source, key))
         revision = old.revision if old is not None and not changed else 0
@@ -59,14 +59,14 @@ class Registry:
         if changed or old is None or old.revision == 0:
             self._unsettled.add((source, key))
 
-    def rejected(self, source: Source, key: PolicyKey, error: str, document: str) -> None:
+    def rejected(self, source: Source, key: PolicyRef, error: str, document: str) -> None:
         old = self._records.get((source, key))
         if old is None:
             self._records[(source, key)] = PolicyRecord(source, key, None, 0, error, document)
         else:
             self._records[(source, key)] = dataclasses.replace(old, error=error, document=document)
 
-    def remove(self, source: Source, key: PolicyKey) -> PolicyRecord | None:
+    def remove(self, source: Source, key: PolicyRef) -> PolicyRecord | None:
         self._unsettled.discard((source, key))
         return self._records.pop((source, key), None)
 
