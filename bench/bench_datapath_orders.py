@@ -143,6 +143,9 @@ class DummyLinks:
     def alive(self, link: PodLink) -> bool:
         return True
 
+    def exists(self, netns: str) -> bool:
+        return True
+
     def remove_all(self) -> None:
         if not self.real:
             return

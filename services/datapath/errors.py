@@ -28,6 +28,12 @@ class EndpointExists(EndpointError):
     code = Code.ALREADY_EXISTS
 
 
+class PreconditionFailed(EndpointError):
+    """The node is not in a state the request can be served in (a namespace or interface in the way)."""
+
+    code = Code.FAILED_PRECONDITION
+
+
 class UpstreamUnavailable(EndpointError):
     """IPAMService, IdentityService or PolicyService cannot be reached; retrying later may work."""
 

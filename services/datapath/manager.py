@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
-import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -44,21 +42,19 @@ from services.datapath.errors import (
     EndpointExists,
     EndpointNotFound,
     InvalidRequest,
+    PreconditionFailed,
     UpstreamError,
     UpstreamUnavailable,
 )
-from services.datapath.ipamclient import IpamPort
+from services.datapath.ipamclient import IpamPort, NodeIpam
 from services.datapath.netns import PodLink
 from services.datapath.realizer import IdentityPolicy, RealizationSink, Realizer
 from services.datapath.state import EndpointRecord, EndpointStore
+from services.datapath.validate import validate_labels, validate_request
 
 log = get_logger("endpoints")
 
 T = TypeVar("T")
-
-#: Kubernetes names: DNS-1123 labels for namespaces, subdomains for pods.
-_NAMESPACE_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-_POD_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
 class PodNetwork(Protocol):
@@ -70,6 +66,10 @@ class PodNetwork(Protocol):
 
     def alive(self, link: PodLink) -> bool:
         """Whether the namespace and the host veth of a pod still exist."""
+        ...
+
+    def exists(self, netns: str) -> bool:
+        """Whether the network namespace (a path) exists, to be adopted."""
         ...
 
 
@@ -85,36 +85,6 @@ def identity_labels(namespace: str, labels: Sequence[dt.Label]) -> tuple[dt.Labe
     if not any(x.key == LABEL_POD_NAMESPACE for x in out):
         out.append(dt.Label("k8s", LABEL_POD_NAMESPACE, namespace))
     return tuple(out)
-
-
-def validate_create(request: dt.EndpointRequest) -> None:
-    if not request.namespace or not request.pod:
-        raise InvalidRequest("namespace and pod are required; give the pod's namespace and name")
-    if not _NAMESPACE_RE.match(request.namespace):
-        raise InvalidRequest(f"namespace {request.namespace!r} is not a valid Kubernetes namespace name")
-    if not _POD_RE.match(request.pod):
-        raise InvalidRequest(f"pod {request.pod!r} is not a valid Kubernetes pod name")
-    if request.netns:
-        try:
-            name = netns_mod.name_of(request.netns)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
-        if not os.path.exists(netns_mod.netns_path(name)):
-            raise InvalidRequest(f"network namespace {request.netns} does not exist; create it or leave netns empty")
-    for label in request.labels:
-        if not label.key:
-            raise InvalidRequest("a label has an empty key; labels are source:key=value")
-
-
-def _upstream_failure(what: str, exc: UpstreamError) -> EndpointError:
-    """The answer to a request whose call to another service failed."""
-    if exc.code is Code.INVALID_ARGUMENT:
-        return InvalidRequest(f"cannot {what}: {exc.message}")
-    if exc.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
-        return UpstreamUnavailable(
-            f"cannot {what}: {exc.service} is not reachable ({exc.message}); retry when it is up"
-        )
-    return EndpointError(f"cannot {what}: {exc.code}: {exc.message}", exc.code)
 
 
 @dataclasses.dataclass
@@ -143,6 +113,7 @@ class EndpointManager:
         self._net = network
         self._store = store
         self._ipam = ipam
+        self._node_ipam = NodeIpam(ipam, node)
         self._policy = policy
         self._reporter = reporter
         self._backoff_max = backoff_max
@@ -236,38 +207,46 @@ class EndpointManager:
     # --- create --------------------------------------------------------------------------------
 
     async def create(self, request: dt.EndpointRequest) -> Endpoint:
-        validate_create(request)
+        wanted = validate_request(request)
         key = request.key
         owner = f"pod/{key}"
-        ep_id = await self._do(lambda: self._reserve(key))
+        netns = request.netns and netns_mod.netns_path(netns_mod.name_of(request.netns))
+        ep_id = await self._do(lambda: self._reserve(key, netns))
+        if netns and not await asyncio.to_thread(self._net.exists, netns):
+            await self._do(lambda: self._unreserve(ep_id, key))
+            raise InvalidRequest(f"netns: network namespace {netns} does not exist; create it or leave netns empty")
         undo: list[Callable[[], Awaitable[None]]] = []
         try:
             # 1. identity (network I/O, outside the owning task)
             labels: tuple[dt.Label, ...] = ()
             if request.labels:
                 labels = identity_labels(request.namespace, request.labels)
-                identity = await self._upstream(
+                identity = await self._node_ipam.call(
                     f"allocate an identity for {key}", self._ipam.allocate_identity(labels, self.node, owner)
                 )
                 undo.append(lambda: self._ipam.release_identity(identity, self.node, owner))
             else:
-                identity = await self._resolve(request.namespace, request.pod)
+                identity = await self._node_ipam.resolve_pod(request.namespace, request.pod)
             # 2. addresses (with the named ports, which ipam puts in the address's ipcache entry)
             addresses = []
-            for family in request.families or (4,):
-                address = await self._allocate_ip(owner, family, request.ports)
+            for family, _ in wanted:
+                address = await self._node_ipam.allocate_ip(owner, family, request.ports)
                 addresses.append(address)
                 undo.append(lambda ip=address.ip: self._ipam.release_ip(self.node, ip, owner))  # type: ignore[misc]
             # 3. namespace, veth, addresses, routes
-            netns = request.netns or netns_mod.netns_path(netns_name(request.namespace, request.pod))
             try:
                 link = await asyncio.to_thread(
                     self._net.setup,
-                    netns=netns,
-                    create=not request.netns,
+                    netns=netns or netns_mod.netns_path(netns_name(request.namespace, request.pod)),
+                    create=not netns,
                     host_ifname=host_ifname(request.namespace, request.pod),
                     addresses=addresses,
                 )
+            except FileExistsError as exc:
+                field = "netns" if netns else "pod"
+                raise PreconditionFailed(
+                    f"{field}: cannot set up the network of {key}: {exc.strerror or exc}"
+                ) from None
             except (OSError, ValueError) as exc:
                 raise DatapathFailure(f"cannot set up the network of {key}: {exc}") from exc
             undo.append(lambda: asyncio.to_thread(self._net.teardown, link))
@@ -304,9 +283,15 @@ class EndpointManager:
         log.info("endpoint created", endpoint=ep.id, pod=key, identity=identity, ips=",".join(record.ips))
         return ep
 
-    async def _reserve(self, key: str) -> int:
+    async def _reserve(self, key: str, netns: str) -> int:
         if key in self._busy_pods or any(ep.record.key == key for ep in self.endpoints.values()):
             raise EndpointExists(f"pod {key} already has an endpoint on node {self.node}; delete it first")
+        holder = next((ep for ep in self.endpoints.values() if netns and ep.record.netns == netns), None)
+        if holder is not None:
+            raise EndpointExists(
+                f"netns: network namespace {netns} already holds endpoint {holder.id} ({holder.record.key}); "
+                "delete that endpoint first or give the pod its own namespace"
+            )
         used = set(self.endpoints) | self._busy_ids
         for ep_id in range(1, MAX_ENDPOINT_ID + 1):
             if ep_id not in used:
@@ -320,39 +305,6 @@ class EndpointManager:
     async def _unreserve(self, ep_id: int, key: str) -> None:
         self._busy_ids.discard(ep_id)
         self._busy_pods.discard(key)
-
-    async def _resolve(self, namespace: str, pod: str) -> int:
-        try:
-            return await self._ipam.resolve_pod(namespace, pod)
-        except UpstreamError as exc:
-            if exc.code is Code.NOT_FOUND:
-                raise EndpointNotFound(
-                    f"pod {namespace}/{pod} is unknown to IdentityService; give its labels in the request, "
-                    "or wait until the watcher published the pod"
-                ) from None
-            raise _upstream_failure(f"resolve the identity of {namespace}/{pod}", exc) from None
-
-    async def _allocate_ip(self, owner: str, family: int, ports: Sequence[dt.PortRecord]) -> dt.Address:
-        try:
-            return await self._ipam.allocate_ip(self.node, owner, family, ports=ports)
-        except UpstreamError as exc:
-            if exc.code is not Code.ALREADY_EXISTS:
-                raise _upstream_failure(f"allocate an address for {owner}", exc) from None
-        # A create that failed half-way (or a crash) left the owner's address allocated: adopt it.
-        for alloc in await self._upstream(f"list allocations of {self.node}", self._ipam.allocations(self.node)):
-            if alloc.owner == owner and alloc.address.family == family:
-                # Reserving it again by address is idempotent and hands ipam this request's ports.
-                ip = alloc.address.ip
-                return await self._upstream(
-                    f"reserve {ip} for {owner}", self._ipam.allocate_ip(self.node, owner, family, ip, ports)
-                )
-        raise UpstreamUnavailable(f"IPAMService says {owner} already has an address but does not list it; retry")
-
-    async def _upstream(self, what: str, call: Awaitable[T]) -> T:
-        try:
-            return await call
-        except UpstreamError as exc:
-            raise _upstream_failure(what, exc) from None
 
     async def _fetch_policy(self, identity: int) -> IdentityPolicy | None:
         """The identity's policy from PolicyService unless orders keep it here already."""
@@ -444,11 +396,12 @@ class EndpointManager:
     async def relabel(self, ref: EndpointRef, labels: Sequence[dt.Label]) -> Endpoint:
         """Give a pod new labels: allocate their identity, then switch the endpoint to it."""
         if not labels:
-            raise InvalidRequest("give the pod's new labels; an endpoint without labels has no identity")
+            raise InvalidRequest("labels: give the pod's new labels; an endpoint without labels has no identity")
+        validate_labels(labels)
         ep = self.find(ref)
         record = ep.record
         new_labels = identity_labels(record.namespace, labels)
-        identity = await self._upstream(
+        identity = await self._node_ipam.call(
             f"allocate an identity for {record.key}", self._ipam.allocate_identity(new_labels, self.node, record.owner)
         )
         return await self.switch_identity(record.id, identity, labels=new_labels)
@@ -560,23 +513,9 @@ class EndpointManager:
         # PolicyService may know it from before the restart (its pod is not in the ipcache).
         self._reporter.deleted(record.id, record.identity, record.key)
         for ip in record.ips:
-            self._releases.put_nowait(lambda ip=ip: self._release_ip_quietly(ip, record.owner))  # type: ignore[misc]
+            self._releases.put_nowait(lambda ip=ip: self._node_ipam.release_ip_quietly(ip, record.owner))  # type: ignore[misc]
         if record.identity_owned:
-            self._releases.put_nowait(lambda: self._release_identity_quietly(record.identity, record.owner))
-
-    async def _release_ip_quietly(self, ip: str, owner: str) -> None:
-        try:
-            await self._ipam.release_ip(self.node, ip, owner)
-        except UpstreamError as exc:
-            if exc.code not in (Code.NOT_FOUND, Code.FAILED_PRECONDITION):
-                raise
-
-    async def _release_identity_quietly(self, identity: int, owner: str) -> None:
-        try:
-            await self._ipam.release_identity(identity, self.node, owner)
-        except UpstreamError as exc:
-            if exc.code is not Code.NOT_FOUND:
-                raise
+            self._releases.put_nowait(lambda: self._node_ipam.release_identity_quietly(record.identity, record.owner))
 
     async def reclaim(self, records: Sequence[EndpointRecord]) -> None:
         """Reserve each restored endpoint's exact addresses and re-take its identity, retrying until IPAM answers."""

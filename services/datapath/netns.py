@@ -105,7 +105,11 @@ def _ip(*args: str) -> None:
 
 def create_netns(name: str) -> None:
     if os.path.exists(netns_path(name)):
-        raise FileExistsError(errno.EEXIST, "network namespace exists", name)
+        raise FileExistsError(
+            errno.EEXIST,
+            f"network namespace {name} already exists (left over?); delete it (ip netns del {name}) "
+            "or pass it as netns to adopt it",
+        )
     _ip("netns", "add", name)
 
 
@@ -166,8 +170,11 @@ def create_pod(
     pod; otherwise it must exist and is adopted (the caller keeps it). A veth pair joins
     it to the host: ``pod_ifname`` inside, ``host_ifname`` on the host, where the BPF
     programs attach. On failure everything created so far is removed again.
+    Failures are OSErrors: FileExistsError when the namespace (created), the host
+    interface or the pod's interface (in an adopted namespace) is already there.
     """
     from pyroute2 import IPRoute
+    from pyroute2.netlink.exceptions import NetlinkError
 
     if len(host_ifname) > IFNAMSIZ:
         raise ValueError(f"interface name {host_ifname!r} is longer than {IFNAMSIZ} characters")
@@ -181,22 +188,34 @@ def create_pod(
     if create:
         create_netns(name)
     elif not os.path.exists(netns_path(name)):
-        raise FileNotFoundError(errno.ENOENT, "network namespace does not exist", netns_path(name))
+        raise FileNotFoundError(errno.ENOENT, f"network namespace {netns_path(name)} does not exist")
     link = PodLink(netns_path(name), create, host_ifname, 0, ips=addrs)
     try:
-        with IPRoute() as ipr:
-            ipr.link("add", ifname=host_ifname, kind="veth", peer={"ifname": pod_ifname, "net_ns_fd": name})
-            host_index = int(ipr.link_lookup(ifname=host_ifname)[0])
-            host_mac = _mac(ipr, host_index)
-            _sysctl(f"/proc/sys/net/ipv6/conf/{host_ifname}/accept_dad", "0")
-            ipr.link("set", index=host_index, state="up")
+        try:
+            with IPRoute() as ipr:
+                try:
+                    ipr.link("add", ifname=host_ifname, kind="veth", peer={"ifname": pod_ifname, "net_ns_fd": name})
+                except NetlinkError as exc:
+                    if exc.code != errno.EEXIST:
+                        raise
+                    raise FileExistsError(
+                        errno.EEXIST,
+                        f"network namespace {name} already has an interface {pod_ifname} (another pod's network); "
+                        "give the pod a namespace of its own",
+                    ) from None
+                host_index = int(ipr.link_lookup(ifname=host_ifname)[0])
+                host_mac = _mac(ipr, host_index)
+                _sysctl(f"/proc/sys/net/ipv6/conf/{host_ifname}/accept_dad", "0")
+                ipr.link("set", index=host_index, state="up")
 
-        pod_mac = in_netns(name, _setup_pod_side, pod_ifname, addrs, host_mac)
+            pod_mac = in_netns(name, _setup_pod_side, pod_ifname, addrs, host_mac)
 
-        with IPRoute() as ipr:
-            for ip in addrs:
-                ipr.route("replace", oif=host_index, **_route_args(ip))
-                ipr.neigh("replace", dst=ip, lladdr=pod_mac, ifindex=host_index, state=NUD_PERMANENT)
+            with IPRoute() as ipr:
+                for ip in addrs:
+                    ipr.route("replace", oif=host_index, **_route_args(ip))
+                    ipr.neigh("replace", dst=ip, lladdr=pod_mac, ifindex=host_index, state=NUD_PERMANENT)
+        except NetlinkError as exc:  # an OSError, so callers need not know pyroute2
+            raise OSError(exc.code, f"netlink refused setting up namespace {name}: {exc}") from exc
     except BaseException:
         delete_pod(link)
         raise
@@ -280,3 +299,6 @@ class NetnsPodNetwork:
 
     def alive(self, link: PodLink) -> bool:
         return pod_alive(link)
+
+    def exists(self, netns: str) -> bool:
+        return os.path.exists(netns)

@@ -10,12 +10,11 @@ cannot represent raises :class:`OrderError` here, before any of it is applied.
 
 from __future__ import annotations
 
-import ipaddress
-
 from palisade.v1 import common_pb2, datapath_pb2, ipam_pb2, policy_pb2
 from services.datapath import types as dt
 from services.datapath.endpoint import Endpoint, EndpointRef
 from services.datapath.errors import InvalidRequest, OrderError
+from services.datapath.validate import validate_ref
 
 # --- policy ---------------------------------------------------------------------------------------
 
@@ -162,6 +161,7 @@ def ref_from_proto(request: datapath_pb2.GetEndpointRequest | datapath_pb2.Delet
     ref = EndpointRef(request.id, request.namespace, request.pod)
     if not ref.id and not (ref.namespace and ref.pod):
         raise InvalidRequest("name the endpoint: give its id, or both namespace and pod")
+    validate_ref(ref)
     return ref
 
 
@@ -192,11 +192,3 @@ def address_from_proto(alloc: ipam_pb2.IPAllocation) -> dt.Address:
 
 def allocation_from_proto(alloc: ipam_pb2.IPAllocation) -> dt.Allocation:
     return dt.Allocation(owner=alloc.owner, address=address_from_proto(alloc))
-
-
-def family_of(ip: str) -> int:
-    """4 or 6 for an address; :class:`InvalidRequest` naming it when it is not one."""
-    try:
-        return ipaddress.ip_address(ip).version
-    except ValueError:
-        raise InvalidRequest(f"ips: {ip!r} is not an IP address") from None
