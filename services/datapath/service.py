@@ -1,6 +1,7 @@
 """The datapath service: endpoints, orders, ipcache and flows of one node, over pinned BPF maps.
 
-Startup, in order (SERVING only at the end, "ready means synced"):
+Startup, in order (SERVING only at the end, "ready means synced"; DatapathService
+answers from step 3 on, health says NOT_SERVING until step 4's resync is applied):
 
 1. open the BPF facade: pinned maps and programs are reused, so the endpoints of the
    previous run kept enforcing while the process was down;
@@ -174,10 +175,20 @@ async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
     datapath_pb2_grpc.add_DatapathServiceServicer_to_server(agent.servicer, ctx.server.server)
     ctx.server.add_service(datapath_pb2.DESCRIPTOR.services_by_name["DatapathService"].full_name)
     ctx.server.status.provider = agent.status
-    await ctx.server.set_serving(True)
-    log.info(
-        "datapath ready", node=agent.node, endpoints=len(agent.manager.endpoints), ipcache=len(agent.ipcache.entries)
-    )
+
+    async def ready_when_synced() -> None:
+        # Ready means synced: the endpoints hold the current policy (and the ipcache is loaded).
+        await agent.consumer.synced.wait()
+        await ctx.server.set_serving(True)
+        log.info(
+            "datapath ready",
+            node=agent.node,
+            endpoints=len(agent.manager.endpoints),
+            ipcache=len(agent.ipcache.entries),
+            revision=agent.manager.revision,
+        )
+
+    ctx.spawn(ready_when_synced(), "ready")
 
 
 def main(argv: list[str] | None = None) -> int:
