@@ -39,6 +39,8 @@ class Endpoint:
     state: EndpointState = EndpointState.WAITING
     error: str = ""
     realized_revision: int = 0
+    #: The revision a policy map write failed to realize (0 unless FAILED by a write; reported with ``error``).
+    failed_revision: int = 0
     #: What the map holds (None: unknown, the next write syncs fully).
     realized: RealizedPolicy | None = None
 

@@ -30,6 +30,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from palisade.v1 import policy_pb2, policy_pb2_grpc
 from services.common.backoff import Backoff
 from services.common.bus import Bus, Follower, regen_subject
+from services.common.errors import clip
 from services.common.log import get_logger
 from services.datapath import types as dt
 from services.datapath import wire
@@ -231,6 +232,7 @@ class Reporter:
                 revision=item.revision,
                 pod=item.pod,
                 realized_at=now,
+                error=clip(item.error),
             )
         if given and arrived is not None:
             self._orders.append(arrived)

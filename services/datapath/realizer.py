@@ -286,6 +286,7 @@ class Realizer:
         except Exception as exc:
             ep.state = dt.EndpointState.FAILED
             ep.error = f"writing the policy map failed: {exc}; the periodic repair retries"
+            ep.failed_revision = max(desired.revision, self.revision)
             ep.realized = None
             log.error("policy map write failed", endpoint=ep.id, identity=ep.identity, error=str(exc))
             return None
@@ -293,17 +294,18 @@ class Realizer:
         ep.realized_revision = max(desired.revision, self.revision)
         ep.state = dt.EndpointState.READY
         ep.error = ""
+        ep.failed_revision = 0
         return change
 
     def report(self, endpoints: Iterable[Endpoint], arrived: float | None = None) -> None:
-        self._reporter.add(
-            (
-                dt.Realized(ep.id, ep.identity, ep.realized_revision, ep.record.key)
-                for ep in endpoints
-                if ep.state is dt.EndpointState.READY and ep.realized_revision
-            ),
-            arrived,
-        )
+        """Report the realized revision of ready endpoints and the failure of those whose map write failed."""
+        items = []
+        for ep in endpoints:
+            if ep.state is dt.EndpointState.READY and ep.realized_revision:
+                items.append(dt.Realized(ep.id, ep.identity, ep.realized_revision, ep.record.key))
+            elif ep.state is dt.EndpointState.FAILED and ep.failed_revision:
+                items.append(dt.Realized(ep.id, ep.identity, ep.failed_revision, ep.record.key, ep.error))
+        self._reporter.add(items, arrived)
 
     async def repair(self) -> int:
         """Sync every endpoint's map against the kernel, rewriting what drifted; returns how many drifted.

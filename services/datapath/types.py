@@ -458,9 +458,10 @@ class OrderBatch:
 
 @dataclasses.dataclass(frozen=True)
 class Realized:
-    """One endpoint's realized revision, to report."""
+    """One endpoint's realized revision, to report; with ``error``, the revision it failed to realize."""
 
     endpoint_id: int
     identity: int
     revision: int
     pod: str
+    error: str = ""

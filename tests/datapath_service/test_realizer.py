@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import secrets
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import pytest
 
+from palisade.v1 import policy_pb2
 from services.datapath import types as dt
 from services.datapath.endpoint import Endpoint
 from services.datapath.fake import FakeDatapath
 from services.datapath.maps import policymap
+from services.datapath.orders import Reporter
 from services.datapath.realizer import IdentityPolicy, Realizer
 from services.datapath.state import EndpointRecord
 
@@ -18,9 +22,14 @@ WEB, DB = 300, 301
 
 
 class Recording(FakeDatapath):
-    """The fake datapath, remembering what each policy write was given."""
+    """The fake datapath, remembering what each policy write was given; writes for ``broken`` endpoints fail."""
 
     writes: list[tuple[str, int, int, int]]
+    broken: set[int]
+
+    def _check_writable(self, ep_id: int) -> None:
+        if ep_id in self.broken:
+            raise OSError(errno.ENOSPC, "policy map full")
 
     def apply_policy(
         self,
@@ -32,6 +41,7 @@ class Recording(FakeDatapath):
     ) -> dt.PolicyChange:
         add, remove, keep = list(add), list(remove), list(keep)
         self.writes.append(("delta", len(add), len(remove), len(keep)))
+        self._check_writable(ep_id)
         return super().apply_policy(ep_id, enforcement, add, remove, keep)
 
     def sync_policy(
@@ -39,6 +49,7 @@ class Recording(FakeDatapath):
     ) -> dt.PolicyChange:
         entries = list(entries)
         self.writes.append(("sync", len(entries), 0, 0))
+        self._check_writable(ep_id)
         return super().sync_policy(ep_id, enforcement, entries)
 
 
@@ -79,17 +90,18 @@ def dp() -> Iterator[Recording]:
     fake = Recording.open(base)
     assert isinstance(fake, Recording)
     fake.writes = []
+    fake.broken = set()
     yield fake
     fake.teardown()
 
 
-async def realizer_with(dp: Recording, *endpoints: Endpoint) -> Realizer:
+async def realizer_with(dp: Recording, *endpoints: Endpoint, sink: Sink | None = None) -> Realizer:
     table = {ep.id: ep for ep in endpoints}
     for ep in endpoints:
         dp.attach_endpoint(
             dt.EndpointSpec(ep.id, ep.record.host_ifindex, ep.record.host_ifname, ep.record.ips, ep.identity)
         )
-    realizer = Realizer(datapath=dp, endpoints=table, reporter=Sink())
+    realizer = Realizer(datapath=dp, endpoints=table, reporter=sink or Sink())
     big = tuple(allow(1000 + i, 1, 65535) for i in range(300))
     await realizer.apply_resync(dt.ResyncState(1, 10, (dt.PolicySnapshot(DB, dt.Enforcement(ingress=True), big),)))
     dp.writes.clear()
@@ -140,3 +152,50 @@ async def test_a_map_that_missed_a_version_gets_the_difference_and_repair_fixes_
     assert await realizer.repair() == 1
     assert dp.dump_policy(a.id) == (enforced, sorted(realizer.policies[DB].entries.values()))
     assert await realizer.repair() == 0
+
+
+async def test_a_failed_map_write_is_reported_with_its_error_and_repair_clears_it(dp: Recording) -> None:
+    a, b = Endpoint(record(1, DB)), Endpoint(record(2, DB))
+    sink = Sink()
+    realizer = await realizer_with(dp, a, b, sink=sink)
+    sink.realized.clear()
+    dp.broken = {b.id}
+    order = dt.IdentityPolicyDiff(DB, dt.Enforcement(ingress=True), add=(allow(WEB, 80),))
+    await realizer.apply_order(dt.OrderBatch(2, 11, (order,)))
+    assert b.state is dt.EndpointState.FAILED and "policy map full" in b.error
+    assert {(r.endpoint_id, r.revision, bool(r.error)) for r in sink.realized} == {(a.id, 11, False), (b.id, 11, True)}
+    (failed,) = [r for r in sink.realized if r.error]
+    assert failed.error == b.error and failed.pod == "x/p2"
+
+    dp.broken.clear()
+    sink.realized.clear()
+    assert await realizer.repair() == 1
+    assert (b.state, b.error, b.failed_revision) == (dt.EndpointState.READY, "", 0)
+    assert {(r.endpoint_id, r.revision, r.error) for r in sink.realized} >= {(b.id, 11, "")}
+
+
+class Capture:
+    def __init__(self) -> None:
+        self.reports: list[policy_pb2.RealizedReport] = []
+
+    async def resync(self, node: str, identities: Sequence[int] = ()) -> dt.ResyncState:
+        return dt.ResyncState(0, 0)
+
+    async def report(self, reports: Sequence[policy_pb2.RealizedReport]) -> None:
+        self.reports.extend(reports)
+
+
+async def test_the_reporter_carries_the_failure_to_the_policy_service() -> None:
+    policy = Capture()
+    reporter = Reporter("n1", policy)
+    task = asyncio.create_task(reporter.run())
+    try:
+        reporter.add([dt.Realized(1, DB, 11, "x/a"), dt.Realized(2, DB, 11, "x/b", "writing the policy map failed")])
+        await asyncio.wait_for(reporter.flushed(), 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert [(r.endpoint_id, r.revision, r.error) for r in policy.reports] == [
+        (1, 11, ""),
+        (2, 11, "writing the policy map failed"),
+    ]
