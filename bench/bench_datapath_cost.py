@@ -87,7 +87,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from services.datapath import netns
 from services.datapath.datapath import Datapath, teardown_all
 from services.datapath.maps.bpf import check, libbpf
-from services.datapath.netns import PodNetwork
+from services.datapath.netns import PodLink
 from services.datapath.types import (
     Direction,
     EndpointSpec,
@@ -370,8 +370,8 @@ def conntrack_count() -> int | None:
         return None
 
 
-def connection_rate(src: PodNetwork, dst_ip: str, seconds: float, start: int) -> dict[str, float]:
-    cmd = ["ip", "netns", "exec", src.netns, sys.executable, SCRIPT, "--role", "connect"]
+def connection_rate(src: PodLink, dst_ip: str, seconds: float, start: int) -> dict[str, float]:
+    cmd = ["ip", "netns", "exec", src.name, sys.executable, SCRIPT, "--role", "connect"]
     cmd += ["--src", src.ips[0], "--dst", dst_ip, "--seconds", f"{seconds:g}", "--start", str(start)]
     before = conntrack_count()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
@@ -444,7 +444,7 @@ def run_cmd(argv: list[str], stdin: str | None = None, check: bool = True) -> su
 class Iptables:
     """The iptables baseline: per-pod chains dispatched from FORWARD, built with iptables-restore."""
 
-    def __init__(self, run: str, src: PodNetwork, dst: PodNetwork) -> None:
+    def __init__(self, run: str, src: PodLink, dst: PodLink) -> None:
         self.prefix = f"PALB-{run}"
         self.src, self.dst = src, dst
         self.fwd = f"{self.prefix}-FWD"
@@ -536,7 +536,7 @@ class Bench:
         self.run = secrets.token_hex(2)
         self.prefix = f"pbc{self.run}"
         self.base = f"/sys/fs/bpf/palisade-bench-{self.run}"
-        self.pods: list[PodNetwork] = []
+        self.pods: list[PodLink] = []
         self.servers: list[Server] = []
         self.dp: Datapath | None = None
         self.ipt: Iptables | None = None
@@ -556,10 +556,10 @@ class Bench:
         self.dst = netns.create_pod(f"{self.prefix}d", f"{self.prefix}d", [f"10.{o2}.{o3}.2"])
         self.pods.append(self.dst)
         self.dst_ip = self.dst.ips[0]
-        self.iperf_server = Server("iperf3 server", self.dst.netns, ["iperf3", "-s", "-p", str(IPERF_PORT)])
+        self.iperf_server = Server("iperf3 server", self.dst.name, ["iperf3", "-s", "-p", str(IPERF_PORT)])
         ports = [*range(CONN_PORT, CONN_PORT + CONN_PORTS), PROBE_INGRESS_PORT, PROBE_EGRESS_PORT]
         accept_argv = [sys.executable, SCRIPT, "--role", "accept", "--ports", ",".join(map(str, ports))]
-        self.accept_server = Server("accept server", self.dst.netns, accept_argv, ready_line="ready")
+        self.accept_server = Server("accept server", self.dst.name, accept_argv, ready_line="ready")
         for server in (self.iperf_server, self.accept_server):
             self.servers.append(server)
             server.start()
@@ -585,7 +585,7 @@ class Bench:
             attempt("datapath teardown", self.dp.teardown)
         attempt("teardown_all", teardown_all, self.base)
         for pod in self.pods:
-            attempt(f"delete {pod.netns}", netns.delete_pod, pod.netns, pod.host_ifname)
+            attempt(f"delete {pod.name}", netns.delete_pod, pod)
         left_chains = sorted(self.ipt.our_chains()) if self.ipt is not None else []
         return {
             "problems": problems,
@@ -645,7 +645,7 @@ class Bench:
 
     def run_checks(self, variant: Variant) -> None:
         assert self.dp is not None and self.ipt is not None
-        src, ip = self.src.netns, self.dst_ip
+        src, ip = self.src.name, self.dst_ip
         allowed = tcp_connects(src, ip, CONN_PORT, ALLOW_TIMEOUT)
         self.check(variant, "allowed-port-connects", allowed, f"tcp {CONN_PORT}")
         if variant.kind == "none":
@@ -668,7 +668,7 @@ class Bench:
 
     def palisade_checks(self, variant: Variant) -> None:
         assert self.dp is not None
-        src, ip = self.src.netns, self.dst_ip
+        src, ip = self.src.name, self.dst_ip
         for port, ep, direction, what in (
             (PROBE_INGRESS_PORT, DST_EP, Direction.INGRESS, "ingress"),
             (PROBE_EGRESS_PORT, SRC_EP, Direction.EGRESS, "egress"),
@@ -692,7 +692,7 @@ class Bench:
 
     def iptables_checks(self, variant: Variant) -> None:
         assert self.ipt is not None
-        ipt, src, ip = self.ipt, self.src.netns, self.dst_ip
+        ipt, src, ip = self.ipt, self.src.name, self.dst_ip
         for port, chain, what in (
             (PROBE_INGRESS_PORT, ipt.in_dst, "ingress"),
             (PROBE_EGRESS_PORT, ipt.eg_src, "egress"),
@@ -726,7 +726,7 @@ class Bench:
             for workload in ("udp_64b", "connections"):
                 before = {name: prog_run_stats(fd) for name, fd in fds.items()}
                 if workload == "udp_64b":
-                    got = iperf(self.src.netns, self.dst_ip, seconds, udp=True, server=self.iperf_server)
+                    got = iperf(self.src.name, self.dst_ip, seconds, udp=True, server=self.iperf_server)
                     units = got["value"] * seconds
                 else:
                     self.accept_server.ensure()
@@ -755,8 +755,8 @@ class Bench:
     def measure(self, variant: Variant) -> dict[str, dict[str, float]]:
         seconds = self.args.seconds
         out: dict[str, dict[str, float]] = {}
-        out["tcp_throughput"] = iperf(self.src.netns, self.dst_ip, seconds, udp=False, server=self.iperf_server)
-        out["udp_64b_rate"] = iperf(self.src.netns, self.dst_ip, seconds, udp=True, server=self.iperf_server)
+        out["tcp_throughput"] = iperf(self.src.name, self.dst_ip, seconds, udp=False, server=self.iperf_server)
+        out["udp_64b_rate"] = iperf(self.src.name, self.dst_ip, seconds, udp=True, server=self.iperf_server)
         self.accept_server.ensure()
         conn = connection_rate(self.src, self.dst_ip, seconds, self.next_conn)
         self.next_conn = int(conn.pop("next"))

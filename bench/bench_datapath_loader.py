@@ -6,7 +6,8 @@ Run as root on a machine with bcc:
 
 Creates N pod namespaces with veths, opens a fresh datapath (one compile),
 attaches every endpoint (no compile: the template is reused), writes a small
-policy per endpoint, checks that enforcement works on real packets, reopens
+policy per endpoint (a full sync), then adds and removes one entry per endpoint
+(a delta, which encodes only that entry), checks that enforcement works on real packets, reopens
 the datapath as a restarted agent would (pinned programs, no compile) and
 prints one JSON object. Everything is removed afterwards.
 """
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.datapath import netns
 from services.datapath.datapath import Datapath
-from services.datapath.netns import PodNetwork
+from services.datapath.netns import PodLink
 from services.datapath.types import (
     Direction,
     EndpointSpec,
@@ -72,14 +73,14 @@ def tcp_connects(ns: str, ip: str, port: int, timeout: float) -> bool:
             return False
 
 
-def check_enforcement(first: PodNetwork, last: PodNetwork) -> dict[str, bool]:
+def check_enforcement(first: PodLink, last: PodLink) -> dict[str, bool]:
     """first may reach last on 8080 (allowed), not on 8081 (default deny)."""
     ip = last.ips[0]
-    servers = [netns.in_netns(last.netns, socket.create_server, (ip, port)) for port in (8080, 8081)]
+    servers = [netns.in_netns(last.name, socket.create_server, (ip, port)) for port in (8080, 8081)]
     try:
         return {
-            "allowed_port_connects": tcp_connects(first.netns, ip, 8080, 5.0),
-            "denied_port_blocked": not tcp_connects(first.netns, ip, 8081, 1.0),
+            "allowed_port_connects": tcp_connects(first.name, ip, 8080, 5.0),
+            "denied_port_blocked": not tcp_connects(first.name, ip, 8081, 1.0),
         }
     finally:
         for s in servers:
@@ -98,7 +99,7 @@ def main() -> int:
     base = f"/sys/fs/bpf/palisade-{run}"
     o2 = 200 + secrets.randbelow(50)
     netns.enable_forwarding()
-    pods: list[PodNetwork] = []
+    pods: list[PodLink] = []
     dp: Datapath | None = None
     result: dict[str, object] = {"endpoints": args.endpoints, "kernel": os.uname().release, "cpus": os.cpu_count()}
     try:
@@ -127,8 +128,17 @@ def main() -> int:
             dp.sync_policy(spec.id, Enforcement(ingress=True), policy_for(1000))
             policy.append(time.perf_counter() - start)
 
+        delta = []
+        for i in range(len(pods)):
+            extra = PolicyEntry(PolicyKey(Direction.INGRESS, 1000, Protocol.TCP, 7070))
+            start = time.perf_counter()
+            dp.apply_policy(i + 1, Enforcement(ingress=True), add=[extra])
+            delta.append(time.perf_counter() - start)
+            dp.apply_policy(i + 1, Enforcement(ingress=True), remove=[extra])
+
         result["attach_per_endpoint"] = summary(attach)
         result["policy_sync_per_endpoint"] = summary(policy)
+        result["policy_delta_one_entry_per_endpoint"] = summary(delta)
         result["netns_veth_setup_per_endpoint"] = summary(setup)
         distinct = {dp._loader.attachment(p.host_ifindex).template() for p in pods}
         result["distinct_templates_attached"] = len(distinct)
@@ -160,6 +170,11 @@ def main() -> int:
                 "unit": "ms",
             },
             {"metric": "policy sync per endpoint (mean)", "value": summary(policy)["mean_ms"], "unit": "ms"},
+            {
+                "metric": "policy delta, one entry, per endpoint (mean)",
+                "value": summary(delta)["mean_ms"],
+                "unit": "ms",
+            },
             {"metric": f"compiles for {args.endpoints} endpoints", "value": result["compiles"], "unit": ""},
             {
                 "metric": "reopen after restart (pinned, no compile)",
@@ -181,7 +196,7 @@ def main() -> int:
         if dp is not None:
             dp.teardown()
         for pod in pods:
-            netns.delete_pod(pod.netns, pod.host_ifname)
+            netns.delete_pod(pod)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -9,7 +9,7 @@ starting with ``--entries`` policy entries. Each order changes every identity
 written; the time is taken from handing the order to the consumer to the
 ReportRealized call for all endpoints returning. Prints one JSON object.
 
-    sudo .venv/bin/python bench/bench_datapath_orders.py --endpoints 100 --orders 50
+    sudo .venv/bin/python -m bench.bench_datapath_orders --endpoints 100 --orders 50
 """
 
 from __future__ import annotations
@@ -20,22 +20,21 @@ import contextlib
 import json
 import secrets
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from palisade.v1 import common_pb2, ipam_pb2, policy_pb2  # noqa: E402
-from services.datapath.datapath import Datapath, DatapathAPI, FakeDatapath  # noqa: E402
-from services.datapath.endpoints import EndpointManager, PodLink  # noqa: E402
-from services.datapath.orders import OrderConsumer, Reporter  # noqa: E402
-from services.datapath.state import Address, PortRecord, StateStore  # noqa: E402
+from palisade.v1 import common_pb2, policy_pb2
+from services.datapath import types as dt
+from services.datapath import wire
+from services.datapath.datapath import Datapath, DatapathAPI
+from services.datapath.fake import FakeDatapath
+from services.datapath.manager import EndpointManager
+from services.datapath.netns import PodLink
+from services.datapath.orders import OrderConsumer, Reporter
+from services.datapath.state import EndpointStore
 
 NODE = "bench-node"
 
@@ -62,7 +61,7 @@ class Policy:
         self.done: dict[int, asyncio.Event] = {}
         self._realized: dict[int, set[int]] = {}
 
-    async def resync(self, node: str, identities: Sequence[int] = ()) -> policy_pb2.ResyncResponse:
+    async def resync(self, node: str, identities: Sequence[int] = ()) -> dt.ResyncState:
         out = policy_pb2.ResyncResponse(revision=1, sequence=0)
         for identity, entries in self.policies.items():
             if identities and identity not in identities:
@@ -72,7 +71,7 @@ class Policy:
                     identity=identity, enforcement=common_pb2.Enforcement(ingress=True), entries=entries
                 )
             )
-        return out
+        return wire.resync_from_proto(out)
 
     async def report(self, reports: Sequence[policy_pb2.RealizedReport]) -> None:
         now = time.perf_counter()
@@ -91,7 +90,7 @@ class Ipam:
         self.next_ip = 2
         self.ids: dict[tuple[tuple[str, str, str], ...], int] = {}
 
-    async def allocate_identity(self, labels: Sequence[common_pb2.Label], node: str, owner: str) -> int:
+    async def allocate_identity(self, labels: Sequence[dt.Label], node: str, owner: str) -> int:
         key = tuple(sorted((x.source, x.key, x.value) for x in labels))
         return self.ids.setdefault(key, 256 + len(self.ids))
 
@@ -102,17 +101,17 @@ class Ipam:
         raise LookupError(name)
 
     async def allocate_ip(
-        self, node: str, owner: str, family: int, ip: str = "", ports: Sequence[PortRecord] = ()
-    ) -> ipam_pb2.IPAllocation:
+        self, node: str, owner: str, family: int, ip: str = "", ports: Sequence[dt.PortRecord] = ()
+    ) -> dt.Address:
         n = self.next_ip
         self.next_ip += 1
         addr = ip or f"10.250.{n // 250}.{n % 250 + 1}"
-        return ipam_pb2.IPAllocation(ip=addr, node=node, owner=owner, cidr="10.250.0.0/16", gateway="10.250.0.1")
+        return dt.Address(ip=addr, cidr="10.250.0.0/16", gateway="10.250.0.1", family=4)
 
     async def release_ip(self, node: str, ip: str, owner: str) -> None:
         return None
 
-    async def allocations(self, node: str) -> list[ipam_pb2.IPAllocation]:
+    async def allocations(self, node: str) -> list[dt.Allocation]:
         return []
 
 
@@ -124,7 +123,7 @@ class DummyLinks:
         self.names: list[str] = []
         self.count = 0
 
-    def setup(self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[Address]) -> PodLink:
+    def setup(self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[dt.Address]) -> PodLink:
         self.count += 1
         if not self.real:
             return PodLink(netns, False, host_ifname, 1000 + self.count)
@@ -142,6 +141,9 @@ class DummyLinks:
         return None
 
     def alive(self, link: PodLink) -> bool:
+        return True
+
+    def exists(self, netns: str) -> bool:
         return True
 
     def remove_all(self) -> None:
@@ -169,7 +171,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         node=NODE,
         datapath=datapath,
         network=links,
-        store=StateStore(tmp / "state"),
+        store=EndpointStore(tmp / "state"),
         ipam=ipam,
         policy=policy,
         reporter=reporter,
@@ -184,16 +186,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 entry(identities[(i + k) % len(identities)], 1000 + k) for k in range(args.entries)
             ]
         await asyncio.wait_for(consumer.synced.wait(), 60)
-        from palisade.v1 import datapath_pb2
-
         for n in range(args.endpoints):
             app = f"app{n % args.identities}"
             await manager.create(
-                datapath_pb2.CreateEndpointRequest(
-                    namespace="bench",
-                    pod=f"pod-{n}",
-                    labels=[common_pb2.Label(source="k8s", key="app", value=app)],
-                )
+                dt.EndpointRequest(namespace="bench", pod=f"pod-{n}", labels=(dt.Label("k8s", "app", app),))
             )
         await reporter.flushed()
 

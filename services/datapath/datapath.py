@@ -10,6 +10,11 @@ is down); :meth:`Datapath.open` in a new process finds them again and
 :meth:`Datapath.pinned_endpoints` says what survived. :meth:`Datapath.teardown`
 removes everything.
 
+The facade holds no policy of its own: the realizer above it owns what each
+endpoint's map should hold and hands down either a delta (:meth:`Datapath.apply_policy`,
+which encodes and writes only the entries that change) or the whole policy
+(:meth:`Datapath.sync_policy`, which diffs against the kernel's map: resync and repair).
+
 Policy writes never open a window that denies traffic both the old and the
 new policy allow: new and changed prefixes are written first, then the
 enforcement flags, then stale prefixes are removed, and finally the policy
@@ -30,15 +35,14 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import ipaddress
 import os
 import shutil
 import threading
-import time
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from services.common.log import get_logger
+from services.datapath import maps as bpf_maps
 from services.datapath.loader import PROGRAMS_DIR, Loader, ProgramConfig, Template
 from services.datapath.maps import (
     ctmap,
@@ -52,7 +56,7 @@ from services.datapath.maps import (
 )
 from services.datapath.maps.bpf import PinnedMap, ensure_bpffs, unpin
 from services.datapath.maps.ctmap import CtEntry, CtMap
-from services.datapath.maps.endpointmap import EndpointMap, EndpointRecord
+from services.datapath.maps.endpointmap import EndpointEntry, EndpointMap
 from services.datapath.maps.enforcementmap import EnforcementMap
 from services.datapath.maps.eventsmap import EventReader
 from services.datapath.maps.ipcachemap import IPCacheMap
@@ -62,52 +66,44 @@ from services.datapath.maps.statemap import StateMap
 from services.datapath.types import (
     IDENTITY_WORLD,
     MAX_IDENTITY,
-    CounterKey,
     Counters,
-    CounterValue,
-    Direction,
     EndpointSpec,
     Enforcement,
     FlowEvent,
     PinnedEndpoint,
     PolicyChange,
     PolicyEntry,
-    PolicyKey,
-    Reason,
-    Verdict,
-)
-from services.datapath.types import (
-    Protocol as L4Protocol,
 )
 
 log = get_logger("datapath")
 
 DEFAULT_BASE_DIR = "/sys/fs/bpf/palisade"
-MAP_NAMES = (
-    ipcachemap.NAME,
-    endpointmap.NAME,
-    policymap.NAME,
-    enforcementmap.NAME,
-    statemap.NAME,
-    ctmap.NAME,
-    metricsmap.NAME,
-    eventsmap.NAME,
-)
 
 
 class UnknownEndpoint(KeyError):
     """No endpoint with this id is attached."""
 
 
+class CounterSource(Protocol):
+    """The packet counters part of the facade (safe from any thread)."""
+
+    def counters(self) -> Counters: ...
+
+
 @runtime_checkable
 class DatapathAPI(Protocol):
-    """What the datapath service needs; :class:`Datapath` and :class:`FakeDatapath` implement it."""
+    """What the datapath service needs; :class:`Datapath` and ``fake.FakeDatapath`` implement it."""
 
     def attach_endpoint(self, spec: EndpointSpec) -> None: ...
     def detach_endpoint(self, ep_id: int) -> bool: ...
     def set_identity(self, ep_id: int, identity: int) -> None: ...
     def apply_policy(
-        self, ep_id: int, enforcement: Enforcement, add: Iterable[PolicyEntry], remove: Iterable[PolicyKey]
+        self,
+        ep_id: int,
+        enforcement: Enforcement,
+        add: Iterable[PolicyEntry] = (),
+        remove: Iterable[PolicyEntry] = (),
+        keep: Iterable[PolicyEntry] = (),
     ) -> PolicyChange: ...
     def sync_policy(self, ep_id: int, enforcement: Enforcement, entries: Iterable[PolicyEntry]) -> PolicyChange: ...
     def dump_policy(self, ep_id: int) -> tuple[Enforcement, list[PolicyEntry]]: ...
@@ -121,31 +117,7 @@ class DatapathAPI(Protocol):
     def teardown(self) -> None: ...
 
 
-def merge_entries(
-    current: Iterable[PolicyEntry], add: Iterable[PolicyEntry], remove: Iterable[PolicyKey]
-) -> list[PolicyEntry]:
-    """``current`` without ``remove`` keys, with ``add`` inserted or overwriting by key. Pure."""
-    added = normalize_entries(add)
-    dropped = set(remove) | {e.key for e in added}
-    return normalize_entries([*(e for e in current if e.key not in dropped), *added])
-
-
-def normalize_entries(entries: Iterable[PolicyEntry]) -> list[PolicyEntry]:
-    """One verdict per key, deny winning over allow (as it would in the datapath). Pure."""
-    by_key: dict[PolicyKey, Verdict] = {}
-    for entry in entries:
-        if by_key.get(entry.key) is not Verdict.DENY:
-            by_key[entry.key] = entry.verdict
-    return sorted(PolicyEntry(k, v) for k, v in by_key.items())
-
-
-def _diff(current: PrefixMap, desired: PrefixMap) -> tuple[PrefixMap, list[Prefix]]:
-    writes = {p: v for p, v in desired.items() if current.get(p) != v}
-    stale = [p for p in current if p not in desired]
-    return writes, stale
-
-
-def _check_identity(identity: int) -> None:
+def check_identity(identity: int) -> None:
     if not 0 < identity <= MAX_IDENTITY:
         raise ValueError(f"identity {identity} out of range")
 
@@ -171,9 +143,8 @@ class Datapath:
         self._lock = threading.RLock()
         self._events_lock = threading.Lock()
         self._closed = False
-        # Realized state, rebuilt from the kernel: endpoints and each endpoint's prefixes.
-        self._endpoints: dict[int, EndpointRecord] = {r.id: r for r in self.endpoints.records()}
-        self._policy: dict[int, PrefixMap] = self.policy.read()
+        # The endpoints the kernel holds (policy is not cached: the realizer owns it).
+        self._endpoints: dict[int, EndpointEntry] = {r.id: r for r in self.endpoints.records()}
 
     @classmethod
     def open(cls, base_dir: str = DEFAULT_BASE_DIR, *, config: ProgramConfig | None = None) -> Datapath:
@@ -181,17 +152,7 @@ class Datapath:
         config = config or ProgramConfig()
         base_dir = os.path.abspath(base_dir)
         ensure_bpffs(base_dir)
-        sizes = config.sizes
-        specs = (
-            ipcachemap.spec(sizes.ipcache),
-            endpointmap.spec(sizes.endpoints),
-            policymap.spec(sizes.policy),
-            enforcementmap.spec(sizes.endpoints),
-            statemap.spec(),
-            ctmap.spec(sizes.conntrack),
-            metricsmap.spec(sizes.metrics),
-            eventsmap.spec(sizes.events_bytes),
-        )
+        specs = [module.spec(config.sizes) for module in bpf_maps.ALL]
         maps: dict[str, PinnedMap] = {}
         created = False
         loader = Loader(base_dir)
@@ -227,7 +188,7 @@ class Datapath:
             for other in self._endpoints.values():
                 if other.ifindex == spec.ifindex and other.id != spec.id:
                     raise ValueError(f"ifindex {spec.ifindex} already belongs to endpoint {other.id}")
-            record = EndpointRecord(spec.id, spec.ifindex, spec.identity, spec.ips)
+            record = EndpointEntry(spec.id, spec.ifindex, spec.identity, spec.ips)
             old = self._endpoints.get(spec.id)
             if old is not None and (old.ifindex != record.ifindex or set(old.ips) - set(record.ips)):
                 self.endpoints.remove(old)
@@ -255,7 +216,6 @@ class Datapath:
             self._loader.detach(record.ifindex)
             self.endpoints.remove(record)
             self.policy.delete(self.policy.read(ep_id).get(ep_id, {}))
-            self._policy.pop(ep_id, None)
             self.enforcement.delete(ep_id)
             self.metrics.delete_endpoint(ep_id)
             # Stale conntrack entries are harmless: the new epoch makes any hit re-check policy.
@@ -265,7 +225,7 @@ class Datapath:
 
     def set_identity(self, ep_id: int, identity: int) -> None:
         """Relabel an endpoint (see the relabel protocol in the module docstring)."""
-        _check_identity(identity)
+        check_identity(identity)
         with self._lock:
             self._check_open()
             record = self._endpoint(ep_id)
@@ -298,7 +258,7 @@ class Datapath:
                 )
             return out
 
-    def _endpoint(self, ep_id: int) -> EndpointRecord:
+    def _endpoint(self, ep_id: int) -> EndpointEntry:
         record = self._endpoints.get(ep_id)
         if record is None:
             raise UnknownEndpoint(ep_id)
@@ -311,36 +271,38 @@ class Datapath:
         ep_id: int,
         enforcement: Enforcement,
         add: Iterable[PolicyEntry] = (),
-        remove: Iterable[PolicyKey] = (),
+        remove: Iterable[PolicyEntry] = (),
+        keep: Iterable[PolicyEntry] = (),
     ) -> PolicyChange:
-        """Incremental: insert/overwrite ``add``, delete ``remove`` keys (any verdict), set enforcement.
+        """Incremental: write exactly this delta, encoding only the added and removed entries.
 
+        ``keep`` are entries the map holds before and after that share a direction, remote
+        identity, protocol and verdict with an added or removed one (see
+        ``policymap.encode_delta``): a port block two entries share stays while either does.
         May be called before the endpoint is attached (policy is keyed by endpoint id).
         """
+        writes, stale = policymap.encode_delta(ep_id, add, remove, keep)
         with self._lock:
             self._check_open()
-            current = self._policy.get(ep_id, {})
-            entries = merge_entries(policymap.decode(current), add, remove)
-            return self._write_policy(ep_id, enforcement, current, policymap.encode(ep_id, entries))
+            return self._write_policy(ep_id, enforcement, writes, stale)
 
     def sync_policy(self, ep_id: int, enforcement: Enforcement, entries: Iterable[PolicyEntry]) -> PolicyChange:
         """Full: make the kernel map hold exactly ``entries``, diffing against what the kernel has."""
+        desired = policymap.encode(ep_id, policymap.normalize(entries))
         with self._lock:
             self._check_open()
             current = self.policy.read(ep_id).get(ep_id, {})
-            desired = policymap.encode(ep_id, normalize_entries(entries))
-            return self._write_policy(ep_id, enforcement, current, desired)
+            writes, stale = policymap.diff(current, desired)
+            return self._write_policy(ep_id, enforcement, writes, stale)
 
     def _write_policy(
-        self, ep_id: int, enforcement: Enforcement, current: PrefixMap, desired: PrefixMap
+        self, ep_id: int, enforcement: Enforcement, writes: PrefixMap, stale: list[Prefix]
     ) -> PolicyChange:
-        writes, stale = _diff(current, desired)
         self.policy.write(writes)
         enforcement_changed = self.enforcement.lookup(ep_id) != enforcement
         if enforcement_changed:
             self.enforcement.set(ep_id, enforcement)
         self.policy.delete(stale)
-        self._policy[ep_id] = dict(desired)
         change = PolicyChange(added=len(writes), removed=len(stale), enforcement_changed=enforcement_changed)
         if change.changed:
             self.state.bump_epoch()
@@ -357,7 +319,7 @@ class Datapath:
     # -- ipcache ------------------------------------------------------------
 
     def ipcache_upsert(self, prefix: str, identity: int) -> None:
-        _check_identity(identity)
+        check_identity(identity)
         with self._lock:
             self._check_open()
             self.ipcache.upsert(prefix, identity)
@@ -441,8 +403,8 @@ class Datapath:
 
 
 def _unpin_all(base_dir: str) -> None:
-    for name in MAP_NAMES:
-        unpin(os.path.join(base_dir, name))
+    for module in bpf_maps.ALL:
+        unpin(os.path.join(base_dir, module.NAME))
     shutil.rmtree(os.path.join(base_dir, PROGRAMS_DIR), ignore_errors=True)
     try:
         os.rmdir(base_dir)
@@ -459,7 +421,7 @@ def teardown_all(base_dir: str = DEFAULT_BASE_DIR) -> bool:
     """
     if not os.path.isdir(base_dir):
         return False
-    records: list[EndpointRecord] = []
+    records: list[EndpointEntry] = []
     if os.path.exists(os.path.join(base_dir, endpointmap.NAME)):
         pinned = PinnedMap.open_any(base_dir, endpointmap.NAME)
         try:
@@ -482,261 +444,11 @@ def teardown_all(base_dir: str = DEFAULT_BASE_DIR) -> bool:
     return True
 
 
-# -- the in-memory fake ----------------------------------------------------
-
-
-@dataclasses.dataclass
-class _FakeKernel:
-    """What the fake keeps "pinned": survives close() and a new open() of the same base dir."""
-
-    endpoints: dict[int, EndpointRecord] = dataclasses.field(default_factory=dict)
-    attached: set[int] = dataclasses.field(default_factory=set)
-    policy: dict[int, PrefixMap] = dataclasses.field(default_factory=dict)
-    enforcement: dict[int, Enforcement] = dataclasses.field(default_factory=dict)
-    ipcache: dict[str, int] = dataclasses.field(default_factory=dict)
-    counters: dict[CounterKey, CounterValue] = dataclasses.field(default_factory=dict)
-    flows: list[FlowEvent] = dataclasses.field(default_factory=list)
-
-
-class FakeDatapath:
-    """An in-memory datapath with the real one's semantics, for tests without root.
-
-    Policy goes through the same encoding as the kernel map, so dumps, diffs
-    and verdicts (:meth:`evaluate`) match the real datapath. "Pinned" state is
-    kept per base dir for the life of the process, so close-and-reopen restores.
-    """
-
-    _pinned: dict[str, _FakeKernel] = {}
-    _pinned_lock = threading.Lock()
-
-    def __init__(self, base_dir: str, kernel: _FakeKernel, world_identity: int) -> None:
-        self.base_dir = base_dir
-        self._k = kernel
-        self._world = world_identity
-        self._lock = threading.RLock()
-        self._closed = False
-        self._flow_ready = threading.Condition(self._lock)
-
-    @classmethod
-    def open(cls, base_dir: str = DEFAULT_BASE_DIR, *, config: ProgramConfig | None = None) -> FakeDatapath:
-        with cls._pinned_lock:
-            kernel = cls._pinned.setdefault(base_dir, _FakeKernel())
-        return cls(base_dir, kernel, (config or ProgramConfig()).world_identity)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("datapath is closed")
-
-    def attach_endpoint(self, spec: EndpointSpec) -> None:
-        with self._lock:
-            self._check_open()
-            for other in self._k.endpoints.values():
-                if other.ifindex == spec.ifindex and other.id != spec.id:
-                    raise ValueError(f"ifindex {spec.ifindex} already belongs to endpoint {other.id}")
-            old = self._k.endpoints.get(spec.id)
-            if old is not None:
-                self._k.attached.discard(old.ifindex)
-            self._k.endpoints[spec.id] = EndpointRecord(spec.id, spec.ifindex, spec.identity, spec.ips)
-            self._k.attached.add(spec.ifindex)
-
-    def detach_endpoint(self, ep_id: int) -> bool:
-        with self._lock:
-            self._check_open()
-            record = self._k.endpoints.pop(ep_id, None)
-            if record is None:
-                return False
-            self._k.attached.discard(record.ifindex)
-            self._k.policy.pop(ep_id, None)
-            self._k.enforcement.pop(ep_id, None)
-            for key in [k for k in self._k.counters if k.endpoint_id == ep_id]:
-                del self._k.counters[key]
-            return True
-
-    def set_identity(self, ep_id: int, identity: int) -> None:
-        _check_identity(identity)
-        with self._lock:
-            self._check_open()
-            record = self._k.endpoints.get(ep_id)
-            if record is None:
-                raise UnknownEndpoint(ep_id)
-            self._k.endpoints[ep_id] = dataclasses.replace(record, identity=identity)
-
-    def apply_policy(
-        self,
-        ep_id: int,
-        enforcement: Enforcement,
-        add: Iterable[PolicyEntry] = (),
-        remove: Iterable[PolicyKey] = (),
-    ) -> PolicyChange:
-        with self._lock:
-            self._check_open()
-            current = self._k.policy.get(ep_id, {})
-            entries = merge_entries(policymap.decode(current), add, remove)
-            return self._write(ep_id, enforcement, current, policymap.encode(ep_id, entries))
-
-    def sync_policy(self, ep_id: int, enforcement: Enforcement, entries: Iterable[PolicyEntry]) -> PolicyChange:
-        with self._lock:
-            self._check_open()
-            current = self._k.policy.get(ep_id, {})
-            return self._write(ep_id, enforcement, current, policymap.encode(ep_id, normalize_entries(entries)))
-
-    def _write(self, ep_id: int, enforcement: Enforcement, current: PrefixMap, desired: PrefixMap) -> PolicyChange:
-        writes, stale = _diff(current, desired)
-        changed = self._k.enforcement.get(ep_id) != enforcement
-        self._k.enforcement[ep_id] = enforcement
-        self._k.policy[ep_id] = dict(desired)
-        return PolicyChange(added=len(writes), removed=len(stale), enforcement_changed=changed)
-
-    def dump_policy(self, ep_id: int) -> tuple[Enforcement, list[PolicyEntry]]:
-        with self._lock:
-            self._check_open()
-            return self._k.enforcement.get(ep_id, Enforcement()), policymap.decode(self._k.policy.get(ep_id, {}))
-
-    def ipcache_upsert(self, prefix: str, identity: int) -> None:
-        _check_identity(identity)
-        with self._lock:
-            self._check_open()
-            self._k.ipcache[str(ipcachemap.parse_prefix(prefix))] = identity
-
-    def ipcache_delete(self, prefix: str) -> bool:
-        with self._lock:
-            self._check_open()
-            return self._k.ipcache.pop(str(ipcachemap.parse_prefix(prefix)), None) is not None
-
-    def ipcache_dump(self) -> dict[str, int]:
-        with self._lock:
-            self._check_open()
-            return dict(self._k.ipcache)
-
-    def counters(self) -> Counters:
-        with self._lock:
-            self._check_open()
-            return Counters(values=dict(self._k.counters), events_lost=0)
-
-    def read_flows(self, timeout_ms: int = 0) -> list[FlowEvent]:
-        with self._flow_ready:
-            self._check_open()
-            if not self._k.flows and timeout_ms > 0:
-                self._flow_ready.wait(timeout_ms / 1000)
-            out, self._k.flows[:] = list(self._k.flows), []
-            return out
-
-    def pinned_endpoints(self) -> list[PinnedEndpoint]:
-        with self._lock:
-            self._check_open()
-            return [
-                PinnedEndpoint(
-                    id=r.id,
-                    ifindex=r.ifindex,
-                    identity=r.identity,
-                    ips=r.ips,
-                    enforcement=self._k.enforcement.get(r.id, Enforcement()),
-                    attached=r.ifindex in self._k.attached,
-                )
-                for r in sorted(self._k.endpoints.values(), key=lambda r: r.id)
-            ]
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-
-    def teardown(self) -> None:
-        with self._lock:
-            self._check_open()
-            self._closed = True
-        with self._pinned_lock:
-            self._pinned.pop(self.base_dir, None)
-
-    # -- simulation, for tests of the code that drives the datapath ----------
-
-    def resolve_identity(self, ip: str) -> int:
-        """Identity of an address as the program resolves it: local endpoint, ipcache LPM, world."""
-        with self._lock:
-            for record in self._k.endpoints.values():
-                if ip in record.ips:
-                    return record.identity
-            addr = ipaddress.ip_address(ip)
-            best: tuple[int, int] | None = None
-            for prefix, identity in self._k.ipcache.items():
-                net = ipaddress.ip_network(prefix)
-                if addr.version == net.version and addr in net and (best is None or net.prefixlen > best[0]):
-                    best = (net.prefixlen, identity)
-            return self._world if best is None else best[1]
-
-    def evaluate(
-        self, ep_id: int, direction: Direction, remote_ip: str, protocol: L4Protocol | int, port: int = 0
-    ) -> tuple[Verdict, Reason]:
-        """The verdict the real program would give a new flow of this endpoint."""
-        number = protocol.number if isinstance(protocol, L4Protocol) else protocol
-        with self._lock:
-            return policymap.evaluate(
-                self._k.policy.get(ep_id, {}),
-                self._k.enforcement.get(ep_id, Enforcement()),
-                ep_id=ep_id,
-                direction=direction,
-                remote_identity=self.resolve_identity(remote_ip),
-                protocol=number,
-                port=port if number in (6, 17, 132) else 0,
-            )
-
-    def simulate_flow(
-        self,
-        ep_id: int,
-        direction: Direction,
-        remote_ip: str,
-        protocol: L4Protocol | int,
-        port: int = 0,
-        *,
-        remote_port: int = 40000,
-    ) -> FlowEvent:
-        """Judge a new flow like the program, count it and queue its flow event."""
-        verdict, reason = self.evaluate(ep_id, direction, remote_ip, protocol, port)
-        number = protocol.number if isinstance(protocol, L4Protocol) else protocol
-        with self._flow_ready:
-            record = self._k.endpoints.get(ep_id)
-            if record is None:
-                raise UnknownEndpoint(ep_id)
-            remote_id = self.resolve_identity(remote_ip)
-            local_ip = next(
-                (
-                    ip
-                    for ip in record.ips
-                    if ipaddress.ip_address(ip).version == ipaddress.ip_address(remote_ip).version
-                ),
-                "",
-            )
-            egress = direction is Direction.EGRESS
-            event = FlowEvent(
-                time=time.time(),
-                endpoint_id=ep_id,
-                ifindex=record.ifindex,
-                direction=direction,
-                verdict=verdict,
-                reason=reason,
-                source_identity=record.identity if egress else remote_id,
-                destination_identity=remote_id if egress else record.identity,
-                source_ip=local_ip if egress else remote_ip,
-                destination_ip=remote_ip if egress else local_ip,
-                source_port=remote_port if not egress else 40000,
-                destination_port=port,
-                protocol=number,
-            )
-            key = CounterKey(ep_id, reason, direction)
-            old = self._k.counters.get(key, CounterValue(0, 0))
-            self._k.counters[key] = CounterValue(old.packets + 1, old.bytes)
-            self._k.flows.append(event)
-            self._flow_ready.notify_all()
-            return event
-
-
 __all__ = [
     "DEFAULT_BASE_DIR",
     "IDENTITY_WORLD",
     "Datapath",
     "DatapathAPI",
-    "FakeDatapath",
     "UnknownEndpoint",
-    "merge_entries",
-    "normalize_entries",
     "teardown_all",
 ]

@@ -33,17 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from services.common.log import get_logger
-from services.datapath.maps import (
-    ctmap,
-    endpointmap,
-    enforcementmap,
-    eventsmap,
-    ipcachemap,
-    metricsmap,
-    policymap,
-    statemap,
-)
+from services.datapath import maps
 from services.datapath.maps.bpf import BpfError, c_layout, obj_get, obj_pin, prog_info
+from services.datapath.maps.sizes import MapSizes
 from services.datapath.types import IDENTITY_WORLD
 
 log = get_logger("loader")
@@ -62,34 +54,7 @@ ETH_P_ALL = 0x0003
 FILTER_NAME_PREFIX = "palisade"
 
 #: Every struct the program shares with Python, as (ctypes struct, C struct name).
-C_STRUCTS = (
-    *ipcachemap.C_STRUCTS,
-    *endpointmap.C_STRUCTS,
-    *policymap.C_STRUCTS,
-    *enforcementmap.C_STRUCTS,
-    *statemap.C_STRUCTS,
-    *ctmap.C_STRUCTS,
-    *metricsmap.C_STRUCTS,
-    *eventsmap.C_STRUCTS,
-)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MapSizes:
-    """Maximum entries of each map (a pinned map keeps the size it was created with)."""
-
-    #: Prefixes in the ipcache (both families).
-    ipcache: int = 65536
-    #: Keys in the endpoints map: one per endpoint plus one per endpoint address.
-    endpoints: int = 16384
-    #: LPM prefixes in the shared policy map (all endpoints together).
-    policy: int = 262144
-    #: Tracked connections (LRU: the least recently used are evicted when full).
-    conntrack: int = 262144
-    #: (endpoint, reason, direction) counter slots.
-    metrics: int = 65536
-    #: Ring buffer size in bytes (a power of two).
-    events_bytes: int = 1 << 22
+C_STRUCTS = tuple(struct for module in maps.ALL for struct in module.C_STRUCTS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

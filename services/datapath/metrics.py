@@ -32,24 +32,16 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from palisade.v1 import datapath_pb2
 from services.common.log import get_logger
-from services.datapath.endpoints import EndpointManager
+from services.datapath.datapath import CounterSource
 from services.datapath.flows import FlowHub
+from services.datapath.manager import EndpointManager
 from services.datapath.orders import OrderConsumer, Reporter
-from services.datapath.servicer import CounterSource
-from services.datapath.types import CounterKey, Counters, CounterValue, Direction, Reason
+from services.datapath.types import CounterKey, Counters, CounterValue, Direction, EndpointState, Reason
 
 log = get_logger("metrics")
 
 _DELAY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-
-#: Endpoint states by label value (ENDPOINT_STATE_READY -> "ready").
-STATES: dict[int, str] = {
-    int(value): name.removeprefix("ENDPOINT_STATE_").lower()
-    for name, value in datapath_pb2.EndpointState.items()
-    if value != datapath_pb2.ENDPOINT_STATE_UNSPECIFIED
-}
 
 Totals = dict[tuple[Reason, Direction], CounterValue]
 
@@ -143,7 +135,7 @@ class AgentCollector(Collector):
 class _Figures:
     """The agent's own figures at one scrape."""
 
-    states: list[int] = dataclasses.field(default_factory=list)
+    states: list[EndpointState] = dataclasses.field(default_factory=list)
     revision: int = 0
     applied: int = 0
     replaces: int = 0
@@ -156,12 +148,11 @@ class _Figures:
 
 def _families(f: _Figures, totals: Totals, events_lost: int) -> Iterator[prometheus_client.Metric]:
     states = GaugeMetricFamily("palisade_datapath_endpoints", "Local endpoints, by state.", labels=["state"])
-    counts = dict.fromkeys(STATES.values(), 0)
-    for state_value in f.states:
-        if state_value in STATES:
-            counts[STATES[state_value]] += 1
+    counts = dict.fromkeys(EndpointState, 0)
+    for state in f.states:
+        counts[state] += 1
     for state, n in counts.items():
-        states.add_metric([state], n)
+        states.add_metric([state.value], n)
     yield states
     yield GaugeMetricFamily(
         "palisade_datapath_realized_revision",

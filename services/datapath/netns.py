@@ -12,6 +12,12 @@ Calico do):
 - IPv4 and IPv6 forwarding are on, so pod-to-pod traffic crosses the host's
   routing table and both veths (egress policy at the source's, ingress policy
   at the destination's).
+
+This module is the one way pods are wired: the service (through
+:class:`NetnsPodNetwork`), the tests and the benchmarks all call :func:`create_pod`
+and :func:`delete_pod`. Namespaces are created with ``ip netns add``, which forks
+and execs: pyroute2's in-process creation forks without exec, which is not safe in a
+process running gRPC threads.
 """
 
 from __future__ import annotations
@@ -23,11 +29,14 @@ import errno
 import ipaddress
 import os
 import socket
+import subprocess
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from services.common.log import get_logger
+from services.datapath.types import Address
 
 log = get_logger("netns")
 
@@ -46,16 +55,24 @@ T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
-class PodNetwork:
-    """A pod's namespace and veth pair as created."""
+class PodLink:
+    """A pod's network as set up: its namespace and the host end of its veth."""
 
+    #: Path of the namespace, e.g. /run/netns/pal_x_web.
     netns: str
+    #: True when :func:`create_pod` created the namespace (and :func:`delete_pod` deletes it).
+    netns_owned: bool
     host_ifname: str
     host_ifindex: int
-    host_mac: str
-    pod_ifname: str
-    pod_mac: str
-    ips: tuple[str, ...]
+    host_mac: str = ""
+    pod_mac: str = ""
+    #: The addresses routed to the pod.
+    ips: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The namespace's name under /run/netns (what ``ip netns exec`` takes)."""
+        return os.path.basename(self.netns)
 
 
 def enable_forwarding() -> None:
@@ -72,34 +89,49 @@ def netns_path(name: str) -> str:
     return os.path.join(NETNS_DIR, name)
 
 
-def create_netns(name: str) -> None:
-    from pyroute2 import netns
+def name_of(netns: str) -> str:
+    """The name under /run/netns of a namespace given by name or path."""
+    path = Path(netns)
+    if path.parent != Path(NETNS_DIR) and len(path.parts) > 1:
+        raise ValueError(f"network namespace {netns} is not under {NETNS_DIR}; bind-mount it there (ip netns attach)")
+    return path.name
 
+
+def _ip(*args: str) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise OSError(f"ip {' '.join(args)} failed: {result.stderr.strip() or result.returncode}")
+
+
+def create_netns(name: str) -> None:
     if os.path.exists(netns_path(name)):
-        raise FileExistsError(errno.EEXIST, "network namespace exists", name)
-    netns.create(name)
+        raise FileExistsError(
+            errno.EEXIST,
+            f"network namespace {name} already exists (left over?); delete it (ip netns del {name}) "
+            "or pass it as netns to adopt it",
+        )
+    _ip("netns", "add", name)
 
 
 def delete_netns(name: str) -> None:
-    from pyroute2 import netns
-
     if os.path.exists(netns_path(name)):
-        netns.remove(name)
+        _ip("netns", "del", name)
 
 
 def in_netns(name: str, fn: Callable[..., T], *args: Any) -> T:
-    """Run ``fn(*args)`` on a thread that has entered the namespace ``name``.
+    """Run ``fn(*args)`` on a thread that has entered the namespace ``name`` (a name or a path).
 
     Network namespaces are per thread, so the rest of the process stays where
     it is; sockets created by ``fn`` keep belonging to ``name`` afterwards.
     """
     result: list[T] = []
     failure: list[BaseException] = []
+    path = name if os.path.isabs(name) else netns_path(name)
 
     def run() -> None:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            fd = os.open(netns_path(name), os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY)
             try:
                 if libc.setns(fd, CLONE_NEWNET) != 0:
                     code = ctypes.get_errno()
@@ -110,7 +142,7 @@ def in_netns(name: str, fn: Callable[..., T], *args: Any) -> T:
         except BaseException as exc:  # handed to the caller's thread
             failure.append(exc)
 
-    thread = threading.Thread(target=run, name=f"netns-{name}")
+    thread = threading.Thread(target=run, name=f"netns-{os.path.basename(name)}")
     thread.start()
     thread.join()
     if failure:
@@ -129,36 +161,66 @@ def _route_args(ip: str) -> dict[str, Any]:
     return {"dst": f"{ip}/128", "family": socket.AF_INET6}
 
 
-def create_pod(netns: str, host_ifname: str, ips: Sequence[str], *, pod_ifname: str = POD_IFNAME) -> PodNetwork:
-    """Create namespace ``netns`` with a veth to the host named ``host_ifname`` and route ``ips`` to it.
+def create_pod(
+    netns: str, host_ifname: str, ips: Sequence[str], *, create: bool = True, pod_ifname: str = POD_IFNAME
+) -> PodLink:
+    """Join namespace ``netns`` (a name or a path under /run/netns) to the host and route ``ips`` to it.
 
-    On failure everything created so far is removed again.
+    With ``create`` the namespace is created first (it must not exist) and belongs to the
+    pod; otherwise it must exist and is adopted (the caller keeps it). A veth pair joins
+    it to the host: ``pod_ifname`` inside, ``host_ifname`` on the host, where the BPF
+    programs attach. On failure everything created so far is removed again.
+    Failures are OSErrors: FileExistsError when the namespace (created), the host
+    interface or the pod's interface (in an adopted namespace) is already there.
     """
     from pyroute2 import IPRoute
+    from pyroute2.netlink.exceptions import NetlinkError
 
     if len(host_ifname) > IFNAMSIZ:
         raise ValueError(f"interface name {host_ifname!r} is longer than {IFNAMSIZ} characters")
+    name = name_of(netns)
     addrs = tuple(str(ipaddress.ip_address(ip)) for ip in ips)
-    create_netns(netns)
+    with IPRoute() as ipr:
+        if ipr.link_lookup(ifname=host_ifname):
+            raise FileExistsError(
+                errno.EEXIST, f"interface {host_ifname} already exists on the host; delete the old endpoint first"
+            )
+    if create:
+        create_netns(name)
+    elif not os.path.exists(netns_path(name)):
+        raise FileNotFoundError(errno.ENOENT, f"network namespace {netns_path(name)} does not exist")
+    link = PodLink(netns_path(name), create, host_ifname, 0, ips=addrs)
     try:
-        with IPRoute() as ipr:
-            ipr.link("add", ifname=host_ifname, kind="veth", peer={"ifname": pod_ifname, "net_ns_fd": netns})
-            host_index = int(ipr.link_lookup(ifname=host_ifname)[0])
-            host_mac = _mac(ipr, host_index)
-            _sysctl(f"/proc/sys/net/ipv6/conf/{host_ifname}/accept_dad", "0")
-            ipr.link("set", index=host_index, state="up")
+        try:
+            with IPRoute() as ipr:
+                try:
+                    ipr.link("add", ifname=host_ifname, kind="veth", peer={"ifname": pod_ifname, "net_ns_fd": name})
+                except NetlinkError as exc:
+                    if exc.code != errno.EEXIST:
+                        raise
+                    raise FileExistsError(
+                        errno.EEXIST,
+                        f"network namespace {name} already has an interface {pod_ifname} (another pod's network); "
+                        "give the pod a namespace of its own",
+                    ) from None
+                host_index = int(ipr.link_lookup(ifname=host_ifname)[0])
+                host_mac = _mac(ipr, host_index)
+                _sysctl(f"/proc/sys/net/ipv6/conf/{host_ifname}/accept_dad", "0")
+                ipr.link("set", index=host_index, state="up")
 
-        pod_mac = in_netns(netns, _setup_pod_side, pod_ifname, addrs, host_mac)
+            pod_mac = in_netns(name, _setup_pod_side, pod_ifname, addrs, host_mac)
 
-        with IPRoute() as ipr:
-            for ip in addrs:
-                ipr.route("replace", oif=host_index, **_route_args(ip))
-                ipr.neigh("replace", dst=ip, lladdr=pod_mac, ifindex=host_index, state=NUD_PERMANENT)
+            with IPRoute() as ipr:
+                for ip in addrs:
+                    ipr.route("replace", oif=host_index, **_route_args(ip))
+                    ipr.neigh("replace", dst=ip, lladdr=pod_mac, ifindex=host_index, state=NUD_PERMANENT)
+        except NetlinkError as exc:  # an OSError, so callers need not know pyroute2
+            raise OSError(exc.code, f"netlink refused setting up namespace {name}: {exc}") from exc
     except BaseException:
-        delete_pod(netns, host_ifname)
+        delete_pod(link)
         raise
-    log.info("pod network created", netns=netns, veth=host_ifname, ifindex=host_index, ips=",".join(addrs))
-    return PodNetwork(netns, host_ifname, host_index, host_mac, pod_ifname, pod_mac, addrs)
+    log.info("pod network created", netns=name, veth=host_ifname, ifindex=host_index, ips=",".join(addrs))
+    return dataclasses.replace(link, host_ifindex=host_index, host_mac=host_mac, pod_mac=pod_mac)
 
 
 def _sysctl(path: str, value: str) -> None:
@@ -195,16 +257,27 @@ def _setup_pod_side(pod_ifname: str, addrs: tuple[str, ...], host_mac: str) -> s
     return pod_mac
 
 
-def delete_pod(netns: str, host_ifname: str) -> None:
-    """Remove the veth (its routes and neighbours go with it) and the namespace; idempotent."""
+def delete_pod(link: PodLink) -> None:
+    """Remove the host veth (its routes, neighbours and pod end go with it) and an owned namespace; idempotent."""
     from pyroute2 import IPRoute
     from pyroute2.netlink.exceptions import NetlinkError
 
     with IPRoute() as ipr:
-        for index in ipr.link_lookup(ifname=host_ifname):
+        for index in ipr.link_lookup(ifname=link.host_ifname):
             with contextlib.suppress(NetlinkError):
                 ipr.link("del", index=index)
-    delete_netns(netns)
+    if link.netns_owned:  # an adopted namespace is the caller's
+        delete_netns(link.name)
+
+
+def pod_alive(link: PodLink) -> bool:
+    """Whether the namespace and the host veth of a pod still exist."""
+    from pyroute2 import IPRoute
+
+    if not os.path.exists(link.netns):
+        return False
+    with IPRoute() as ipr:
+        return bool(ipr.link_lookup(ifname=link.host_ifname))
 
 
 def list_netns(prefix: str = "") -> list[str]:
@@ -212,3 +285,20 @@ def list_netns(prefix: str = "") -> list[str]:
         return sorted(n for n in os.listdir(NETNS_DIR) if n.startswith(prefix))
     except FileNotFoundError:
         return []
+
+
+class NetnsPodNetwork:
+    """The endpoint manager's pod network over this module (blocking calls)."""
+
+    def setup(self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[Address]) -> PodLink:
+        enable_forwarding()
+        return create_pod(netns, host_ifname, [a.ip for a in addresses], create=create)
+
+    def teardown(self, link: PodLink) -> None:
+        delete_pod(link)
+
+    def alive(self, link: PodLink) -> bool:
+        return pod_alive(link)
+
+    def exists(self, netns: str) -> bool:
+        return os.path.exists(netns)

@@ -8,7 +8,8 @@ Three parts:
   on top of the resync if they are newer than it. A ``replace`` order (the first
   after the policy service starts) is the whole state, like a resync answer: it is
   applied as one even after a gap, and needs no resync.
-* :class:`OrderConsumer` (one task): follows the subject into a queue, runs the
+* :class:`OrderConsumer` (one task): follows the subject into a queue, translating
+  each order into the datapath's own types as it arrives (``wire``), runs the
   sequencer, fetches resyncs over gRPC (retrying while PolicyService is away) and
   hands complete orders to the endpoint manager, which owns the maps.
 * :class:`Reporter` (one task): sends ``(node, endpoint, identity, revision)`` with
@@ -26,102 +27,24 @@ from typing import Protocol
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
+from palisade.v1 import policy_pb2, policy_pb2_grpc
+from services.common.backoff import Backoff
 from services.common.bus import Bus, Follower, regen_subject
+from services.common.errors import clip
 from services.common.log import get_logger
 from services.datapath import types as dt
+from services.datapath import wire
+from services.datapath.errors import OrderError
 
 log = get_logger("orders")
-
-
-# --- translation between the wire and the datapath's own types (pure) -------------------------
-
-
-class OrderError(ValueError):
-    """An order or resync carries an entry the datapath cannot represent."""
-
-
-def key_from_proto(key: common_pb2.PolicyKey) -> dt.PolicyKey:
-    try:
-        return dt.PolicyKey(
-            direction=dt.Direction.from_wire(key.direction),
-            remote_identity=key.remote_identity,
-            protocol=dt.Protocol.from_number(key.protocol),
-            port_low=key.port_low,
-            port_high=key.port_high,
-        )
-    except ValueError as exc:
-        raise OrderError(f"policy key {_short(key)} is invalid: {exc}; the policy service sent a bad entry") from None
-
-
-def entry_from_proto(entry: common_pb2.PolicyEntry) -> dt.PolicyEntry:
-    key = key_from_proto(entry.key)
-    try:
-        verdict = dt.Verdict.from_wire(entry.verdict)
-    except ValueError as exc:
-        raise OrderError(f"policy entry {_short(entry.key)}: {exc}") from None
-    return dt.PolicyEntry(key, verdict)
-
-
-def enforcement_from_proto(enforcement: common_pb2.Enforcement) -> dt.Enforcement:
-    return dt.Enforcement(ingress=enforcement.ingress, egress=enforcement.egress)
-
-
-def key_to_proto(key: dt.PolicyKey) -> common_pb2.PolicyKey:
-    return common_pb2.PolicyKey(
-        direction=key.direction.wire,  # type: ignore[arg-type]
-        remote_identity=key.remote_identity,
-        protocol=key.protocol.number,  # type: ignore[arg-type]
-        port_low=key.port_low,
-        port_high=key.port_high,
-    )
-
-
-def entry_to_proto(entry: dt.PolicyEntry) -> common_pb2.PolicyEntry:
-    return common_pb2.PolicyEntry(key=key_to_proto(entry.key), verdict=entry.verdict.wire)  # type: ignore[arg-type]
-
-
-def enforcement_to_proto(enforcement: dt.Enforcement) -> common_pb2.Enforcement:
-    return common_pb2.Enforcement(ingress=enforcement.ingress, egress=enforcement.egress)
-
-
-def _short(key: common_pb2.PolicyKey) -> str:
-    return f"(dir={key.direction} id={key.remote_identity} proto={key.protocol} ports={key.port_low}-{key.port_high})"
 
 
 # --- sequencing ------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class OrderBatch:
-    """A complete order (all chunks) ready to apply."""
-
-    sequence: int
-    revision: int
-    diffs: tuple[common_pb2.IdentityPolicyDiff, ...]
-    #: When the order's first chunk reached this node (time.monotonic()).
-    arrived: float = 0.0
-    #: Identities the node no longer hosts: their policy is dropped.
-    removed: tuple[int, ...] = ()
-    #: The diffs are the node's whole state (apply as a resync answer).
-    replace: bool = False
-
-
-def replace_as_resync(batch: OrderBatch) -> policy_pb2.ResyncResponse:
-    """The resync answer a ``replace`` order stands for: each identity's full policy. Pure."""
-    return policy_pb2.ResyncResponse(
-        revision=batch.revision,
-        sequence=batch.sequence,
-        policies=[
-            common_pb2.IdentityPolicy(identity=d.identity, enforcement=d.enforcement, entries=list(d.add))
-            for d in batch.diffs
-        ],
-    )
-
-
-@dataclasses.dataclass(frozen=True)
 class Apply:
-    batch: OrderBatch
+    batch: dt.OrderBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,22 +57,21 @@ class NeedResync:
 Action = Apply | NeedResync
 
 
-def merge_diffs(diffs: Iterable[common_pb2.IdentityPolicyDiff]) -> tuple[common_pb2.IdentityPolicyDiff, ...]:
+def merge_diffs(diffs: Iterable[dt.IdentityPolicyDiff]) -> tuple[dt.IdentityPolicyDiff, ...]:
     """Fold the diffs of one order (possibly from several chunks) into one diff per identity. Pure.
 
     Adds and removes are concatenated in arrival order; ``full`` holds if any part
     was full; the last part's enforcement wins.
     """
-    merged: dict[int, common_pb2.IdentityPolicyDiff] = {}
+    merged: dict[int, dt.IdentityPolicyDiff] = {}
     for diff in diffs:
         into = merged.get(diff.identity)
         if into is None:
-            into = common_pb2.IdentityPolicyDiff(identity=diff.identity)
-            merged[diff.identity] = into
-        into.enforcement.CopyFrom(diff.enforcement)
-        into.add.extend(diff.add)
-        into.remove.extend(diff.remove)
-        into.full = into.full or diff.full
+            merged[diff.identity] = diff
+            continue
+        merged[diff.identity] = dt.IdentityPolicyDiff(
+            diff.identity, diff.enforcement, into.add + diff.add, into.remove + diff.remove, into.full or diff.full
+        )
     return tuple(merged.values())
 
 
@@ -159,12 +81,12 @@ class Sequencer:
     def __init__(self) -> None:
         #: Sequence of the last order applied (or of the last resync); None before the first resync.
         self.last: int | None = None
-        self._chunks: dict[int, dict[int, policy_pb2.RegenerationOrder]] = {}
+        self._chunks: dict[int, dict[int, dt.Order]] = {}
         self._arrived: dict[int, float] = {}
-        self._held: dict[int, OrderBatch] = {}
+        self._held: dict[int, dt.OrderBatch] = {}
         self.gaps = 0
 
-    def offer(self, order: policy_pb2.RegenerationOrder, now: float = 0.0) -> list[Action]:
+    def offer(self, order: dt.Order, now: float = 0.0) -> list[Action]:
         if self.last is not None and order.sequence <= self.last:
             return []  # already applied (redelivery, or covered by a resync)
         if order.fetch:
@@ -214,14 +136,14 @@ class Sequencer:
             actions.append(Apply(batch))
         return actions
 
-    def _assemble(self, order: policy_pb2.RegenerationOrder, now: float) -> OrderBatch | None:
+    def _assemble(self, order: dt.Order, now: float) -> dt.OrderBatch | None:
         if order.chunks <= 1:
-            return OrderBatch(
+            return dt.OrderBatch(
                 order.sequence,
                 order.revision,
                 merge_diffs(order.diffs),
                 now,
-                removed=tuple(order.removed_identities),
+                removed=order.removed,
                 replace=order.replace,
             )
         parts = self._chunks.setdefault(order.sequence, {})
@@ -233,15 +155,15 @@ class Sequencer:
         arrived = self._arrived.pop(order.sequence, now)
         ordered = [parts[k] for k in sorted(parts)]
         diffs = merge_diffs(d for part in ordered for d in part.diffs)
-        removed = tuple(dict.fromkeys(i for part in ordered for i in part.removed_identities))
+        removed = tuple(dict.fromkeys(i for part in ordered for i in part.removed))
         replace = any(part.replace for part in ordered)
-        return OrderBatch(order.sequence, order.revision, diffs, arrived, removed=removed, replace=replace)
+        return dt.OrderBatch(order.sequence, order.revision, diffs, arrived, removed=removed, replace=replace)
 
 
 class PolicyPort(Protocol):
     """What the datapath needs from PolicyService."""
 
-    async def resync(self, node: str, identities: Sequence[int] = ()) -> policy_pb2.ResyncResponse: ...
+    async def resync(self, node: str, identities: Sequence[int] = ()) -> dt.ResyncState: ...
 
     async def report(self, reports: Sequence[policy_pb2.RealizedReport]) -> None: ...
 
@@ -253,10 +175,11 @@ class GrpcPolicyClient:
         self._stub = policy_pb2_grpc.PolicyServiceStub(channel)
         self._timeout = timeout
 
-    async def resync(self, node: str, identities: Sequence[int] = ()) -> policy_pb2.ResyncResponse:
+    async def resync(self, node: str, identities: Sequence[int] = ()) -> dt.ResyncState:
+        """The node's state (or the named identities'); :class:`OrderError` if it holds a bad entry."""
         request = policy_pb2.ResyncRequest(node=node, identities=list(identities))
         response: policy_pb2.ResyncResponse = await self._stub.Resync(request, timeout=self._timeout)
-        return response
+        return wire.resync_from_proto(response)
 
     async def report(self, reports: Sequence[policy_pb2.RealizedReport]) -> None:
         request = policy_pb2.ReportRealizedRequest(reports=list(reports))
@@ -267,16 +190,6 @@ def rpc_error(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
     return str(exc) or type(exc).__name__
-
-
-@dataclasses.dataclass(frozen=True)
-class Realized:
-    """One endpoint's realized revision, to report."""
-
-    endpoint_id: int
-    identity: int
-    revision: int
-    pod: str
 
 
 class Reporter:
@@ -302,7 +215,7 @@ class Reporter:
         #: delivery of the report that carries it.
         self.on_order_realized: Callable[[float], None] | None = None
 
-    def add(self, items: Iterable[Realized], arrived: float | None = None) -> None:
+    def add(self, items: Iterable[dt.Realized], arrived: float | None = None) -> None:
         """Queue realized revisions; ``arrived`` is when the order they realize reached the node (monotonic)."""
         now = Timestamp()
         now.FromNanoseconds(time.time_ns())
@@ -319,6 +232,7 @@ class Reporter:
                 revision=item.revision,
                 pod=item.pod,
                 realized_at=now,
+                error=clip(item.error),
             )
         if given and arrived is not None:
             self._orders.append(arrived)
@@ -349,7 +263,7 @@ class Reporter:
         await self._idle.wait()
 
     async def run(self) -> None:
-        delay = 0.05
+        backoff = Backoff(0.05, self._backoff_max)
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -371,10 +285,9 @@ class Reporter:
                 self._orders = orders + self._orders
                 log.warning("report realized failed, retrying", reports=len(reports), error=rpc_error(exc))
                 self._wake.set()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self._backoff_max)
+                await backoff.sleep()
                 continue
-            delay = 0.05
+            backoff.reset()
             self.delivered += len(reports)
             log.debug("realized reported", reports=len(reports), revision=max(r.revision for r in reports))
             if self.on_delivered is not None:
@@ -390,9 +303,9 @@ class Reporter:
 class PolicyApplier(Protocol):
     """The endpoint manager, as the order consumer sees it."""
 
-    async def apply_order(self, batch: OrderBatch) -> None: ...
+    async def apply_order(self, batch: dt.OrderBatch) -> None: ...
 
-    async def apply_resync(self, response: policy_pb2.ResyncResponse) -> None: ...
+    async def apply_resync(self, state: dt.ResyncState) -> None: ...
 
 
 class OrderConsumer:
@@ -413,7 +326,7 @@ class OrderConsumer:
         self._backoff_max = backoff_max
         self._clock = clock
         #: Orders with the time (``clock``) they reached the node.
-        self._queue: asyncio.Queue[tuple[policy_pb2.RegenerationOrder, float]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[dt.Order, float]] = asyncio.Queue()
         self.sequencer = Sequencer()
         #: Set once the first full resync was applied.
         self.synced = asyncio.Event()
@@ -441,7 +354,14 @@ class OrderConsumer:
         )
 
     def offer(self, order: policy_pb2.RegenerationOrder) -> None:
-        self._queue.put_nowait((order, self._clock()))
+        """Queue an order as received from the bus, translated; one that cannot be read asks for a resync."""
+        try:
+            typed = wire.order_from_proto(order)
+        except OrderError as exc:
+            # Nothing of it is applied; the node's whole state replaces it.
+            log.error("order rejected, resyncing", sequence=order.sequence, error=str(exc))
+            typed = dt.Order(sequence=order.sequence, revision=order.revision, node=order.node, fetch=True)
+        self._queue.put_nowait((typed, self._clock()))
 
     async def stop(self) -> None:
         if self._follower is not None:
@@ -458,53 +378,30 @@ class OrderConsumer:
                 actions = self.sequencer.offer(order, arrived)
                 continue
             action, actions = actions[0], actions[1:]
-            if isinstance(action, Apply) and action.batch.replace:
-                try:
-                    await self._applier.apply_resync(replace_as_resync(action.batch))
-                except OrderError as exc:
-                    log.error("replace order rejected, resyncing", sequence=action.batch.sequence, error=str(exc))
-                    actions = [NeedResync("bad order", action.batch.sequence)]
-                    continue
-                self.replaces += 1
-                log.info(
-                    "replace order applied",
-                    sequence=action.batch.sequence,
-                    revision=action.batch.revision,
-                    identities=len(action.batch.diffs),
-                )
-                continue
             if isinstance(action, Apply):
-                try:
-                    await self._applier.apply_order(action.batch)
-                except OrderError as exc:
-                    # Nothing of the order was applied; the full state replaces it.
-                    log.error("order rejected, resyncing", sequence=action.batch.sequence, error=str(exc))
-                    actions = [NeedResync("bad order", action.batch.sequence)]
-                    continue
-                self.applied += 1
+                await self._applier.apply_order(action.batch)
+                if action.batch.replace:
+                    self.replaces += 1
+                    log.info(
+                        "replace order applied",
+                        sequence=action.batch.sequence,
+                        revision=action.batch.revision,
+                        identities=len(action.batch.diffs),
+                    )
+                else:
+                    self.applied += 1
                 continue
             # A resync supersedes whatever else was planned; the sequencer re-derives it.
             log.info("resync needed", reason=action.reason, sequence=action.sequence, last=self.sequence)
-            response = await self._fetch()
-            try:
-                await self._applier.apply_resync(response)
-            except OrderError as exc:
-                log.error("resync rejected, retrying", sequence=response.sequence, error=str(exc))
-                await asyncio.sleep(self._backoff_max)
-                actions = [NeedResync("bad resync", response.sequence)]
-                continue
+            state = await self._fetch()
+            await self._applier.apply_resync(state)
             self.resyncs += 1
-            actions = self.sequencer.resynced(response.sequence)
+            actions = self.sequencer.resynced(state.sequence)
             self.synced.set()
-            log.info(
-                "resync applied",
-                sequence=response.sequence,
-                revision=response.revision,
-                identities=len(response.policies),
-            )
+            log.info("resync applied", sequence=state.sequence, revision=state.revision, identities=len(state.policies))
 
-    async def _fetch(self) -> policy_pb2.ResyncResponse:
-        delay = 0.1
+    async def _fetch(self) -> dt.ResyncState:
+        backoff = Backoff(0.1, self._backoff_max)
         attempt = 0
         while True:
             attempt += 1
@@ -517,5 +414,4 @@ class OrderConsumer:
                         attempt=attempt,
                         error=rpc_error(exc),
                     )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self._backoff_max)
+            await backoff.sleep()

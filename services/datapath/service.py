@@ -1,6 +1,7 @@
 """The datapath service: endpoints, orders, ipcache and flows of one node, over pinned BPF maps.
 
-Startup, in order (SERVING only at the end, "ready means synced"):
+Startup, in order (SERVING only at the end, "ready means synced"; DatapathService
+answers from step 3 on, health says NOT_SERVING until step 4's resync is applied):
 
 1. open the BPF facade: pinned maps and programs are reused, so the endpoints of the
    previous run kept enforcing while the process was down;
@@ -27,13 +28,16 @@ from services.common.log import get_logger
 from services.common.runner import ServiceContext, run_service
 from services.datapath.config import DatapathConfig
 from services.datapath.datapath import Datapath, DatapathAPI
-from services.datapath.endpoints import EndpointManager, GrpcIpam, IpamPort, NetnsPodNetwork, PodNetwork
 from services.datapath.flows import FlowHub
+from services.datapath.ipamclient import GrpcIpam, IpamPort
 from services.datapath.ipcache import IpcacheSync
+from services.datapath.manager import EndpointManager, PodNetwork
 from services.datapath.metrics import AgentParts, DatapathMetrics
+from services.datapath.netns import NetnsPodNetwork
 from services.datapath.orders import GrpcPolicyClient, OrderConsumer, PolicyPort, Reporter
 from services.datapath.servicer import DatapathServicer
-from services.datapath.state import StateStore
+from services.datapath.state import EndpointStore
+from services.datapath.types import EndpointState
 
 log = get_logger("datapath")
 
@@ -75,7 +79,7 @@ class Agent:
         out.details["reports_delivered"] = str(self.reporter.delivered)
         out.details["flow_events"] = str(self.flows.events)
         out.details["observers"] = str(self.flows.subscribers)
-        failed = [ep.id for ep in self.manager.endpoints.values() if ep.state == datapath_pb2.ENDPOINT_STATE_FAILED]
+        failed = [ep.id for ep in self.manager.endpoints.values() if ep.state is EndpointState.FAILED]
         if failed:
             out.details["failed_endpoints"] = ",".join(str(i) for i in sorted(failed))
 
@@ -101,7 +105,7 @@ async def start_agent(
         node=node,
         datapath=datapath,
         network=network,
-        store=StateStore(cfg.state_dir),
+        store=EndpointStore(cfg.state_dir),
         ipam=ipam,
         policy=policy,
         reporter=reporter,
@@ -171,10 +175,20 @@ async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
     datapath_pb2_grpc.add_DatapathServiceServicer_to_server(agent.servicer, ctx.server.server)
     ctx.server.add_service(datapath_pb2.DESCRIPTOR.services_by_name["DatapathService"].full_name)
     ctx.server.status.provider = agent.status
-    await ctx.server.set_serving(True)
-    log.info(
-        "datapath ready", node=agent.node, endpoints=len(agent.manager.endpoints), ipcache=len(agent.ipcache.entries)
-    )
+
+    async def ready_when_synced() -> None:
+        # Ready means synced: the endpoints hold the current policy (and the ipcache is loaded).
+        await agent.consumer.synced.wait()
+        await ctx.server.set_serving(True)
+        log.info(
+            "datapath ready",
+            node=agent.node,
+            endpoints=len(agent.manager.endpoints),
+            ipcache=len(agent.ipcache.entries),
+            revision=agent.manager.revision,
+        )
+
+    ctx.spawn(ready_when_synced(), "ready")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,32 +1,31 @@
-"""DatapathService over gRPC: endpoints, policy maps read back from the kernel, flow events."""
+"""DatapathService over gRPC: endpoints, policy maps read back from the kernel, flow events.
+
+The service edge: requests are translated into the datapath's own types (``wire``)
+before they reach the endpoint manager, answers back into protobuf, and every
+:class:`~services.common.errors.PalisadeError` the layers below raise becomes its
+gRPC status with ``abort_with``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
+from services.common.errors import PalisadeError, abort_with
 from services.common.log import get_logger
-from services.datapath import types as dt
-from services.datapath.endpoints import Endpoint, EndpointError, EndpointManager, EndpointRef, InvalidRequest
+from services.datapath import wire
+from services.datapath.datapath import CounterSource
+from services.datapath.endpoint import Endpoint
 from services.datapath.flows import VERDICTS, FlowFilter, FlowHub
-from services.datapath.orders import OrderError, enforcement_to_proto, entry_to_proto
+from services.datapath.manager import EndpointManager
 
 log = get_logger("servicer")
 
 T = TypeVar("T")
-
-
-class CounterSource(Protocol):
-    def counters(self) -> dt.Counters: ...
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: EndpointError) -> NoReturn:
-    await context.abort(exc.code, str(exc))
-    raise AssertionError("unreachable")  # context.abort raises
 
 
 class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
@@ -38,14 +37,11 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
     async def _guard(self, context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
         try:
             return await call
-        except EndpointError as exc:
-            await _abort(context, exc)
-        except OrderError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise
+        except PalisadeError as exc:
+            await abort_with(context, exc)
 
     async def _endpoint_proto(self, ep: Endpoint) -> datapath_pb2.Endpoint:
-        out = ep.to_proto(self._manager.node)
+        out = wire.endpoint_to_proto(ep, self._manager.node)
         try:
             counters = await asyncio.to_thread(self._counters.counters)
         except Exception as exc:  # counters are informational; the endpoint is still worth returning
@@ -59,14 +55,17 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
     async def CreateEndpoint(
         self, request: datapath_pb2.CreateEndpointRequest, context: grpc.aio.ServicerContext
     ) -> datapath_pb2.Endpoint:
-        ep = await self._guard(context, self._manager.create(request))
+        async def create() -> Endpoint:
+            return await self._manager.create(wire.request_from_proto(request))
+
+        ep = await self._guard(context, create())
         return await self._endpoint_proto(ep)
 
     async def DeleteEndpoint(
         self, request: datapath_pb2.DeleteEndpointRequest, context: grpc.aio.ServicerContext
     ) -> datapath_pb2.DeleteEndpointResponse:
         async def delete() -> None:
-            await self._manager.delete(EndpointRef.from_request(request))
+            await self._manager.delete(wire.ref_from_proto(request))
 
         await self._guard(context, delete())
         return datapath_pb2.DeleteEndpointResponse()
@@ -75,7 +74,7 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
         self, request: datapath_pb2.GetEndpointRequest, context: grpc.aio.ServicerContext
     ) -> datapath_pb2.Endpoint:
         async def get() -> Endpoint:
-            return self._manager.find(EndpointRef.from_request(request))
+            return self._manager.find(wire.ref_from_proto(request))
 
         ep = await self._guard(context, get())
         return await self._endpoint_proto(ep)
@@ -84,10 +83,8 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
         self, request: datapath_pb2.UpdateEndpointRequest, context: grpc.aio.ServicerContext
     ) -> datapath_pb2.Endpoint:
         async def update() -> Endpoint:
-            ref = EndpointRef.from_request(request.endpoint)
-            if not request.labels:
-                raise InvalidRequest("give the pod's new labels; an endpoint without labels has no identity")
-            return await self._manager.relabel(ref, request.labels)
+            ref = wire.ref_from_proto(request.endpoint)
+            return await self._manager.relabel(ref, [wire.label_from_proto(x) for x in request.labels])
 
         ep = await self._guard(context, update())
         return await self._endpoint_proto(ep)
@@ -96,20 +93,21 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
         self, request: datapath_pb2.ListEndpointsRequest, context: grpc.aio.ServicerContext
     ) -> datapath_pb2.ListEndpointsResponse:
         endpoints = sorted(self._manager.endpoints.values(), key=lambda e: e.id)
-        return datapath_pb2.ListEndpointsResponse(endpoints=[e.to_proto(self._manager.node) for e in endpoints])
+        node = self._manager.node
+        return datapath_pb2.ListEndpointsResponse(endpoints=[wire.endpoint_to_proto(e, node) for e in endpoints])
 
     async def GetPolicyMap(
         self, request: datapath_pb2.GetPolicyMapRequest, context: grpc.aio.ServicerContext
     ) -> datapath_pb2.GetPolicyMapResponse:
         async def read() -> datapath_pb2.GetPolicyMapResponse:
-            ref = EndpointRef.from_request(request.endpoint)
+            ref = wire.ref_from_proto(request.endpoint)
             ep, enforcement, entries = await self._manager.read_policy_map(ref)
             return datapath_pb2.GetPolicyMapResponse(
                 endpoint_id=ep.id,
                 identity=ep.identity,
                 revision=ep.realized_revision,
-                enforcement=enforcement_to_proto(enforcement),
-                entries=[entry_to_proto(e) for e in sorted(entries)],
+                enforcement=wire.enforcement_to_proto(enforcement),
+                entries=[wire.entry_to_proto(e) for e in sorted(entries)],
             )
 
         return await self._guard(context, read())

@@ -18,33 +18,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from services.datapath.types import Address, Label, PortRecord
+
 FORMAT_VERSION = 1
 STATE_FILE = "endpoint.json"
 
 
 class StateError(ValueError):
     """A state file cannot be read back; the message names the file."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Address:
-    """One pod address as IPAMService allocated it."""
-
-    ip: str
-    #: The node pod CIDR the address belongs to, e.g. "10.244.0.0/24".
-    cidr: str
-    #: The gateway of that CIDR (its first address), the pod's default route.
-    gateway: str
-    #: 4 or 6.
-    family: int
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PortRecord:
-    name: str
-    port: int
-    #: IP protocol number (6 TCP, 17 UDP, 132 SCTP).
-    protocol: int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,8 +42,8 @@ class EndpointRecord:
     host_ifname: str
     host_ifindex: int
     addresses: tuple[Address, ...]
-    #: Identity-relevant labels given in CreateEndpoint as (source, key, value); empty when resolved.
-    labels: tuple[tuple[str, str, str], ...]
+    #: Identity-relevant labels given in CreateEndpoint; empty when the identity was resolved.
+    labels: tuple[Label, ...]
     #: True when the datapath took an identity reference (AllocateIdentity) it must release.
     identity_owned: bool
     identity: int
@@ -102,7 +83,7 @@ class EndpointRecord:
             host_ifname=str(data["host_ifname"]),
             host_ifindex=int(data["host_ifindex"]),
             addresses=tuple(Address(**a) for a in data["addresses"]),
-            labels=tuple((str(s), str(k), str(v)) for s, k, v in data["labels"]),
+            labels=tuple(Label(str(s), str(k), str(v)) for s, k, v in data["labels"]),
             identity_owned=bool(data["identity_owned"]),
             identity=int(data["identity"]),
             ports=tuple(PortRecord(**p) for p in data.get("ports", [])),
@@ -110,7 +91,7 @@ class EndpointRecord:
         )
 
 
-class StateStore:
+class EndpointStore:
     """Reads and writes endpoint state directories. Blocking: call through ``asyncio.to_thread``."""
 
     def __init__(self, root: str | Path) -> None:

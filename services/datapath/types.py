@@ -1,8 +1,10 @@
 """The datapath's own value types.
 
 The datapath keeps its own copy of the policy key and entry (like Cilium's
-``pkg/policy/types``) so it never imports the policy engine; the service
-translates protobuf messages into these at its edge.
+``pkg/policy/types``) so it never imports the policy engine. Protobuf stops at the
+edges: ``wire`` translates requests, orders and resync answers into these types where
+they enter (the servicer, the order consumer, the gRPC clients), so the endpoint
+manager, the realizer and the facade below them never see a protobuf message.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 from enum import StrEnum
+from typing import NamedTuple
 
 #: Reserved identities the datapath itself relies on (Cilium's numbers).
 IDENTITY_ANY = 0
@@ -299,3 +302,166 @@ class PolicyChange:
     @property
     def changed(self) -> bool:
         return bool(self.added or self.removed or self.enforcement_changed)
+
+
+# --- endpoints ------------------------------------------------------------------------------
+
+
+class Label(NamedTuple):
+    """One pod label as ``source:key=value`` (a plain tuple, so endpoint state files stay lists)."""
+
+    source: str
+    key: str
+    value: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Address:
+    """One pod address as IPAMService allocated it."""
+
+    ip: str
+    #: The node pod CIDR the address belongs to, e.g. "10.244.0.0/24".
+    cidr: str
+    #: The gateway of that CIDR (its first address), the pod's default route.
+    gateway: str
+    #: 4 or 6.
+    family: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Allocation:
+    """An address IPAMService holds for an owner on this node."""
+
+    owner: str
+    address: Address
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PortRecord:
+    """A container port of a pod (named ones reach the ipcache for named-port policies)."""
+
+    name: str
+    port: int
+    #: IP protocol number (6 TCP, 17 UDP, 132 SCTP).
+    protocol: int
+
+
+class EndpointState(StrEnum):
+    """Where an endpoint's policy stands (the values are the metrics' ``state`` label)."""
+
+    #: Its identity's policy is not known yet (before the first resync).
+    WAITING = "waiting"
+    #: Its map holds its identity's policy at ``realized_revision``.
+    READY = "ready"
+    #: Its map is being written.
+    REGENERATING = "regenerating"
+    #: Re-adopted after a restart; the pinned map enforces what it held until the resync.
+    RESTORING = "restoring"
+    #: A write failed; the error says why and the periodic repair retries.
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EndpointRequest:
+    """A CreateEndpoint request, translated at the service edge."""
+
+    namespace: str
+    pod: str
+    #: Path of an existing network namespace to adopt; empty creates one.
+    netns: str = ""
+    #: The pod's labels, when it is not known to the bus; empty resolves it via IdentityService.
+    labels: tuple[Label, ...] = ()
+    ports: tuple[PortRecord, ...] = ()
+    #: 4 and/or 6; empty means IPv4 only.
+    families: tuple[int, ...] = ()
+    #: Exact addresses asked for (one per family); empty lets IPAM pick.
+    ips: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.pod}"
+
+
+# --- orders and resyncs -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class IdentityPolicyDiff:
+    """A change of one identity's policy: ``full`` replaces it; otherwise removes, then adds."""
+
+    identity: int
+    enforcement: Enforcement
+    add: tuple[PolicyEntry, ...] = ()
+    remove: tuple[PolicyKey, ...] = ()
+    full: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySnapshot:
+    """One identity's whole policy, as a resync (or a replace order) gives it."""
+
+    identity: int
+    enforcement: Enforcement
+    entries: tuple[PolicyEntry, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ResyncState:
+    """The node's whole policy at an order sequence: the answer to a resync."""
+
+    sequence: int
+    revision: int
+    policies: tuple[PolicySnapshot, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Order:
+    """One regeneration order, or one chunk of it, as received."""
+
+    sequence: int
+    revision: int
+    node: str = ""
+    diffs: tuple[IdentityPolicyDiff, ...] = ()
+    #: Chunk index and count (``chunks`` <= 1: not chunked).
+    chunk: int = 0
+    chunks: int = 0
+    #: Fetch the node's state with a resync instead (also set for an order that could not be read).
+    fetch: bool = False
+    #: Identities the node no longer hosts.
+    removed: tuple[int, ...] = ()
+    #: The diffs are the node's whole state.
+    replace: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderBatch:
+    """A complete order (all chunks) ready to apply."""
+
+    sequence: int
+    revision: int
+    diffs: tuple[IdentityPolicyDiff, ...]
+    #: When the order's first chunk reached this node (time.monotonic()).
+    arrived: float = 0.0
+    #: Identities the node no longer hosts: their policy is dropped.
+    removed: tuple[int, ...] = ()
+    #: The diffs are the node's whole state (applied like a resync answer).
+    replace: bool = False
+
+    def as_resync(self) -> ResyncState:
+        """The state a ``replace`` order stands for: each identity's full policy. Pure."""
+        return ResyncState(
+            self.sequence,
+            self.revision,
+            tuple(PolicySnapshot(d.identity, d.enforcement, d.add) for d in self.diffs),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Realized:
+    """One endpoint's realized revision, to report; with ``error``, the revision it failed to realize."""
+
+    endpoint_id: int
+    identity: int
+    revision: int
+    pod: str
+    error: str = ""

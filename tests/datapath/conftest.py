@@ -17,7 +17,7 @@ import pytest
 
 from services.datapath import netns
 from services.datapath.datapath import Datapath
-from services.datapath.netns import PodNetwork
+from services.datapath.netns import PodLink
 from services.datapath.types import Direction, EndpointSpec, Enforcement, Reason
 from tests.datapath.traffic import EchoServer
 
@@ -33,7 +33,7 @@ IDENTITY_C = 1003
 @dataclasses.dataclass(frozen=True)
 class Pod:
     name: str
-    net: PodNetwork
+    net: PodLink
     ep_id: int
     identity: int
     v4: str
@@ -53,7 +53,7 @@ class Node:
     a: Pod
     b: Pod
     c: Pod
-    ext: PodNetwork
+    ext: PodLink
     #: ext's addresses: two inside ``cidr``, one outside every ipcache prefix the tests add.
     ext_in: str
     ext_except: str
@@ -89,7 +89,7 @@ def node(run_id: str, bpf_base: str) -> Iterator[Node]:
     v4 = f"10.{o2}.{o3}"
     v6 = f"fd10:{o2:x}{o3:02x}:{run_id[2:]}"
     dp = Datapath.open(bpf_base)
-    created: list[str] = []
+    created: list[PodLink] = []
     servers: list[EchoServer] = []
     try:
         pods = []
@@ -97,16 +97,16 @@ def node(run_id: str, bpf_base: str) -> Iterator[Node]:
             name = f"{run_id}{letter}"
             ip6 = str(ipaddress.ip_address(f"{v6}::{idx}"))  # canonical, as the datapath reports it
             net = netns.create_pod(name, name, [f"{v4}.{idx}", ip6])
-            created.append(name)
+            created.append(net)
             pod = Pod(name, net, ep_id=100 + idx, identity=identity, v4=f"{v4}.{idx}", v6=ip6)
             dp.attach_endpoint(pod.spec)
             pods.append(pod)
         ext_name = f"{run_id}x"
         ext_v6 = str(ipaddress.ip_address(f"{v6}::81"))
         ext = netns.create_pod(ext_name, ext_name, [f"{v4}.129", f"{v4}.130", f"10.{o2}.{(o3 + 1) % 256}.1", ext_v6])
-        created.append(ext_name)
-        for ns in [*created]:
-            servers.append(EchoServer(ns, TCP_PORTS, UDP_PORTS))
+        created.append(ext)
+        for link in created:
+            servers.append(EchoServer(link.name, TCP_PORTS, UDP_PORTS))
         yield Node(
             run_id=run_id,
             dp=dp,
@@ -125,8 +125,8 @@ def node(run_id: str, bpf_base: str) -> Iterator[Node]:
     finally:
         for server in servers:
             server.close()
-        for name in created:
-            netns.delete_pod(name, name)
+        for link in created:
+            netns.delete_pod(link)
         dp.teardown()
     assert not os.path.exists(bpf_base)
 

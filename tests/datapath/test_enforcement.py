@@ -230,7 +230,7 @@ def test_relabel_keeps_flows_both_labels_allow(net: Node) -> None:
         assert stream.ping()
         dp.apply_policy(b.ep_id, INGRESS_ONLY, add=[allow(Direction.INGRESS, new, Protocol.TCP, 8080)])
         dp.set_identity(a.ep_id, new)
-        dp.apply_policy(b.ep_id, INGRESS_ONLY, remove=[PolicyKey(Direction.INGRESS, old, Protocol.TCP, 8080)])
+        dp.apply_policy(b.ep_id, INGRESS_ONLY, remove=[allow(Direction.INGRESS, old, Protocol.TCP, 8080)])
         assert stream.ping()
 
 
@@ -243,7 +243,7 @@ def test_policy_change_cuts_denied_stream_and_keeps_allowed_one(net: Node) -> No
         assert s1.ping() and s2.ping() and s3.ping()
         dp.read_flows(0)
 
-        change = dp.apply_policy(b.ep_id, INGRESS_ONLY, remove=[cut.key])
+        change = dp.apply_policy(b.ep_id, INGRESS_ONLY, remove=[cut])
         assert change.removed == 1
 
         assert not s1.ping(timeout=DENY_TIMEOUT), "the removed allow must cut the established flow"

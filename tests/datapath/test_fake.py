@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.datapath.datapath import Datapath, DatapathAPI, FakeDatapath, UnknownEndpoint
+from services.datapath.datapath import Datapath, DatapathAPI, UnknownEndpoint
+from services.datapath.fake import FakeDatapath
 from services.datapath.types import (
     Direction,
     EndpointSpec,
@@ -81,7 +82,7 @@ def test_incremental_and_full_policy_with_dump(fake: FakeDatapath) -> None:
     k53 = PolicyKey(Direction.INGRESS, 1001, Protocol.UDP, 53)
     change = fake.apply_policy(B.id, Enforcement(ingress=True), add=[PolicyEntry(k80), PolicyEntry(k53)])
     assert change.added == 2 and change.enforcement_changed
-    fake.apply_policy(B.id, Enforcement(ingress=True), remove=[k53])
+    fake.apply_policy(B.id, Enforcement(ingress=True), remove=[PolicyEntry(k53)])
     assert fake.dump_policy(B.id) == (Enforcement(ingress=True), [PolicyEntry(k80)])
     ranged = PolicyEntry(PolicyKey(Direction.INGRESS, 0, Protocol.TCP, 1, 65535))
     change = fake.sync_policy(B.id, Enforcement(ingress=True), [ranged])

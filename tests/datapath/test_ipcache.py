@@ -61,7 +61,7 @@ def test_cidr_identity_on_ingress(net: Node) -> None:
         Enforcement(ingress=True),
         [PolicyEntry(PolicyKey(Direction.INGRESS, CIDR_ID, Protocol.TCP, 9000, 9010), Verdict.ALLOW)],
     )
-    ext = net.ext.netns
+    ext = net.ext.name
     assert tcp_exchange(ext, b.v4, 9005)
     assert not tcp_exchange(ext, b.v4, 8080, timeout=DENY_TIMEOUT)
     assert not tcp_exchange(net.a.name, b.v4, 9005, timeout=DENY_TIMEOUT), "a pod is not in the CIDR identity"

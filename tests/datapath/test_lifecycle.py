@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from services.datapath import netns
-from services.datapath.datapath import Datapath, normalize_entries, teardown_all
+from services.datapath.datapath import Datapath, teardown_all
 from services.datapath.loader import Loader, ProgramConfig, program_ids
 from services.datapath.maps import policymap
 from services.datapath.types import (
@@ -64,11 +64,13 @@ def test_policy_dump_matches_applied_entries(net: Node) -> None:
     ranged = [p for p, owner in prefixes.items() if owner == (1000, 1999)]
     assert 1 < len(ranged) <= 2 * 16
 
-    # Incremental: remove one, overwrite one's verdict, add one.
-    removed = POLICY[1].key
+    # Incremental: remove one, overwrite one's verdict, add one (the others of their groups are kept).
+    removed = POLICY[1]
     flipped = PolicyEntry(POLICY[0].key, Verdict.DENY)
     added = entry(Direction.INGRESS, 1002, Protocol.UDP, 5353)
-    dp.apply_policy(b.ep_id, enforcement, add=[flipped, added], remove=[removed])
+    change = dp.apply_policy(b.ep_id, enforcement, add=[flipped, added], remove=[removed, POLICY[0]], keep=POLICY[2:])
+    assert change.removed == len(policymap.prefixes_of(b.ep_id, removed)) + 1
+    assert change.added == 2
     expected = sorted({*POLICY[2:], flipped, added})
     assert dp.dump_policy(b.ep_id) == (enforcement, expected)
 
@@ -186,7 +188,7 @@ def extra_pods(node: Node) -> Iterator[list[Pod]]:
         for server in servers:
             server.close()
         for pod in pods:
-            netns.delete_pod(pod.name, pod.name)
+            netns.delete_pod(pod.net)
 
 
 def test_detach_endpoint_removes_programs_and_state(net: Node, extra_pods: list[Pod]) -> None:
@@ -307,7 +309,7 @@ def test_enforcement_outlives_the_process_and_a_new_one_restores(
             dp.apply_policy(
                 q.ep_id,
                 Enforcement(ingress=True),
-                remove=[PolicyKey(Direction.INGRESS, p.identity, Protocol.TCP, 8081)],
+                remove=[PolicyEntry(PolicyKey(Direction.INGRESS, p.identity, Protocol.TCP, 8081))],
             )
         finally:
             dp.close()
@@ -336,8 +338,6 @@ def test_policy_before_attach_is_enforced_from_the_first_packet(net: Node, extra
     try:
         assert tcp_exchange(a.name, p.v4, 8080)
         assert not tcp_exchange(a.name, p.v4, 8081, timeout=DENY_TIMEOUT)
-        assert dp.dump_policy(p.ep_id)[1] == normalize_entries(
-            [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)]
-        )
+        assert dp.dump_policy(p.ep_id)[1] == [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)]
     finally:
         dp.detach_endpoint(p.ep_id)

@@ -6,10 +6,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.datapath.datapath import merge_entries, normalize_entries
 from services.datapath.loader import C_STRUCTS, ProgramConfig, program_source, template_hash
 from services.datapath.maps import policymap
-from services.datapath.maps.policymap import Prefix, decode, encode, evaluate, from_key, range_to_blocks, to_key
+from services.datapath.maps.policymap import (
+    Prefix,
+    decode,
+    encode,
+    encode_delta,
+    evaluate,
+    from_key,
+    group_of,
+    normalize,
+    range_to_blocks,
+    to_key,
+)
 from services.datapath.types import (
     Direction,
     Enforcement,
@@ -82,7 +92,7 @@ def _disjoint_per_group(items: list[PolicyEntry]) -> list[PolicyEntry]:
 
 @given(st.lists(entries(), max_size=12))
 def test_decode_inverts_encode_for_non_overlapping_entries(items: list[PolicyEntry]) -> None:
-    items = _disjoint_per_group(normalize_entries(items))
+    items = _disjoint_per_group(normalize(items))
     assert decode(encode(7, items)) == sorted(items)
 
 
@@ -153,15 +163,57 @@ def test_key_bytes_round_trip_and_port_is_network_order() -> None:
     assert from_key(key) == prefix
 
 
-def test_merge_overwrites_by_key_and_removes_any_verdict() -> None:
+def test_normalize_keeps_one_verdict_per_key_deny_winning() -> None:
     k1 = PolicyKey(Direction.INGRESS, 5, Protocol.TCP, 80)
-    k2 = PolicyKey(Direction.INGRESS, 5, Protocol.UDP, 53)
-    current = [PolicyEntry(k1, Verdict.ALLOW), PolicyEntry(k2, Verdict.DENY)]
-    assert merge_entries(current, [PolicyEntry(k1, Verdict.DENY)], [k2]) == [PolicyEntry(k1, Verdict.DENY)]
     # Both verdicts for one key collapse to deny, which is what the datapath would do anyway.
-    assert normalize_entries([PolicyEntry(k1, Verdict.DENY), PolicyEntry(k1, Verdict.ALLOW)]) == [
-        PolicyEntry(k1, Verdict.DENY)
-    ]
+    assert normalize([PolicyEntry(k1, Verdict.DENY), PolicyEntry(k1, Verdict.ALLOW)]) == [PolicyEntry(k1, Verdict.DENY)]
+
+
+def apply_delta(
+    prefixes: policymap.PrefixMap, writes: policymap.PrefixMap, deletes: list[Prefix]
+) -> policymap.PrefixMap:
+    out = {**prefixes, **writes}
+    for prefix in deletes:
+        del out[prefix]
+    return out
+
+
+@settings(max_examples=300)
+@given(st.lists(entries(), max_size=10), st.lists(entries(), max_size=10))
+def test_a_delta_leaves_the_map_as_a_full_encode_would(before: list[PolicyEntry], after: list[PolicyEntry]) -> None:
+    """Whatever entries share port blocks, writing only the delta equals re-encoding the result."""
+    old, new = set(normalize(before)), set(normalize(after))
+    added, removed = new - old, old - new
+    groups = {group_of(e) for e in added | removed}
+    keep = [e for e in old & new if group_of(e) in groups]
+    writes, deletes = encode_delta(4, added, removed, keep)
+    assert apply_delta(encode(4, old), writes, deletes) == encode(4, new)
+    # Nothing is written that was already there, nothing deleted that stays.
+    full = encode(4, old)
+    assert all(full.get(p) != v for p, v in writes.items())
+    assert not set(deletes) & set(encode(4, new))
+
+
+def test_removing_one_of_two_entries_sharing_a_block_keeps_the_block() -> None:
+    wide = PolicyEntry(PolicyKey(Direction.INGRESS, 5, Protocol.TCP, 1000, 2047))
+    narrow = PolicyEntry(PolicyKey(Direction.INGRESS, 5, Protocol.TCP, 1024, 2047))
+    shared = Prefix(1, Direction.INGRESS, 5, Protocol.TCP, Verdict.ALLOW, 1024, 6)
+    both = encode(1, [wide, narrow])
+    assert both[shared] == (1000, 2047)  # the first in sort order owns it
+
+    # Without naming the other entry (keep), the shared block would go; with it, it changes owner.
+    writes, deletes = encode_delta(1, [], [wide], keep=[narrow])
+    assert writes == {shared: (1024, 2047)} and shared not in deletes
+    assert apply_delta(both, writes, deletes) == encode(1, [narrow])
+    writes, deletes = encode_delta(1, [], [narrow], keep=[wide])
+    assert (writes, deletes) == ({}, [])  # the block stays with its owner
+
+
+def test_a_one_entry_delta_encodes_that_entry_only() -> None:
+    big = [PolicyEntry(PolicyKey(Direction.INGRESS, 1000 + i, Protocol.TCP, 1, 65535)) for i in range(500)]
+    extra = PolicyEntry(PolicyKey(Direction.INGRESS, 77, Protocol.UDP, 53))
+    writes, deletes = encode_delta(2, [extra], [], keep=big)  # other groups: ignored
+    assert writes == encode(2, [extra]) and deletes == []
 
 
 @pytest.mark.parametrize(

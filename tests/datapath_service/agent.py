@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -18,11 +19,12 @@ import grpc
 from palisade.v1 import datapath_pb2_grpc
 from services.common.bus import Bus
 from services.datapath.config import DatapathConfig
-from services.datapath.datapath import FakeDatapath
-from services.datapath.endpoints import GrpcIpam, PodLink
+from services.datapath.fake import FakeDatapath
+from services.datapath.ipamclient import GrpcIpam
+from services.datapath.netns import PodLink
 from services.datapath.orders import GrpcPolicyClient
 from services.datapath.service import Agent, start_agent
-from services.datapath.state import Address
+from services.datapath.types import Address
 
 
 class FakeNetwork:
@@ -31,25 +33,34 @@ class FakeNetwork:
     def __init__(self) -> None:
         self.namespaces: set[str] = set()
         self.links: dict[str, int] = {}
+        #: Host interface -> the namespace its pod end is in.
+        self.pod_side: dict[str, str] = {}
         self._ifindex = itertools.count(100)
 
     def setup(self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[Address]) -> PodLink:
         if create:
             if netns in self.namespaces:
-                raise FileExistsError(f"network namespace {netns} exists")
+                raise FileExistsError(errno.EEXIST, f"network namespace {netns} already exists")
             self.namespaces.add(netns)
         elif netns not in self.namespaces:
-            raise FileNotFoundError(netns)
+            raise FileNotFoundError(errno.ENOENT, f"network namespace {netns} does not exist")
+        elif netns in self.pod_side.values():  # as netns.create_pod finds eth0 there
+            raise FileExistsError(errno.EEXIST, f"network namespace {netns} already has an interface eth0")
         self.links[host_ifname] = next(self._ifindex)
-        return PodLink(netns, create, host_ifname, self.links[host_ifname])
+        self.pod_side[host_ifname] = netns
+        return PodLink(netns, create, host_ifname, self.links[host_ifname], ips=tuple(a.ip for a in addresses))
 
     def teardown(self, link: PodLink) -> None:
         self.links.pop(link.host_ifname, None)
+        self.pod_side.pop(link.host_ifname, None)
         if link.netns_owned:
             self.namespaces.discard(link.netns)
 
     def alive(self, link: PodLink) -> bool:
         return link.netns in self.namespaces and link.host_ifname in self.links
+
+    def exists(self, netns: str) -> bool:
+        return netns in self.namespaces
 
 
 class InProcessAgent:

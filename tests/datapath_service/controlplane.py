@@ -76,6 +76,8 @@ class ControlPlane(
         self.identities: dict[tuple[tuple[str, str, str], ...], int] = {}
         self.owner_identity: dict[str, int] = {}
         self.pods: dict[str, int] = {}  # "ns/name" -> identity known "from the bus"
+        #: While set, Resync answers UNAVAILABLE (a policy service that is not up yet).
+        self.refuse_resync = False
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.changed = asyncio.Condition()
@@ -154,6 +156,8 @@ class ControlPlane(
         self, request: policy_pb2.ResyncRequest, context: grpc.aio.ServicerContext
     ) -> policy_pb2.ResyncResponse:
         self.resyncs.append(request)
+        if self.refuse_resync:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the policy service is starting")
         wanted = set(request.identities)
         out = policy_pb2.ResyncResponse(revision=self.revision, sequence=self.sequence)
         for identity, policy in sorted(self.policies.items()):

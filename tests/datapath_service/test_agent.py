@@ -12,7 +12,7 @@ import pytest
 from palisade.v1 import common_pb2, datapath_pb2, policy_pb2
 from services.common.bus import Bus
 from services.datapath import types as dt
-from services.datapath.datapath import FakeDatapath
+from services.datapath.fake import FakeDatapath
 from tests.datapath_service.agent import InProcessAgent
 from tests.datapath_service.controlplane import ALLOW, DENY, ING, TCP, ControlPlane, entry
 from tests.harness import NatsServer
@@ -204,7 +204,7 @@ async def test_removed_identities_replace_orders_and_deleted_endpoints(agent: In
     await cp.set_policy(4500, [entry(ING, web.identity, 9)])  # an identity with no endpoint here (yet)
     rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 80)])
     await cp.wait_realized(rev, [web.id, db.id])
-    assert 4500 in manager.policies
+    assert 4500 in manager.realizer.policies
 
     # The node no longer hosts 4500 (dropped) nor, as far as the policy service knows, db's identity:
     # db's endpoint still has it, so its policy stays enforced until the endpoint moves on.
@@ -216,7 +216,7 @@ async def test_removed_identities_replace_orders_and_deleted_endpoints(agent: In
         )
     )
     await cp.wait_realized(cp.revision, [web.id, db.id])
-    assert 4500 not in manager.policies and db.identity in manager.policies
+    assert 4500 not in manager.realizer.policies and db.identity in manager.realizer.policies
     assert verdict(agent, db.id, web.ips[0], 80) is dt.Verdict.ALLOW
     assert verdict(agent, db.id, web.ips[0], 81) is dt.Verdict.DENY
 
@@ -238,7 +238,7 @@ async def test_removed_identities_replace_orders_and_deleted_endpoints(agent: In
     await cp.wait_realized(cp.revision, [web.id, db.id])
     assert len(cp.resyncs) == resyncs
     assert agent.agent.consumer.replaces == 1 and agent.agent.consumer.sequence == cp.sequence
-    assert set(manager.policies) == {web.identity, db.identity, 4600}
+    assert set(manager.realizer.policies) == {web.identity, db.identity, 4600}
     assert verdict(agent, web.id, db.ips[0], 443) is dt.Verdict.ALLOW
     assert verdict(agent, web.id, db.ips[0], 80) is dt.Verdict.DENY
     assert verdict(agent, db.id, web.ips[0], 80) is dt.Verdict.ALLOW  # kept for its endpoint
@@ -248,7 +248,7 @@ async def test_removed_identities_replace_orders_and_deleted_endpoints(agent: In
     await eventually(lambda: any(r.deleted for r in cp.reports))
     (gone,) = [r for r in cp.reports if r.deleted]
     assert (gone.node, gone.endpoint_id, gone.identity, gone.pod) == (NODE, db.id, db.identity, "x/db")
-    assert db.identity not in manager.policies
+    assert db.identity not in manager.realizer.policies
     # A new endpoint of a kept-then-dropped identity fetches its policy again.
     again = await create(agent, "db2", app="db")
     assert again.identity == db.identity and cp.resyncs[-1].identities == [db.identity]
@@ -368,3 +368,71 @@ async def test_periodic_repair_rewrites_a_drifted_map(agent: InProcessAgent, cp:
     assert verdict(agent, db.id, web.ips[0], 80) is dt.Verdict.ALLOW
     assert await agent.agent.manager.repair() == 0
     assert TCP == 6
+
+
+def create_request(pod: str = "p", namespace: str = "x", **kw: object) -> datapath_pb2.CreateEndpointRequest:
+    return datapath_pb2.CreateEndpointRequest(namespace=namespace, pod=pod, **kw)  # type: ignore[arg-type]
+
+
+async def test_names_and_labels_are_checked_as_kubernetes_does_before_anything_is_taken(
+    agent: InProcessAgent, cp: ControlPlane
+) -> None:
+    assert agent.stub is not None
+    app = labels(app="a")
+    cases = [
+        (create_request("p" * 10_000, labels=app), "pod"),
+        (create_request("web\n", labels=app), "pod"),
+        (create_request("a_b", labels=app), "pod"),
+        (create_request("p", "Shop_NS!", labels=app), "namespace"),
+        (create_request("p", "a.*.>", labels=app), "namespace"),
+        (create_request("p", "../../etc", labels=app), "namespace"),
+        (create_request("p", "a b c", labels=app), "namespace"),
+        (create_request("p", "n" * 64, labels=app), "namespace"),
+        (create_request(labels=labels(**{"bad key": "v"})), "labels[0].key"),
+        (create_request(labels=[common_pb2.Label(source="k8s", key="app\n", value="a")]), "labels[0].key"),
+        (create_request(labels=[common_pb2.Label(source="k8s", key="a\0b", value="a")]), "labels[0].key"),
+        (create_request(labels=labels(app="v" * 64)), "labels[0].value"),
+        (create_request(labels=labels(app="x" * 1_000_000)), "labels[0].value"),  # a 1 MB label fails fast
+        (create_request(labels=labels(**{"-bad.example.com/app": "a"})), "labels[0].key"),
+    ]
+    for request, field in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await agent.stub.CreateEndpoint(request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value.details())
+        details = err.value.details() or ""
+        assert details.startswith(f"{field}:") and len(details) < 1000, details[:200]
+    assert cp.identities == {} and cp.ips == {}, "nothing was allocated for a bad request"
+
+    # Kubernetes accepts these, so the datapath does too.
+    good = labels(**{"app.kubernetes.io/name": "a-b_c.d", "tier": ""})
+    ep = await agent.stub.CreateEndpoint(create_request("p-1.v2", "team-a", labels=good))
+    assert ep.state == datapath_pb2.ENDPOINT_STATE_READY
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await agent.stub.GetEndpoint(datapath_pb2.GetEndpointRequest(namespace="x", pod="q" * 10_000))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_namespace_that_already_holds_an_endpoint_is_refused_by_name(agent: InProcessAgent) -> None:
+    assert agent.stub is not None
+    web = await create(agent, "web", app="web")
+    request = create_request("other", netns=web.netns, labels=labels(app="other"))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await agent.stub.CreateEndpoint(request)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert (err.value.details() or "").startswith(f"netns: network namespace {web.netns} already holds endpoint")
+
+    # A namespace someone else wired (it has a pod interface already): the precondition fails, by name.
+    agent.network.namespaces.add("/run/netns/foreign")
+    agent.network.pod_side["veth-foreign"] = "/run/netns/foreign"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await agent.stub.CreateEndpoint(create_request("other", netns="/run/netns/foreign", labels=labels(app="o")))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert (err.value.details() or "").startswith("netns: cannot set up the network of x/other")
+    assert "already has an interface eth0" in (err.value.details() or "")
+
+    # A namespace left over under the name the datapath would create: the pod's name is in the way.
+    agent.network.namespaces.add("/run/netns/pal_x_left")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await agent.stub.CreateEndpoint(create_request("left", labels=labels(app="l")))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert (err.value.details() or "").startswith("pod: cannot set up the network of x/left")

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from palisade.v1 import datapath_pb2
 from services.common.bus import Bus
 from services.datapath import types as dt
-from services.datapath.datapath import FakeDatapath
+from services.datapath.fake import FakeDatapath
 from services.datapath.flows import FlowFilter
 from services.datapath.metrics import AgentParts, DatapathMetrics, KernelTotals
 from tests.datapath_service.agent import InProcessAgent

@@ -1,4 +1,7 @@
-"""Order sequencing, chunk reassembly and diff application: pure tables."""
+"""Order sequencing, chunk reassembly, translation and diff application: pure tables.
+
+Orders are built as the bus carries them (protobuf) and translated as the consumer does.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +9,10 @@ import pytest
 
 from palisade.v1 import common_pb2, policy_pb2
 from services.datapath import types as dt
-from services.datapath.endpoints import IdentityPolicy
-from services.datapath.orders import (
-    Apply,
-    NeedResync,
-    OrderError,
-    Sequencer,
-    entry_from_proto,
-    entry_to_proto,
-    merge_diffs,
-    replace_as_resync,
-)
+from services.datapath.errors import OrderError
+from services.datapath.orders import Apply, NeedResync, Sequencer, merge_diffs
+from services.datapath.realizer import IdentityPolicy
+from services.datapath.wire import diff_from_proto, entry_from_proto, entry_to_proto, order_from_proto
 
 ING = common_pb2.DIRECTION_INGRESS
 EGR = common_pb2.DIRECTION_EGRESS
@@ -47,17 +43,19 @@ def diff(identity: int, add=(), remove=(), full=False, ingress=True) -> common_p
 
 def order(
     seq: int, *diffs: common_pb2.IdentityPolicyDiff, chunk=0, chunks=0, fetch=False, removed=(), replace=False
-) -> policy_pb2.RegenerationOrder:
-    return policy_pb2.RegenerationOrder(
-        node="n1",
-        sequence=seq,
-        revision=100 + seq,
-        diffs=list(diffs),
-        chunk=chunk,
-        chunks=chunks,
-        fetch=fetch,
-        removed_identities=list(removed),
-        replace=replace,
+) -> dt.Order:
+    return order_from_proto(
+        policy_pb2.RegenerationOrder(
+            node="n1",
+            sequence=seq,
+            revision=100 + seq,
+            diffs=list(diffs),
+            chunk=chunk,
+            chunks=chunks,
+            fetch=fetch,
+            removed_identities=list(removed),
+            replace=replace,
+        )
     )
 
 
@@ -133,7 +131,7 @@ def test_chunks_apply_once_complete_in_any_arrival_order() -> None:
     assert isinstance(actions[0], Apply)
     (merged,) = actions[0].batch.diffs
     assert merged.full
-    assert list(merged.add) == [a, b]
+    assert list(merged.add) == [entry_from_proto(a), entry_from_proto(b)]
 
 
 def test_a_replace_order_is_the_whole_state_even_after_a_gap() -> None:
@@ -148,7 +146,7 @@ def test_a_replace_order_is_the_whole_state_even_after_a_gap() -> None:
     assert kinds(seq.offer(order(6))) == ["apply 6"]
     assert kinds(seq.offer(order(4, replace=True))) == []  # older than what is applied
 
-    resync = replace_as_resync(actions[0].batch)
+    resync = actions[0].batch.as_resync()
     assert (resync.sequence, resync.revision) == (5, 105)
     assert [(p.identity, p.enforcement.ingress, len(p.entries)) for p in resync.policies] == [(256, True, 1)]
 
@@ -166,18 +164,21 @@ def test_removed_identities_and_replace_survive_chunking() -> None:
 
 
 def test_merge_diffs_keeps_one_diff_per_identity() -> None:
-    merged = merge_diffs([diff(256, add=[pb_entry(1)]), diff(257, add=[pb_entry(2)]), diff(256, remove=[pb_entry(3)])])
+    parts = [diff(256, add=[pb_entry(1)]), diff(257, add=[pb_entry(2)]), diff(256, remove=[pb_entry(3)])]
+    merged = merge_diffs(diff_from_proto(d) for d in parts)
     assert [d.identity for d in merged] == [256, 257]
     assert len(merged[0].add) == 1 and len(merged[0].remove) == 1
 
 
 def test_identity_policy_diffs_and_full_replacement() -> None:
     p = IdentityPolicy.empty(256)
-    p = p.apply(diff(256, add=[pb_entry(300, 80), pb_entry(301, 81)]), 1, 10)
+    p = p.apply(diff_from_proto(diff(256, add=[pb_entry(300, 80), pb_entry(301, 81)])), 1, 10)
     assert {e.key.remote_identity for e in p.entries.values()} == {300, 301}
-    p = p.apply(diff(256, add=[pb_entry(302, 82)], remove=[pb_entry(300, 80)]), 2, 11)
+    p = p.apply(diff_from_proto(diff(256, add=[pb_entry(302, 82)], remove=[pb_entry(300, 80)])), 2, 11)
     assert {e.key.remote_identity for e in p.entries.values()} == {301, 302}
-    p = p.apply(diff(256, add=[pb_entry(303)], remove=[pb_entry(301, 81)], full=True, ingress=False), 3, 12)
+    p = p.apply(
+        diff_from_proto(diff(256, add=[pb_entry(303)], remove=[pb_entry(301, 81)], full=True, ingress=False)), 3, 12
+    )
     assert {e.key.remote_identity for e in p.entries.values()} == {303}
     assert p.enforcement == dt.Enforcement(ingress=False, egress=False)
     assert (p.sequence, p.revision) == (3, 12)

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
 from services.common.bus import Bus
 from tests.datapath_service.controlplane import ALLOW, ING, ControlPlane, entry
 from tests.datapath_service.pods import Pods
-from tests.harness import NatsServer, ServiceProcess
+from tests.harness import NatsServer, ServiceProcess, health_status
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -37,8 +38,8 @@ async def cp(nats_server: NatsServer) -> AsyncIterator[ControlPlane]:
 @pytest.fixture
 def start_datapath(
     service: Callable[..., ServiceProcess], nats_server: NatsServer, cp: ControlPlane, tmp_path: Path, bpffs: str
-) -> Callable[[], ServiceProcess]:
-    def start() -> ServiceProcess:
+) -> Callable[..., ServiceProcess]:
+    def start(wait: bool = True) -> ServiceProcess:
         return service(
             "datapath",
             "--nats-url",
@@ -57,6 +58,7 @@ def start_datapath(
             "0.5",
             "--log-level",
             "debug",
+            wait=wait,
         )
 
     return start
@@ -175,4 +177,19 @@ async def test_kill_9_keeps_enforcing_and_restart_restores_and_catches_up(
     got = await stub.GetEndpoint(datapath_pb2.GetEndpointRequest(id=d.id))
     assert sum(v for k, v in got.counters.items() if "deny" in k) >= seconds
     sink.kill()
+    assert proc.terminate() == 0, proc.logs()[-3000:]
+
+
+async def test_not_serving_until_the_first_resync_put_the_policy_on_the_endpoints(
+    start_datapath: Callable[..., ServiceProcess], cp: ControlPlane
+) -> None:
+    cp.refuse_resync = True
+    proc = await asyncio.to_thread(start_datapath, False)
+    # It answers, and has tried to resync more than once, yet says NOT_SERVING: it is not synced.
+    async with asyncio.timeout(60):
+        while len(cp.resyncs) < 3 or await asyncio.to_thread(health_status, proc.address) == -1:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)  # resync attempts and the port are observed from outside: no event to wait on
+    assert await asyncio.to_thread(health_status, proc.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+    cp.refuse_resync = False
+    await asyncio.to_thread(proc.wait_serving)
     assert proc.terminate() == 0, proc.logs()[-3000:]

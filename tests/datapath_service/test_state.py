@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.datapath.state import Address, EndpointRecord, PortRecord, StateStore
+from services.datapath.state import EndpointRecord, EndpointStore
+from services.datapath.types import Address, Label, PortRecord
 
 
 def record(ep_id: int = 7) -> EndpointRecord:
@@ -18,7 +19,7 @@ def record(ep_id: int = 7) -> EndpointRecord:
         host_ifname="lxc0123456789ab",
         host_ifindex=42,
         addresses=(Address(ip="10.244.0.5", cidr="10.244.0.0/24", gateway="10.244.0.1", family=4),),
-        labels=(("k8s", "app", "web"), ("k8s", "io.kubernetes.pod.namespace", "x")),
+        labels=(Label("k8s", "app", "web"), Label("k8s", "io.kubernetes.pod.namespace", "x")),
         identity_owned=True,
         identity=256,
         ports=(PortRecord(name="http", port=80, protocol=6),),
@@ -27,7 +28,7 @@ def record(ep_id: int = 7) -> EndpointRecord:
 
 
 def test_round_trip(tmp_path: Path) -> None:
-    store = StateStore(tmp_path)
+    store = EndpointStore(tmp_path)
     store.prepare()
     store.save(record(7))
     store.save(record(3))
@@ -39,7 +40,7 @@ def test_round_trip(tmp_path: Path) -> None:
 
 
 def test_unreadable_and_incomplete_state_is_reported_not_restored(tmp_path: Path) -> None:
-    store = StateStore(tmp_path)
+    store = EndpointStore(tmp_path)
     store.save(record(1))
     (tmp_path / "2").mkdir()  # created, never completed
     (tmp_path / "3").mkdir()
@@ -55,7 +56,7 @@ def test_unreadable_and_incomplete_state_is_reported_not_restored(tmp_path: Path
 
 
 def test_remove(tmp_path: Path) -> None:
-    store = StateStore(tmp_path)
+    store = EndpointStore(tmp_path)
     store.save(record(5))
     store.remove(5)
     assert store.load_all() == ([], [])

@@ -16,6 +16,7 @@ import socket
 import time
 
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
+from services.datapath.maps.sizes import MapSizes
 from services.datapath.types import Direction
 
 NAME = "conntrack"
@@ -51,8 +52,8 @@ class CtValue(ctypes.Structure):
 C_STRUCTS = ((CtKey, "ct_key"), (CtValue, "ct_value"))
 
 
-def spec(max_entries: int) -> MapSpec:
-    return MapSpec(NAME, MapType.LRU_HASH, ctypes.sizeof(CtKey), ctypes.sizeof(CtValue), max_entries)
+def spec(sizes: MapSizes) -> MapSpec:
+    return MapSpec(NAME, MapType.LRU_HASH, ctypes.sizeof(CtKey), ctypes.sizeof(CtValue), sizes.conntrack)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ import dataclasses
 import ipaddress
 
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
+from services.datapath.maps.sizes import MapSizes
 
 NAME = "endpoints"
 FAMILY_V4 = 4
@@ -42,8 +43,8 @@ class EndpointValue(ctypes.Structure):
 C_STRUCTS = ((EndpointKey, "endpoint_key"), (EndpointValue, "endpoint_value"))
 
 
-def spec(max_entries: int) -> MapSpec:
-    return MapSpec(NAME, MapType.HASH, ctypes.sizeof(EndpointKey), ctypes.sizeof(EndpointValue), max_entries)
+def spec(sizes: MapSizes) -> MapSpec:
+    return MapSpec(NAME, MapType.HASH, ctypes.sizeof(EndpointKey), ctypes.sizeof(EndpointValue), sizes.endpoints)
 
 
 def ifindex_key(ifindex: int) -> EndpointKey:
@@ -63,7 +64,7 @@ def key_address(key: EndpointKey) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class EndpointRecord:
+class EndpointEntry:
     """An endpoint as the map holds it."""
 
     id: int
@@ -76,14 +77,14 @@ class EndpointMap:
     def __init__(self, pinned: PinnedMap) -> None:
         self.map = pinned
 
-    def write(self, record: EndpointRecord) -> None:
+    def write(self, record: EndpointEntry) -> None:
         """Write the address keys first, then the ifindex key the program starts from."""
         value = EndpointValue(ep_id=record.id, identity=record.identity, ifindex=record.ifindex)
         for ip in record.ips:
             self.map.update(address_key(ip), value)
         self.map.update(ifindex_key(record.ifindex), value)
 
-    def remove(self, record: EndpointRecord) -> None:
+    def remove(self, record: EndpointEntry) -> None:
         """Remove the ifindex key first so the program stops acting before addresses vanish."""
         self.map.delete(ifindex_key(record.ifindex))
         for ip in record.ips:
@@ -98,7 +99,7 @@ class EndpointMap:
     def by_address(self, ip: str) -> EndpointValue | None:
         return self.map.lookup(address_key(ip), EndpointValue)
 
-    def records(self) -> list[EndpointRecord]:
+    def records(self) -> list[EndpointEntry]:
         """Every endpoint that has an ifindex key, with the addresses that point at it."""
         by_id: dict[int, tuple[int, int]] = {}
         ips: dict[int, list[str]] = {}
@@ -108,6 +109,6 @@ class EndpointMap:
             else:
                 ips.setdefault(int(value.ep_id), []).append(key_address(key))
         return [
-            EndpointRecord(ep_id, ifindex, identity, tuple(sorted(ips.get(ep_id, []))))
+            EndpointEntry(ep_id, ifindex, identity, tuple(sorted(ips.get(ep_id, []))))
             for ep_id, (ifindex, identity) in sorted(by_id.items())
         ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
+from services.datapath.maps.sizes import MapSizes
 from services.datapath.types import Enforcement
 
 NAME = "enforcement"
@@ -28,8 +29,9 @@ class EnforcementValue(ctypes.Structure):
 C_STRUCTS = ((EnforcementKey, "enforcement_key"), (EnforcementValue, "enforcement_value"))
 
 
-def spec(max_entries: int) -> MapSpec:
-    return MapSpec(NAME, MapType.HASH, ctypes.sizeof(EnforcementKey), ctypes.sizeof(EnforcementValue), max_entries)
+def spec(sizes: MapSizes) -> MapSpec:
+    """One slot per endpoint."""
+    return MapSpec(NAME, MapType.HASH, ctypes.sizeof(EnforcementKey), ctypes.sizeof(EnforcementValue), sizes.endpoints)
 
 
 def to_flags(enforcement: Enforcement) -> int:

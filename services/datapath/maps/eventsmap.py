@@ -14,6 +14,7 @@ import ipaddress
 import time
 
 from services.datapath.maps.bpf import BpfError, MapSpec, MapType, PinnedMap, RingBufferCallback, check, libbpf
+from services.datapath.maps.sizes import MapSizes
 from services.datapath.types import Direction, FlowEvent, Reason, Verdict
 
 NAME = "events"
@@ -44,7 +45,8 @@ class FlowEventRecord(ctypes.Structure):
 C_STRUCTS = ((FlowEventRecord, "flow_event"),)
 
 
-def spec(size_bytes: int) -> MapSpec:
+def spec(sizes: MapSizes) -> MapSpec:
+    size_bytes = sizes.events_bytes
     if size_bytes < 4096 or size_bytes & (size_bytes - 1):
         raise ValueError("ring buffer size must be a power of two of at least one page")
     return MapSpec(NAME, MapType.RINGBUF, 0, 0, size_bytes)

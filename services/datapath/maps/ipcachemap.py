@@ -12,6 +12,7 @@ import ctypes
 import ipaddress
 
 from services.datapath.maps.bpf import BPF_F_NO_PREALLOC, MapSpec, MapType, PinnedMap
+from services.datapath.maps.sizes import MapSizes
 
 NAME = "ipcache"
 #: Bits of the key before the address (family + padding).
@@ -43,9 +44,14 @@ class IPCacheValue(ctypes.Structure):
 C_STRUCTS = ((IPCacheKey, "ipcache_key"), (IPCacheValue, "ipcache_value"))
 
 
-def spec(max_entries: int) -> MapSpec:
+def spec(sizes: MapSizes) -> MapSpec:
     return MapSpec(
-        NAME, MapType.LPM_TRIE, ctypes.sizeof(IPCacheKey), ctypes.sizeof(IPCacheValue), max_entries, BPF_F_NO_PREALLOC
+        NAME,
+        MapType.LPM_TRIE,
+        ctypes.sizeof(IPCacheKey),
+        ctypes.sizeof(IPCacheValue),
+        sizes.ipcache,
+        BPF_F_NO_PREALLOC,
     )
 
 

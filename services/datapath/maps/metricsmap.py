@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
+from services.datapath.maps.sizes import MapSizes
 from services.datapath.types import CounterKey, Counters, CounterValue, Direction, Reason
 
 NAME = "metrics"
@@ -38,8 +39,8 @@ class MetricsValue(ctypes.Structure):
 C_STRUCTS = ((MetricsKey, "metrics_key"), (MetricsValue, "metrics_value"))
 
 
-def spec(max_entries: int) -> MapSpec:
-    return MapSpec(NAME, MapType.PERCPU_HASH, ctypes.sizeof(MetricsKey), ctypes.sizeof(MetricsValue), max_entries)
+def spec(sizes: MapSizes) -> MapSpec:
+    return MapSpec(NAME, MapType.PERCPU_HASH, ctypes.sizeof(MetricsKey), ctypes.sizeof(MetricsValue), sizes.metrics)
 
 
 class MetricsMap:

@@ -15,6 +15,12 @@ The value records the port range of the entry that owns the prefix, so a dump
 re-assembles entries exactly, including adjacent ranges. An entry whose every
 block is also a block of another entry of the same (endpoint, direction,
 identity, protocol, verdict) adds nothing and folds into it in the dump.
+
+A prefix two entries of one group share (``1000-2047`` and ``1024-2047`` both
+hold the block ``1024/6``) is owned by the first of them in sort order, as
+:func:`encode` writes it. :func:`encode_delta` keeps exactly that when entries
+come and go, so a delta leaves the map as a full :func:`encode` of the result
+would: removing one of the two keeps the shared prefix, now owned by the other.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import socket
 from collections.abc import Iterable, Mapping
 
 from services.datapath.maps.bpf import BPF_F_NO_PREALLOC, MapSpec, MapType, PinnedMap
+from services.datapath.maps.sizes import MapSizes
 from services.datapath.types import (
     IDENTITY_ANY,
     MAX_PORT,
@@ -70,13 +77,13 @@ class PolicyMapValue(ctypes.Structure):
 C_STRUCTS = ((PolicyMapKey, "policy_key"), (PolicyMapValue, "policy_value"))
 
 
-def spec(max_entries: int) -> MapSpec:
+def spec(sizes: MapSizes) -> MapSpec:
     return MapSpec(
         NAME,
         MapType.LPM_TRIE,
         ctypes.sizeof(PolicyMapKey),
         ctypes.sizeof(PolicyMapValue),
-        max_entries,
+        sizes.policy,
         BPF_F_NO_PREALLOC,
     )
 
@@ -117,15 +124,79 @@ def range_to_blocks(low: int, high: int) -> list[tuple[int, int]]:
     return blocks
 
 
+def normalize(entries: Iterable[PolicyEntry]) -> list[PolicyEntry]:
+    """One verdict per key, deny winning over allow (as it would in the datapath), sorted. Pure."""
+    by_key: dict[PolicyKey, Verdict] = {}
+    for entry in entries:
+        if by_key.get(entry.key) is not Verdict.DENY:
+            by_key[entry.key] = entry.verdict
+    return sorted(PolicyEntry(k, v) for k, v in by_key.items())
+
+
+#: Entries whose prefixes can coincide: same direction, remote identity, protocol and verdict.
+Group = tuple[Direction, int, Protocol, Verdict]
+
+
+def group_of(entry: PolicyEntry) -> Group:
+    key = entry.key
+    return (key.direction, key.remote_identity, key.protocol, entry.verdict)
+
+
+def prefixes_of(ep_id: int, entry: PolicyEntry) -> list[Prefix]:
+    """The trie prefixes of one entry (one per aligned port block). Pure."""
+    key = entry.key
+    return [
+        Prefix(ep_id, key.direction, key.remote_identity, key.protocol, entry.verdict, port, bits)
+        for port, bits in range_to_blocks(*key.port_range)
+    ]
+
+
 def encode(ep_id: int, entries: Iterable[PolicyEntry]) -> PrefixMap:
     """The trie contents for one endpoint's entries. Pure and deterministic."""
     out: PrefixMap = {}
     for entry in sorted(set(entries)):
-        key = entry.key
-        for port, bits in range_to_blocks(*key.port_range):
-            prefix = Prefix(ep_id, key.direction, key.remote_identity, key.protocol, entry.verdict, port, bits)
-            out.setdefault(prefix, (key.port_low, key.port_high))
+        for prefix in prefixes_of(ep_id, entry):
+            out.setdefault(prefix, (entry.key.port_low, entry.key.port_high))
     return out
+
+
+def encode_delta(
+    ep_id: int, add: Iterable[PolicyEntry], remove: Iterable[PolicyEntry], keep: Iterable[PolicyEntry] = ()
+) -> tuple[PrefixMap, list[Prefix]]:
+    """The writes and deletes that take the trie from ``encode(keep + remove)`` to ``encode(keep + add)``. Pure.
+
+    Only the prefixes of the added and removed entries are computed, so a one-entry
+    change costs that entry's prefixes, whatever the size of the map. ``keep`` are the
+    entries present before and after that share a :func:`group_of` with an added or
+    removed one (others are ignored): a shared prefix changes owner instead of going
+    away, and a prefix whose owner is unchanged is not rewritten.
+    """
+    add, remove = list(add), list(remove)
+    touched = {p for entry in (*add, *remove) for p in prefixes_of(ep_id, entry)}
+    groups = {group_of(entry) for entry in (*add, *remove)}
+    kept = [entry for entry in keep if group_of(entry) in groups]
+
+    def owners(entries: Iterable[PolicyEntry]) -> PrefixMap:
+        out: PrefixMap = {}
+        for entry in sorted(set(entries)):
+            for prefix in prefixes_of(ep_id, entry):
+                if prefix in touched:
+                    out.setdefault(prefix, (entry.key.port_low, entry.key.port_high))
+        return out
+
+    before, after = owners([*kept, *remove]), owners([*kept, *add])
+    writes = {p: owner for p, owner in after.items() if before.get(p) != owner}
+    deletes = sorted(p for p in before if p not in after)
+    return writes, deletes
+
+
+def diff(
+    current: Mapping[Prefix, tuple[int, int]], desired: Mapping[Prefix, tuple[int, int]]
+) -> tuple[PrefixMap, list[Prefix]]:
+    """Writes and deletes that turn ``current`` into ``desired`` (a full sync). Pure."""
+    writes = {p: v for p, v in desired.items() if current.get(p) != v}
+    stale = [p for p in current if p not in desired]
+    return writes, stale
 
 
 def decode(prefixes: Mapping[Prefix, tuple[int, int]]) -> list[PolicyEntry]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
+from services.datapath.maps.sizes import MapSizes
 
 NAME = "state"
 
@@ -28,7 +29,8 @@ class StateValue(ctypes.Structure):
 C_STRUCTS = ((StateKey, "state_key"), (StateValue, "state_value"))
 
 
-def spec() -> MapSpec:
+def spec(sizes: MapSizes) -> MapSpec:
+    """One slot, whatever the sizes."""
     return MapSpec(NAME, MapType.ARRAY, ctypes.sizeof(StateKey), ctypes.sizeof(StateValue), 1)
 
 

@@ -1,0 +1,564 @@
+"""The endpoint manager: the lifecycle of local pods (create, delete, relabel, restore, reclaim).
+
+One task (:meth:`EndpointManager.run`) owns every endpoint and, through its
+:class:`~services.datapath.realizer.Realizer`, the desired policy of every local
+identity; everything that changes them is a command on its queue, so no lock exists
+and none is held across network I/O: calls to IPAMService, IdentityService and
+PolicyService happen in the caller's task, before or after the command that commits
+their result. BPF and netlink calls block, so they go through ``asyncio.to_thread``.
+
+Requests arrive translated (``wire``): nothing here sees protobuf or grpc. Failures of
+other services arrive as :class:`UpstreamError` with their status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+from services.common.backoff import retry_forever
+from services.common.errors import Code
+from services.common.labels import LABEL_POD_NAMESPACE
+from services.common.log import get_logger
+from services.datapath import netns as netns_mod
+from services.datapath import types as dt
+from services.datapath.datapath import DatapathAPI
+from services.datapath.endpoint import (
+    MAX_ENDPOINT_ID,
+    Endpoint,
+    EndpointRef,
+    host_ifname,
+    host_prefix,
+    link_of,
+    netns_name,
+    spec_of,
+)
+from services.datapath.errors import (
+    DatapathFailure,
+    EndpointError,
+    EndpointExists,
+    EndpointNotFound,
+    InvalidRequest,
+    PreconditionFailed,
+    UpstreamError,
+    UpstreamUnavailable,
+)
+from services.datapath.ipamclient import IpamPort, NodeIpam
+from services.datapath.netns import PodLink
+from services.datapath.realizer import IdentityPolicy, RealizationSink, Realizer
+from services.datapath.state import EndpointRecord, EndpointStore
+from services.datapath.validate import validate_labels, validate_request
+
+log = get_logger("endpoints")
+
+T = TypeVar("T")
+
+
+class PodNetwork(Protocol):
+    """Network namespaces, veths, addresses and routes (blocking calls); ``netns.NetnsPodNetwork`` in the service."""
+
+    def setup(self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[dt.Address]) -> PodLink: ...
+
+    def teardown(self, link: PodLink) -> None: ...
+
+    def alive(self, link: PodLink) -> bool:
+        """Whether the namespace and the host veth of a pod still exist."""
+        ...
+
+    def exists(self, netns: str) -> bool:
+        """Whether the network namespace (a path) exists, to be adopted."""
+        ...
+
+
+class PolicySource(Protocol):
+    """What the manager needs from PolicyService: the policy of a new endpoint's identity."""
+
+    async def resync(self, node: str, identities: Sequence[int] = ()) -> dt.ResyncState: ...
+
+
+def identity_labels(namespace: str, labels: Sequence[dt.Label]) -> tuple[dt.Label, ...]:
+    """The labels to allocate an identity for: the given ones plus the pod's namespace label."""
+    out = [dt.Label(x.source or "k8s", x.key, x.value) for x in labels]
+    if not any(x.key == LABEL_POD_NAMESPACE for x in out):
+        out.append(dt.Label("k8s", LABEL_POD_NAMESPACE, namespace))
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class _Command:
+    run: Callable[[], Awaitable[Any]]
+    done: asyncio.Future[Any]
+
+
+class EndpointManager:
+    """Owns local endpoints; its realizer owns their policy."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        datapath: DatapathAPI,
+        network: PodNetwork,
+        store: EndpointStore,
+        ipam: IpamPort,
+        policy: PolicySource,
+        reporter: RealizationSink,
+        backoff_max: float = 5.0,
+    ) -> None:
+        self.node = node
+        self._dp = datapath
+        self._net = network
+        self._store = store
+        self._ipam = ipam
+        self._node_ipam = NodeIpam(ipam, node)
+        self._policy = policy
+        self._reporter = reporter
+        self._backoff_max = backoff_max
+        self._queue: asyncio.Queue[_Command] = asyncio.Queue()
+        self.endpoints: dict[int, Endpoint] = {}
+        self.realizer = Realizer(datapath=datapath, endpoints=self.endpoints, reporter=reporter)
+        #: Ids and pod keys of endpoints being created or deleted (not in ``endpoints`` yet / anymore).
+        self._busy_ids: set[int] = set()
+        self._busy_pods: set[str] = set()
+        self._releases: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()
+
+    # --- the owning task ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Execute commands one at a time, for the life of the service."""
+        while True:
+            command = await self._queue.get()
+            if command.done.cancelled():
+                continue
+            try:
+                result = await command.run()
+            except Exception as exc:
+                if not command.done.done():
+                    command.done.set_exception(exc)
+            else:
+                if not command.done.done():
+                    command.done.set_result(result)
+
+    async def _do(self, fn: Callable[[], Awaitable[T]]) -> T:
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(_Command(fn, done))
+        return await asyncio.shield(done)
+
+    async def run_releases(self) -> None:
+        """Release addresses and identity references of removed endpoints, retrying until IPAM answers."""
+        while True:
+            release = await self._releases.get()
+            await retry_forever("release to IPAM", release, maximum=self._backoff_max)
+
+    # --- policy, through the owning task -----------------------------------------------------------
+
+    async def apply_order(self, batch: dt.OrderBatch) -> None:
+        await self._do(lambda: self.realizer.apply_order(batch))
+
+    async def apply_resync(self, state: dt.ResyncState) -> None:
+        await self._do(lambda: self.realizer.apply_resync(state))
+
+    async def repair(self) -> int:
+        """Dump every endpoint's map and rewrite those that drifted; returns how many were repaired."""
+        return await self._do(self.realizer.repair)
+
+    @property
+    def revision(self) -> int:
+        """The revision of the last order or resync applied."""
+        return self.realizer.revision
+
+    # --- reads (safe from any task: the table is only replaced between awaits) ----------------
+
+    def find(self, ref: EndpointRef) -> Endpoint:
+        if ref.id:
+            ep = self.endpoints.get(ref.id)
+            if ep is not None and (not ref.namespace or ep.record.key == f"{ref.namespace}/{ref.pod}"):
+                return ep
+        else:
+            for ep in self.endpoints.values():
+                if ep.record.namespace == ref.namespace and ep.record.pod == ref.pod:
+                    return ep
+        raise EndpointNotFound(f"{ref} does not exist on node {self.node}; list endpoints to see what does")
+
+    def by_ip(self, ip: str) -> Endpoint | None:
+        for ep in self.endpoints.values():
+            if ip in ep.record.ips:
+                return ep
+        return None
+
+    def local_prefixes(self) -> dict[str, int]:
+        """Host prefixes of local endpoints and their identities."""
+        return {host_prefix(ip): ep.identity for ep in self.endpoints.values() for ip in ep.record.ips}
+
+    def realized_revision(self) -> int:
+        """Lowest realized revision over endpoints (the node's when it has none)."""
+        live = [ep.realized_revision for ep in self.endpoints.values()]
+        return min(live) if live else self.realizer.revision
+
+    async def read_policy_map(self, ref: EndpointRef) -> tuple[Endpoint, dt.Enforcement, list[dt.PolicyEntry]]:
+        """The endpoint's policy map as the kernel holds it."""
+        ep = self.find(ref)
+        enforcement, entries = await asyncio.to_thread(self._dp.dump_policy, ep.id)
+        return ep, enforcement, entries
+
+    # --- create --------------------------------------------------------------------------------
+
+    async def create(self, request: dt.EndpointRequest) -> Endpoint:
+        wanted = validate_request(request)
+        key = request.key
+        owner = f"pod/{key}"
+        netns = request.netns and netns_mod.netns_path(netns_mod.name_of(request.netns))
+        ep_id = await self._do(lambda: self._reserve(key, netns))
+        if netns and not await asyncio.to_thread(self._net.exists, netns):
+            await self._do(lambda: self._unreserve(ep_id, key))
+            raise InvalidRequest(f"netns: network namespace {netns} does not exist; create it or leave netns empty")
+        undo: list[Callable[[], Awaitable[None]]] = []
+        try:
+            # 1. identity (network I/O, outside the owning task)
+            labels: tuple[dt.Label, ...] = ()
+            if request.labels:
+                labels = identity_labels(request.namespace, request.labels)
+                identity = await self._node_ipam.call(
+                    f"allocate an identity for {key}", self._ipam.allocate_identity(labels, self.node, owner)
+                )
+                undo.append(lambda: self._ipam.release_identity(identity, self.node, owner))
+            else:
+                identity = await self._node_ipam.resolve_pod(request.namespace, request.pod)
+            # 2. addresses (with the named ports, which ipam puts in the address's ipcache entry)
+            addresses = []
+            for family, _ in wanted:
+                address = await self._node_ipam.allocate_ip(owner, family, request.ports)
+                addresses.append(address)
+                undo.append(lambda ip=address.ip: self._ipam.release_ip(self.node, ip, owner))  # type: ignore[misc]
+            # 3. namespace, veth, addresses, routes
+            try:
+                link = await asyncio.to_thread(
+                    self._net.setup,
+                    netns=netns or netns_mod.netns_path(netns_name(request.namespace, request.pod)),
+                    create=not netns,
+                    host_ifname=host_ifname(request.namespace, request.pod),
+                    addresses=addresses,
+                )
+            except FileExistsError as exc:
+                field = "netns" if netns else "pod"
+                raise PreconditionFailed(
+                    f"{field}: cannot set up the network of {key}: {exc.strerror or exc}"
+                ) from None
+            except (OSError, ValueError) as exc:
+                raise DatapathFailure(f"cannot set up the network of {key}: {exc}") from exc
+            undo.append(lambda: asyncio.to_thread(self._net.teardown, link))
+            record = EndpointRecord(
+                id=ep_id,
+                namespace=request.namespace,
+                pod=request.pod,
+                netns=link.netns,
+                netns_owned=link.netns_owned,
+                host_ifname=link.host_ifname,
+                host_ifindex=link.host_ifindex,
+                addresses=tuple(addresses),
+                labels=labels,
+                identity_owned=bool(labels),
+                identity=identity,
+                ports=request.ports,
+                created_at=time.time(),
+            )
+            # 4. the identity's policy, fetched if no local endpoint has it yet
+            fetched = await self._fetch_policy(identity)
+            await asyncio.to_thread(self._store.save, record)
+            undo.append(lambda: asyncio.to_thread(self._store.remove, ep_id))
+            # 5. programs and maps
+            ep = await self._do(lambda: self._commit(record, fetched))
+        except BaseException as exc:
+            for step in reversed(undo):
+                try:
+                    await step()
+                except Exception as cleanup:
+                    log.warning("cleanup after failed create failed", pod=key, error=str(cleanup))
+            await self._do(lambda: self._unreserve(ep_id, key))
+            log.warning("endpoint create failed", pod=key, error=str(exc))
+            raise
+        log.info("endpoint created", endpoint=ep.id, pod=key, identity=identity, ips=",".join(record.ips))
+        return ep
+
+    async def _reserve(self, key: str, netns: str) -> int:
+        if key in self._busy_pods or any(ep.record.key == key for ep in self.endpoints.values()):
+            raise EndpointExists(f"pod {key} already has an endpoint on node {self.node}; delete it first")
+        holder = next((ep for ep in self.endpoints.values() if netns and ep.record.netns == netns), None)
+        if holder is not None:
+            raise EndpointExists(
+                f"netns: network namespace {netns} already holds endpoint {holder.id} ({holder.record.key}); "
+                "delete that endpoint first or give the pod its own namespace"
+            )
+        used = set(self.endpoints) | self._busy_ids
+        for ep_id in range(1, MAX_ENDPOINT_ID + 1):
+            if ep_id not in used:
+                self._busy_ids.add(ep_id)
+                self._busy_pods.add(key)
+                return ep_id
+        raise EndpointError(
+            f"node {self.node} has {MAX_ENDPOINT_ID} endpoints, the most it can hold", Code.RESOURCE_EXHAUSTED
+        )
+
+    async def _unreserve(self, ep_id: int, key: str) -> None:
+        self._busy_ids.discard(ep_id)
+        self._busy_pods.discard(key)
+
+    async def _fetch_policy(self, identity: int) -> IdentityPolicy | None:
+        """The identity's policy from PolicyService unless orders keep it here already."""
+        if self.realizer.knows(identity):
+            return None
+        try:
+            state = await self._policy.resync(self.node, [identity])
+        except Exception as exc:
+            # Not fatal: the endpoint waits, and the order that brings its identity fills it in.
+            log.warning("policy of new identity not fetched", identity=identity, error=str(exc))
+            return None
+        for policy in state.policies:
+            if policy.identity == identity:
+                return IdentityPolicy.of(policy, state.sequence, state.revision)
+        return IdentityPolicy.empty(identity, state.sequence, state.revision)
+
+    async def _commit(self, record: EndpointRecord, fetched: IdentityPolicy | None) -> Endpoint:
+        self._busy_ids.discard(record.id)
+        self._busy_pods.discard(record.key)
+        if fetched is not None:
+            self.realizer.learn(fetched)
+        ep = Endpoint(record)
+        try:
+            await asyncio.to_thread(self._dp.attach_endpoint, spec_of(record))
+            for ip in record.ips:
+                await asyncio.to_thread(self._dp.ipcache_upsert, host_prefix(ip), record.identity)
+        except Exception as exc:
+            try:
+                await asyncio.to_thread(self._dp.detach_endpoint, record.id)
+            except Exception:
+                pass
+            raise DatapathFailure(f"cannot attach BPF programs for {record.key}: {exc}") from exc
+        self.endpoints[record.id] = ep
+        await self.realizer.realize(ep, full=True)
+        return ep
+
+    # --- delete --------------------------------------------------------------------------------
+
+    async def delete(self, ref: EndpointRef) -> None:
+        record = await self._do(lambda: self._remove(ref))
+        try:
+            await asyncio.to_thread(self._net.teardown, link_of(record))
+        except Exception as exc:
+            log.warning("network teardown failed", pod=record.key, error=str(exc))
+        await asyncio.to_thread(self._store.remove, record.id)
+        await self._do(lambda: self._unreserve(record.id, record.key))
+        errors = []
+        for ip in record.ips:
+            try:
+                await self._ipam.release_ip(self.node, ip, record.owner)
+            except UpstreamError as exc:
+                if exc.code is not Code.NOT_FOUND:
+                    errors.append(f"address {ip}: {exc}")
+                    self._releases.put_nowait(lambda ip=ip: self._ipam.release_ip(self.node, ip, record.owner))  # type: ignore[misc]
+        if record.identity_owned:
+            try:
+                await self._ipam.release_identity(record.identity, self.node, record.owner)
+            except UpstreamError as exc:
+                if exc.code is not Code.NOT_FOUND:
+                    errors.append(f"identity {record.identity}: {exc}")
+                    self._releases.put_nowait(
+                        lambda: self._ipam.release_identity(record.identity, self.node, record.owner)
+                    )
+        log.info("endpoint deleted", endpoint=record.id, pod=record.key)
+        if errors:
+            raise UpstreamUnavailable(
+                f"endpoint {record.id} ({record.key}) is deleted, but IPAM did not take back "
+                + "; ".join(errors)
+                + "; the datapath keeps retrying in the background"
+            )
+
+    async def _remove(self, ref: EndpointRef) -> EndpointRecord:
+        ep = self.find(ref)
+        self._busy_ids.add(ep.id)
+        self._busy_pods.add(ep.record.key)
+        del self.endpoints[ep.id]
+        self._reporter.deleted(ep.id, ep.identity, ep.record.key)
+        self.realizer.drop_orphans()
+        await asyncio.to_thread(self._dp.detach_endpoint, ep.id)
+        for ip in ep.record.ips:
+            try:
+                await asyncio.to_thread(self._dp.ipcache_delete, host_prefix(ip))
+            except (KeyError, OSError):
+                pass
+        return ep.record
+
+    # --- identity changes --------------------------------------------------------------------------
+
+    async def relabel(self, ref: EndpointRef, labels: Sequence[dt.Label]) -> Endpoint:
+        """Give a pod new labels: allocate their identity, then switch the endpoint to it."""
+        if not labels:
+            raise InvalidRequest("labels: give the pod's new labels; an endpoint without labels has no identity")
+        validate_labels(labels)
+        ep = self.find(ref)
+        record = ep.record
+        new_labels = identity_labels(record.namespace, labels)
+        identity = await self._node_ipam.call(
+            f"allocate an identity for {record.key}", self._ipam.allocate_identity(new_labels, self.node, record.owner)
+        )
+        return await self.switch_identity(record.id, identity, labels=new_labels)
+
+    async def ipcache_identity(self, prefix: str, identity: int, namespace: str, pod: str) -> None:
+        """The ipcache says a local address now has ``identity``: relabel its endpoint.
+
+        Endpoints whose identity the datapath allocated from labels given in the request
+        change only through :meth:`relabel`; the ipcache merely echoes those.
+        """
+        ep = self.by_ip(prefix.split("/", 1)[0])
+        if ep is None or ep.record.identity_owned or ep.identity == identity:
+            return
+        if pod and (namespace, pod) != (ep.record.namespace, ep.record.pod):
+            log.warning(
+                "ipcache names another pod for a local address; ignored",
+                prefix=prefix,
+                pod=f"{namespace}/{pod}",
+                endpoint=ep.id,
+            )
+            return
+        await self.switch_identity(ep.id, identity)
+
+    async def switch_identity(
+        self, ep_id: int, identity: int, *, labels: tuple[dt.Label, ...] | None = None
+    ) -> Endpoint:
+        """Move an endpoint to ``identity`` (see :meth:`Realizer.switch_identity`), fetching its policy first."""
+        fetched = await self._fetch_policy(identity)
+        return await self._do(lambda: self._switch(ep_id, identity, fetched, labels))
+
+    async def _switch(
+        self,
+        ep_id: int,
+        identity: int,
+        fetched: IdentityPolicy | None,
+        labels: tuple[dt.Label, ...] | None,
+    ) -> Endpoint:
+        ep = self.endpoints.get(ep_id)
+        if ep is None:
+            raise EndpointNotFound(f"endpoint {ep_id} was deleted while its identity changed")
+        if fetched is not None:
+            self.realizer.learn(fetched)
+        old = ep.identity
+        record = dataclasses.replace(
+            ep.record,
+            identity=identity,
+            labels=ep.record.labels if labels is None else labels,
+            identity_owned=ep.record.identity_owned or labels is not None,
+        )
+        if record == ep.record:
+            return ep
+        ep.record = record
+        await self.realizer.switch_identity(ep)
+        await asyncio.to_thread(self._store.save, record)
+        log.info("endpoint identity changed", endpoint=ep_id, pod=record.key, old=old, new=identity)
+        return ep
+
+    # --- restore --------------------------------------------------------------------------------
+
+    async def restore(self) -> list[EndpointRecord]:
+        """Re-adopt the endpoints of the state directory; clean up those whose pod is gone.
+
+        The pinned programs and maps enforced the whole time; attaching again only
+        replaces the programs in place. Returns the restored records, whose addresses
+        and identities :meth:`reclaim` confirms with IPAM afterwards.
+        """
+        await asyncio.to_thread(self._store.prepare)
+        records, problems = await asyncio.to_thread(self._store.load_all)
+        for problem in problems:
+            log.warning("endpoint state skipped", error=str(problem))
+        pinned = {p.id for p in await asyncio.to_thread(self._dp.pinned_endpoints)}
+        restored: list[EndpointRecord] = []
+        for record in records:
+            if not await asyncio.to_thread(self._net.alive, link_of(record)):
+                log.info("stale endpoint removed: its namespace is gone", endpoint=record.id, pod=record.key)
+                await self._do(lambda r=record: self._drop_stale(r))  # type: ignore[misc]
+                continue
+            try:
+                await self._do(lambda r=record: self._readopt(r))  # type: ignore[misc]
+            except Exception as exc:
+                log.error("endpoint restore failed", endpoint=record.id, pod=record.key, error=str(exc))
+                continue
+            restored.append(record)
+        known = {r.id for r in records}
+        for ep_id in sorted(pinned - known):
+            log.info("pinned endpoint without state detached", endpoint=ep_id)
+            await asyncio.to_thread(self._dp.detach_endpoint, ep_id)
+        log.info("endpoints restored", restored=len(restored), stale=len(records) - len(restored))
+        return restored
+
+    async def _readopt(self, record: EndpointRecord) -> None:
+        await asyncio.to_thread(self._dp.attach_endpoint, spec_of(record))
+        for ip in record.ips:
+            await asyncio.to_thread(self._dp.ipcache_upsert, host_prefix(ip), record.identity)
+        self.endpoints[record.id] = Endpoint(record, state=dt.EndpointState.RESTORING)
+
+    async def _drop_stale(self, record: EndpointRecord) -> None:
+        await asyncio.to_thread(self._dp.detach_endpoint, record.id)
+        for ip in record.ips:
+            try:
+                await asyncio.to_thread(self._dp.ipcache_delete, host_prefix(ip))
+            except (KeyError, OSError):
+                pass
+        try:
+            await asyncio.to_thread(self._net.teardown, link_of(record))
+        except Exception as exc:
+            log.warning("stale endpoint teardown failed", endpoint=record.id, error=str(exc))
+        await asyncio.to_thread(self._store.remove, record.id)
+        # PolicyService may know it from before the restart (its pod is not in the ipcache).
+        self._reporter.deleted(record.id, record.identity, record.key)
+        for ip in record.ips:
+            self._releases.put_nowait(lambda ip=ip: self._node_ipam.release_ip_quietly(ip, record.owner))  # type: ignore[misc]
+        if record.identity_owned:
+            self._releases.put_nowait(lambda: self._node_ipam.release_identity_quietly(record.identity, record.owner))
+
+    async def reclaim(self, records: Sequence[EndpointRecord]) -> None:
+        """Reserve each restored endpoint's exact addresses and re-take its identity, retrying until IPAM answers."""
+        for record in records:
+
+            async def attempt(record: EndpointRecord = record) -> None:
+                try:
+                    await self._reclaim_one(record)
+                except EndpointError as exc:  # IPAM answered: retrying cannot help
+                    error = str(exc)
+                    await self._do(lambda: self._fail(record.id, error))
+
+            await retry_forever("reclaim endpoint", attempt, maximum=self._backoff_max, endpoint=record.id)
+
+    async def _reclaim_one(self, record: EndpointRecord) -> None:
+        for address in record.addresses:
+            try:
+                await self._ipam.allocate_ip(self.node, record.owner, address.family, address.ip, record.ports)
+            except UpstreamError as exc:
+                if exc.code is Code.ALREADY_EXISTS:
+                    continue  # still ours: the allocation outlived the restart
+                if exc.code in (Code.FAILED_PRECONDITION, Code.INVALID_ARGUMENT):
+                    raise EndpointError(
+                        f"address {address.ip} of {record.key} could not be reserved again ({exc.message}); "
+                        "delete and recreate the endpoint"
+                    ) from None
+                raise
+        if record.identity_owned:
+            identity = await self._ipam.allocate_identity(record.labels, self.node, record.owner)
+        else:
+            try:
+                identity = await self._ipam.resolve_pod(record.namespace, record.pod)
+            except UpstreamError as exc:
+                if exc.code is not Code.NOT_FOUND:
+                    raise
+                identity = record.identity
+        if identity != record.identity:
+            await self.switch_identity(record.id, identity)
+        log.debug("endpoint reclaimed", endpoint=record.id, pod=record.key)
+
+    async def _fail(self, ep_id: int, error: str) -> None:
+        ep = self.endpoints.get(ep_id)
+        if ep is not None:
+            ep.state = dt.EndpointState.FAILED
+            ep.error = error
+            log.error("endpoint failed", endpoint=ep_id, error=error)

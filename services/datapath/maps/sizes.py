@@ -1,0 +1,23 @@
+"""How big each pinned map is made (a pinned map keeps the size it was created with)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MapSizes:
+    """Maximum entries of each map; part of the program template (the C code sizes its maps too)."""
+
+    #: Prefixes in the ipcache (both families).
+    ipcache: int = 65536
+    #: Keys in the endpoints map: one per endpoint plus one per endpoint address.
+    endpoints: int = 16384
+    #: LPM prefixes in the shared policy map (all endpoints together).
+    policy: int = 262144
+    #: Tracked connections (LRU: the least recently used are evicted when full).
+    conntrack: int = 262144
+    #: (endpoint, reason, direction) counter slots.
+    metrics: int = 65536
+    #: Ring buffer size in bytes (a power of two).
+    events_bytes: int = 1 << 22

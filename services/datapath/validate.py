@@ -1,0 +1,73 @@
+"""What a request to the datapath must satisfy: Kubernetes names and labels, addresses, namespaces.
+
+Checked before anything is allocated, so a bad request costs nothing and fails with
+INVALID_ARGUMENT naming the field (``services.common.validation`` has the Kubernetes
+rules). Pure: whether an adopted namespace exists is the pod network's to say.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+
+from services.common.errors import PalisadeError
+from services.common.validation import (
+    shown,
+    validate_label_key,
+    validate_label_value,
+    validate_name,
+    validate_namespace,
+)
+from services.datapath import netns
+from services.datapath import types as dt
+from services.datapath.endpoint import EndpointRef
+from services.datapath.errors import InvalidRequest
+
+#: A label's source (``k8s``, ``reserved``, ...).
+_SOURCE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def _checked(check: Callable[[str, str], None], value: str, field: str) -> None:
+    try:
+        check(value, field)
+    except PalisadeError as exc:
+        raise InvalidRequest(exc.message) from None
+
+
+def validate_pod(namespace: str, pod: str, prefix: str = "") -> None:
+    """A pod named as Kubernetes names it (namespace: DNS-1123 label; pod: DNS-1123 subdomain)."""
+    _checked(validate_namespace, namespace, f"{prefix}namespace")
+    _checked(validate_name, pod, f"{prefix}pod")
+
+
+def validate_labels(labels: Sequence[dt.Label], field: str = "labels") -> None:
+    for i, label in enumerate(labels):
+        if label.source and not _SOURCE.fullmatch(label.source):
+            raise InvalidRequest(
+                f"{field}[{i}].source: {shown(label.source)} is not a label source such as k8s "
+                "(lowercase letters, digits and '-', at most 63)"
+            )
+        _checked(validate_label_key, label.key, f"{field}[{i}].key")
+        _checked(validate_label_value, label.value, f"{field}[{i}].value")
+
+
+def validate_ref(ref: EndpointRef) -> None:
+    if ref.namespace or ref.pod:
+        validate_pod(ref.namespace, ref.pod)
+
+
+def request_families(request: dt.EndpointRequest) -> tuple[tuple[int, str], ...]:
+    """The families to allocate an address of (IPv4 only when none is given), with no address asked for."""
+    return tuple((family, "") for family in dict.fromkeys(request.families or (4,)))
+
+
+def validate_request(request: dt.EndpointRequest) -> tuple[tuple[int, str], ...]:
+    """Check a CreateEndpoint request; returns what :func:`request_families` returns."""
+    validate_pod(request.namespace, request.pod)
+    validate_labels(request.labels)
+    if request.netns:
+        try:
+            netns.name_of(request.netns)
+        except ValueError as exc:
+            raise InvalidRequest(f"netns: {exc}") from None
+    return request_families(request)

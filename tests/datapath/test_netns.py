@@ -1,0 +1,54 @@
+"""Pod networks as the service, the tests and the benchmarks all wire them (netns.create_pod), root only."""
+
+from __future__ import annotations
+
+import errno
+import secrets
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from services.datapath import netns
+
+pytestmark = [pytest.mark.root]
+
+
+@pytest.fixture
+def name() -> Iterator[str]:
+    ns = "pn" + secrets.token_hex(3)
+    yield ns
+    for left in (ns, ns + "b"):
+        subprocess.run(["ip", "link", "del", left], capture_output=True, check=False)
+    netns.delete_netns(ns)
+
+
+def test_created_adopted_and_refused_namespaces(name: str) -> None:
+    pod = netns.create_pod(name, name, ["10.251.250.9"])
+    assert pod.netns == f"/run/netns/{name}" and pod.netns_owned and pod.host_ifindex > 0
+    assert netns.pod_alive(pod)
+
+    # The same namespace again: it exists, so creating it is refused by name.
+    with pytest.raises(FileExistsError) as err:
+        netns.create_pod(name, name + "b", ["10.251.250.10"])
+    assert err.value.errno == errno.EEXIST and f"network namespace {name} already exists" in str(err.value)
+
+    # Adopting it for a second pod: its eth0 is taken. Refused by name (not a bare netlink error),
+    # and the refusal leaves the first pod's network as it was.
+    with pytest.raises(FileExistsError) as err:
+        netns.create_pod(pod.netns, name + "b", ["10.251.250.10"], create=False)
+    assert err.value.errno == errno.EEXIST and "already has an interface eth0" in str(err.value)
+    assert netns.pod_alive(pod)
+    assert subprocess.run(["ip", "link", "show", name + "b"], capture_output=True).returncode != 0
+
+    netns.delete_pod(pod)
+    assert not netns.pod_alive(pod)
+
+
+def test_an_adopted_namespace_is_left_to_its_owner(name: str) -> None:
+    netns.create_netns(name)
+    pod = netns.create_pod(f"/run/netns/{name}", name, ["10.251.250.11"], create=False)
+    assert not pod.netns_owned and netns.pod_alive(pod)
+    netns.delete_pod(pod)
+    assert not netns.pod_alive(pod)
+    assert netns.NetnsPodNetwork().exists(pod.netns), "the caller's namespace stays"
