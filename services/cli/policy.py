@@ -154,6 +154,13 @@ def cmd_get(args: argparse.Namespace) -> int:
 def _wait(stub: policy_pb2_grpc.PolicyServiceStub, revision: int, timeout: float) -> policy_pb2.WaitForRevisionResponse:
     req = policy_pb2.WaitForRevisionRequest(revision=revision, timeout_seconds=timeout)
     resp: policy_pb2.WaitForRevisionResponse = call("policy", stub.WaitForRevision, req, timeout=timeout + 10)
+    if resp.failed:
+        failed = [e for e in resp.behind if e.error]
+        lines = "\n".join(
+            f"  {e.node}/{e.pod or e.endpoint_id} at revision {e.failed_revision}: {e.error}" for e in failed[:10]
+        )
+        more = f"\n  and {len(failed) - 10} more" if len(failed) > 10 else ""
+        raise CLIError(f"revision {revision} failed to be realized by {len(failed)} endpoint(s):\n{lines}{more}")
     if not resp.realized:
         behind = ", ".join(f"{e.node}/{e.pod or e.endpoint_id} at {e.realized_revision}" for e in resp.behind[:10])
         more = f" and {len(resp.behind) - 10} more" if len(resp.behind) > 10 else ""

@@ -22,10 +22,17 @@ log = get_logger("grpc")
 T = TypeVar("T")
 
 StatusProvider = Callable[[common_pb2.ServiceStatus], None]
+#: Why a dependency cannot be used right now; None when it can.
+DependencyProbe = Callable[[], str | None]
 
 
 class StatusServicer(common_pb2_grpc.StatusServiceServicer):
-    """Serves ServiceStatus; the service fills in its own figures through ``provider``."""
+    """Serves ServiceStatus; the service fills in its own figures through ``provider``.
+
+    Dependencies (the bus, ...) added with :meth:`add_dependency` show in ``details``
+    as ``<name>=ok`` or what is wrong; while one is down the service is not ``synced``
+    (it may still answer from what it knows, so health is left alone).
+    """
 
     def __init__(self, service: str, node: str) -> None:
         self._service = service
@@ -33,12 +40,21 @@ class StatusServicer(common_pb2_grpc.StatusServiceServicer):
         self._started = Timestamp()
         self._started.FromNanoseconds(time.time_ns())
         self.provider: StatusProvider | None = None
+        self._dependencies: dict[str, DependencyProbe] = {}
+
+    def add_dependency(self, name: str, probe: DependencyProbe) -> None:
+        self._dependencies[name] = probe
 
     def snapshot(self) -> common_pb2.ServiceStatus:
         status = common_pb2.ServiceStatus(service=self._service, version=__version__, node=self._node)
         status.started_at.CopyFrom(self._started)
         if self.provider is not None:
             self.provider(status)
+        for name, probe in self._dependencies.items():
+            problem = probe()
+            status.details[name] = "ok" if problem is None else f"down: {problem}"
+            if problem is not None:
+                status.synced = False
         return status
 
     async def GetStatus(

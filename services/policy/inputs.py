@@ -9,10 +9,8 @@ ahead of it) and the identity and ipcache streams have been replayed.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from nats.aio.msg import Msg
-from nats.js import api as jsapi
 
 from palisade.v1 import identity_pb2, k8s_pb2
 from services.common.bus import SYNCED_SUBJECT, Bus, Follower
@@ -36,22 +34,14 @@ class Inputs:
         self._bus = bus
         self._controller = controller
         self.k8s_synced = asyncio.Event()
-        self._k8s_sub: Any = None
+        self._k8s: Follower | None = None
         self._identity: Follower | None = None
         self._ipcache: Follower | None = None
 
     async def start(self) -> None:
         # One ordered consumer over the policy kinds and the marker keeps their stream order,
         # so when the marker arrives every delta of the initial list is already queued.
-        self._k8s_sub = await self._bus.js.subscribe(
-            "palisade.k8s.>",
-            cb=self._on_k8s,
-            ordered_consumer=True,
-            config=jsapi.ConsumerConfig(
-                deliver_policy=jsapi.DeliverPolicy.ALL,
-                filter_subjects=[*POLICY_SUBJECTS, SYNCED_SUBJECT],
-            ),
-        )
+        self._k8s = await self._bus.follow_raw([*POLICY_SUBJECTS, SYNCED_SUBJECT], self._on_k8s)
         self._identity = await self._bus.follow(IDENTITY_SUBJECTS, identity_pb2.IdentityUpdate, self._on_identity)
         self._ipcache = await self._bus.follow(IPCACHE_SUBJECTS, identity_pb2.IpcacheEntry, self._on_ipcache)
 
@@ -63,14 +53,9 @@ class Inputs:
         log.info("inputs synced")
 
     async def stop(self) -> None:
-        for follower in (self._identity, self._ipcache):
+        for follower in (self._k8s, self._identity, self._ipcache):
             if follower is not None:
                 await follower.stop()
-        if self._k8s_sub is not None:
-            try:
-                await self._k8s_sub.unsubscribe()
-            except Exception:  # already closed with the connection
-                pass
 
     async def _on_k8s(self, msg: Msg) -> None:
         try:

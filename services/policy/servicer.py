@@ -8,16 +8,18 @@ has not loaded its initial state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import grpc
-import yaml
 
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
+from services.common.errors import clip
 from services.policy import metrics
 from services.policy.controller import Controller, JobKind
 from services.policy.core import Outcome, PolicyCore, PolicyView, RequestError, TraceAnswer
+from services.policy.documents import DocumentError, dump_document, split_documents
 from services.policy.model import PolicyKey, PolicyKind, Protocol
 from services.policy.realized import Lag, Report
 from services.policy.sources import Source, object_key, parse_kind, source_from_proto, split_engine_key
@@ -28,6 +30,8 @@ _NOT_SYNCED = (
     "the policy service is still loading its initial state (waiting for the watcher's synced marker "
     "and the identity and ipcache streams); retry when its health is SERVING"
 )
+#: A change whose caller has less time left than this is not applied: the answer would come too late.
+_MIN_TIME_LEFT = 1.0
 _PROTOCOLS = {int(p): p for p in (Protocol.TCP, Protocol.UDP, Protocol.SCTP, Protocol.ICMP, Protocol.ICMPV6)}
 
 
@@ -37,44 +41,32 @@ async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
     raise AssertionError("grpc abort returned")
 
 
-class DocumentError(ValueError):
-    """The documents of an import cannot be read."""
-
-
-def split_documents(text: str, origin: str) -> list[tuple[str, Mapping[str, Any]]]:
-    """(label, object) for each object in multi-document YAML/JSON; ``List`` kinds are expanded."""
-    where = origin or "documents"
-    try:
-        loaded = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise DocumentError(f"{where}: not valid YAML or JSON{at}: {problem}") from None
-    out: list[tuple[str, Mapping[str, Any]]] = []
-    for i, doc in enumerate(loaded):
-        label = f"{where}[{i}]" if len(loaded) > 1 else where
-        if not isinstance(doc, Mapping):
-            raise DocumentError(f"{label}: expected an object with kind and metadata, got {type(doc).__name__}")
-        items = doc.get("items")
-        if str(doc.get("kind", "")).endswith("List") and isinstance(items, list):
-            for j, item in enumerate(items):
-                if not isinstance(item, Mapping):
-                    raise DocumentError(f"{label}.items[{j}]: expected an object, got {type(item).__name__}")
-                out.append((f"{label}.items[{j}]", item))
-        else:
-            out.append((label, doc))
-    if not out:
-        raise DocumentError(f"{where}: no documents; pass the YAML or JSON of one or more policies")
-    return out
-
-
 def _state(view: PolicyView) -> policy_pb2.PolicyState.ValueType:
     if view.record.rejected:
         return policy_pb2.POLICY_STATE_REJECTED
+    if view.rollup.failed:
+        return policy_pb2.POLICY_STATE_FAILED
     if view.rollup.realized:
         return policy_pb2.POLICY_STATE_REALIZED
     return policy_pb2.POLICY_STATE_REALIZING
+
+
+class CallerGone(Exception):
+    """The caller's deadline passed (or it cancelled) before its change was applied; nothing changed."""
+
+
+def still_wanted(context: grpc.aio.ServicerContext) -> Callable[[], None]:
+    """A check, run by the state owner right before applying a change, that the caller still waits.
+
+    A change applied after the caller gave up would be a success reported as a failure.
+    """
+
+    def check() -> None:
+        remaining = context.time_remaining()
+        if context.cancelled() or (remaining is not None and remaining < _MIN_TIME_LEFT):
+            raise CallerGone("the call's deadline passed before the change was applied; nothing was changed")
+
+    return check
 
 
 def status_to_proto(view: PolicyView) -> policy_pb2.PolicyStatus:
@@ -82,14 +74,17 @@ def status_to_proto(view: PolicyView) -> policy_pb2.PolicyStatus:
     error = r.error
     if r.rejected and r.policy is not None:
         error += f" (the version accepted at revision {r.revision} stays enforced)"
+    elif view.rollup.failed:
+        error = _failures_text(view.rollup.failures)
     status = policy_pb2.PolicyStatus(
         ref=ref_to_proto(r.key),
         source=r.source.to_proto(),
         state=_state(view),
-        error=error,
+        error=clip(error),
         revision=r.revision,
         subjects=view.subjects,
         document=r.document,
+        origin=r.origin,
         nodes_total=len(view.rollup.nodes),
         nodes_realized=view.rollup.nodes_realized,
     )
@@ -104,9 +99,16 @@ def status_to_proto(view: PolicyView) -> policy_pb2.PolicyStatus:
                 realized_revision=n.realized_revision,
                 endpoints=n.endpoints,
                 endpoints_realized=n.endpoints_realized,
+                endpoints_failed=n.endpoints_failed,
             )
         )
     return status
+
+
+def _failures_text(failures: Sequence[Lag], limit: int = 5) -> str:
+    shown = "; ".join(lag.describe() for lag in failures[:limit])
+    more = f"; and {len(failures) - limit} more" if len(failures) > limit else ""
+    return clip(f"realization failed: {shown}{more}")
 
 
 def _outcome_status(outcome: Outcome, doc: Mapping[str, Any]) -> policy_pb2.PolicyStatus:
@@ -125,7 +127,7 @@ def _outcome_status(outcome: Outcome, doc: Mapping[str, Any]) -> policy_pb2.Poli
         ref=ref,
         source=outcome.source.to_proto(),
         state=policy_pb2.POLICY_STATE_UNSPECIFIED if outcome.accepted else policy_pb2.POLICY_STATE_REJECTED,
-        error=outcome.error,
+        error=clip(outcome.error),
         document=outcome.document,
     )
     if outcome.policy is not None:
@@ -173,6 +175,8 @@ def lag_to_proto(lag: Lag) -> policy_pb2.EndpointLag:
         identity=lag.identity,
         realized_revision=lag.realized,
         pod=lag.pod,
+        error=clip(lag.error),
+        failed_revision=lag.failed,
     )
 
 
@@ -234,23 +238,31 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 "documents is empty; pass the YAML or JSON of one or more policies",
             )
         try:
-            docs = split_documents(request.documents, request.origin)
+            # Large files take seconds to read: off the event loop, which keeps serving meanwhile.
+            docs = await asyncio.to_thread(split_documents, request.documents, request.origin)
         except DocumentError as exc:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, clip(str(exc)))
         if not request.dry_run:
             await self._require_synced(context)
-        texts = [yaml.safe_dump(dict(doc), sort_keys=False) for _, doc in docs]
+        texts = await asyncio.to_thread(lambda: [dump_document(doc) for _, doc in docs])
+        provenance = f"api {request.origin}" if request.origin else "api"
+        check = still_wanted(context)
 
         def apply(core: PolicyCore, now: float) -> list[Outcome]:
+            if not request.dry_run:
+                check()
             return [
-                core.upsert(Source.API, doc, text, now, origin=label, dry_run=request.dry_run)
+                core.upsert(Source.API, doc, text, now, origin=label, provenance=provenance, dry_run=request.dry_run)
                 for (label, doc), text in zip(docs, texts, strict=True)
             ]
 
-        if request.dry_run:
-            outcomes = await self._controller.call(apply, JobKind.READ)
-        else:
-            outcomes = await self._controller.call(apply, JobKind.CHANGE, durable=True)
+        try:
+            if request.dry_run:
+                outcomes = await self._controller.call(apply, JobKind.READ)
+            else:
+                outcomes = await self._controller.call(apply, JobKind.CHANGE, durable=True)
+        except CallerGone as exc:
+            await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         for outcome in outcomes:
             if not outcome.accepted:
                 metrics.REJECTED.labels(Source.API.value).inc()
@@ -264,6 +276,9 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                         response.policies.append(status_to_proto(core.view(record)))
                         continue
                 response.policies.append(_outcome_status(outcome, doc))
+            for status in response.policies:
+                # The caller has the documents: echoing them back could make the answer huge.
+                status.document = ""
             return response
 
         return await self._controller.call(answer)
@@ -280,9 +295,16 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 f"{key} comes from Kubernetes; delete it there (kubectl delete) or from the manifest folder",
             )
         await self._require_synced(context)
-        existed = await self._controller.call(
-            lambda core, now: core.delete(source, key, now), JobKind.CHANGE, durable=True
-        )
+        check = still_wanted(context)
+
+        def apply(core: PolicyCore, now: float) -> bool:
+            check()
+            return core.delete(source, key, now)
+
+        try:
+            existed = await self._controller.call(apply, JobKind.CHANGE, durable=True)
+        except CallerGone as exc:
+            await abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         if not existed:
             await abort(
                 context,
@@ -382,6 +404,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             realized=not behind,
             behind=[lag_to_proto(lag) for lag in behind],
             current_revision=await self._revision(),
+            failed=any(lag.error for lag in behind),
         )
 
     async def ReportRealized(
@@ -402,7 +425,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 problem = f"pod {r.pod!r} must be namespace/name"
             if problem:
                 await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"reports[{i}]: {problem}")
-            reports.append(Report(r.node, r.endpoint_id, r.identity, r.revision, r.pod, r.deleted))
+            reports.append(Report(r.node, r.endpoint_id, r.identity, r.revision, r.pod, r.deleted, clip(r.error)))
 
         def apply(core: PolicyCore, now: float) -> None:
             for _revision, caused_at in core.report(reports, now):
