@@ -567,10 +567,10 @@ def engine_part(policies: int, identities: int, namespaces: int, samples: int) -
     from bench.bench_engine import TIERS as ENGINE_TIERS
     from bench.bench_engine import make_identities, make_policy
     from services.common.labels import pod_identity_labels
-    from services.policy.engine import PolicyEngine
-    from services.policy.identity import Identity
-    from services.policy.model import Protocol
-    from services.policy.parse import parse_policy
+    from services.policy.engine.identity import Identity
+    from services.policy.engine.model import Protocol
+    from services.policy.engine.parse import parse_policy
+    from services.policy.engine.policyengine import PolicyEngine
 
     rng = random.Random(7)
     t = time.perf_counter()

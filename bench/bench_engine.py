@@ -27,10 +27,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.labels import pod_identity_labels
-from services.policy.engine import ChangeResult, PolicyEngine
-from services.policy.identity import Identity, LocalAllocator
-from services.policy.model import Protocol
-from services.policy.parse import parse_policy
+from services.policy.engine.identity import Identity, LocalAllocator
+from services.policy.engine.model import Protocol
+from services.policy.engine.parse import parse_policy
+from services.policy.engine.policyengine import ChangeResult, PolicyEngine
 
 APPS = [f"app{i}" for i in range(10)]
 TIERS = ["web", "api", "db"]

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.common.labels import LabelSet
 from services.common.store import connect_etcd
-from services.ipam.allocator import IdentityAllocator
 from services.ipam.config import IPAMMode
+from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases

@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from services.policy.analyze import AnalyzeError, Document, Probe, ProbeResult, analyze
+from services.policy.engine.analyze import AnalyzeError, Document, Probe, ProbeResult, analyze
 
 _YAML_SUFFIXES = (".yaml", ".yml", ".json")
 

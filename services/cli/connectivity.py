@@ -26,8 +26,8 @@ from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc, policy_pb2,
 from services.cli.analyze import load_documents
 from services.cli.client import CLIError, add_address_flags, call, channel, print_json, progress, run
 from services.common.labels import pod_identity_labels
-from services.policy.analyze import AnalyzeError, Document, Probe, build_model
-from services.policy.parse import POLICY_KINDS
+from services.policy.engine.analyze import AnalyzeError, Document, Probe, build_model
+from services.policy.engine.parse import POLICY_KINDS
 
 PROTOCOLS = {"TCP": common_pb2.PROTOCOL_TCP, "UDP": common_pb2.PROTOCOL_UDP, "SCTP": common_pb2.PROTOCOL_SCTP}
 

@@ -6,9 +6,13 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from services.common.backoff import Backoff
 from services.common.log import get_logger
 
 T = TypeVar("T")
+
+#: Longest wait between two startup attempts, seconds.
+MAX_STARTUP_BACKOFF = 5.0
 
 log = get_logger("retry")
 
@@ -26,8 +30,8 @@ async def with_retries(
     backoff: float,
     hint: str,
 ) -> T:
-    """Call ``attempt`` until it succeeds, ``retries`` times at most, doubling the wait up to 5 s."""
-    delay = backoff
+    """Call ``attempt`` until it succeeds, ``retries`` times at most, doubling the wait from ``backoff`` up to 5 s."""
+    delays = Backoff(backoff, max(backoff, MAX_STARTUP_BACKOFF))
     last: BaseException | None = None
     for n in range(1, max(1, retries) + 1):
         try:
@@ -36,8 +40,7 @@ async def with_retries(
             last = exc
         log.warning("dependency not reachable yet", what=what, address=address, attempt=n, error=str(last))
         if n < retries:
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            await delays.sleep()
     raise StartupError(f"cannot reach {what} at {address} after {retries} attempts ({last}); {hint}")
 
 

@@ -26,6 +26,7 @@ import aetcd
 import grpc
 from aetcd import rpc
 
+from services.common.backoff import Backoff
 from services.common.log import get_logger
 
 log = get_logger("etcd")
@@ -224,7 +225,7 @@ class Store:
 
     async def _call(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
         deadline = time.monotonic() + self.patience
-        delay = 0.05
+        backoff = Backoff(0.05, 1.0)
         n = 0
         while True:
             n += 1
@@ -242,6 +243,7 @@ class Store:
                 error = str(exc)
             except TimeoutError:
                 error = "connect timed out"
+            delay = backoff.next()
             if time.monotonic() + delay > deadline:
                 raise StoreUnavailable(
                     f"etcd did not answer {what} for {self.patience:.0f}s ({error}); check that etcd is up"
@@ -249,7 +251,6 @@ class Store:
             if n == 1 or n % 20 == 0:
                 log.warning("etcd call failed, retrying", call=what, attempt=n, error=error)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
 
     @property
     def _meta(self) -> Any:

@@ -36,8 +36,8 @@ from typing import Any
 from palisade.v1 import identity_pb2
 from services.common.labels import LabelSet
 from services.common.log import get_logger
-from services.ipam.allocator import IdentityAllocator
 from services.ipam.errors import ErrorCode, IpamError
+from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import StoreUnavailable
 from services.ipam.model import Identity

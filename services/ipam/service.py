@@ -20,9 +20,9 @@ from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, SYN
 from services.common.log import get_logger
 from services.common.runner import ServiceContext, run_service
 from services.ipam import metrics
-from services.ipam.allocator import IdentityAllocator
 from services.ipam.config import IPAMConfig
 from services.ipam.gc import GcTracker
+from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store, StoreError
 from services.ipam.leases import NodeLeases

@@ -16,8 +16,8 @@ import grpc
 from palisade.v1 import identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc
 from services.common.log import get_logger
 from services.ipam import metrics
-from services.ipam.allocator import IdentityAllocator
 from services.ipam.errors import ErrorCode, IpamError
+from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocation, IPAllocator
 from services.ipam.kv import StoreError, StoreUnavailable
 from services.ipam.model import RESERVED, carries, labels_from_proto, reserved_identity

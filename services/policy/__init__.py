@@ -1,1 +1,1 @@
-"""The policy engine (pure) and the policy service around it."""
+"""The policy service: the pure engine (:mod:`services.policy.engine`) and the I/O shell around it."""

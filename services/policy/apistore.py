@@ -25,15 +25,15 @@ from nats.js.object_store import ObjectStore
 
 from services.common.bus import Bus
 from services.common.log import get_logger
-from services.policy.model import PolicyKey, PolicyKind
-from services.policy.registry import ApiChange, StoredPolicy
+from services.policy.engine.model import PolicyKind, PolicyRef
+from services.policy.engine.registry import ApiChange, StoredPolicy
 
 log = get_logger("apistore")
 
 _FORMAT = 1
 
 
-def object_name(key: PolicyKey) -> str:
+def object_name(key: PolicyRef) -> str:
     return f"{key.kind.value}/{key.namespace}/{key.name}"
 
 
@@ -56,7 +56,7 @@ def decode_policy(data: bytes, *, where: str) -> StoredPolicy:
         raw: Any = json.loads(data)
         if raw.get("version") != _FORMAT:
             raise ValueError(f"unknown format version {raw.get('version')!r}")
-        key = PolicyKey(PolicyKind(raw["kind"]), str(raw["namespace"]), str(raw["name"]))
+        key = PolicyRef(PolicyKind(raw["kind"]), str(raw["namespace"]), str(raw["name"]))
         obj = raw["object"]
         if not isinstance(obj, dict):
             raise ValueError("object is not a JSON object")
@@ -67,7 +67,7 @@ def decode_policy(data: bytes, *, where: str) -> StoredPolicy:
 
 def collapse(changes: Sequence[ApiChange]) -> list[ApiChange]:
     """The last change per key, in the order keys were first changed."""
-    last: dict[PolicyKey, StoredPolicy | None] = {}
+    last: dict[PolicyRef, StoredPolicy | None] = {}
     for key, stored in changes:
         last[key] = stored
     return list(last.items())

@@ -22,11 +22,11 @@ from typing import Any, Generic, Protocol, TypeVar
 from palisade.v1 import policy_pb2
 from services.common.log import get_logger
 from services.policy import metrics
-from services.policy.core import Commit, PolicyCore
-from services.policy.orders import PersistedState, PlannedOrder, encode
-from services.policy.realized import Lag
-from services.policy.registry import ApiChange
-from services.policy.sources import Source
+from services.policy.engine.core import Commit, PolicyCore
+from services.policy.engine.orders import PersistedState, PlannedOrder, encode
+from services.policy.engine.realized import Lag
+from services.policy.engine.registry import ApiChange
+from services.policy.engine.sources import Source
 
 log = get_logger("controller")
 

@@ -17,8 +17,8 @@ from services.common.bus import SYNCED_SUBJECT, Bus, Follower
 from services.common.log import get_logger
 from services.policy import metrics
 from services.policy.controller import Controller
-from services.policy.core import PolicyCore
-from services.policy.sources import KIND_TOKENS
+from services.policy.engine.core import PolicyCore
+from services.policy.engine.sources import KIND_TOKENS
 
 log = get_logger("inputs")
 

@@ -19,8 +19,9 @@ from nats.js import api as jsapi
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from services.common.backoff import Backoff
 from services.common.log import get_logger
-from services.policy.orders import PersistedState
+from services.policy.engine.orders import PersistedState
 
 log = get_logger("revision")
 
@@ -57,8 +58,8 @@ def decode_state(data: bytes, *, where: str) -> PersistedState:
     return PersistedState(revision, {str(k): int(v) for k, v in sequences.items()})
 
 
-class StateStore:
-    """Load and save :class:`PersistedState` under one key of a KV bucket."""
+class RevisionStore:
+    """The policy revision and per-node order sequences (:class:`PersistedState`), under one key of a KV bucket."""
 
     def __init__(self, kv: KeyValue, bucket: str, *, pause: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self._kv = kv
@@ -71,7 +72,7 @@ class StateStore:
     @classmethod
     async def open(
         cls, js: JetStreamContext, bucket: str, *, pause: Callable[[float], Awaitable[None]] = asyncio.sleep
-    ) -> StateStore:
+    ) -> RevisionStore:
         """Bind to the bucket, creating it on first use."""
         try:
             kv = await js.key_value(bucket)
@@ -108,7 +109,7 @@ class StateStore:
         if state == self._saved:
             return
         data = encode_state(state)
-        delay = 0.05
+        backoff = Backoff(0.05, 2.0)
         attempt = 0
         while True:
             attempt += 1
@@ -127,8 +128,7 @@ class StateStore:
             except Exception as exc:
                 if attempt == 1 or attempt % 20 == 0:
                     log.warning("state save failed, retrying", attempt=attempt, error=str(exc))
-                await self._pause(delay)
-                delay = min(delay * 2, 2.0)
+                await self._pause(backoff.next())
 
     async def _written_by_us(self, data: bytes) -> bool:
         """A retried write whose first attempt landed (its ack got lost) is not a conflict."""

@@ -18,12 +18,12 @@ from services.common.runner import ServiceContext, run_service
 from services.policy.apistore import ApiPolicyStore
 from services.policy.config import PolicyConfig
 from services.policy.controller import Controller, Encoding, JobKind
-from services.policy.core import PolicyCore
 from services.policy.documents import dump_document
+from services.policy.engine.core import PolicyCore
+from services.policy.engine.orders import PersistedState
+from services.policy.engine.registry import ApiChange
 from services.policy.inputs import Inputs
-from services.policy.orders import PersistedState
-from services.policy.registry import ApiChange
-from services.policy.revision import StateStore
+from services.policy.revision import RevisionStore
 from services.policy.servicer import PolicyServicer
 
 # Room left under the server's max payload for NATS/JetStream headers.
@@ -33,7 +33,7 @@ _PAYLOAD_HEADROOM = 4096
 class BusSink:
     """Persists imported policies and counters, and publishes orders on ``palisade.regen.<node>``."""
 
-    def __init__(self, bus: Bus, store: StateStore, imported: ApiPolicyStore) -> None:
+    def __init__(self, bus: Bus, store: RevisionStore, imported: ApiPolicyStore) -> None:
         self._bus = bus
         self._store = store
         self._imported = imported
@@ -87,7 +87,7 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
     cfg = ctx.config
     bus = await ctx.bus()
     await bus.ensure_streams(*ALL_STREAMS)
-    store = await StateStore.open(bus.js, cfg.state_bucket, pause=bus.pause)
+    store = await RevisionStore.open(bus.js, cfg.state_bucket, pause=bus.pause)
     persisted = await store.load()
     core = PolicyCore(persisted=persisted, cluster=cfg.cluster_name)
     imported = await ApiPolicyStore.open(bus, f"{cfg.state_bucket}_API")

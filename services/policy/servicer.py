@@ -18,13 +18,13 @@ from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
 from services.common.errors import clip
 from services.policy import metrics
 from services.policy.controller import Controller, JobKind
-from services.policy.core import Outcome, PolicyCore, PolicyView, RequestError, TraceAnswer
 from services.policy.documents import DocumentError, dump_document, split_documents
-from services.policy.model import PolicyKey, PolicyKind, Protocol
-from services.policy.realized import Lag, Report
-from services.policy.sources import Source, object_key, parse_kind, source_from_proto, split_engine_key
-from services.policy.trace import TraceSide
-from services.policy.wire import direction_to_proto, ref_to_proto, verdict_to_proto
+from services.policy.engine.core import Outcome, PolicyCore, PolicyView, RequestError, TraceAnswer
+from services.policy.engine.model import PolicyKind, PolicyRef, Protocol
+from services.policy.engine.realized import Lag, Report
+from services.policy.engine.sources import Source, object_key, parse_kind, source_from_proto, split_engine_key
+from services.policy.engine.trace import TraceSide
+from services.policy.engine.wire import direction_to_proto, ref_to_proto, verdict_to_proto
 
 _NOT_SYNCED = (
     "the policy service is still loading its initial state (waiting for the watcher's synced marker "
@@ -194,7 +194,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
 
     async def _ref(
         self, ref: common_pb2.ObjectRef, context: grpc.aio.ServicerContext, *, field: str = "ref"
-    ) -> PolicyKey:
+    ) -> PolicyRef:
         if not ref.kind:
             await abort(
                 context,

@@ -57,3 +57,7 @@ class WatcherConfig(CommonConfig):
         for flag, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{flag} must be greater than 0, got {value}")
+        if self.backoff_max < self.backoff_initial:
+            raise ConfigError(
+                f"--backoff-max ({self.backoff_max}) is below --backoff-initial ({self.backoff_initial}); raise it"
+            )

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +30,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 from kubernetes.watch.watch import iter_resp_lines
 
+from services.common.backoff import Backoff
 from services.common.config import ConfigError
 from services.common.log import get_logger
 from services.watcher.kinds import KINDS, KindInfo
@@ -65,24 +65,6 @@ class Gone(Exception):
 
 class WatchError(Exception):
     """The watch stream reported an error other than 410."""
-
-
-class Backoff:
-    """Exponential backoff with jitter (so many watchers do not reconnect in lockstep)."""
-
-    def __init__(self, initial: float, maximum: float, rng: random.Random | None = None) -> None:
-        self._initial = initial
-        self._max = maximum
-        self._next = initial
-        self._rng = rng or random.Random()
-
-    def reset(self) -> None:
-        self._next = self._initial
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self._next * 2, self._max)
-        return delay * (0.8 + 0.4 * self._rng.random())
 
 
 def load_client_configuration(kubeconfig: str) -> Configuration:
@@ -142,7 +124,7 @@ class _Reflector:
         self._emit = emit
         self._stop = stop
         self._log = log.bind(kind=info.kind.value)
-        self._backoff = Backoff(settings.backoff_initial, settings.backoff_max)
+        self._backoff = Backoff(settings.backoff_initial, settings.backoff_max, jitter=True)
         self._problem = False
         #: The resourceVersion to watch from; "" means list first.
         self._rv = ""

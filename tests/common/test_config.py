@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from services.common.config import ConfigError, load_config
 from services.ipam.config import IPAMConfig
+from services.watcher.config import WatcherConfig
 
 
 @pytest.mark.parametrize(
@@ -33,3 +36,9 @@ def test_etcd_endpoints_parsed_and_checked() -> None:
     assert cfg.etcd_endpoint_list() == [("127.0.0.1", 2379), ("h", 1)]
     with pytest.raises(ConfigError, match="not host:port"):
         load_config(IPAMConfig, ["--etcd-endpoints", "nohost"], {}).etcd_endpoint_list()
+
+
+def test_watcher_backoff_max_below_initial_is_refused(tmp_path: Path) -> None:
+    argv = ["--manifests", str(tmp_path), "--backoff-initial", "2", "--backoff-max", "1"]
+    with pytest.raises(ConfigError, match=r"--backoff-max \(1.0\) is below --backoff-initial \(2.0\)"):
+        load_config(WatcherConfig, argv, {})

@@ -16,9 +16,9 @@ import sys
 
 from services.common.labels import LabelSet
 from services.common.store import connect_etcd
-from services.ipam.allocator import IdentityAllocator
 from services.ipam.config import IPAMMode
 from services.ipam.errors import IpamError
+from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.policy.analyze import Document, Probe, analyze
+from services.policy.engine.analyze import Document, Probe, analyze
 
 NAMESPACES = ("x", "y", "z")
 PODS = ("a", "b", "c")

@@ -14,8 +14,8 @@ from typing import Any
 from hypothesis import strategies as st
 
 from services.common.labels import LabelSet, cidr_identity_labels, pod_identity_labels
-from services.policy.identity import LOCAL_IDENTITY_FLAG, Identity
-from services.policy.model import Protocol
+from services.policy.engine.identity import LOCAL_IDENTITY_FLAG, Identity
+from services.policy.engine.model import Protocol
 
 NAMESPACES = ["x", "y"]
 APPS = ["a", "b", "c"]

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from services.policy.analyze import Document, Probe, analyze
-from services.policy.parse import is_policy_document, parse_policy
+from services.policy.engine.analyze import Document, Probe, analyze
+from services.policy.engine.parse import is_policy_document, parse_policy
 
 EXAMPLES = Path(__file__).resolve().parents[2] / ".." / "shared" / "testdata" / "cilium-examples"
 INDEX: dict[str, dict[str, Any]] = (

@@ -24,12 +24,20 @@ from services.common.labels import (
     parse_label,
     pod_identity_labels,
 )
-from services.policy.engine import PolicyEngine
-from services.policy.identity import Identity, LocalAllocator
-from services.policy.model import Direction, EntryKey, PolicyKey, PolicyKind, PolicyValidationError, Protocol, Verdict
-from services.policy.parse import parse_policy
-from services.policy.resolve import lookup
-from services.policy.trace import trace
+from services.policy.engine.identity import Identity, LocalAllocator
+from services.policy.engine.model import (
+    Direction,
+    EntryKey,
+    PolicyKind,
+    PolicyRef,
+    PolicyValidationError,
+    Protocol,
+    Verdict,
+)
+from services.policy.engine.parse import parse_policy
+from services.policy.engine.policyengine import PolicyEngine
+from services.policy.engine.resolve import lookup
+from services.policy.engine.trace import trace
 
 ING, EGR = Direction.INGRESS, Direction.EGRESS
 
@@ -131,7 +139,7 @@ def test_revisions_and_rejection(world: Any) -> None:
     assert eng.revision == 42 and dict(eng.policy_for(ids["x/a"]).entries) == before
     r2 = eng.upsert_policy_document(doc(CNP_A + "  ingress:\n  - fromEndpoints: [{matchLabels: {app: b}}]\n"))
     assert r2.revision == 43 and not r2.diffs  # accepted, unchanged result
-    r3 = eng.delete_policy(PolicyKey(PolicyKind.CILIUM_NETWORK_POLICY, "x", "p"))
+    r3 = eng.delete_policy(PolicyRef(PolicyKind.CILIUM_NETWORK_POLICY, "x", "p"))
     assert r3.revision == 44
     assert r3.diffs[ids["x/a"]].removed == frozenset(before) and not r3.diffs[ids["x/a"]].ingress_enforced
     eng.seed_revision(10)

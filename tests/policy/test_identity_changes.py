@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from services.common.labels import LabelSet, cidr_identity_labels, pod_identity_labels
-from services.policy.engine import ChangeResult, PolicyEngine
-from services.policy.identity import Identity
-from services.policy.model import Direction, EntryKey, Protocol, Verdict
+from services.policy.engine.identity import Identity
+from services.policy.engine.model import Direction, EntryKey, Protocol, Verdict
+from services.policy.engine.policyengine import ChangeResult, PolicyEngine
 
 ING, EGR = Direction.INGRESS, Direction.EGRESS
 S, T, X = 256, 257, 300  # two subjects in namespace x, and the identity that changes

@@ -16,11 +16,11 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.policy.engine import PolicyDiff, PolicyEngine, apply_diff
-from services.policy.identity import Identity
-from services.policy.model import EntryKey, Verdict
-from services.policy.parse import parse_policy
-from services.policy.resolve import ResolvedPolicy
+from services.policy.engine.identity import Identity
+from services.policy.engine.model import EntryKey, Verdict
+from services.policy.engine.parse import parse_policy
+from services.policy.engine.policyengine import PolicyDiff, PolicyEngine, apply_diff
+from services.policy.engine.resolve import ResolvedPolicy
 from tests.policy.strategies import (
     CIDR_PREFIXES,
     IDS,

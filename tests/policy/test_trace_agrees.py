@@ -14,11 +14,11 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.policy.engine import PolicyEngine
-from services.policy.identity import Identity
-from services.policy.model import Direction
-from services.policy.resolve import lookup
-from services.policy.trace import trace
+from services.policy.engine.identity import Identity
+from services.policy.engine.model import Direction
+from services.policy.engine.policyengine import PolicyEngine
+from services.policy.engine.resolve import lookup
+from services.policy.engine.trace import trace
 from tests.policy.strategies import (
     CIDR_PREFIXES,
     IDS,

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from palisade.v1 import common_pb2
-from services.policy.core import RequestError
-from services.policy.orders import PersistedState
-from services.policy.realized import Report
-from services.policy.sources import Source
+from services.policy.engine.core import RequestError
+from services.policy.engine.orders import PersistedState
+from services.policy.engine.realized import Report
+from services.policy.engine.sources import Source
 from tests.policy_service import builders
 from tests.policy_service.world import World, ingress_key
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from palisade.v1 import common_pb2
-from services.policy.orders import PlannedOrder, encode
+from services.policy.engine.orders import PlannedOrder, encode
 
 
 def diff(identity: int, entries: int) -> common_pb2.IdentityPolicyDiff:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.common.bus import Bus
-from services.policy.orders import PersistedState
-from services.policy.revision import STATE_KEY, StateConflictError, StateCorruptError, StateStore
+from services.policy.engine.orders import PersistedState
+from services.policy.revision import STATE_KEY, RevisionStore, StateConflictError, StateCorruptError
 from tests.harness import NatsServer
 
 
@@ -16,20 +16,20 @@ async def connect(nats: NatsServer) -> Bus:
 
 async def test_state_round_trips_and_survives_a_nats_restart(nats_server: NatsServer) -> None:
     async with await connect(nats_server) as bus:
-        store = await StateStore.open(bus.js, "POLICY_T")
+        store = await RevisionStore.open(bus.js, "POLICY_T")
         assert await store.load() == PersistedState()
         await store.save(PersistedState(7, {"n1": 3}))
         await store.save(PersistedState(9, {"n1": 4, "n2": 1}))
     nats_server.restart()
     async with await connect(nats_server) as bus:
-        store = await StateStore.open(bus.js, "POLICY_T")
+        store = await RevisionStore.open(bus.js, "POLICY_T")
         assert await store.load() == PersistedState(9, {"n1": 4, "n2": 1})
 
 
 async def test_a_second_writer_is_detected(nats_server: NatsServer) -> None:
     async with await connect(nats_server) as bus:
-        first = await StateStore.open(bus.js, "POLICY_T")
-        second = await StateStore.open(bus.js, "POLICY_T")
+        first = await RevisionStore.open(bus.js, "POLICY_T")
+        second = await RevisionStore.open(bus.js, "POLICY_T")
         await first.load()
         await second.load()
         await first.save(PersistedState(1, {"n1": 1}))
@@ -39,7 +39,7 @@ async def test_a_second_writer_is_detected(nats_server: NatsServer) -> None:
 
 async def test_corrupt_state_names_the_bucket(nats_server: NatsServer) -> None:
     async with await connect(nats_server) as bus:
-        store = await StateStore.open(bus.js, "POLICY_T")
+        store = await RevisionStore.open(bus.js, "POLICY_T")
         kv = await bus.js.key_value("POLICY_T")
         await kv.put(STATE_KEY, b'{"revision": -1}')
         with pytest.raises(StateCorruptError, match="bucket POLICY_T"):

@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from palisade.v1 import common_pb2, policy_pb2
-from services.policy.core import Commit, Outcome, PolicyCore
-from services.policy.orders import PersistedState, PlannedOrder, encode
-from services.policy.realized import Report
-from services.policy.sources import Source
+from services.policy.engine.core import Commit, Outcome, PolicyCore
+from services.policy.engine.orders import PersistedState, PlannedOrder, encode
+from services.policy.engine.realized import Report
+from services.policy.engine.sources import Source
 from tests.policy_service import builders
 from tests.policy_service.nodestate import IdentityState, NodeState, from_policies
 

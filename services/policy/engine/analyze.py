@@ -21,17 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.labels import pod_identity_labels
-from services.policy.engine import PolicyEngine
-from services.policy.identity import LocalAllocator
-from services.policy.model import (
+from services.policy.engine.identity import LocalAllocator
+from services.policy.engine.model import (
     Direction,
     IPAddress,
     Policy,
     PolicyValidationError,
     Protocol,
 )
-from services.policy.parse import POLICY_KINDS, parse_policy
-from services.policy.resolve import lookup
+from services.policy.engine.parse import POLICY_KINDS, parse_policy
+from services.policy.engine.policyengine import PolicyEngine
+from services.policy.engine.resolve import lookup
 
 POD_CIDR = ipaddress.ip_network("10.244.0.0/16")
 _PROBE_PROTOCOLS = {p.name: p for p in (Protocol.TCP, Protocol.UDP, Protocol.SCTP)}

@@ -22,18 +22,18 @@ from typing import Any
 from palisade.v1 import common_pb2, identity_pb2, k8s_pb2
 from services.common.labels import CLUSTER_NAME_DEFAULT, LabelSet, LabelSource, parse_label
 from services.common.log import get_logger
-from services.policy.engine import PolicyEngine
-from services.policy.identity import Identity
-from services.policy.ipcache import IpcacheError, IpcacheTable, is_endpoint_identity, record_from_proto
-from services.policy.model import Policy, PolicyKey, PolicyKind, PolicyValidationError, Protocol
-from services.policy.orders import OrderPlanner, PersistedState, PlannedOrder
-from services.policy.parse import parse_policy
-from services.policy.realized import Lag, RealizedTable, Report, Rollup
-from services.policy.registry import ApiChange, PolicyRecord, Registry, StoredPolicy
-from services.policy.resolve import ResolvedPolicy
-from services.policy.sources import Source, engine_key, object_key
-from services.policy.trace import TraceEndpoint, TraceResult, trace
-from services.policy.wire import labels_from_proto, policy_to_proto
+from services.policy.engine.identity import Identity
+from services.policy.engine.ipcache import IpcacheError, IpcacheTable, is_endpoint_identity, record_from_proto
+from services.policy.engine.model import Policy, PolicyKind, PolicyRef, PolicyValidationError, Protocol
+from services.policy.engine.orders import OrderPlanner, PersistedState, PlannedOrder
+from services.policy.engine.parse import parse_policy
+from services.policy.engine.policyengine import PolicyEngine
+from services.policy.engine.realized import Lag, RealizedTable, Report, Rollup
+from services.policy.engine.registry import ApiChange, PolicyRecord, Registry, StoredPolicy
+from services.policy.engine.resolve import ResolvedPolicy
+from services.policy.engine.sources import Source, engine_key, object_key
+from services.policy.engine.trace import TraceEndpoint, TraceResult, trace
+from services.policy.engine.wire import labels_from_proto, policy_to_proto
 
 log = get_logger("policy")
 
@@ -62,7 +62,7 @@ class Outcome:
     """What happened to one policy document."""
 
     source: Source
-    key: PolicyKey
+    key: PolicyRef
     accepted: bool
     error: str = ""
     document: str = ""
@@ -264,7 +264,7 @@ class PolicyCore:
         document: str,
         now: float,
         *,
-        key: PolicyKey | None = None,
+        key: PolicyRef | None = None,
         origin: str = "",
         provenance: str = "",
         dry_run: bool = False,
@@ -316,12 +316,12 @@ class PolicyCore:
             Source.API, stored.object, document, now, key=stored.key, provenance=stored.origin, restoring=True
         )
 
-    def _reject(self, source: Source, key: PolicyKey, error: str, document: str, provenance: str = "") -> Outcome:
+    def _reject(self, source: Source, key: PolicyRef, error: str, document: str, provenance: str = "") -> Outcome:
         self.registry.rejected(source, key, error, document, origin=provenance)
         log.warning("policy rejected", source=source.value, policy=str(key), error=error)
         return Outcome(source, key, False, error, document)
 
-    def delete(self, source: Source, key: PolicyKey, now: float) -> bool:
+    def delete(self, source: Source, key: PolicyRef, now: float) -> bool:
         """Remove a policy; False when this source has no such object."""
         record = self.registry.remove(source, key)
         if record is None:
@@ -474,7 +474,7 @@ class PolicyCore:
         rollup = self.realized.rollup(subjects, record.revision) if record.policy is not None else Rollup()
         return PolicyView(record, tuple(sorted(subjects)), rollup)
 
-    def get_policy(self, source: Source | None, key: PolicyKey) -> PolicyView:
+    def get_policy(self, source: Source | None, key: PolicyRef) -> PolicyView:
         sources = (source,) if source is not None else (Source.API, Source.KUBERNETES)
         for s in sources:
             record = self.registry.get(s, key)
@@ -549,7 +549,7 @@ class PolicyCore:
         )
 
 
-def _key_of(doc: Mapping[str, Any]) -> PolicyKey:
+def _key_of(doc: Mapping[str, Any]) -> PolicyRef:
     """Best-effort key of a document that failed to parse, for its status."""
     meta = doc.get("metadata") if isinstance(doc.get("metadata"), Mapping) else {}
     assert isinstance(meta, Mapping)

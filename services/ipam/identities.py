@@ -43,7 +43,7 @@ from services.ipam.model import (
     reserved_by_id,
 )
 
-log = get_logger("allocator")
+log = get_logger("identities")
 
 #: Transactions one allocation may lose to concurrent allocators before giving up.
 MAX_ATTEMPTS = 64

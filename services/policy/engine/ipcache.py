@@ -15,8 +15,8 @@ from typing import TypeVar
 
 from palisade.v1 import identity_pb2
 from services.common.labels import ReservedIdentity
-from services.policy.identity import MAX_CLUSTER_IDENTITY, MIN_CLUSTER_IDENTITY
-from services.policy.model import IPAddress, Protocol
+from services.policy.engine.identity import MAX_CLUSTER_IDENTITY, MIN_CLUSTER_IDENTITY
+from services.policy.engine.model import IPAddress, Protocol
 
 NamedPortSet = frozenset[tuple[str, Protocol, int]]
 K = TypeVar("K")

@@ -38,26 +38,26 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.common.labels import CLUSTER_NAME_DEFAULT
-from services.policy.identity import (
+from services.policy.engine.identity import (
     DEFAULT_RESERVED,
     Identity,
     IdentityState,
     reserved_identity,
 )
-from services.policy.model import (
+from services.policy.engine.model import (
     Direction,
     EntryKey,
     IPAddress,
     IPNetwork,
     Policy,
-    PolicyKey,
+    PolicyRef,
     Protocol,
     Rule,
     Verdict,
 )
-from services.policy.parse import parse_policy
-from services.policy.repository import Repository
-from services.policy.resolve import (
+from services.policy.engine.parse import parse_policy
+from services.policy.engine.repository import Repository
+from services.policy.engine.resolve import (
     NamedPorts,
     ResolvedPolicy,
     RuleRef,
@@ -65,10 +65,10 @@ from services.policy.resolve import (
     resolve_remote,
     resolve_subject,
 )
-from services.policy.selector import CIDRSelector, Selector
-from services.policy.selectorcache import SelectionChange, SelectorCache
+from services.policy.engine.selector import CIDRSelector, Selector
+from services.policy.engine.selectorcache import SelectionChange, SelectorCache
 
-RuleId = tuple[PolicyKey, int]
+RuleId = tuple[PolicyRef, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +233,7 @@ class PolicyEngine:
         resolved = resolve_subject(identity, self._rules_for(identity), self, explain=why)
         return resolved, why
 
-    def rules_for(self, identity: int) -> list[tuple[PolicyKey, Rule]]:
+    def rules_for(self, identity: int) -> list[tuple[PolicyRef, Rule]]:
         return self._rules_for(identity)
 
     # --- ResolveContext ----------------------------------------------------------------
@@ -281,7 +281,7 @@ class PolicyEngine:
         result = self._flush(policy_change=True)
         return ChangeResult(result.revision, result.diffs, policy)
 
-    def delete_policy(self, key: PolicyKey) -> ChangeResult:
+    def delete_policy(self, key: PolicyRef) -> ChangeResult:
         old = self._repo.get(key)
         if old is None:
             return ChangeResult(self.revision)
@@ -454,7 +454,7 @@ class PolicyEngine:
             rids.update(self._by_subject.get(sel, ()))
         return sorted(rids)
 
-    def _rules_for(self, identity: int) -> list[tuple[PolicyKey, Rule]]:
+    def _rules_for(self, identity: int) -> list[tuple[PolicyRef, Rule]]:
         return [(rid[0], self._rules[rid]) for rid in self._rule_ids_for(identity)]
 
     def _identity_changed(

@@ -23,8 +23,8 @@ from services.common.labels import (
     cidr_identity_labels,
     reserved_labels,
 )
-from services.policy.model import IPAddress, IPNetwork, Protocol
-from services.policy.selector import EndpointSelector, Operator, Requirement, Selector
+from services.policy.engine.model import IPAddress, IPNetwork, Protocol
+from services.policy.engine.selector import EndpointSelector, Operator, Requirement, Selector
 
 MIN_CLUSTER_IDENTITY = 256
 MAX_CLUSTER_IDENTITY = 65535

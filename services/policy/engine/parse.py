@@ -35,22 +35,22 @@ from services.common.labels import (
     ReservedIdentity,
     reserved_labels,
 )
-from services.policy.identity import entity_selectors
-from services.policy.model import (
+from services.policy.engine.identity import entity_selectors
+from services.policy.engine.model import (
     ALL_PORTS,
     Direction,
     IPNetwork,
     PeerRule,
     Policy,
-    PolicyKey,
     PolicyKind,
+    PolicyRef,
     PolicyValidationError,
     PortSpec,
     Protocol,
     Rule,
     Verdict,
 )
-from services.policy.selector import (
+from services.policy.engine.selector import (
     CIDRSelector,
     EndpointSelector,
     Selector,
@@ -125,7 +125,7 @@ def is_policy_document(doc: Any) -> bool:
 class _Ctx:
     """Per-object parse state: the object's name for errors, and the reports."""
 
-    def __init__(self, key: PolicyKey, cluster: str) -> None:
+    def __init__(self, key: PolicyRef, cluster: str) -> None:
         self.key = key
         self.obj = str(key)
         self.cluster = cluster
@@ -166,7 +166,7 @@ def parse_policy(doc: Mapping[str, Any], *, cluster: str = CLUSTER_NAME_DEFAULT)
     except ValueError:
         raise PolicyValidationError(f"{kind_text or '?'} {name or '?'}", "kind", "not a policy kind") from None
     namespace = "" if kind is PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY else str(meta.get("namespace") or "default")
-    key = PolicyKey(kind, namespace, name)
+    key = PolicyRef(kind, namespace, name)
     ctx = _Ctx(key, cluster)
     if not name:
         raise ctx.error("metadata.name", "required")

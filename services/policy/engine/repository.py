@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from services.common.labels import LabelSet
-from services.policy.model import Policy, PolicyKey, PolicyKind, Rule
+from services.policy.engine.model import Policy, PolicyKind, PolicyRef, Rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +26,7 @@ class RepositoryChange:
 
 class Repository:
     def __init__(self) -> None:
-        self._policies: dict[PolicyKey, Policy] = {}
+        self._policies: dict[PolicyRef, Policy] = {}
         self._revision = 0
 
     @property
@@ -49,14 +49,14 @@ class Repository:
         self._policies[policy.key] = policy
         return RepositoryChange(self.bump(), old, policy)
 
-    def delete(self, key: PolicyKey) -> RepositoryChange | None:
+    def delete(self, key: PolicyRef) -> RepositoryChange | None:
         """Remove a policy; ``None`` (and no revision bump) when it did not exist."""
         old = self._policies.pop(key, None)
         if old is None:
             return None
         return RepositoryChange(self.bump(), old, None)
 
-    def get(self, key: PolicyKey) -> Policy | None:
+    def get(self, key: PolicyRef) -> Policy | None:
         return self._policies.get(key)
 
     def __len__(self) -> int:

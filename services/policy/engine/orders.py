@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from palisade.v1 import common_pb2, policy_pb2
-from services.policy.engine import PolicyDiff
-from services.policy.resolve import ResolvedPolicy
-from services.policy.wire import diff_to_proto, full_diff_to_proto
+from services.policy.engine.policyengine import PolicyDiff
+from services.policy.engine.resolve import ResolvedPolicy
+from services.policy.engine.wire import diff_to_proto, full_diff_to_proto
 
 PolicyOf = Callable[[int], ResolvedPolicy | None]
 

@@ -13,30 +13,30 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.policy.model import Policy, PolicyKey, PolicyKind
-from services.policy.sources import Source
+from services.policy.engine.model import Policy, PolicyKind, PolicyRef
+from services.policy.engine.sources import Source
 
-RecordKey = tuple[Source, PolicyKey]
+RecordKey = tuple[Source, PolicyRef]
 
 
 @dataclass(frozen=True, slots=True)
 class StoredPolicy:
     """An accepted API policy as persisted: its key, the object imported, and where it came from."""
 
-    key: PolicyKey
+    key: PolicyRef
     object: Mapping[str, Any]
     origin: str = ""
 
 
 #: A change to the persisted API policies: the policy to keep, or None to forget it.
-ApiChange = tuple[PolicyKey, StoredPolicy | None]
+ApiChange = tuple[PolicyRef, StoredPolicy | None]
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyRecord:
     source: Source
     #: The object's key as users name it (not the engine's key).
-    key: PolicyKey
+    key: PolicyRef
     #: The version enforced; None when no version was ever accepted.
     policy: Policy | None
     #: Revision at which ``policy`` was accepted (0 until settled at the end of its batch).
@@ -64,11 +64,11 @@ class Registry:
     def __iter__(self) -> Iterator[PolicyRecord]:
         return iter(sorted(self._records.values(), key=lambda r: (r.key, r.source)))
 
-    def get(self, source: Source, key: PolicyKey) -> PolicyRecord | None:
+    def get(self, source: Source, key: PolicyRef) -> PolicyRecord | None:
         return self._records.get((source, key))
 
     def accepted(
-        self, source: Source, key: PolicyKey, policy: Policy, document: str, *, changed: bool, origin: str = ""
+        self, source: Source, key: PolicyRef, policy: Policy, document: str, *, changed: bool, origin: str = ""
     ) -> None:
         """The latest version is enforced; ``changed`` when the engine got new rules."""
         old = self._records.get((source, key))
@@ -77,14 +77,14 @@ class Registry:
         if changed or old is None or old.revision == 0:
             self._unsettled.add((source, key))
 
-    def rejected(self, source: Source, key: PolicyKey, error: str, document: str, *, origin: str = "") -> None:
+    def rejected(self, source: Source, key: PolicyRef, error: str, document: str, *, origin: str = "") -> None:
         old = self._records.get((source, key))
         if old is None:
             self._records[(source, key)] = PolicyRecord(source, key, None, 0, error, document, origin)
         else:
             self._records[(source, key)] = dataclasses.replace(old, error=error, document=document, origin=origin)
 
-    def remove(self, source: Source, key: PolicyKey) -> PolicyRecord | None:
+    def remove(self, source: Source, key: PolicyRef) -> PolicyRecord | None:
         self._unsettled.discard((source, key))
         return self._records.pop((source, key), None)
 

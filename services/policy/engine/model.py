@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from services.policy.selector import EndpointSelector, Selector
+    from services.policy.engine.selector import EndpointSelector, Selector
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -51,8 +51,8 @@ class PolicyKind(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True, order=True)
-class PolicyKey:
-    """Identifies a policy object: kind, namespace ("" when cluster-wide), name."""
+class PolicyRef:
+    """Names a policy object (``ObjectRef`` on the wire): kind, namespace ("" when cluster-wide), name."""
 
     kind: PolicyKind
     namespace: str
@@ -147,7 +147,7 @@ class Policy:
     accepted-but-notable things (deprecations, ignored fields).
     """
 
-    key: PolicyKey
+    key: PolicyRef
     rules: tuple[Rule, ...]
     unsupported: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()

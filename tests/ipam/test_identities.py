@@ -12,9 +12,9 @@ import pytest
 
 from services.common.labels import LabelSet
 from services.ipam import keys
-from services.ipam.allocator import IdentityAllocator
 from services.ipam.errors import ErrorCode, IpamError
 from services.ipam.gc import GcTracker
+from services.ipam.identities import IdentityAllocator
 from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases
 from services.ipam.model import CIDR_RANGE, CLUSTER_RANGE, IdRange

@@ -10,9 +10,9 @@ from collections.abc import Iterable, Mapping
 
 from palisade.v1 import common_pb2
 from services.common.labels import Label, LabelSet
-from services.policy.engine import PolicyDiff
-from services.policy.model import Direction, EntryKey, PolicyKey, Verdict
-from services.policy.resolve import ResolvedPolicy
+from services.policy.engine.model import Direction, EntryKey, PolicyRef, Verdict
+from services.policy.engine.policyengine import PolicyDiff
+from services.policy.engine.resolve import ResolvedPolicy
 
 _DIRECTIONS = {Direction.INGRESS: common_pb2.DIRECTION_INGRESS, Direction.EGRESS: common_pb2.DIRECTION_EGRESS}
 _VERDICTS = {Verdict.ALLOW: common_pb2.VERDICT_ALLOW, Verdict.DENY: common_pb2.VERDICT_DENY}
@@ -81,5 +81,5 @@ def labels_from_proto(labels: Iterable[common_pb2.Label]) -> LabelSet:
     return LabelSet(tuple(Label(lb.source, lb.key, lb.value) for lb in labels))
 
 
-def ref_to_proto(key: PolicyKey) -> common_pb2.ObjectRef:
+def ref_to_proto(key: PolicyRef) -> common_pb2.ObjectRef:
     return common_pb2.ObjectRef(kind=key.kind.value, namespace=key.namespace, name=key.name)

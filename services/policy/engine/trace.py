@@ -13,21 +13,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.common.labels import LabelSet, LabelSource
-from services.policy.engine import PolicyEngine
-from services.policy.identity import Identity, IdentityState
-from services.policy.model import (
+from services.policy.engine.identity import Identity, IdentityState
+from services.policy.engine.model import (
     ALL_PORTS,
     Direction,
     IPAddress,
     PeerRule,
-    PolicyKey,
+    PolicyRef,
     PortSpec,
     Protocol,
     Rule,
     Verdict,
 )
-from services.policy.resolve import NamedPorts, RuleRef
-from services.policy.selector import EndpointSelector, IdentityView
+from services.policy.engine.policyengine import PolicyEngine
+from services.policy.engine.resolve import NamedPorts, RuleRef
+from services.policy.engine.selector import EndpointSelector, IdentityView
 
 _ICMP = (Protocol.ICMP, Protocol.ICMPV6)
 _PORT_PROTOCOLS = (Protocol.TCP, Protocol.UDP, Protocol.SCTP)
@@ -118,7 +118,7 @@ def _peer_matches(pr: PeerRule, remote: TraceEndpoint, requirements: list[Endpoi
 
 
 def _side(
-    rules: list[tuple[PolicyKey, Rule]],
+    rules: list[tuple[PolicyRef, Rule]],
     direction: Direction,
     subject: TraceEndpoint,
     remote: TraceEndpoint,
@@ -163,7 +163,7 @@ def _side(
     return TraceSide(direction, True, "default-allow", enforced, sel)
 
 
-def _rules_selecting(engine: PolicyEngine, ep: TraceEndpoint) -> list[tuple[PolicyKey, Rule]]:
+def _rules_selecting(engine: PolicyEngine, ep: TraceEndpoint) -> list[tuple[PolicyRef, Rule]]:
     view = ep.view()
     return [(policy.key, rule) for policy in engine.repository for rule in policy.rules if rule.subject.matches(view)]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 
 from palisade.v1 import policy_pb2
-from services.policy.model import PolicyKey, PolicyKind
+from services.policy.engine.model import PolicyKind, PolicyRef
 
 
 class Source(enum.StrEnum):
@@ -35,17 +35,17 @@ def source_from_proto(value: int, *, default: Source) -> Source:
 API_PREFIX = "api:"
 
 
-def engine_key(source: Source, key: PolicyKey) -> PolicyKey:
+def engine_key(source: Source, key: PolicyRef) -> PolicyRef:
     """The key a policy has inside the engine."""
     if source is Source.API:
-        return PolicyKey(key.kind, key.namespace, API_PREFIX + key.name)
+        return PolicyRef(key.kind, key.namespace, API_PREFIX + key.name)
     return key
 
 
-def split_engine_key(key: PolicyKey) -> tuple[Source, PolicyKey]:
+def split_engine_key(key: PolicyRef) -> tuple[Source, PolicyRef]:
     """Inverse of :func:`engine_key`."""
     if key.name.startswith(API_PREFIX):
-        return Source.API, PolicyKey(key.kind, key.namespace, key.name[len(API_PREFIX) :])
+        return Source.API, PolicyRef(key.kind, key.namespace, key.name[len(API_PREFIX) :])
     return Source.KUBERNETES, key
 
 
@@ -74,8 +74,8 @@ def parse_kind(text: str) -> PolicyKind | None:
     return _KIND_ALIASES.get(text.strip().lower())
 
 
-def object_key(kind: PolicyKind, namespace: str, name: str) -> PolicyKey:
+def object_key(kind: PolicyKind, namespace: str, name: str) -> PolicyRef:
     """The key of an object as users name it: cluster-wide kinds have no namespace, others default."""
     if kind is PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY:
-        return PolicyKey(kind, "", name)
-    return PolicyKey(kind, namespace or "default", name)
+        return PolicyRef(kind, "", name)
+    return PolicyRef(kind, namespace or "default", name)

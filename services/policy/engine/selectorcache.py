@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
-from services.policy.selector import CIDRSelector, EndpointSelector, IdentityView, Selector
+from services.policy.engine.selector import CIDRSelector, EndpointSelector, IdentityView, Selector
 
 _S = TypeVar("_S", bound=Selector)
 

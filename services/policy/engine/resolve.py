@@ -34,19 +34,19 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol as TypingProtocol
 
-from services.policy.model import (
+from services.policy.engine.model import (
     ALL_PORTS,
     WILDCARD_IDENTITY,
     Direction,
     EntryKey,
     PeerRule,
-    PolicyKey,
+    PolicyRef,
     PortSpec,
     Protocol,
     Rule,
     Verdict,
 )
-from services.policy.selector import EndpointSelector, Selector
+from services.policy.engine.selector import EndpointSelector, Selector
 
 NamedPorts = Mapping[str, frozenset[tuple[Protocol, int]]]
 
@@ -67,7 +67,7 @@ class ResolveContext(TypingProtocol):
 class RuleRef:
     """Which rule produced an entry: policy, rule path, peer-rule path."""
 
-    policy: PolicyKey
+    policy: PolicyRef
     rule: str
     peer_rule: str
     verdict: Verdict
@@ -145,14 +145,14 @@ class SubjectRules:
     per-remote updates.
     """
 
-    rules: tuple[tuple[PolicyKey, Rule], ...]
+    rules: tuple[tuple[PolicyRef, Rule], ...]
     ingress_enforced: bool
     egress_enforced: bool
     ingress_requirements: tuple[Selector, ...] = ()
     egress_requirements: tuple[Selector, ...] = ()
 
     @classmethod
-    def of(cls, rules: Iterable[tuple[PolicyKey, Rule]]) -> SubjectRules:
+    def of(cls, rules: Iterable[tuple[PolicyRef, Rule]]) -> SubjectRules:
         ordered = tuple(rules)
         reqs: dict[Direction, list[Selector]] = {Direction.INGRESS: [], Direction.EGRESS: []}
         for _, rule in ordered:
@@ -257,7 +257,7 @@ def _put(entries: dict[EntryKey, Verdict], key: EntryKey, verdict: Verdict) -> N
 
 def resolve_subject(
     subject: int,
-    rules: Iterable[tuple[PolicyKey, Rule]] | SubjectRules,
+    rules: Iterable[tuple[PolicyRef, Rule]] | SubjectRules,
     ctx: ResolveContext,
     *,
     explain: dict[EntryKey, list[RuleRef]] | None = None,
@@ -294,7 +294,7 @@ def resolve_remote(
     srules: SubjectRules,
     ctx: ResolveContext,
     *,
-    candidates: Iterable[tuple[PolicyKey, Rule]] | None = None,
+    candidates: Iterable[tuple[PolicyRef, Rule]] | None = None,
 ) -> dict[EntryKey, Verdict]:
     """The entries of ``subject`` whose remote identity is ``remote``.
 

@@ -29,7 +29,7 @@ from services.common.labels import (
     LabelSet,
     LabelSource,
 )
-from services.policy.model import IPAddress, IPNetwork, PolicyValidationError
+from services.policy.engine.model import IPAddress, IPNetwork, PolicyValidationError
 
 
 class IdentityView(Protocol):
