@@ -42,6 +42,17 @@ def _state(status: policy_pb2.PolicyStatus) -> str:
     return policy_pb2.PolicyState.Name(status.state).removeprefix("POLICY_STATE_").lower()
 
 
+def source_text(status: policy_pb2.PolicyStatus) -> str:
+    """Where a policy came from, in one word: api, manifest or kubernetes."""
+    if status.source == policy_pb2.POLICY_SOURCE_API:
+        return "api"
+    if status.origin.startswith("manifests"):
+        return "manifest"
+    if status.source == policy_pb2.POLICY_SOURCE_KUBERNETES:
+        return "kubernetes"
+    return "-"
+
+
 def _ref_text(ref: common_pb2.ObjectRef) -> str:
     return f"{ref.kind} {ref.namespace + '/' if ref.namespace else ''}{ref.name}"
 
@@ -55,13 +66,14 @@ def _print_statuses(statuses: list[policy_pb2.PolicyStatus]) -> None:
                 s.ref.kind,
                 s.ref.namespace or "-",
                 s.ref.name,
+                source_text(s),
                 _state(s),
                 s.revision or "-",
                 nodes,
                 len(s.unsupported) or "",
             )
         )
-    print_table(("KIND", "NAMESPACE", "NAME", "STATE", "REVISION", "NODES", "UNSUPPORTED"), rows)
+    print_table(("KIND", "NAMESPACE", "NAME", "SOURCE", "STATE", "REVISION", "NODES", "UNSUPPORTED"), rows)
     for s in statuses:
         if s.error:
             print(f"\n{_ref_text(s.ref)}: {s.error}")
@@ -146,6 +158,8 @@ def cmd_get(args: argparse.Namespace) -> int:
         print_json({"policies": [to_dict(s) for s in statuses]})
     else:
         _print_statuses(statuses)
+        if args.name and statuses[0].origin:
+            print(f"\norigin: {statuses[0].origin}")
         if args.name and statuses[0].document:
             print("\n" + statuses[0].document)
     return 0
