@@ -21,6 +21,14 @@ log = get_logger("grpc")
 
 T = TypeVar("T")
 
+#: Largest gRPC message sent or received, by servers and the CLI alike (a policy file of several MB).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Channel/server options that apply it.
+MESSAGE_SIZE_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
 StatusProvider = Callable[[common_pb2.ServiceStatus], None]
 #: Why a dependency cannot be used right now; None when it can.
 DependencyProbe = Callable[[], str | None]
@@ -74,12 +82,7 @@ class GrpcServer:
     def __init__(self, service: str, node: str, listen: str) -> None:
         self.service = service
         self.listen = listen
-        self.server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            ]
-        )
+        self.server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.status = StatusServicer(service, node)
