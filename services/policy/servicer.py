@@ -15,10 +15,12 @@ from typing import Any, NoReturn
 import grpc
 
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
-from services.common.errors import clip
+from services.common.errors import Code, PalisadeError, abort_with, clip
+from services.common.labels import LabelSource, parse_label
+from services.common.validation import validate_identity_label, validate_name, validate_namespace
 from services.policy import metrics
 from services.policy.controller import Controller, JobKind
-from services.policy.documents import DocumentError, dump_document, split_documents
+from services.policy.documents import DocumentError, dump_document, split_documents, validate_document
 from services.policy.engine.core import Outcome, PolicyCore, PolicyView, RequestError, TraceAnswer
 from services.policy.engine.model import PolicyKind, PolicyRef, Protocol
 from services.policy.engine.realized import Lag, Report
@@ -37,7 +39,7 @@ _PROTOCOLS = {int(p): p for p in (Protocol.TCP, Protocol.UDP, Protocol.SCTP, Pro
 
 async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
     """End the call with ``code``; typed so the checker knows nothing runs after it."""
-    await context.abort(code, message)
+    await context.abort(code, clip(message))
     raise AssertionError("grpc abort returned")
 
 
@@ -49,6 +51,31 @@ def _state(view: PolicyView) -> policy_pb2.PolicyState.ValueType:
     if view.rollup.realized:
         return policy_pb2.POLICY_STATE_REALIZED
     return policy_pb2.POLICY_STATE_REALIZING
+
+
+def read_documents(text: str, origin: str) -> list[tuple[str, Mapping[str, Any]]]:
+    """The documents of an import, each with names and labels Kubernetes would accept."""
+    docs = split_documents(text, origin)
+    for label, doc in docs:
+        validate_document(doc, label)
+    return docs
+
+
+def validate_peer(peer: policy_pb2.TracePeer, which: str) -> None:
+    """A trace peer's pod ("namespace/name") or labels ("source:key=value"), as Kubernetes would accept them."""
+    if peer.pod:
+        namespace, slash, name = peer.pod.partition("/")
+        if not slash:
+            raise PalisadeError(clip(f"{which}.pod {peer.pod!r} must be namespace/name"), Code.INVALID_ARGUMENT)
+        validate_namespace(namespace, f"{which}.pod namespace")
+        validate_name(name, f"{which}.pod name")
+        return
+    for i, text in enumerate(peer.labels):
+        try:
+            label = parse_label(text, default_source=LabelSource.K8S)
+        except ValueError as exc:
+            raise PalisadeError(clip(f"{which}.labels[{i}]: {exc}"), Code.INVALID_ARGUMENT) from None
+        validate_identity_label(label.source, label.key, label.value, f"{which}.labels[{i}]")
 
 
 class CallerGone(Exception):
@@ -217,6 +244,12 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{field}.namespace must be empty: CiliumClusterwideNetworkPolicy is cluster-scoped",
             )
+        try:
+            validate_name(ref.name, f"{field}.name")
+            if ref.namespace:
+                validate_namespace(ref.namespace, f"{field}.namespace")
+        except PalisadeError as exc:
+            await abort_with(context, exc)
         return object_key(kind, ref.namespace, ref.name)
 
     async def _fail(self, exc: RequestError, context: grpc.aio.ServicerContext) -> NoReturn:
@@ -239,9 +272,11 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             )
         try:
             # Large files take seconds to read: off the event loop, which keeps serving meanwhile.
-            docs = await asyncio.to_thread(split_documents, request.documents, request.origin)
+            docs = await asyncio.to_thread(read_documents, request.documents, request.origin)
         except DocumentError as exc:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, clip(str(exc)))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except PalisadeError as exc:
+            await abort_with(context, exc)
         if not request.dry_run:
             await self._require_synced(context)
         texts = await asyncio.to_thread(lambda: [dump_document(doc) for _, doc in docs])
@@ -351,6 +386,11 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             await abort(
                 context, grpc.StatusCode.INVALID_ARGUMENT, f"port {request.port} must be 1-65535 for {protocol.name}"
             )
+        try:
+            for which, peer in (("source", request.source), ("destination", request.destination)):
+                validate_peer(peer, which)
+        except PalisadeError as exc:
+            await abort_with(context, exc)
         src = (request.source.pod, tuple(request.source.labels))
         dst = (request.destination.pod, tuple(request.destination.labels))
         try:
