@@ -25,7 +25,7 @@ from services.common.log import get_logger
 from services.ipam import keys
 from services.ipam.config import IPAMMode
 from services.ipam.errors import ErrorCode, IpamError
-from services.ipam.kv import KV, Delete, Get, Op, Put, Store, Txn, absent, mod_is, value_is
+from services.ipam.kv import KV, Change, Delete, Get, Op, Put, Store, Txn, absent, mod_is, value_is
 from services.ipam.nodecidr import CIDRSource, NodeCIDR, NodeRecord, desired
 from services.ipam.pool import (
     IPAddress,
@@ -127,6 +127,38 @@ class IPAllocator:
         for kv in ips:
             node, ip = keys.parse_ipam_ip(kv.key)
             self._note_ip(node, ip, kv.value.decode())
+
+    def observe(self, change: Change) -> None:
+        """Apply a change to an address, node or pool key, made by any allocator, as the watch saw it."""
+        key = change.kv.key
+        text = key.decode(errors="replace")
+        try:
+            if text.startswith(keys.IPAM_NODES):
+                name = keys.parse_ipam_node(key)
+                current = self._nodes.get(name)
+                if current is not None and current.mod_revision > change.revision:
+                    return  # this process wrote it again since
+                if change.deleted:
+                    self._nodes.pop(name, None)
+                else:
+                    self._nodes[name] = NodeRecord.from_json(name, change.kv.value, change.revision)
+            elif text.startswith(keys.IPAM_POOL):
+                net = ipaddress.ip_network(keys.parse_ipam_pool(key))
+                if change.deleted:
+                    self._claims.pop(net, None)
+                else:
+                    self._claims[net] = change.kv.value.decode()
+            elif text.startswith(keys.IPAM_IPS):
+                node, ip = keys.parse_ipam_ip(key)
+                if change.deleted:
+                    self._drop_ip(node, ip)
+                else:
+                    owner = change.kv.value.decode()
+                    if self._ips.get(node, {}).get(ip) != owner:
+                        self._drop_ip(node, ip)
+                        self._note_ip(node, ip, owner)
+        except (ValueError, KeyError) as exc:
+            log.warning("malformed ipam key ignored", key=text, error=str(exc))
 
     async def _reload_node_ips(self, node: str) -> None:
         kvs, _ = await self._store.get_prefix(keys.ipam_ips_of(node))
