@@ -101,14 +101,15 @@ class Cmp(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Compare:
-    """One transaction guard. With ``prefix`` it must hold for every key under ``key``
-    (and, for an empty range, for an absent key: ``create == 0`` means "nothing there")."""
+    """One transaction guard. With ``prefix`` (or ``end``) it must hold for every key under ``key``
+    (or in [key, end)); for an empty range, ``create == 0`` means "nothing there")."""
 
     key: bytes
     target: Target
     cmp: Cmp
     operand: int | bytes
     prefix: bool = False
+    end: bytes = b""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -174,6 +175,11 @@ def none_under(prefix: bytes) -> Compare:
     return Compare(prefix, Target.CREATE, Cmp.EQUAL, 0, prefix=True)
 
 
+def none_between(start: bytes, end: bytes) -> Compare:
+    """No key in [start, end)."""
+    return Compare(start, Target.CREATE, Cmp.EQUAL, 0, end=end)
+
+
 def range_end(prefix: bytes) -> bytes:
     """The end of the key range of every key starting with ``prefix``."""
     s = bytearray(prefix)
@@ -192,6 +198,8 @@ def _compare(c: Compare) -> Any:
     msg = rpc.Compare(key=c.key, result=_CMP[c.cmp], target=_TARGET[c.target])
     if c.prefix:
         msg.range_end = range_end(c.key)
+    elif c.end:
+        msg.range_end = c.end
     if c.target == Target.VALUE:
         msg.value = c.operand if isinstance(c.operand, bytes) else str(c.operand).encode()
     elif c.target == Target.CREATE:
