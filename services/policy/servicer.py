@@ -404,6 +404,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     ) -> policy_pb2.ResyncResponse:
         if not request.node:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "node is required: the node to resync")
+        try:
+            validate_name(request.node, "node")
+        except PalisadeError as exc:
+            await abort_with(context, exc)
         await self._require_synced(context)
         # Durable: the sequence returned is persisted and its order published before we answer.
         answer = await self._controller.call(
@@ -465,6 +469,12 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 problem = f"pod {r.pod!r} must be namespace/name"
             if problem:
                 await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"reports[{i}]: {problem}")
+            try:
+                validate_name(r.node, f"reports[{i}].node")
+                if r.pod:
+                    validate_peer(policy_pb2.TracePeer(pod=r.pod), f"reports[{i}]")
+            except PalisadeError as exc:
+                await abort_with(context, exc)
             reports.append(Report(r.node, r.endpoint_id, r.identity, r.revision, r.pod, r.deleted, clip(r.error)))
 
         def apply(core: PolicyCore, now: float) -> None:

@@ -226,6 +226,21 @@ MALFORMED: list[tuple[str, object, str]] = [
         "matchLabels.value",
     ),
     ("GetPolicy", policy_pb2.GetPolicyRequest(ref=ref("a" * 100_000)), "ref.name"),
+    ("Resync", policy_pb2.ResyncRequest(node="../x"), "node"),
+    (
+        "ReportRealized",
+        policy_pb2.ReportRealizedRequest(
+            reports=[policy_pb2.RealizedReport(node="n1", identity=WEB, revision=1, pod="Shop_NS!/web")]
+        ),
+        "reports[0].pod namespace",
+    ),
+    (
+        "ReportRealized",
+        policy_pb2.ReportRealizedRequest(
+            reports=[policy_pb2.RealizedReport(node="n 1", identity=WEB, revision=1, endpoint_id=3)]
+        ),
+        "reports[0].node",
+    ),
     ("DeletePolicy", policy_pb2.DeletePolicyRequest(ref=ref("x", namespace="../../etc")), "ref.namespace"),
     ("DeletePolicy", policy_pb2.DeletePolicyRequest(ref=ref("a.*.>")), "ref.name"),
     (
