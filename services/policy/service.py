@@ -92,7 +92,8 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
     core = PolicyCore(persisted=persisted, cluster=cfg.cluster_name)
     imported = await ApiPolicyStore.open(bus, f"{cfg.state_bucket}_API")
     now = time.time()
-    for stored in await imported.load():
+    restored = await imported.load()
+    for stored in restored:
         outcome = core.restore_imported(stored, dump_document(stored.object), now)
         if not outcome.accepted:
             ctx.log.error("imported policy no longer valid", policy=str(stored.key), error=outcome.error)
@@ -118,7 +119,7 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
         "policy state loaded",
         revision=persisted.revision,
         nodes=len(persisted.sequences),
-        imported=len(core.registry),
+        imported=len(restored),
         max_order_bytes=max_bytes,
     )
 
