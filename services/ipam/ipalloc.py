@@ -522,6 +522,8 @@ class IPAllocator:
                         f"{text} on node {node} is allocated to {by_ip.value.decode()}; release it first "
                         "or restore a different address",
                     )
+                # Lost a race for this address to another process: skip ahead past its allocations.
+                self._cursor[(node, fam)] = int(candidate) + self._rng.randint(0, 15)
             elif guards and by_outside is not None:
                 holder = by_outside.value.decode()
                 self._outside[candidate] = holder
@@ -532,9 +534,6 @@ class IPAllocator:
             elif guards:
                 # The pool subnet around it was claimed meanwhile: it now belongs to a node's pod CIDR.
                 guards = await self._outside_guards(node, candidate)
-                continue
-                # Lost a race for this address to another process: skip ahead past its allocations.
-                self._cursor[(node, fam)] = int(candidate) + self._rng.randint(0, 15)
         raise IpamError(ErrorCode.ABORTED, f"gave up allocating an address on node {node} under contention; retry")
 
     async def _refuse_second(self, node: str, owner: str, owner_key: bytes) -> None:
