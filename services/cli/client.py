@@ -21,6 +21,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from services.common.config import DEFAULT_GRPC_PORTS
+from services.common.grpcserver import MESSAGE_SIZE_OPTIONS
 
 SERVICES = ("watcher", "policy", "ipam", "datapath")
 T = TypeVar("T")
@@ -58,7 +59,7 @@ def address(args: argparse.Namespace, service: str) -> str:
 def channel(args: argparse.Namespace, service: str, timeout: float = 3.0) -> Iterator[grpc.Channel]:
     """A ready channel to ``service``, or a CLIError naming the address and how to start it."""
     target = address(args, service)
-    ch = grpc.insecure_channel(target)
+    ch = grpc.insecure_channel(target, options=MESSAGE_SIZE_OPTIONS)
     try:
         grpc.channel_ready_future(ch).result(timeout=timeout)
     except grpc.FutureTimeoutError:

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import grpc
+
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
 from services.cli.client import (
     CLIError,
@@ -19,6 +21,8 @@ from services.cli.client import (
     run,
     to_dict,
 )
+from services.common.manifests import DocumentError, split_documents
+from services.policy.documents import dump_document
 
 KINDS = {
     "networkpolicy": "NetworkPolicy",
@@ -42,6 +46,17 @@ def _state(status: policy_pb2.PolicyStatus) -> str:
     return policy_pb2.PolicyState.Name(status.state).removeprefix("POLICY_STATE_").lower()
 
 
+def source_text(status: policy_pb2.PolicyStatus) -> str:
+    """Where a policy came from, in one word: api, manifest or kubernetes."""
+    if status.source == policy_pb2.POLICY_SOURCE_API:
+        return "api"
+    if status.origin.startswith("manifests"):
+        return "manifest"
+    if status.source == policy_pb2.POLICY_SOURCE_KUBERNETES:
+        return "kubernetes"
+    return "-"
+
+
 def _ref_text(ref: common_pb2.ObjectRef) -> str:
     return f"{ref.kind} {ref.namespace + '/' if ref.namespace else ''}{ref.name}"
 
@@ -55,13 +70,14 @@ def _print_statuses(statuses: list[policy_pb2.PolicyStatus]) -> None:
                 s.ref.kind,
                 s.ref.namespace or "-",
                 s.ref.name,
+                source_text(s),
                 _state(s),
                 s.revision or "-",
                 nodes,
                 len(s.unsupported) or "",
             )
         )
-    print_table(("KIND", "NAMESPACE", "NAME", "STATE", "REVISION", "NODES", "UNSUPPORTED"), rows)
+    print_table(("KIND", "NAMESPACE", "NAME", "SOURCE", "STATE", "REVISION", "NODES", "UNSUPPORTED"), rows)
     for s in statuses:
         if s.error:
             print(f"\n{_ref_text(s.ref)}: {s.error}")
@@ -87,6 +103,63 @@ def _read(paths: list[str]) -> list[tuple[str, str]]:
     return docs
 
 
+def import_deadline(text: str) -> float:
+    """Seconds to give an import: the server reads about a MB of YAML per second; leave room for a busy one."""
+    return 30.0 + 30.0 * len(text.encode()) / 1_000_000
+
+
+def _rpc_error(err: grpc.RpcError) -> CLIError:
+    code = err.code()
+    exit_code = 2 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) else 1
+    return CLIError(f"policy: {code.name}: {err.details()}", exit_code)
+
+
+def _late_import(
+    stub: policy_pb2_grpc.PolicyServiceStub, text: str, origin: str, deadline: float
+) -> list[policy_pb2.PolicyStatus]:
+    """The answer to an import did not come in time: find out whether it was applied.
+
+    The service never applies an import whose caller has given up, and applies one import
+    whole or not at all, so the documents now in force say which happened: never report a
+    failure for an import that succeeded.
+    """
+    try:
+        docs = split_documents(text, origin)
+    except DocumentError as exc:
+        raise CLIError(str(exc), 2) from None
+    statuses = []
+    missing = []
+    for document in docs:
+        label, doc = document.source, document.body
+        meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+        assert isinstance(meta, dict)
+        kind = KINDS.get(str(doc.get("kind", "")).lower(), str(doc.get("kind", "")))
+        namespace = "" if kind == "CiliumClusterwideNetworkPolicy" else str(meta.get("namespace") or "default")
+        ref = common_pb2.ObjectRef(kind=kind, namespace=namespace, name=str(meta.get("name") or ""))
+        try:
+            status = stub.GetPolicy(
+                policy_pb2.GetPolicyRequest(ref=ref, source=policy_pb2.POLICY_SOURCE_API), timeout=30
+            )
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.NOT_FOUND:
+                raise _rpc_error(err) from None
+            missing.append(label)
+            continue
+        if status.document != dump_document(doc):
+            missing.append(label)
+            continue
+        status.document = ""
+        statuses.append(status)
+    if missing:
+        raise CLIError(
+            f"policy: no answer within {deadline:.0f}s, and {', '.join(missing)} is not in force as sent: the import "
+            "was not applied; retry it (importing the same documents again is harmless), with a larger "
+            "--request-timeout if the service is busy"
+        )
+    print(f"palisade: the answer came after {deadline:.0f}s, but the import was applied", file=sys.stderr)
+    return statuses
+
+
 @run
 def cmd_import(args: argparse.Namespace) -> int:
     statuses: list[policy_pb2.PolicyStatus] = []
@@ -95,7 +168,17 @@ def cmd_import(args: argparse.Namespace) -> int:
         stub = policy_pb2_grpc.PolicyServiceStub(ch)
         for origin, text in _read(args.file):
             req = policy_pb2.ImportPoliciesRequest(documents=text, dry_run=args.dry_run, origin=origin)
-            resp = call("policy", stub.ImportPolicies, req)
+            deadline = args.request_timeout or import_deadline(text)
+            try:
+                with progress(f"importing {origin}"):
+                    resp = stub.ImportPolicies(req, timeout=deadline)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED or args.dry_run:
+                    raise _rpc_error(err) from None
+                late = _late_import(stub, text, origin, deadline)
+                statuses.extend(late)
+                revision = max([revision, *(s.revision for s in late)])
+                continue
             statuses.extend(resp.policies)
             revision = max(revision, resp.revision)
         if args.wait and not args.dry_run and revision:
@@ -146,6 +229,8 @@ def cmd_get(args: argparse.Namespace) -> int:
         print_json({"policies": [to_dict(s) for s in statuses]})
     else:
         _print_statuses(statuses)
+        if args.name and statuses[0].origin:
+            print(f"\norigin: {statuses[0].origin}")
         if args.name and statuses[0].document:
             print("\n" + statuses[0].document)
     return 0
@@ -154,6 +239,13 @@ def cmd_get(args: argparse.Namespace) -> int:
 def _wait(stub: policy_pb2_grpc.PolicyServiceStub, revision: int, timeout: float) -> policy_pb2.WaitForRevisionResponse:
     req = policy_pb2.WaitForRevisionRequest(revision=revision, timeout_seconds=timeout)
     resp: policy_pb2.WaitForRevisionResponse = call("policy", stub.WaitForRevision, req, timeout=timeout + 10)
+    if resp.failed:
+        failed = [e for e in resp.behind if e.error]
+        lines = "\n".join(
+            f"  {e.node}/{e.pod or e.endpoint_id} at revision {e.failed_revision}: {e.error}" for e in failed[:10]
+        )
+        more = f"\n  and {len(failed) - 10} more" if len(failed) > 10 else ""
+        raise CLIError(f"revision {revision} failed to be realized by {len(failed)} endpoint(s):\n{lines}{more}")
     if not resp.realized:
         behind = ", ".join(f"{e.node}/{e.pod or e.endpoint_id} at {e.realized_revision}" for e in resp.behind[:10])
         more = f" and {len(resp.behind) - 10} more" if len(resp.behind) > 10 else ""
@@ -207,6 +299,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     imp.add_argument("--dry-run", action="store_true", help="validate only")
     imp.add_argument("--wait", action="store_true", help="wait until the new revision is realized")
     imp.add_argument("--timeout", type=float, default=60.0, help="seconds to wait with --wait")
+    imp.add_argument(
+        "--request-timeout",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds to wait for each file's answer (default: 30 plus 30 per MB of the file)",
+    )
     imp.set_defaults(func=cmd_import)
 
     def ref_args(q: argparse.ArgumentParser, optional_name: bool = False) -> None:

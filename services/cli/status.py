@@ -65,7 +65,21 @@ def cmd_status(args: argparse.Namespace) -> int:
         down = [n for n, _, s, _ in results if s == "unreachable"]
         if down:
             print(f"\n{', '.join(down)} unreachable: start the system with `make run`, or pass --<service>-address.")
-    return 0 if all(s == "SERVING" for _, _, s, _ in results) else 1
+        for name, _, _, status in results:
+            for dependency, problem in sorted(_dependencies_down(status).items()):
+                print(
+                    f"\n{name}: {dependency} {problem}; it answers from what it knows, but changes do not flow "
+                    "until it is back"
+                )
+    healthy = all(s == "SERVING" for _, _, s, _ in results)
+    return 0 if healthy and not any(_dependencies_down(status) for *_, status in results) else 1
+
+
+def _dependencies_down(status: common_pb2.ServiceStatus | None) -> dict[str, str]:
+    """Dependencies a service reports down (``details`` entries such as ``bus=down: ...``)."""
+    if status is None:
+        return {}
+    return {k: v for k, v in status.details.items() if v.startswith("down")}
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

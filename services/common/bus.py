@@ -4,12 +4,19 @@ Every Palisade subject starts with ``palisade.``. State subjects (k8s objects,
 identities, ipcache) live in compacted streams that keep one message per subject,
 so a consumer that (re)starts replays exactly the current state; deletions are
 tombstones. Regeneration orders keep a bounded history.
+
+The connection reconnects forever. While it is down :attr:`Bus.connected` is false
+(the status plumbing shows it); when it comes back every :class:`Follower` re-creates
+its consumer at once from the last message it handled (an ordered consumer would
+otherwise notice the server lost it only after missed heartbeats, seconds later), and
+:meth:`Bus.retry` loops waiting out the outage retry immediately.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlparse
@@ -38,6 +45,10 @@ from services.common.subjects import token as token
 log = get_logger("bus")
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
+
+#: What a raw follower hands each message to: (subject, payload).
+MsgHandler = Callable[[str, bytes], Awaitable[None]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +89,101 @@ class Follower:
 
     ``caught_up`` is set once everything that was in the stream when following
     began has been handed to the callback (immediately if there was nothing).
+    After a reconnect, :meth:`restart` re-creates the consumer from the stream
+    sequence after the last message handled, so nothing is lost or repeated.
     """
 
-    def __init__(self, sub: Any, caught_up: asyncio.Event) -> None:
-        self._sub = sub
-        self.caught_up = caught_up
+    def __init__(self, bus: Bus, filters: Sequence[str], handler: MsgHandler, *, deliver_new: bool = False) -> None:
+        self._bus = bus
+        self._filters = list(filters)
+        self._handler = handler
+        self._deliver_new = deliver_new
+        self._sub: Any = None
+        #: Stream sequence of the last message handled (or known to be before the first one wanted).
+        self._last = 0
+        self._stopped = False
+        self._restarting: asyncio.Task[None] | None = None
+        self.caught_up = asyncio.Event()
+
+    @property
+    def subject(self) -> str:
+        return ",".join(self._filters)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            meta = msg.metadata
+            seq = int(meta.sequence.stream)
+            pending = int(meta.num_pending)
+        except Exception:  # not a JetStream message; hand it over anyway
+            seq, pending = 0, -1
+        if seq and seq <= self._last:
+            return  # already handled before the consumer was re-created
+        try:
+            await self._handler(msg.subject, msg.data)
+        except Exception as exc:
+            log.error("message handler failed", subject=msg.subject, error=str(exc), exc_info=True)
+        if seq:
+            self._last = seq
+        if pending == 0:
+            self.caught_up.set()
+
+    def _config(self) -> jsapi.ConsumerConfig:
+        config = jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.ALL)
+        if self._last:
+            config = jsapi.ConsumerConfig(
+                deliver_policy=jsapi.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._last + 1
+            )
+        elif self._deliver_new:
+            config = jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.NEW)
+        if len(self._filters) > 1:
+            config.filter_subjects = list(self._filters)
+        return config
+
+    async def _subscribe(self) -> Any:
+        return await self._bus.js.subscribe(
+            self._filters[0], cb=self._on_msg, ordered_consumer=True, config=self._config()
+        )
+
+    async def start(self) -> None:
+        self._sub = await self._subscribe()
+        info = await self._sub.consumer_info()
+        delivered = info.delivered
+        if self._deliver_new:
+            # Restarting from here loses nothing: the consumer starts after this stream position.
+            self._last = max(self._last, int(delivered.stream_seq or 0) if delivered else 0)
+            self.caught_up.set()
+            return
+        # consumer_seq, not stream_seq: with a filter that matches nothing, the server
+        # reports the stream's position as delivered while this consumer got nothing.
+        if (info.num_pending or 0) == 0 and not (delivered.consumer_seq if delivered else 0):
+            self.caught_up.set()
+
+    def restart_soon(self) -> None:
+        """Re-create the consumer in the background (called on reconnect)."""
+        if self._stopped or (self._restarting is not None and not self._restarting.done()):
+            return
+        self._restarting = asyncio.get_running_loop().create_task(self.restart(), name=f"follow {self.subject}")
+
+    async def restart(self) -> None:
+        old, self._sub = self._sub, None
+        if old is not None:
+            try:
+                await old.unsubscribe()
+            except Exception:  # the old consumer went with the server
+                pass
+        if self._stopped:
+            return
+        self._sub = await self._bus.retry("re-create consumer", self._subscribe, subject=self.subject)
+        log.info("consumer re-created", subject=self.subject, after=self._last)
 
     async def stop(self) -> None:
+        self._stopped = True
+        self._bus.unregister(self)
+        if self._restarting is not None:
+            self._restarting.cancel()
         try:
-            await self._sub.unsubscribe()
+            if self._sub is not None:
+                await self._sub.unsubscribe()
         except Exception:  # already closed with the connection
             pass
 
@@ -98,6 +195,84 @@ class Bus:
         self.nc = nc
         self.js = js
         self.name = name
+        #: Set while connected; cleared on disconnect.
+        self._up = asyncio.Event()
+        self._up.set()
+        #: Wall-clock time the connection went down (None while connected).
+        self.down_since: float | None = None
+        #: Bumped on every reconnect, so retry loops know to start their backoff over.
+        self.reconnects = 0
+        self._followers: list[Follower] = []
+
+    @property
+    def connected(self) -> bool:
+        return self.down_since is None and not self.nc.is_closed
+
+    def problem(self) -> str | None:
+        """Why the bus cannot be used right now (None when it can), for status answers."""
+        if self.nc.is_closed:
+            return "closed"
+        if self.down_since is not None:
+            return f"down for {time.time() - self.down_since:.0f}s, reconnecting"
+        return None
+
+    def _disconnected(self) -> None:
+        if self.down_since is None:
+            self.down_since = time.time()
+        self._up.clear()
+
+    def _reconnected(self) -> None:
+        self.down_since = None
+        self.reconnects += 1
+        self._up.set()
+        for follower in list(self._followers):
+            follower.restart_soon()
+
+    def unregister(self, follower: Follower) -> None:
+        if follower in self._followers:
+            self._followers.remove(follower)
+
+    async def pause(self, delay: float) -> None:
+        """Sleep ``delay`` seconds, or less if the connection comes back meanwhile."""
+        if self._up.is_set():
+            await asyncio.sleep(delay)
+            return
+        try:
+            await asyncio.wait_for(self._up.wait(), delay)
+        except TimeoutError:
+            pass
+
+    async def retry(
+        self,
+        what: str,
+        call: Callable[[], Awaitable[T]],
+        *,
+        attempts: int = 0,
+        initial: float = 0.05,
+        maximum: float = 2.0,
+        **fields: object,
+    ) -> T:
+        """Await ``call()`` until it succeeds (or ``attempts`` failed), backing off between attempts.
+
+        The wait ends early when the connection comes back, and the backoff starts over, so a
+        bus outage costs no more than the outage itself.
+        """
+        backoff = Backoff(initial, maximum)
+        n = 0
+        while True:
+            n += 1
+            reconnects = self.reconnects
+            try:
+                return await call()
+            except Exception as exc:
+                if attempts and n >= attempts:
+                    raise
+                if n == 1 or n % 20 == 0:
+                    log.warning("bus call failed, retrying", what=what, attempt=n, error=str(exc), **fields)
+                if self.reconnects == reconnects:
+                    await self.pause(backoff.next())
+                if self.reconnects != reconnects:
+                    backoff.reset()
 
     @classmethod
     async def connect(
@@ -134,11 +309,17 @@ class Bus:
         async def on_error(exc: Exception) -> None:
             log.warning("nats error", error=str(exc))
 
+        holder: list[Bus] = []
+
         async def on_disconnect() -> None:
             log.warning("nats disconnected", servers=address)
+            for bus in holder:
+                bus._disconnected()
 
         async def on_reconnect() -> None:
             log.info("nats reconnected", servers=address)
+            for bus in holder:
+                bus._reconnected()
 
         nc = await nats.connect(
             servers,
@@ -154,7 +335,9 @@ class Bus:
             pending_size=64 * 1024 * 1024,
         )
         log.info("nats connected", servers=address, client=name)
-        return cls(nc, nc.jetstream(), name)
+        bus = cls(nc, nc.jetstream(), name)
+        holder.append(bus)
+        return bus
 
     async def __aenter__(self) -> Bus:
         return self
@@ -204,19 +387,12 @@ class Bus:
         nothing is silently dropped, the caller waits instead.
         """
         data = message.SerializeToString()
-        backoff = Backoff(0.05, 2.0)
-        n = 0
-        while True:
-            n += 1
-            try:
-                ack = await self.js.publish(subject, data, timeout=timeout, headers=headers)
-                return int(ack.seq)
-            except Exception as exc:
-                if attempts and n >= attempts:
-                    raise
-                if n == 1 or n % 20 == 0:
-                    log.warning("publish failed, retrying", subject=subject, attempt=n, error=str(exc))
-                await backoff.sleep()
+
+        async def once() -> int:
+            ack = await self.js.publish(subject, data, timeout=timeout, headers=headers)
+            return int(ack.seq)
+
+        return await self.retry("publish", once, attempts=attempts, subject=subject)
 
     @property
     def max_payload(self) -> int:
@@ -249,44 +425,15 @@ class Bus:
 
         return await self.follow_raw([subject], decoded, deliver_new=deliver_new)
 
-    async def follow_raw(
-        self,
-        subjects: Sequence[str],
-        handler: Callable[[str, bytes], Awaitable[None]],
-        *,
-        deliver_new: bool = False,
-    ) -> Follower:
+    async def follow_raw(self, filters: Sequence[str], handler: MsgHandler, *, deliver_new: bool = False) -> Follower:
         """Like :meth:`follow`, for several filters of one stream in one stream order, undecoded.
 
         For consumers that need the order between subjects carrying different messages
         (policy deltas and the synced marker).
         """
-        caught_up = asyncio.Event()
-
-        async def on_msg(msg: Msg) -> None:
-            try:
-                await handler(msg.subject, msg.data)
-            except Exception as exc:
-                log.error("message handler failed", subject=msg.subject, error=str(exc), exc_info=True)
-            if not caught_up.is_set():
-                try:
-                    if msg.metadata.num_pending == 0:
-                        caught_up.set()
-                except Exception:
-                    pass
-
-        policy = jsapi.DeliverPolicy.NEW if deliver_new else jsapi.DeliverPolicy.ALL
-        config = jsapi.ConsumerConfig(deliver_policy=policy)
-        if len(subjects) > 1:  # the first subject then only finds the stream; the filters select
-            config.filter_subjects = list(subjects)
-        sub = await self.js.subscribe(subjects[0], cb=on_msg, ordered_consumer=True, config=config)
-        if deliver_new:
-            caught_up.set()
-        else:
-            info = await sub.consumer_info()
-            # consumer_seq, not stream_seq: with a filter that matches nothing, the server
-            # reports the stream's position as delivered while this consumer got nothing.
-            delivered = info.delivered.consumer_seq if info.delivered else 0
-            if (info.num_pending or 0) == 0 and not delivered:
-                caught_up.set()
-        return Follower(sub, caught_up)
+        if not filters:
+            raise ValueError("follow_raw needs at least one subject filter")
+        follower = Follower(self, filters, handler, deliver_new=deliver_new)
+        await follower.start()
+        self._followers.append(follower)
+        return follower

@@ -22,11 +22,26 @@ log = get_logger("grpc")
 
 T = TypeVar("T")
 
+#: Largest gRPC message sent or received, by servers and the CLI alike (a policy file of several MB).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Channel/server options that apply it.
+MESSAGE_SIZE_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
 StatusProvider = Callable[[common_pb2.ServiceStatus], None]
+#: Why a dependency cannot be used right now; None when it can.
+DependencyProbe = Callable[[], str | None]
 
 
 class StatusServicer(common_pb2_grpc.StatusServiceServicer):
-    """Serves ServiceStatus; the service fills in its own figures through ``provider``."""
+    """Serves ServiceStatus; the service fills in its own figures through ``provider``.
+
+    Dependencies (the bus, ...) added with :meth:`add_dependency` show in ``details``
+    as ``<name>=ok`` or what is wrong; while one is down the service is not ``synced``
+    (it may still answer from what it knows, so health is left alone).
+    """
 
     def __init__(self, service: str, node: str) -> None:
         self._service = service
@@ -34,12 +49,21 @@ class StatusServicer(common_pb2_grpc.StatusServiceServicer):
         self._started = Timestamp()
         self._started.FromNanoseconds(time.time_ns())
         self.provider: StatusProvider | None = None
+        self._dependencies: dict[str, DependencyProbe] = {}
+
+    def add_dependency(self, name: str, probe: DependencyProbe) -> None:
+        self._dependencies[name] = probe
 
     def snapshot(self) -> common_pb2.ServiceStatus:
         status = common_pb2.ServiceStatus(service=self._service, version=__version__, node=self._node)
         status.started_at.CopyFrom(self._started)
         if self.provider is not None:
             self.provider(status)
+        for name, probe in self._dependencies.items():
+            problem = probe()
+            status.details[name] = "ok" if problem is None else f"down: {problem}"
+            if problem is not None:
+                status.synced = False
         return status
 
     async def GetStatus(
@@ -59,12 +83,7 @@ class GrpcServer:
     def __init__(self, service: str, node: str, listen: str) -> None:
         self.service = service
         self.listen = listen
-        self.server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            ]
-        )
+        self.server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.status = StatusServicer(service, node)

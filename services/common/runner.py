@@ -59,6 +59,7 @@ class ServiceContext(Generic[C]):
             backoff=self.config.connect_backoff,
         )
         self.stack.push_async_callback(bus.close)
+        self.server.status.add_dependency("bus", bus.problem)
         return bus
 
     async def etcd(self) -> aetcd.Client:

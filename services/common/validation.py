@@ -1,12 +1,14 @@
-"""Kubernetes' rules for names, labels and CIDRs, checked at every API edge. Pure.
+"""Names, namespaces, labels and CIDRs checked as Kubernetes checks them. Pure.
 
-The rules are Kubernetes' own (``k8s.io/apimachinery/pkg/util/validation``): a
-namespace is a DNS-1123 label, an object name (a pod) a DNS-1123 subdomain, a label
-key a qualified name with an optional DNS-1123 subdomain prefix, a label value at
-most 63 characters of ``[A-Za-z0-9._-]`` starting and ending with an alphanumeric.
-Lengths are checked before patterns, so a megabyte of input fails at once. Each
-validator raises :class:`PalisadeError` with ``INVALID_ARGUMENT`` and a message that
-names the field, shows the value (clipped) and says what is allowed.
+Every API edge validates what it is given with these before using it, so that a
+name Kubernetes would refuse (a 100,000-character name, ``../../etc``, ``a.*.>``,
+``Shop_NS!``, a label key with a space, a newline or a NUL) is answered with
+INVALID_ARGUMENT naming the field, never stored, published or echoed in full.
+
+The rules are Kubernetes' own (``k8s.io/apimachinery/pkg/util/validation``):
+namespaces are DNS-1123 labels, object names DNS-1123 subdomains, label keys
+qualified names with an optional DNS-1123 subdomain prefix, label values at most
+63 characters of ``[A-Za-z0-9._-]`` starting and ending alphanumeric.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from services.common.errors import Code, PalisadeError
+from services.common.errors import Code, PalisadeError, clip
 
 DNS1123_LABEL_MAX = 63
 DNS1123_SUBDOMAIN_MAX = 253
@@ -25,92 +27,134 @@ _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _QUALIFIED_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
 
-#: How much of a bad value a message shows.
-SHOWN = 64
-
 
 def shown(value: str) -> str:
-    """``value`` quoted for a message, cut to :data:`SHOWN` characters."""
-    if len(value) <= SHOWN:
-        return repr(value)
-    return f"{value[:SHOWN]!r}… ({len(value)} characters)"
+    """The value as it can be shown in a message: quoted, escaped, cut."""
+    return clip(repr(value), 120)
 
 
-def _invalid(field: str, message: str) -> PalisadeError:
-    return PalisadeError(f"{field}: {message}", Code.INVALID_ARGUMENT)
+def _invalid(field: str, value: str, rule: str) -> PalisadeError:
+    return PalisadeError(f"{field} {shown(value)} is invalid: {rule}", Code.INVALID_ARGUMENT)
 
 
-def validate_namespace(value: str, field: str = "namespace") -> None:
-    """A namespace name: a DNS-1123 label."""
-    _dns1123_label(value, field, "a namespace")
-
-
-def validate_name(value: str, field: str = "name") -> None:
-    """An object name such as a pod's: a DNS-1123 subdomain."""
+def dns1123_label_problem(value: str) -> str | None:
     if not value:
-        raise _invalid(field, "is empty; give the object's name")
-    if len(value) > DNS1123_SUBDOMAIN_MAX:
-        raise _invalid(field, f"{shown(value)} is longer than {DNS1123_SUBDOMAIN_MAX} characters")
-    if not _DNS1123_SUBDOMAIN.fullmatch(value):
-        raise _invalid(
-            field,
-            f"{shown(value)} is not a valid name: use lowercase letters, digits, '-' and '.', "
-            "starting and ending with a letter or digit (a DNS-1123 subdomain)",
-        )
-
-
-def validate_label_key(value: str, field: str = "label key") -> None:
-    """A label key: ``[prefix/]name``, the prefix a DNS-1123 subdomain, the name a qualified name."""
-    if not value:
-        raise _invalid(field, "is empty; labels are key=value")
-    if len(value) > DNS1123_SUBDOMAIN_MAX + 1 + QUALIFIED_NAME_MAX:
-        raise _invalid(field, f"{shown(value)} is too long for a label key")
-    prefix, slash, name = value.rpartition("/")
-    bad_prefix = not prefix or len(prefix) > DNS1123_SUBDOMAIN_MAX or not _DNS1123_SUBDOMAIN.fullmatch(prefix)
-    if slash and bad_prefix:
-        raise _invalid(
-            field,
-            f"{shown(value)} has a bad prefix: it must be a DNS-1123 subdomain "
-            "(lowercase letters, digits, '-' and '.') of at most 253 characters, like example.com/",
-        )
-    if not name or len(name) > QUALIFIED_NAME_MAX or not _QUALIFIED_NAME.fullmatch(name):
-        raise _invalid(
-            field,
-            f"{shown(value)} is not a valid label key: the name part must be at most {QUALIFIED_NAME_MAX} "
-            "characters of letters, digits, '-', '_' and '.', starting and ending with a letter or digit",
-        )
-
-
-def validate_label_value(value: str, field: str = "label value") -> None:
-    """A label value: empty, or at most 63 characters of ``[A-Za-z0-9._-]`` with alphanumeric ends."""
-    if not value:
-        return
-    if len(value) > LABEL_VALUE_MAX or not _QUALIFIED_NAME.fullmatch(value):
-        raise _invalid(
-            field,
-            f"{shown(value)} is not a valid label value: at most {LABEL_VALUE_MAX} characters of letters, "
-            "digits, '-', '_' and '.', starting and ending with a letter or digit",
-        )
-
-
-def validate_cidr(value: str, field: str = "cidr") -> ipaddress.IPv4Network | ipaddress.IPv6Network:
-    """A CIDR with its mask (``10.0.0.0/8``, ``2001:db8::/64``); host bits may be set, as Kubernetes allows."""
-    if "/" not in value:
-        raise _invalid(field, f"{shown(value)} has no mask; write a CIDR such as 10.0.0.0/8 or 10.0.0.5/32")
-    try:
-        return ipaddress.ip_network(value, strict=False)
-    except ValueError as exc:
-        raise _invalid(field, f"{shown(value)} is not a CIDR ({exc}); write one such as 10.0.0.0/8") from None
-
-
-def _dns1123_label(value: str, field: str, what: str) -> None:
-    if not value:
-        raise _invalid(field, f"is empty; give {what}")
+        return "must not be empty"
     if len(value) > DNS1123_LABEL_MAX:
-        raise _invalid(field, f"{shown(value)} is longer than {DNS1123_LABEL_MAX} characters")
+        return f"must be at most {DNS1123_LABEL_MAX} characters (it has {len(value)})"
     if not _DNS1123_LABEL.fullmatch(value):
-        raise _invalid(
-            field,
-            f"{shown(value)} is not a valid {what.removeprefix('a ')} name: use lowercase letters, digits "
-            "and '-', starting and ending with a letter or digit (a DNS-1123 label)",
+        return "must consist of lower case letters, digits and '-', and start and end with a letter or digit"
+    return None
+
+
+def dns1123_subdomain_problem(value: str) -> str | None:
+    if not value:
+        return "must not be empty"
+    if len(value) > DNS1123_SUBDOMAIN_MAX:
+        return f"must be at most {DNS1123_SUBDOMAIN_MAX} characters (it has {len(value)})"
+    if not _DNS1123_SUBDOMAIN.fullmatch(value):
+        return (
+            "must consist of lower case letters, digits, '-' and '.', and start and end with a letter or digit "
+            "(a DNS-1123 subdomain)"
         )
+    return None
+
+
+def label_key_problem(value: str) -> str | None:
+    if not value:
+        return "must not be empty"
+    prefix, slash, name = value.rpartition("/")
+    if slash:
+        if not prefix:
+            return "has an empty prefix before '/'"
+        problem = dns1123_subdomain_problem(prefix)
+        if problem is not None:
+            return f"prefix {shown(prefix)} {problem}"
+    if not name:
+        return "has an empty name"
+    if len(name) > QUALIFIED_NAME_MAX:
+        return f"name part must be at most {QUALIFIED_NAME_MAX} characters (it has {len(name)})"
+    if not _QUALIFIED_NAME.fullmatch(name):
+        return (
+            "must be a qualified name: letters, digits, '-', '_' and '.', starting and ending with a letter or "
+            "digit, with an optional DNS subdomain prefix and '/' (e.g. 'app' or 'example.com/tier')"
+        )
+    return None
+
+
+def label_value_problem(value: str) -> str | None:
+    if len(value) > LABEL_VALUE_MAX:
+        return f"must be at most {LABEL_VALUE_MAX} characters (it has {len(value)})"
+    if value and not _QUALIFIED_NAME.fullmatch(value):
+        return "must be empty or letters, digits, '-', '_' and '.', starting and ending with a letter or digit"
+    return None
+
+
+def cidr_problem(value: str) -> str | None:
+    if "/" not in value:
+        return "must be an address with a prefix length, e.g. 10.0.0.0/24 or fd00::/64"
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError as exc:
+        return f"is not a CIDR ({exc})"
+    return None
+
+
+def validate_namespace(value: str, field: str) -> str:
+    """``value`` if it is a valid namespace (a DNS-1123 label); else PalisadeError(INVALID_ARGUMENT)."""
+    problem = dns1123_label_problem(value)
+    if problem is not None:
+        raise _invalid(field, value, problem)
+    return value
+
+
+def validate_name(value: str, field: str) -> str:
+    """``value`` if it is a valid object name (a DNS-1123 subdomain); else PalisadeError(INVALID_ARGUMENT)."""
+    problem = dns1123_subdomain_problem(value)
+    if problem is not None:
+        raise _invalid(field, value, problem)
+    return value
+
+
+def validate_label_key(value: str, field: str) -> str:
+    """``value`` if it is a valid label key (a qualified name); else PalisadeError(INVALID_ARGUMENT)."""
+    problem = label_key_problem(value)
+    if problem is not None:
+        raise _invalid(field, value, problem)
+    return value
+
+
+def validate_label_value(value: str, field: str) -> str:
+    """``value`` if it is a valid label value; else PalisadeError(INVALID_ARGUMENT)."""
+    problem = label_value_problem(value)
+    if problem is not None:
+        raise _invalid(field, value, problem)
+    return value
+
+
+def validate_cidr(value: str, field: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    """The network ``value`` names (a prefix length is required); else PalisadeError(INVALID_ARGUMENT)."""
+    problem = cidr_problem(value)
+    if problem is not None:
+        raise _invalid(field, value, problem)
+    return ipaddress.ip_network(value, strict=False)
+
+
+#: Cilium's key prefix for a namespace's labels carried by its pods' identities.
+NAMESPACE_LABELS_PREFIX = "io.cilium.k8s.namespace.labels."
+
+
+def validate_identity_label(source: str, key: str, value: str, field: str) -> None:
+    """One label of an identity (``source:key=value``): CIDR labels name a prefix, others are Kubernetes labels.
+
+    A namespace label lifted onto a pod (``io.cilium.k8s.namespace.labels.<key>``) is checked
+    as the namespace's own key.
+    """
+    if len(source) > QUALIFIED_NAME_MAX or (source and not _QUALIFIED_NAME.fullmatch(source)):
+        raise _invalid(f"{field}.source", source, "must be a label source such as k8s, reserved or cidr")
+    if source == "cidr":
+        # IPv6 prefixes carry '-' for ':' in labels, as in Cilium.
+        validate_cidr(key if "." in key else key.replace("-", ":"), f"{field}.key")
+    else:
+        validate_label_key(key.removeprefix(NAMESPACE_LABELS_PREFIX) or key, f"{field}.key")
+    validate_label_value(value, f"{field}.value")

@@ -27,7 +27,7 @@ from services.datapath.errors import InvalidRequest
 _SOURCE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
-def _checked(check: Callable[[str, str], None], value: str, field: str) -> None:
+def _checked(check: Callable[[str, str], object], value: str, field: str) -> None:
     try:
         check(value, field)
     except PalisadeError as exc:

@@ -20,6 +20,7 @@ from services.ipam import keys, metrics
 from services.ipam.errors import IpamError
 from services.ipam.gc import GcTracker
 from services.ipam.kv import (
+    Change,
     Delete,
     Get,
     LeaseNotFound,
@@ -129,6 +130,35 @@ class IdentityAllocator:
         labels = self._by_id.pop(ident, None)
         if labels is not None and self._by_labels.get(labels) == ident:
             del self._by_labels[labels]
+
+    def observe(self, change: Change) -> tuple[Identity, bool] | None:
+        """Apply a change to an identity key, made by any allocator (this one included), as the watch saw it.
+
+        Returns (identity, deleted) when an identity appeared, changed or went, so it can be announced.
+        """
+        key = change.kv.key
+        try:
+            if key.startswith(keys.IDENTITY_IDS.encode()):
+                ident = keys.parse_identity_id(key)
+                if change.deleted:
+                    labels = self._by_id.get(ident)
+                    self._forget(ident)
+                    return (Identity(ident, labels), True) if labels is not None else None
+                labels = LabelSet.parse(change.kv.value.decode())
+                self._remember(ident, labels)
+                return Identity(ident, labels), False
+            if key.startswith(keys.IDENTITY_OWNERS.encode()):
+                holder = keys.parse_identity_owner(key)
+                known = self._owners.get(holder)
+                if known is not None and known[1] > change.revision:
+                    return None  # this process wrote it again since
+                if change.deleted:
+                    self._owners.pop(holder, None)
+                else:
+                    self._owners[holder] = (int(change.kv.value), change.revision)
+        except ValueError as exc:
+            log.warning("malformed identity key ignored", key=key.decode(errors="replace"), error=str(exc))
+        return None
 
     def cached(self) -> list[Identity]:
         return [Identity(i, labels) for i, labels in sorted(self._by_id.items())]

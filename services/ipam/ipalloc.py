@@ -26,7 +26,21 @@ from services.common.log import get_logger
 from services.ipam import keys
 from services.ipam.config import IPAMMode
 from services.ipam.errors import IpamError
-from services.ipam.kv import KV, Delete, Get, Op, Put, Store, Txn, absent, mod_is, value_is
+from services.ipam.kv import (
+    KV,
+    Change,
+    Compare,
+    Delete,
+    Get,
+    Op,
+    Put,
+    Store,
+    Txn,
+    absent,
+    mod_is,
+    none_between,
+    value_is,
+)
 from services.ipam.nodecidr import CIDRSource, NodeCIDR, NodeRecord, desired
 from services.ipam.pool import (
     IPAddress,
@@ -95,6 +109,8 @@ class IPAllocator:
         self._pending: set[tuple[str, int]] = set()
         self._cursor: dict[tuple[str, int], int] = {}
         self._k8s_nodes: dict[str, Mapping[str, Any]] = {}
+        #: Addresses reserved outside every pod CIDR, and the node holding each.
+        self._outside: dict[IPAddress, str] = {}
 
     # -- cache -------------------------------------------------------------
 
@@ -128,6 +144,49 @@ class IPAllocator:
         for kv in ips:
             node, ip = keys.parse_ipam_ip(kv.key)
             self._note_ip(node, ip, kv.value.decode())
+        await self._refresh_outside()
+
+    async def _refresh_outside(self) -> None:
+        kvs, _ = await self._store.get_prefix(keys.IPAM_OUTSIDE.encode())
+        self._outside = {keys.parse_ipam_outside(kv.key): kv.value.decode() for kv in kvs}
+
+    def observe(self, change: Change) -> None:
+        """Apply a change to an address, node or pool key, made by any allocator, as the watch saw it."""
+        key = change.kv.key
+        text = key.decode(errors="replace")
+        try:
+            if text.startswith(keys.IPAM_NODES):
+                name = keys.parse_ipam_node(key)
+                current = self._nodes.get(name)
+                if current is not None and current.mod_revision > change.revision:
+                    return  # this process wrote it again since
+                if change.deleted:
+                    self._nodes.pop(name, None)
+                else:
+                    self._nodes[name] = NodeRecord.from_json(name, change.kv.value, change.revision)
+            elif text.startswith(keys.IPAM_POOL):
+                net = ipaddress.ip_network(keys.parse_ipam_pool(key))
+                if change.deleted:
+                    self._claims.pop(net, None)
+                else:
+                    self._claims[net] = change.kv.value.decode()
+            elif text.startswith(keys.IPAM_OUTSIDE):
+                addr = keys.parse_ipam_outside(key)
+                if change.deleted:
+                    self._outside.pop(addr, None)
+                else:
+                    self._outside[addr] = change.kv.value.decode()
+            elif text.startswith(keys.IPAM_IPS):
+                node, ip = keys.parse_ipam_ip(key)
+                if change.deleted:
+                    self._drop_ip(node, ip)
+                else:
+                    owner = change.kv.value.decode()
+                    if self._ips.get(node, {}).get(ip) != owner:
+                        self._drop_ip(node, ip)
+                        self._note_ip(node, ip, owner)
+        except (ValueError, KeyError) as exc:
+            log.warning("malformed ipam key ignored", key=text, error=str(exc))
 
     async def _reload_node_ips(self, node: str) -> None:
         kvs, _ = await self._store.get_prefix(keys.ipam_ips_of(node))
@@ -196,6 +255,8 @@ class IPAllocator:
         for name, record in self._nodes.items():
             if name != exclude_node:
                 used.update(c.cidr for c in record.cidrs)
+        # A pool CIDR never covers an address reserved outside the pod CIDRs.
+        used.update(ipaddress.ip_network(addr) for addr in self._outside)
         return list(used)
 
     def _plan(
@@ -264,6 +325,7 @@ class IPAllocator:
             new = NodeRecord(name, cidrs)
             compares = [mod_is(node_key, record.mod_revision if record else 0)]
             compares += [absent(keys.ipam_pool(str(c))) for c in claims]
+            compares += [none_between(*keys.ipam_outside_range(c)) for c in claims]
             ops: list[Op] = [Put(node_key, new.to_json())]
             ops += [Put(keys.ipam_pool(str(c)), name.encode()) for c in claims]
             released = [c.cidr for c in (record.cidrs if record else ()) if c.source == CIDRSource.POOL]
@@ -296,6 +358,7 @@ class IPAllocator:
                 if taken is not None:
                     self._claims[c] = taken.value.decode()
             await self._refresh_nodes()
+            await self._refresh_outside()
         raise IpamError(f"gave up assigning a pod CIDR to node {name} after concurrent changes; retry", Code.ABORTED)
 
     async def _refresh_nodes(self) -> None:
@@ -313,8 +376,54 @@ class IPAllocator:
         gw = str(gateway(cidr.cidr)) if cidr else ""
         return IPAllocation(ip=ip, node=node, owner=owner, family=addr.version, cidr=net, gateway=gw)
 
-    async def allocate(self, node: str, owner: str, family: int | None = None, ip: str = "") -> IPAllocation:
-        """Give ``owner`` an address on ``node`` (the next free one, or exactly ``ip`` to restore it)."""
+    async def _outside_guards(self, node: str, addr: IPAddress) -> list[Compare]:
+        """Check that ``addr`` may be reserved on ``node`` outside its pod CIDR; the guards of that reservation.
+
+        It must not be in another node's pod CIDR (reserve it there), nor claimed outside by another
+        node; inside the cluster pool, the pool subnet around it must still be unclaimed (the claim of
+        a subnet, in turn, requires that no address inside it is reserved outside).
+        """
+        kind = next(
+            (
+                name
+                for name, test in (
+                    ("unspecified", addr.is_unspecified),
+                    ("loopback", addr.is_loopback),
+                    ("multicast", addr.is_multicast),
+                    ("link-local", addr.is_link_local),
+                )
+                if test
+            ),
+            None,
+        )
+        if kind is not None:
+            raise IpamError(f"cannot reserve {addr}: it is a {kind} address", Code.INVALID_ARGUMENT)
+        await self._refresh_nodes()
+        for name, record in sorted(self._nodes.items()):
+            for c in record.cidrs:
+                if name != node and addr in c.cidr:
+                    raise IpamError(
+                        f"cannot reserve {addr} on node {node}: it is in node {name}'s pod CIDR {c.cidr}; "
+                        f"reserve it on {name}, or choose an address outside every pod CIDR",
+                        Code.FAILED_PRECONDITION,
+                    )
+        guards = [absent(keys.ipam_outside(addr))]
+        mask = self._masks[addr.version]
+        for pool in self._pools.get(addr.version, []):
+            if addr in pool and pool.prefixlen <= mask:
+                subnet = ipaddress.ip_network(f"{addr}/{mask}", strict=False)
+                guards.append(absent(keys.ipam_pool(str(subnet))))
+        return guards
+
+    async def allocate(
+        self, node: str, owner: str, family: int | None = None, ip: str = "", *, outside_pool: bool = False
+    ) -> IPAllocation:
+        """Give ``owner`` an address on ``node`` (the next free one, or exactly ``ip`` to restore it).
+
+        An ``ip`` outside the node's pod CIDR is reserved only with ``outside_pool`` (an address
+        chosen elsewhere, e.g. a manifest's ``status.podIP``), and then cluster-wide: no other node
+        reserves it and no pool CIDR is carved around it.
+        """
         _check_node(node)
         if not owner:
             raise IpamError("owner is empty; pass who gets the address, e.g. pod/ns/name", Code.INVALID_ARGUMENT)
@@ -331,7 +440,17 @@ class IPAllocator:
         node_cidr = record.cidr(fam)
         assert node_cidr is not None
         cidr = node_cidr.cidr
-        if wanted is not None:
+        outside = wanted is not None and wanted not in cidr
+        guards: list[Compare] = []
+        if wanted is not None and outside:
+            if not outside_pool:
+                raise IpamError(
+                    f"cannot reserve {ip} on node {node}: it is outside the node's pod CIDR {cidr}; set "
+                    "outside_pool to reserve an address chosen elsewhere (e.g. a manifest's status.podIP)",
+                    Code.INVALID_ARGUMENT,
+                )
+            guards = await self._outside_guards(node, wanted)
+        elif wanted is not None:
             problem = assignable_problem(cidr, wanted)
             if problem is not None:
                 raise IpamError(f"cannot reserve {ip} on node {node}: {problem}", Code.INVALID_ARGUMENT)
@@ -363,20 +482,25 @@ class IPAllocator:
             mine = wanted is None and pending not in self._pending
             if mine:
                 self._pending.add(pending)
+            success: list[Op] = [Put(ip_key, owner.encode()), Put(owner_key, text.encode())]
+            if guards:
+                success.append(Put(keys.ipam_outside(candidate), node.encode()))
             try:
                 res = await self._store.txn(
-                    [absent(ip_key), absent(owner_key)],
-                    [Put(ip_key, owner.encode()), Put(owner_key, text.encode())],
-                    [Get(ip_key), Get(owner_key)],
+                    [absent(ip_key), absent(owner_key), *guards],
+                    success,
+                    [Get(ip_key), Get(owner_key), Get(keys.ipam_outside(candidate))],
                 )
             finally:
                 if mine:
                     self._pending.discard(pending)
             if res.succeeded:
                 self._note_ip(node, text, owner)
-                log.info("ip allocated", node=node, ip=text, owner=owner)
+                if guards:
+                    self._outside[candidate] = node
+                log.info("ip allocated", node=node, ip=text, owner=owner, outside_pool=bool(guards))
                 return self._allocation(node, text, owner, record)
-            by_ip, by_owner = res.first(0), res.first(1)
+            by_ip, by_owner, by_outside = res.first(0), res.first(1), res.first(2)
             if by_ip is not None:
                 self._note_ip(node, text, by_ip.value.decode())
             if by_owner is not None:
@@ -399,6 +523,16 @@ class IPAllocator:
                     )
                 # Lost a race for this address to another process: skip ahead past its allocations.
                 self._cursor[(node, fam)] = int(candidate) + self._rng.randint(0, 15)
+            elif guards and by_outside is not None:
+                holder = by_outside.value.decode()
+                self._outside[candidate] = holder
+                raise IpamError(
+                    f"{text} is already reserved outside the pod CIDRs by node {holder}; release it there first",
+                    Code.ALREADY_EXISTS,
+                )
+            elif guards:
+                # The pool subnet around it was claimed meanwhile: it now belongs to a node's pod CIDR.
+                guards = await self._outside_guards(node, candidate)
         raise IpamError(f"gave up allocating an address on node {node} under contention; retry", Code.ABORTED)
 
     async def _refuse_second(self, node: str, owner: str, owner_key: bytes) -> None:
@@ -437,13 +571,20 @@ class IPAllocator:
                     Code.FAILED_PRECONDITION,
                 )
             owner_key = keys.ipam_owner(node, addr.version, holder)
+            outside_key = keys.ipam_outside(addr)
             res = await self._store.txn(
                 [value_is(ip_key, holder.encode())],
-                [Delete(ip_key), Txn((value_is(owner_key, text.encode()),), (Delete(owner_key),))],
+                [
+                    Delete(ip_key),
+                    Txn((value_is(owner_key, text.encode()),), (Delete(owner_key),)),
+                    Txn((value_is(outside_key, node.encode()),), (Delete(outside_key),)),
+                ],
                 [Get(ip_key)],
             )
             if res.succeeded:
                 self._drop_ip(node, text)
+                if self._outside.get(addr) == node:
+                    del self._outside[addr]
                 log.info("ip released", node=node, ip=text, owner=holder)
                 record = self._nodes.get(node) or NodeRecord(node, ())
                 return self._allocation(node, text, holder, record)

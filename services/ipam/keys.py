@@ -11,6 +11,7 @@ Everything lives under ``/palisade/``::
     /palisade/ipam/pool/<cidr>                      -> <node>    (pool CIDR claimed by a node)
     /palisade/ipam/ips/<node>/<ip>                  -> <owner>
     /palisade/ipam/owners/<node>/<family>/<owner>   -> <ip>      (family "4" or "6")
+    /palisade/ipam/outside/<family>/<hex address>   -> <node>    (an address reserved outside every pod CIDR)
     /palisade/ipcache/<prefix>                      -> IpcacheEntry (protobuf), e.g. prefix 10.244.0.5/32
 
 Identity allocation creates the ``id`` and ``labels`` keys in one transaction that
@@ -28,6 +29,8 @@ part of a key. Node names never contain ``/`` (Kubernetes names are DNS labels).
 
 from __future__ import annotations
 
+import ipaddress
+
 ROOT = "/palisade/"
 
 IDENTITY_IDS = ROOT + "identities/id/"
@@ -39,6 +42,7 @@ IPAM_NODES = ROOT + "ipam/nodes/"
 IPAM_POOL = ROOT + "ipam/pool/"
 IPAM_IPS = ROOT + "ipam/ips/"
 IPAM_OWNERS = ROOT + "ipam/owners/"
+IPAM_OUTSIDE = ROOT + "ipam/outside/"
 IPCACHE = ROOT + "ipcache/"
 
 
@@ -91,6 +95,21 @@ def ipam_owner(node: str, family: int, owner: str) -> bytes:
     return b(f"{IPAM_OWNERS}{node}/{family}/{owner}")
 
 
+def ipam_outside(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bytes:
+    """The cluster-wide claim of an address reserved outside the pod CIDRs.
+
+    The address is written as fixed-width hex, so the claims inside one subnet are one
+    contiguous key range (:func:`ipam_outside_range`) that a transaction can guard.
+    """
+    width = 8 if ip.version == 4 else 32
+    return b(f"{IPAM_OUTSIDE}{ip.version}/{int(ip):0{width}x}")
+
+
+def ipam_outside_range(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> tuple[bytes, bytes]:
+    """[start, end) of the outside claims of every address in ``net``."""
+    return ipam_outside(net.network_address), ipam_outside(net.broadcast_address) + b"\0"
+
+
 def ipcache(prefix: str) -> bytes:
     return b(IPCACHE + prefix)
 
@@ -128,6 +147,12 @@ def parse_ipam_node(key: bytes) -> str:
 
 def parse_ipam_pool(key: bytes) -> str:
     return _tail(key, IPAM_POOL)
+
+
+def parse_ipam_outside(key: bytes) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    family, _, value = _tail(key, IPAM_OUTSIDE).partition("/")
+    number = int(value, 16)
+    return ipaddress.IPv4Address(number) if family == "4" else ipaddress.IPv6Address(number)
 
 
 def parse_ipam_ip(key: bytes) -> tuple[str, str]:

@@ -16,10 +16,11 @@ doing the work twice, and callers re-read to find out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import aetcd
@@ -65,6 +66,25 @@ class KV:
     lease: int
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Change:
+    """One watched change: a key written (``deleted`` False, ``kv`` its new value) or deleted.
+
+    For a deletion ``kv.mod_revision`` is the revision of the deletion and ``kv.value`` is empty.
+    """
+
+    kv: KV
+    deleted: bool
+
+    @property
+    def revision(self) -> int:
+        return self.kv.mod_revision
+
+
+class Compacted(StoreError):
+    """The revision a watch asked to start from was compacted away: reload, then watch from there."""
+
+
 class Target(enum.StrEnum):
     VALUE = "value"
     CREATE = "create"
@@ -81,14 +101,15 @@ class Cmp(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Compare:
-    """One transaction guard. With ``prefix`` it must hold for every key under ``key``
-    (and, for an empty range, for an absent key: ``create == 0`` means "nothing there")."""
+    """One transaction guard. With ``prefix`` (or ``end``) it must hold for every key under ``key``
+    (or in [key, end)); for an empty range, ``create == 0`` means "nothing there")."""
 
     key: bytes
     target: Target
     cmp: Cmp
     operand: int | bytes
     prefix: bool = False
+    end: bytes = b""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -154,6 +175,11 @@ def none_under(prefix: bytes) -> Compare:
     return Compare(prefix, Target.CREATE, Cmp.EQUAL, 0, prefix=True)
 
 
+def none_between(start: bytes, end: bytes) -> Compare:
+    """No key in [start, end)."""
+    return Compare(start, Target.CREATE, Cmp.EQUAL, 0, end=end)
+
+
 def range_end(prefix: bytes) -> bytes:
     """The end of the key range of every key starting with ``prefix``."""
     s = bytearray(prefix)
@@ -172,6 +198,8 @@ def _compare(c: Compare) -> Any:
     msg = rpc.Compare(key=c.key, result=_CMP[c.cmp], target=_TARGET[c.target])
     if c.prefix:
         msg.range_end = range_end(c.key)
+    elif c.end:
+        msg.range_end = c.end
     if c.target == Target.VALUE:
         msg.value = c.operand if isinstance(c.operand, bytes) else str(c.operand).encode()
     elif c.target == Target.CREATE:
@@ -317,6 +345,41 @@ class Store:
             return TxnResult(bool(resp.succeeded), int(resp.header.revision), reads, retried=attempts > 1)
 
         return await self._call("transaction", attempt)
+
+    async def revision(self) -> int:
+        """The store's current revision."""
+
+        async def attempt() -> int:
+            req = _range(b"/palisade/", True, count_only=True)
+            resp = await self._client.kvstub.Range(req, timeout=self._timeout, metadata=self._meta)
+            return int(resp.header.revision)
+
+        return await self._call("revision", attempt)
+
+    async def watch(self, prefix: bytes, start_revision: int) -> AsyncIterator[Change]:
+        """Every change under ``prefix`` from ``start_revision`` on, in revision order, until the stream breaks.
+
+        Raises :class:`Compacted` when ``start_revision`` is no longer in etcd's history; a broken
+        stream (etcd restarting) ends with an exception: watch again from the next revision.
+        """
+        await self._client.connect()
+        try:
+            watch = await self._client.watch_prefix(prefix, start_revision=start_revision)
+        except aetcd.exceptions.RevisionCompactedError as exc:
+            raise Compacted(f"revision {start_revision} was compacted (below {exc.compacted_revision})") from None
+        try:
+            async for event in watch:
+                kv = event.kv
+                yield Change(
+                    # aetcd's watch events carry no lease; nothing here needs it.
+                    KV(bytes(kv.key), bytes(kv.value or b""), int(kv.create_revision), int(kv.mod_revision), 0),
+                    deleted=event.kind == "DELETE",
+                )
+        except aetcd.exceptions.RevisionCompactedError as exc:
+            raise Compacted(f"revision {start_revision} was compacted (below {exc.compacted_revision})") from None
+        finally:
+            with contextlib.suppress(Exception):
+                await watch.cancel()
 
     async def grant(self, ttl: int) -> int:
         """A new lease of ``ttl`` seconds; returns its id."""

@@ -20,7 +20,7 @@ from services.common.labels import LabelSet
 from services.common.log import get_logger
 from services.common.subjects import identity_subject, ipcache_subject
 from services.ipam import keys
-from services.ipam.kv import Store
+from services.ipam.kv import Change, Store
 from services.ipam.model import Identity
 
 log = get_logger("publish")
@@ -58,6 +58,11 @@ class IdentityPublisher:
             return
         self._published[identity.id] = _Published(identity.labels, revision)
         await self._send(identity)
+
+    async def gone(self, identity: Identity) -> None:
+        """An identity was deleted (by any allocator): tombstone it if it was announced here."""
+        if identity.id in self._published:
+            await self.collected(identity)
 
     async def collected(self, identity: Identity) -> None:
         self._published.pop(identity.id, None)
@@ -110,6 +115,20 @@ class IpcacheWriter:
                 log.warning("skipping malformed ipcache entry", key=kv.key.decode(errors="replace"), error=str(exc))
                 continue
             self.entries[entry.prefix] = entry
+
+    def observe(self, change: Change) -> None:
+        """Apply a change to an ipcache key, written by any ipam, as the watch saw it."""
+        prefix = change.kv.key.decode(errors="replace").removeprefix(keys.IPCACHE)
+        if change.deleted:
+            self.entries.pop(prefix, None)
+            return
+        entry = identity_pb2.IpcacheEntry()
+        try:
+            entry.ParseFromString(change.kv.value)
+        except Exception as exc:
+            log.warning("malformed ipcache entry ignored", prefix=prefix, error=str(exc))
+            return
+        self.entries[entry.prefix or prefix] = entry
 
     async def republish(self) -> None:
         prefixes = sorted(self.entries)

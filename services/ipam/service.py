@@ -27,6 +27,7 @@ from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store, StoreError
 from services.ipam.leases import NodeLeases
+from services.ipam.mirror import Mirror
 from services.ipam.pods import K8sChanged, NodeResync, PodManager
 from services.ipam.podwatch import BadObject, decode
 from services.ipam.publish import IdentityPublisher, IpcacheWriter
@@ -77,11 +78,19 @@ def build(cfg: IPAMConfig, bus: Bus, store: Store) -> Ipam:
     return Ipam(cfg, bus, store, leases, allocator, ipalloc, identities, ipcache, pods)
 
 
-async def load_and_republish(ipam: Ipam) -> None:
-    """Rebuild the in-memory view from etcd and make sure consumers have it."""
-    current = await ipam.allocator.load()
+async def load_view(ipam: Ipam) -> int:
+    """Rebuild the in-memory view from etcd; returns a revision the view is at least as new as."""
+    revision = await ipam.store.revision()
+    await ipam.allocator.load()
     await ipam.ipalloc.load()
     await ipam.ipcache.load()
+    return revision
+
+
+async def load_and_republish(ipam: Ipam) -> int:
+    """Rebuild the in-memory view from etcd and make sure consumers have it; returns the view's revision."""
+    revision = await load_view(ipam)
+    current = {identity.id: identity.labels for identity in ipam.allocator.cached()}
     await ipam.identities.resync(current, 0, republish=True)
     await ipam.ipcache.republish()
     log.info(
@@ -90,6 +99,11 @@ async def load_and_republish(ipam: Ipam) -> None:
         allocations=ipam.ipalloc.allocation_count(),
         ipcache=len(ipam.ipcache.entries),
     )
+    return revision
+
+
+async def _reload(ipam: Ipam) -> None:
+    await load_view(ipam)
 
 
 async def follow_k8s(ipam: Ipam, serve: asyncio.Event) -> None:
@@ -179,7 +193,8 @@ async def setup(ctx: ServiceContext[IPAMConfig]) -> None:
     store = Store(await ctx.etcd(), patience=cfg.etcd_patience)
     ipam = build(cfg, bus, store)
     ctx.stack.push_async_callback(ipam.leases.close)
-    await load_and_republish(ipam)
+    loaded_at = await load_and_republish(ipam)
+    mirror = Mirror(store, ipam.allocator, ipam.ipalloc, ipam.ipcache, ipam.identities, reload=lambda: _reload(ipam))
 
     identity_pb2_grpc.add_IdentityServiceServicer_to_server(
         IdentityServicer(ipam.allocator, ipam.identities, ipam.pods), ctx.server.server
@@ -196,6 +211,8 @@ async def setup(ctx: ServiceContext[IPAMConfig]) -> None:
     ctx.spawn(serve_when_ready(ctx, serve), "ready")
     ctx.spawn(keep_leases(ipam), "leases")
     ctx.spawn(collect_identities(ipam), "identity-gc")
+    ctx.spawn(mirror.run(loaded_at), "etcd-watch")
+    ctx.spawn(mirror.announce(), "identity-announce")
 
 
 def main(argv: list[str] | None = None) -> int:

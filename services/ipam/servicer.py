@@ -7,15 +7,17 @@ an etcd outage longer than the store's patience is UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 import grpc
 
-from palisade.v1 import identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc
-from services.common.errors import Code, abort, abort_with
+from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc
+from services.common.errors import Code, PalisadeError, abort, abort_with, clip
 from services.common.log import get_logger
+from services.common.validation import validate_identity_label, validate_name, validate_namespace
 from services.ipam import metrics
 from services.ipam.errors import IpamError
 from services.ipam.identities import IdentityAllocator
@@ -40,6 +42,29 @@ _SOURCE = {
 }
 
 
+_OWNER = re.compile(r"[!-~]{1,512}")
+
+
+def check_node(node: str, field: str = "node") -> None:
+    """A node name, as Kubernetes names nodes (a DNS-1123 subdomain)."""
+    validate_name(node, field)
+
+
+def check_owner(owner: str, field: str = "owner") -> None:
+    """Who holds an address or reference, e.g. ``pod/<namespace>/<name>``: printable, no spaces, bounded."""
+    if not _OWNER.fullmatch(owner):
+        raise PalisadeError(
+            f"{field} {clip(repr(owner), 120)} is invalid: must be 1-512 printable characters without spaces, "
+            "e.g. pod/<namespace>/<name>",
+            Code.INVALID_ARGUMENT,
+        )
+
+
+def check_labels(labels: Iterable[common_pb2.Label], field: str) -> None:
+    for i, label in enumerate(labels):
+        validate_identity_label(label.source, label.key, label.value, f"{field}[{i}]")
+
+
 async def _call(context: grpc.aio.ServicerContext, method: str, body: Callable[[], Awaitable[T]]) -> T:
     started = time.perf_counter()
     code = "UNKNOWN"  # what grpc answers for an unexpected exception
@@ -47,7 +72,7 @@ async def _call(context: grpc.aio.ServicerContext, method: str, body: Callable[[
         result = await body()
         code = "OK"
         return result
-    except IpamError as exc:
+    except PalisadeError as exc:  # IpamError and validation errors
         code = exc.code.value
         await abort_with(context, exc)
     except StoreUnavailable as exc:
@@ -84,6 +109,12 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
         self, request: identity_pb2.AllocateIdentityRequest, context: grpc.aio.ServicerContext
     ) -> identity_pb2.AllocateIdentityResponse:
         async def body() -> identity_pb2.AllocateIdentityResponse:
+            check_labels(request.labels, "labels")
+            # Empty node and owner are fine for reserved label sets (no reference); the allocator says when not.
+            if request.node:
+                check_node(request.node)
+            if request.owner:
+                check_owner(request.owner)
             result = await self._allocator.allocate(labels_from_proto(request.labels), request.node, request.owner)
             if result.revision:
                 await self._publisher.seen(result.identity, result.revision)
@@ -97,6 +128,10 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
         self, request: identity_pb2.ReleaseIdentityRequest, context: grpc.aio.ServicerContext
     ) -> identity_pb2.ReleaseIdentityResponse:
         async def body() -> identity_pb2.ReleaseIdentityResponse:
+            if request.node:
+                check_node(request.node)
+            if request.owner:
+                check_owner(request.owner)
             if any(int(r) == request.id for r in RESERVED):
                 raise IpamError(f"identity {request.id} is reserved and holds no references", Code.INVALID_ARGUMENT)
             last = await self._allocator.release(request.id, request.node, request.owner)
@@ -124,6 +159,7 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
         self, request: identity_pb2.ListIdentitiesRequest, context: grpc.aio.ServicerContext
     ) -> identity_pb2.ListIdentitiesResponse:
         async def body() -> identity_pb2.ListIdentitiesResponse:
+            check_labels(request.selector, "selector")
             selector = labels_from_proto(request.selector)
             identities = await self._allocator.list_all()
             if request.include_reserved:
@@ -142,6 +178,8 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
         self, request: identity_pb2.ResolvePodRequest, context: grpc.aio.ServicerContext
     ) -> identity_pb2.ResolvePodResponse:
         async def body() -> identity_pb2.ResolvePodResponse:
+            validate_namespace(request.namespace, "namespace")
+            validate_name(request.name, "name")
             found = self._pods.resolve(request.namespace, request.name)
             if found is None:
                 raise IpamError(
@@ -170,9 +208,13 @@ class IPAMServicer(ipam_pb2_grpc.IPAMServiceServicer):
         self, request: ipam_pb2.AllocateIPRequest, context: grpc.aio.ServicerContext
     ) -> ipam_pb2.IPAllocation:
         async def body() -> ipam_pb2.IPAllocation:
+            check_node(request.node)
+            check_owner(request.owner)
             family = _FAMILY_IN.get(request.family)
             ports = named_ports_from_proto(request.named_ports)
-            result = await self._ipalloc.allocate(request.node, request.owner, family, request.ip)
+            result = await self._ipalloc.allocate(
+                request.node, request.owner, family, request.ip, outside_pool=request.outside_pool
+            )
             self._pods.submit(OwnerChanged(result.node, result.owner, ports))
             return allocation_proto(result)
 
@@ -182,6 +224,9 @@ class IPAMServicer(ipam_pb2_grpc.IPAMServiceServicer):
         self, request: ipam_pb2.ReleaseIPRequest, context: grpc.aio.ServicerContext
     ) -> ipam_pb2.ReleaseIPResponse:
         async def body() -> ipam_pb2.ReleaseIPResponse:
+            check_node(request.node)
+            if request.owner:
+                check_owner(request.owner)
             result = await self._ipalloc.release(request.node, request.ip, request.owner)
             self._pods.submit(OwnerChanged(result.node, result.owner))
             return ipam_pb2.ReleaseIPResponse()
@@ -192,6 +237,7 @@ class IPAMServicer(ipam_pb2_grpc.IPAMServiceServicer):
         self, request: ipam_pb2.GetNodeCIDRRequest, context: grpc.aio.ServicerContext
     ) -> ipam_pb2.NodeCIDR:
         async def body() -> ipam_pb2.NodeCIDR:
+            check_node(request.node)
             return node_proto(await self._ipalloc.node_cidrs(request.node))
 
         return await _call(context, "GetNodeCIDR", body)
@@ -200,6 +246,8 @@ class IPAMServicer(ipam_pb2_grpc.IPAMServiceServicer):
         self, request: ipam_pb2.ListAllocationsRequest, context: grpc.aio.ServicerContext
     ) -> ipam_pb2.ListAllocationsResponse:
         async def body() -> ipam_pb2.ListAllocationsResponse:
+            if request.node:
+                check_node(request.node)
             allocations, nodes = self._ipalloc.list(request.node)
             return ipam_pb2.ListAllocationsResponse(
                 allocations=[allocation_proto(a) for a in allocations], nodes=[node_proto(n) for n in nodes]

@@ -4,8 +4,8 @@ Everything that reads or changes :class:`PolicyCore` is a job on one queue,
 run by :meth:`Controller.run` one at a time; nothing else touches the core, so
 there is no lock. Changes queued together are folded into one engine batch and
 committed once (one order per node per batch, Cilium-style coalescing). The
-commit's orders and the state to persist go, in order, to
-:meth:`Controller.run_publisher`, which saves the state and then publishes;
+commit's orders, the imported policies and the state to persist go, in order, to
+:meth:`Controller.run_publisher`, which saves policies and state, then publishes;
 a job marked ``durable`` is answered only after that, so a revision or sequence
 returned to a client is never lost by a crash.
 """
@@ -25,6 +25,7 @@ from services.policy import metrics
 from services.policy.engine.core import Commit, PolicyCore
 from services.policy.engine.orders import PersistedState, PlannedOrder, encode
 from services.policy.engine.realized import Lag
+from services.policy.engine.registry import ApiChange
 from services.policy.engine.sources import Source
 
 log = get_logger("controller")
@@ -43,7 +44,9 @@ class JobKind(enum.StrEnum):
 
 
 class OrderSink(Protocol):
-    """Where committed state goes: the persisted counters first, then the orders."""
+    """Where committed state goes: imported policies and the persisted counters first, then the orders."""
+
+    async def save_policies(self, changes: Sequence[ApiChange]) -> None: ...
 
     async def save_state(self, state: PersistedState) -> None: ...
 
@@ -63,10 +66,11 @@ class _Job(Generic[T]):
 class _Outbox:
     orders: list[PlannedOrder] = field(default_factory=list)
     state: PersistedState | None = None
+    api: list[ApiChange] = field(default_factory=list)
     answers: list[tuple[asyncio.Future[Any], Any]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.orders or self.state is not None or self.answers)
+        return bool(self.orders or self.state is not None or self.api or self.answers)
 
 
 @dataclass(slots=True)
@@ -118,26 +122,29 @@ class Controller:
         return await future
 
     async def wait_for_revision(self, revision: int, timeout: float) -> list[Lag]:
-        """Wait until no endpoint is behind ``revision``; the endpoints still behind at timeout."""
+        """Wait until no endpoint is behind ``revision``, or one failed to realize it.
+
+        Returns the endpoints still behind (empty: realized), those that failed with their error.
+        """
         loop = asyncio.get_running_loop()
 
         def register(core: PolicyCore, now: float) -> asyncio.Future[None] | None:
-            if not core.wait_state(revision):
+            if _settled(core.wait_state(revision)):
                 return None
             waiter = _Waiter(revision, loop.create_future())
             self._waiters.append(waiter)
             return waiter.future
 
         future = await self.call(register)
-        if future is None:
-            return []
         try:
-            await asyncio.wait_for(asyncio.shield(future), timeout)
-            return []
+            if future is not None:
+                await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:
-            return await self.call(lambda core, now: core.wait_state(revision))
+            pass
         finally:
-            future.cancel()  # the owner drops cancelled waiters (also when the client went away)
+            if future is not None:
+                future.cancel()  # the owner drops cancelled waiters (also when the client went away)
+        return await self.call(lambda core, now: core.wait_state(revision))
 
     # --- the owner -------------------------------------------------------------------------
 
@@ -152,6 +159,8 @@ class Controller:
         started = time.perf_counter()
         outbox = _Outbox()
         for job in jobs:
+            if job.future is not None and job.future.done():
+                continue  # the caller went away (deadline, cancel): do not act for nobody
             if job.kind is JobKind.READ and self._core.batch_open:
                 self._commit(outbox)
             try:
@@ -183,6 +192,7 @@ class Controller:
     def _commit(self, outbox: _Outbox) -> None:
         commit: Commit = self._core.commit(self._clock())
         outbox.orders.extend(commit.orders)
+        outbox.api.extend(commit.api)
         if commit.state is not None:
             outbox.state = commit.state
         metrics.REVISION.set(commit.revision)
@@ -194,10 +204,10 @@ class Controller:
         for waiter in self._waiters:
             if waiter.future.done():
                 continue
-            if self._core.wait_state(waiter.revision):
-                keep.append(waiter)
-            else:
+            if _settled(self._core.wait_state(waiter.revision)):
                 waiter.future.set_result(None)
+            else:
+                keep.append(waiter)
         self._waiters = keep
 
     # --- the publisher ---------------------------------------------------------------------
@@ -208,6 +218,9 @@ class Controller:
             while not self._outboxes.empty():
                 boxes.append(self._outboxes.get_nowait())
             started = time.perf_counter()
+            api = [change for b in boxes for change in b.api]
+            if api:
+                await self._sink.save_policies(api)
             state = next((b.state for b in reversed(boxes) if b.state is not None), None)
             if state is not None:
                 await self._sink.save_state(state)
@@ -229,6 +242,11 @@ class Controller:
                 for future, result in box.answers:
                     if not future.done():
                         future.set_result(result)
+
+
+def _settled(behind: list[Lag]) -> bool:
+    """A wait is over when nobody is behind, or somebody failed."""
+    return not behind or any(lag.error for lag in behind)
 
 
 def _count(order: PlannedOrder, messages: list[policy_pb2.RegenerationOrder]) -> None:

@@ -9,7 +9,9 @@ is detected instead of silently interleaving sequences.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.js import JetStreamContext
@@ -59,14 +61,18 @@ def decode_state(data: bytes, *, where: str) -> PersistedState:
 class RevisionStore:
     """The policy revision and per-node order sequences (:class:`PersistedState`), under one key of a KV bucket."""
 
-    def __init__(self, kv: KeyValue, bucket: str) -> None:
+    def __init__(self, kv: KeyValue, bucket: str, *, pause: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self._kv = kv
         self._bucket = bucket
+        #: Waits between retries; the bus's pause ends early when NATS comes back.
+        self._pause = pause
         self._last = 0
         self._saved: PersistedState | None = None
 
     @classmethod
-    async def open(cls, js: JetStreamContext, bucket: str) -> RevisionStore:
+    async def open(
+        cls, js: JetStreamContext, bucket: str, *, pause: Callable[[float], Awaitable[None]] = asyncio.sleep
+    ) -> RevisionStore:
         """Bind to the bucket, creating it on first use."""
         try:
             kv = await js.key_value(bucket)
@@ -80,7 +86,7 @@ class RevisionStore:
                 )
             )
             log.info("state bucket created", bucket=bucket)
-        return cls(kv, bucket)
+        return cls(kv, bucket, pause=pause)
 
     @property
     def where(self) -> str:
@@ -122,7 +128,7 @@ class RevisionStore:
             except Exception as exc:
                 if attempt == 1 or attempt % 20 == 0:
                     log.warning("state save failed, retrying", attempt=attempt, error=str(exc))
-                await backoff.sleep()
+                await self._pause(backoff.next())
 
     async def _written_by_us(self, data: bytes) -> bool:
         """A retried write whose first attempt landed (its ack got lost) is not a conflict."""

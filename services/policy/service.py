@@ -1,13 +1,14 @@
 """The policy service: bus inputs -> one state-owning task -> per-node orders, plus PolicyService.
 
-A thin shell. Startup: load the persisted revision and sequences, follow the
-inputs (replayed into one engine batch), and only once Kubernetes is synced and
-the identity and ipcache streams are replayed send every node its whole state
-and report SERVING.
+A thin shell. Startup: load the persisted revision and sequences and the policies
+imported over the API, follow the inputs (replayed into one engine batch), and
+only once Kubernetes is synced and the identity and ipcache streams are replayed
+send every node its whole state and report SERVING.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
@@ -15,10 +16,13 @@ from services.common.bus import ALL_STREAMS, Bus
 from services.common.grpcserver import GrpcServer, StatusProvider
 from services.common.runner import ServiceContext, run_service
 from services.common.subjects import regen_subject
+from services.policy.apistore import ApiPolicyStore
 from services.policy.config import PolicyConfig
 from services.policy.controller import Controller, Encoding, JobKind
+from services.policy.documents import dump_document
 from services.policy.engine.core import PolicyCore
 from services.policy.engine.orders import PersistedState
+from services.policy.engine.registry import ApiChange
 from services.policy.inputs import Inputs
 from services.policy.revision import RevisionStore
 from services.policy.servicer import PolicyServicer
@@ -28,11 +32,15 @@ _PAYLOAD_HEADROOM = 4096
 
 
 class BusSink:
-    """Persists counters in the KV bucket and publishes orders on ``palisade.regen.<node>``."""
+    """Persists imported policies and counters, and publishes orders on ``palisade.regen.<node>``."""
 
-    def __init__(self, bus: Bus, store: RevisionStore) -> None:
+    def __init__(self, bus: Bus, store: RevisionStore, imported: ApiPolicyStore) -> None:
         self._bus = bus
         self._store = store
+        self._imported = imported
+
+    async def save_policies(self, changes: Sequence[ApiChange]) -> None:
+        await self._imported.save(changes)
 
     async def save_state(self, state: PersistedState) -> None:
         await self._store.save(state)
@@ -57,6 +65,7 @@ def status_provider(controller: Controller) -> StatusProvider:
                 "nodes": str(snap.nodes),
                 "endpoints": str(snap.endpoints),
                 "endpoints_behind": str(snap.endpoints_behind),
+                "endpoints_failed": str(snap.endpoints_failed),
             }
         )
 
@@ -79,13 +88,20 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
     cfg = ctx.config
     bus = await ctx.bus()
     await bus.ensure_streams(*ALL_STREAMS)
-    store = await RevisionStore.open(bus.js, cfg.state_bucket)
+    store = await RevisionStore.open(bus.js, cfg.state_bucket, pause=bus.pause)
     persisted = await store.load()
     core = PolicyCore(persisted=persisted, cluster=cfg.cluster_name)
+    imported = await ApiPolicyStore.open(bus, f"{cfg.state_bucket}_API")
+    now = time.time()
+    restored = await imported.load()
+    for stored in restored:
+        outcome = core.restore_imported(stored, dump_document(stored.object), now)
+        if not outcome.accepted:
+            ctx.log.error("imported policy no longer valid", policy=str(stored.key), error=outcome.error)
     max_bytes = min(cfg.max_order_bytes, max(1024, bus.max_payload - _PAYLOAD_HEADROOM))
     controller = Controller(
         core,
-        BusSink(bus, store),
+        BusSink(bus, store, imported),
         encoding=Encoding(max_order_bytes=max_bytes, max_order_chunks=cfg.max_order_chunks),
         max_batch=cfg.max_batch,
     )
@@ -101,7 +117,11 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
     ctx.stack.push_async_callback(inputs.stop)
     ctx.spawn(_go_live(ctx, inputs, controller), name="policy-sync")
     ctx.log.info(
-        "policy state loaded", revision=persisted.revision, nodes=len(persisted.sequences), max_order_bytes=max_bytes
+        "policy state loaded",
+        revision=persisted.revision,
+        nodes=len(persisted.sequences),
+        imported=len(restored),
+        max_order_bytes=max_bytes,
     )
 
 

@@ -8,17 +8,20 @@ has not loaded its initial state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
-import yaml
 
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
-from services.common.errors import Code, abort, abort_with
-from services.common.manifests import DocumentError, split_documents
+from services.common.errors import Code, PalisadeError, abort, abort_with, clip
+from services.common.labels import LabelSource, parse_label
+from services.common.manifests import Document, DocumentError, split_documents
+from services.common.validation import validate_identity_label, validate_name, validate_namespace
 from services.policy import metrics
 from services.policy.controller import Controller, JobKind
+from services.policy.documents import dump_document, validate_document
 from services.policy.engine.core import Outcome, PolicyCore, PolicyView, RequestError, TraceAnswer
 from services.policy.engine.model import PolicyKind, PolicyRef, Protocol
 from services.policy.engine.realized import Lag, Report
@@ -30,15 +33,64 @@ _NOT_SYNCED = (
     "the policy service is still loading its initial state (waiting for the watcher's synced marker "
     "and the identity and ipcache streams); retry when its health is SERVING"
 )
+#: A change whose caller has less time left than this is not applied: the answer would come too late.
+_MIN_TIME_LEFT = 1.0
 _PROTOCOLS = {int(p): p for p in (Protocol.TCP, Protocol.UDP, Protocol.SCTP, Protocol.ICMP, Protocol.ICMPV6)}
 
 
 def _state(view: PolicyView) -> policy_pb2.PolicyState.ValueType:
     if view.record.rejected:
         return policy_pb2.POLICY_STATE_REJECTED
+    if view.rollup.failed:
+        return policy_pb2.POLICY_STATE_FAILED
     if view.rollup.realized:
         return policy_pb2.POLICY_STATE_REALIZED
     return policy_pb2.POLICY_STATE_REALIZING
+
+
+def read_documents(text: str, origin: str) -> list[Document]:
+    """The documents of an import, each with names and labels Kubernetes would accept."""
+    docs = split_documents(text, origin)
+    if not docs:
+        raise DocumentError(f"{origin or 'documents'}: no documents; pass the YAML or JSON of one or more policies")
+    for doc in docs:
+        validate_document(doc.body, doc.source)
+    return docs
+
+
+def validate_peer(peer: policy_pb2.TracePeer, which: str) -> None:
+    """A trace peer's pod ("namespace/name") or labels ("source:key=value"), as Kubernetes would accept them."""
+    if peer.pod:
+        namespace, slash, name = peer.pod.partition("/")
+        if not slash:
+            raise PalisadeError(clip(f"{which}.pod {peer.pod!r} must be namespace/name"), Code.INVALID_ARGUMENT)
+        validate_namespace(namespace, f"{which}.pod namespace")
+        validate_name(name, f"{which}.pod name")
+        return
+    for i, text in enumerate(peer.labels):
+        try:
+            label = parse_label(text, default_source=LabelSource.K8S)
+        except ValueError as exc:
+            raise PalisadeError(clip(f"{which}.labels[{i}]: {exc}"), Code.INVALID_ARGUMENT) from None
+        validate_identity_label(label.source, label.key, label.value, f"{which}.labels[{i}]")
+
+
+class CallerGone(Exception):
+    """The caller's deadline passed (or it cancelled) before its change was applied; nothing changed."""
+
+
+def still_wanted(context: grpc.aio.ServicerContext) -> Callable[[], None]:
+    """A check, run by the state owner right before applying a change, that the caller still waits.
+
+    A change applied after the caller gave up would be a success reported as a failure.
+    """
+
+    def check() -> None:
+        remaining = context.time_remaining()
+        if context.cancelled() or (remaining is not None and remaining < _MIN_TIME_LEFT):
+            raise CallerGone("the call's deadline passed before the change was applied; nothing was changed")
+
+    return check
 
 
 def status_to_proto(view: PolicyView) -> policy_pb2.PolicyStatus:
@@ -46,14 +98,17 @@ def status_to_proto(view: PolicyView) -> policy_pb2.PolicyStatus:
     error = r.error
     if r.rejected and r.policy is not None:
         error += f" (the version accepted at revision {r.revision} stays enforced)"
+    elif view.rollup.failed:
+        error = _failures_text(view.rollup.failures)
     status = policy_pb2.PolicyStatus(
         ref=ref_to_proto(r.key),
         source=r.source.to_proto(),
         state=_state(view),
-        error=error,
+        error=clip(error),
         revision=r.revision,
         subjects=view.subjects,
         document=r.document,
+        origin=r.origin,
         nodes_total=len(view.rollup.nodes),
         nodes_realized=view.rollup.nodes_realized,
     )
@@ -68,9 +123,16 @@ def status_to_proto(view: PolicyView) -> policy_pb2.PolicyStatus:
                 realized_revision=n.realized_revision,
                 endpoints=n.endpoints,
                 endpoints_realized=n.endpoints_realized,
+                endpoints_failed=n.endpoints_failed,
             )
         )
     return status
+
+
+def _failures_text(failures: Sequence[Lag], limit: int = 5) -> str:
+    shown = "; ".join(lag.describe() for lag in failures[:limit])
+    more = f"; and {len(failures) - limit} more" if len(failures) > limit else ""
+    return clip(f"realization failed: {shown}{more}")
 
 
 def _outcome_status(outcome: Outcome, doc: Mapping[str, Any]) -> policy_pb2.PolicyStatus:
@@ -89,7 +151,7 @@ def _outcome_status(outcome: Outcome, doc: Mapping[str, Any]) -> policy_pb2.Poli
         ref=ref,
         source=outcome.source.to_proto(),
         state=policy_pb2.POLICY_STATE_UNSPECIFIED if outcome.accepted else policy_pb2.POLICY_STATE_REJECTED,
-        error=outcome.error,
+        error=clip(outcome.error),
         document=outcome.document,
     )
     if outcome.policy is not None:
@@ -137,6 +199,8 @@ def lag_to_proto(lag: Lag) -> policy_pb2.EndpointLag:
         identity=lag.identity,
         realized_revision=lag.realized,
         pod=lag.pod,
+        error=clip(lag.error),
+        failed_revision=lag.failed,
     )
 
 
@@ -177,6 +241,12 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 Code.INVALID_ARGUMENT,
                 f"{field}.namespace must be empty: CiliumClusterwideNetworkPolicy is cluster-scoped",
             )
+        try:
+            validate_name(ref.name, f"{field}.name")
+            if ref.namespace:
+                validate_namespace(ref.namespace, f"{field}.namespace")
+        except PalisadeError as exc:
+            await abort_with(context, exc)
         return object_key(kind, ref.namespace, ref.name)
 
     async def _revision(self) -> int:
@@ -194,29 +264,35 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 "documents is empty; pass the YAML or JSON of one or more policies",
             )
         try:
-            docs = split_documents(request.documents, request.origin)
+            # Large files take seconds to read: off the event loop, which keeps serving meanwhile.
+            docs = await asyncio.to_thread(read_documents, request.documents, request.origin)
         except DocumentError as exc:
+            await abort(context, Code.INVALID_ARGUMENT, str(exc))
+        except PalisadeError as exc:
             await abort_with(context, exc)
-        if not docs:
-            await abort(
-                context,
-                Code.INVALID_ARGUMENT,
-                f"{request.origin or 'documents'}: no documents; pass the YAML or JSON of one or more policies",
-            )
         if not request.dry_run:
             await self._require_synced(context)
-        texts = [yaml.safe_dump(dict(doc.body), sort_keys=False) for doc in docs]
+        texts = await asyncio.to_thread(lambda: [dump_document(doc.body) for doc in docs])
+        provenance = f"api {request.origin}" if request.origin else "api"
+        check = still_wanted(context)
 
         def apply(core: PolicyCore, now: float) -> list[Outcome]:
+            if not request.dry_run:
+                check()
             return [
-                core.upsert(Source.API, doc.body, text, now, origin=doc.source, dry_run=request.dry_run)
+                core.upsert(
+                    Source.API, doc.body, text, now, origin=doc.source, provenance=provenance, dry_run=request.dry_run
+                )
                 for doc, text in zip(docs, texts, strict=True)
             ]
 
-        if request.dry_run:
-            outcomes = await self._controller.call(apply, JobKind.READ)
-        else:
-            outcomes = await self._controller.call(apply, JobKind.CHANGE, durable=True)
+        try:
+            if request.dry_run:
+                outcomes = await self._controller.call(apply, JobKind.READ)
+            else:
+                outcomes = await self._controller.call(apply, JobKind.CHANGE, durable=True)
+        except CallerGone as exc:
+            await abort(context, Code.DEADLINE_EXCEEDED, str(exc))
         for outcome in outcomes:
             if not outcome.accepted:
                 metrics.REJECTED.labels(Source.API.value).inc()
@@ -230,6 +306,9 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                         response.policies.append(status_to_proto(core.view(record)))
                         continue
                 response.policies.append(_outcome_status(outcome, doc.body))
+            for status in response.policies:
+                # The caller has the documents: echoing them back could make the answer huge.
+                status.document = ""
             return response
 
         return await self._controller.call(answer)
@@ -246,9 +325,16 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 f"{key} comes from Kubernetes; delete it there (kubectl delete) or from the manifest folder",
             )
         await self._require_synced(context)
-        existed = await self._controller.call(
-            lambda core, now: core.delete(source, key, now), JobKind.CHANGE, durable=True
-        )
+        check = still_wanted(context)
+
+        def apply(core: PolicyCore, now: float) -> bool:
+            check()
+            return core.delete(source, key, now)
+
+        try:
+            existed = await self._controller.call(apply, JobKind.CHANGE, durable=True)
+        except CallerGone as exc:
+            await abort(context, Code.DEADLINE_EXCEEDED, str(exc))
         if not existed:
             await abort(
                 context,
@@ -293,6 +379,11 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             await abort(context, Code.INVALID_ARGUMENT, "protocol must be TCP, UDP, SCTP, ICMP or ICMPv6")
         if protocol in (Protocol.TCP, Protocol.UDP, Protocol.SCTP) and not 1 <= request.port <= 65535:
             await abort(context, Code.INVALID_ARGUMENT, f"port {request.port} must be 1-65535 for {protocol.name}")
+        try:
+            for which, peer in (("source", request.source), ("destination", request.destination)):
+                validate_peer(peer, which)
+        except PalisadeError as exc:
+            await abort_with(context, exc)
         src = (request.source.pod, tuple(request.source.labels))
         dst = (request.destination.pod, tuple(request.destination.labels))
         try:
@@ -306,6 +397,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     ) -> policy_pb2.ResyncResponse:
         if not request.node:
             await abort(context, Code.INVALID_ARGUMENT, "node is required: the node to resync")
+        try:
+            validate_name(request.node, "node")
+        except PalisadeError as exc:
+            await abort_with(context, exc)
         await self._require_synced(context)
         # Durable: the sequence returned is persisted and its order published before we answer.
         answer = await self._controller.call(
@@ -346,6 +441,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             realized=not behind,
             behind=[lag_to_proto(lag) for lag in behind],
             current_revision=await self._revision(),
+            failed=any(lag.error for lag in behind),
         )
 
     async def ReportRealized(
@@ -366,7 +462,13 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 problem = f"pod {r.pod!r} must be namespace/name"
             if problem:
                 await abort(context, Code.INVALID_ARGUMENT, f"reports[{i}]: {problem}")
-            reports.append(Report(r.node, r.endpoint_id, r.identity, r.revision, r.pod, r.deleted))
+            try:
+                validate_name(r.node, f"reports[{i}].node")
+                if r.pod:
+                    validate_peer(policy_pb2.TracePeer(pod=r.pod), f"reports[{i}]")
+            except PalisadeError as exc:
+                await abort_with(context, exc)
+            reports.append(Report(r.node, r.endpoint_id, r.identity, r.revision, r.pod, r.deleted, clip(r.error)))
 
         def apply(core: PolicyCore, now: float) -> None:
             for _revision, caused_at in core.report(reports, now):

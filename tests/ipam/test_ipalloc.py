@@ -215,3 +215,52 @@ async def test_deleted_node_frees_its_pool_cidr_only_without_addresses(store: St
     assert [a.ip for a in alloc.list("busy")[0]] == [held.ip]
     # The freed CIDR is carved again for the next node.
     assert str((await alloc.node_cidrs("next")).cidrs[0].cidr) == "10.96.0.0/24"
+
+
+async def test_requested_addresses_outside_the_pool_are_reserved_only_when_asked(store: Store) -> None:
+    alloc = ipalloc(store)
+    assert [str(c.cidr) for c in (await alloc.node_cidrs("a")).cidrs] == ["10.96.0.0/24"]
+    assert [str(c.cidr) for c in (await alloc.node_cidrs("b")).cidrs] == ["10.96.1.0/24"]
+
+    # Outside the node's pod CIDR: refused with a clear error unless the caller asks for it.
+    with pytest.raises(IpamError) as err:
+        await alloc.allocate("a", "pod/x/a", ip="192.168.7.5")
+    assert err.value.code == Code.INVALID_ARGUMENT
+    assert "outside the node's pod CIDR 10.96.0.0/24" in err.value.message and "outside_pool" in err.value.message
+    got = await alloc.allocate("a", "pod/x/a", ip="192.168.7.5", outside_pool=True)
+    assert (got.ip, got.node, got.owner, got.gateway) == ("192.168.7.5", "a", "pod/x/a", "10.96.0.1")
+    assert ("192.168.7.5", "pod/x/a") in [(x.ip, x.owner) for x in alloc.list("a")[0]]
+
+    # Reserved cluster-wide: another node cannot take it, nor can another owner.
+    assert await _code(alloc.allocate("b", "pod/x/b", ip="192.168.7.5", outside_pool=True)) == Code.ALREADY_EXISTS
+    assert await _code(alloc.allocate("a", "pod/x/c", ip="192.168.7.5", outside_pool=True)) == Code.ALREADY_EXISTS
+    # Another node's pod CIDR is that node's to give.
+    with pytest.raises(IpamError) as err:
+        await alloc.allocate("a", "pod/x/d", ip="10.96.1.9", outside_pool=True)
+    assert err.value.code == Code.FAILED_PRECONDITION and "node b's pod CIDR 10.96.1.0/24" in err.value.message
+    assert await _code(alloc.allocate("a", "pod/x/e", ip="127.0.0.1", outside_pool=True)) == Code.INVALID_ARGUMENT
+
+    # Inside the cluster pool but in no node's CIDR yet: reserved, and no node's CIDR is ever carved around it.
+    inside = await alloc.allocate("a", "pod/x/f", ip="10.96.2.7", outside_pool=True)
+    assert inside.ip == "10.96.2.7"
+    other = ipalloc(store)  # a second allocator (another replica) that loads what etcd holds
+    await other.load()
+    c = await other.node_cidrs("c")
+    assert [str(x.cidr) for x in c.cidrs] == ["10.96.3.0/24"]
+
+    # Released, it is free again for anyone.
+    await alloc.release("a", "192.168.7.5", "pod/x/a")
+    assert await store.get(keys.ipam_outside(ipaddress.ip_address("192.168.7.5"))) is None
+    again = await alloc.allocate("b", "pod/x/b", ip="192.168.7.5", outside_pool=True)
+    assert again.node == "b"
+
+
+async def test_a_pool_claim_fails_over_an_address_reserved_meanwhile(store: Store) -> None:
+    # A replica that has not seen the reservation yet must not carve a node CIDR around it.
+    first, second = ipalloc(store), ipalloc(store)
+    await first.node_cidrs("a")
+    await first.allocate("a", "pod/x/a", ip="10.96.1.5", outside_pool=True)
+    await second.load()
+    second._outside.clear()  # as if the watch had not delivered it yet
+    b = await second.node_cidrs("b")
+    assert [str(x.cidr) for x in b.cidrs] == ["10.96.2.0/24"]

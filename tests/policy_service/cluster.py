@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,7 +17,7 @@ from palisade.v1 import k8s_pb2, policy_pb2, policy_pb2_grpc
 from services.common.bus import ALL_STREAMS, Bus
 from services.common.grpcserver import wait_for_channel
 from services.common.subjects import REGEN_ALL, SYNCED_SUBJECT, identity_subject, ipcache_subject, regen_subject
-from tests.harness import NatsServer, ServiceProcess
+from tests.harness import ROOT, NatsServer, ServiceProcess
 from tests.policy_service import builders
 from tests.policy_service.nodestate import GapError, NodeState, from_policies
 
@@ -111,6 +113,7 @@ class Datapath:
         self._sub: Any = None
         self._task: asyncio.Task[None] | None = None
         self._channel: grpc.aio.Channel | None = None
+        self._old_channels: list[grpc.aio.Channel] = []
 
     async def start(self) -> None:
         """Subscribe for new orders first, then load the current state: nothing falls in between."""
@@ -142,8 +145,9 @@ class Datapath:
         await self._subscribe()
 
     async def reconnect(self, address: str) -> None:
+        # The old channel is closed at stop(): closing it now would cancel a call in flight on it.
         if self._channel is not None:
-            await self._channel.close()
+            self._old_channels.append(self._channel)
         self.address = address
         self._channel = await wait_for_channel(address, PATIENCE)
 
@@ -153,8 +157,9 @@ class Datapath:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if self._channel is not None:
-            await self._channel.close()
+        for channel in [*self._old_channels, self._channel]:
+            if channel is not None:
+                await channel.close()
 
     @property
     def stub(self) -> policy_pb2_grpc.PolicyServiceStub:
@@ -217,3 +222,15 @@ async def start_policy(
 async def restart(proc: ServiceProcess) -> None:
     proc.start(wait=False)
     await asyncio.to_thread(proc.wait_serving)
+
+
+async def palisade(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI (in a thread: the test's doubles keep running on the event loop)."""
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "services.cli.main", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )

@@ -195,3 +195,97 @@ async def test_status_reports_synced_revision_and_figures(env: Env) -> None:
     assert status.details["policies"] == "1"
     assert status.details["nodes"] == "3"
     assert int(status.details["identities"]) >= 3
+
+
+def _doc(name: str = "ok", namespace: str = "default", peer: dict[str, str] | None = None) -> str:
+    return yaml.safe_dump(builders.netpol(name, {"app": "web"}, peer or {"app": "db"}, 80, namespace=namespace))
+
+
+MALFORMED: list[tuple[str, object, str]] = [
+    ("ImportPolicies", policy_pb2.ImportPoliciesRequest(documents="[" * 5000 + "]" * 5000), "nested more than"),
+    (
+        "ImportPolicies",
+        policy_pb2.ImportPoliciesRequest(documents="a:\n" + "".join(" " * i + "b:\n" for i in range(1, 5000))),
+        "nested more than",
+    ),
+    ("ImportPolicies", policy_pb2.ImportPoliciesRequest(documents=_doc("a" * 100_000)), "metadata.name"),
+    ("ImportPolicies", policy_pb2.ImportPoliciesRequest(documents=_doc("a.*.>")), "metadata.name"),
+    ("ImportPolicies", policy_pb2.ImportPoliciesRequest(documents=_doc("a b c")), "metadata.name"),
+    ("ImportPolicies", policy_pb2.ImportPoliciesRequest(documents=_doc(namespace="../../etc")), "metadata.namespace"),
+    ("ImportPolicies", policy_pb2.ImportPoliciesRequest(documents=_doc(namespace="Shop_NS!")), "metadata.namespace"),
+    ("ImportPolicies", policy_pb2.ImportPoliciesRequest(documents=_doc(peer={"a b": "x"})), "podSelector.matchLabels"),
+    ("ImportPolicies", policy_pb2.ImportPoliciesRequest(documents=_doc(peer={"a\nb": "x"})), "podSelector.matchLabels"),
+    (
+        "ImportPolicies",
+        policy_pb2.ImportPoliciesRequest(documents=_doc(peer={"a\x00b": "x"})),
+        "podSelector.matchLabels",
+    ),
+    (
+        "ImportPolicies",
+        policy_pb2.ImportPoliciesRequest(documents=_doc(peer={"app": "x" * 1_000_000})),
+        "matchLabels.value",
+    ),
+    ("GetPolicy", policy_pb2.GetPolicyRequest(ref=ref("a" * 100_000)), "ref.name"),
+    ("Resync", policy_pb2.ResyncRequest(node="../x"), "node"),
+    (
+        "ReportRealized",
+        policy_pb2.ReportRealizedRequest(
+            reports=[policy_pb2.RealizedReport(node="n1", identity=WEB, revision=1, pod="Shop_NS!/web")]
+        ),
+        "reports[0].pod namespace",
+    ),
+    (
+        "ReportRealized",
+        policy_pb2.ReportRealizedRequest(
+            reports=[policy_pb2.RealizedReport(node="n 1", identity=WEB, revision=1, endpoint_id=3)]
+        ),
+        "reports[0].node",
+    ),
+    ("DeletePolicy", policy_pb2.DeletePolicyRequest(ref=ref("x", namespace="../../etc")), "ref.namespace"),
+    ("DeletePolicy", policy_pb2.DeletePolicyRequest(ref=ref("a.*.>")), "ref.name"),
+    (
+        "Trace",
+        policy_pb2.TraceRequest(
+            source=policy_pb2.TracePeer(pod="../../etc/x"),
+            destination=policy_pb2.TracePeer(pod="default/db-1"),
+            port=80,
+        ),
+        "source.pod namespace",
+    ),
+    (
+        "Trace",
+        policy_pb2.TraceRequest(
+            source=policy_pb2.TracePeer(labels=["k8s:a b=c"]),
+            destination=policy_pb2.TracePeer(pod="default/" + "x" * 10_000),
+            port=80,
+        ),
+        "source.labels[0].key",
+    ),
+]
+
+
+async def test_malformed_input_is_invalid_argument_naming_the_field(env: Env) -> None:
+    for method, request, field in MALFORMED:
+        err = await rpc_error(getattr(env.api, method)(request, timeout=30))
+        details = err.details() or ""
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, field, err.code(), details[:300])
+        assert field in details, (method, field, details[:300])
+        assert len(details) < 3000, (method, field, len(details))
+    # Nothing was imported.
+    listing = await env.api.ListPolicies(policy_pb2.ListPoliciesRequest())
+    assert [p.ref.name for p in listing.policies] == ["db-from-web"]
+
+
+async def test_an_ip_block_without_a_prefix_length_is_rejected(env: Env) -> None:
+    doc = builders.netpol("to-host", {"app": "web"}, {"app": "db"}, 80)
+    doc["spec"]["ingress"][0]["from"] = [{"ipBlock": {"cidr": "10.0.0.1"}}]
+    answer = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(doc)), timeout=10)
+    (status,) = answer.policies
+    assert status.state == policy_pb2.POLICY_STATE_REJECTED
+    assert "ipBlock.cidr" in status.error and "prefix length" in status.error
+    doc["spec"]["ingress"][0]["from"] = [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.2.3"]}}]
+    answer = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(doc)), timeout=10)
+    assert "ipBlock.except[0]" in answer.policies[0].error
+    doc["spec"]["ingress"][0]["from"] = [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
+    answer = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(doc)), timeout=10)
+    assert answer.policies[0].state != policy_pb2.POLICY_STATE_REJECTED, answer.policies[0].error

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import yaml
 
 from palisade.v1 import common_pb2, policy_pb2
 from tests.policy_service import builders
-from tests.policy_service.cluster import eventually
+from tests.policy_service.cluster import eventually, palisade
 from tests.policy_service.scenario import CACHE, DB, WEB, Env
 
 
@@ -117,3 +119,64 @@ async def test_endpoint_unknown_to_the_ipcache_gets_diffs_and_counts_until_delet
         policy_pb2.WaitForRevisionRequest(revision=changed.revision, timeout_seconds=20), timeout=30
     )
     assert waited.realized
+
+
+async def test_a_failed_realization_is_reported_and_ends_waits_at_once(env: Env) -> None:
+    n2 = env.datapaths["n2"]
+    n2.reporting = False
+    answer = await import_policy(env, builders.cnp("db-in", {"app": "db"}, {"app": "web"}, 6000))
+    await env.settled(answer.revision)
+    # A wait that would otherwise run for ten minutes.
+    pending = env.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=answer.revision, timeout_seconds=600), timeout=60
+    )
+    await asyncio.sleep(0)
+
+    # n2's datapath could not write db-1's maps and says so.
+    failure = policy_pb2.RealizedReport(
+        node="n2", endpoint_id=21, identity=DB, revision=answer.revision, pod="default/db-1", error="policy map full"
+    )
+    await n2.stub.ReportRealized(policy_pb2.ReportRealizedRequest(reports=[failure]), timeout=10)
+
+    waited = await pending
+    assert waited.failed and not waited.realized
+    (lag,) = waited.behind
+    assert (lag.node, lag.pod, lag.error, lag.failed_revision) == (
+        "n2",
+        "default/db-1",
+        "policy map full",
+        answer.revision,
+    )
+
+    ref = common_pb2.ObjectRef(kind="CiliumNetworkPolicy", namespace="default", name="db-in")
+    status = await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref))
+    assert status.state == policy_pb2.POLICY_STATE_FAILED
+    assert "n2/default/db-1" in status.error and "policy map full" in status.error
+    assert [(n.node, n.endpoints, n.endpoints_realized, n.endpoints_failed) for n in status.nodes] == [("n2", 1, 0, 1)]
+    # A policy the failing endpoint does not enforce is unaffected.
+    other = await env.api.GetPolicy(
+        policy_pb2.GetPolicyRequest(
+            ref=common_pb2.ObjectRef(kind="NetworkPolicy", namespace="default", name="db-from-web")
+        )
+    )
+    assert other.state != policy_pb2.POLICY_STATE_FAILED
+
+    # The CLI: `policy wait` fails at once with the reason; `policy get` shows the state and message.
+    address = f"--policy-address={env.policy.address}"
+    waited_cli = await palisade("policy", "wait", str(answer.revision), "--timeout", "600", address)
+    assert waited_cli.returncode == 1, waited_cli
+    assert "failed" in waited_cli.stderr and "n2/default/db-1" in waited_cli.stderr
+    assert "policy map full" in waited_cli.stderr
+    got = await palisade("policy", "get", "cnp", "db-in", "--source", "api", address)
+    assert got.returncode == 0, got
+    assert "failed" in got.stdout and "policy map full" in got.stdout
+
+    # The datapath retries and succeeds: the failure is gone.
+    n2.reporting = True
+    await n2.resync()
+    waited = await env.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=answer.revision, timeout_seconds=20), timeout=30
+    )
+    assert waited.realized and not waited.failed
+    status = await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref))
+    assert status.state == policy_pb2.POLICY_STATE_REALIZED and not status.error

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from palisade.v1 import policy_pb2
+import pytest
+import yaml
+
+from palisade.v1 import common_pb2, policy_pb2
 from tests.policy_service import builders
-from tests.policy_service.cluster import eventually, restart
+from tests.policy_service.cluster import Datapath, eventually, palisade, restart
 from tests.policy_service.scenario import CACHE, DB, PODS, WEB, Env
 
 
@@ -69,3 +72,55 @@ async def test_killed_service_continues_revisions_and_sequences(env: Env) -> Non
     # Everything the service said about revisions is monotonic across the restart.
     status = await env.api.ListPolicies(policy_pb2.ListPoliciesRequest())
     assert status.revision >= latest > highest_revision
+
+
+def _denies_web(dp: Datapath) -> bool:
+    """Whether the node's db policy denies web (the imported ingressDeny is in force there)."""
+    _, entries = dp.state.policies.get(DB, ((False, False), {}))
+    return any(key[1] == WEB and verdict == common_pb2.VERDICT_DENY for key, verdict in entries.items())
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "sigkill"])
+async def test_imported_policies_survive_a_restart(env: Env, stop: str) -> None:
+    deny = builders.cnp("db-deny-web", {"app": "db"}, {"app": "web"}, 5432)
+    deny["spec"]["ingressDeny"] = deny["spec"].pop("ingress")
+    imported = await env.api.ImportPolicies(
+        policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(deny), origin="deny.yaml"), timeout=30
+    )
+    (status,) = imported.policies
+    assert status.state != policy_pb2.POLICY_STATE_REJECTED, status.error
+    n2 = env.datapaths["n2"]
+    await eventually(lambda: _denies_web(n2), "the deny on n2")
+
+    if stop == "sigterm":
+        assert env.policy.terminate() == 0
+    else:
+        env.policy.kill()
+    await restart(env.policy)
+    for dp in env.datapaths.values():
+        await dp.reconnect(env.policy.address)
+
+    # The policy is back, from its source, and the first order after the restart still enforces it.
+    ref = common_pb2.ObjectRef(kind="CiliumNetworkPolicy", namespace="default", name="db-deny-web")
+    status = await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref, source=policy_pb2.POLICY_SOURCE_API))
+    assert status.source == policy_pb2.POLICY_SOURCE_API
+    assert status.origin == "api deny.yaml"
+    assert status.state in (policy_pb2.POLICY_STATE_REALIZING, policy_pb2.POLICY_STATE_REALIZED)
+    assert "ingressDeny" in status.document
+    await eventually(lambda: n2.state.revision > imported.revision, "n2 to apply the order after the restart")
+    assert _denies_web(n2)
+    assert await env.all_match_resync()
+    listed = await palisade("policy", "get", f"--policy-address={env.policy.address}")
+    assert listed.returncode == 0, listed
+    rows = {line.split()[2]: line.split() for line in listed.stdout.splitlines()[1:] if line.strip()}
+    assert rows["db-deny-web"][3] == "api" and rows["db-from-web"][3] == "kubernetes", listed.stdout
+
+    # Deleted over the API, it stays deleted across the next restart.
+    await env.api.DeletePolicy(policy_pb2.DeletePolicyRequest(ref=ref), timeout=30)
+    await eventually(lambda: not _denies_web(n2), "the deny gone from n2")
+    env.policy.kill()
+    await restart(env.policy)
+    for dp in env.datapaths.values():
+        await dp.reconnect(env.policy.address)
+    listing = await env.api.ListPolicies(policy_pb2.ListPoliciesRequest())
+    assert [(p.ref.name, p.source) for p in listing.policies] == [("db-from-web", policy_pb2.POLICY_SOURCE_KUBERNETES)]

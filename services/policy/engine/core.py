@@ -30,7 +30,7 @@ from services.policy.engine.orders import OrderPlanner, PersistedState, PlannedO
 from services.policy.engine.parse import parse_policy
 from services.policy.engine.policyengine import PolicyEngine
 from services.policy.engine.realized import Lag, RealizedTable, Report, Rollup
-from services.policy.engine.registry import PolicyRecord, Registry
+from services.policy.engine.registry import ApiChange, PolicyRecord, Registry, StoredPolicy
 from services.policy.engine.resolve import ResolvedPolicy
 from services.policy.engine.sources import Source, engine_key, object_key
 from services.policy.engine.trace import TraceEndpoint, TraceResult, trace
@@ -76,6 +76,8 @@ class Commit:
     revision: int
     orders: tuple[PlannedOrder, ...] = ()
     state: PersistedState | None = None
+    #: Imported policies to persist (or forget), in order, before the orders go out.
+    api: tuple[ApiChange, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +114,7 @@ class StatusSnapshot:
     nodes: int = 0
     endpoints: int = 0
     endpoints_behind: int = 0
+    endpoints_failed: int = 0
 
 
 class PolicyCore:
@@ -131,6 +134,7 @@ class PolicyCore:
         self._requested: dict[str, set[int]] = {}
         self._caused_at: float | None = None
         self._persisted = persisted
+        self._api_changes: list[ApiChange] = []
 
     # --- batching -------------------------------------------------------------------------
 
@@ -184,10 +188,14 @@ class PolicyCore:
         self.synced = True
         self._replace_pending = True
 
+    def _take_api_changes(self) -> tuple[ApiChange, ...]:
+        changes, self._api_changes = tuple(self._api_changes), []
+        return changes
+
     def commit(self, now: float) -> Commit:
         """Close the open batch: per-node orders and the state to persist before publishing them."""
         if not self.synced or not self._batch_open:
-            return Commit(self.revision)
+            return Commit(self.revision, api=self._take_api_changes())
         result = self.engine.end_batch()
         self._batch_open = False
         revision = self.engine.revision
@@ -217,10 +225,11 @@ class PolicyCore:
         self._dirty.clear()
         self.realized.record_changes(revision, ((o.node, i) for o in orders for i in o.changed_identities()), caused_at)
         state = PersistedState(revision, self.planner.sequences())
+        api = self._take_api_changes()
         if state == self._persisted:
-            return Commit(revision, tuple(orders))
+            return Commit(revision, tuple(orders), api=api)
         self._persisted = state
-        return Commit(revision, tuple(orders), state)
+        return Commit(revision, tuple(orders), state, api)
 
     # --- policies -------------------------------------------------------------------------
 
@@ -230,22 +239,23 @@ class PolicyCore:
         if kind is None:
             return None
         key = object_key(kind, delta.namespace, delta.name)
+        provenance = " ".join(part for part in (delta.source or "kubernetes", delta.origin) if part)
         if delta.op == k8s_pb2.DELTA_OP_DELETE:
             self.delete(Source.KUBERNETES, key, now)
             return Outcome(Source.KUBERNETES, key, True)
         text = delta.object_json.decode("utf-8", errors="replace")
         try:
             doc = json.loads(text)
-        except ValueError as exc:
-            return self._reject(Source.KUBERNETES, key, f"{kind.value} {key.namespace}/{key.name}: {exc}", text)
+        except (ValueError, RecursionError) as exc:
+            error = f"{kind.value} {key.namespace}/{key.name}: {exc}"
+            return self._reject(Source.KUBERNETES, key, error, text, provenance)
         if not isinstance(doc, dict):
-            return self._reject(
-                Source.KUBERNETES, key, f"{kind.value} {key.name}: object_json is not a JSON object", text
-            )
+            error = f"{kind.value} {key.name}: object_json is not a JSON object"
+            return self._reject(Source.KUBERNETES, key, error, text, provenance)
         # Watchers may strip type metadata; the subject already says what the object is.
         doc.setdefault("kind", kind.value)
         doc.setdefault("apiVersion", _API_VERSIONS[kind])
-        return self.upsert(Source.KUBERNETES, doc, text, now, key=key)
+        return self.upsert(Source.KUBERNETES, doc, text, now, key=key, provenance=provenance)
 
     def upsert(
         self,
@@ -256,9 +266,16 @@ class PolicyCore:
         *,
         key: PolicyRef | None = None,
         origin: str = "",
+        provenance: str = "",
         dry_run: bool = False,
+        restoring: bool = False,
     ) -> Outcome:
-        """Parse and enforce one document; a rejected one changes nothing but its error."""
+        """Parse and enforce one document; a rejected one changes nothing but its error.
+
+        ``origin`` prefixes errors (the file and document index); ``provenance`` is where the
+        object came from, shown in its status. An accepted API document is persisted with the
+        next commit, unless it is being ``restoring`` from the store.
+        """
         try:
             parsed = parse_policy(doc, cluster=self.cluster)
         except PolicyValidationError as exc:
@@ -266,11 +283,11 @@ class PolicyCore:
             rk = key or _key_of(doc)
             if dry_run:
                 return Outcome(source, rk, False, error, document)
-            if source is Source.API:
+            if source is Source.API and not restoring:
                 # The caller sees the error in its answer; an import that fails changes nothing.
                 log.warning("policy rejected", source=source.value, policy=str(rk), error=error)
                 return Outcome(source, rk, False, error, document)
-            return self._reject(source, rk, error, document)
+            return self._reject(source, rk, error, document, provenance)
         key = key or parsed.key
         if dry_run:
             return Outcome(source, key, True, "", document, parsed)
@@ -279,15 +296,28 @@ class PolicyCore:
         if changed:
             self._change(now)
             self.engine.upsert_policy(policy)
-        self.registry.accepted(source, key, policy, document, changed=changed)
+        old = self.registry.get(source, key)
+        if (
+            source is Source.API
+            and not restoring
+            and (changed or old is None or (old.document, old.origin) != (document, provenance))
+        ):
+            self._api_changes.append((key, StoredPolicy(key, dict(doc), provenance)))
+        self.registry.accepted(source, key, policy, document, changed=changed, origin=provenance)
         if changed:
             log.info("policy accepted", source=source.value, policy=str(key), unsupported=len(policy.unsupported))
         else:
             log.debug("policy unchanged", source=source.value, policy=str(key))
         return Outcome(source, key, True, "", document, policy)
 
-    def _reject(self, source: Source, key: PolicyRef, error: str, document: str) -> Outcome:
-        self.registry.rejected(source, key, error, document)
+    def restore_imported(self, stored: StoredPolicy, document: str, now: float) -> Outcome:
+        """An API policy loaded from the store at startup (a rejected one stays visible with its error)."""
+        return self.upsert(
+            Source.API, stored.object, document, now, key=stored.key, provenance=stored.origin, restoring=True
+        )
+
+    def _reject(self, source: Source, key: PolicyRef, error: str, document: str, provenance: str = "") -> Outcome:
+        self.registry.rejected(source, key, error, document, origin=provenance)
         log.warning("policy rejected", source=source.value, policy=str(key), error=error)
         return Outcome(source, key, False, error, document)
 
@@ -296,6 +326,8 @@ class PolicyCore:
         record = self.registry.remove(source, key)
         if record is None:
             return False
+        if source is Source.API:
+            self._api_changes.append((key, None))
         if record.policy is not None:
             self._change(now)
             self.engine.delete_policy(engine_key(source, key))
@@ -379,6 +411,16 @@ class PolicyCore:
                     self._change(now)
                     self._dirty.add((gone.node, gone.identity))
                 continue
+            if r.error:
+                log.warning(
+                    "realization failed",
+                    node=r.node,
+                    pod=r.pod,
+                    endpoint=r.endpoint_id,
+                    identity=r.identity,
+                    revision=r.revision,
+                    error=r.error,
+                )
             known = self.hosts(r.node, r.identity)
             before = self.realized.identity_of(*self.realized.key_of(r))
             done.extend(self.realized.report(r, self.revision))
@@ -492,6 +534,7 @@ class PolicyCore:
 
     def status(self) -> StatusSnapshot:
         counts = self.registry.counts()
+        behind = self.realized.behind(self.revision)
         return StatusSnapshot(
             synced=self.synced,
             revision=self.revision,
@@ -501,7 +544,8 @@ class PolicyCore:
             ipcache=len(self.ipcache),
             nodes=len(self.nodes() | set(self.planner.nodes())),
             endpoints=len(self.realized),
-            endpoints_behind=len(self.realized.behind(self.revision)),
+            endpoints_behind=len(behind),
+            endpoints_failed=sum(1 for lag in behind if lag.error),
         )
 
 

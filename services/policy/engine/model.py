@@ -52,16 +52,20 @@ class PolicyKind(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True, order=True)
 class PolicyRef:
-    """Names a policy object (``ObjectRef`` on the wire): kind, namespace ("" when cluster-wide), name."""
+    """Names a policy object (``ObjectRef`` on the wire): kind, namespace ("" when cluster-wide), name.
+
+    ``source`` tells apart objects of the same name from different sources inside the engine:
+    "" for objects watched from Kubernetes, "api" for policies imported over the API.
+    """
 
     kind: PolicyKind
     namespace: str
     name: str
+    source: str = ""
 
     def __str__(self) -> str:
-        if self.namespace:
-            return f"{self.kind.value} {self.namespace}/{self.name}"
-        return f"{self.kind.value} {self.name}"
+        text = f"{self.kind.value} {self.namespace}/{self.name}" if self.namespace else f"{self.kind.value} {self.name}"
+        return f"{text} ({self.source})" if self.source else text
 
 
 class PolicyValidationError(ValueError):

@@ -261,7 +261,8 @@ def _knp_peers(ctx: _Ctx, items: list[Any], path: str) -> tuple[Selector, ...] |
         if "ipBlock" in peer:
             if has_sel:
                 raise ctx.error(ppath, "ipBlock cannot be combined with podSelector or namespaceSelector")
-            out.append(_ip_block(ctx, _as_map(ctx, peer["ipBlock"], f"{ppath}.ipBlock"), f"{ppath}.ipBlock"))
+            block = _as_map(ctx, peer["ipBlock"], f"{ppath}.ipBlock")
+            out.append(_ip_block(ctx, block, f"{ppath}.ipBlock", require_mask=True))
             continue
         if not has_sel:
             ctx.warnings.append(f"{ppath}: empty peer, taken as every peer")
@@ -283,15 +284,28 @@ def _knp_peers(ctx: _Ctx, items: list[Any], path: str) -> tuple[Selector, ...] |
 
 
 def _ip_block(
-    ctx: _Ctx, block: Mapping[str, Any], path: str, *, cidr_key: str = "cidr", except_key: str = "except"
+    ctx: _Ctx,
+    block: Mapping[str, Any],
+    path: str,
+    *,
+    cidr_key: str = "cidr",
+    except_key: str = "except",
+    require_mask: bool = False,
 ) -> CIDRSelector:
+    """A CIDR with exceptions; ``require_mask``: a bare address is refused, as Kubernetes' ipBlock does."""
     if cidr_key not in block:
         raise ctx.error(f"{path}.{cidr_key}", "required")
-    cidr = parse_cidr(block[cidr_key], obj=ctx.obj, path=f"{path}.{cidr_key}")
+
+    def masked(value: Any, where: str) -> Any:
+        if require_mask and isinstance(value, str) and "/" not in value:
+            raise ctx.error(where, f"{value!r} has no prefix length; write a CIDR such as 10.0.0.0/24 or 10.0.0.5/32")
+        return value
+
+    cidr = parse_cidr(masked(block[cidr_key], f"{path}.{cidr_key}"), obj=ctx.obj, path=f"{path}.{cidr_key}")
     excepts: list[IPNetwork] = []
     for k, e in enumerate(_as_list(ctx, block.get(except_key), f"{path}.{except_key}")):
         epath = f"{path}.{except_key}[{k}]"
-        net = parse_cidr(e, obj=ctx.obj, path=epath)
+        net = parse_cidr(masked(e, epath), obj=ctx.obj, path=epath)
         if net.version != cidr.version or not net.subnet_of(cidr):  # type: ignore[arg-type]
             raise ctx.error(epath, f"{net} not inside cidr {cidr}")
         excepts.append(net)

@@ -7,6 +7,11 @@ revision the endpoint last realized, or when the endpoint appeared and never
 reported. Revision bumps (orders with no diff for an identity) affect nobody,
 like Cilium's endpointsToBumpRevision: an endpoint need not report them.
 
+A datapath may report that an endpoint could not realize a revision (its maps
+could not be written): the endpoint keeps its last realized revision and is
+*failed* for every revision that brings it nothing newer than the one that
+failed, until it reports success, like Antrea's Failed realization status.
+
 Endpoints a datapath reports that the ipcache does not know (pods created on a
 node directly) *declare* their identity present on that node, so orders carry
 its diffs there; the datapath reports such an endpoint ``deleted`` when it goes.
@@ -46,6 +51,10 @@ class Endpoint:
     realized: int = 0
     #: Known from the ipcache (authoritative for identity and lifetime).
     in_ipcache: bool = False
+    #: Revision the datapath last failed to realize (0: no failure since the last success).
+    failed: int = 0
+    #: Why, as the datapath reported it.
+    error: str = ""
 
     @property
     def pod(self) -> str:
@@ -61,6 +70,16 @@ class Lag:
     identity: int
     realized: int
     pod: str
+    #: Why the endpoint could not realize the wanted revision (empty: still realizing).
+    error: str = ""
+    #: The revision whose realization failed.
+    failed: int = 0
+
+    def describe(self) -> str:
+        where = f"{self.node}/{self.pod or f'endpoint {self.endpoint_id}'}"
+        if self.error:
+            return f"{where} failed to realize revision {self.failed}: {self.error}"
+        return f"{where} at revision {self.realized}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +89,7 @@ class NodeRollup:
     endpoints_realized: int
     #: Lowest revision realized by the node's affected endpoints.
     realized_revision: int
+    endpoints_failed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +97,16 @@ class Rollup:
     """Realization of one policy revision over the endpoints of its subject identities."""
 
     nodes: tuple[NodeRollup, ...] = ()
+    #: Endpoints that failed to realize the revision, sorted.
+    failures: tuple[Lag, ...] = ()
 
     @property
     def realized(self) -> bool:
         return all(n.endpoints_realized == n.endpoints for n in self.nodes)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.failures)
 
     @property
     def nodes_realized(self) -> int:
@@ -97,6 +123,8 @@ class Report:
     revision: int
     pod: str = ""
     deleted: bool = False
+    #: Non-empty: the endpoint could not realize ``revision``, and why.
+    error: str = ""
 
 
 @dataclass(slots=True)
@@ -131,6 +159,7 @@ class RealizedTable:
             ep.identity = identity
             ep.realized = 0
             ep.since = revision
+            ep.failed, ep.error = 0, ""
         self._index(ep)
 
     def remove_endpoint(self, node: str, key: str) -> Endpoint | None:
@@ -239,6 +268,14 @@ class RealizedTable:
             return []  # realized an identity the endpoint no longer has
         if report.revision <= ep.realized:
             return []
+        if report.error:
+            if report.revision >= ep.failed:
+                ep.failed = report.revision
+                ep.error = report.error
+            return []
+        if report.revision >= ep.failed:
+            ep.failed = 0
+            ep.error = ""
         ep.realized = report.revision
         done: list[tuple[int, float]] = []
         for revision, pending in list(self._pending.items()):
@@ -275,6 +312,7 @@ class RealizedTable:
             if relabeled:
                 ep.identity = report.identity
                 ep.realized = 0
+                ep.failed, ep.error = 0, ""
             self._index(ep)
         return key
 
@@ -292,13 +330,28 @@ class RealizedTable:
         i = bisect.bisect_right(revs, ep.realized)
         return i < len(revs) and revs[i] <= revision
 
+    def has_failed(self, ep: Endpoint, revision: int) -> bool:
+        """Whether ``ep`` is behind ``revision`` because its datapath failed to realize it.
+
+        A failure at revision F covers every revision up to the next change of the
+        endpoint's policy after F: those bring it nothing its datapath has not failed on.
+        """
+        if not ep.failed or not self.is_behind(ep, revision):
+            return False
+        if ep.failed >= revision:
+            return True
+        revs = self._changes.get((ep.node, ep.identity), [])
+        i = bisect.bisect_right(revs, ep.failed)
+        return not (i < len(revs) and revs[i] <= revision)
+
+    def _lag(self, ep: Endpoint, revision: int) -> Lag:
+        if self.has_failed(ep, revision):
+            return Lag(ep.node, ep.endpoint_id, ep.identity, ep.realized, ep.pod, ep.error, ep.failed)
+        return Lag(ep.node, ep.endpoint_id, ep.identity, ep.realized, ep.pod)
+
     def behind(self, revision: int) -> list[Lag]:
         """Endpoints that ``revision`` affects and that have not reported it, sorted."""
-        out = [
-            Lag(ep.node, ep.endpoint_id, ep.identity, ep.realized, ep.pod)
-            for ep in self._endpoints.values()
-            if self.is_behind(ep, revision)
-        ]
+        out = [self._lag(ep, revision) for ep in self._endpoints.values() if self.is_behind(ep, revision)]
         out.sort(key=lambda lag: (lag.node, lag.pod, lag.endpoint_id))
         return out
 
@@ -310,8 +363,12 @@ class RealizedTable:
                 ep = self._endpoints[key]
                 per_node.setdefault(ep.node, []).append(ep)
         nodes = []
+        failures = []
         for node in sorted(per_node):
             eps = per_node[node]
             realized = sum(1 for ep in eps if not self.is_behind(ep, revision))
-            nodes.append(NodeRollup(node, len(eps), realized, min(ep.realized for ep in eps)))
-        return Rollup(tuple(nodes))
+            failed = [self._lag(ep, revision) for ep in eps if self.has_failed(ep, revision)]
+            failures.extend(failed)
+            nodes.append(NodeRollup(node, len(eps), realized, min(ep.realized for ep in eps), len(failed)))
+        failures.sort(key=lambda lag: (lag.node, lag.pod, lag.endpoint_id))
+        return Rollup(tuple(nodes), tuple(failures))

@@ -9,13 +9,27 @@ accepted version, if any, stays enforced: a rejected change changes nothing).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from services.policy.engine.model import Policy, PolicyKind, PolicyRef
 from services.policy.engine.sources import Source
 
 RecordKey = tuple[Source, PolicyRef]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredPolicy:
+    """An accepted API policy as persisted: its key, the object imported, and where it came from."""
+
+    key: PolicyRef
+    object: Mapping[str, Any]
+    origin: str = ""
+
+
+#: A change to the persisted API policies: the policy to keep, or None to forget it.
+ApiChange = tuple[PolicyRef, StoredPolicy | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +45,8 @@ class PolicyRecord:
     error: str
     #: The latest document received, accepted or not.
     document: str
+    #: Where the latest document came from: "kubernetes", "manifests:<dir> <file>", "api <file>".
+    origin: str = ""
 
     @property
     def rejected(self) -> bool:
@@ -51,20 +67,22 @@ class Registry:
     def get(self, source: Source, key: PolicyRef) -> PolicyRecord | None:
         return self._records.get((source, key))
 
-    def accepted(self, source: Source, key: PolicyRef, policy: Policy, document: str, *, changed: bool) -> None:
+    def accepted(
+        self, source: Source, key: PolicyRef, policy: Policy, document: str, *, changed: bool, origin: str = ""
+    ) -> None:
         """The latest version is enforced; ``changed`` when the engine got new rules."""
         old = self._records.get((source, key))
         revision = old.revision if old is not None and not changed else 0
-        self._records[(source, key)] = PolicyRecord(source, key, policy, revision, "", document)
+        self._records[(source, key)] = PolicyRecord(source, key, policy, revision, "", document, origin)
         if changed or old is None or old.revision == 0:
             self._unsettled.add((source, key))
 
-    def rejected(self, source: Source, key: PolicyRef, error: str, document: str) -> None:
+    def rejected(self, source: Source, key: PolicyRef, error: str, document: str, *, origin: str = "") -> None:
         old = self._records.get((source, key))
         if old is None:
-            self._records[(source, key)] = PolicyRecord(source, key, None, 0, error, document)
+            self._records[(source, key)] = PolicyRecord(source, key, None, 0, error, document, origin)
         else:
-            self._records[(source, key)] = dataclasses.replace(old, error=error, document=document)
+            self._records[(source, key)] = dataclasses.replace(old, error=error, document=document, origin=origin)
 
     def remove(self, source: Source, key: PolicyRef) -> PolicyRecord | None:
         self._unsettled.discard((source, key))

@@ -1,13 +1,13 @@
 """Where a policy came from, and how the two sources share one engine without clobbering.
 
-The engine keys policies by (kind, namespace, name). A policy imported over gRPC
-and a Kubernetes object with the same name must both be enforced and never
-replace each other, so API copies enter the engine under a name no Kubernetes
-object can have: Kubernetes names never contain ``:``.
+The engine keys policies by :class:`PolicyRef`. A policy imported over gRPC and a
+Kubernetes object with the same name must both be enforced and never replace each
+other, so API copies enter the engine with ``source="api"`` on their ref.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 from palisade.v1 import policy_pb2
@@ -32,20 +32,17 @@ def source_from_proto(value: int, *, default: Source) -> Source:
     return default
 
 
-API_PREFIX = "api:"
-
-
 def engine_key(source: Source, key: PolicyRef) -> PolicyRef:
-    """The key a policy has inside the engine."""
+    """The key a policy has inside the engine: API copies carry their source."""
     if source is Source.API:
-        return PolicyRef(key.kind, key.namespace, API_PREFIX + key.name)
+        return dataclasses.replace(key, source=Source.API.value)
     return key
 
 
 def split_engine_key(key: PolicyRef) -> tuple[Source, PolicyRef]:
     """Inverse of :func:`engine_key`."""
-    if key.name.startswith(API_PREFIX):
-        return Source.API, PolicyRef(key.kind, key.namespace, key.name[len(API_PREFIX) :])
+    if key.source == Source.API.value:
+        return Source.API, dataclasses.replace(key, source="")
     return Source.KUBERNETES, key
 
 
