@@ -31,6 +31,9 @@ from services.common.errors import Code, PalisadeError
 #: Deepest nesting of mappings and arrays accepted in a document; real manifests stay far below.
 MAX_DEPTH = 100
 
+#: Nesting refused before any object is built (the depth above is checked per document after).
+PARSER_DEPTH = 1000
+
 # libyaml's C loader when PyYAML has it: a 5 MB file loads in seconds instead of tens of seconds.
 _Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -77,7 +80,7 @@ def _load(text: str, where: str, json_file: bool) -> list[Any]:
             return [json.loads(text)]
         at = _too_deep_at(text)
         if at is not None:
-            raise DocumentError(f"{where}: {_TOO_DEEP} (more than {MAX_DEPTH} levels, at {at}); flatten it")
+            raise DocumentError(f"{where}: {_TOO_DEEP} for the parser (at {at}); flatten it")
         return list(yaml.load_all(text, Loader=_Loader))
     except RecursionError:
         raise DocumentError(f"{where}: {_TOO_DEEP} for the parser; flatten it") from None
@@ -94,7 +97,7 @@ def _load(text: str, where: str, json_file: bool) -> list[Any]:
 
 
 def _too_deep_at(text: str) -> str | None:
-    """Where ``text`` nests deeper than MAX_DEPTH, from parser events alone.
+    """Where ``text`` nests deeper than PARSER_DEPTH, from parser events alone.
 
     Runs before anything builds objects: libyaml's composer recurses in C and would
     crash the process on a document nested a hundred thousand levels deep.
@@ -104,7 +107,7 @@ def _too_deep_at(text: str) -> str | None:
         for event in yaml.parse(text, Loader=_Loader):
             if isinstance(event, yaml.CollectionStartEvent):
                 depth += 1
-                if depth > MAX_DEPTH:
+                if depth > PARSER_DEPTH:
                     mark = event.start_mark
                     return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "its start"
             elif isinstance(event, yaml.CollectionEndEvent):

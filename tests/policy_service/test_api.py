@@ -202,11 +202,11 @@ def _doc(name: str = "ok", namespace: str = "default", peer: dict[str, str] | No
 
 
 MALFORMED: list[tuple[str, object, str]] = [
-    ("ImportPolicies", policy_pb2.ImportPoliciesRequest(documents="[" * 5000 + "]" * 5000), "nested more than"),
+    ("ImportPolicies", policy_pb2.ImportPoliciesRequest(documents="[" * 5000 + "]" * 5000), "nested too deeply"),
     (
         "ImportPolicies",
         policy_pb2.ImportPoliciesRequest(documents="a:\n" + "".join(" " * i + "b:\n" for i in range(1, 5000))),
-        "nested more than",
+        "nested too deeply",
     ),
     ("ImportPolicies", policy_pb2.ImportPoliciesRequest(documents=_doc("a" * 100_000)), "metadata.name"),
     ("ImportPolicies", policy_pb2.ImportPoliciesRequest(documents=_doc("a.*.>")), "metadata.name"),
