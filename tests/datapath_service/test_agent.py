@@ -400,7 +400,7 @@ async def test_names_and_labels_are_checked_as_kubernetes_does_before_anything_i
             await agent.stub.CreateEndpoint(request)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value.details())
         details = err.value.details() or ""
-        assert details.startswith(f"{field}:") and len(details) < 1000, details[:200]
+        assert details.startswith(f"{field} ") and len(details) < 1000, details[:200]
     assert cp.identities == {} and cp.ips == {}, "nothing was allocated for a bad request"
 
     # Kubernetes accepts these, so the datapath does too.

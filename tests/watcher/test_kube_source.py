@@ -246,9 +246,15 @@ async def test_missing_crds_do_not_stop_other_kinds(
         assert not any(s.startswith("palisade.k8s.cilium") for s in stream.current())
         await eventually(lambda: bool(stream.statuses) and len(stream.statuses[-1].errors) == 2, "status errors")
         assert "install the Cilium CRDs" in stream.statuses[-1].errors["ciliumnetworkpolicy"]
-        status = common_pb2.ServiceStatus()
-        run.watcher.fill_status(status)
-        assert status.synced and "missing.ciliumnetworkpolicy" in status.details
+
+        def status() -> common_pb2.ServiceStatus:
+            answer = common_pb2.ServiceStatus()
+            run.watcher.fill_status(answer)
+            return answer
+
+        # Synced once the server has acknowledged the marker, which a reader may see a moment before.
+        await eventually(lambda: status().synced, "synced")
+        assert "missing.ciliumnetworkpolicy" in status().details
 
         # Watching goes on for the others...
         apiserver.create("pods", o.pod("more", "prod"))
