@@ -61,7 +61,12 @@ ERRORS: list[tuple[str, str, bool, str]] = [
     ("f.yaml", "just a string", False, r"^f.yaml: expected an object with apiVersion, kind and metadata, got str$"),
     ("f.yaml", f"{json.dumps(POD)}\n---\n- 1\n", False, r"^f.yaml\[1\]\[0\]: expected an object .*, got int$"),
     ("f.yaml", json.dumps({"kind": "List", "items": [POD, "x"]}), False, r"^f.yaml.items\[1\]: expected an object"),
-    ("f.yaml", "kind: [unclosed", False, r"^f.yaml: not valid YAML or JSON at line [12], column \d+: .*expected ','.*flow sequence at line 1, column 7"),
+    (
+        "f.yaml",
+        "kind: [unclosed",
+        False,
+        r"^f.yaml: not valid YAML or JSON at line [12], column \d+: .*expected ','.*flow sequence at line 1, column 7",
+    ),
     ("f.json", '{"kind": "Pod",', True, r"^f.json: not valid JSON at line 1, column 16: Expecting"),
     ("f.json", "kind: Pod", True, r"^f.json: not valid JSON at line 1, column 1"),
     ("", "- 1", False, r"^documents\[0\]: expected an object"),
