@@ -100,6 +100,8 @@ def status_to_proto(view: PolicyView) -> policy_pb2.PolicyStatus:
         error += f" (the version accepted at revision {r.revision} stays enforced)"
     elif view.rollup.failed:
         error = _failures_text(view.rollup.failures)
+    if r.conflict:
+        error = f"{error}; {r.conflict}" if error else r.conflict
     status = policy_pb2.PolicyStatus(
         ref=ref_to_proto(r.key),
         source=r.source.to_proto(),

@@ -61,7 +61,7 @@ class ObjectCache:
 
     def upsert(self, obj: KObject) -> Diff:
         """An added or modified object; a delta only if its relevant view changed."""
-        view = relevant_view(obj.key.kind, obj.body)
+        view = _view(obj)
         known = obj.key in self._objects[obj.key.kind]
         same = known and self._views[obj.key] == view
         self._store(obj, view)
@@ -98,4 +98,12 @@ class ObjectCache:
 
     def _store(self, obj: KObject, view: dict[str, object] | None = None) -> None:
         self._objects[obj.key.kind][obj.key] = obj
-        self._views[obj.key] = view if view is not None else relevant_view(obj.key.kind, obj.body)
+        self._views[obj.key] = view if view is not None else _view(obj)
+
+
+def _view(obj: KObject) -> dict[str, object]:
+    """What a consumer sees of ``obj``: its relevant view, and a conflict the watcher reports on it."""
+    view = relevant_view(obj.key.kind, obj.body)
+    if obj.conflict:
+        view = {**view, "conflict": obj.conflict}
+    return view

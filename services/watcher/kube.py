@@ -19,7 +19,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +32,10 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from services.common.backoff import Backoff
 from services.common.config import ConfigError
+from services.common.errors import PalisadeError
 from services.common.log import get_logger
 from services.watcher.kinds import KINDS, KindInfo
-from services.watcher.objects import KObject, ObjectError, from_api, metadata
+from services.watcher.objects import KObject, ObjectError, check_names, from_api, metadata
 from services.watcher.source import Deleted, Emit, KindMissing, Listed, Problem, ProblemReason, SourceEvent, Upserted
 
 log = get_logger("watcher.kube")
@@ -283,9 +284,14 @@ class _Reflector:
         try:
             if not isinstance(raw, Mapping):
                 raise ObjectError("not an object")
-            return from_api(self.info, raw)
+            obj = from_api(self.info, raw)
+            check_names(self.info, obj.key.name, obj.key.namespace, metadata(obj.body).get("labels"))
+            return obj
         except ObjectError as exc:
             self._log.warning("malformed object from the API server ignored", error=str(exc))
+            return None
+        except PalisadeError as exc:
+            self._log.warning("object with names Kubernetes refuses ignored", error=exc.message)
             return None
 
 
@@ -305,6 +311,9 @@ class KubeSource:
         self.kinds = kinds
         self._configuration = configuration
         self._settings = settings or KubeSettings()
+
+    def seed(self, published: Sequence[KObject]) -> None:
+        """The API server is the truth for every object; what the bus held is only diffed against it."""
 
     async def run(self, emit: Emit) -> None:
         loop = asyncio.get_running_loop()

@@ -10,7 +10,15 @@ that into the deltas a cluster would produce. Objects get a synthetic uid
 increasing resourceVersion that moves only when the object's content changes.
 
 A file that fails to parse is reported (``Problem``) and its objects keep their
-last good state until the file is fixed or removed.
+last good state until the file is fixed or removed: the state this run last read,
+or, for a file already broken when the watcher starts, the state an earlier run
+published (the bus holds it, with each object's file).
+
+An object defined in several files is an error on the files that lose (``Problem``)
+and on the object (``conflict``, shown in its policy status); the definition in
+force stays in force until it is removed, whatever order files change in, and
+the next in path order takes over then. At start, the definition in force is the
+one the bus holds; with nothing on the bus, the first in path order.
 """
 
 from __future__ import annotations
@@ -22,14 +30,15 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.errors import PalisadeError, clip
 from services.common.log import get_logger
 from services.common.manifests import Document, DocumentError, split_documents
 from services.watcher.kinds import KINDS, Kind, KindInfo, lookup
-from services.watcher.objects import KObject, ObjectKey, from_api
+from services.watcher.objects import KObject, ObjectKey, check_names, from_api
 from services.watcher.source import Emit, Listed, Problem, ProblemReason, SourceEvent
 
 log = get_logger("watcher.manifests")
@@ -87,6 +96,10 @@ def to_objects(docs: list[Document], origin: str) -> Parsed:
         else:
             new_meta.pop("namespace", None)
             namespace = ""
+        try:
+            check_names(info, name, namespace, new_meta.get("labels"))
+        except PalisadeError as exc:
+            raise ManifestError(f"{where} ({api_kind} {clip(name, 80)}): {exc.message}") from None
         new_meta.setdefault("uid", synthetic_uid(info, namespace, name))
         new_meta.pop("resourceVersion", None)  # assigned by the source
         objects.append(from_api(info, {**body, "metadata": new_meta}, origin=origin))
@@ -139,6 +152,20 @@ class ManifestSource:
         self._last_rv = 0
         self._listed_once = False
         self._folder_error = ""
+        #: Per file, what an earlier run published from it (its last good state before this run).
+        self._seeded: dict[str, tuple[KObject, ...]] = {}
+        #: The file whose definition of an object is in force, for objects several files define.
+        self._owners: dict[ObjectKey, str] = {}
+        #: Problem origin -> message, for the definitions that lose to the one in force.
+        self._conflicts: dict[str, str] = {}
+
+    def seed(self, published: Sequence[KObject]) -> None:
+        by_file: dict[str, list[KObject]] = {}
+        for obj in published:
+            if obj.origin:
+                by_file.setdefault(obj.origin, []).append(obj)
+                self._owners[obj.key] = obj.origin
+        self._seeded = {rel: tuple(objs) for rel, objs in by_file.items()}
 
     async def run(self, emit: Emit) -> None:
         log.info("watching manifests", folder=str(self.root), poll_interval=self._poll)
@@ -233,7 +260,11 @@ class ManifestSource:
     ) -> bool:
         message = f"{reason}; fix the file (its objects keep their last good state)"
         if known is None:
-            known = self._files[rel] = _File(fingerprint, digest, ())
+            # Broken since before this run: its last good state is what the bus holds from it.
+            last_good = self._seeded.get(rel, ())
+            if last_good:
+                log.warning("manifest file broken at start, keeping what was published", file=rel)
+            known = self._files[rel] = _File(fingerprint, digest, last_good)
         else:
             known.fingerprint, known.digest = fingerprint, digest
         if known.error != message:
@@ -243,17 +274,8 @@ class ManifestSource:
         return False
 
     def _listing(self) -> list[SourceEvent]:
-        merged: dict[ObjectKey, KObject] = {}
-        for rel in sorted(self._files):
-            for obj in self._files[rel].objects:
-                earlier = merged.get(obj.key)
-                if earlier is not None and earlier.origin != rel:
-                    log.warning(
-                        "object defined in several manifest files, the last one wins",
-                        object=str(obj.key),
-                        files=f"{earlier.origin},{rel}",
-                    )
-                merged[obj.key] = obj
+        events: list[SourceEvent] = []
+        merged = self._resolve_conflicts(events)
         versions: dict[ObjectKey, tuple[str, str]] = {}
         per_kind: dict[Kind, list[KObject]] = {info.kind: [] for info in self.kinds}
         for key, obj in merged.items():
@@ -264,7 +286,46 @@ class ManifestSource:
             if key.kind in per_kind:
                 per_kind[key.kind].append(with_resource_version(obj, rv))
         self._versions = versions
-        return [Listed(kind, tuple(objs)) for kind, objs in per_kind.items()]
+        return [*events, *(Listed(kind, tuple(objs)) for kind, objs in per_kind.items())]
+
+    def _resolve_conflicts(self, events: list[SourceEvent]) -> dict[ObjectKey, KObject]:
+        """One definition per object: the one in force stays, else the first in path order.
+
+        The others become problems on their files and a ``conflict`` on the object in force.
+        """
+        defined: dict[ObjectKey, list[KObject]] = {}
+        for rel in sorted(self._files):
+            for obj in self._files[rel].objects:
+                defined.setdefault(obj.key, []).append(obj)
+        merged: dict[ObjectKey, KObject] = {}
+        owners: dict[ObjectKey, str] = {}
+        conflicts: dict[str, str] = {}
+        for key, candidates in defined.items():
+            owner = self._owners.get(key)
+            chosen = next((obj for obj in candidates if obj.origin == owner), candidates[0])
+            losers = sorted({obj.origin for obj in candidates if obj is not chosen})
+            if losers:
+                others = ", ".join(losers)
+                chosen = dataclasses.replace(
+                    chosen,
+                    conflict=f"{key} is also defined in {others}; the definition in {chosen.origin} stays in force "
+                    "until the others are removed or renamed",
+                )
+                for rel in losers:
+                    conflicts[f"{rel}: {key}"] = (
+                        f"{rel}: {key} is already defined in {chosen.origin}; this definition is ignored: "
+                        "remove or rename one of them"
+                    )
+            merged[key] = chosen
+            owners[key] = chosen.origin
+        for origin in sorted(self._conflicts.keys() - conflicts.keys()):
+            events.append(Problem(origin, "", ProblemReason.CONFLICT))
+        for origin, message in sorted(conflicts.items()):
+            if self._conflicts.get(origin) != message:
+                log.warning("object defined in several manifest files", problem=message)
+                events.append(Problem(origin, message, ProblemReason.CONFLICT))
+        self._owners, self._conflicts = owners, conflicts
+        return merged
 
     def _next_rv(self) -> str:
         # Wall-clock microseconds, kept increasing: a restarted watcher's versions stay above

@@ -9,7 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.errors import Code, PalisadeError, clip
 from services.common.subjects import k8s_subject
+from services.common.validation import validate_label_key, validate_label_value, validate_name, validate_namespace
 from services.watcher.filter import strip_noise
 from services.watcher.kinds import Kind, KindInfo
 
@@ -46,6 +48,29 @@ class KObject:
     body: Mapping[str, Any]
     #: For manifest sources: the file (relative to the folder) holding the object.
     origin: str = ""
+    #: For manifest sources: why other definitions of this object in other files are ignored.
+    conflict: str = ""
+
+
+def check_names(info: KindInfo, name: str, namespace: str, labels: object) -> None:
+    """Names, namespace and labels as Kubernetes accepts them; PalisadeError naming the field otherwise.
+
+    Objects from the API server already passed these checks there; manifest files did not,
+    and a name such as ``a.*.>`` must never reach a subject on the bus.
+    """
+    if info.kind is Kind.NAMESPACE:
+        validate_namespace(name, "metadata.name")
+    else:
+        validate_name(name, "metadata.name")
+    if info.namespaced:
+        validate_namespace(namespace, "metadata.namespace")
+    if labels is None:
+        return
+    if not isinstance(labels, Mapping):
+        raise PalisadeError("metadata.labels must be a map of key: value", Code.INVALID_ARGUMENT)
+    for key, value in labels.items():
+        validate_label_key(str(key), "metadata.labels key")
+        validate_label_value("" if value is None else str(value), f"metadata.labels[{clip(str(key), 80)}]")
 
 
 def metadata(body: Mapping[str, Any]) -> Mapping[str, Any]:

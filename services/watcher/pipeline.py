@@ -46,7 +46,9 @@ class Watcher:
         await self._bus.ensure_stream(K8S_STREAM)
         # Before the source says anything: what an earlier run left on the stream, so that
         # objects deleted while no watcher ran get their tombstones from the first lists.
-        self.reconciler.seed(await load_published(self._bus, self.source.kinds))
+        published = await load_published(self._bus, self.source.kinds)
+        self.reconciler.seed(published)
+        self.source.seed(published)
         log.info("source starting", source=self.source.name)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.publisher.run(), name="watcher-publisher")

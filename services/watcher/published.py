@@ -35,6 +35,7 @@ def from_delta(delta: k8s_pb2.K8sDelta) -> KObject | None:
         resource_version=delta.resource_version,
         body=body,
         origin=delta.origin,
+        conflict=delta.conflict,
     )
 
 

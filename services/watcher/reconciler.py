@@ -50,6 +50,7 @@ def to_delta(change: Change, source: str, observed_at: Timestamp) -> k8s_pb2.K8s
         source=source,
         origin=obj.origin,
         observed_at=observed_at,
+        conflict=obj.conflict,
     )
 
 
@@ -189,6 +190,10 @@ class Reconciler:
         self._metrics.synced.set(1)
 
     # -- status -------------------------------------------------------------
+
+    def errors(self) -> dict[str, str]:
+        """The problems reported now, by origin (a file, a kind, a conflicting definition)."""
+        return dict(self._errors)
 
     def fill_status(self, status: common_pb2.ServiceStatus) -> None:
         status.synced = self.synced.is_set()

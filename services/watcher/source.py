@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,6 +22,8 @@ class ProblemReason(enum.StrEnum):
     PARSE = "parse"
     #: The manifest folder cannot be read.
     FOLDER = "folder"
+    #: An object is defined in several manifest files; the first definition stays in force.
+    CONFLICT = "conflict"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,5 +78,8 @@ class Source(Protocol):
     #: The subject token of its status: palisade.k8s.status.<status_token>.
     status_token: str
     kinds: tuple[KindInfo, ...]
+
+    def seed(self, published: Sequence[KObject]) -> None:
+        """What the bus holds from an earlier run, before :meth:`run` (a source may need it)."""
 
     async def run(self, emit: Emit) -> None: ...

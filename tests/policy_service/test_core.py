@@ -8,11 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from palisade.v1 import common_pb2
+from palisade.v1 import common_pb2, policy_pb2
 from services.policy.engine.core import RequestError
 from services.policy.engine.orders import PersistedState
 from services.policy.engine.realized import Report
 from services.policy.engine.sources import Source
+from services.policy.servicer import status_to_proto
 from tests.policy_service import builders
 from tests.policy_service.world import World, ingress_key
 
@@ -123,6 +124,21 @@ def test_rejected_policy_changes_nothing_and_keeps_its_error(world: World) -> No
     # The version accepted before stays enforced.
     assert view.record.revision == revision
     assert world.nodes["n2"].policies[DB][1] == {ingress_key(WEB, 5432): common_pb2.VERDICT_ALLOW}
+
+
+def test_a_definition_conflict_from_the_watcher_is_an_error_on_the_enforced_policy(world: World) -> None:
+    d = builders.delta(builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432))
+    d.conflict = "networkpolicy/default/p is also defined in b.yaml"
+    outcome = world.core.apply_policy_delta(d, world.tick())
+    assert outcome is not None and outcome.accepted
+    world.commit()
+    status = status_to_proto(world.core.get_policy(Source.KUBERNETES, outcome.key))
+    assert status.state != policy_pb2.POLICY_STATE_REJECTED
+    assert "also defined in b.yaml" in status.error
+    # Resolved: the next delta carries no conflict, and the error is gone.
+    d.conflict = ""
+    world.core.apply_policy_delta(d, world.tick())
+    assert status_to_proto(world.core.get_policy(Source.KUBERNETES, outcome.key)).error == ""
 
 
 def test_invalid_json_from_the_watcher_is_a_rejection(world: World) -> None:

@@ -175,3 +175,79 @@ async def test_restart_reconciles_against_the_stream(manifests: Path, bus: Bus, 
         # The unchanged object was recognised from the stream and not republished.
         assert run.metric("palisade_watcher_deltas_published_total", kind="pod", op="upsert") == 2
         assert run.metric("palisade_watcher_events_skipped_total", kind="pod") == 1
+
+
+async def test_a_file_broken_across_a_restart_keeps_what_was_published(
+    manifests: Path, bus: Bus, reader: Reader
+) -> None:
+    write(manifests / "deny.yaml", o.ccnp("deny-all"), o.netpol("deny", "prod"))
+    write(manifests / "other.yaml", o.pod("web", "prod"))
+    deny, netpol = (
+        k8s_subject("ciliumclusterwidenetworkpolicy", "", "deny-all"),
+        k8s_subject("networkpolicy", "prod", "deny"),
+    )
+    async with running(bus, manifest_source(manifests)) as run:
+        await eventually(lambda: run.watcher.synced.is_set(), "first run synced")
+        await run.watcher.publisher.wait_idle()
+        # Broken while running: the last good state stays (as before).
+        (manifests / "deny.yaml").write_text("kind: [unclosed\n")
+        await eventually(lambda: "deny.yaml" in run.watcher.reconciler.errors(), "broken file reported")
+
+    # The restarted watcher never read the file whole: what the bus holds from it is its last good state.
+    async with running(bus, manifest_source(manifests)) as run:
+        await eventually(lambda: run.watcher.synced.is_set(), "second run synced")
+        await run.watcher.publisher.wait_idle()
+        stream = await reader()
+        await eventually(lambda: len(stream.markers) == 1, "replayed up to the marker")
+        assert {deny, netpol} <= set(stream.current())
+        assert stream.tombstones() == set()
+        assert "fix the file" in run.watcher.reconciler.errors()["deny.yaml"]
+        assert (
+            run.metric("palisade_watcher_deltas_published_total", kind="ciliumclusterwidenetworkpolicy", op="delete")
+            == 0
+        )
+
+        # Removing the broken file is a deletion like any other.
+        (manifests / "deny.yaml").unlink()
+        await eventually(lambda: stream.tombstones() == {deny, netpol}, "objects of the removed file deleted")
+        await eventually(lambda: "deny.yaml" not in run.watcher.reconciler.errors(), "error cleared")
+
+
+async def test_an_object_in_two_files_keeps_the_first_definition_and_is_an_error(
+    manifests: Path, bus: Bus, reader: Reader
+) -> None:
+    write(manifests / "a.yaml", o.netpol("shared", "prod", app="from-a"))
+    stream = await reader()
+    subject = k8s_subject("networkpolicy", "prod", "shared")
+    async with running(bus, manifest_source(manifests)) as run:
+        await eventually(lambda: run.watcher.synced.is_set(), "synced")
+        await eventually(lambda: subject in stream.current(), "published")
+
+        # A later file, even one earlier in path order, does not take the name over silently.
+        write(manifests / "0-later.yaml", o.netpol("shared", "prod", app="from-later"))
+        await eventually(lambda: "0-later.yaml: networkpolicy/prod/shared" in run.watcher.reconciler.errors(), "error")
+        message = run.watcher.reconciler.errors()["0-later.yaml: networkpolicy/prod/shared"]
+        assert "already defined in a.yaml" in message and "remove or rename" in message
+        await eventually(lambda: bool(stream.last[subject].conflict), "conflict on the object")
+        assert "also defined in 0-later.yaml" in stream.last[subject].conflict
+        assert stream.current()[subject]["spec"]["podSelector"]["matchLabels"]["app"] == "from-a"
+        status = common_pb2.ServiceStatus()
+        run.watcher.fill_status(status)
+        assert status.details["errors"] == "1"
+
+        # Editing either file changes nothing about which one is in force.
+        write(manifests / "0-later.yaml", o.netpol("shared", "prod", app="from-later-2"))
+        write(manifests / "a.yaml", o.netpol("shared", "prod", app="from-a-2"))
+        await eventually(
+            lambda: stream.current()[subject]["spec"]["podSelector"]["matchLabels"]["app"] == "from-a-2", "edit"
+        )
+
+        # The definition in force removed: the other takes over, and the error clears.
+        (manifests / "a.yaml").unlink()
+        await eventually(
+            lambda: stream.current()[subject]["spec"]["podSelector"]["matchLabels"]["app"] == "from-later-2",
+            "took over",
+        )
+        await eventually(lambda: not run.watcher.reconciler.errors(), "error cleared")
+        assert stream.last[subject].conflict == ""
+        assert subject not in stream.tombstones()

@@ -145,3 +145,34 @@ def test_a_vanished_folder_is_reported_and_keeps_the_objects(tmp_path: Path) -> 
     events = source.scan()
     assert len(events) == 1 and isinstance(events[0], Problem) and "does not exist" in events[0].message
     assert source.scan() == []
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        ({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "a.*.>"}}, "metadata.name"),
+        ({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x" * 100_000}}, "metadata.name"),
+        (
+            {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web", "namespace": "../../etc"}},
+            "metadata.namespace",
+        ),
+        ({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "Shop_NS!"}}, "metadata.name"),
+        (
+            {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web", "labels": {"a b": "x"}}},
+            "metadata.labels key",
+        ),
+        (
+            {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "web", "labels": {"app": "x\n"}}},
+            "metadata.labels[app]",
+        ),
+        (
+            {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "a b c"}, "spec": {}},
+            "metadata.name",
+        ),
+    ],
+)
+def test_names_kubernetes_refuses_reject_the_file_naming_the_field(doc: dict[str, object], field: str) -> None:
+    with pytest.raises(ManifestError) as err:
+        parse_file("bad.yaml", yaml.safe_dump(doc).encode())
+    assert err.value.message.startswith("bad.yaml") and field in err.value.message
+    assert len(err.value.message) < 1000

@@ -225,3 +225,20 @@ async def test_manifest_watcher_survives_a_nats_restart(
     body = json.loads(stream.last[k8s_subject("pod", "prod", "m7")].object_json)
     assert body["metadata"]["namespace"] == "prod"
     assert await asyncio.to_thread(proc.terminate) == 0
+
+
+async def test_manifest_watcher_killed_while_a_file_is_broken_deletes_nothing(
+    manifests: Path, nats_server: NatsServer, service: Start, reader: Reader
+) -> None:
+    write(manifests / "deny.yaml", o.ccnp("deny-all"))
+    write(manifests / "pods.yaml", o.pod("p0", "prod"))
+    first = await start(service, *manifest_args(nats_server, manifests))
+    (manifests / "deny.yaml").write_text("apiVersion: cilium.io/v2\nkind: [broken\n")
+    await asyncio.to_thread(first.kill)
+
+    await start(service, *manifest_args(nats_server, manifests))
+    stream = await reader()
+    await eventually(lambda: len(stream.markers) == 1, "stream replayed up to the synced marker")
+    await eventually(lambda: "deny.yaml" in (stream.statuses[-1].errors if stream.statuses else {}), "error shown")
+    assert k8s_subject("ciliumclusterwidenetworkpolicy", "", "deny-all") in stream.current()
+    assert stream.tombstones() == set()

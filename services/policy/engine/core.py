@@ -248,14 +248,14 @@ class PolicyCore:
             doc = json.loads(text)
         except (ValueError, RecursionError) as exc:
             error = f"{kind.value} {key.namespace}/{key.name}: {exc}"
-            return self._reject(Source.KUBERNETES, key, error, text, provenance)
+            return self._reject(Source.KUBERNETES, key, error, text, provenance, delta.conflict)
         if not isinstance(doc, dict):
             error = f"{kind.value} {key.name}: object_json is not a JSON object"
-            return self._reject(Source.KUBERNETES, key, error, text, provenance)
+            return self._reject(Source.KUBERNETES, key, error, text, provenance, delta.conflict)
         # Watchers may strip type metadata; the subject already says what the object is.
         doc.setdefault("kind", kind.value)
         doc.setdefault("apiVersion", _API_VERSIONS[kind])
-        return self.upsert(Source.KUBERNETES, doc, text, now, key=key, provenance=provenance)
+        return self.upsert(Source.KUBERNETES, doc, text, now, key=key, provenance=provenance, conflict=delta.conflict)
 
     def upsert(
         self,
@@ -267,13 +267,15 @@ class PolicyCore:
         key: PolicyRef | None = None,
         origin: str = "",
         provenance: str = "",
+        conflict: str = "",
         dry_run: bool = False,
         restoring: bool = False,
     ) -> Outcome:
         """Parse and enforce one document; a rejected one changes nothing but its error.
 
         ``origin`` prefixes errors (the file and document index); ``provenance`` is where the
-        object came from, shown in its status. An accepted API document is persisted with the
+        object came from, shown in its status; ``conflict`` says which other definitions of the
+        object its source ignores (shown as its error). An accepted API document is persisted with the
         next commit, unless it is being ``restoring`` from the store.
         """
         try:
@@ -287,7 +289,7 @@ class PolicyCore:
                 # The caller sees the error in its answer; an import that fails changes nothing.
                 log.warning("policy rejected", source=source.value, policy=str(rk), error=error)
                 return Outcome(source, rk, False, error, document)
-            return self._reject(source, rk, error, document, provenance)
+            return self._reject(source, rk, error, document, provenance, conflict)
         key = key or parsed.key
         if dry_run:
             return Outcome(source, key, True, "", document, parsed)
@@ -303,7 +305,7 @@ class PolicyCore:
             and (changed or old is None or (old.document, old.origin) != (document, provenance))
         ):
             self._api_changes.append((key, StoredPolicy(key, dict(doc), provenance)))
-        self.registry.accepted(source, key, policy, document, changed=changed, origin=provenance)
+        self.registry.accepted(source, key, policy, document, changed=changed, origin=provenance, conflict=conflict)
         if changed:
             log.info("policy accepted", source=source.value, policy=str(key), unsupported=len(policy.unsupported))
         else:
@@ -316,8 +318,10 @@ class PolicyCore:
             Source.API, stored.object, document, now, key=stored.key, provenance=stored.origin, restoring=True
         )
 
-    def _reject(self, source: Source, key: PolicyRef, error: str, document: str, provenance: str = "") -> Outcome:
-        self.registry.rejected(source, key, error, document, origin=provenance)
+    def _reject(
+        self, source: Source, key: PolicyRef, error: str, document: str, provenance: str = "", conflict: str = ""
+    ) -> Outcome:
+        self.registry.rejected(source, key, error, document, origin=provenance, conflict=conflict)
         log.warning("policy rejected", source=source.value, policy=str(key), error=error)
         return Outcome(source, key, False, error, document)
 

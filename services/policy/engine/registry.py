@@ -47,6 +47,8 @@ class PolicyRecord:
     document: str
     #: Where the latest document came from: "kubernetes", "manifests:<dir> <file>", "api <file>".
     origin: str = ""
+    #: Other definitions of the object that its source ignores (several manifest files); empty if none.
+    conflict: str = ""
 
     @property
     def rejected(self) -> bool:
@@ -68,21 +70,33 @@ class Registry:
         return self._records.get((source, key))
 
     def accepted(
-        self, source: Source, key: PolicyRef, policy: Policy, document: str, *, changed: bool, origin: str = ""
+        self,
+        source: Source,
+        key: PolicyRef,
+        policy: Policy,
+        document: str,
+        *,
+        changed: bool,
+        origin: str = "",
+        conflict: str = "",
     ) -> None:
         """The latest version is enforced; ``changed`` when the engine got new rules."""
         old = self._records.get((source, key))
         revision = old.revision if old is not None and not changed else 0
-        self._records[(source, key)] = PolicyRecord(source, key, policy, revision, "", document, origin)
+        self._records[(source, key)] = PolicyRecord(source, key, policy, revision, "", document, origin, conflict)
         if changed or old is None or old.revision == 0:
             self._unsettled.add((source, key))
 
-    def rejected(self, source: Source, key: PolicyRef, error: str, document: str, *, origin: str = "") -> None:
+    def rejected(
+        self, source: Source, key: PolicyRef, error: str, document: str, *, origin: str = "", conflict: str = ""
+    ) -> None:
         old = self._records.get((source, key))
         if old is None:
-            self._records[(source, key)] = PolicyRecord(source, key, None, 0, error, document, origin)
+            self._records[(source, key)] = PolicyRecord(source, key, None, 0, error, document, origin, conflict)
         else:
-            self._records[(source, key)] = dataclasses.replace(old, error=error, document=document, origin=origin)
+            self._records[(source, key)] = dataclasses.replace(
+                old, error=error, document=document, origin=origin, conflict=conflict
+            )
 
     def remove(self, source: Source, key: PolicyRef) -> PolicyRecord | None:
         self._unsettled.discard((source, key))
