@@ -25,9 +25,11 @@ import nats
 from google.protobuf.message import Message
 from nats.aio.client import Client as NATSClient
 from nats.aio.msg import Msg
+from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
-from nats.js.errors import NotFoundError
+from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.object_store import ObjectStore
 
 from services.common.backoff import Backoff
 from services.common.log import get_logger
@@ -250,9 +252,12 @@ class Bus:
         attempts: int = 0,
         initial: float = 0.05,
         maximum: float = 2.0,
+        final: tuple[type[Exception], ...] = (),
         **fields: object,
     ) -> T:
         """Await ``call()`` until it succeeds (or ``attempts`` failed), backing off between attempts.
+
+        Exceptions of the ``final`` types are raised at once: retrying cannot help them.
 
         The wait ends early when the connection comes back, and the backoff starts over, so a
         bus outage costs no more than the outage itself.
@@ -264,6 +269,8 @@ class Bus:
             reconnects = self.reconnects
             try:
                 return await call()
+            except final:
+                raise
             except Exception as exc:
                 if attempts and n >= attempts:
                     raise
@@ -372,6 +379,22 @@ class Bus:
         for spec in specs or ALL_STREAMS:
             await self.ensure_stream(spec)
 
+    async def object_store(self, bucket: str, description: str) -> ObjectStore:
+        """Bind to a JetStream object store bucket (which chunks what it stores), creating it on first use."""
+        try:
+            return await self.js.object_store(bucket)
+        except BucketNotFoundError:
+            try:
+                store = await self.js.create_object_store(
+                    bucket, jsapi.ObjectStoreConfig(description=description, storage=jsapi.StorageType.FILE)
+                )
+            except Exception as exc:  # created concurrently by another process
+                if "already in use" not in str(exc):
+                    raise
+                return await self.js.object_store(bucket)
+            log.info("object store created", bucket=bucket)
+            return store
+
     async def publish(
         self,
         subject: str,
@@ -384,7 +407,8 @@ class Bus:
         """Publish to JetStream and wait for the ack; retry with backoff (forever when attempts=0).
 
         Returns the stream sequence. Retrying makes publishing survive a NATS restart:
-        nothing is silently dropped, the caller waits instead.
+        nothing is silently dropped, the caller waits instead. A message larger than the
+        server's max payload raises MaxPayloadError at once (no retry can send it).
         """
         data = message.SerializeToString()
 
@@ -392,7 +416,7 @@ class Bus:
             ack = await self.js.publish(subject, data, timeout=timeout, headers=headers)
             return int(ack.seq)
 
-        return await self.retry("publish", once, attempts=attempts, subject=subject)
+        return await self.retry("publish", once, attempts=attempts, final=(MaxPayloadError,), subject=subject)
 
     @property
     def max_payload(self) -> int:

@@ -32,7 +32,8 @@ from services.common.errors import Code, PalisadeError
 MAX_DEPTH = 100
 
 #: Nesting refused before any object is built (the depth above is checked per document after).
-PARSER_DEPTH = 1000
+#: Below libyaml's own limit (1000 in 0.2.5), so the message is the same whichever libyaml is installed.
+PARSER_DEPTH = 500
 
 # libyaml's C loader when PyYAML has it: a 5 MB file loads in seconds instead of tens of seconds.
 _Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -90,6 +91,9 @@ def _load(text: str, where: str, json_file: bool) -> list[Any]:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
+        if "nesting depth" in problem:  # libyaml's own limit, where it has one
+            place = at.strip() or "at its start"
+            raise DocumentError(f"{where}: {_TOO_DEEP} for the parser ({place}); flatten it") from None
         context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
         if context and context_mark is not None:
             problem += f" ({context} at line {context_mark.line + 1}, column {context_mark.column + 1})"
@@ -112,7 +116,10 @@ def _too_deep_at(text: str) -> str | None:
                     return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "its start"
             elif isinstance(event, yaml.CollectionEndEvent):
                 depth -= 1
-    except yaml.YAMLError:
+    except yaml.YAMLError as exc:
+        if "nesting depth" in str(getattr(exc, "problem", "")):
+            mark = getattr(exc, "problem_mark", None)
+            return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "its start"
         return None  # the load that follows reports it with its position
     return None
 

@@ -17,6 +17,7 @@ import grpc
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc, k8s_pb2
 from services.common.bus import Bus
+from services.common.largeobjects import follow_deltas
 from services.common.log import get_logger
 from services.common.subjects import k8s_filter
 
@@ -84,7 +85,7 @@ class DevNode:
             spec = pod_spec(json.loads(delta.object_json), self._node)
             await self._queue.put((key, spec))
 
-        follower = await self._bus.follow(k8s_filter("pod"), k8s_pb2.K8sDelta, on_delta)
+        follower = await follow_deltas(self._bus, k8s_filter("pod"), on_delta)
         try:
             async with grpc.aio.insecure_channel(self._datapath) as channel:
                 stub = datapath_pb2_grpc.DatapathServiceStub(channel)

@@ -17,6 +17,7 @@ import time
 
 from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc, k8s_pb2
 from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, Bus
+from services.common.largeobjects import follow_deltas
 from services.common.log import get_logger
 from services.common.runner import ServiceContext, run_service
 from services.common.subjects import SYNCED_SUBJECT, k8s_filter
@@ -125,7 +126,7 @@ async def follow_k8s(ipam: Ipam, serve: asyncio.Event) -> None:
         # Follower.caught_up never fires for a filter with nothing to replay when the stream
         # holds other subjects, so ask the stream first whether there is anything to wait for.
         replay = await ipam.bus.holds(K8S_STREAM, subject)
-        follower = await ipam.bus.follow(subject, k8s_pb2.K8sDelta, on_delta)
+        follower = await follow_deltas(ipam.bus, subject, on_delta)
         if replay:
             await follower.caught_up.wait()
     await ipam.bus.follow(SYNCED_SUBJECT, k8s_pb2.SyncedMarker, on_synced)

@@ -18,9 +18,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from nats.js import JetStreamContext
-from nats.js import api as jsapi
-from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
+from nats.js.errors import NotFoundError, ObjectNotFoundError
 from nats.js.object_store import ObjectStore
 
 from services.common.bus import Bus
@@ -84,19 +82,7 @@ class ApiPolicyStore:
     @classmethod
     async def open(cls, bus: Bus, bucket: str) -> ApiPolicyStore:
         """Bind to the bucket, creating it on first use."""
-        js: JetStreamContext = bus.js
-        try:
-            store = await js.object_store(bucket)
-        except BucketNotFoundError:
-            store = await js.create_object_store(
-                bucket,
-                jsapi.ObjectStoreConfig(
-                    description="Palisade policies imported over the API",
-                    storage=jsapi.StorageType.FILE,
-                ),
-            )
-            log.info("imported policy bucket created", bucket=bucket)
-        return cls(bus, store, bucket)
+        return cls(bus, await bus.object_store(bucket, "Palisade policies imported over the API"), bucket)
 
     async def load(self) -> list[StoredPolicy]:
         """Every stored policy; an unreadable object is logged and skipped (and left in place)."""

@@ -12,6 +12,7 @@ import asyncio
 
 from palisade.v1 import identity_pb2, k8s_pb2
 from services.common.bus import Bus, Follower
+from services.common.largeobjects import LargeObjects
 from services.common.log import get_logger
 from services.common.subjects import IDENTITY_ALL, IPCACHE_ALL, SYNCED_SUBJECT, k8s_filter
 from services.policy import metrics
@@ -34,6 +35,7 @@ class Inputs:
         self._k8s: Follower | None = None
         self._identity: Follower | None = None
         self._ipcache: Follower | None = None
+        self._large = LargeObjects(bus)
 
     async def start(self) -> None:
         # One ordered consumer over the policy kinds and the marker keeps their stream order,
@@ -68,10 +70,13 @@ class Inputs:
                     )
                 self.k8s_synced.set()
                 return
-            delta = k8s_pb2.K8sDelta()
-            delta.ParseFromString(data)
+            parsed = k8s_pb2.K8sDelta()
+            parsed.ParseFromString(data)
         except Exception as exc:
             log.error("undecodable message skipped", subject=subject, error=str(exc))
+            return
+        delta = await self._large.resolved(parsed)
+        if delta is None:
             return
 
         def apply(core: PolicyCore, now: float) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from palisade.v1 import k8s_pb2
 from services.common.bus import Bus
+from services.common.largeobjects import LargeObjects
 from services.common.log import get_logger
 from services.common.subjects import k8s_filter, k8s_object_kind
 from services.watcher.kinds import BY_PROTO, KindInfo
@@ -39,23 +41,38 @@ def from_delta(delta: k8s_pb2.K8sDelta) -> KObject | None:
     )
 
 
-async def load_published(bus: Bus, kinds: tuple[KindInfo, ...]) -> list[KObject]:
+@dataclass(frozen=True, slots=True)
+class Published:
+    """What the stream holds: the objects, and the stored large objects their deltas reference by subject."""
+
+    objects: list[KObject]
+    refs: dict[str, str]
+
+
+async def load_published(bus: Bus, kinds: tuple[KindInfo, ...], large: LargeObjects) -> Published:
     """Every object of ``kinds`` the stream currently holds as upserted (tombstoned ones are left out).
 
     Replays the stream once up to where it stood when following began (the watcher is
-    the stream's only writer, and not yet running).
+    the stream's only writer, and not yet running). An object whose stored large body is
+    gone counts as not published (it is published again).
     """
     tokens = {info.kind.value for info in kinds}
     found: dict[str, KObject] = {}
+    refs: dict[str, str] = {}
 
     async def on_msg(subject: str, data: bytes) -> None:
         if k8s_object_kind(subject) not in tokens:
             return  # the synced marker, statuses and unwatched kinds are not objects here
+        refs.pop(subject, None)
+        obj: KObject | None = None
         try:
-            obj = from_delta(k8s_pb2.K8sDelta.FromString(data))
+            delta = k8s_pb2.K8sDelta.FromString(data)
+            if delta.object_ref:
+                refs[subject] = delta.object_ref
+            full = await large.resolved(delta)
+            obj = from_delta(full) if full is not None else None
         except Exception as exc:  # a foreign payload must not stop the watcher from starting
             log.warning("undecodable message on the stream ignored", subject=subject, error=str(exc))
-            obj = None
         if obj is None:
             found.pop(subject, None)
         else:
@@ -66,4 +83,4 @@ async def load_published(bus: Bus, kinds: tuple[KindInfo, ...]) -> list[KObject]
         await follower.caught_up.wait()
     finally:
         await follower.stop()
-    return list(found.values())
+    return Published(list(found.values()), refs)

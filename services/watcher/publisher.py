@@ -10,6 +10,11 @@ only after everything submitted before it is acked.
 A message may be handed over as a function that builds it: serialising a large
 initial list then happens as publishing proceeds, overlapping with waiting for
 acks, instead of in one block before the first message leaves.
+
+A message that can never be sent (the sender raised instead of retrying, e.g. it is
+larger than the server accepts even after storing its body aside) is dropped and
+reported through ``on_failed`` with the reason; it never holds up other subjects,
+and a later message of the same subject that goes through clears the report.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from services.common.log import get_logger
 log = get_logger("watcher.publish")
 
 Done = Callable[[], None]
+#: Told (subject, reason) when a message of subject cannot be sent, and (subject, "") once one is.
+Failed = Callable[[str, str], None]
 #: A message, or a function building it when it is about to be sent.
 Payload = Message | Callable[[], Message]
 
@@ -64,6 +71,9 @@ class Publisher:
         self._acked_all.set()
         self._pending = 0
         self.published = 0
+        #: Subjects whose last message could not be sent, and why.
+        self.failed: dict[str, str] = {}
+        self.on_failed: Failed | None = None
 
     @property
     def pending(self) -> int:
@@ -117,14 +127,35 @@ class Publisher:
                 self._idle.set()
 
     async def _publish(self, item: _Item) -> None:
-        message = item.payload if isinstance(item.payload, Message) else item.payload()
-        await self._send(item.subject, message)
-        self._pending -= 1
+        try:
+            message = item.payload if isinstance(item.payload, Message) else item.payload()
+            await self._send(item.subject, message)
+        except Exception as exc:
+            self._settled()
+            reason = f"{item.subject} cannot be published ({type(exc).__name__}: {exc}); it is skipped until it changes"
+            log.error("message cannot be published, skipped", subject=item.subject, error=str(exc))
+            self.failed[item.subject] = reason
+            self._report(item.subject, reason)
+            return
+        self._settled()
         self.published += 1
-        if not self._pending:
-            self._acked_all.set()
+        if self.failed.pop(item.subject, None) is not None:
+            self._report(item.subject, "")
         if item.on_done is not None:
             try:
                 item.on_done()
             except Exception as exc:  # a bookkeeping callback must not stop publishing
                 log.error("publish callback failed", subject=item.subject, error=repr(exc), exc_info=True)
+
+    def _settled(self) -> None:
+        self._pending -= 1
+        if not self._pending:
+            self._acked_all.set()
+
+    def _report(self, subject: str, reason: str) -> None:
+        if self.on_failed is None:
+            return
+        try:
+            self.on_failed(subject, reason)
+        except Exception as exc:  # a bookkeeping callback must not stop publishing
+            log.error("publish failure callback failed", subject=subject, error=repr(exc), exc_info=True)

@@ -17,7 +17,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from palisade.v1 import common_pb2, k8s_pb2
 from services.common.log import get_logger
-from services.common.subjects import SYNCED_SUBJECT, status_subject
+from services.common.subjects import SYNCED_SUBJECT, k8s_object_kind, status_subject
 from services.watcher.cache import Change, Diff, ObjectCache, Op
 from services.watcher.kinds import Kind, KindInfo
 from services.watcher.metrics import WatcherMetrics
@@ -76,6 +76,7 @@ class Reconciler:
         self._marker_sent = False
         #: Set once the first synced marker is acked by the stream.
         self.synced = asyncio.Event()
+        publisher.on_failed = self._publish_failed
 
     # -- state from the bus -------------------------------------------------
 
@@ -155,6 +156,13 @@ class Reconciler:
         if event.message:
             self._metrics.errors.labels(event.kind.value if event.kind else "", event.reason.value).inc()
         self._set_error(event.origin, event.message)
+
+    def _publish_failed(self, subject: str, reason: str) -> None:
+        if subject == self._status_subject:
+            return  # the status itself: nothing to report it on
+        if reason:
+            self._metrics.errors.labels(k8s_object_kind(subject) or "", "publish").inc()
+        self._set_error(f"publish {subject}", reason)
 
     def _set_error(self, origin: str, message: str) -> None:
         before = self._errors.get(origin, "")

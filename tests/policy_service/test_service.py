@@ -10,6 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from palisade.v1 import common_pb2, common_pb2_grpc, policy_pb2, policy_pb2_grpc
+from services.common.largeobjects import LargeObjects
 from tests.harness import NatsServer, ServiceProcess, health_status
 from tests.policy_service import builders
 from tests.policy_service.cluster import Feed, OrderLog, eventually, start_policy
@@ -94,3 +95,25 @@ async def test_policy_deltas_order_only_affected_nodes_with_exact_diffs(env: Env
     revision = max(o.revision for o in orders.values())
     await env.settled(revision)
     assert await env.all_match_resync()
+
+
+async def test_a_policy_larger_than_a_message_is_read_from_the_object_store(env: Env) -> None:
+    doc = builders.netpol("huge", {"app": "web"}, {"app": "db"}, 80)
+    doc["spec"]["ingress"] = [
+        {"from": [{"ipBlock": {"cidr": f"10.{i // 256 % 256}.{i % 256}.0/24"}}], "ports": [{"port": 1 + i % 60000}]}
+        for i in range(20_000)
+    ]
+    doc["spec"]["ingress"].append({"from": [{"podSelector": {"matchLabels": {"app": "db"}}}], "ports": [{"port": 80}]})
+    delta = builders.delta(doc)
+    assert delta.ByteSize() > env.feed.bus.max_payload
+    slim = await LargeObjects(env.feed.bus).externalize(delta)
+    assert slim.object_ref and not slim.object_json
+    before = {node: env.log.last_sequence(node) for node in PODS}
+    await env.feed.bus.publish(builders.delta_subject(doc), slim)
+    orders = await next_orders(env, before, "orders for the large policy")
+    assert {n: [d.identity for d in o.diffs] for n, o in orders.items()} == {"n1": [WEB], "n2": [], "n3": [WEB]}
+    status = await env.api.GetPolicy(
+        policy_pb2.GetPolicyRequest(ref=common_pb2.ObjectRef(kind="NetworkPolicy", namespace="default", name="huge"))
+    )
+    assert status.state != policy_pb2.POLICY_STATE_REJECTED and not status.error
+    assert "10.78.31.0/24" in status.document  # the last of the 20,000 blocks

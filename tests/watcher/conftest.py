@@ -83,8 +83,15 @@ class StreamReader:
             self.last[msg.subject] = delta
 
     def current(self) -> dict[str, dict[str, Any]]:
-        """subject -> object of every subject whose last delta is an upsert: the state a consumer rebuilds."""
-        return {s: json.loads(d.object_json) for s, d in self.last.items() if d.op == k8s_pb2.DELTA_OP_UPSERT}
+        """subject -> object of every subject whose last delta is an upsert: the state a consumer rebuilds.
+
+        An object stored aside (``object_ref``) shows as ``{"object_ref": name}``.
+        """
+        return {
+            s: json.loads(d.object_json) if not d.object_ref else {"object_ref": d.object_ref}
+            for s, d in self.last.items()
+            if d.op == k8s_pb2.DELTA_OP_UPSERT
+        }
 
     def tombstones(self) -> set[str]:
         return {s for s, d in self.last.items() if d.op == k8s_pb2.DELTA_OP_DELETE}

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from palisade.v1 import common_pb2, k8s_pb2
 from services.common.bus import Bus
+from services.common.largeobjects import BUCKET
 from services.common.subjects import k8s_subject
 from tests.watcher import objects as o
 from tests.watcher.conftest import StreamReader, eventually, manifest_source, running
@@ -251,3 +254,72 @@ async def test_an_object_in_two_files_keeps_the_first_definition_and_is_an_error
         await eventually(lambda: not run.watcher.reconciler.errors(), "error cleared")
         assert stream.last[subject].conflict == ""
         assert subject not in stream.tombstones()
+
+
+def huge_ccnp(name: str, rules: int) -> dict[str, object]:
+    """A CCNP of ``rules`` deny rules: several MB, more than the bus's maximum payload."""
+    return {
+        "apiVersion": "cilium.io/v2",
+        "kind": "CiliumClusterwideNetworkPolicy",
+        "metadata": {"name": name},
+        "spec": {
+            "endpointSelector": {"matchLabels": {"app": "db"}},
+            "ingressDeny": [
+                {
+                    "fromCIDR": [f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}/32"],
+                    "toPorts": [{"ports": [{"port": str(1 + i % 65000), "protocol": "TCP"}]}],
+                }
+                for i in range(rules)
+            ],
+        },
+    }
+
+
+async def test_an_object_larger_than_a_message_is_stored_aside_and_replaced_cleanly(
+    manifests: Path, bus: Bus, reader: Reader
+) -> None:
+    big = huge_ccnp("big", 20_000)
+    write(manifests / "big.yaml", big)
+    assert (manifests / "big.yaml").stat().st_size > bus.max_payload
+    write(manifests / "small.yaml", o.pod("web", "prod"))
+    subject = k8s_subject("ciliumclusterwidenetworkpolicy", "", "big")
+    stream = await reader()
+    async with running(bus, manifest_source(manifests)) as run:
+        await eventually(lambda: run.watcher.synced.is_set(), "synced", timeout=60)
+        await eventually(lambda: subject in stream.last, "published", timeout=60)
+        delta = stream.last[subject]
+        assert delta.object_ref and not delta.object_json
+        full = await run.watcher.large.resolve(delta)
+        assert json.loads(full.object_json)["spec"] == big["spec"]
+        assert not run.watcher.reconciler.errors() and run.watcher.publisher.pending == 0
+        assert k8s_subject("pod", "prod", "web") in stream.current()
+
+        # Replaced by a small object of the same name: published inline, the stored body deleted.
+        write(manifests / "big.yaml", o.ccnp("big"))
+        await eventually(lambda: not stream.last[subject].object_ref, "small version published", timeout=30)
+        assert json.loads(stream.last[subject].object_json)["spec"] == o.ccnp("big")["spec"]
+        store = await bus.js.object_store(BUCKET)
+        await eventually_async(lambda: _stored_names(store), set(), "stored body deleted")
+
+        # Large again, then the file removed: a tombstone and nothing left in the store.
+        write(manifests / "big.yaml", big)
+        await eventually(lambda: bool(stream.last[subject].object_ref), "large again", timeout=60)
+        (manifests / "big.yaml").unlink()
+        await eventually(lambda: subject in stream.tombstones(), "deleted", timeout=30)
+        await eventually_async(lambda: _stored_names(store), set(), "stored body deleted with the object")
+
+
+async def _stored_names(store: Any) -> set[str]:
+    try:
+        infos = await store.list(ignore_deletes=True)
+    except Exception:  # an empty bucket lists as not found
+        return set()
+    return {i.name for i in infos if not i.deleted}
+
+
+async def eventually_async(get: Callable[[], Awaitable[object]], wanted: object, what: str) -> None:
+    for _ in range(500):
+        if await get() == wanted:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"never happened: {what}")

@@ -52,3 +52,30 @@ async def test_order_and_barrier_survive_a_nats_outage(nats_server: NatsServer, 
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_a_message_that_cannot_be_sent_is_reported_and_blocks_nothing(bus: Bus, reader: Reader) -> None:
+    publisher = Publisher(bus.publish, max_inflight=4)
+    failures: list[tuple[str, str]] = []
+    publisher.on_failed = lambda subject, reason: failures.append((subject, reason))
+    task = asyncio.create_task(publisher.run())
+    stream = await reader()
+    try:
+        huge = k8s_pb2.K8sDelta(name="huge", object_json=b"x" * (bus.max_payload + 1))
+        publisher.submit("palisade.k8s.pod.t.huge", huge)
+        publisher.submit("palisade.k8s.pod.t.other", k8s_pb2.K8sDelta(name="other"))
+        await asyncio.wait_for(publisher.wait_idle(), 30)
+        assert publisher.pending == 0
+        assert [s for s, _ in failures] == ["palisade.k8s.pod.t.huge"]
+        assert "MaxPayloadError" in failures[0][1] and "skipped until it changes" in failures[0][1]
+        assert "palisade.k8s.pod.t.huge" in publisher.failed
+        await eventually(lambda: "palisade.k8s.pod.t.other" in stream.last, "the other subject published")
+
+        # A later message of the failed subject that fits clears the failure.
+        publisher.submit("palisade.k8s.pod.t.huge", k8s_pb2.K8sDelta(name="huge"))
+        await asyncio.wait_for(publisher.wait_idle(), 30)
+        assert failures[-1] == ("palisade.k8s.pod.t.huge", "") and not publisher.failed
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
