@@ -51,15 +51,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import grpc
+import yaml
 
-import grpc  # noqa: E402
-import yaml  # noqa: E402
-
-from bench.stats import stats_ms  # noqa: E402
-from palisade.v1 import (  # noqa: E402
+from bench.stats import stats_ms
+from palisade.v1 import (
     common_pb2,
     datapath_pb2,
     datapath_pb2_grpc,
@@ -70,7 +66,9 @@ from palisade.v1 import (  # noqa: E402
     policy_pb2,
     policy_pb2_grpc,
 )
-from tests.harness import EtcdServer, NatsServer, ServiceProcess  # noqa: E402
+from tests.harness import EtcdServer, NatsServer, ServiceProcess
+
+ROOT = Path(__file__).resolve().parent.parent
 
 NODE = "bench-node"
 CLUSTER_CIDR = "10.213.0.0/16"  # apart from the dev stack's and the tests' pod addresses

@@ -82,8 +82,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from services.datapath import netns
 from services.datapath.datapath import Datapath, teardown_all
 from services.datapath.maps.bpf import check, libbpf
@@ -97,6 +95,7 @@ from services.datapath.types import (
     Protocol,
     Reason,
 )
+from tests.datapath.traffic import tcp_connects
 
 SCRIPT = str(Path(__file__).resolve())
 
@@ -418,17 +417,6 @@ def bpf_run_stats() -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-
-
-def tcp_connects(ns: str, ip: str, port: int, timeout: float) -> bool:
-    sock = netns.in_netns(ns, socket.socket, socket.AF_INET, socket.SOCK_STREAM)
-    with sock:
-        sock.settimeout(timeout)
-        try:
-            sock.connect((ip, port))
-            return True
-        except OSError:
-            return False
 
 
 # -- iptables ------------------------------------------------------------------------------

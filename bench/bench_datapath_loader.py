@@ -22,9 +22,6 @@ import socket
 import statistics
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from services.datapath import netns
 from services.datapath.datapath import Datapath
@@ -38,6 +35,7 @@ from services.datapath.types import (
     Protocol,
     Verdict,
 )
+from tests.datapath.traffic import tcp_connects
 
 
 def summary(samples: list[float]) -> dict[str, float]:
@@ -60,17 +58,6 @@ def policy_for(identity_base: int) -> list[PolicyEntry]:
         PolicyEntry(PolicyKey(Direction.INGRESS, 0, Protocol.TCP, 22), Verdict.DENY),
         PolicyEntry(PolicyKey(Direction.EGRESS, 0, Protocol.ANY)),
     ]
-
-
-def tcp_connects(ns: str, ip: str, port: int, timeout: float) -> bool:
-    sock = netns.in_netns(ns, socket.socket, socket.AF_INET, socket.SOCK_STREAM)
-    with sock:
-        sock.settimeout(timeout)
-        try:
-            sock.connect((ip, port))
-            return True
-        except OSError:
-            return False
 
 
 def check_enforcement(first: PodLink, last: PodLink) -> dict[str, bool]:

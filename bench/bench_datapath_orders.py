@@ -101,7 +101,14 @@ class Ipam:
         raise LookupError(name)
 
     async def allocate_ip(
-        self, node: str, owner: str, family: int, ip: str = "", ports: Sequence[dt.PortRecord] = ()
+        self,
+        node: str,
+        owner: str,
+        family: int,
+        ip: str = "",
+        ports: Sequence[dt.PortRecord] = (),
+        *,
+        outside_pool: bool = False,
     ) -> dt.Address:
         n = self.next_ip
         self.next_ip += 1

@@ -18,13 +18,9 @@ import ipaddress
 import json
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.labels import pod_identity_labels
 from services.policy.engine.identity import Identity, LocalAllocator

@@ -23,8 +23,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from services.common.labels import LabelSet
 from services.common.store import connect_etcd
 from services.ipam.config import IPAMMode

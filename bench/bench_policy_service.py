@@ -23,21 +23,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.stats import percentile  # noqa: E402
-from palisade.v1 import common_pb2, identity_pb2, k8s_pb2, policy_pb2  # noqa: E402
-from services.common.bus import ALL_STREAMS, Bus  # noqa: E402
-from services.common.subjects import (  # noqa: E402
+from bench.stats import percentile
+from palisade.v1 import common_pb2, identity_pb2, k8s_pb2, policy_pb2
+from services.common.bus import ALL_STREAMS, Bus
+from services.common.subjects import (
     REGEN_ALL,
     SYNCED_SUBJECT,
     identity_subject,
     ipcache_subject,
     k8s_subject,
 )
-from tests.harness import NatsServer, ServiceProcess  # noqa: E402
+from tests.harness import NatsServer, ServiceProcess
+
+ROOT = Path(__file__).resolve().parent.parent
 
 NAMESPACES = 20
 

@@ -39,11 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.stats import percentile, stats_ms
 
-from bench.stats import percentile, stats_ms  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PORT = 8080
 CLUSTER_CIDR = "10.214.0.0/16"  # apart from other stacks' pod addresses on this machine

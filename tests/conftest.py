@@ -2,39 +2,51 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.harness import EtcdServer, NatsServer, ServiceProcess
-
-
-def _is_root() -> bool:
-    return os.geteuid() == 0
-
-
-def _bcc_problem() -> str | None:
-    if not _is_root():
-        return "needs root to load BPF programs (run `make test` as root)"
-    try:
-        import bcc  # noqa: F401
-    except Exception as exc:  # ImportError, or libbcc missing
-        return f"bcc is not importable ({exc}); `make setup` installs python3-bpfcc"
-    if not Path(f"/lib/modules/{os.uname().release}/build").exists():
-        return "no kernel headers at /lib/modules/$(uname -r)/build; `make setup` links them"
-    return None
+from tests.harness import EtcdServer, NatsServer, ServiceProcess, bcc_problem, is_root
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    bcc_reason = _bcc_problem()
+    bcc_reason = bcc_problem()
     for item in items:
-        if "root" in item.keywords and not _is_root():
+        if "root" in item.keywords and not is_root():
             item.add_marker(pytest.mark.skip(reason="needs root (network namespaces); run `make test` as root"))
         if "bcc" in item.keywords and bcc_reason:
             item.add_marker(pytest.mark.skip(reason=bcc_reason))
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_tasks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail an async test that leaves asyncio tasks running: each one is a stop that was forgotten."""
+    if not inspect.iscoroutinefunction(getattr(request, "function", None)):
+        yield
+        return
+    request.getfixturevalue("_tasks_at_teardown")
+    yield
+
+
+@pytest.fixture
+async def _tasks_at_teardown() -> AsyncIterator[None]:
+    # Set up before the test's other fixtures, so torn down after them: what runs now was leaked.
+    before = asyncio.all_tasks()
+    yield
+    for _ in range(5):  # let tasks that are already finishing (cancelled, closing) finish
+        await asyncio.sleep(0)
+    leaked = [t for t in asyncio.all_tasks() - before if t is not asyncio.current_task() and not t.done()]
+    for task in leaked:
+        task.cancel()
+    if leaked:
+        await asyncio.gather(*leaked, return_exceptions=True)
+        names = ", ".join(sorted(f"{t.get_name()} ({t.get_coro()!r:.80})" for t in leaked))
+        pytest.fail(f"the test left {len(leaked)} asyncio task(s) running: {names}", pytrace=False)
 
 
 @pytest.fixture

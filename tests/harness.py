@@ -272,3 +272,20 @@ class ServiceProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def bcc_problem() -> str | None:
+    """Why the BPF tests cannot run here (None: they can), with what to do about it."""
+    if not is_root():
+        return "needs root to load BPF programs (run `make test` as root)"
+    try:
+        import bcc  # noqa: F401
+    except Exception as exc:  # ImportError, or libbcc missing
+        return f"bcc is not importable ({exc}); `make setup` installs python3-bpfcc"
+    if not Path(f"/lib/modules/{os.uname().release}/build").exists():
+        return "no kernel headers at /lib/modules/$(uname -r)/build; `make setup` links them"
+    return None

@@ -1,7 +1,8 @@
 """`palisade connectivity probe`: the analyze matrix, measured with real packets.
 
 Creates the pods of the given manifests as network namespaces on the local dev node
-(through the datapath, with the addresses `palisade analyze` gives them), imports the
+(through the datapath, at the addresses their status.podIP/podIPs give, even outside the
+node's pool, so ipBlocks naming them judge what `palisade analyze` judges), imports the
 policies through the policy service, waits until their revision is realized, probes
 every pod pair on each port/protocol, prints the matrix, and cleans up. Policies that
 are already in the running system apply as well; run it on a stack without other
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import grpc
@@ -47,6 +48,13 @@ def _ports(body: Mapping[str, Any], probes: list[Probe]) -> list[datapath_pb2.Co
                 datapath_pb2.ContainerPort(name=str(p.get("name") or ""), port=int(p["containerPort"]), protocol=proto)
             )
     return out
+
+
+def _given_ips(body: Mapping[str, Any]) -> list[str]:
+    status = body.get("status") or {}
+    ips = [str(status["podIP"])] if status.get("podIP") else []
+    ips += [str(p["ip"]) for p in status.get("podIPs") or [] if p.get("ip") and str(p["ip"]) not in ips]
+    return ips
 
 
 @contextmanager
@@ -110,79 +118,127 @@ def _probe_all(
     return [{s: {d: True if s == d else results[(i, s, d)] for d in keys} for s in keys} for i in range(len(probes))]
 
 
+class ProbeRun:
+    """Pods of the files on the local node, their policies enforced, every pair probed; undone at close.
+
+    The command does one round; a caller may enforce several policy sets in turn on the same pods
+    (:meth:`enforce`, :meth:`probe`, :meth:`withdraw`), as the conformance tests do.
+    """
+
+    def __init__(
+        self,
+        datapath: datapath_pb2_grpc.DatapathServiceStub,
+        policy: policy_pb2_grpc.PolicyServiceStub,
+        *,
+        timeout: float = 2.0,
+        wait_timeout: float = 60.0,
+    ) -> None:
+        self.datapath = datapath
+        self.policy = policy
+        self.timeout = timeout
+        self.wait_timeout = wait_timeout
+        self.endpoints: dict[str, datapath_pb2.Endpoint] = {}
+        self.imported: list[common_pb2.ObjectRef] = []
+
+    def create_pods(self, docs: list[Document], probes: list[Probe]) -> None:
+        """Each Pod of ``docs`` as an endpoint, at the addresses its status gives."""
+        pods, namespaces = _pods(docs)
+        for doc in pods:
+            body = doc.body
+            ns = str(body["metadata"].get("namespace") or "default")
+            key = f"{ns}/{body['metadata']['name']}"
+            labels = [
+                common_pb2.Label(source=lb.source, key=lb.key, value=lb.value)
+                for lb in pod_identity_labels(body, namespaces.get(ns))
+            ]
+            req = datapath_pb2.CreateEndpointRequest(
+                namespace=ns,
+                pod=str(body["metadata"]["name"]),
+                labels=labels,
+                ports=_ports(body, probes),
+                # The addresses the files give (status.podIP/podIPs), wherever they lie, so that
+                # ipBlocks naming them judge the same packets analyze judges; IPAM picks the rest.
+                ips=_given_ips(body),
+                outside_pool=bool(_given_ips(body)),
+            )
+            self.endpoints[key] = call("datapath", self.datapath.CreateEndpoint, req, timeout=60)
+
+    def enforce(self, policy_docs: list[Mapping[str, Any]], origin: str = "connectivity probe") -> None:
+        """Import ``policy_docs`` through the API and wait until every endpoint enforces them."""
+        if not policy_docs:
+            return
+        req = policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump_all(policy_docs), origin=origin)
+        resp = call("policy", self.policy.ImportPolicies, req)
+        self.imported += [s.ref for s in resp.policies if s.state != policy_pb2.POLICY_STATE_REJECTED]
+        rejected = [s for s in resp.policies if s.state == policy_pb2.POLICY_STATE_REJECTED]
+        if rejected:
+            raise CLIError("; ".join(s.error for s in rejected), 2)
+        self._wait(resp.revision)
+
+    def withdraw(self, *, wait: bool = True) -> None:
+        """Delete the imported policies (and, with ``wait``, until no endpoint enforces them)."""
+        revision = 0
+        for ref in self.imported:
+            req = policy_pb2.DeletePolicyRequest(ref=ref, source=policy_pb2.POLICY_SOURCE_API)
+            try:
+                revision = max(revision, self.policy.DeletePolicy(req, timeout=30).revision)
+            except grpc.RpcError as err:
+                print(f"warning: policy {ref.name} not deleted: {err.details()}", file=sys.stderr)
+        self.imported = []
+        if wait:
+            self._wait(revision)
+
+    def _wait(self, revision: int) -> None:
+        if not revision:
+            return
+        request = policy_pb2.WaitForRevisionRequest(revision=revision, timeout_seconds=self.wait_timeout)
+        with progress(f"waiting for revision {revision} to be enforced"):
+            wait = call("policy", self.policy.WaitForRevision, request, timeout=self.wait_timeout + 10)
+        if not wait.realized:
+            behind = ", ".join(f"{e.node}/{e.pod or e.endpoint_id}" for e in wait.behind[:5])
+            raise CLIError(f"revision {revision} not realized after {self.wait_timeout:g}s; behind: {behind}")
+
+    def probe(self, probes: list[Probe]) -> list[dict[str, dict[str, bool]]]:
+        """One matrix per probe: row = source, column = destination."""
+        return _probe_all(self.endpoints, probes, self.timeout)
+
+    def servers(self, probes: list[Probe]) -> AbstractContextManager[None]:
+        return _servers(self.endpoints, probes)
+
+    def close(self) -> None:
+        self.withdraw(wait=False)
+        for key, ep in self.endpoints.items():
+            try:
+                self.datapath.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=ep.id), timeout=30)
+            except grpc.RpcError as err:
+                print(f"warning: pod {key} not deleted: {err.details()}", file=sys.stderr)
+        self.endpoints = {}
+
+
 @run
 def cmd_probe(args: argparse.Namespace) -> int:
     try:
         probes = [Probe.parse(p) for p in args.probes]
         docs = load_documents(args.paths)
-        model = build_model(docs)
+        build_model(docs)  # refuses what analyze refuses, before anything is created
     except AnalyzeError as err:
         raise CLIError(str(err), 2) from None
-    pods, namespaces = _pods(docs)
+    pods, _ = _pods(docs)
     policy_docs = [d.body for d in docs if d.body.get("kind") in POLICY_KINDS]
-    endpoints: dict[str, datapath_pb2.Endpoint] = {}
-    imported: list[common_pb2.ObjectRef] = []
     started = time.monotonic()
     with ExitStack() as stack:
-        dp_ch = stack.enter_context(channel(args, "datapath"))
-        pol_ch = stack.enter_context(channel(args, "policy"))
-        datapath = datapath_pb2_grpc.DatapathServiceStub(dp_ch)
-        policy = policy_pb2_grpc.PolicyServiceStub(pol_ch)
+        datapath = datapath_pb2_grpc.DatapathServiceStub(stack.enter_context(channel(args, "datapath")))
+        policy = policy_pb2_grpc.PolicyServiceStub(stack.enter_context(channel(args, "policy")))
+        probe_run = ProbeRun(datapath, policy, timeout=args.timeout, wait_timeout=args.wait_timeout)
         try:
             with progress(f"creating {len(pods)} pods"):
-                for doc in pods:
-                    body = doc.body
-                    ns = str(body["metadata"].get("namespace") or "default")
-                    key = f"{ns}/{body['metadata']['name']}"
-                    labels = [
-                        common_pb2.Label(source=lb.source, key=lb.key, value=lb.value)
-                        for lb in pod_identity_labels(body, namespaces.get(ns))
-                    ]
-                    req = datapath_pb2.CreateEndpointRequest(
-                        namespace=ns,
-                        pod=str(body["metadata"]["name"]),
-                        labels=labels,
-                        ports=_ports(body, probes),
-                        ips=[str(ip) for ip in model.pods[key].ips],
-                    )
-                    endpoints[key] = call("datapath", datapath.CreateEndpoint, req, timeout=60)
-            revision = 0
-            if policy_docs:
-                req_import = policy_pb2.ImportPoliciesRequest(
-                    documents=yaml.safe_dump_all(policy_docs), origin="connectivity probe"
-                )
-                resp = call("policy", policy.ImportPolicies, req_import)
-                imported = [s.ref for s in resp.policies if s.state != policy_pb2.POLICY_STATE_REJECTED]
-                rejected = [s for s in resp.policies if s.state == policy_pb2.POLICY_STATE_REJECTED]
-                if rejected:
-                    raise CLIError("; ".join(s.error for s in rejected), 2)
-                revision = resp.revision
-            if revision:
-                with progress(f"waiting for revision {revision} to be enforced"):
-                    wait = call(
-                        "policy",
-                        policy.WaitForRevision,
-                        policy_pb2.WaitForRevisionRequest(revision=revision, timeout_seconds=args.wait_timeout),
-                        timeout=args.wait_timeout + 10,
-                    )
-                if not wait.realized:
-                    behind = ", ".join(f"{e.node}/{e.pod or e.endpoint_id}" for e in wait.behind[:5])
-                    raise CLIError(f"revision {revision} not realized after {args.wait_timeout:g}s; behind: {behind}")
-            with _servers(endpoints, probes), progress("probing every pod pair"):
-                matrices = _probe_all(endpoints, probes, args.timeout)
+                probe_run.create_pods(docs, probes)
+            probe_run.enforce(policy_docs)
+            with probe_run.servers(probes), progress("probing every pod pair"):
+                matrices = probe_run.probe(probes)
+            pod_count = len(probe_run.endpoints)
         finally:
-            for ref in imported:
-                try:
-                    policy.DeletePolicy(
-                        policy_pb2.DeletePolicyRequest(ref=ref, source=policy_pb2.POLICY_SOURCE_API), timeout=30
-                    )
-                except grpc.RpcError as err:
-                    print(f"warning: policy {ref.name} not deleted: {err.details()}", file=sys.stderr)
-            for key, ep in endpoints.items():
-                try:
-                    datapath.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=ep.id), timeout=30)
-                except grpc.RpcError as err:
-                    print(f"warning: pod {key} not deleted: {err.details()}", file=sys.stderr)
+            probe_run.close()
     payload = {
         "probes": [
             {"port": pr.port, "protocol": pr.protocol.name, "matrix": m} for pr, m in zip(probes, matrices, strict=True)
@@ -201,7 +257,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
             for s in keys:
                 print(s.ljust(width) + " | " + " ".join(("yes" if matrix[s][d] else "-").ljust(width) for d in keys))
             print()
-        print(f"{len(endpoints)} pods, {len(probes)} probes, {time.monotonic() - started:.1f}s")
+        print(f"{pod_count} pods, {len(probes)} probes, {time.monotonic() - started:.1f}s")
     return 0
 
 

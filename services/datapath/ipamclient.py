@@ -39,11 +39,19 @@ class IpamPort(Protocol):
     async def resolve_pod(self, namespace: str, name: str) -> int: ...
 
     async def allocate_ip(
-        self, node: str, owner: str, family: int, ip: str = "", ports: Sequence[dt.PortRecord] = ()
+        self,
+        node: str,
+        owner: str,
+        family: int,
+        ip: str = "",
+        ports: Sequence[dt.PortRecord] = (),
+        *,
+        outside_pool: bool = False,
     ) -> dt.Address:
         """An address of ``family`` (4 or 6) for ``owner``, exactly ``ip`` when given.
 
-        ``ports`` are the pod's container ports (the named ones reach the ipcache).
+        ``ports`` are the pod's container ports (the named ones reach the ipcache); ``outside_pool``
+        lets ``ip`` lie outside the node's pod CIDR.
         """
         ...
 
@@ -89,9 +97,18 @@ class GrpcIpam:
         return int(response.identity.id)
 
     async def allocate_ip(
-        self, node: str, owner: str, family: int, ip: str = "", ports: Sequence[dt.PortRecord] = ()
+        self,
+        node: str,
+        owner: str,
+        family: int,
+        ip: str = "",
+        ports: Sequence[dt.PortRecord] = (),
+        *,
+        outside_pool: bool = False,
     ) -> dt.Address:
-        request = ipam_pb2.AllocateIPRequest(node=node, owner=owner, family=wire.family_to_proto(family), ip=ip)
+        request = ipam_pb2.AllocateIPRequest(
+            node=node, owner=owner, family=wire.family_to_proto(family), ip=ip, outside_pool=outside_pool
+        )
         for port in ports:
             if port.name and port.name not in request.named_ports:  # the first of a name wins, as in a pod spec
                 request.named_ports[port.name].port = port.port
@@ -144,8 +161,18 @@ class NodeIpam:
                 ) from None
             raise answer(f"resolve the identity of {namespace}/{pod}", exc) from None
 
-    async def allocate_ip(self, owner: str, family: int, ports: Sequence[dt.PortRecord]) -> dt.Address:
-        """The next free address of ``family``, or the one a half-finished earlier create left to ``owner``."""
+    async def allocate_ip(
+        self, owner: str, family: int, ports: Sequence[dt.PortRecord], ip: str = "", *, outside_pool: bool = False
+    ) -> dt.Address:
+        """The next free address of ``family``, or the one a half-finished earlier create left to ``owner``.
+
+        With ``ip``, exactly that address (reserving it again for the same owner is idempotent).
+        """
+        if ip:
+            return await self.call(
+                f"reserve {ip} for {owner}",
+                self._port.allocate_ip(self._node, owner, family, ip, ports, outside_pool=outside_pool),
+            )
         try:
             return await self._port.allocate_ip(self._node, owner, family, ports=ports)
         except UpstreamError as exc:

@@ -229,8 +229,10 @@ class EndpointManager:
                 identity = await self._node_ipam.resolve_pod(request.namespace, request.pod)
             # 2. addresses (with the named ports, which ipam puts in the address's ipcache entry)
             addresses = []
-            for family, _ in wanted:
-                address = await self._node_ipam.allocate_ip(owner, family, request.ports)
+            for family, ip in wanted:
+                address = await self._node_ipam.allocate_ip(
+                    owner, family, request.ports, ip, outside_pool=request.outside_pool
+                )
                 addresses.append(address)
                 undo.append(lambda ip=address.ip: self._ipam.release_ip(self.node, ip, owner))  # type: ignore[misc]
             # 3. namespace, veth, addresses, routes

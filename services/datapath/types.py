@@ -376,6 +376,8 @@ class EndpointRequest:
     families: tuple[int, ...] = ()
     #: Exact addresses asked for (one per family); empty lets IPAM pick.
     ips: tuple[str, ...] = ()
+    #: Reserve ``ips`` even outside the node's pod CIDR.
+    outside_pool: bool = False
 
     @property
     def key(self) -> str:

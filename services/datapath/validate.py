@@ -7,6 +7,7 @@ rules). Pure: whether an adopted namespace exists is the pod network's to say.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Callable, Sequence
 
@@ -57,8 +58,31 @@ def validate_ref(ref: EndpointRef) -> None:
 
 
 def request_families(request: dt.EndpointRequest) -> tuple[tuple[int, str], ...]:
-    """The families to allocate an address of (IPv4 only when none is given), with no address asked for."""
-    return tuple((family, "") for family in dict.fromkeys(request.families or (4,)))
+    """The families to allocate an address of (IPv4 only when none is given), each with the address asked for.
+
+    An address in ``ips`` fixes its family's address; ``families``, when given too, must name the same ones.
+    """
+    asked: dict[int, str] = {}
+    for i, text in enumerate(request.ips):
+        try:
+            ip = ipaddress.ip_address(text)
+        except ValueError:
+            raise InvalidRequest(f"ips[{i}] {shown(text)} is invalid: not an IP address") from None
+        if ip.is_unspecified or ip.is_multicast or ip.is_loopback:
+            raise InvalidRequest(f"ips[{i}] {shown(text)} is invalid: cannot be a pod's address")
+        if ip.version in asked:
+            raise InvalidRequest(
+                f"ips[{i}] {shown(text)} is invalid: a second IPv{ip.version} address after {asked[ip.version]}; "
+                "give one per family"
+            )
+        asked[ip.version] = str(ip)
+    if request.outside_pool and not asked:
+        raise InvalidRequest("outside_pool: applies to the addresses of ips; give them or leave it unset")
+    families = tuple(dict.fromkeys(request.families or tuple(asked) or (4,)))
+    missing = [f"IPv{v}" for v in asked if v not in families]
+    if missing:
+        raise InvalidRequest(f"ips: an {', '.join(missing)} address is asked for but families does not include it")
+    return tuple((family, asked.get(family, "")) for family in families)
 
 
 def validate_request(request: dt.EndpointRequest) -> tuple[tuple[int, str], ...]:

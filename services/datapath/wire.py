@@ -154,6 +154,7 @@ def request_from_proto(request: datapath_pb2.CreateEndpointRequest) -> dt.Endpoi
         ports=tuple(dt.PortRecord(name=p.name, port=p.port, protocol=int(p.protocol)) for p in request.ports),
         families=tuple(family_from_proto(f) for f in request.families),
         ips=tuple(request.ips),
+        outside_pool=request.outside_pool,
     )
 
 

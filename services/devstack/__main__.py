@@ -124,14 +124,6 @@ def banner(args: argparse.Namespace, children: list[Child], node: DevNode | None
     return "\n".join(lines)
 
 
-def cleanup_kernel_state(bpffs: str, state_dir: Path) -> None:
-    """Remove what the datapath leaves on purpose (pins, namespaces) once the stack is gone."""
-    from services.datapath.datapath import teardown_all
-
-    teardown_all(bpffs)
-    shutil.rmtree(state_dir, ignore_errors=True)
-
-
 async def main_async(args: argparse.Namespace) -> int:
     started = time.monotonic()
     run_dir = Path(args.run_dir)
@@ -151,6 +143,8 @@ async def main_async(args: argparse.Namespace) -> int:
     node: DevNode | None = None
     node_task: asyncio.Task[None] | None = None
     bus: Bus | None = None
+    pod_netns: list[str] = []
+    code = 0
     try:
         for c in children:
             print(f"starting {c.name}...", flush=True)
@@ -165,9 +159,9 @@ async def main_async(args: argparse.Namespace) -> int:
         print(banner(args, children, node, started), flush=True)
         await stop.wait()
         print("\nstopping...", flush=True)
-        return 0
     finally:
         if node is not None:
+            pod_netns = [ep.netns for ep in node.endpoints.values()]
             await node.shutdown()
         if node_task is not None:
             node_task.cancel()
@@ -175,10 +169,19 @@ async def main_async(args: argparse.Namespace) -> int:
             await bus.close()
         for c in reversed(children):
             c.stop()
-        if not args.keep_state:
-            await asyncio.to_thread(cleanup_kernel_state, args.bpffs, run_dir / "datapath")
+        if args.keep_state:
+            print(f"stopped; state kept in {run_dir}", flush=True)
+        else:
+            from services.devstack.cleanup import clean  # the datapath's modules, only at the end
+
+            left = await asyncio.to_thread(clean, args.bpffs, run_dir / "datapath", pod_netns)
             shutil.rmtree(run_dir, ignore_errors=True)
-        print("stopped; " + ("state kept in " + str(run_dir) if args.keep_state else "nothing left behind"), flush=True)
+            if left:
+                print("stopped; could not remove, do it by hand:\n  " + "\n  ".join(left), flush=True)
+                code = 1
+            else:
+                print("stopped; nothing left behind", flush=True)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

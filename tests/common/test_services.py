@@ -12,8 +12,7 @@ import grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from palisade.v1 import common_pb2, common_pb2_grpc
-from tests.conftest import _bcc_problem
-from tests.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, free_port
+from tests.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, bcc_problem, free_port
 
 EXPECTED = {
     "watcher": {"palisade.v1.StatusService"},
@@ -47,7 +46,7 @@ def test_whole_system_serves_health_reflection_status_and_exits_zero_on_sigterm(
         "ipam": service("ipam", *common),
     }
     procs["policy"] = service("policy", *common)
-    if _bcc_problem() is None:
+    if bcc_problem() is None:
         procs["datapath"] = service(
             "datapath",
             *common,

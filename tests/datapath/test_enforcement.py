@@ -15,7 +15,7 @@ from services.datapath.types import (
     Reason,
     Verdict,
 )
-from tests.datapath.conftest import Node, drops
+from tests.datapath.node import Node, drops
 from tests.datapath.traffic import (
     DENY_TIMEOUT,
     icmp_echo,

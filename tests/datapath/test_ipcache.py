@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.datapath.types import IDENTITY_WORLD, Direction, Enforcement, PolicyEntry, PolicyKey, Protocol, Verdict
-from tests.datapath.conftest import Node
+from tests.datapath.node import Node
 from tests.datapath.traffic import DENY_TIMEOUT, tcp_exchange
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]

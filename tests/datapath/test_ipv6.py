@@ -10,7 +10,7 @@ import pytest
 
 from services.datapath.netns import in_netns
 from services.datapath.types import Direction, Enforcement, PolicyEntry, PolicyKey, Protocol, Reason, Verdict
-from tests.datapath.conftest import Node, drops
+from tests.datapath.node import Node, drops
 from tests.datapath.traffic import DENY_TIMEOUT, sctp_init_crosses, socket_in, tcp_exchange, udp_exchange
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]

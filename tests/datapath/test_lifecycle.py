@@ -26,7 +26,7 @@ from services.datapath.types import (
     Protocol,
     Verdict,
 )
-from tests.datapath.conftest import TCP_PORTS, UDP_PORTS, Node, Pod, drops
+from tests.datapath.node import TCP_PORTS, UDP_PORTS, Node, Pod, drops
 from tests.datapath.traffic import DENY_TIMEOUT, EchoServer, streams, tcp_exchange
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]

@@ -99,6 +99,17 @@ class EchoServer:
         self._sel.close()
 
 
+def tcp_connects(ns: str, ip: str, port: int, timeout: float = ALLOW_TIMEOUT) -> bool:
+    """Whether a TCP connection from ``ns`` opens (the handshake passed both ways); nothing is sent."""
+    with socket_in(ns, family_of(ip), socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect((ip, port))
+            return True
+        except OSError:
+            return False
+
+
 def tcp_exchange(ns: str, ip: str, port: int, timeout: float = ALLOW_TIMEOUT) -> bool:
     """Connect from ``ns`` and get one message echoed: the handshake and data passed both ways."""
     with socket_in(ns, family_of(ip), socket.SOCK_STREAM) as s:

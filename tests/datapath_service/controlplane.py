@@ -225,6 +225,11 @@ class ControlPlane(
         self, request: ipam_pb2.AllocateIPRequest, context: grpc.aio.ServicerContext
     ) -> ipam_pb2.IPAllocation:
         if request.ip:
+            if ipaddress.ip_address(request.ip) not in self.net and not request.outside_pool:
+                # As ipam answers: an address chosen elsewhere needs outside_pool.
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"cannot reserve {request.ip}: outside the pod CIDR {self.net}"
+                )
             holder = self.ips.get(request.ip)
             if holder not in (None, request.owner):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.ip} belongs to {holder}")

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from palisade.v1 import common_pb2, datapath_pb2, policy_pb2
+from palisade.v1 import common_pb2, datapath_pb2, ipam_pb2, policy_pb2
 from services.common.bus import Bus
 from services.datapath import types as dt
 from services.datapath.fake import FakeDatapath
 from tests.datapath_service.agent import InProcessAgent
 from tests.datapath_service.controlplane import ALLOW, DENY, ING, TCP, ControlPlane, entry
+from tests.datapath_service.helpers import create, eventually, labels
 from tests.harness import NatsServer
 
 NODE = "node-a"
@@ -38,23 +38,6 @@ async def agent(nats_server: NatsServer, cp: ControlPlane, tmp_path: Path) -> As
     yield runner
     await runner.stop()
     FakeDatapath.open(runner.config.bpffs).teardown()
-
-
-def labels(**kv: str) -> list[common_pb2.Label]:
-    return [common_pb2.Label(source="k8s", key=k, value=v) for k, v in kv.items()]
-
-
-async def create(agent: InProcessAgent, pod: str, **kv: str) -> datapath_pb2.Endpoint:
-    assert agent.stub is not None
-    request = datapath_pb2.CreateEndpointRequest(namespace="x", pod=pod, labels=labels(**kv))
-    ep: datapath_pb2.Endpoint = await agent.stub.CreateEndpoint(request)
-    return ep
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not check():  # noqa: ASYNC110 - the conditions are plain state, no event to wait on
-            await asyncio.sleep(0.02)
 
 
 def verdict(agent: InProcessAgent, ep_id: int, remote_ip: str, port: int) -> dt.Verdict:
@@ -436,3 +419,38 @@ async def test_a_namespace_that_already_holds_an_endpoint_is_refused_by_name(age
         await agent.stub.CreateEndpoint(create_request("left", labels=labels(app="l")))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert (err.value.details() or "").startswith("pod: cannot set up the network of x/left")
+
+
+async def test_create_honours_the_addresses_asked_for_or_refuses_them_by_field(
+    agent: InProcessAgent, cp: ControlPlane
+) -> None:
+    assert agent.stub is not None
+    app = labels(app="a")
+    # In the node's pool: reserved exactly.
+    inside = await agent.stub.CreateEndpoint(create_request("in", ips=["10.244.7.42"], labels=app))
+    assert list(inside.ips) == ["10.244.7.42"] and cp.ips["10.244.7.42"] == "pod/x/in"
+    # Outside it: only when the caller says so (a manifest's status.podIP), and then exactly that one.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await agent.stub.CreateEndpoint(create_request("out", ips=["10.0.1.1"], labels=app))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "10.0.1.1" in (err.value.details() or "") and "outside" in (err.value.details() or "")
+    assert "pod/x/out" not in cp.ips.values() and "/run/netns/pal_x_out" not in agent.network.namespaces
+    out = await agent.stub.CreateEndpoint(create_request("out", ips=["10.0.1.1"], outside_pool=True, labels=app))
+    assert list(out.ips) == ["10.0.1.1"]
+    # Taken by another pod: refused, nothing else changes.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await agent.stub.CreateEndpoint(create_request("twin", ips=["10.0.1.1"], outside_pool=True, labels=app))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # Malformed: INVALID_ARGUMENT naming the field, before anything is taken.
+    for request, field in [
+        (create_request("b", ips=["10.0.1"], labels=app), "ips[0] "),
+        (create_request("b", ips=["10.0.1.2", "10.0.1.3"], labels=app), "ips[1] "),
+        (create_request("b", ips=["127.0.0.1"], labels=app), "ips[0] "),
+        (create_request("b", outside_pool=True, labels=app), "outside_pool: "),
+        (create_request("b", ips=["fd00::5"], families=[ipam_pb2.FAMILY_IPV4], labels=app), "ips: "),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await agent.stub.CreateEndpoint(request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value.details())
+        assert (err.value.details() or "").startswith(field), err.value.details()
+    assert sorted(cp.ips) == ["10.0.1.1", "10.244.7.42"]

@@ -24,10 +24,9 @@ from services.datapath.flows import FlowFilter
 from services.datapath.metrics import AgentParts, DatapathMetrics, KernelTotals
 from tests.datapath_service.agent import InProcessAgent
 from tests.datapath_service.controlplane import ING, ControlPlane, entry
+from tests.datapath_service.helpers import create as create_fake
+from tests.datapath_service.helpers import create_endpoint, eventually, in_thread, started
 from tests.datapath_service.pods import Pods
-from tests.datapath_service.test_agent import create as create_fake
-from tests.datapath_service.test_agent import eventually
-from tests.datapath_service.test_service_root import create, in_thread, started
 from tests.harness import Metrics, NatsServer, ServiceProcess, scrape
 
 NODE = "node-a"
@@ -82,8 +81,8 @@ async def test_service_metrics_follow_endpoints_orders_and_packets(
     assert m.get("palisade_datapath_dropped_packets_total") == 0
 
     ns = pods.namespace
-    web = await create(stub, ns, "web", "web")
-    db = await create(stub, ns, "db", "db")
+    web = await create_endpoint(stub, ns, "web", "web")
+    db = await create_endpoint(stub, ns, "db", "db")
     pods.serve("db", 8080, 9090)
     rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 8080)])
     await cp.wait_realized(rev, [web.id, db.id])

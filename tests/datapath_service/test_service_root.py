@@ -10,13 +10,13 @@ import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
+from palisade.v1 import common_pb2, datapath_pb2
 from services.common.bus import Bus
 from tests.datapath_service.controlplane import ALLOW, ING, ControlPlane, entry
+from tests.datapath_service.helpers import create_endpoint, in_thread, started
 from tests.datapath_service.pods import Pods
 from tests.harness import NatsServer, ServiceProcess, health_status
 
@@ -64,32 +64,14 @@ def start_datapath(
     return start
 
 
-async def started(start: Callable[[], ServiceProcess]) -> tuple[ServiceProcess, datapath_pb2_grpc.DatapathServiceStub]:
-    proc = await asyncio.to_thread(start)
-    channel = grpc.aio.insecure_channel(proc.address)
-    return proc, datapath_pb2_grpc.DatapathServiceStub(channel)
-
-
-async def create(stub: datapath_pb2_grpc.DatapathServiceStub, ns: str, pod: str, app: str) -> datapath_pb2.Endpoint:
-    request = datapath_pb2.CreateEndpointRequest(
-        namespace=ns, pod=pod, labels=[common_pb2.Label(source="k8s", key="app", value=app)]
-    )
-    ep: datapath_pb2.Endpoint = await stub.CreateEndpoint(request, timeout=60)
-    return ep
-
-
-async def in_thread(fn: Callable[..., bool], *args: object) -> bool:
-    return await asyncio.to_thread(fn, *args)
-
-
 async def test_policy_is_enforced_read_back_and_follows_a_relabel(
     start_datapath: Callable[[], ServiceProcess], cp: ControlPlane, pods: Pods
 ) -> None:
     proc, stub = await started(start_datapath)
     ns = pods.namespace
-    web = await create(stub, ns, "web", "web")
-    db = await create(stub, ns, "db", "db")
-    other = await create(stub, ns, "other", "other")
+    web = await create_endpoint(stub, ns, "web", "web")
+    db = await create_endpoint(stub, ns, "db", "db")
+    other = await create_endpoint(stub, ns, "other", "other")
     pods.serve("db", 8080, 9090)
     db_ip = db.ips[0]
 
@@ -128,7 +110,7 @@ async def test_kill_9_keeps_enforcing_and_restart_restores_and_catches_up(
 ) -> None:
     proc, stub = await started(start_datapath)
     ns = pods.namespace
-    eps = {name: await create(stub, ns, name, name) for name in ("a", "b", "c", "d")}
+    eps = {name: await create_endpoint(stub, ns, name, name) for name in ("a", "b", "c", "d")}
     a, b, c, d = (eps[n] for n in "abcd")
     sink = pods.serve("b", 8080)
     pods.serve("d", 8080, 9090, 7070)

@@ -11,11 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 
-from palisade.v1 import identity_pb2, k8s_pb2
+from palisade.v1 import common_pb2_grpc, identity_pb2, identity_pb2_grpc, ipam_pb2_grpc, k8s_pb2
 from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, Bus
 from services.common.subjects import IDENTITY_ALL, IPCACHE_ALL, SYNCED_SUBJECT, k8s_subject
-from tests.harness import ROOT
+from tests.harness import ROOT, EtcdServer, NatsServer
 
 
 async def eventually(check: Callable[[], Any], timeout: float = 20.0) -> Any:
@@ -175,3 +176,54 @@ def worker_result(proc: subprocess.Popen[str], timeout: float = 120.0) -> dict[s
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{out}\n{err[-3000:]}"
     return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def ipam_args(nats: NatsServer, etcd: EtcdServer, *extra: str) -> list[str]:
+    return [
+        "--nats-url",
+        nats.url,
+        "--etcd-endpoints",
+        etcd.endpoint,
+        "--k8s-sync-timeout",
+        "0",
+        "--identity-gc-interval",
+        "0.3",
+        "--identity-gc-grace",
+        "1",
+        "--identity-lease-ttl",
+        "10",
+        "--log-format",
+        "text",
+        *extra,
+    ]
+
+
+class Api:
+    """Async stubs on one channel to the service."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.identity = identity_pb2_grpc.IdentityServiceStub(self.channel)
+        self.ipam = ipam_pb2_grpc.IPAMServiceStub(self.channel)
+        self.status = common_pb2_grpc.StatusServiceStub(self.channel)
+
+    async def resolve(self, ns: str, name: str) -> identity_pb2.ResolvePodResponse | None:
+        try:
+            resp: identity_pb2.ResolvePodResponse = await self.identity.ResolvePod(
+                identity_pb2.ResolvePodRequest(namespace=ns, name=name), timeout=5
+            )
+            return resp
+        except grpc.aio.AioRpcError as err:
+            if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                return None
+            raise
+
+    async def code(self, call) -> grpc.StatusCode:
+        try:
+            await call
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+        raise AssertionError("call succeeded; an error status was expected")

@@ -10,8 +10,7 @@ import pytest
 from palisade.v1 import common_pb2, identity_pb2, ipam_pb2
 from services.common.bus import Bus
 from tests.harness import EtcdServer, Metrics, NatsServer, ServiceProcess
-from tests.ipam.helpers import K8s, eventually, namespace, pod
-from tests.ipam.test_service import Api, ipam_args
+from tests.ipam.helpers import Api, K8s, eventually, ipam_args, namespace, pod
 
 
 @pytest.fixture

@@ -12,8 +12,7 @@ from services.common.store import connect_etcd
 from services.ipam import keys
 from services.ipam.kv import Store
 from tests.harness import EtcdServer, NatsServer, ServiceProcess
-from tests.ipam.helpers import BusView, K8s, eventually
-from tests.ipam.test_service import Api, ipam_args
+from tests.ipam.helpers import Api, BusView, K8s, eventually, ipam_args
 
 NODE = "node-a"
 

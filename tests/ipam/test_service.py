@@ -6,69 +6,15 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
 
 from palisade.v1 import (
     common_pb2,
-    common_pb2_grpc,
     identity_pb2,
-    identity_pb2_grpc,
     ipam_pb2,
-    ipam_pb2_grpc,
 )
 from services.common.bus import Bus
 from tests.harness import EtcdServer, NatsServer, ServiceProcess, health_status
-from tests.ipam.helpers import BusView, K8s, eventually, namespace, node, pod
-
-SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-def ipam_args(nats: NatsServer, etcd: EtcdServer, *extra: str) -> list[str]:
-    return [
-        "--nats-url",
-        nats.url,
-        "--etcd-endpoints",
-        etcd.endpoint,
-        "--k8s-sync-timeout",
-        "0",
-        "--identity-gc-interval",
-        "0.3",
-        "--identity-gc-grace",
-        "1",
-        "--identity-lease-ttl",
-        "10",
-        "--log-format",
-        "text",
-        *extra,
-    ]
-
-
-class Api:
-    """Async stubs on one channel to the service."""
-
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.aio.insecure_channel(address)
-        self.identity = identity_pb2_grpc.IdentityServiceStub(self.channel)
-        self.ipam = ipam_pb2_grpc.IPAMServiceStub(self.channel)
-        self.status = common_pb2_grpc.StatusServiceStub(self.channel)
-
-    async def resolve(self, ns: str, name: str) -> identity_pb2.ResolvePodResponse | None:
-        try:
-            resp: identity_pb2.ResolvePodResponse = await self.identity.ResolvePod(
-                identity_pb2.ResolvePodRequest(namespace=ns, name=name), timeout=5
-            )
-            return resp
-        except grpc.aio.AioRpcError as err:
-            if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
-                return None
-            raise
-
-    async def code(self, call) -> grpc.StatusCode:
-        try:
-            await call
-        except grpc.aio.AioRpcError as err:
-            return err.code()
-        raise AssertionError("call succeeded; an error status was expected")
+from tests.ipam.helpers import SERVING, Api, BusView, K8s, eventually, ipam_args, namespace, node, pod
 
 
 @pytest.fixture

@@ -228,6 +228,13 @@ def test_connectivity_probe_matches_analyze(stack: Stack) -> None:
 
 
 def test_zz_ctrl_c_stops_everything_and_leaves_nothing_behind(stack: Stack) -> None:
+    # The datapath is gone when the stack stops (killed, or restarted by hand outside it), so the
+    # pods' deletions fail: the stack still removes their namespaces, veths, routes and pins itself.
+    listed = stack.palisade("endpoint", "list", "-o", "json")
+    host_ifnames = [e["host_ifname"] for e in json.loads(listed.stdout)["endpoints"]]
+    assert host_ifnames
+    pid = next(int(line.split()[-1]) for line in stack.output if line.split()[:1] == ["datapath"])
+    os.kill(pid, signal.SIGKILL)
     stack.proc.send_signal(signal.SIGINT)
     rest, _ = stack.proc.communicate(timeout=90)
     assert stack.proc.returncode == 0, rest
@@ -237,5 +244,7 @@ def test_zz_ctrl_c_stops_everything_and_leaves_nothing_behind(stack: Stack) -> N
     netns = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
     # This stack's pods (the examples' namespaces and the probe's), not other stacks' on the machine.
     assert not [n for n in netns if n.startswith(("pal_shop_", "pal_tools_", "pal_px_", "pal_py_"))]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    assert not [line for line in links.splitlines() if any(f"{ep}@" in line for ep in host_ifnames)]
     leftover = subprocess.run(["pgrep", "-f", str(stack.manifests)], capture_output=True, text=True).stdout
     assert leftover.strip() == ""

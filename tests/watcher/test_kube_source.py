@@ -15,7 +15,7 @@ from services.common.bus import Bus
 from services.common.subjects import k8s_subject
 from tests.watcher import objects as o
 from tests.watcher.apiserver import FakeApiServer
-from tests.watcher.conftest import FAST_KUBE, StreamReader, eventually, kube_source, running
+from tests.watcher.helpers import FAST_KUBE, StreamReader, eventually, kube_source, running
 
 ALL_KINDS = [
     "namespace",

@@ -15,7 +15,7 @@ from services.common.bus import Bus
 from services.common.largeobjects import BUCKET
 from services.common.subjects import k8s_subject
 from tests.watcher import objects as o
-from tests.watcher.conftest import StreamReader, eventually, manifest_source, running
+from tests.watcher.helpers import StreamReader, eventually, manifest_source, running
 
 Reader = Callable[[], Awaitable[StreamReader]]
 

@@ -11,7 +11,7 @@ from services.common.bus import Bus
 from services.common.subjects import SYNCED_SUBJECT
 from services.watcher.publisher import Publisher
 from tests.harness import NatsServer
-from tests.watcher.conftest import StreamReader, eventually
+from tests.watcher.helpers import StreamReader, eventually
 
 Reader = Callable[[], Awaitable[StreamReader]]
 

@@ -18,7 +18,7 @@ from services.common.subjects import k8s_subject
 from tests.harness import NatsServer, ServiceProcess, health_status
 from tests.watcher import objects as o
 from tests.watcher.apiserver import FakeApiServer
-from tests.watcher.conftest import StreamReader, eventually
+from tests.watcher.helpers import StreamReader, eventually
 
 Reader = Callable[[], Awaitable[StreamReader]]
 Start = Callable[..., ServiceProcess]

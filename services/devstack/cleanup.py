@@ -1,0 +1,61 @@
+"""What a stopped dev stack leaves in the kernel: removed, and whatever could not be, named.
+
+The datapath deletes endpoints when asked, but a stack may stop while the datapath is
+down (killed, or restarted by hand outside the stack), so the stack cleans up itself
+from what the datapath saved: each endpoint's record names its namespace, host veth
+(its routes go with it) and addresses; the pins live under the bpffs directory. Then
+it looks again, so "nothing left behind" is a finding, never an assumption.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from services.common.log import get_logger
+from services.datapath import netns as netns_mod
+from services.datapath.datapath import teardown_all
+from services.datapath.endpoint import link_of
+from services.datapath.state import EndpointStore
+
+log = get_logger("devstack")
+
+
+def clean(bpffs: str, state_dir: Path, netns_paths: Iterable[str] = ()) -> list[str]:
+    """Remove the stack's pods, veths, routes and pins; returns what is still there (empty: nothing)."""
+    records, broken = EndpointStore(state_dir).load_all() if state_dir.is_dir() else ([], [])
+    for err in broken:
+        log.warning("endpoint record unreadable; its pod is cleaned by name if known", error=str(err))
+    links = [link_of(r) for r in records]
+    owned = {link.netns for link in links if link.netns_owned} | set(netns_paths)
+    for link in links:
+        try:
+            netns_mod.delete_pod(link)
+        except OSError as exc:
+            log.warning("pod network not removed", netns=link.netns, error=str(exc))
+    for path in owned:
+        try:
+            netns_mod.delete_netns(netns_mod.name_of(path))
+        except (OSError, ValueError) as exc:
+            log.warning("network namespace not removed", netns=path, error=str(exc))
+    try:
+        teardown_all(bpffs)
+    except OSError as exc:
+        log.warning("pinned maps not removed", bpffs=bpffs, error=str(exc))
+    shutil.rmtree(state_dir, ignore_errors=True)
+    return left_behind(bpffs, owned, [link.host_ifname for link in links])
+
+
+def left_behind(bpffs: str, netns_paths: Iterable[str], host_ifnames: Iterable[str]) -> list[str]:
+    """What of these still exists, each with the command that removes it."""
+    from pyroute2 import IPRoute
+
+    left = [f"network namespace {p} (ip netns del {os.path.basename(p)})" for p in sorted(netns_paths)]
+    left = [text for text, p in zip(left, sorted(netns_paths), strict=True) if os.path.exists(p)]
+    with IPRoute() as ipr:
+        left += [f"veth {name} (ip link del {name})" for name in sorted(host_ifnames) if ipr.link_lookup(ifname=name)]
+    if os.path.exists(bpffs):
+        left.append(f"pinned maps under {bpffs} (rm -r {bpffs})")
+    return left
