@@ -647,7 +647,8 @@ def engine_part(policies: int, identities: int, namespaces: int, samples: int) -
 def run_engine_child(args: argparse.Namespace) -> dict[str, Any]:
     cmd = [
         sys.executable,
-        str(Path(__file__).resolve()),
+        "-m",
+        "bench.bench_control_plane",
         "--engine-only",
         "--engine-policies",
         str(args.engine_policies),

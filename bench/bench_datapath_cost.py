@@ -97,7 +97,9 @@ from services.datapath.types import (
 )
 from tests.datapath.traffic import tcp_connects
 
-SCRIPT = str(Path(__file__).resolve())
+#: How this module runs itself in a namespace (from the project root, as `make bench` runs it).
+SELF = ["-m", "bench.bench_datapath_cost"]
+ROOT = Path(__file__).resolve().parents[1]
 
 IPERF_PORT = 5201
 #: The connection-rate server listens on CONN_PORT .. CONN_PORT + CONN_PORTS - 1: an aligned
@@ -295,6 +297,7 @@ class Server:
             stderr=subprocess.DEVNULL,
             text=True,
             start_new_session=True,
+            cwd=ROOT,
         )
         if self.ready_line:
             assert self.proc.stdout is not None
@@ -370,10 +373,10 @@ def conntrack_count() -> int | None:
 
 
 def connection_rate(src: PodLink, dst_ip: str, seconds: float, start: int) -> dict[str, float]:
-    cmd = ["ip", "netns", "exec", src.name, sys.executable, SCRIPT, "--role", "connect"]
+    cmd = ["ip", "netns", "exec", src.name, sys.executable, *SELF, "--role", "connect"]
     cmd += ["--src", src.ips[0], "--dst", dst_ip, "--seconds", f"{seconds:g}", "--start", str(start)]
     before = conntrack_count()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, cwd=ROOT)
     after = conntrack_count()
     if proc.returncode != 0:
         raise RuntimeError(f"connection client failed: {proc.stderr[-500:]}")
@@ -546,7 +549,7 @@ class Bench:
         self.dst_ip = self.dst.ips[0]
         self.iperf_server = Server("iperf3 server", self.dst.name, ["iperf3", "-s", "-p", str(IPERF_PORT)])
         ports = [*range(CONN_PORT, CONN_PORT + CONN_PORTS), PROBE_INGRESS_PORT, PROBE_EGRESS_PORT]
-        accept_argv = [sys.executable, SCRIPT, "--role", "accept", "--ports", ",".join(map(str, ports))]
+        accept_argv = [sys.executable, *SELF, "--role", "accept", "--ports", ",".join(map(str, ports))]
         self.accept_server = Server("accept server", self.dst.name, accept_argv, ready_line="ready")
         for server in (self.iperf_server, self.accept_server):
             self.servers.append(server)

@@ -140,7 +140,7 @@ def probe_agent(netns: str) -> int:
 
 class Agent:
     def __init__(self, netns: str) -> None:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--probe-agent", netns]
+        cmd = [sys.executable, "-m", "bench.bench_system", "--probe-agent", netns]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if json.loads(self.readline()).get("ready") is not True:
             raise RuntimeError("the probe agent did not start")

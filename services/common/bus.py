@@ -355,6 +355,10 @@ class Bus:
     async def close(self) -> None:
         if self.nc.is_closed:
             return
+        # Unsubscribe the followers first: a JetStream ordered consumer's heartbeat and flow-control
+        # tasks outlive a drained connection otherwise.
+        for follower in list(self._followers):
+            await follower.stop()
         try:
             await asyncio.wait_for(self.nc.drain(), 5)
         except Exception:

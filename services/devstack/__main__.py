@@ -3,6 +3,7 @@
 The watcher reads the manifest folder (``examples/`` by default); the dev node turns the
 Pod objects assigned to it into network namespaces running small servers on their
 container ports. Editing a policy file changes who can reach whom within a moment.
+A part that exits (a crash, a kill -9) is restarted, with a backoff, as a kubelet would.
 Ctrl-C stops everything and removes namespaces, links, pinned maps and state, unless
 ``--keep-state`` is given.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -157,7 +159,15 @@ async def main_async(args: argparse.Namespace) -> int:
             # The banner lists the pods, so let the initial ones come up first.
             await asyncio.wait_for(node.settled.wait(), 120)
         print(banner(args, children, node, started), flush=True)
-        await stop.wait()
+        # Like a kubelet with restartPolicy Always: a part that dies (crash, kill -9) comes back.
+        while not stop.is_set():
+            for c in children:
+                line = c.supervise(ROOT, time.monotonic())
+                if line:
+                    log.warning("child restarted", child=c.name, restarts=c.restarts)
+                    print(line, flush=True)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.2)
         print("\nstopping...", flush=True)
     finally:
         if node is not None:

@@ -15,6 +15,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.backoff import Backoff
+
 BIN = Path(sys.executable).parent
 
 
@@ -62,6 +64,10 @@ class Child:
     grpc_address: str = ""
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    #: Restarts after unexpected exits, as a restartPolicy: Always would do (backoff from 0.5 s to 10 s).
+    restarts: int = 0
+    _backoff: Backoff = field(default_factory=lambda: Backoff(0.5, 10.0))
+    _restart_at: float = 0.0
 
     def start(self, cwd: Path) -> None:
         with open(self.log, "ab") as out:
@@ -73,6 +79,22 @@ class Child:
                 env={**os.environ, **self.env},
                 start_new_session=True,  # Ctrl-C goes to the stack, which stops children in order
             )
+
+    def supervise(self, cwd: Path, now: float) -> str | None:
+        """Restart the child if it exited (after a backoff); returns a line saying what happened, if anything."""
+        if self.proc is None or self.proc.poll() is None:
+            if self.proc is not None and self._restart_at and now - self._restart_at > 30:
+                self._backoff.reset()  # up for a while: the next crash restarts quickly again
+                self._restart_at = 0.0
+            return None
+        if self._restart_at > now:
+            return None
+        code = self.proc.returncode
+        self.start(cwd)
+        self.restarts += 1
+        self._restart_at = now + self._backoff.next()
+        pid = self.proc.pid if self.proc else "-"
+        return f"{self.name} exited ({code}); restarted as pid {pid} (restart {self.restarts}); see {self.log}"
 
     def tail(self, lines: int = 15) -> str:
         try:

@@ -11,6 +11,11 @@ transaction; a lost race re-reads the node and tries the next address.
 A node's CIDR is fixed while addresses are allocated from it: a node object
 that later asks for another CIDR is logged and honoured once the node's
 addresses in that family are all released.
+
+Node CIDRs and addresses stay in one class (about 620 lines) because every address
+transaction is guarded by the node's CIDR record and every CIDR change by the node's
+addresses; where CIDRs come from is :mod:`services.ipam.nodecidr`, the etcd layout
+:mod:`services.ipam.keys`.
 """
 
 from __future__ import annotations

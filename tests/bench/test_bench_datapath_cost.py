@@ -13,7 +13,6 @@ import pytest
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "bench_datapath_cost.py"
 LEVELS = (10, 1000, 10000)
 VARIANTS = {"none", *(f"{kind}-{n}" for kind in ("palisade", "iptables") for n in LEVELS)}
 METRICS = ("tcp_throughput", "udp_64b_rate", "connection_rate")
@@ -25,7 +24,11 @@ def test_quick_run_reports_every_variant_and_metric() -> None:
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} is not installed")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=170
+        [sys.executable, "-m", "bench.bench_datapath_cost", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(proc.stdout)

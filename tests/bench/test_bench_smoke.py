@@ -16,7 +16,7 @@ from tests.harness import ROOT
 
 def run_quick(script: str) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), "--quick"],
+        [sys.executable, "-m", f"bench.{script.removesuffix('.py')}", "--quick"],
         cwd=ROOT,
         capture_output=True,
         text=True,

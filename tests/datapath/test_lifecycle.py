@@ -101,16 +101,16 @@ def test_policy_writes_add_before_enforce_before_remove(net: Node, monkeypatch: 
     calls: list[str] = []
     real_write, real_delete, real_set = dp.policy.write, dp.policy.delete, dp.enforcement.set
 
-    def write(prefixes):  # type: ignore[no-untyped-def]
+    def write(prefixes):
         calls.extend("add" for _ in prefixes)
         real_write(prefixes)
 
-    def delete(prefixes):  # type: ignore[no-untyped-def]
+    def delete(prefixes):
         prefixes = list(prefixes)
         calls.extend("remove" for _ in prefixes)
         real_delete(prefixes)
 
-    def set_enforcement(ep_id, enforcement):  # type: ignore[no-untyped-def]
+    def set_enforcement(ep_id, enforcement):
         calls.append("enforce")
         real_set(ep_id, enforcement)
 

@@ -59,7 +59,7 @@ def order(
     )
 
 
-def kinds(actions: list) -> list[str]:
+def kinds(actions: list[Apply | NeedResync]) -> list[str]:
     out = []
     for a in actions:
         out.append(f"apply {a.batch.sequence}" if isinstance(a, Apply) else f"resync {a.reason}")

@@ -279,6 +279,18 @@ CASES: dict[str, tuple[list[str], Exp]] = {
         ],
         lambda port, proto, s, d: (s != "x/b" or ns(d) == "y") and (ns(d) != "y" or ns(s) == "y"),
     ),
+    # ipBlocks naming pod addresses, as a fault run tried them (x/a is 10.0.1.1, x/b 10.0.1.2).
+    "ipblock-egress-pod-address-with-except": (
+        [
+            knp(
+                "p",
+                "x",
+                "podSelector: {matchLabels: {pod: a}}\npolicyTypes: [Egress]\negress:\n- to:\n"
+                "  - ipBlock: {cidr: 10.0.1.1/4, except: [10.0.1.2/32]}",
+            )
+        ],
+        lambda port, proto, s, d: s != "x/a" or d != "x/b",
+    ),
     "legacy-extensions-v1beta1": (
         [
             "apiVersion: extensions/v1beta1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: x}\n"

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT, free_port
+from tests.harness import ROOT
+from tests.system.stack import Stack, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -28,126 +26,10 @@ HERE = Path(__file__).resolve().parent
 PROBES = ["80/TCP", "81/UDP", "8080/TCP"]
 
 
-@dataclass
-class Stack:
-    proc: subprocess.Popen[str]
-    manifests: Path
-    run_dir: Path
-    bpffs: str
-    addresses: list[str]
-    output: list[str]
-
-    def palisade(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "services.cli.main", *args, *self.flags(args[0])],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-
-    def flags(self, command: str) -> list[str]:
-        wanted = {
-            "status": ("watcher", "policy", "ipam", "datapath"),
-            "endpoint": ("datapath",),
-            "connectivity": ("datapath", "policy"),
-            "policy": ("policy",),
-        }.get(command, ())
-        names = ("watcher", "policy", "ipam", "datapath")
-        return [f for n in wanted for f in (f"--{n}-address", self.addresses[names.index(n)])]
-
-    def netns(self, pod: str) -> str:
-        out = self.palisade("endpoint", "get", pod, "-o", "json")
-        assert out.returncode == 0, out.stderr
-        return str(json.loads(out.stdout)["netns"])
-
-    def ip(self, pod: str) -> str:
-        out = self.palisade("endpoint", "get", pod, "-o", "json")
-        return str(json.loads(out.stdout)["ips"][0])
-
-    def reach(self, src: str, dst: str, port: int, protocol: str = "TCP") -> bool:
-        target = [{"id": "t", "ip": self.ip(dst), "port": port, "protocol": protocol}]
-        out = subprocess.run(
-            [sys.executable, "-m", "services.devstack.prober", "--netns", self.netns(src), "--timeout", "1.5"],
-            cwd=ROOT,
-            input=json.dumps(target),
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return bool(json.loads(out.stdout)["t"])
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("stack")
-    manifests = tmp / "manifests"
-    shutil.copytree(ROOT / "examples", manifests)
-    base = free_port()
-    while not all(_free(base + i) for i in range(4)):
-        base = free_port()
-    bpffs = f"/sys/fs/bpf/palisade-e2e-{secrets.token_hex(3)}"
-    cmd = [
-        sys.executable, "-m", "services.devstack",
-        "--manifests", str(manifests),
-        "--run-dir", str(tmp / "run"),
-        "--bpffs", bpffs,
-        "--nats-port", str(free_port()),
-        "--etcd-port", str(_free_pair()),
-        "--grpc-port-base", str(base),
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output: list[str] = []
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        output.append(line)
-        if line.startswith("Ctrl-C stops everything"):
-            break
-    if not any(line.startswith("Palisade is running") for line in output):
-        proc.kill()
-        pytest.fail("make run did not come up:\n" + "".join(output))
-    addresses = [f"127.0.0.1:{base + i}" for i in range(4)]
-    s = Stack(proc, manifests, tmp / "run", bpffs, addresses, output)
-    try:
+    with running_stack(tmp_path_factory.mktemp("stack"), ROOT / "examples") as s:
         yield s
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_pair() -> int:
-    port = free_port()
-    while not (_free(port) and _free(port + 1)):
-        port = free_port()
-    return port
-
-
-def wait_for(check: object, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
-            return True
-        time.sleep(0.3)
-    return False
 
 
 def test_banner_lists_services_and_pods(stack: Stack) -> None:
@@ -233,8 +115,7 @@ def test_zz_ctrl_c_stops_everything_and_leaves_nothing_behind(stack: Stack) -> N
     listed = stack.palisade("endpoint", "list", "-o", "json")
     host_ifnames = [e["host_ifname"] for e in json.loads(listed.stdout)["endpoints"]]
     assert host_ifnames
-    pid = next(int(line.split()[-1]) for line in stack.output if line.split()[:1] == ["datapath"])
-    os.kill(pid, signal.SIGKILL)
+    os.kill(stack.pid("datapath"), signal.SIGKILL)
     stack.proc.send_signal(signal.SIGINT)
     rest, _ = stack.proc.communicate(timeout=90)
     assert stack.proc.returncode == 0, rest

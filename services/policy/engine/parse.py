@@ -20,6 +20,10 @@ and its L3/L4 effect is always the conservative one:
   ``toPorts`` element keeps no port, it allows nothing.
 
 ``fromRequires``/``toRequires`` and ``icmps`` are implemented.
+
+The module is about 600 lines because it follows the three schemas field by field, so
+a reader can hold one document beside it; the model and the selector grammar live in
+their own modules.
 """
 
 from __future__ import annotations

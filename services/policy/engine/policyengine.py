@@ -24,6 +24,11 @@ Work is proportional to what a change can affect:
 A subject that collects many slice updates in one batch is recomputed whole
 instead, which is cheaper past a point.
 
+The module is longer than most (about 600 lines) on purpose: it is the one place that
+keeps the engine's indexes consistent with each other (rules by subject, selectors by
+rule, slices by remote identity), and every mutating call updates several of them;
+selectors, resolution, the realized view and tracing live in their own modules.
+
 Revisions: each accepted policy change bumps the repository revision; an
 identity/ipcache/named-port change bumps it only if some subject's policy
 changed. A rejected document raises :class:`PolicyValidationError` and

@@ -1,0 +1,216 @@
+"""`make run` as the system tests drive it: one stack on free ports, talked to as a user does.
+
+The stack is ``python -m services.devstack`` (what `make run` starts) on its own ports, bpffs
+directory and run directory, reading a manifest folder of the test's; tests use the
+`palisade` CLI against it, the prober for real packets, and the PIDs its banner lists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.harness import ROOT, free_port
+
+SERVICES = ("watcher", "policy", "ipam", "datapath")
+
+
+@dataclass
+class Stack:
+    proc: subprocess.Popen[str]
+    manifests: Path
+    run_dir: Path
+    bpffs: str
+    addresses: list[str]
+    output: list[str]
+
+    def address(self, service: str) -> str:
+        return self.addresses[SERVICES.index(service)]
+
+    def palisade(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "services.cli.main", *args, *self.flags(args[0])],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def flags(self, command: str) -> list[str]:
+        wanted = {
+            "status": SERVICES,
+            "endpoint": ("datapath",),
+            "connectivity": ("datapath", "policy"),
+            "policy": ("policy",),
+        }.get(command, ())
+        return [f for n in wanted for f in (f"--{n}-address", self.address(n))]
+
+    def pid(self, child: str) -> int:
+        """The PID ``child`` (nats, etcd, or a service) runs as now (the stack restarts what dies); 0: none."""
+        if child in ("nats", "etcd"):
+            marks = [str(self.run_dir / child).encode()]
+        else:
+            marks = [f"services.{child}".encode(), self.address(child).encode()]
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if all(m in cmdline for m in marks):
+                return int(entry)
+        return 0
+
+    def kill(self, child: str) -> int:
+        """kill -9 ``child``; returns the PID it had."""
+        pid = self.pid(child)
+        assert pid, f"{child} is not running"
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def serving_again(self, child: str, old_pid: int, timeout: float = 60.0) -> None:
+        """Wait until the stack restarted ``child`` (a new PID) and `palisade status` shows it synced."""
+
+        def back() -> bool:
+            pid = self.pid(child)
+            if not pid or pid == old_pid:
+                return False
+            if child in ("nats", "etcd"):
+                return True
+            out = self.palisade("status", "-o", "json", timeout=30)
+            if out.returncode != 0:
+                return False
+            rows = {r["service"]: r for r in json.loads(out.stdout)["services"]}
+            row = rows.get(child, {})
+            return bool(row.get("health") == "SERVING" and row.get("synced"))
+
+        assert wait_for(back, timeout), f"{child} did not come back within {timeout:.0f}s"
+
+    def netns(self, pod: str) -> str:
+        out = self.palisade("endpoint", "get", pod, "-o", "json")
+        assert out.returncode == 0, out.stderr
+        return str(json.loads(out.stdout)["netns"])
+
+    def ip(self, pod: str) -> str:
+        out = self.palisade("endpoint", "get", pod, "-o", "json")
+        return str(json.loads(out.stdout)["ips"][0])
+
+    def reach(self, src: str, dst: str, port: int, protocol: str = "TCP") -> bool:
+        target = [{"id": "t", "ip": self.ip(dst), "port": port, "protocol": protocol}]
+        out = subprocess.run(
+            [sys.executable, "-m", "services.devstack.prober", "--netns", self.netns(src), "--timeout", "1.5"],
+            cwd=ROOT,
+            input=json.dumps(target),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return bool(json.loads(out.stdout)["t"])
+
+
+@contextlib.contextmanager
+def running_stack(tmp: Path, examples: Path | None, *extra: str) -> Iterator[Stack]:
+    """A stack on ``tmp``, its manifest folder a copy of ``examples`` (or empty); stopped at the end."""
+    manifests = tmp / "manifests"
+    if examples is not None:
+        shutil.copytree(examples, manifests)
+    else:
+        manifests.mkdir()
+    base = free_port()
+    while not all(_free(base + i) for i in range(len(SERVICES))):
+        base = free_port()
+    bpffs = f"/sys/fs/bpf/palisade-e2e-{secrets.token_hex(3)}"
+    cmd = [
+        sys.executable, "-m", "services.devstack",
+        "--manifests", str(manifests),
+        "--run-dir", str(tmp / "run"),
+        "--bpffs", bpffs,
+        "--nats-port", str(free_port()),
+        "--etcd-port", str(_free_pair()),
+        "--grpc-port-base", str(base),
+        *extra,
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        output.append(line)
+        if line.startswith("Ctrl-C stops everything"):
+            break
+    if not any(line.startswith("Palisade is running") for line in output):
+        proc.kill()
+        pytest.fail("make run did not come up:\n" + "".join(output))
+    addresses = [f"127.0.0.1:{base + i}" for i in range(len(SERVICES))]
+    try:
+        yield Stack(proc, manifests, tmp / "run", bpffs, addresses, output)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_pair() -> int:
+    port = free_port()
+    while not (_free(port) and _free(port + 1)):
+        port = free_port()
+    return port
+
+
+def wait_for(check: Callable[[], object], timeout: float = 30.0) -> bool:
+    """Poll ``check`` until it is truthy; False after ``timeout`` (a safety net, not a speed assertion)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.3)
+    return False
+
+
+class Traffic:
+    """Counted connections from one pod of a stack while a block runs (see :mod:`tests.system.traffic`)."""
+
+    def __init__(self, stack: Stack, src: str, allowed: list[tuple[str, int]], denied: list[tuple[str, int]]) -> None:
+        cmd = [sys.executable, "-m", "tests.system.traffic", "--netns", stack.netns(src)]
+        cmd += [a for pod, port in allowed for a in ("--allowed", f"{stack.ip(pod)}:{port}")]
+        cmd += [a for pod, port in denied for a in ("--denied", f"{stack.ip(pod)}:{port}")]
+        self._proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.counts: dict[str, int] = {}
+
+    def __enter__(self) -> Traffic:
+        assert self._proc.stdout is not None
+        assert self._proc.stdout.readline().strip() == "ready", "the traffic counter did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        out, _ = self._proc.communicate(input="", timeout=30)
+        self.counts = json.loads(out)
