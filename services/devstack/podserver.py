@@ -2,7 +2,8 @@
 
     python -m services.devstack.podserver --netns /run/netns/x --name shop/db --tcp 5432 --udp 9125
 
-SCTP listeners need the kernel's SCTP support; without it they are reported and skipped.
+SCTP listens with the kernel's SCTP where it has it; otherwise raw sockets answer each
+INIT to a served port with an INIT-ACK (see :mod:`services.devstack.sctp`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import signal
 import socket
 import sys
 
+from services.devstack import sctp as raw_sctp
 from services.devstack.netnsexec import enter
 
 
@@ -47,15 +49,15 @@ async def serve(name: str, tcp: list[int], udp: list[int], sctp: list[int]) -> N
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.bind(("::", port))
         await loop.create_datagram_endpoint(Echo, sock=sock)
+    if sctp and not raw_sctp.kernel_has_sctp():
+        raw_sctp.Listener(sctp).start()
+        sctp = []
     for port in sctp:
-        try:
-            s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_SCTP)
-            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            s.bind(("::", port))
-            s.listen(16)
-            servers.append(await asyncio.start_server(on_conn, sock=s))
-        except OSError as exc:
-            print(f"podserver {name}: no SCTP listener on {port}: {exc.strerror}", file=sys.stderr)
+        s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_SCTP)
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        s.bind(("::", port))
+        s.listen(16)
+        servers.append(await asyncio.start_server(on_conn, sock=s))
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable, Iterator
 
 from services.datapath.netns import in_netns
+from services.devstack.sctp import INIT, Packet
 
 #: How long an allowed exchange may take before the test calls it failed (generous: loaded CI).
 ALLOW_TIMEOUT = 5.0
@@ -214,33 +215,9 @@ def icmp_echo(ns: str, ip: str, timeout: float = ALLOW_TIMEOUT) -> bool:
     return False
 
 
-def _crc32c_table() -> list[int]:
-    table = []
-    for i in range(256):
-        crc = i
-        for _ in range(8):
-            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
-        table.append(crc)
-    return table
-
-
-_CRC32C = _crc32c_table()
-
-
-def crc32c(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
 def sctp_init_packet(sport: int, dport: int, initiate_tag: int) -> bytes:
     """An SCTP common header plus an INIT chunk (RFC 9260 3.3.2), with a valid CRC32c."""
-    chunk = struct.pack("!BBHIIHHI", 1, 0, 20, initiate_tag, 65535, 1, 1, initiate_tag)
-    header = struct.pack("!HHII", sport, dport, 0, 0)
-    checksum = crc32c(header + chunk)
-    # The CRC32c goes on the wire least significant byte first.
-    return struct.pack("!HHI", sport, dport, 0) + struct.pack("<I", checksum) + chunk
+    return Packet(sport, dport, 0, INIT, initiate_tag=initiate_tag).encode()
 
 
 def sctp_init_crosses(

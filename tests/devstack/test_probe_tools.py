@@ -58,6 +58,8 @@ def test_servers_answer_and_prober_tells_open_from_closed(two_pods: tuple[str, s
             "80",
             "--udp",
             "53",
+            "--sctp",
+            "80",
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -72,6 +74,9 @@ def test_servers_answer_and_prober_tells_open_from_closed(two_pods: tuple[str, s
             {"id": "udp-closed", "ip": "10.99.0.2", "port": 54, "protocol": "UDP"},
             {"id": "tcp6-open", "ip": "fd99::2", "port": 80, "protocol": "TCP"},
             {"id": "udp6-open", "ip": "fd99::2", "port": 53, "protocol": "UDP"},
+            {"id": "sctp-open", "ip": "10.99.0.2", "port": 80, "protocol": "SCTP"},
+            {"id": "sctp-closed", "ip": "10.99.0.2", "port": 81, "protocol": "SCTP"},
+            {"id": "sctp6-open", "ip": "fd99::2", "port": 80, "protocol": "SCTP"},
         ]
         out = subprocess.run(
             [sys.executable, "-m", "services.devstack.prober", "--netns", a, "--timeout", "3"],
@@ -88,6 +93,9 @@ def test_servers_answer_and_prober_tells_open_from_closed(two_pods: tuple[str, s
             "udp-closed": False,
             "tcp6-open": True,
             "udp6-open": True,
+            "sctp-open": True,
+            "sctp-closed": False,
+            "sctp6-open": True,
         }
     finally:
         server.terminate()
