@@ -22,9 +22,9 @@
  *   3. Remote identity: a local endpoint's address (endpoints map), else the
  *      longest ipcache prefix, else WORLD_ID.
  *   4. Policy for a new flow, in this order:
- *        direction not enforced for the endpoint        -> allow
  *        deny  (identity, proto, port) (identity, any)  -> drop
  *              (any, proto, port)      (any, any)
+ *        direction not enforced for the endpoint        -> allow
  *        allow the same four lookups                     -> pass
  *        nothing matched                                 -> default deny
  *      ICMP/ICMPv6 echo follows policy with port 0 (matched by L3-only and
@@ -402,13 +402,15 @@ static __always_inline u8 policy_verdict(u32 ep_id, u8 dir, u32 remote, u8 proto
     struct enforcement_key ek = {.ep_id = ep_id};
     struct enforcement_value *en = enforcement.lookup(&ek);
     u32 bit = dir == DIR_INGRESS ? ENFORCE_INGRESS : ENFORCE_EGRESS;
-    if (!en || !(en->flags & bit)) {
-        *reason = REASON_NOT_ENFORCED;
-        return VERDICT_ALLOW;
-    }
+    /* Deny entries hold even where the direction is not enforced (a policy with
+     * enableDefaultDeny false still denies what its deny rules name). */
     if (policy_match(ep_id, dir, remote, proto, port, VERDICT_DENY)) {
         *reason = REASON_POLICY_DENY;
         return VERDICT_DENY;
+    }
+    if (!en || !(en->flags & bit)) {
+        *reason = REASON_NOT_ENFORCED;
+        return VERDICT_ALLOW;
     }
     if (policy_match(ep_id, dir, remote, proto, port, VERDICT_ALLOW)) {
         *reason = REASON_POLICY_ALLOW;

@@ -220,15 +220,16 @@ def evaluate(
 ) -> tuple[Verdict, Reason]:
     """The verdict the program reaches for a new flow, computed in Python. Pure.
 
-    Lookup order (bpf/palisade.c ``policy_verdict``): an unenforced direction
-    allows; else deny prefixes for (identity, proto), (identity, any),
-    (any, proto), (any, any) — any hit drops; then the same four for allow —
-    any hit passes; else default deny. ``port`` is 0 for protocols without ports.
+    Lookup order (bpf/palisade.c ``policy_verdict``): deny prefixes for
+    (identity, proto), (identity, any), (any, proto), (any, any) — any hit drops,
+    enforced or not; then an unenforced direction allows; then the same four
+    for allow — any hit passes; else default deny. ``port`` is 0 for protocols
+    without ports.
     """
-    if not enforcement.enforced(direction):
-        return Verdict.ALLOW, Reason.NOT_ENFORCED
     combos = ((remote_identity, protocol), (remote_identity, 0), (IDENTITY_ANY, protocol), (IDENTITY_ANY, 0))
     for verdict, reason in ((Verdict.DENY, Reason.POLICY_DENY), (Verdict.ALLOW, Reason.POLICY_ALLOW)):
+        if verdict is Verdict.ALLOW and not enforcement.enforced(direction):
+            return Verdict.ALLOW, Reason.NOT_ENFORCED
         for identity, proto in combos:
             for p in prefixes:
                 if (
