@@ -219,7 +219,11 @@ def cmd_get(args: argparse.Namespace) -> int:
         stub = policy_pb2_grpc.PolicyServiceStub(ch)
         if args.name:
             status = call(
-                "policy", stub.GetPolicy, policy_pb2.GetPolicyRequest(ref=_ref(args), source=SOURCES[args.source])
+                "policy",
+                stub.GetPolicy,
+                policy_pb2.GetPolicyRequest(
+                    ref=_ref(args), source=SOURCES.get(args.source, policy_pb2.POLICY_SOURCE_UNSPECIFIED)
+                ),
             )
             statuses = [status]
         else:
@@ -323,7 +327,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             help="namespace of the policy (listing: only this namespace)",
         )
         q.add_argument(
-            "--source", choices=sorted(SOURCES), default="api", help="which copy (imported or from Kubernetes)"
+            "--source",
+            choices=sorted(SOURCES),
+            default=None if optional_name else "api",
+            help="which copy (imported or from Kubernetes)"
+            + (": default the imported one if there is one, else Kubernetes'" if optional_name else ""),
         )
 
     dele = psub.add_parser("delete", help="delete an imported policy")
