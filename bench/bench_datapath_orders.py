@@ -130,7 +130,9 @@ class DummyLinks:
         self.names: list[str] = []
         self.count = 0
 
-    def setup(self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[dt.Address]) -> PodLink:
+    def setup(
+        self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[dt.Address], pod_ifname: str = "eth0"
+    ) -> PodLink:
         self.count += 1
         if not self.real:
             return PodLink(netns, False, host_ifname, 1000 + self.count)
@@ -143,6 +145,9 @@ class DummyLinks:
             ipr.link("set", index=index, state="up")
         self.names.append(name)
         return PodLink(netns, False, name, index)
+
+    def adopt(self, *, netns: str, host_ifname: str, addresses: Sequence[dt.Address]) -> PodLink:
+        raise NotImplementedError("the benchmark creates its own links")
 
     def teardown(self, link: PodLink) -> None:
         return None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -93,6 +95,11 @@ class GrpcServer:
         ]
         self.port = 0
         self._serving = False
+        self._unix: list[str] = []
+
+    def add_unix_socket(self, path: str) -> None:
+        """Also listen on a unix socket, owner-only (a local API, like Cilium's agent socket)."""
+        self._unix.append(path)
 
     def add_service(self, full_name: str) -> None:
         """Record a registered service for reflection and health (by its full name)."""
@@ -102,10 +109,23 @@ class GrpcServer:
         self.port = self.server.add_insecure_port(self.listen)
         if self.port == 0:
             raise OSError(f"cannot listen for gRPC on {self.listen}; is the port in use? set --grpc-listen")
+        for path in self._unix:
+            os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a previous run's; nobody listens on it any more
+            old_umask = os.umask(0o077)  # the socket is created owner-only, never briefly open
+            try:
+                if self.server.add_insecure_port(f"unix:{path}") == 0:
+                    raise OSError(f"cannot listen for gRPC on unix socket {path}; check the directory")
+            finally:
+                os.umask(old_umask)
         names = [*self._names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
         await self.set_serving(self._serving)
         await self.server.start()
+        for path in self._unix:
+            os.chmod(path, 0o600)
+            log.info("grpc listening", address=f"unix:{path}")
         host = self.listen.rpartition(":")[0]
         log.info("grpc listening", address=f"{host}:{self.port}", services=",".join(self._names))
         return self.port

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from services.common.config import CommonConfig, ConfigError, setting
 
@@ -27,6 +28,18 @@ class DatapathConfig(CommonConfig):
     observe_buffer: int = setting(
         "Flow events buffered per Observe client; a slower client loses the oldest.", default=4096
     )
+    cni_socket: str = setting(
+        "Unix socket the CNI plugin calls (owner-only; its directory also holds the plugin's queue of "
+        "deletions made while the datapath was down); default <state-dir>/cni.sock.",
+        default="",
+    )
+    cni_sweep_interval: float = setting(
+        "Seconds between sweeps for queued CNI deletions and endpoints whose namespace vanished.", default=5.0
+    )
+
+    @property
+    def cni_socket_path(self) -> str:
+        return self.cni_socket or os.path.join(self.state_dir, "cni.sock")
 
     def validate(self) -> None:
         for name in ("policy_address", "ipam_address"):

@@ -65,9 +65,12 @@ class EndpointRef:
     id: int = 0
     namespace: str = ""
     pod: str = ""
+    container_id: str = ""
 
     def __str__(self) -> str:
-        return f"endpoint {self.id}" if self.id else f"pod {self.namespace}/{self.pod}"
+        if self.id:
+            return f"endpoint {self.id}"
+        return f"pod {self.namespace}/{self.pod}" if self.pod else f"container {self.container_id}"
 
 
 def host_ifname(namespace: str, pod: str) -> str:
@@ -98,4 +101,13 @@ def spec_of(record: EndpointRecord) -> EndpointSpec:
 
 def link_of(record: EndpointRecord) -> PodLink:
     """The pod network of an endpoint, as its record remembers it."""
-    return PodLink(record.netns, record.netns_owned, record.host_ifname, record.host_ifindex, ips=record.ips)
+    return PodLink(
+        record.netns,
+        record.netns_owned,
+        record.host_ifname,
+        record.host_ifindex,
+        ips=record.ips,
+        link_owned=record.link_owned,
+        pod_ifname=record.ifname,
+        pod_mac=record.mac,
+    )

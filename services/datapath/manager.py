@@ -14,15 +14,18 @@ other services arrive as :class:`UpstreamError` with their status code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from services.common.backoff import retry_forever
 from services.common.errors import Code
 from services.common.labels import LABEL_POD_NAMESPACE
 from services.common.log import get_logger
+from services.datapath import deletequeue
 from services.datapath import netns as netns_mod
 from services.datapath import types as dt
 from services.datapath.datapath import DatapathAPI
@@ -60,7 +63,13 @@ T = TypeVar("T")
 class PodNetwork(Protocol):
     """Network namespaces, veths, addresses and routes (blocking calls); ``netns.NetnsPodNetwork`` in the service."""
 
-    def setup(self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[dt.Address]) -> PodLink: ...
+    def setup(
+        self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[dt.Address], pod_ifname: str = "eth0"
+    ) -> PodLink: ...
+
+    def adopt(self, *, netns: str, host_ifname: str, addresses: Sequence[dt.Address]) -> PodLink:
+        """Chained CNI: the host-side veth another plugin made, as it is."""
+        ...
 
     def teardown(self, link: PodLink) -> None: ...
 
@@ -161,6 +170,31 @@ class EndpointManager:
     async def apply_resync(self, state: dt.ResyncState) -> None:
         await self._do(lambda: self.realizer.apply_resync(state))
 
+    async def sweep(self, queue: Path) -> int:
+        """Apply queued CNI deletions and delete endpoints whose adopted namespace vanished; returns how many."""
+        removed = 0
+        for item in await asyncio.to_thread(deletequeue.pending, queue):
+            ref = EndpointRef(container_id=item.container_id)
+            try:
+                await self.delete(ref)
+                removed += 1
+                log.info("queued CNI deletion applied", container=item.container_id, pod=f"{item.namespace}/{item.pod}")
+            except EndpointNotFound:
+                pass  # never added, or deleted already: nothing to do, as for DEL itself
+            except UpstreamUnavailable as exc:
+                log.warning("queued CNI deletion applied; IPAM release pending", error=str(exc))
+            await asyncio.to_thread(deletequeue.done, item)
+        for ep in list(self.endpoints.values()):
+            record = ep.record
+            if record.netns_owned or await asyncio.to_thread(self._net.exists, record.netns):
+                continue
+            # The runtime removed the sandbox without a DEL (or it was lost): nothing can use the endpoint.
+            log.info("endpoint removed: its network namespace vanished", endpoint=ep.id, pod=record.key)
+            with contextlib.suppress(EndpointNotFound, UpstreamUnavailable):
+                await self.delete(EndpointRef(ep.id))
+                removed += 1
+        return removed
+
     async def repair(self) -> int:
         """Dump every endpoint's map and rewrite those that drifted; returns how many were repaired."""
         return await self._do(self.realizer.repair)
@@ -177,9 +211,13 @@ class EndpointManager:
             ep = self.endpoints.get(ref.id)
             if ep is not None and (not ref.namespace or ep.record.key == f"{ref.namespace}/{ref.pod}"):
                 return ep
-        else:
+        elif ref.pod:
             for ep in self.endpoints.values():
                 if ep.record.namespace == ref.namespace and ep.record.pod == ref.pod:
+                    return ep
+        else:
+            for ep in self.endpoints.values():
+                if ep.record.container_id == ref.container_id:
                     return ep
         raise EndpointNotFound(f"{ref} does not exist on node {self.node}; list endpoints to see what does")
 
@@ -211,6 +249,14 @@ class EndpointManager:
         key = request.key
         owner = f"pod/{key}"
         netns = request.netns and netns_mod.netns_path(netns_mod.name_of(request.netns))
+        if request.container_id:
+            # A runtime's ADD: a sandbox of the same id (ADD repeated) or of the same pod (a new
+            # sandbox before the old one's DEL) is replaced, as CNI expects.
+            for old in [e for e in self.endpoints.values() if e.record.container_id == request.container_id
+                        or e.record.key == key]:  # fmt: skip
+                log.info("endpoint replaced by a new sandbox", endpoint=old.id, pod=old.record.key)
+                with contextlib.suppress(EndpointNotFound, UpstreamUnavailable):
+                    await self.delete(EndpointRef(old.id))
         ep_id = await self._do(lambda: self._reserve(key, netns))
         if netns and not await asyncio.to_thread(self._net.exists, netns):
             await self._do(lambda: self._unreserve(ep_id, key))
@@ -226,7 +272,14 @@ class EndpointManager:
                 )
                 undo.append(lambda: self._ipam.release_identity(identity, self.node, owner))
             else:
-                identity = await self._node_ipam.resolve_pod(request.namespace, request.pod)
+                try:
+                    identity = await self._node_ipam.resolve_pod(request.namespace, request.pod)
+                except EndpointNotFound:
+                    if not request.init_identity:
+                        raise
+                    # The pod object is late (CNI ADD can come first): init until ipam publishes its identity.
+                    identity = dt.IDENTITY_INIT
+                    log.info("pod not known yet: endpoint starts with the init identity", pod=key)
             # 2. addresses (with the named ports, which ipam puts in the address's ipcache entry)
             addresses = []
             for family, ip in wanted:
@@ -235,15 +288,23 @@ class EndpointManager:
                 )
                 addresses.append(address)
                 undo.append(lambda ip=address.ip: self._ipam.release_ip(self.node, ip, owner))  # type: ignore[misc]
-            # 3. namespace, veth, addresses, routes
+            # 3. namespace, veth, addresses, routes (or, chained, the veth another plugin made)
             try:
-                link = await asyncio.to_thread(
-                    self._net.setup,
-                    netns=netns or netns_mod.netns_path(netns_name(request.namespace, request.pod)),
-                    create=not netns,
-                    host_ifname=host_ifname(request.namespace, request.pod),
-                    addresses=addresses,
-                )
+                if request.adopt_host_ifname:
+                    link = await asyncio.to_thread(
+                        self._net.adopt, netns=netns, host_ifname=request.adopt_host_ifname, addresses=addresses
+                    )
+                else:
+                    link = await asyncio.to_thread(
+                        self._net.setup,
+                        netns=netns or netns_mod.netns_path(netns_name(request.namespace, request.pod)),
+                        create=not netns,
+                        host_ifname=host_ifname(request.namespace, request.pod),
+                        addresses=addresses,
+                        pod_ifname=request.ifname or netns_mod.POD_IFNAME,
+                    )
+            except FileNotFoundError as exc:
+                raise PreconditionFailed(f"cannot set up the network of {key}: {exc.strerror or exc}") from None
             except FileExistsError as exc:
                 field = "netns" if netns else "pod"
                 raise PreconditionFailed(
@@ -266,6 +327,10 @@ class EndpointManager:
                 identity=identity,
                 ports=request.ports,
                 created_at=time.time(),
+                container_id=request.container_id,
+                ifname=link.pod_ifname,
+                mac=link.pod_mac,
+                link_owned=link.link_owned,
             )
             # 4. the identity's policy, fetched if no local endpoint has it yet
             fetched = await self._fetch_policy(identity)

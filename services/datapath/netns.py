@@ -68,6 +68,9 @@ class PodLink:
     pod_mac: str = ""
     #: The addresses routed to the pod.
     ips: tuple[str, ...] = ()
+    #: False when another CNI plugin made the veth: :func:`delete_pod` leaves it.
+    link_owned: bool = True
+    pod_ifname: str = POD_IFNAME
 
     @property
     def name(self) -> str:
@@ -90,8 +93,10 @@ def netns_path(name: str) -> str:
 
 
 def name_of(netns: str) -> str:
-    """The name under /run/netns of a namespace given by name or path."""
+    """The name under /run/netns of a namespace given by name or path (/var/run/netns/x too)."""
     path = Path(netns)
+    if len(path.parts) > 1 and Path(os.path.realpath(path.parent)) == Path(os.path.realpath(NETNS_DIR)):
+        return path.name
     if path.parent != Path(NETNS_DIR) and len(path.parts) > 1:
         raise ValueError(f"network namespace {netns} is not under {NETNS_DIR}; bind-mount it there (ip netns attach)")
     return path.name
@@ -220,7 +225,32 @@ def create_pod(
         delete_pod(link)
         raise
     log.info("pod network created", netns=name, veth=host_ifname, ifindex=host_index, ips=",".join(addrs))
-    return dataclasses.replace(link, host_ifindex=host_index, host_mac=host_mac, pod_mac=pod_mac)
+    return dataclasses.replace(link, host_ifindex=host_index, host_mac=host_mac, pod_mac=pod_mac, pod_ifname=pod_ifname)
+
+
+def adopt_pod(netns: str, host_ifname: str, ips: Sequence[str]) -> PodLink:
+    """The network another CNI plugin gave a pod (chained mode): its host-side veth, as it is.
+
+    Nothing is configured or changed; the link is the other plugin's (``link_owned`` False).
+    FileNotFoundError when the namespace or the interface does not exist.
+    """
+    from pyroute2 import IPRoute
+
+    name = name_of(netns)
+    if not os.path.exists(netns_path(name)):
+        raise FileNotFoundError(errno.ENOENT, f"network namespace {netns_path(name)} does not exist")
+    with IPRoute() as ipr:
+        found = ipr.link_lookup(ifname=host_ifname)
+        if not found:
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"host interface {host_ifname} does not exist; the previous plugin's result names a veth it did "
+                "not create on the host",
+            )
+        index = int(found[0])
+        host_mac = _mac(ipr, index)
+    addrs = tuple(str(ipaddress.ip_address(ip)) for ip in ips)
+    return PodLink(netns_path(name), False, host_ifname, index, host_mac=host_mac, ips=addrs, link_owned=False)
 
 
 def _sysctl(path: str, value: str) -> None:
@@ -262,10 +292,11 @@ def delete_pod(link: PodLink) -> None:
     from pyroute2 import IPRoute
     from pyroute2.netlink.exceptions import NetlinkError
 
-    with IPRoute() as ipr:
-        for index in ipr.link_lookup(ifname=link.host_ifname):
-            with contextlib.suppress(NetlinkError):
-                ipr.link("del", index=index)
+    if link.link_owned:
+        with IPRoute() as ipr:
+            for index in ipr.link_lookup(ifname=link.host_ifname):
+                with contextlib.suppress(NetlinkError):
+                    ipr.link("del", index=index)
     if link.netns_owned:  # an adopted namespace is the caller's
         delete_netns(link.name)
 
@@ -290,9 +321,21 @@ def list_netns(prefix: str = "") -> list[str]:
 class NetnsPodNetwork:
     """The endpoint manager's pod network over this module (blocking calls)."""
 
-    def setup(self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[Address]) -> PodLink:
+    def setup(
+        self,
+        *,
+        netns: str,
+        create: bool,
+        host_ifname: str,
+        addresses: Sequence[Address],
+        pod_ifname: str = POD_IFNAME,
+    ) -> PodLink:
         enable_forwarding()
-        return create_pod(netns, host_ifname, [a.ip for a in addresses], create=create)
+        return create_pod(netns, host_ifname, [a.ip for a in addresses], create=create, pod_ifname=pod_ifname)
+
+    def adopt(self, *, netns: str, host_ifname: str, addresses: Sequence[Address]) -> PodLink:
+        enable_forwarding()
+        return adopt_pod(netns, host_ifname, [a.ip for a in addresses])
 
     def teardown(self, link: PodLink) -> None:
         delete_pod(link)

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,6 +27,7 @@ from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
 from services.common.bus import IPCACHE_STREAM, REGEN_STREAM, Bus
 from services.common.log import get_logger
 from services.common.runner import ServiceContext, run_service
+from services.datapath import deletequeue
 from services.datapath.config import DatapathConfig
 from services.datapath.datapath import Datapath, DatapathAPI
 from services.datapath.flows import FlowHub
@@ -52,6 +54,15 @@ async def _repair_loop(manager: EndpointManager, interval: float) -> None:
             continue
         if repaired:
             log.info("policy maps repaired", endpoints=repaired)
+
+
+async def _sweep_loop(manager: EndpointManager, queue: Path, interval: float) -> None:
+    while True:
+        try:
+            await manager.sweep(queue)
+        except Exception as exc:
+            log.error("endpoint sweep failed", error=str(exc))
+        await asyncio.sleep(interval)
 
 
 @dataclasses.dataclass
@@ -134,6 +145,9 @@ async def start_agent(
     spawn(manager.reclaim(restored), "reclaim")
     if cfg.repair_interval > 0:
         spawn(_repair_loop(manager, cfg.repair_interval), "repair")
+    if cfg.cni_sweep_interval > 0:
+        queue = deletequeue.queue_dir(cfg.cni_socket_path)
+        spawn(_sweep_loop(manager, queue, cfg.cni_sweep_interval), "sweep")
     servicer = DatapathServicer(manager, flows, datapath)
     return Agent(node, manager, consumer, ipcache, reporter, flows, servicer)
 
@@ -173,6 +187,7 @@ async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
     )
     DatapathMetrics(AgentParts(agent.manager, agent.consumer, agent.reporter, agent.flows, datapath))
     datapath_pb2_grpc.add_DatapathServiceServicer_to_server(agent.servicer, ctx.server.server)
+    ctx.server.add_unix_socket(cfg.cni_socket_path)
     ctx.server.add_service(datapath_pb2.DESCRIPTOR.services_by_name["DatapathService"].full_name)
     ctx.server.status.provider = agent.status
 

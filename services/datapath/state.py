@@ -49,6 +49,13 @@ class EndpointRecord:
     identity: int
     ports: tuple[PortRecord, ...] = ()
     created_at: float = 0.0
+    #: The container runtime's sandbox id, for endpoints made through CNI.
+    container_id: str = ""
+    #: The pod-side interface and its MAC address.
+    ifname: str = "eth0"
+    mac: str = ""
+    #: False when another plugin made the veth (chained CNI): it is never deleted here.
+    link_owned: bool = True
 
     @property
     def key(self) -> str:
@@ -88,6 +95,10 @@ class EndpointRecord:
             identity=int(data["identity"]),
             ports=tuple(PortRecord(**p) for p in data.get("ports", [])),
             created_at=float(data.get("created_at", 0.0)),
+            container_id=str(data.get("container_id", "")),
+            ifname=str(data.get("ifname", "eth0")),
+            mac=str(data.get("mac", "")),
+            link_owned=bool(data.get("link_owned", True)),
         )
 
 

@@ -18,6 +18,8 @@ from typing import NamedTuple
 IDENTITY_ANY = 0
 IDENTITY_HOST = 1
 IDENTITY_WORLD = 2
+#: Reserved identity of an endpoint whose pod is not known yet (Cilium's reserved:init).
+IDENTITY_INIT = 5
 
 MAX_PORT = 0xFFFF
 #: Endpoint ids live in 32-bit fields of the BPF keys.
@@ -378,6 +380,14 @@ class EndpointRequest:
     ips: tuple[str, ...] = ()
     #: Reserve ``ips`` even outside the node's pod CIDR.
     outside_pool: bool = False
+    #: The container runtime's sandbox id (CNI); an endpoint of the same id or pod is replaced.
+    container_id: str = ""
+    #: The pod-side interface to create (empty: eth0).
+    ifname: str = ""
+    #: Chained CNI: the host-side veth another plugin made; attached to, never deleted.
+    adopt_host_ifname: str = ""
+    #: Start with the init identity while the pod is unknown, instead of failing.
+    init_identity: bool = False
 
     @property
     def key(self) -> str:

@@ -94,4 +94,21 @@ def validate_request(request: dt.EndpointRequest) -> tuple[tuple[int, str], ...]
             netns.name_of(request.netns)
         except ValueError as exc:
             raise InvalidRequest(f"netns: {exc}") from None
+    if request.container_id and not _CONTAINER_ID.fullmatch(request.container_id):
+        raise InvalidRequest(
+            f"container_id {shown(request.container_id)} is invalid: letters, digits, '_', '.' and '-' only "
+            "(at most 256), as CNI requires"
+        )
+    for field in ("ifname", "adopt_host_ifname"):
+        value = getattr(request, field)
+        if (value and not _IFNAME.fullmatch(value)) or value in (".", ".."):
+            raise InvalidRequest(
+                f"{field} {shown(value)} is invalid: an interface name of 1-15 characters, no '/' or spaces"
+            )
+    if request.adopt_host_ifname and not (request.netns and request.ips):
+        raise InvalidRequest("adopt_host_ifname: adopting another plugin's veth needs netns and the ips it configured")
     return request_families(request)
+
+
+_CONTAINER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,255}")
+_IFNAME = re.compile(r"[^/\s:]{1,15}")

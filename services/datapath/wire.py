@@ -11,9 +11,11 @@ cannot represent raises :class:`OrderError` here, before any of it is applied.
 from __future__ import annotations
 
 from palisade.v1 import common_pb2, datapath_pb2, ipam_pb2, policy_pb2
+from services.datapath import netns
 from services.datapath import types as dt
 from services.datapath.endpoint import Endpoint, EndpointRef
 from services.datapath.errors import InvalidRequest, OrderError
+from services.datapath.state import EndpointRecord
 from services.datapath.validate import validate_ref
 
 # --- policy ---------------------------------------------------------------------------------------
@@ -155,13 +157,18 @@ def request_from_proto(request: datapath_pb2.CreateEndpointRequest) -> dt.Endpoi
         families=tuple(family_from_proto(f) for f in request.families),
         ips=tuple(request.ips),
         outside_pool=request.outside_pool,
+        container_id=request.container_id,
+        ifname=request.ifname,
+        adopt_host_ifname=request.adopt_host_ifname,
+        init_identity=request.init_identity,
     )
 
 
 def ref_from_proto(request: datapath_pb2.GetEndpointRequest | datapath_pb2.DeleteEndpointRequest) -> EndpointRef:
-    ref = EndpointRef(request.id, request.namespace, request.pod)
-    if not ref.id and not (ref.namespace and ref.pod):
-        raise InvalidRequest("name the endpoint: give its id, or both namespace and pod")
+    container_id = request.container_id if isinstance(request, datapath_pb2.DeleteEndpointRequest) else ""
+    ref = EndpointRef(request.id, request.namespace, request.pod, container_id)
+    if not ref.id and not (ref.namespace and ref.pod) and not ref.container_id:
+        raise InvalidRequest("name the endpoint: give its id, both namespace and pod, or its container_id")
     validate_ref(ref)
     return ref
 
@@ -183,7 +190,19 @@ def endpoint_to_proto(ep: Endpoint, node: str) -> datapath_pb2.Endpoint:
         realized_revision=ep.realized_revision,
         error=ep.error,
         enforcement=enforcement_to_proto(ep.enforcement),
+        container_id=r.container_id,
+        ifname=r.ifname,
+        mac=r.mac,
+        gateways=_gateways(r),
     )
+
+
+def _gateways(record: EndpointRecord) -> list[str]:
+    """The pod's default gateways: the link-local ones the datapath configures, or the other plugin's."""
+    if not record.link_owned:
+        return list(dict.fromkeys(a.gateway for a in record.addresses if a.gateway))
+    families = {a.family for a in record.addresses}
+    return [gw for family, gw in ((4, netns.GATEWAY_V4), (6, netns.GATEWAY_V6)) if family in families]
 
 
 def address_from_proto(alloc: ipam_pb2.IPAllocation) -> dt.Address:

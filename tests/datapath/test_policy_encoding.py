@@ -105,9 +105,8 @@ def test_adjacent_ranges_stay_separate_entries() -> None:
 def reference_verdict(
     items: list[PolicyEntry], enforcement: Enforcement, direction: Direction, identity: int, proto: int, port: int
 ) -> Verdict:
-    """The semantics in plain words: deny beats allow; 0 identity/ANY protocol/0 port are wildcards."""
-    if not enforcement.enforced(direction):
-        return Verdict.ALLOW
+    """The semantics in plain words: deny beats allow, and holds even where the direction is not
+    enforced (which otherwise allows all); 0 identity/ANY protocol/0 port are wildcards."""
 
     def matches(e: PolicyEntry) -> bool:
         k = e.key
@@ -122,6 +121,8 @@ def reference_verdict(
     hits = {e.verdict for e in items if matches(e)}
     if Verdict.DENY in hits:
         return Verdict.DENY
+    if not enforcement.enforced(direction):
+        return Verdict.ALLOW
     return Verdict.ALLOW if Verdict.ALLOW in hits else Verdict.DENY
 
 
@@ -152,7 +153,7 @@ def test_lookup_order_matches_the_reference(
     assert got is reference_verdict(items, enforcement, direction, identity, proto, port)
     assert reason.is_drop == (got is Verdict.DENY)
     if not enforced:
-        assert reason is Reason.NOT_ENFORCED
+        assert reason is (Reason.POLICY_DENY if got is Verdict.DENY else Reason.NOT_ENFORCED)
 
 
 def test_key_bytes_round_trip_and_port_is_network_order() -> None:

@@ -37,7 +37,9 @@ class FakeNetwork:
         self.pod_side: dict[str, str] = {}
         self._ifindex = itertools.count(100)
 
-    def setup(self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[Address]) -> PodLink:
+    def setup(
+        self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[Address], pod_ifname: str = "eth0"
+    ) -> PodLink:
         if create:
             if netns in self.namespaces:
                 raise FileExistsError(errno.EEXIST, f"network namespace {netns} already exists")
@@ -45,14 +47,30 @@ class FakeNetwork:
         elif netns not in self.namespaces:
             raise FileNotFoundError(errno.ENOENT, f"network namespace {netns} does not exist")
         elif netns in self.pod_side.values():  # as netns.create_pod finds eth0 there
-            raise FileExistsError(errno.EEXIST, f"network namespace {netns} already has an interface eth0")
+            raise FileExistsError(errno.EEXIST, f"network namespace {netns} already has an interface {pod_ifname}")
         self.links[host_ifname] = next(self._ifindex)
         self.pod_side[host_ifname] = netns
-        return PodLink(netns, create, host_ifname, self.links[host_ifname], ips=tuple(a.ip for a in addresses))
+        ips = tuple(a.ip for a in addresses)
+        return PodLink(netns, create, host_ifname, self.links[host_ifname], ips=ips, pod_ifname=pod_ifname)
+
+    def adopt(self, *, netns: str, host_ifname: str, addresses: Sequence[Address]) -> PodLink:
+        if netns not in self.namespaces:
+            raise FileNotFoundError(errno.ENOENT, f"network namespace {netns} does not exist")
+        if host_ifname not in self.links:
+            raise FileNotFoundError(errno.ENOENT, f"host interface {host_ifname} does not exist")
+        ips = tuple(a.ip for a in addresses)
+        return PodLink(netns, False, host_ifname, self.links[host_ifname], ips=ips, link_owned=False)
+
+    def plug(self, netns: str, host_ifname: str) -> None:
+        """What another CNI plugin does before Palisade's, chained: a namespace and a veth into it."""
+        self.namespaces.add(netns)
+        self.links[host_ifname] = next(self._ifindex)
+        self.pod_side[host_ifname] = netns
 
     def teardown(self, link: PodLink) -> None:
-        self.links.pop(link.host_ifname, None)
-        self.pod_side.pop(link.host_ifname, None)
+        if link.link_owned:
+            self.links.pop(link.host_ifname, None)
+            self.pod_side.pop(link.host_ifname, None)
         if link.netns_owned:
             self.namespaces.discard(link.netns)
 
@@ -114,6 +132,8 @@ class InProcessAgent:
         self.server = grpc.aio.server()
         datapath_pb2_grpc.add_DatapathServiceServicer_to_server(self.agent.servicer, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
+        # The CNI plugin's door, as the service opens it.
+        self.server.add_insecure_port(f"unix:{self.config.cni_socket_path}")
         await self.server.start()
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         self.stub = datapath_pb2_grpc.DatapathServiceStub(self.channel)

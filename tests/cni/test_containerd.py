@@ -1,0 +1,184 @@
+"""Pods that a real runtime creates: containerd's CRI calls palisade-cni, standalone and chained after ptp.
+
+The whole system runs as `make run` brings it up (no dev-node pods); containerd plays the
+kubelet's runtime, with a conflist naming Palisade. The watcher publishes the Pod objects
+from the manifest folder; one of them arrives only after its sandbox exists. A policy is
+applied and real packets between the sandboxes' namespaces are allowed and denied as
+`palisade analyze` says; removing the sandboxes leaves no endpoint, address or link.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from palisade.v1 import ipam_pb2, ipam_pb2_grpc
+from tests.cni.runtime import Containerd, Cri, missing
+from tests.harness import ROOT
+from tests.system.stack import Stack, running_stack, wait_for
+
+pytestmark = [pytest.mark.root, pytest.mark.bcc]
+
+NS = "cri"
+INIT = 5
+POLICY = {
+    "apiVersion": "networking.k8s.io/v1",
+    "kind": "NetworkPolicy",
+    "metadata": {"name": "server-from-client", "namespace": NS},
+    "spec": {
+        "podSelector": {"matchLabels": {"app": "server"}},
+        "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "client"}}}], "ports": [{"port": 80}]}],
+    },
+}
+
+
+def pod(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": {"app": name}, "uid": f"uid-{name}"},
+        "spec": {"nodeName": "dev-node", "containers": [{"name": "c", "image": "i", "ports": [{"containerPort": 80}]}]},
+    }
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    problem = missing()
+    if problem:
+        pytest.skip(problem)
+    with running_stack(tmp_path_factory.mktemp("cni"), None, "--no-pods") as s:
+        namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS, "labels": {"team": NS}}}
+        (s.manifests / "00-ns.yaml").write_text(yaml.safe_dump_all([namespace, pod("client"), pod("server"), POLICY]))
+        yield s
+
+
+@pytest.fixture
+def runtime(stack: Stack, tmp_path: Path) -> Iterator[tuple[Containerd, Cri]]:
+    containerd = Containerd(tmp_path / "ctd")
+    containerd.start(str(Path(sys.executable).parent / "palisade-cni"))
+    cri = containerd.cri()
+    try:
+        yield containerd, cri
+    finally:
+        cri.close()
+        containerd.stop()
+
+
+def endpoints(stack: Stack) -> dict[str, dict[str, Any]]:
+    out = stack.palisade("endpoint", "list", "-o", "json")
+    assert out.returncode == 0, out.stderr
+    return {f"{e['namespace']}/{e['pod']}": e for e in json.loads(out.stdout).get("endpoints", [])}
+
+
+def allocations(stack: Stack) -> list[str]:
+    with grpc.insecure_channel(stack.address("ipam")) as ch:
+        listing = ipam_pb2_grpc.IPAMServiceStub(ch).ListAllocations(ipam_pb2.ListAllocationsRequest(), timeout=10)
+    return [a.owner for a in listing.allocations if a.owner.startswith(f"pod/{NS}/")]
+
+
+def reach(netns_src: str, ip: str, port: int = 80) -> bool:
+    target = [{"id": "t", "ip": ip, "port": port, "protocol": "TCP"}]
+    out = subprocess.run(
+        [sys.executable, "-m", "services.devstack.prober", "--netns", netns_src, "--timeout", "1.5"],
+        cwd=ROOT,
+        input=json.dumps(target),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return bool(json.loads(out.stdout)["t"])
+
+
+def analyzed(stack: Stack) -> dict[str, dict[str, bool]]:
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "analyze", "-f", str(stack.manifests), "--probe", "80/TCP",
+         "-o", "json"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    matrix: dict[str, dict[str, bool]] = json.loads(out.stdout)["probes"][0]["matrix"]
+    return matrix
+
+
+CONFLISTS = {
+    "standalone": lambda sock, root: [{"type": "palisade", "socket": sock}],
+    "chained": lambda sock, root: [
+        {"type": "ptp", "ipMasq": False,
+         "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.77.0.0/24"}]], "dataDir": str(root / "ipam")}},
+        {"type": "palisade", "socket": sock},
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", sorted(CONFLISTS))
+def test_sandboxes_from_containerd_are_enforced_by_identity_and_leave_nothing(
+    stack: Stack, runtime: tuple[Containerd, Cri], mode: str, tmp_path: Path
+) -> None:
+    containerd, cri = runtime
+    socket = str(stack.run_dir / "datapath" / "cni.sock")
+    containerd.write_conflist(CONFLISTS[mode](socket, tmp_path))
+    late = stack.manifests / "10-late.yaml"
+    sandboxes: dict[str, str] = {}
+    servers: list[subprocess.Popen[str]] = []
+    try:
+        for name in ("client", "server"):
+            sandboxes[name] = cri.run_sandbox(NS, name, f"uid-{name}", tmp_path / "logs")
+        # A pod whose object arrives after its sandbox: init first, then its own identity.
+        sandboxes["late"] = cri.run_sandbox(NS, "late", "uid-late", tmp_path / "logs")
+        eps = endpoints(stack)
+        assert set(eps) == {f"{NS}/client", f"{NS}/server", f"{NS}/late"}, eps
+        assert eps[f"{NS}/late"]["identity"] == INIT
+        assert all(e["container_id"] == sandboxes[k.split("/")[1]] for k, e in eps.items())
+        late.write_text(yaml.safe_dump(pod("late")))
+        started = time.monotonic()
+        assert wait_for(lambda: endpoints(stack)[f"{NS}/late"]["identity"] != INIT, 15)
+        print(f"late pod moved from init to its identity {time.monotonic() - started:.2f}s after its object")
+        eps = endpoints(stack)
+        assert len({e["identity"] for e in eps.values()}) == 3 and INIT not in {e["identity"] for e in eps.values()}
+        for name, sid in sandboxes.items():
+            ep = eps[f"{NS}/{name}"]
+            assert ep["ips"] == [cri.ip(sid)], (mode, ep, cri.ip(sid))
+            assert Path(ep["netns"]).resolve() == Path(cri.netns(sid)).resolve()
+        if mode == "chained":
+            assert all(e["ips"][0].startswith("10.77.0.") for e in eps.values())
+
+        # Real packets, as analyze says: client -> server allowed, late -> server denied.
+        server_ep = eps[f"{NS}/server"]
+        server = subprocess.Popen(
+            [sys.executable, "-m", "services.devstack.podserver", "--netns", server_ep["netns"], "--name", "server",
+             "--tcp", "80"],
+            cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        servers.append(server)
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        assert wait_for(lambda: stack.palisade("policy", "get", "networkpolicy", "server-from-client", "-n", NS)
+                        .returncode == 0)  # fmt: skip
+        matrix = analyzed(stack)
+        for src in ("client", "late"):
+            want = matrix[f"{NS}/{src}"][f"{NS}/server"]
+            src_netns = str(eps[f"{NS}/{src}"]["netns"])
+            assert wait_for(lambda n=src_netns, w=want: reach(n, server_ep["ips"][0]) == w)  # type: ignore[misc]
+        assert matrix[f"{NS}/client"][f"{NS}/server"] and not matrix[f"{NS}/late"][f"{NS}/server"]
+    finally:
+        for proc in servers:
+            proc.terminate()
+            proc.wait(10)
+        for sid in sandboxes.values():
+            cri.remove(sid)
+        late.unlink(missing_ok=True)
+    # Nothing left: no endpoint, no address, no host link of ours.
+    assert wait_for(lambda: endpoints(stack) == {}, 15), endpoints(stack)
+    assert wait_for(lambda: allocations(stack) == [], 15), allocations(stack)
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    assert not [line for line in links.splitlines() if " lxc" in line and "@" in line and NS in line]
+    if mode == "standalone":
+        for ep in eps.values():
+            assert ep["host_ifname"] not in links

@@ -1,0 +1,263 @@
+"""palisade-cni as a runtime runs it: exec'd with the CNI environment and configuration, against a datapath.
+
+The datapath is the agent in this process over the in-memory BPF fake and a fake pod network,
+with real NATS, real gRPC on its unix socket, and real network namespace paths (root).
+Every command, both modes, and the error paths a runtime can meet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.common.bus import Bus
+from services.datapath.fake import FakeDatapath
+from tests.datapath_service.agent import InProcessAgent
+from tests.datapath_service.controlplane import ControlPlane
+from tests.datapath_service.helpers import eventually
+from tests.harness import ROOT, NatsServer
+
+pytestmark = pytest.mark.root
+
+NODE = "node-a"
+INIT = 5
+
+
+@pytest.fixture
+async def cp(nats_server: NatsServer) -> AsyncIterator[ControlPlane]:
+    bus = await Bus.connect([nats_server.url], name="control-plane")
+    plane = ControlPlane(bus, NODE)  # type: ignore[abstract]
+    await plane.start()
+    yield plane
+    await plane.stop()
+    await bus.close()
+
+
+@pytest.fixture
+async def agent(nats_server: NatsServer, cp: ControlPlane, tmp_path: Path) -> AsyncIterator[InProcessAgent]:
+    runner = InProcessAgent(nats_server.url, cp.address, tmp_path, NODE)
+    await runner.start()
+    await runner.wait_synced()
+    yield runner
+    if runner.agent is not None:
+        await runner.stop()
+    FakeDatapath.open(runner.config.bpffs).teardown()
+
+
+@pytest.fixture
+def netns(agent: InProcessAgent) -> Iterator[str]:
+    """A real network namespace, as the runtime makes for a sandbox, known to the fake pod network."""
+    name = f"cnitest-{secrets.token_hex(3)}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    path = f"/run/netns/{name}"
+    agent.network.namespaces.add(path)
+    yield path
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def conf(agent: InProcessAgent, version: str = "1.0.0", **extra: Any) -> dict[str, Any]:
+    return {"cniVersion": version, "name": "k8s-pod-network", "type": "palisade",
+            "socket": agent.config.cni_socket_path, "timeout": 2, **extra}  # fmt: skip
+
+
+async def cni(
+    command: str, config: dict[str, Any] | bytes, *, netns: str = "", cid: str = "c1", pod: str = "web", **env: str
+) -> tuple[int, dict[str, Any]]:
+    """Exec palisade-cni as a runtime does; returns (exit status, the JSON it printed)."""
+    environment = {
+        "PATH": os.environ["PATH"],
+        "CNI_COMMAND": command,
+        "CNI_CONTAINERID": cid,
+        "CNI_NETNS": netns,
+        "CNI_IFNAME": "eth0",
+        "CNI_PATH": "/opt/cni/bin",
+        "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAMESPACE=x;K8S_POD_NAME={pod};K8S_POD_UID=u-1",
+        **env,
+    }
+    data = config if isinstance(config, bytes) else json.dumps(config).encode()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cni.plugin", cwd=ROOT, env=environment,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await proc.communicate(data)
+    assert proc.returncode is not None
+    text = out.decode().strip()
+    # Success of DEL, CHECK, STATUS and GC prints nothing, as the specification says.
+    assert text or proc.returncode == 0, f"no error object (stderr: {err.decode()[-2000:]})"
+    return proc.returncode, json.loads(text) if text else {}
+
+
+def endpoints(agent: InProcessAgent) -> dict[str, Any]:
+    assert agent.agent is not None
+    return {ep.record.container_id: ep for ep in agent.agent.manager.endpoints.values()}
+
+
+async def test_version_answers_the_supported_versions(agent: InProcessAgent) -> None:
+    code, out = await cni("VERSION", {"cniVersion": "1.0.0"})
+    assert code == 0 and out["cniVersion"] == "1.0.0"
+    assert {"0.3.1", "0.4.0", "1.0.0", "1.1.0"} <= set(out["supportedVersions"])
+
+
+async def test_standalone_add_check_del_and_del_again(agent: InProcessAgent, cp: ControlPlane, netns: str) -> None:
+    code, out = await cni("ADD", conf(agent), netns=netns)
+    assert code == 0, out
+    assert out["cniVersion"] == "1.0.0"
+    host, pod = out["interfaces"]
+    assert host["name"].startswith("lxc") and "sandbox" not in host
+    assert (pod["name"], pod["sandbox"]) == ("eth0", netns)
+    (ip,) = out["ips"]
+    assert ip["address"].endswith("/32") and ip["gateway"] == "169.254.1.1" and ip["interface"] == 1
+    assert "version" not in ip
+    assert out["routes"] == [{"dst": "0.0.0.0/0", "gw": "169.254.1.1"}]
+    ep = endpoints(agent)["c1"]
+    assert ep.record.key == "x/web" and ep.record.netns == netns and not ep.record.netns_owned
+
+    # The pod object was not known: init first, its own identity once ipam publishes it.
+    assert ep.identity == INIT
+    await cp.relabel_pod("x", "web", 4242)
+    await eventually(lambda: endpoints(agent)["c1"].identity == 4242)
+
+    code, out = await cni("CHECK", conf(agent, prevResult=out), netns=netns)
+    assert code == 0 and out == {}
+    code, out = await cni("DEL", conf(agent), netns=netns)
+    assert (code, out) == (0, {})
+    assert endpoints(agent) == {} and cp.ips == {}
+    assert ep.record.host_ifname not in agent.network.links
+    # DEL is idempotent, and never fails for a namespace that is gone.
+    code, _ = await cni("DEL", conf(agent), netns=netns)
+    assert code == 0
+    code, _ = await cni("DEL", conf(agent), netns="/run/netns/long-gone")
+    assert code == 0
+
+
+async def test_an_older_version_gets_its_own_result_shape(agent: InProcessAgent, netns: str) -> None:
+    code, out = await cni("ADD", conf(agent, "0.3.1"), netns=netns)
+    assert code == 0, out
+    assert out["cniVersion"] == "0.3.1" and out["ips"][0]["version"] == "4"
+
+
+async def test_add_again_replaces_the_endpoint_and_a_new_sandbox_replaces_the_old(
+    agent: InProcessAgent, cp: ControlPlane, netns: str
+) -> None:
+    assert (await cni("ADD", conf(agent), netns=netns))[0] == 0
+    code, out = await cni("ADD", conf(agent), netns=netns)
+    assert code == 0, out
+    assert list(endpoints(agent)) == ["c1"]
+    # The runtime made a new sandbox for the pod before the old one's DEL.
+    other = netns + "b"
+    await asyncio.to_thread(subprocess.run, ["ip", "netns", "add", os.path.basename(other)], check=True)
+    agent.network.namespaces.add(other)
+    try:
+        code, out = await cni("ADD", conf(agent), netns=other, cid="c2")
+        assert code == 0, out
+        assert list(endpoints(agent)) == ["c2"]
+        assert len(cp.ips) == 1
+    finally:
+        await asyncio.to_thread(subprocess.run, ["ip", "netns", "del", os.path.basename(other)], capture_output=True)
+
+
+async def test_chained_adopts_the_previous_plugins_veth_and_passes_its_result_on(
+    agent: InProcessAgent, cp: ControlPlane, netns: str
+) -> None:
+    agent.network.plug(netns, "veth0a1b2c3d")
+    prev = {
+        "cniVersion": "1.0.0",
+        "interfaces": [{"name": "veth0a1b2c3d", "mac": "aa:bb:cc:dd:ee:01"},
+                       {"name": "eth0", "mac": "aa:bb:cc:dd:ee:02", "sandbox": netns}],
+        "ips": [{"address": "10.22.0.5/24", "gateway": "10.22.0.1", "interface": 1}],
+        "routes": [{"dst": "0.0.0.0/0"}],
+        "dns": {},
+    }  # fmt: skip
+    code, out = await cni("ADD", conf(agent, prevResult=prev), netns=netns)
+    assert code == 0, out
+    assert out == prev
+    ep = endpoints(agent)["c1"]
+    assert ep.record.host_ifname == "veth0a1b2c3d" and ep.record.ips == ("10.22.0.5",) and not ep.record.link_owned
+    assert cp.ips == {"10.22.0.5": "pod/x/web"}  # so the address reaches the ipcache with the pod's identity
+    code, _ = await cni("CHECK", conf(agent, prevResult=prev), netns=netns)
+    assert code == 0
+    code, _ = await cni("DEL", conf(agent, prevResult=prev), netns=netns)
+    assert code == 0
+    assert endpoints(agent) == {} and "veth0a1b2c3d" in agent.network.links  # not ours to delete
+
+
+@pytest.mark.parametrize(
+    ("config", "env", "code", "words"),
+    [
+        (b"{not json", {}, 6, "not JSON"),
+        (b"[1, 2]", {}, 6, "not a JSON object"),
+        ({"cniVersion": "9.9.9", "type": "palisade"}, {}, 1, "cniVersion 9.9.9"),
+        ({"type": "palisade"}, {}, 7, "cniVersion is missing"),
+        ({"cniVersion": "1.0.0", "type": "bridge"}, {}, 7, "this plugin is type"),
+        ({"cniVersion": "1.0.0", "type": "palisade", "socket": "relative.sock"}, {}, 7, "socket"),
+        ({"cniVersion": "1.0.0", "type": "palisade", "timeout": -1}, {}, 7, "timeout"),
+        ({"cniVersion": "1.0.0", "type": "palisade"}, {"CNI_NETNS": ""}, 4, "CNI_NETNS"),
+        ({"cniVersion": "1.0.0", "type": "palisade"}, {"CNI_CONTAINERID": ""}, 4, "CNI_CONTAINERID"),
+        ({"cniVersion": "1.0.0", "type": "palisade"}, {"CNI_ARGS": "IgnoreUnknown=1"}, 4, "K8S_POD_NAME"),
+        ({"cniVersion": "1.0.0", "type": "palisade"}, {"CNI_COMMAND": "FROB"}, 4, "CNI_COMMAND"),
+        ({"cniVersion": "1.0.0", "type": "palisade", "prevResult": {"interfaces": [{"name": "eth0", "sandbox": "/x"}]}},
+         {}, 7, "host-side interface"),
+    ],
+)  # fmt: skip
+async def test_bad_input_gets_the_specs_error_object(
+    agent: InProcessAgent, netns: str, config: Any, env: dict[str, str], code: int, words: str
+) -> None:
+    if isinstance(config, dict):
+        config = {"socket": agent.config.cni_socket_path, **config}
+    status, out = await cni("ADD", config, netns=env.pop("CNI_NETNS", netns), **env)
+    assert status == 1
+    assert out["code"] == code and words in out["msg"] + out.get("details", ""), out
+    assert endpoints(agent) == {}
+
+
+async def test_add_in_a_namespace_that_is_gone_is_container_unknown(agent: InProcessAgent) -> None:
+    status, out = await cni("ADD", conf(agent), netns="/run/netns/never-was")
+    assert status == 1 and out["code"] == 3 and "never-was" in out["msg"]
+
+
+async def test_with_the_datapath_down_add_says_try_again_and_del_is_queued_for_its_return(
+    agent: InProcessAgent, netns: str, nats_server: NatsServer
+) -> None:
+    assert (await cni("ADD", conf(agent), netns=netns))[0] == 0
+    await agent.stop()
+    status, out = await cni("ADD", conf(agent), netns=netns, cid="c9")
+    assert status == 1 and out["code"] == 11, out
+    status, out = await cni("STATUS", conf(agent, "1.1.0"))
+    assert status == 1 and out["code"] == 50
+    status, _ = await cni("DEL", conf(agent), netns=netns)
+    assert status == 0
+    queued = Path(agent.config.cni_socket_path).parent / "delete-queue" / "c1.json"
+    assert json.loads(queued.read_text())["container_id"] == "c1"
+    # Back: the restored endpoint is deleted from the queue.
+    await agent.start()
+    await agent.wait_synced()
+    await eventually(lambda: endpoints(agent) == {} and not queued.exists(), timeout=15)
+    status, _ = await cni("STATUS", conf(agent, "1.1.0"))
+    assert status == 0
+
+
+async def test_gc_removes_attachments_the_runtime_no_longer_has(agent: InProcessAgent, netns: str) -> None:
+    assert (await cni("ADD", conf(agent), netns=netns))[0] == 0
+    status, _ = await cni(
+        "GC", conf(agent, "1.1.0", **{"cni.dev/valid-attachments": [{"containerID": "c1", "ifname": "eth0"}]})
+    )
+    assert status == 0 and list(endpoints(agent)) == ["c1"]
+    status, _ = await cni("GC", conf(agent, "1.1.0", **{"cni.dev/valid-attachments": []}))
+    assert status == 0 and endpoints(agent) == {}
+
+
+async def test_an_endpoint_whose_namespace_vanished_without_del_is_collected(agent: InProcessAgent, netns: str) -> None:
+    assert (await cni("ADD", conf(agent), netns=netns))[0] == 0
+    agent.network.namespaces.discard(netns)  # the runtime removed the sandbox and never called DEL
+    assert agent.agent is not None
+    await agent.agent.manager.sweep(Path(agent.config.cni_socket_path).parent / "delete-queue")
+    assert endpoints(agent) == {}
