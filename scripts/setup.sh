@@ -27,9 +27,13 @@ apt_install() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
-# 1. System packages: bcc, the tools the datapath and its tests use, and a venv-capable Python.
+# 1. System packages: bcc, the tools the datapath and its tests use, a container runtime for the
+#    CNI tests, and a venv-capable Python.
 if command -v dpkg-query >/dev/null; then
     apt_install python3-bpfcc bpfcc-tools iproute2 iptables iperf3 kmod procps
+    # A real runtime in kubelet's place for the CNI tests: containerd (CRI), runc, the reference
+    # CNI plugins to chain after, and gcc to build the sandbox ("pause") image locally.
+    apt_install containerd runc containernetworking-plugins gcc libc6-dev
     command -v "$PYTHON" >/dev/null || apt_install python3
     "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || apt_install python3-venv python3-pip
 fi

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from palisade.v1 import ipam_pb2, ipam_pb2_grpc
+from services.cni import install
 from tests.cni.runtime import Containerd, Cri, missing
 from tests.harness import ROOT
 from tests.system.stack import Stack, running_stack, wait_for
@@ -108,23 +109,44 @@ def analyzed(stack: Stack) -> dict[str, dict[str, bool]]:
     return matrix
 
 
-CONFLISTS = {
-    "standalone": lambda sock, root: [{"type": "palisade", "socket": sock}],
-    "chained": lambda sock, root: [
-        {"type": "ptp", "ipMasq": False,
-         "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.77.0.0/24"}]], "dataDir": str(root / "ipam")}},
-        {"type": "palisade", "socket": sock},
-    ],
-}  # fmt: skip
+MODES = ("standalone", "chained")
 
 
-@pytest.mark.parametrize("mode", sorted(CONFLISTS))
+@pytest.mark.parametrize("mode", MODES)
 def test_sandboxes_from_containerd_are_enforced_by_identity_and_leave_nothing(
     stack: Stack, runtime: tuple[Containerd, Cri], mode: str, tmp_path: Path
 ) -> None:
     containerd, cri = runtime
     socket = str(stack.run_dir / "datapath" / "cni.sock")
-    containerd.write_conflist(CONFLISTS[mode](socket, tmp_path))
+    if mode == "standalone":
+        containerd.write_conflist([{"type": "palisade", "socket": socket}])
+    else:
+        # The node's primary plugin, and Palisade chained after it by the node installer.
+        ptp = {
+            "type": "ptp",
+            "ipMasq": False,
+            "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.77.0.0/24"}]], "dataDir": str(tmp_path / "ipam")},
+        }
+        (containerd.cni_conf / "10-ptp.conflist").write_text(
+            json.dumps({"cniVersion": "1.0.0", "name": "ptp-net", "plugins": [ptp]})
+        )
+        assert (
+            install.main(
+                [
+                    "--chain",
+                    "--no-runtime",
+                    "--socket",
+                    socket,
+                    "--conf-dir",
+                    str(containerd.cni_conf),
+                    "--bin-dir",
+                    str(tmp_path / "unused-bin"),
+                    "--runtime-dir",
+                    str(tmp_path / "rt"),
+                ]
+            )
+            == 0
+        )
     late = stack.manifests / "10-late.yaml"
     sandboxes: dict[str, str] = {}
     servers: list[subprocess.Popen[str]] = []

@@ -83,12 +83,34 @@ def _palisade_containers() -> dict[str, tuple[Obj, Obj]]:
     for workload in _of_kind(*WORKLOAD_KINDS):
         pod = _pod_spec(workload)
         for container in pod.get("initContainers", []) + pod["containers"]:
-            if container["image"].partition(":")[0] != "palisade":
+            if container["image"].partition(":")[0] != "palisade" or container["command"] == CNI_INSTALL:
                 continue
             name, _ = _check(workload, container)
             assert name not in out, f"services.{name} runs in two containers"
             out[name] = (workload, container)
     return out
+
+
+CNI_INSTALL = ["python", "-m", "services.cni.install"]
+
+
+def test_the_datapath_installs_the_cni_plugin_on_its_node() -> None:
+    from services.cni import install
+    from services.datapath.config import DatapathConfig
+
+    pod = _pod_spec(_named("DaemonSet", "palisade-datapath"))
+    (init,) = [c for c in pod.get("initContainers", []) if c["command"] == CNI_INSTALL]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]]["hostPath"]["path"] for m in init["volumeMounts"]}
+    # The installer's defaults are the node's folders, as mounted.
+    assert mounts == {"/host/opt/cni/bin": "/opt/cni/bin", "/host/etc/cni/net.d": "/etc/cni/net.d",
+                      "/host/opt/palisade-cni": "/opt/palisade-cni"}  # fmt: skip
+    assert _env(init)["PALISADE_CNI_MODE"] in ("standalone", "chained")
+    # The plugin's default socket is where the datapath listens with the manifest's state dir.
+    datapath = next(c for c in pod["containers"] if c["name"] == "datapath")
+    state_dir = _env(datapath)["PALISADE_STATE_DIR"]
+    assert DatapathConfig(state_dir=state_dir).cni_socket_path == install.DEFAULT_SOCKET
+    assert any(Path(install.DEFAULT_SOCKET).is_relative_to(m["mountPath"]) for m in datapath["volumeMounts"])
 
 
 def _env(container: Obj) -> dict[str, str]:

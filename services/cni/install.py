@@ -1,0 +1,155 @@
+"""Install (or remove) palisade-cni on a node: the plugin, its Python runtime, and the network configuration.
+
+Run by the datapath DaemonSet's init container with the node's CNI folders mounted:
+
+    python -m services.cni.install --bin-dir /host/opt/cni/bin --conf-dir /host/etc/cni/net.d \\
+        --runtime-dir /host/opt/palisade-cni --runtime-path /opt/palisade-cni [--chain]
+
+The plugin is Python, so the image's interpreter and packages are copied beside it
+(``--runtime-dir``, seen by the node as ``--runtime-path``) and ``<bin-dir>/palisade`` is a
+small launcher; the node needs a glibc at least as new as the image's (Debian 12: 2.36).
+
+Standalone (the default) writes ``05-palisade.conflist`` with Palisade as the only plugin.
+``--chain`` puts Palisade after the plugins of the node's existing configuration (the first
+other ``*.conflist``/``*.conf`` file, e.g. kindnet's or flannel's): the same network name,
+written as ``05-palisade.conflist`` so the runtime picks it first. ``--uninstall`` removes the
+configuration, the launcher and the runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Any
+
+CONFLIST = "05-palisade.conflist"
+PLUGIN = "palisade"
+DEFAULT_SOCKET = "/var/run/palisade/datapath/cni.sock"
+
+
+class InstallError(RuntimeError):
+    """What the operator must fix; the message says what."""
+
+
+def _atomic_write(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, prefix=f".{path.name}.") as f:
+        f.write(text)
+    os.chmod(f.name, mode)
+    os.replace(f.name, path)
+
+
+def launcher(runtime_path: str) -> str:
+    """The executable the runtime runs: the copied interpreter on the copied packages."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return (
+        "#!/bin/sh\n"
+        "# palisade-cni, installed by the Palisade datapath; see services/cni/install.py.\n"
+        f'export PYTHONHOME="{runtime_path}/python" PYTHONPATH="{runtime_path}/site-packages"\n'
+        f'export LD_LIBRARY_PATH="{runtime_path}/python/lib${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"\n'
+        f'exec "{runtime_path}/python/bin/{version}" -s -m services.cni.plugin "$@"\n'
+    )
+
+
+def copy_runtime(target: Path) -> None:
+    """The running interpreter (its standard library and shared library) and its packages, into ``target``."""
+    base = Path(sys.base_prefix)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    staging = target.with_name(target.name + ".new")
+    shutil.rmtree(staging, ignore_errors=True)
+    (staging / "python" / "bin").mkdir(parents=True)
+    shutil.copy2(Path(sys.executable).resolve(), staging / "python" / "bin" / version)
+    shutil.copytree(
+        base / "lib" / version,
+        staging / "python" / "lib" / version,
+        ignore=shutil.ignore_patterns("test", "tests", "site-packages", "__pycache__", "idlelib", "tkinter"),
+        symlinks=True,
+    )
+    for lib in (base / "lib").glob("libpython3*.so*"):
+        shutil.copy2(lib, staging / "python" / "lib" / lib.name)
+    shutil.copytree(
+        sysconfig.get_paths()["purelib"], staging / "site-packages", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staging, target)
+
+
+def _existing(conf_dir: Path) -> Path | None:
+    files = sorted(p for p in conf_dir.glob("*") if p.suffix in (".conflist", ".conf") and p.name != CONFLIST)
+    return files[0] if files else None
+
+
+def conflist(conf_dir: Path, *, chain: bool, socket: str) -> dict[str, Any]:
+    """The configuration to write: Palisade alone, or after the node's existing plugins."""
+    ours = {"type": PLUGIN, "socket": socket}
+    if not chain:
+        return {"cniVersion": "1.0.0", "name": "palisade", "plugins": [ours]}
+    existing = _existing(conf_dir)
+    if existing is None:
+        raise InstallError(
+            f"--chain: no other CNI configuration in {conf_dir} to chain after; install the primary plugin "
+            "first, or run standalone"
+        )
+    try:
+        data = json.loads(existing.read_text())
+    except ValueError as exc:
+        raise InstallError(f"--chain: {existing} is not JSON ({exc})") from None
+    plugins = data.get("plugins") if existing.suffix == ".conflist" else [data]
+    if not isinstance(plugins, list) or not plugins:
+        raise InstallError(f"--chain: {existing} has no plugins")
+    plugins = [p for p in plugins if p.get("type") != PLUGIN] + [ours]
+    return {"cniVersion": data.get("cniVersion", "1.0.0"), "name": data.get("name", "palisade"), "plugins": plugins}
+
+
+def install(args: argparse.Namespace) -> None:
+    bin_dir, conf_dir = Path(args.bin_dir), Path(args.conf_dir)
+    if not args.no_runtime:
+        copy_runtime(Path(args.runtime_dir))
+    _atomic_write(bin_dir / PLUGIN, launcher(args.runtime_path), mode=0o755)
+    _atomic_write(conf_dir / CONFLIST, json.dumps(conflist(conf_dir, chain=args.chain, socket=args.socket), indent=2))
+    mode = "chained" if args.chain else "standalone"
+    print(f"palisade-cni installed: {bin_dir / PLUGIN}, {conf_dir / CONFLIST} ({mode})")
+
+
+def uninstall(args: argparse.Namespace) -> None:
+    for path in (Path(args.conf_dir) / CONFLIST, Path(args.bin_dir) / PLUGIN):
+        path.unlink(missing_ok=True)
+    shutil.rmtree(args.runtime_dir, ignore_errors=True)
+    print("palisade-cni removed")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.cni.install", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--bin-dir", default="/host/opt/cni/bin", help="the node's CNI plugin folder, as mounted")
+    p.add_argument("--conf-dir", default="/host/etc/cni/net.d", help="the node's CNI configuration folder, as mounted")
+    p.add_argument(
+        "--runtime-dir", default="/host/opt/palisade-cni", help="where the plugin's runtime goes, as mounted"
+    )
+    p.add_argument("--runtime-path", default="/opt/palisade-cni", help="the same folder as the node sees it")
+    p.add_argument("--socket", default=DEFAULT_SOCKET, help="the datapath's CNI socket on the node")
+    p.add_argument(
+        "--chain",
+        action="store_true",
+        default=os.environ.get("PALISADE_CNI_MODE", "standalone") == "chained",
+        help="after the node's existing plugins, instead of standalone (env PALISADE_CNI_MODE=chained)",
+    )
+    p.add_argument("--uninstall", action="store_true", help="remove what an install put on the node")
+    p.add_argument("--no-runtime", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    try:
+        uninstall(args) if args.uninstall else install(args)
+    except (InstallError, OSError) as exc:
+        print(f"palisade-cni install: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
