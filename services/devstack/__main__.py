@@ -23,6 +23,7 @@ from pathlib import Path
 from services.common.bus import Bus
 from services.common.config import DEFAULT_GRPC_PORTS
 from services.common.log import get_logger, setup_logging
+from services.devstack.cniexec import CniRuntime
 from services.devstack.node import DevNode
 from services.devstack.processes import Child, StackError, binary, port_free
 
@@ -48,6 +49,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--keep-state", action="store_true", help="keep pinned maps, namespaces and data on exit")
     p.add_argument("--no-pods", action="store_true", help="do not create the dev node's pods")
+    p.add_argument(
+        "--cni",
+        action="store_true",
+        help="create the dev node's pods as a container runtime does: sandbox namespaces joined by palisade-cni",
+    )
     return p.parse_args(argv)
 
 
@@ -154,7 +160,8 @@ async def main_async(args: argparse.Namespace) -> int:
             await asyncio.to_thread(c.wait_ready, 60.0)
         if not args.no_pods:
             bus = await Bus.connect([f"nats://127.0.0.1:{args.nats_port}"], name="palisade-devnode")
-            node = DevNode(bus, grpc_address(args, "datapath"), args.node)
+            cni = CniRuntime(str(run_dir / "datapath" / "cni.sock")) if args.cni else None
+            node = DevNode(bus, grpc_address(args, "datapath"), args.node, cni)
             node_task = asyncio.create_task(node.run(), name="devnode")
             # The banner lists the pods, so let the initial ones come up first.
             await asyncio.wait_for(node.settled.wait(), 120)

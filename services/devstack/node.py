@@ -1,8 +1,10 @@
 """The dev node: its pods are network namespaces made from the Pod objects assigned to it.
 
 It follows pod deltas on the bus (so editing a Pod manifest adds, changes or removes
-a pod within a moment), asks the datapath to create each endpoint, and runs the pod's
-servers on its container ports inside the endpoint's namespace.
+a pod within a moment), makes each pod's endpoint, and runs the pod's servers on its
+container ports inside the endpoint's namespace. Endpoints are made directly with
+CreateEndpoint (fast), or, with a :class:`CniRuntime`, as a container runtime makes them:
+a sandbox namespace joined by exec'ing palisade-cni (the path kubelet's pods take).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from services.common.bus import Bus
 from services.common.largeobjects import follow_deltas
 from services.common.log import get_logger
 from services.common.subjects import k8s_filter
+from services.devstack.cniexec import CniError, CniRuntime
 
 log = get_logger("devnode")
 
@@ -65,8 +68,9 @@ def server_command(netns: str, pod: PodSpec, extra_ports: tuple[tuple[int, str],
 class DevNode:
     """Keeps the node's endpoints and pod servers in line with the pods on the bus."""
 
-    def __init__(self, bus: Bus, datapath: str, node: str) -> None:
+    def __init__(self, bus: Bus, datapath: str, node: str, cni: CniRuntime | None = None) -> None:
         self._bus = bus
+        self._cni = cni
         self._datapath = datapath
         self._node = node
         self._queue: asyncio.Queue[tuple[str, PodSpec | None]] = asyncio.Queue()
@@ -115,11 +119,19 @@ class DevNode:
             datapath_pb2.ContainerPort(name=n, port=p, protocol=PROTOCOLS.get(proto, common_pb2.PROTOCOL_TCP))
             for n, p, proto in spec.ports
         ]
-        req = datapath_pb2.CreateEndpointRequest(namespace=spec.namespace, pod=spec.name, ports=ports)
         try:
-            ep = await stub.CreateEndpoint(req, timeout=60)
+            if self._cni is not None:
+                await self._cni.add(spec.namespace, spec.name)
+                ref = datapath_pb2.GetEndpointRequest(namespace=spec.namespace, pod=spec.name)
+                ep = await stub.GetEndpoint(ref, timeout=30)
+            else:
+                req = datapath_pb2.CreateEndpointRequest(namespace=spec.namespace, pod=spec.name, ports=ports)
+                ep = await stub.CreateEndpoint(req, timeout=60)
         except grpc.aio.AioRpcError as err:
             log.error("endpoint not created", pod=key, code=err.code().name, error=err.details())
+            return
+        except CniError as err:
+            log.error("endpoint not created", pod=key, error=str(err))
             return
         self.pods[key] = spec
         self.endpoints[key] = ep
@@ -135,7 +147,9 @@ class DevNode:
             await asyncio.to_thread(server.wait, 5)
         ep = self.endpoints.pop(pod.key, None)
         self.pods.pop(pod.key, None)
-        if ep is not None:
+        if ep is not None and self._cni is not None:
+            await self._cni.remove(pod.namespace, pod.name)
+        elif ep is not None:
             try:
                 await stub.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=ep.id), timeout=30)
             except grpc.aio.AioRpcError as err:
