@@ -33,7 +33,10 @@ QUEUE_DIR = "delete-queue"
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(os.environ, sys.stdin.buffer.read(), sys.stdout)
+    status = run(os.environ, sys.stdin.buffer.read(), sys.stdout)
+    sys.stdout.flush()
+    # The process ends here: closing gRPC's channel politely costs 200 ms, a third of a pod's ADD.
+    os._exit(status)
 
 
 def run(env: Mapping[str, str], stdin: bytes, out: TextIO) -> int:
@@ -70,7 +73,10 @@ def _print(out: TextIO, data: Mapping[str, Any]) -> None:
 
 
 def _stub(conf: spec.NetConf, wait: float) -> tuple[grpc.Channel, datapath_pb2_grpc.DatapathServiceStub]:
-    """A channel to the datapath's socket that is ready within ``wait`` seconds, else error 11."""
+    """A channel to the datapath's socket that is ready within ``wait`` seconds, else error 11.
+
+    Never closed: the process exits right after its one call (see :func:`main`).
+    """
     channel = grpc.insecure_channel(f"unix:{conf.socket}")
     try:
         grpc.channel_ready_future(channel).result(timeout=wait)
@@ -118,12 +124,11 @@ def cmd_add(env: spec.Environment, conf: spec.NetConf) -> dict[str, Any]:
         request.outside_pool = True  # the previous plugin's IPAM chose them
     if not os.path.exists(env.netns):
         raise CniError(spec.CONTAINER_UNKNOWN, f"CNI_NETNS {env.netns} does not exist", "the sandbox is gone")
-    channel, stub = _stub(conf, conf.timeout)
-    with channel:
-        try:
-            ep = stub.CreateEndpoint(request, timeout=conf.timeout + 20)
-        except grpc.RpcError as err:
-            raise _rpc_error(f"adding pod {namespace}/{pod}", err) from None
+    _, stub = _stub(conf, conf.timeout)
+    try:
+        ep = stub.CreateEndpoint(request, timeout=conf.timeout + 20)
+    except grpc.RpcError as err:
+        raise _rpc_error(f"adding pod {namespace}/{pod}", err) from None
     if prev is not None:
         assert conf.prev_result is not None
         return {**conf.prev_result, "cniVersion": conf.version}  # passed on unchanged
@@ -142,22 +147,21 @@ def cmd_del(env: spec.Environment, conf: spec.NetConf) -> None:
     namespace, pod = env.pod
     request = datapath_pb2.DeleteEndpointRequest(container_id=env.container_id)
     try:
-        channel, stub = _stub(conf, min(conf.timeout, 2.0))
+        _, stub = _stub(conf, min(conf.timeout, 2.0))
     except CniError:
         _queue(conf, env)  # the datapath applies it when it is back; the runtime is never stuck
         return None
-    with channel:
-        try:
-            stub.DeleteEndpoint(request, timeout=conf.timeout + 20)
-        except grpc.RpcError as err:
-            if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.NOT_FOUND:
-                return None  # never added, or deleted already: DEL is idempotent
-            if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.UNAVAILABLE:
-                # Deleted, with IPAM's release still pending (the datapath retries it), or the datapath
-                # is going away: queue it, which is harmless if it was done.
-                _queue(conf, env)
-                return None
-            raise _rpc_error(f"deleting pod {namespace}/{pod}", err) from None
+    try:
+        stub.DeleteEndpoint(request, timeout=conf.timeout + 20)
+    except grpc.RpcError as err:
+        if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.NOT_FOUND:
+            return None  # never added, or deleted already: DEL is idempotent
+        if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.UNAVAILABLE:
+            # Deleted, with IPAM's release still pending (the datapath retries it), or the datapath
+            # is going away: queue it, which is harmless if it was done.
+            _queue(conf, env)
+            return None
+        raise _rpc_error(f"deleting pod {namespace}/{pod}", err) from None
     return None
 
 
@@ -187,9 +191,8 @@ def _endpoint(stub: datapath_pb2_grpc.DatapathServiceStub, container_id: str, ti
 
 
 def cmd_check(env: spec.Environment, conf: spec.NetConf) -> None:
-    channel, stub = _stub(conf, conf.timeout)
-    with channel:
-        ep = _endpoint(stub, env.container_id, conf.timeout)
+    _, stub = _stub(conf, conf.timeout)
+    ep = _endpoint(stub, env.container_id, conf.timeout)
     problems = []
     if ep.state not in (datapath_pb2.ENDPOINT_STATE_READY, datapath_pb2.ENDPOINT_STATE_REGENERATING):
         problems.append(f"state {datapath_pb2.EndpointState.Name(ep.state)}{': ' + ep.error if ep.error else ''}")
@@ -209,10 +212,9 @@ def cmd_check(env: spec.Environment, conf: spec.NetConf) -> None:
 
 def cmd_status(env: spec.Environment, conf: spec.NetConf) -> None:
     try:
-        channel, _ = _stub(conf, min(conf.timeout, 2.0))
+        _stub(conf, min(conf.timeout, 2.0))
     except CniError as err:
         raise CniError(spec.NOT_AVAILABLE, "the Palisade datapath is not available", err.details) from None
-    channel.close()
     return None
 
 
@@ -221,16 +223,15 @@ def cmd_gc(env: spec.Environment, conf: spec.NetConf) -> None:
     if not isinstance(valid, list):
         raise CniError(spec.INVALID_CONFIG, "cni.dev/valid-attachments is not a list")
     keep = {str(a.get("containerID", "")) for a in valid if isinstance(a, dict)}
-    channel, stub = _stub(conf, conf.timeout)
-    with channel:
-        try:
-            listing = stub.ListEndpoints(datapath_pb2.ListEndpointsRequest(), timeout=conf.timeout)
-            for ep in listing.endpoints:
-                if ep.container_id and ep.container_id not in keep:  # only what a runtime added
-                    stub.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=ep.id), timeout=conf.timeout + 20)
-        except grpc.RpcError as err:
-            if not (isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.NOT_FOUND):
-                raise _rpc_error("garbage collection", err) from None
+    _, stub = _stub(conf, conf.timeout)
+    try:
+        listing = stub.ListEndpoints(datapath_pb2.ListEndpointsRequest(), timeout=conf.timeout)
+        for ep in listing.endpoints:
+            if ep.container_id and ep.container_id not in keep:  # only what a runtime added
+                stub.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=ep.id), timeout=conf.timeout + 20)
+    except grpc.RpcError as err:
+        if not (isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.NOT_FOUND):
+            raise _rpc_error("garbage collection", err) from None
     return None
 
 

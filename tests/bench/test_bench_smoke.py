@@ -88,3 +88,14 @@ def test_denied_needs_an_unbroken_run_of_failures_for_the_confirm_window() -> No
     assert verdict_time(flapping, False, 0.5) == 0.4
     pending = attempts((0.0, True), (0.2, None), (0.4, False), (0.8, False))
     assert verdict_time(pending, False, 0.5) is None  # 0.2 might still succeed
+
+
+@pytest.mark.root
+@pytest.mark.bcc
+@pytest.mark.timeout(240)
+def test_cni_quick() -> None:
+    out = run_quick("bench_cni.py")
+    for mode in ("standalone", "chained"):
+        assert out[mode]["plugin_failures"] == 0
+        assert out[mode]["add_ms"]["p50"] > 0 and out[mode]["del_ms"]["p50"] > 0
+        assert out[mode]["sandboxes_per_s"] > 0
