@@ -348,6 +348,15 @@ class EndpointManager:
             log.warning("endpoint create failed", pod=key, error=str(exc))
             raise
         log.info("endpoint created", endpoint=ep.id, pod=key, identity=identity, ips=",".join(record.ips))
+        if identity == dt.IDENTITY_INIT:
+            # The pod may have become known while the endpoint was being made: its ipcache entry then
+            # arrived before there was an endpoint to move, so ask once more now that there is one.
+            try:
+                known = await self._node_ipam.resolve_pod(request.namespace, request.pod)
+            except EndpointError:
+                known = dt.IDENTITY_INIT
+            if known != dt.IDENTITY_INIT:
+                ep = await self.switch_identity(ep.id, known)
         return ep
 
     async def _reserve(self, key: str, netns: str) -> int:

@@ -155,6 +155,14 @@ state = "{self.root / "state"}"
             check=True,
             capture_output=True,
         )
+        # The CRI plugin learns of the import from an event; until then it would try to pull the image.
+        request = api_pb2.ImageStatusRequest(image=api_pb2.ImageSpec(image=SANDBOX_IMAGE))
+        with grpc.insecure_channel(f"unix:{self.socket}") as channel:
+            images = api_pb2_grpc.ImageServiceStub(channel)  # type: ignore[no-untyped-call]
+            while not images.ImageStatus(request, timeout=10).image.id:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"containerd's CRI does not see the imported {SANDBOX_IMAGE}")
+                time.sleep(0.05)
 
     def log_tail(self, lines: int = 30) -> str:
         try:

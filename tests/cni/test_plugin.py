@@ -261,3 +261,14 @@ async def test_an_endpoint_whose_namespace_vanished_without_del_is_collected(age
     assert agent.agent is not None
     await agent.agent.manager.sweep(Path(agent.config.cni_socket_path).parent / "delete-queue")
     assert endpoints(agent) == {}
+
+
+async def test_a_pod_known_while_its_endpoint_is_made_gets_its_identity_not_init(
+    agent: InProcessAgent, cp: ControlPlane, netns: str
+) -> None:
+    # ResolvePod says "unknown", then the object lands: its ipcache entry comes with the address,
+    # before the endpoint exists. The endpoint must still end up with the pod's identity.
+    cp.arriving["x/web"] = 777
+    code, out = await cni("ADD", conf(agent), netns=netns)
+    assert code == 0, out
+    assert endpoints(agent)["c1"].identity == 777

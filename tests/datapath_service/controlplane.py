@@ -76,6 +76,8 @@ class ControlPlane(
         self.identities: dict[tuple[tuple[str, str, str], ...], int] = {}
         self.owner_identity: dict[str, int] = {}
         self.pods: dict[str, int] = {}  # "ns/name" -> identity known "from the bus"
+        #: Pods whose object arrives just after the first ResolvePod for them says NOT_FOUND.
+        self.arriving: dict[str, int] = {}
         #: While set, Resync answers UNAVAILABLE (a policy service that is not up yet).
         self.refuse_resync = False
         self.server: grpc.aio.Server | None = None
@@ -206,7 +208,11 @@ class ControlPlane(
     async def ResolvePod(
         self, request: identity_pb2.ResolvePodRequest, context: grpc.aio.ServicerContext
     ) -> identity_pb2.ResolvePodResponse:
-        identity = self.pods.get(f"{request.namespace}/{request.name}")
+        key = f"{request.namespace}/{request.name}"
+        identity = self.pods.get(key)
+        if identity is None and key in self.arriving:
+            # The pod object lands right after this answer (while the endpoint is being made).
+            self.pods[key] = self.arriving.pop(key)
         if identity is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"pod {request.namespace}/{request.name} is unknown")
         return identity_pb2.ResolvePodResponse(identity=identity_pb2.Identity(id=identity or 0), node=self.node)
