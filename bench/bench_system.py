@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import percentile, stats_ms
+from services.common.subjects import k8s_subject
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -222,6 +224,63 @@ def base_policies(namespace: str, pods: int) -> list[dict[str, Any]]:
     ]
 
 
+class Hops:
+    """When each hop of a change reached the bus: the watcher's delta and the policy service's order.
+
+    Follows the flip policy's subject and the node's order subject on the stream with a
+    consumer of its own, in a thread, and keeps each message's JetStream timestamp (the
+    server's clock, which is this machine's, as the writes' and probes' times are).
+    """
+
+    def __init__(self, nats_url: str, namespace: str) -> None:
+        self.deltas: list[float] = []
+        self.orders: list[float] = []
+        self._url = nats_url
+        self._subjects = {
+            k8s_subject("networkpolicy", namespace, "bench-flip"): self.deltas,
+            "palisade.regen.dev-node": self.orders,
+        }
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("the hop observer did not subscribe")
+
+    async def _run(self) -> None:
+        import nats
+        from nats.js import api as jsapi
+
+        nc = await nats.connect(self._url)
+        js = nc.jetstream()
+        subs = []
+        for subject, into in self._subjects.items():
+
+            async def on_msg(msg: Any, into: list[float] = into) -> None:
+                into.append(msg.metadata.timestamp.timestamp())
+
+            config = jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.NEW)
+            subs.append(await js.subscribe(subject, cb=on_msg, ordered_consumer=True, config=config))
+        self._ready.set()
+        await asyncio.to_thread(self._stop.wait)
+        for sub in subs:
+            await sub.unsubscribe()
+        await nc.close()
+
+    def first_after(self, into: list[float], t: float, timeout: float = 5.0) -> float | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            later = [x for x in list(into) if x >= t]
+            if later:
+                return min(later)
+            time.sleep(0.005)
+        return None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
 def flip_policy(namespace: str, allow: bool) -> dict[str, Any]:
     """pod-1 admits pod-0 on 8080 (allow) or pod-2 instead (pod-0 denied)."""
     peer = "pod-0" if allow else "pod-2"
@@ -299,13 +358,14 @@ class DevStack:
         self.bpffs = f"/sys/fs/bpf/palisade-bench-{secrets.token_hex(4)}"
         self.grpc_base = free_ports(4)
         self.log_path = tmp / "devstack.log"
+        self.nats_port = free_ports(1)
         etcd = free_ports(2)
         cmd = [
             sys.executable, "-m", "services.devstack",
             "--manifests", str(manifests),
             "--run-dir", str(tmp / "run"),
             "--bpffs", self.bpffs,
-            "--nats-port", str(free_ports(1)),
+            "--nats-port", str(self.nats_port),
             "--etcd-port", str(etcd),
             "--grpc-port-base", str(self.grpc_base),
         ]  # fmt: skip
@@ -418,17 +478,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         witness.wait(ip, True, args, deadline=60)
         agent.wait(ip, False, args, deadline=60)
         log(f"{args.pods} pods ready in {ready_s:.1f}s; timing {args.changes} changes")
+        hops = Hops(f"nats://127.0.0.1:{stack.nats_port}", namespace)
+        hop_samples: list[tuple[float, float, float]] = []
         samples: list[tuple[bool, float]] = []
         rng = random.Random(1)
         for n in range(args.changes):
             allow = n % 2 == 0
             # A random pause, so that writes do not fall into step with the watcher's polls.
             time.sleep(rng.uniform(0.0, args.jitter))
+            wall = time.time()
             write_yaml(folder, "20-flip.yaml", [flip_policy(namespace, allow)], staging)
             written = time.monotonic()
             at = agent.wait(ip, allow, args)
             samples.append((allow, (at - written) * 1000))
+            delta = hops.first_after(hops.deltas, wall)
+            order = hops.first_after(hops.orders, delta) if delta is not None else None
+            if delta is not None and order is not None:
+                enforced = wall + (at - written)
+                hop_samples.append(((delta - wall) * 1000, (order - delta) * 1000, (enforced - order) * 1000))
             stack.check_alive()
+        hops.close()
         stack.remember_children()
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
@@ -452,6 +521,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "file_to_allowed_ms": stats_ms(allowed, 1),
         "file_to_denied_ms": stats_ms(denied, 1) if denied else {},
         "samples_ms": [round(d, 1) for d in delays],
+        # Where the time goes: file written -> the watcher's delta on the bus -> the policy
+        # service's order on the bus -> the probe sees the new verdict (datapath and probe).
+        "hops_ms": {
+            name: stats_ms([h[i] for h in hop_samples], 1) if hop_samples else {}
+            for i, name in enumerate(("file_to_delta", "delta_to_order", "order_to_enforced"))
+        },
         "summary": [
             {
                 "metric": f"policy file -> enforced, p50 ({args.pods} pods, {len(samples)} changes)",
@@ -463,6 +538,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "value": round(percentile(delays, 0.99), 1),
                 "unit": "ms",
             },
+            *(
+                {"metric": f"hop {name}, p50", "value": stats["p50"], "unit": "ms"}
+                for name, stats in (
+                    (n, stats_ms([h[i] for h in hop_samples], 1) if hop_samples else {"p50": 0.0})
+                    for i, n in enumerate(("file_to_delta", "delta_to_order", "order_to_enforced"))
+                )
+            ),
             {"metric": "policy file -> now allowed, p50", "value": round(percentile(allowed, 0.5), 1), "unit": "ms"},
             *(
                 [{"metric": "policy file -> now denied, p50", "value": round(percentile(denied, 0.5), 1), "unit": "ms"}]
@@ -489,7 +571,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="10 pods, 5 changes")
     p.add_argument("--pods", type=int, help="pods on the node (default 50; 10 with --quick)")
     p.add_argument("--changes", type=int, help="policy changes timed (default 50; 5 with --quick)")
-    p.add_argument("--interval", type=float, default=0.02, help="seconds between two connection attempts")
+    p.add_argument("--interval", type=float, default=0.005, help="seconds between two connection attempts")
     p.add_argument("--attempt-timeout", type=float, default=0.5, help="seconds one connection attempt may take")
     p.add_argument("--confirm", type=float, default=0.5, help="seconds of failures that make a denial")
     p.add_argument("--jitter", type=float, default=1.0, help="longest random pause before a change, seconds")

@@ -21,7 +21,14 @@ class WatcherConfig(CommonConfig):
     source: str = setting("Where objects come from: 'manifests' or 'kubernetes'.", default="manifests")
     manifests: str = setting("Folder of YAML manifests for the manifests source.", default="examples")
     kubeconfig: str = setting("kubeconfig path for the kubernetes source; empty uses in-cluster config.", default="")
-    manifests_poll: float = setting("Seconds between two polls of the manifest folder.", default=0.5)
+    manifests_poll: float = setting(
+        "Seconds between two polls of the manifest folder where file-system notifications are off or "
+        "unavailable (with them, the folder is also polled every 5 s as a safety net).",
+        default=0.5,
+    )
+    manifests_notify: bool = setting(
+        "React to file-system notifications (inotify) on the manifest folder within milliseconds.", default=True
+    )
     watch_timeout: int = setting(
         "Seconds the API server keeps one watch request open before it is renewed.", default=300
     )

@@ -1,7 +1,9 @@
 """The manifest-folder source: a directory of YAML/JSON manifests stands in for the API server.
 
 Files (``*.yaml``, ``*.yml``, ``*.json``, recursively, hidden ones skipped) hold
-one or more documents or ``kind: List`` objects. The folder is polled: a file
+one or more documents or ``kind: List`` objects. The folder is scanned when inotify
+says a file was written and closed, created, moved or deleted (see :mod:`inotify`),
+and polled as well, rarely, as a safety net (often where inotify is unavailable): a file
 whose (mtime, size, inode) changed, or that changed very recently, is read and
 hashed, and only a new hash is parsed. After any change the whole folder's
 objects are handed over as one ``Listed`` per kind, and the reconciler turns
@@ -37,6 +39,7 @@ from pathlib import Path
 from services.common.errors import PalisadeError, clip
 from services.common.log import get_logger
 from services.common.manifests import Document, DocumentError, split_documents
+from services.watcher.inotify import FolderWatch
 from services.watcher.kinds import KINDS, Kind, KindInfo, lookup
 from services.watcher.objects import KObject, ObjectKey, check_names, from_api
 from services.watcher.source import Emit, Listed, Problem, ProblemReason, SourceEvent
@@ -138,15 +141,28 @@ class _File:
 
 
 class ManifestSource:
-    """Polls ``root`` every ``poll_interval`` seconds and emits the folder's state on every change."""
+    """Scans ``root`` on every notified change (and every ``poll_interval`` seconds) and emits its state."""
 
     status_token = STATUS_TOKEN
 
-    def __init__(self, root: Path, *, kinds: tuple[KindInfo, ...] = KINDS, poll_interval: float = 0.5) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        kinds: tuple[KindInfo, ...] = KINDS,
+        poll_interval: float = 0.5,
+        notify: bool = True,
+        notified_poll_interval: float = 5.0,
+    ) -> None:
         self.root = root
         self.name = f"manifests:{root}"
         self.kinds = kinds
         self._poll = poll_interval
+        self._notify = notify
+        #: With notifications the poll is only a safety net (a file system that misses some).
+        self._notified_poll = max(poll_interval, notified_poll_interval)
+        #: Whether notifications drive the scans (None until :meth:`run` starts).
+        self.notified: bool | None = None
         self._files: dict[str, _File] = {}
         self._versions: dict[ObjectKey, tuple[str, str]] = {}
         self._last_rv = 0
@@ -168,11 +184,25 @@ class ManifestSource:
         self._seeded = {rel: tuple(objs) for rel, objs in by_file.items()}
 
     async def run(self, emit: Emit) -> None:
-        log.info("watching manifests", folder=str(self.root), poll_interval=self._poll)
-        while True:
-            for event in await asyncio.to_thread(self.scan):
-                emit(event)
-            await asyncio.sleep(self._poll)
+        watch = FolderWatch.open(self.root) if self._notify else None
+        self.notified = watch is not None
+        poll = self._notified_poll if watch is not None else self._poll
+        log.info("watching manifests", folder=str(self.root), notified=self.notified, poll_interval=poll)
+        if watch is not None:
+            watch.start()
+        try:
+            while True:
+                for event in await asyncio.to_thread(self.scan):
+                    emit(event)
+                if watch is None:
+                    await asyncio.sleep(poll)
+                elif await watch.changed(poll):
+                    # Writes often come in bursts (an editor's save, a `cp -r`): take them in one scan.
+                    await asyncio.sleep(0.002)
+                    await watch.changed(0)
+        finally:
+            if watch is not None:
+                watch.close()
 
     def scan(self) -> list[SourceEvent]:
         """One poll of the folder: the events its changes produce (none if nothing changed).

@@ -39,7 +39,7 @@ def build_source(cfg: WatcherConfig) -> Source:
             page_size=cfg.list_page_size,
         )
         return KubeSource(load_client_configuration(cfg.kubeconfig), settings=settings)
-    return ManifestSource(Path(cfg.manifests).resolve(), poll_interval=cfg.manifests_poll)
+    return ManifestSource(Path(cfg.manifests).resolve(), poll_interval=cfg.manifests_poll, notify=cfg.manifests_notify)
 
 
 async def setup(ctx: ServiceContext[WatcherConfig]) -> None:

@@ -14,6 +14,7 @@ from palisade.v1 import common_pb2, k8s_pb2
 from services.common.bus import Bus
 from services.common.largeobjects import BUCKET
 from services.common.subjects import k8s_subject
+from services.watcher.manifests import ManifestSource
 from tests.watcher import objects as o
 from tests.watcher.helpers import StreamReader, eventually, manifest_source, running
 
@@ -323,3 +324,39 @@ async def eventually_async(get: Callable[[], Awaitable[object]], wanted: object,
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"never happened: {what}")
+
+
+async def test_notifications_drive_the_scans_without_waiting_for_a_poll(
+    manifests: Path, bus: Bus, reader: Reader
+) -> None:
+    # A poll every hour: whatever shows up within the test came through inotify.
+    source = ManifestSource(manifests, poll_interval=3600, notified_poll_interval=3600)
+    stream = await reader()
+    async with running(bus, source):
+        await eventually(lambda: bool(stream.markers), "synced marker")
+        assert source.notified is True
+        write(manifests / "a.yaml", o.netpol("a", "prod"))
+        await eventually(lambda: k8s_subject("networkpolicy", "prod", "a") in stream.current(), "created")
+        # A folder made after the start is watched too, and what lands in it is seen.
+        (manifests / "team" / "deep").mkdir(parents=True)
+        write(manifests / "team" / "deep" / "b.yaml", o.netpol("b", "prod"))
+        await eventually(lambda: k8s_subject("networkpolicy", "prod", "b") in stream.current(), "in a new folder")
+        # Edited in place, renamed into place (as editors and ConfigMaps do), deleted.
+        write(manifests / "a.yaml", o.netpol("a", "prod", app="db"))
+        await eventually(lambda: json.loads(stream.last[k8s_subject("networkpolicy", "prod", "a")].object_json)
+                         ["spec"]["podSelector"]["matchLabels"] == {"app": "db"}, "edited")  # fmt: skip
+        write(manifests / ".c.tmp", o.netpol("c", "prod"))
+        (manifests / ".c.tmp").rename(manifests / "c.yaml")
+        await eventually(lambda: k8s_subject("networkpolicy", "prod", "c") in stream.current(), "renamed in")
+        (manifests / "team" / "deep" / "b.yaml").unlink()
+        await eventually(lambda: k8s_subject("networkpolicy", "prod", "b") not in stream.current(), "deleted")
+
+
+async def test_without_notifications_the_folder_is_polled(manifests: Path, bus: Bus, reader: Reader) -> None:
+    source = ManifestSource(manifests, poll_interval=0.05, notify=False)
+    stream = await reader()
+    async with running(bus, source):
+        await eventually(lambda: bool(stream.markers), "synced marker")
+        assert source.notified is False
+        write(manifests / "a.yaml", o.netpol("a", "prod"))
+        await eventually(lambda: k8s_subject("networkpolicy", "prod", "a") in stream.current(), "created")
