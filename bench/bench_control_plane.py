@@ -66,7 +66,8 @@ from palisade.v1 import (
     policy_pb2,
     policy_pb2_grpc,
 )
-from tests.harness import EtcdServer, NatsServer, ServiceProcess
+from tests.harness import EtcdServer, NatsServer, ServiceProcess, creds, sync_channel
+from tests.harness import channel as harness_channel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -279,7 +280,7 @@ def start_stack(tmp: Path, prefix: str, bpffs: str, cleanup: Cleanup) -> Stack:
 
 def delete_endpoints(address: str, timeout: float = 120.0) -> None:
     """Delete every endpoint of the datapath (namespaces, veths, map entries) before it stops."""
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address, "datapath") as channel:
         stub = datapath_pb2_grpc.DatapathServiceStub(channel)
         deadline = time.monotonic() + timeout
         eps = stub.ListEndpoints(datapath_pb2.ListEndpointsRequest(), timeout=30).endpoints
@@ -407,7 +408,7 @@ async def allocation_level(
 
 async def allocation_rates(ipam_address: str, prefix: str, identities: int, ips: int) -> dict[str, float]:
     out: dict[str, float] = {}
-    async with grpc.aio.insecure_channel(ipam_address) as channel:
+    async with harness_channel(ipam_address, "ipam", "datapath") as channel:
         for level in (1, 16):
             out.update(await allocation_level(channel, prefix, level, identities, ips))
     return out
@@ -416,8 +417,8 @@ async def allocation_rates(ipam_address: str, prefix: str, identities: int, ips:
 async def services_part(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     prefix = stack.prefix
     result: dict[str, Any] = {}
-    dp_channel = grpc.aio.insecure_channel(stack.services["datapath"].address)
-    pol_channel = grpc.aio.insecure_channel(stack.services["policy"].address)
+    dp_channel = harness_channel(stack.services["datapath"].address, "datapath")
+    pol_channel = harness_channel(stack.services["policy"].address, "policy")
     try:
         datapath = datapath_pb2_grpc.DatapathServiceStub(dp_channel)
         policy = policy_pb2_grpc.PolicyServiceStub(pol_channel)
@@ -513,7 +514,7 @@ async def big_policy_part(tmp: Path, args: argparse.Namespace, cleanup: Cleanup)
     nats = NatsServer(tmp / "nats-big")
     nats.start()
     cleanup.push("stop the second nats", nats.stop)
-    bus = await Bus.connect([nats.url], name="bench-big", retries=5, backoff=0.05)
+    bus = await Bus.connect([nats.url], name="bench-big", retries=5, backoff=0.05, tls=creds())
     try:
         await bus.ensure_streams(*ALL_STREAMS)
         started = time.perf_counter()

@@ -30,7 +30,7 @@ from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases
-from tests.harness import EtcdServer
+from tests.harness import EtcdServer, creds
 
 
 async def _timed(jobs: Sequence[Callable[[], Awaitable[object]]], concurrency: int) -> float:
@@ -80,7 +80,7 @@ async def bench_level(store: Store, level: int, identities: int, ips: int) -> di
 
 async def bench(endpoint: str, identities: int, ips: int, levels: list[int]) -> dict[str, object]:
     host, port = endpoint.rsplit(":", 1)
-    client = await connect_etcd([(host, int(port))])
+    client = await connect_etcd([(host, int(port))], tls=creds("ipam"))
     store = Store(client)
     try:
         return {f"concurrency_{level}": await bench_level(store, level, identities, ips) for level in levels}

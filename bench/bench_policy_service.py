@@ -33,7 +33,7 @@ from services.common.subjects import (
     ipcache_subject,
     k8s_subject,
 )
-from tests.harness import NatsServer, ServiceProcess
+from tests.harness import NatsServer, ServiceProcess, creds
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,7 +108,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         nats.start()
         proc: ServiceProcess | None = None
         try:
-            bus = await Bus.connect([nats.url], name="bench", retries=5, backoff=0.05)
+            bus = await Bus.connect([nats.url], name="bench", retries=5, backoff=0.05, tls=creds())
             await bus.ensure_streams(*ALL_STREAMS)
             load_started = time.perf_counter()
             await load_world(bus, args, apps_per_ns)

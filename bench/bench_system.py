@@ -42,6 +42,7 @@ from typing import Any
 
 from bench.stats import percentile, stats_ms
 from services.common.subjects import k8s_subject
+from tests.harness import channel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -433,8 +434,8 @@ async def wait_ready(stack: DevStack, pods: int, timeout: float) -> dict[str, An
     while time.monotonic() < deadline:
         stack.check_alive()
         try:
-            async with grpc.aio.insecure_channel(stack.datapath) as channel:
-                stub = datapath_pb2_grpc.DatapathServiceStub(channel)
+            async with channel(stack.datapath, "datapath") as ch:
+                stub = datapath_pb2_grpc.DatapathServiceStub(ch)
                 listed = await stub.ListEndpoints(datapath_pb2.ListEndpointsRequest(), timeout=5)
             ready = {
                 ep.pod: ep

@@ -37,7 +37,7 @@ from services.watcher.kube import KubeSettings, KubeSource, load_client_configur
 from services.watcher.metrics import WatcherMetrics
 from services.watcher.pipeline import Watcher
 from services.watcher.service import tune_gc
-from tests.harness import NatsServer
+from tests.harness import NatsServer, creds
 from tests.watcher.apiserver import FakeApiServer
 
 
@@ -159,7 +159,7 @@ async def bench(objects: int, inflight: int, page_size: int, timeout: float) -> 
         try:
             with ApiServerProcess(objects) as (url, token):
                 kubeconfig = write_kubeconfig(Path(tmp) / "kubeconfig", url, token)
-                async with await Bus.connect([nats.url], name="bench") as bus:
+                async with await Bus.connect([nats.url], name="bench", tls=creds()) as bus:
                     first = await run_once(bus, kubeconfig, inflight, page_size, timeout)
                     restart = await run_once(bus, kubeconfig, inflight, page_size, timeout)
         finally:

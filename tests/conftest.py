@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import EtcdServer, NatsServer, ServiceProcess, bcc_problem, is_root
+from tests.harness import EtcdServer, NatsServer, ServiceProcess, bcc_problem, is_root, pki
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The session's installation (CA and certificates): every service, CLI and client a test
+    # starts finds it here, as a deployment's components find their mounted secret.
+    os.environ["PALISADE_TLS_DIR"] = str(pki())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -20,8 +21,62 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common import etcdconfig, natsconfig
+from services.common.access import (
+    BUS_ROLES,
+    IDENTITY,
+    IPCACHE,
+    K8S,
+    LARGE_OBJECTS,
+    POLICY_API,
+    POLICY_STATE,
+    REGEN,
+    BusRole,
+)
+from services.common.grpcserver import open_channel, open_sync_channel
+from services.common.trust import COMPONENTS, Credentials, ensure_pki
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+
+#: A test client's own bus user: it stands in for any publisher (a fake watcher, a fake policy
+#: service) where a test feeds a service. Only the test NATS knows it; the services run as themselves.
+TEST_IDENTITY = "test"
+_ALL_STREAMS = (K8S, IDENTITY, IPCACHE, REGEN, f"KV_{POLICY_STATE}", f"OBJ_{LARGE_OBJECTS}", f"OBJ_{POLICY_API}")
+TEST_ROLE = BusRole(
+    publishes=("palisade.>", "$KV.>", "$O.>", "$JS.API.>", "$JS.ACK.>", "$JS.FC.>"),
+    subscribes=(">",),
+    provisions=_ALL_STREAMS,
+    reads=_ALL_STREAMS,
+    purges=(f"OBJ_{LARGE_OBJECTS}", f"OBJ_{POLICY_API}"),
+)
+_pki: list[Path] = []
+
+
+def pki() -> Path:
+    """This test session's installation: a CA and every component's certificate (made once)."""
+    if not _pki:
+        # A helper process of the session (an ipam worker) uses the session's, which it inherits.
+        inherited = Path(os.environ.get("PALISADE_TLS_DIR", "/nonexistent"))
+        if (inherited / f"{TEST_IDENTITY}.crt").is_file():
+            _pki.append(inherited)
+        else:
+            _pki.append(ensure_pki(Path(tempfile.mkdtemp(prefix="palisade-pki-")), (*COMPONENTS, TEST_IDENTITY)))
+    return _pki[0]
+
+
+def creds(name: str = TEST_IDENTITY) -> Credentials:
+    """The session installation's credentials of component ``name`` (the test client by default)."""
+    return Credentials.load(pki(), name)
+
+
+def channel(address: str, service: str, as_: str = "cli") -> grpc.aio.Channel:
+    """An asyncio mutual-TLS channel to ``service``, presenting the certificate of ``as_``."""
+    return open_channel(address, service, creds(as_))
+
+
+def sync_channel(address: str, service: str, as_: str = "cli") -> grpc.Channel:
+    return open_sync_channel(address, service, creds(as_))
 
 
 def free_port() -> int:
@@ -104,18 +159,15 @@ class NatsServer(_Server):
         return f"nats://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        return [
-            _binary("nats-server"),
-            "-a",
-            "127.0.0.1",
-            "-p",
-            str(self.port),
-            "-js",
-            "-sd",
-            str(self.data_dir / "js"),
-            "--http_port",
-            "0",
-        ]
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        conf = natsconfig.write(
+            self.data_dir / "nats.conf",
+            listen=f"127.0.0.1:{self.port}",
+            store_dir=str(self.data_dir / "js"),
+            tls=creds("nats"),
+            roles={**BUS_ROLES, TEST_IDENTITY: TEST_ROLE},
+        )
+        return [_binary("nats-server"), "-c", str(conf)]
 
 
 class EtcdServer(_Server):
@@ -132,26 +184,15 @@ class EtcdServer(_Server):
         return f"127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        client = f"http://127.0.0.1:{self.port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
         return [
             _binary("etcd"),
             "--name",
             "test",
             "--data-dir",
             str(self.data_dir / "data"),
-            "--listen-client-urls",
-            client,
-            "--advertise-client-urls",
-            client,
-            "--listen-peer-urls",
-            peer,
-            "--initial-advertise-peer-urls",
-            peer,
-            "--initial-cluster",
-            f"test={peer}",
             "--log-level",
             "warn",
+            *etcdconfig.flags(creds("etcd"), "test", self.endpoint, f"127.0.0.1:{self.peer_port}"),
         ]
 
     def wait_ready(self) -> None:
@@ -160,7 +201,14 @@ class EtcdServer(_Server):
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             rc = subprocess.run(
-                [_binary("etcdctl"), "--endpoints", self.endpoint, "endpoint", "health"],
+                [
+                    _binary("etcdctl"),
+                    "--endpoints",
+                    f"https://{self.endpoint}",
+                    *etcdconfig.ctl_flags(creds("ipam")),
+                    "endpoint",
+                    "health",
+                ],
                 capture_output=True,
             ).returncode
             if rc == 0:
@@ -169,9 +217,9 @@ class EtcdServer(_Server):
         raise TimeoutError("etcd did not become healthy")
 
 
-def health_status(address: str, service: str = "", timeout: float = 1.0) -> int:
-    """The gRPC health status at ``address`` (HealthCheckResponse.ServingStatus), -1 if unreachable."""
-    with grpc.insecure_channel(address) as ch:
+def health_status(address: str, server: str, service: str = "", timeout: float = 1.0) -> int:
+    """The gRPC health status of ``server`` (the component's name) at ``address``; -1 if unreachable."""
+    with sync_channel(address, server) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError:
@@ -237,7 +285,11 @@ class ServiceProcess:
         ]
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **self.env}
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, "PALISADE_TLS_DIR": str(pki()), **self.env},
         )
         log.close()
         if wait:
@@ -248,7 +300,7 @@ class ServiceProcess:
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.logs()[-3000:]}")
-            if health_status(self.address) == health_pb2.HealthCheckResponse.SERVING:
+            if health_status(self.address, self.name) == health_pb2.HealthCheckResponse.SERVING:
                 return
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} not SERVING after {timeout}s:\n{self.logs()[-3000:]}")

@@ -1,7 +1,10 @@
 """How the CLI reaches the services: addresses, channels, errors, output.
 
 Addresses come from flags (`--policy-address`...), else PALISADE_<SERVICE>_ADDRESS,
-else the default local ports that `make run` uses.
+else the default local ports that `make run` uses. A `unix:` address (the datapath's
+root-only node socket) needs no certificate; TCP addresses are mutual TLS with the CLI's
+certificate, found with --tls-dir, else PALISADE_TLS_DIR, else `make run`'s run
+directory, else /etc/palisade/tls.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -21,9 +25,13 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from services.common.config import DEFAULT_GRPC_PORTS
-from services.common.grpcserver import MESSAGE_SIZE_OPTIONS
+from services.common.grpcserver import open_sync_channel
+from services.common.trust import Credentials, TrustError
 
 SERVICES = ("watcher", "policy", "ipam", "datapath")
+#: Where `make run` keeps its installation's certificates, and where a node keeps them.
+RUN_TLS_DIR = Path(__file__).resolve().parents[2] / ".run" / "tls"
+SYSTEM_TLS_DIR = Path("/etc/palisade/tls")
 T = TypeVar("T")
 
 
@@ -45,6 +53,44 @@ def add_address_flags(parser: argparse.ArgumentParser, *services: str) -> None:
             f"default 127.0.0.1:{DEFAULT_GRPC_PORTS[name]})",
         )
 
+    parser.add_argument(
+        "--tls-dir",
+        default=None,
+        metavar="DIR",
+        help=f"directory with ca.crt, cli.crt and cli.key (env PALISADE_TLS_DIR; default {RUN_TLS_DIR} "
+        f"when `make run` made it, else {SYSTEM_TLS_DIR})",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="talk to services started with --insecure, without TLS (env PALISADE_INSECURE)",
+    )
+
+
+def credentials(args: argparse.Namespace) -> Credentials | None:
+    """The CLI's certificate, or a CLIError saying where to get one; None with --insecure."""
+    insecure = getattr(args, "insecure", None) or os.environ.get("PALISADE_INSECURE", "").lower() in ("1", "true")
+    if insecure:
+        return None
+    explicit = getattr(args, "tls_dir", None) or os.environ.get("PALISADE_TLS_DIR")
+    if explicit:
+        directory = Path(explicit)
+    else:
+        found = [d for d in (RUN_TLS_DIR, SYSTEM_TLS_DIR) if (d / "cli.crt").is_file()]
+        if not found:
+            raise CLIError(
+                f"no certificate for the CLI: on a `make run` machine it is in {RUN_TLS_DIR} once the stack "
+                "has started (run `make run`, as the same user); elsewhere point --tls-dir or PALISADE_TLS_DIR "
+                "at a directory with ca.crt, cli.crt and cli.key (`palisade tls init --dir DIR` makes an "
+                "installation's)"
+            )
+        directory = found[0]
+    try:
+        return Credentials.load(directory, "cli")
+    except TrustError as exc:
+        raise CLIError(str(exc)) from None
+
 
 def add_output_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
@@ -59,7 +105,7 @@ def address(args: argparse.Namespace, service: str) -> str:
 def channel(args: argparse.Namespace, service: str, timeout: float = 3.0) -> Iterator[grpc.Channel]:
     """A ready channel to ``service``, or a CLIError naming the address and how to start it."""
     target = address(args, service)
-    ch = grpc.insecure_channel(target, options=MESSAGE_SIZE_OPTIONS)
+    ch = open_sync_channel(target, service, None if target.startswith("unix:") else credentials(args))
     try:
         grpc.channel_ready_future(ch).result(timeout=timeout)
     except grpc.FutureTimeoutError:

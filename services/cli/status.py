@@ -8,11 +8,22 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from palisade.v1 import common_pb2, common_pb2_grpc
-from services.cli.client import SERVICES, add_address_flags, add_output_flag, address, print_json, print_table, run
+from services.cli.client import (
+    SERVICES,
+    add_address_flags,
+    add_output_flag,
+    address,
+    credentials,
+    print_json,
+    print_table,
+    run,
+)
+from services.common.grpcserver import open_sync_channel
+from services.common.trust import Credentials
 
 
-def _probe(target: str) -> tuple[str, common_pb2.ServiceStatus | None]:
-    ch = grpc.insecure_channel(target)
+def _probe(target: str, service: str, creds: Credentials | None) -> tuple[str, common_pb2.ServiceStatus | None]:
+    ch = open_sync_channel(target, service, creds)
     try:
         try:
             grpc.channel_ready_future(ch).result(timeout=1.5)
@@ -35,9 +46,10 @@ def _probe(target: str) -> tuple[str, common_pb2.ServiceStatus | None]:
 @run
 def cmd_status(args: argparse.Namespace) -> int:
     results = []
+    creds = credentials(args)
     for name in SERVICES:
         target = address(args, name)
-        state, status = _probe(target)
+        state, status = _probe(target, name, creds)
         results.append((name, target, state, status))
     if args.output == "json":
         out = []

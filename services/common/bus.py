@@ -31,6 +31,7 @@ from nats.js import api as jsapi
 from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.object_store import ObjectStore
 
+from services.common.access import INBOX_PREFIX
 from services.common.backoff import Backoff
 from services.common.log import get_logger
 from services.common.retry import tcp_probe, with_retries
@@ -43,6 +44,7 @@ from services.common.subjects import ipcache_subject as ipcache_subject
 from services.common.subjects import k8s_subject as k8s_subject
 from services.common.subjects import regen_subject as regen_subject
 from services.common.subjects import token as token
+from services.common.trust import Credentials
 
 log = get_logger("bus")
 
@@ -289,8 +291,14 @@ class Bus:
         name: str,
         retries: int = 10,
         backoff: float = 0.2,
+        tls: Credentials | None = None,
     ) -> Bus:
-        """Connect, retrying at startup; afterwards the client reconnects forever with backoff."""
+        """Connect, retrying at startup; afterwards the client reconnects forever with backoff.
+
+        With ``tls`` the client proves its component name with its certificate (NATS maps it
+        to the user of that name) and checks that the server is ``nats``; it receives on its
+        own inbox prefix, the only subjects its user may subscribe to.
+        """
         address = ",".join(servers)
 
         async def probe() -> None:
@@ -328,9 +336,17 @@ class Bus:
             for bus in holder:
                 bus._reconnected()
 
+        secure: dict[str, Any] = {}
+        if tls is not None:
+            secure = {
+                "tls": tls.client_ssl_context(),
+                "tls_hostname": "nats",
+                "inbox_prefix": INBOX_PREFIX + tls.name,
+            }
         nc = await nats.connect(
             servers,
             name=name,
+            **secure,
             connect_timeout=2,
             allow_reconnect=True,
             max_reconnect_attempts=-1,

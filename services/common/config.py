@@ -15,6 +15,8 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from services.common.trust import Credentials
+
 ENV_PREFIX = "PALISADE_"
 
 
@@ -52,6 +54,19 @@ class CommonConfig:
     log_level: str = setting("Log level: debug, info, warning, error.", default="info")
     log_format: str = setting("Log format: json or text.", default="json")
     node_name: str = setting("Name of the node this process runs for.", default="dev-node")
+    tls_dir: str = setting(
+        "Directory with the installation's ca.crt and this component's <name>.crt/<name>.key "
+        "(mutual TLS for gRPC, NATS and etcd; `palisade tls init` creates them).",
+        default="/etc/palisade/tls",
+    )
+    insecure: bool = setting(
+        "Run without TLS or NATS users (development and benchmarks only; anyone who reaches a port owns it).",
+        default=False,
+    )
+
+    def credentials(self, name: str) -> Credentials | None:
+        """This component's certificate, or None when running --insecure; TrustError when missing."""
+        return None if self.insecure else Credentials.load(self.tls_dir, name)
 
     def nats_servers(self) -> list[str]:
         return [s.strip() for s in self.nats_url.split(",") if s.strip()]

@@ -17,8 +17,10 @@ from grpc_reflection.v1alpha import reflection
 
 from palisade.v1 import common_pb2, common_pb2_grpc
 from services import __version__
+from services.common.access import AccessInterceptor
 from services.common.errors import Code, abort
 from services.common.log import get_logger
+from services.common.trust import Credentials
 
 log = get_logger("grpc")
 
@@ -82,10 +84,13 @@ class GrpcServer:
     clients stop sending, then lets in-flight calls finish within ``grace`` seconds.
     """
 
-    def __init__(self, service: str, node: str, listen: str) -> None:
+    def __init__(self, service: str, node: str, listen: str, credentials: Credentials | None = None) -> None:
         self.service = service
         self.listen = listen
-        self.server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS)
+        self.credentials = credentials
+        # Without credentials (--insecure) there is no caller name to judge: every call is let in.
+        interceptors = [AccessInterceptor()] if credentials is not None else []
+        self.server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS, interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.status = StatusServicer(service, node)
@@ -106,7 +111,11 @@ class GrpcServer:
         self._names.append(full_name)
 
     async def start(self) -> int:
-        self.port = self.server.add_insecure_port(self.listen)
+        if self.credentials is not None:
+            self.port = self.server.add_secure_port(self.listen, self.credentials.server_credentials())
+        else:
+            log.warning("grpc without TLS (--insecure): anyone who reaches the port can call every method")
+            self.port = self.server.add_insecure_port(self.listen)
         if self.port == 0:
             raise OSError(f"cannot listen for gRPC on {self.listen}; is the port in use? set --grpc-listen")
         for path in self._unix:
@@ -156,9 +165,37 @@ def start_metrics(listen: str) -> int:
     return bound
 
 
-async def wait_for_channel(target: str, timeout: float = 5.0) -> grpc.aio.Channel:
-    """An insecure channel to ``target`` that is ready, or raise TimeoutError naming it."""
-    channel = grpc.aio.insecure_channel(target)
+def channel_args(service: str, credentials: Credentials | None) -> list[tuple[str, Any]]:
+    """Options of a channel to ``service``: message sizes, and the name its certificate must carry."""
+    options: list[tuple[str, Any]] = list(MESSAGE_SIZE_OPTIONS)
+    if credentials is not None:
+        # Whatever address is dialled (a pod IP, a node address), the server must prove it is ``service``.
+        options.append(("grpc.ssl_target_name_override", service))
+    return options
+
+
+def open_channel(target: str, service: str, credentials: Credentials | None) -> grpc.aio.Channel:
+    """An asyncio channel to ``service`` at ``target``: mutual TLS, or plain on a local unix socket."""
+    if credentials is None or target.startswith("unix:"):
+        return grpc.aio.insecure_channel(target, options=MESSAGE_SIZE_OPTIONS)
+    return grpc.aio.secure_channel(
+        target, credentials.channel_credentials(), options=channel_args(service, credentials)
+    )
+
+
+def open_sync_channel(target: str, service: str, credentials: Credentials | None) -> grpc.Channel:
+    """The blocking twin of :func:`open_channel` (CLI, health probes)."""
+    if credentials is None or target.startswith("unix:"):
+        return grpc.insecure_channel(target, options=MESSAGE_SIZE_OPTIONS)
+    options = channel_args(service, credentials)
+    return grpc.secure_channel(target, credentials.channel_credentials(), options=options)
+
+
+async def wait_for_channel(
+    target: str, service: str, credentials: Credentials | None, timeout: float = 5.0
+) -> grpc.aio.Channel:
+    """A ready channel to ``service`` at ``target``, or raise TimeoutError naming it."""
+    channel = open_channel(target, service, credentials)
     try:
         await asyncio.wait_for(channel.channel_ready(), timeout)
     except TimeoutError:

@@ -29,6 +29,7 @@ from services.common.grpcserver import GrpcServer, start_metrics
 from services.common.log import Logger, get_logger, setup_logging
 from services.common.retry import StartupError
 from services.common.store import connect_etcd
+from services.common.trust import Credentials, TrustError
 
 C = TypeVar("C", bound=CommonConfig)
 
@@ -45,6 +46,11 @@ class ServiceContext(Generic[C]):
     _tg: asyncio.TaskGroup
     _tasks: list[asyncio.Task[Any]] = dataclasses.field(default_factory=list)
 
+    @property
+    def credentials(self) -> Credentials | None:
+        """This service's certificate (None when --insecure)."""
+        return self.server.credentials
+
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run a root task for the life of the service; if it fails, the service exits 1."""
         task = self._tg.create_task(coro, name=name)
@@ -57,6 +63,7 @@ class ServiceContext(Generic[C]):
             name=f"palisade-{self.name}",
             retries=self.config.connect_retries,
             backoff=self.config.connect_backoff,
+            tls=self.credentials,
         )
         self.stack.push_async_callback(bus.close)
         self.server.status.add_dependency("bus", bus.problem)
@@ -67,6 +74,7 @@ class ServiceContext(Generic[C]):
             self.config.etcd_endpoint_list(),
             retries=self.config.connect_retries,
             backoff=self.config.connect_backoff,
+            tls=self.credentials,
         )
         self.stack.push_async_callback(client.close)
         return client
@@ -85,7 +93,7 @@ async def _serve(name: str, cfg: C, setup: Setup[C]) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = GrpcServer(name, cfg.node_name, _listen(cfg, name))
+    server = GrpcServer(name, cfg.node_name, _listen(cfg, name), cfg.credentials(name))
     async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tg:
         ctx = ServiceContext(name=name, config=cfg, server=server, stack=stack, log=log, _tg=tg)
         await setup(ctx)
@@ -122,7 +130,7 @@ def run_service(name: str, config_type: type[C], setup: Setup[C], argv: list[str
         err = _first_error(exc)
         if isinstance(err, KeyboardInterrupt):
             return 0
-        if isinstance(err, (StartupError, ConfigError, OSError)):
+        if isinstance(err, (StartupError, ConfigError, OSError, TrustError)):
             print(f"palisade-{name}: error: {err}", file=sys.stderr)
             return 1
         get_logger(name).error("service failed", error=repr(err), exc_info=True)

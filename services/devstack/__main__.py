@@ -20,9 +20,11 @@ import sys
 import time
 from pathlib import Path
 
+from services.common import etcdconfig, natsconfig
 from services.common.bus import Bus
 from services.common.config import DEFAULT_GRPC_PORTS
 from services.common.log import get_logger, setup_logging
+from services.common.trust import Credentials, ensure_pki
 from services.devstack.cniexec import CniRuntime
 from services.devstack.node import DevNode
 from services.devstack.processes import Child, StackError, binary, port_free
@@ -65,36 +67,32 @@ def grpc_address(args: argparse.Namespace, name: str) -> str:
 def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    # One CA per installation, made on first start; every part proves its name with it.
+    tls_dir = ensure_pki(run_dir / "tls")
     nats_url = f"nats://127.0.0.1:{args.nats_port}"
     etcd = f"127.0.0.1:{args.etcd_port}"
     etcd_peer = args.etcd_port + 1
     common = ["--nats-url", nats_url, "--etcd-endpoints", etcd, "--node-name", args.node, "--log-format", "json"]
+    env = {"PALISADE_TLS_DIR": str(tls_dir)}
+    probe = Credentials.load(tls_dir, "devnode")
 
     def svc(name: str, *extra: str) -> Child:
         address = grpc_address(args, name)
         cmd = [sys.executable, "-m", f"services.{name}", "--grpc-listen", address, *common, *extra]
-        return Child(name, cmd, logs / f"{name}.log", grpc_address=address)
+        return Child(name, cmd, logs / f"{name}.log", grpc_address=address, env=env, credentials=probe)
 
+    nats_conf = natsconfig.write(
+        run_dir / "nats.conf",
+        listen=f"127.0.0.1:{args.nats_port}",
+        store_dir=str(run_dir / "nats"),
+        tls=Credentials.load(tls_dir, "nats"),
+    )
     return [
-        Child(
-            "nats",
-            [binary("nats-server"), "-a", "127.0.0.1", "-p", str(args.nats_port), "-js", "-sd", str(run_dir / "nats")],
-            logs / "nats.log",
-            tcp_port=args.nats_port,
-        ),
+        Child("nats", [binary("nats-server"), "-c", str(nats_conf)], logs / "nats.log", tcp_port=args.nats_port),
         Child(
             "etcd",
-            [
-                binary("etcd"),
-                "--name", "dev",
-                "--data-dir", str(run_dir / "etcd"),
-                "--listen-client-urls", f"http://{etcd}",
-                "--advertise-client-urls", f"http://{etcd}",
-                "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-                "--initial-cluster", f"dev=http://127.0.0.1:{etcd_peer}",
-                "--log-level", "warn",
-            ],
+            [binary("etcd"), "--name", "dev", "--data-dir", str(run_dir / "etcd"), "--log-level", "warn",
+             *etcdconfig.flags(Credentials.load(tls_dir, "etcd"), "dev", etcd, f"127.0.0.1:{etcd_peer}")],
             logs / "etcd.log",
             tcp_port=args.etcd_port,
         ),
@@ -159,9 +157,10 @@ async def main_async(args: argparse.Namespace) -> int:
             c.start(ROOT)
             await asyncio.to_thread(c.wait_ready, 60.0)
         if not args.no_pods:
-            bus = await Bus.connect([f"nats://127.0.0.1:{args.nats_port}"], name="palisade-devnode")
+            devnode = Credentials.load(run_dir / "tls", "devnode")
+            bus = await Bus.connect([f"nats://127.0.0.1:{args.nats_port}"], name="palisade-devnode", tls=devnode)
             cni = CniRuntime(str(run_dir / "datapath" / "cni.sock")) if args.cni else None
-            node = DevNode(bus, grpc_address(args, "datapath"), args.node, cni)
+            node = DevNode(bus, grpc_address(args, "datapath"), args.node, cni, devnode)
             node_task = asyncio.create_task(node.run(), name="devnode")
             # The banner lists the pods, so let the initial ones come up first.
             await asyncio.wait_for(node.settled.wait(), 120)

@@ -19,9 +19,11 @@ import grpc
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc, k8s_pb2
 from services.common.bus import Bus
+from services.common.grpcserver import open_channel
 from services.common.largeobjects import follow_deltas
 from services.common.log import get_logger
 from services.common.subjects import k8s_filter
+from services.common.trust import Credentials
 from services.devstack.cniexec import CniError, CniRuntime
 
 log = get_logger("devnode")
@@ -68,10 +70,18 @@ def server_command(netns: str, pod: PodSpec, extra_ports: tuple[tuple[int, str],
 class DevNode:
     """Keeps the node's endpoints and pod servers in line with the pods on the bus."""
 
-    def __init__(self, bus: Bus, datapath: str, node: str, cni: CniRuntime | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        datapath: str,
+        node: str,
+        cni: CniRuntime | None = None,
+        credentials: Credentials | None = None,
+    ) -> None:
         self._bus = bus
         self._cni = cni
         self._datapath = datapath
+        self._credentials = credentials
         self._node = node
         self._queue: asyncio.Queue[tuple[str, PodSpec | None]] = asyncio.Queue()
         #: Set once the pods present at startup have been created.
@@ -91,7 +101,7 @@ class DevNode:
 
         follower = await follow_deltas(self._bus, k8s_filter("pod"), on_delta)
         try:
-            async with grpc.aio.insecure_channel(self._datapath) as channel:
+            async with open_channel(self._datapath, "datapath", self._credentials) as channel:
                 stub = datapath_pb2_grpc.DatapathServiceStub(channel)
                 while True:
                     if not self.settled.is_set() and follower.caught_up.is_set() and self._queue.empty():
@@ -157,7 +167,7 @@ class DevNode:
         log.info("pod stopped", pod=pod.key)
 
     async def shutdown(self) -> None:
-        async with grpc.aio.insecure_channel(self._datapath) as channel:
+        async with open_channel(self._datapath, "datapath", self._credentials) as channel:
             stub = datapath_pb2_grpc.DatapathServiceStub(channel)
             for pod in list(self.pods.values()):
                 await self._remove(stub, pod)

@@ -16,6 +16,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.backoff import Backoff
+from services.common.grpcserver import open_sync_channel
+from services.common.trust import Credentials
 
 BIN = Path(sys.executable).parent
 
@@ -44,8 +46,8 @@ def port_free(port: int) -> bool:
     return True
 
 
-def serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as ch:
+def serving(address: str, service: str, credentials: Credentials | None) -> bool:
+    with open_sync_channel(address, service, credentials) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
         except grpc.RpcError:
@@ -63,6 +65,8 @@ class Child:
     tcp_port: int = 0
     grpc_address: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    #: What the readiness probe presents to a gRPC child (any certificate of the installation will do).
+    credentials: Credentials | None = None
     proc: subprocess.Popen[bytes] | None = None
     #: Restarts after unexpected exits, as a restartPolicy: Always would do (backoff from 0.5 s to 10 s).
     restarts: int = 0
@@ -108,7 +112,7 @@ class Child:
             if self.proc is None or self.proc.poll() is not None:
                 code = self.proc.returncode if self.proc else None
                 raise StackError(f"{self.name} exited ({code}) during startup; its log {self.log} ends:\n{self.tail()}")
-            if self.grpc_address and serving(self.grpc_address):
+            if self.grpc_address and serving(self.grpc_address, self.name, self.credentials):
                 return
             if self.tcp_port and not self.grpc_address:
                 try:

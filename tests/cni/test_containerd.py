@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import yaml
 
@@ -81,7 +80,7 @@ def endpoints(stack: Stack) -> dict[str, dict[str, Any]]:
 
 
 def allocations(stack: Stack) -> list[str]:
-    with grpc.insecure_channel(stack.address("ipam")) as ch:
+    with stack.channel("ipam") as ch:
         listing = ipam_pb2_grpc.IPAMServiceStub(ch).ListAllocations(ipam_pb2.ListAllocationsRequest(), timeout=10)
     return [a.owner for a in listing.allocations if a.owner.startswith(f"pod/{NS}/")]
 

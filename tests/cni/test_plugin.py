@@ -24,7 +24,7 @@ from services.datapath.fake import FakeDatapath
 from tests.datapath_service.agent import InProcessAgent
 from tests.datapath_service.controlplane import ControlPlane
 from tests.datapath_service.helpers import eventually
-from tests.harness import ROOT, NatsServer
+from tests.harness import ROOT, NatsServer, creds
 
 pytestmark = pytest.mark.root
 
@@ -34,7 +34,7 @@ INIT = 5
 
 @pytest.fixture
 async def cp(nats_server: NatsServer) -> AsyncIterator[ControlPlane]:
-    bus = await Bus.connect([nats_server.url], name="control-plane")
+    bus = await Bus.connect([nats_server.url], name="control-plane", tls=creds())
     plane = ControlPlane(bus, NODE)  # type: ignore[abstract]
     await plane.start()
     yield plane
@@ -44,7 +44,7 @@ async def cp(nats_server: NatsServer) -> AsyncIterator[ControlPlane]:
 
 @pytest.fixture
 async def agent(nats_server: NatsServer, cp: ControlPlane, tmp_path: Path) -> AsyncIterator[InProcessAgent]:
-    runner = InProcessAgent(nats_server.url, cp.address, tmp_path, NODE)
+    runner = InProcessAgent(nats_server.url, cp, tmp_path, NODE)
     await runner.start()
     await runner.wait_synced()
     yield runner

@@ -8,11 +8,11 @@ from palisade.v1 import identity_pb2
 from services.common.bus import IDENTITY_STREAM, Bus
 from services.common.store import connect_etcd
 from services.common.subjects import IDENTITY_ALL, identity_subject
-from tests.harness import EtcdServer, NatsServer
+from tests.harness import EtcdServer, NatsServer, creds
 
 
 async def test_nats_round_trip_and_compacted_replay(nats_server: NatsServer) -> None:
-    async with await Bus.connect([nats_server.url], name="test") as bus:
+    async with await Bus.connect([nats_server.url], name="test", tls=creds()) as bus:
         await bus.ensure_stream(IDENTITY_STREAM)
         await bus.ensure_stream(IDENTITY_STREAM)  # idempotent
         for labels in ("k8s:app=a", "k8s:app=b"):
@@ -39,7 +39,7 @@ async def test_nats_round_trip_and_compacted_replay(nats_server: NatsServer) -> 
 
 
 async def test_follow_on_empty_stream_is_caught_up_at_once(nats_server: NatsServer) -> None:
-    async with await Bus.connect([nats_server.url], name="test") as bus:
+    async with await Bus.connect([nats_server.url], name="test", tls=creds()) as bus:
         await bus.ensure_stream(IDENTITY_STREAM)
 
         async def handler(subject: str, m: identity_pb2.IdentityUpdate) -> None:
@@ -52,7 +52,7 @@ async def test_follow_on_empty_stream_is_caught_up_at_once(nats_server: NatsServ
 
 async def test_etcd_transaction_through_factory(etcd_server: EtcdServer) -> None:
     host, port = etcd_server.endpoint.split(":")
-    client = await connect_etcd([(host, int(port))])
+    client = await connect_etcd([(host, int(port))], tls=creds("ipam"))
     try:
         key = b"/palisade/test/k"
         ok = await client.transaction(
@@ -74,7 +74,7 @@ async def test_etcd_transaction_through_factory(etcd_server: EtcdServer) -> None
 
 
 async def test_follow_with_filter_matching_nothing_in_a_busy_stream_is_caught_up(nats_server: NatsServer) -> None:
-    async with await Bus.connect([nats_server.url], name="test") as bus:
+    async with await Bus.connect([nats_server.url], name="test", tls=creds()) as bus:
         await bus.ensure_stream(IDENTITY_STREAM)
         await bus.publish(identity_subject(400), identity_pb2.IdentityUpdate(identity=identity_pb2.Identity(id=400)))
 

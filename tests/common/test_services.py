@@ -8,11 +8,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from palisade.v1 import common_pb2, common_pb2_grpc
-from tests.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, bcc_problem, free_port
+from tests.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, bcc_problem, free_port, sync_channel
 
 EXPECTED = {
     "watcher": {"palisade.v1.StatusService"},
@@ -22,8 +21,8 @@ EXPECTED = {
 }
 
 
-def _reflected(address: str) -> set[str]:
-    with grpc.insecure_channel(address) as ch:
+def _reflected(address: str, name: str) -> set[str]:
+    with sync_channel(address, name) as ch:
         stub = reflection_pb2_grpc.ServerReflectionStub(ch)
         responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name for r in responses for s in r.list_services_response.service}
@@ -60,10 +59,10 @@ def test_whole_system_serves_health_reflection_status_and_exits_zero_on_sigterm(
             bpffs,
         )
     for name, proc in procs.items():
-        names = _reflected(proc.address)
+        names = _reflected(proc.address, name)
         assert EXPECTED[name] <= names, name
         assert "grpc.health.v1.Health" in names
-        with grpc.insecure_channel(proc.address) as ch:
+        with sync_channel(proc.address, name) as ch:
             status = common_pb2_grpc.StatusServiceStub(ch).GetStatus(common_pb2.GetStatusRequest(), timeout=5)
         assert status.service == name
         assert status.synced, name

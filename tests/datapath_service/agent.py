@@ -25,6 +25,8 @@ from services.datapath.netns import PodLink
 from services.datapath.orders import GrpcPolicyClient
 from services.datapath.service import Agent, start_agent
 from services.datapath.types import Address
+from tests.datapath_service.controlplane import ControlPlane
+from tests.harness import channel, creds
 
 
 class FakeNetwork:
@@ -84,12 +86,12 @@ class FakeNetwork:
 class InProcessAgent:
     """Start, stop (as a crash would leave things: pinned maps and state stay) and restart the agent."""
 
-    def __init__(self, nats_url: str, control_plane: str, tmp: Path, node: str = "node-a") -> None:
+    def __init__(self, nats_url: str, control_plane: ControlPlane, tmp: Path, node: str = "node-a") -> None:
         self.config = DatapathConfig(
             nats_url=nats_url,
             node_name=node,
-            policy_address=control_plane,
-            ipam_address=control_plane,
+            policy_address=control_plane.policy_address,
+            ipam_address=control_plane.ipam_address,
             state_dir=str(tmp / "state"),
             bpffs=str(tmp / "bpf"),
             repair_interval=0,
@@ -108,10 +110,12 @@ class InProcessAgent:
     async def start(self) -> Agent:
         stack = contextlib.AsyncExitStack()
         self._stack = stack
-        bus = await Bus.connect([self.config.nats_url], name="datapath-test")
+        bus = await Bus.connect([self.config.nats_url], name="datapath-test", tls=creds("datapath"))
         stack.push_async_callback(bus.close)
-        cp = grpc.aio.insecure_channel(self.config.policy_address)
-        stack.push_async_callback(cp.close)
+        policy = channel(self.config.policy_address, "policy", "datapath")
+        stack.push_async_callback(policy.close)
+        ipam = channel(self.config.ipam_address, "ipam", "datapath")
+        stack.push_async_callback(ipam.close)
         self.datapath = FakeDatapath.open(self.config.bpffs)
 
         def spawn(coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
@@ -124,8 +128,8 @@ class InProcessAgent:
             bus=bus,
             datapath=self.datapath,
             network=self.network,
-            policy=GrpcPolicyClient(cp, 5.0),
-            ipam=GrpcIpam(cp, 5.0),
+            policy=GrpcPolicyClient(policy, 5.0),
+            ipam=GrpcIpam(ipam, 5.0),
             spawn=spawn,
             stack=stack,
         )

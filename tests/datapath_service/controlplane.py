@@ -26,6 +26,7 @@ from palisade.v1 import (
     policy_pb2_grpc,
 )
 from services.common.bus import IPCACHE_STREAM, REGEN_STREAM, Bus, ipcache_subject, regen_subject
+from tests.harness import creds
 
 ING = common_pb2.DIRECTION_INGRESS
 EGR = common_pb2.DIRECTION_EGRESS
@@ -81,12 +82,19 @@ class ControlPlane(
         #: While set, Resync answers UNAVAILABLE (a policy service that is not up yet).
         self.refuse_resync = False
         self.server: grpc.aio.Server | None = None
-        self.port = 0
+        #: The policy API answers as "policy", identities and addresses as "ipam", each on its own
+        #: mutual-TLS port (a datapath checks which service it reached by the certificate).
+        self.policy_port = 0
+        self.ipam_port = 0
         self.changed = asyncio.Condition()
 
     @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+    def policy_address(self) -> str:
+        return f"127.0.0.1:{self.policy_port}"
+
+    @property
+    def ipam_address(self) -> str:
+        return f"127.0.0.1:{self.ipam_port}"
 
     async def start(self, port: int = 0) -> None:
         await self.bus.ensure_streams(REGEN_STREAM, IPCACHE_STREAM)
@@ -94,7 +102,8 @@ class ControlPlane(
         policy_pb2_grpc.add_PolicyServiceServicer_to_server(self, self.server)
         identity_pb2_grpc.add_IdentityServiceServicer_to_server(self, self.server)
         ipam_pb2_grpc.add_IPAMServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        self.policy_port = self.server.add_secure_port(f"127.0.0.1:{port}", creds("policy").server_credentials())
+        self.ipam_port = self.server.add_secure_port("127.0.0.1:0", creds("ipam").server_credentials())
         await self.server.start()
 
     async def stop(self) -> None:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-import grpc
-
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
 from tests.datapath_service.agent import InProcessAgent
 from tests.harness import ServiceProcess
+from tests.harness import channel as tls_channel
 
 
 def labels(**kv: str) -> list[common_pb2.Label]:
@@ -31,7 +30,7 @@ async def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
 
 async def started(start: Callable[[], ServiceProcess]) -> tuple[ServiceProcess, datapath_pb2_grpc.DatapathServiceStub]:
     proc = await asyncio.to_thread(start)
-    channel = grpc.aio.insecure_channel(proc.address)
+    channel = tls_channel(proc.address, "datapath")
     return proc, datapath_pb2_grpc.DatapathServiceStub(channel)
 
 

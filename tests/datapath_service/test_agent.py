@@ -15,14 +15,14 @@ from services.datapath.fake import FakeDatapath
 from tests.datapath_service.agent import InProcessAgent
 from tests.datapath_service.controlplane import ALLOW, DENY, ING, TCP, ControlPlane, entry
 from tests.datapath_service.helpers import create, eventually, labels
-from tests.harness import NatsServer
+from tests.harness import NatsServer, creds
 
 NODE = "node-a"
 
 
 @pytest.fixture
 async def cp(nats_server: NatsServer) -> AsyncIterator[ControlPlane]:
-    bus = await Bus.connect([nats_server.url], name="control-plane")
+    bus = await Bus.connect([nats_server.url], name="control-plane", tls=creds())
     plane = ControlPlane(bus, NODE)  # type: ignore[abstract]
     await plane.start()
     yield plane
@@ -32,7 +32,7 @@ async def cp(nats_server: NatsServer) -> AsyncIterator[ControlPlane]:
 
 @pytest.fixture
 async def agent(nats_server: NatsServer, cp: ControlPlane, tmp_path: Path) -> AsyncIterator[InProcessAgent]:
-    runner = InProcessAgent(nats_server.url, cp.address, tmp_path, NODE)
+    runner = InProcessAgent(nats_server.url, cp, tmp_path, NODE)
     await runner.start()
     await runner.wait_synced()
     yield runner

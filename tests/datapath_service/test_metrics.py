@@ -27,14 +27,14 @@ from tests.datapath_service.controlplane import ING, ControlPlane, entry
 from tests.datapath_service.helpers import create as create_fake
 from tests.datapath_service.helpers import create_endpoint, eventually, in_thread, started
 from tests.datapath_service.pods import Pods
-from tests.harness import Metrics, NatsServer, ServiceProcess, scrape
+from tests.harness import Metrics, NatsServer, ServiceProcess, creds, scrape
 
 NODE = "node-a"
 
 
 @pytest.fixture
 async def cp(nats_server: NatsServer) -> AsyncIterator[ControlPlane]:
-    bus = await Bus.connect([nats_server.url], name="control-plane")
+    bus = await Bus.connect([nats_server.url], name="control-plane", tls=creds())
     plane = ControlPlane(bus, NODE, cidr="10.251.4.0/24")  # type: ignore[abstract]
     await plane.start()
     yield plane
@@ -65,8 +65,8 @@ async def test_service_metrics_follow_endpoints_orders_and_packets(
     def start() -> ServiceProcess:
         return service(
             "datapath",
-            *("--nats-url", nats_server.url, "--node-name", NODE, "--policy-address", cp.address),
-            *("--ipam-address", cp.address, "--state-dir", str(tmp_path / "state"), "--bpffs", bpffs),
+            *("--nats-url", nats_server.url, "--node-name", NODE, "--policy-address", cp.policy_address),
+            *("--ipam-address", cp.ipam_address, "--state-dir", str(tmp_path / "state"), "--bpffs", bpffs),
             *("--retry-backoff-max", "0.5"),
         )
 
@@ -139,10 +139,10 @@ async def test_service_metrics_follow_endpoints_orders_and_packets(
 
 @pytest.fixture
 async def agent(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[tuple[InProcessAgent, ControlPlane]]:
-    bus = await Bus.connect([nats_server.url], name="control-plane")
+    bus = await Bus.connect([nats_server.url], name="control-plane", tls=creds())
     plane = ControlPlane(bus, NODE)  # type: ignore[abstract]
     await plane.start()
-    runner = InProcessAgent(nats_server.url, plane.address, tmp_path, NODE)
+    runner = InProcessAgent(nats_server.url, plane, tmp_path, NODE)
     runner.config = dataclasses.replace(runner.config, observe_buffer=2)
     await runner.start()
     await runner.wait_synced()

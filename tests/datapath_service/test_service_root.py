@@ -18,7 +18,7 @@ from services.common.bus import Bus
 from tests.datapath_service.controlplane import ALLOW, ING, ControlPlane, entry
 from tests.datapath_service.helpers import create_endpoint, in_thread, started
 from tests.datapath_service.pods import Pods
-from tests.harness import NatsServer, ServiceProcess, health_status
+from tests.harness import NatsServer, ServiceProcess, creds, health_status
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -27,7 +27,7 @@ NODE = "node-a"
 
 @pytest.fixture
 async def cp(nats_server: NatsServer) -> AsyncIterator[ControlPlane]:
-    bus = await Bus.connect([nats_server.url], name="control-plane")
+    bus = await Bus.connect([nats_server.url], name="control-plane", tls=creds())
     plane = ControlPlane(bus, NODE, cidr="10.251.3.0/24")  # type: ignore[abstract]
     await plane.start()
     yield plane
@@ -47,9 +47,9 @@ def start_datapath(
             "--node-name",
             NODE,
             "--policy-address",
-            cp.address,
+            cp.policy_address,
             "--ipam-address",
-            cp.address,
+            cp.ipam_address,
             "--state-dir",
             str(tmp_path / "state"),
             "--bpffs",
@@ -169,9 +169,9 @@ async def test_not_serving_until_the_first_resync_put_the_policy_on_the_endpoint
     proc = await asyncio.to_thread(start_datapath, False)
     # It answers, and has tried to resync more than once, yet says NOT_SERVING: it is not synced.
     async with asyncio.timeout(60):
-        while len(cp.resyncs) < 3 or await asyncio.to_thread(health_status, proc.address) == -1:  # noqa: ASYNC110
+        while len(cp.resyncs) < 3 or await asyncio.to_thread(health_status, proc.address, proc.name) == -1:  # noqa: ASYNC110
             await asyncio.sleep(0.05)  # resync attempts and the port are observed from outside: no event to wait on
-    assert await asyncio.to_thread(health_status, proc.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await asyncio.to_thread(health_status, proc.address, proc.name) == health_pb2.HealthCheckResponse.NOT_SERVING
     cp.refuse_resync = False
     await asyncio.to_thread(proc.wait_serving)
     assert proc.terminate() == 0, proc.logs()[-3000:]

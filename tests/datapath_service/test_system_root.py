@@ -28,7 +28,7 @@ import yaml
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc, policy_pb2, policy_pb2_grpc
 from services.common.labels import pod_identity_labels
-from tests.harness import ROOT, EtcdServer, NatsServer, ServiceProcess
+from tests.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, channel
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -54,9 +54,15 @@ class Cluster:
     """gRPC stubs on the policy and datapath services, and the pods' servers."""
 
     def __init__(self, policy: str, datapath: str) -> None:
-        self._channels = [grpc.aio.insecure_channel(policy), grpc.aio.insecure_channel(datapath)]
+        self._channels = [
+            channel(policy, "policy"),
+            channel(datapath, "datapath"),
+            channel(policy, "policy", "datapath"),
+        ]
         self.policy = policy_pb2_grpc.PolicyServiceStub(self._channels[0])
         self.datapath = datapath_pb2_grpc.DatapathServiceStub(self._channels[1])
+        #: The policy service as a datapath reaches it (Resync is theirs alone).
+        self.node_policy = policy_pb2_grpc.PolicyServiceStub(self._channels[2])
         self.pods: dict[str, datapath_pb2.Endpoint] = {}
         self.servers: list[asyncio.subprocess.Process] = []
 
@@ -325,7 +331,9 @@ async def test_api_endpoints_enforce_named_ports_deny_rules_and_ip_blocks_with_r
     got = await cluster.datapath.GetPolicyMap(
         datapath_pb2.GetPolicyMapRequest(endpoint=datapath_pb2.GetEndpointRequest(id=web_ep.id)), timeout=10
     )
-    resync = await cluster.policy.Resync(policy_pb2.ResyncRequest(node=NODE, identities=[web_ep.identity]), timeout=10)
+    resync = await cluster.node_policy.Resync(
+        policy_pb2.ResyncRequest(node=NODE, identities=[web_ep.identity]), timeout=10
+    )
     (want,) = [p for p in resync.policies if p.identity == web_ep.identity]
     assert _entries(got.entries) == _entries(want.entries)
     assert (got.enforcement.ingress, got.enforcement.egress) == (want.enforcement.ingress, want.enforcement.egress)

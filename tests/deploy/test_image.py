@@ -173,9 +173,13 @@ def test_healthcheck_passes_on_a_serving_service(
     nats_server: NatsServer, service: Callable[..., ServiceProcess], tmp_path: Path
 ) -> None:
     proc = service("watcher", "--nats-url", nats_server.url, "--manifests", str(tmp_path))
-    result = _healthcheck(proc.address)
+    result = _healthcheck(proc.address, "--server", "watcher")
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
+    # Plaintext is not spoken on a mutual-TLS port, and another component's name is refused.
+    assert _healthcheck(proc.address, "--insecure", "--timeout", "2").returncode == 1
+    wrong = _healthcheck(proc.address, "--server", "policy", "--timeout", "2")
+    assert wrong.returncode == 1, wrong.stderr
 
 
 @pytest.fixture
@@ -193,9 +197,9 @@ def health_server() -> Iterator[tuple[str, health.HealthServicer]]:
 def test_healthcheck_fails_when_not_serving(health_server: tuple[str, health.HealthServicer]) -> None:
     address, servicer = health_server
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    assert _healthcheck(address).returncode == 0
+    assert _healthcheck(address, "--insecure").returncode == 0
     servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    result = _healthcheck(address)
+    result = _healthcheck(address, "--insecure")
     assert result.returncode == 1
     assert result.stderr.strip() == f"{address}: NOT_SERVING"
 
@@ -203,13 +207,13 @@ def test_healthcheck_fails_when_not_serving(health_server: tuple[str, health.Hea
 def test_healthcheck_fails_for_an_unknown_service(health_server: tuple[str, health.HealthServicer]) -> None:
     address, servicer = health_server
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    result = _healthcheck(address, "--service", "palisade.v1.NoSuchService")
+    result = _healthcheck(address, "--insecure", "--service", "palisade.v1.NoSuchService")
     assert result.returncode == 1
     assert "NOT_FOUND" in result.stderr
 
 
 def test_healthcheck_fails_when_nothing_listens() -> None:
     address = f"127.0.0.1:{free_port()}"
-    result = _healthcheck(address, "--timeout", "2")
+    result = _healthcheck(address, "--server", "policy", "--timeout", "2")
     assert result.returncode == 1
     assert result.stderr.startswith(f"{address}: health check failed: ")

@@ -8,12 +8,12 @@ import pytest
 
 from services.common.store import connect_etcd
 from services.ipam.kv import Store
-from tests.harness import EtcdServer
+from tests.harness import EtcdServer, creds
 
 
 @pytest.fixture
 async def store(etcd_server: EtcdServer) -> AsyncIterator[Store]:
     host, port = etcd_server.endpoint.split(":")
-    client = await connect_etcd([(host, int(port))])
+    client = await connect_etcd([(host, int(port))], tls=creds("ipam"))
     yield Store(client, patience=20.0)
     await client.close()

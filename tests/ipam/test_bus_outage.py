@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2
 
 from palisade.v1 import common_pb2
 from services.common.bus import Bus
-from tests.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, health_status
+from tests.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, creds, health_status
 from tests.ipam.helpers import Api, K8s, eventually, ipam_args
 
 
@@ -33,7 +33,7 @@ def _palisade_status(address: str) -> subprocess.CompletedProcess[str]:
 async def test_bus_outage_shows_in_status(
     nats_server: NatsServer, etcd_server: EtcdServer, service: Callable[..., ServiceProcess]
 ) -> None:
-    async with await Bus.connect([nats_server.url], name="test") as bus:
+    async with await Bus.connect([nats_server.url], name="test", tls=creds()) as bus:
         await bus.ensure_streams()
         await K8s(bus).synced()
     proc = service("ipam", *ipam_args(nats_server, etcd_server))
@@ -44,7 +44,7 @@ async def test_bus_outage_shows_in_status(
     await asyncio.to_thread(nats_server.stop)
     down = await eventually(lambda: _when(_status(api), lambda s: s.details["bus"].startswith("down")))
     assert not down.synced
-    assert health_status(proc.address) == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(proc.address, proc.name) == health_pb2.HealthCheckResponse.SERVING
     shown = await asyncio.to_thread(_palisade_status, proc.address)
     assert shown.returncode == 1
     assert "bus=down" in shown.stdout and "ipam: bus down" in shown.stdout, shown.stdout

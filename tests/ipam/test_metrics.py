@@ -9,13 +9,13 @@ import pytest
 
 from palisade.v1 import common_pb2, identity_pb2, ipam_pb2
 from services.common.bus import Bus
-from tests.harness import EtcdServer, Metrics, NatsServer, ServiceProcess
+from tests.harness import EtcdServer, Metrics, NatsServer, ServiceProcess, creds
 from tests.ipam.helpers import Api, K8s, eventually, ipam_args, namespace, pod
 
 
 @pytest.fixture
 async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
-    async with await Bus.connect([nats_server.url], name="test") as b:
+    async with await Bus.connect([nats_server.url], name="test", tls=creds()) as b:
         await b.ensure_streams()
         yield b
 

@@ -11,7 +11,7 @@ from services.common.bus import Bus
 from services.common.store import connect_etcd
 from services.ipam import keys
 from services.ipam.kv import Store
-from tests.harness import EtcdServer, NatsServer, ServiceProcess
+from tests.harness import EtcdServer, NatsServer, ServiceProcess, creds
 from tests.ipam.helpers import Api, BusView, K8s, eventually, ipam_args
 
 NODE = "node-a"
@@ -19,7 +19,7 @@ NODE = "node-a"
 
 @pytest.fixture
 async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
-    async with await Bus.connect([nats_server.url], name="test") as b:
+    async with await Bus.connect([nats_server.url], name="test", tls=creds()) as b:
         await b.ensure_streams()
         yield b
 
@@ -76,7 +76,7 @@ async def test_two_replicas_serve_what_etcd_holds(
     # An identity written to etcd by an allocator that died before announcing it is announced
     # by the replicas from the watch event, not at the next collector pass an hour later.
     host, port = etcd_server.endpoint.split(":")
-    client = await connect_etcd([(host, int(port))])
+    client = await connect_etcd([(host, int(port))], tls=creds("ipam"))
     try:
         store = Store(client)
         orphan, canonical = 4321, "k8s:app=orphan"

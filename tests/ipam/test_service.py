@@ -13,13 +13,13 @@ from palisade.v1 import (
     ipam_pb2,
 )
 from services.common.bus import Bus
-from tests.harness import EtcdServer, NatsServer, ServiceProcess, health_status
+from tests.harness import EtcdServer, NatsServer, ServiceProcess, creds, health_status
 from tests.ipam.helpers import SERVING, Api, BusView, K8s, eventually, ipam_args, namespace, node, pod
 
 
 @pytest.fixture
 async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
-    async with await Bus.connect([nats_server.url], name="test") as b:
+    async with await Bus.connect([nats_server.url], name="test", tls=creds()) as b:
         await b.ensure_streams()  # the watcher's and ipam's streams, so publishing works before ipam runs
         yield b
 
@@ -47,10 +47,10 @@ async def test_pod_identity_follows_pod_and_namespace_labels(
         return status.details.get("pods") == "2" and bool(await api.resolve("shop", "web-2"))
 
     await eventually(pods_in)
-    assert health_status(proc.address) != SERVING
+    assert health_status(proc.address, proc.name) != SERVING
     assert not (await api.status.GetStatus(common_pb2.GetStatusRequest())).synced
     await k8s.synced()
-    await eventually(lambda: health_status(proc.address) == SERVING)
+    await eventually(lambda: health_status(proc.address, proc.name) == SERVING)
     status = await api.status.GetStatus(common_pb2.GetStatusRequest())
     assert status.synced and status.details["identities"] == "1" and status.details["allocations"] == "0"
 
@@ -320,7 +320,7 @@ async def test_etcd_restart_is_survived(
     assert set(before[0]) < set(after[0]) and after[1] == before[1]
     r2_after = await api.resolve("app", "p2")
     assert r2_after is not None and r2_after.identity.id == r2.identity.id
-    assert health_status(proc.address) == SERVING
+    assert health_status(proc.address, proc.name) == SERVING
     assert proc.terminate() == 0
 
 

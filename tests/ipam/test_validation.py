@@ -9,7 +9,7 @@ import pytest
 
 from palisade.v1 import common_pb2, identity_pb2, ipam_pb2
 from services.common.bus import Bus
-from tests.harness import EtcdServer, NatsServer, ServiceProcess
+from tests.harness import EtcdServer, NatsServer, ServiceProcess, creds
 from tests.ipam.helpers import Api, K8s, ipam_args
 
 
@@ -17,7 +17,7 @@ from tests.ipam.helpers import Api, K8s, ipam_args
 async def api(
     nats_server: NatsServer, etcd_server: EtcdServer, service: Callable[..., ServiceProcess]
 ) -> AsyncIterator[Api]:
-    async with await Bus.connect([nats_server.url], name="test") as bus:
+    async with await Bus.connect([nats_server.url], name="test", tls=creds()) as bus:
         await bus.ensure_streams()
         await K8s(bus).synced()
         proc = service("ipam", *ipam_args(nats_server, etcd_server))

@@ -25,6 +25,7 @@ from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases
 from services.ipam.model import IdRange
+from tests.harness import creds
 
 T = TypeVar("T")
 
@@ -114,7 +115,7 @@ async def main(argv: list[str]) -> int:
     parser.add_argument("--mask", type=int, default=24)
     args = parser.parse_args(argv)
     host, port = args.etcd.rsplit(":", 1)
-    client = await connect_etcd([(host, int(port))])
+    client = await connect_etcd([(host, int(port))], tls=creds("ipam"))
     store = Store(client)
     leases = NodeLeases(store, args.ttl)
     try:

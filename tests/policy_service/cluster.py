@@ -17,7 +17,7 @@ from palisade.v1 import k8s_pb2, policy_pb2, policy_pb2_grpc
 from services.common.bus import ALL_STREAMS, Bus
 from services.common.grpcserver import wait_for_channel
 from services.common.subjects import REGEN_ALL, SYNCED_SUBJECT, identity_subject, ipcache_subject, regen_subject
-from tests.harness import ROOT, NatsServer, ServiceProcess
+from tests.harness import ROOT, NatsServer, ServiceProcess, creds
 from tests.policy_service import builders
 from tests.policy_service.nodestate import GapError, NodeState, from_policies
 
@@ -47,7 +47,7 @@ class Feed:
 
     @classmethod
     async def open(cls, nats: NatsServer) -> Feed:
-        bus = await Bus.connect([nats.url], name="test-feed", retries=5, backoff=0.05)
+        bus = await Bus.connect([nats.url], name="test-feed", retries=5, backoff=0.05, tls=creds())
         await bus.ensure_streams(*ALL_STREAMS)
         return cls(bus)
 
@@ -117,7 +117,7 @@ class Datapath:
 
     async def start(self) -> None:
         """Subscribe for new orders first, then load the current state: nothing falls in between."""
-        self._channel = await wait_for_channel(self.address, PATIENCE)
+        self._channel = await wait_for_channel(self.address, "policy", creds("datapath"), PATIENCE)
         await self._subscribe()
         await self.resync()
         self._task = asyncio.create_task(self._run())
@@ -149,7 +149,7 @@ class Datapath:
         if self._channel is not None:
             self._old_channels.append(self._channel)
         self.address = address
-        self._channel = await wait_for_channel(address, PATIENCE)
+        self._channel = await wait_for_channel(address, "policy", creds("datapath"), PATIENCE)
 
     async def stop(self) -> None:
         await self.pause()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
-import grpc
 import pytest
 
 from tests.harness import NatsServer, ServiceProcess
+from tests.harness import channel as policy_channel
 from tests.policy_service import builders
 from tests.policy_service.cluster import Datapath, Feed, OrderLog, start_policy
 from tests.policy_service.scenario import PODS, Env, publish_world
@@ -25,9 +25,11 @@ async def env(nats_server: NatsServer, service: Callable[..., ServiceProcess]) -
     datapaths = {node: Datapath(feed.bus, proc.address, node, pods) for node, pods in PODS.items()}
     for dp in datapaths.values():
         await dp.start()
-    channel = grpc.aio.insecure_channel(proc.address)
-    yield Env(nats_server, feed, log, proc, datapaths, channel)
+    channel = policy_channel(proc.address, "policy")
+    node_channel = policy_channel(proc.address, "policy", "datapath")
+    yield Env(nats_server, feed, log, proc, datapaths, channel, node_channel)
     await channel.close()
+    await node_channel.close()
     for dp in datapaths.values():
         await dp.stop()
     await feed.close()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import grpc
 
 from palisade.v1 import policy_pb2, policy_pb2_grpc
+from services.common.access import may_call
 from tests.harness import NatsServer, ServiceProcess
 from tests.policy_service.cluster import Datapath, Feed, OrderLog, eventually
 
@@ -32,10 +33,18 @@ class Env:
     policy: ServiceProcess
     datapaths: dict[str, Datapath]
     channel: grpc.aio.Channel
+    #: The same service reached as a datapath (the realization API is theirs alone).
+    node_channel: grpc.aio.Channel
 
     @property
     def api(self) -> policy_pb2_grpc.PolicyServiceStub:
         return policy_pb2_grpc.PolicyServiceStub(self.channel)
+
+    def api_for(self, method: str) -> policy_pb2_grpc.PolicyServiceStub:
+        """A stub whose certificate may call ``method``: the CLI's, else a datapath's."""
+        if may_call("cli", f"palisade.v1.PolicyService/{method}"):
+            return self.api
+        return policy_pb2_grpc.PolicyServiceStub(self.node_channel)
 
     async def all_match_resync(self) -> bool:
         return all([await dp.matches_resync() for dp in self.datapaths.values()])

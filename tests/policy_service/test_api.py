@@ -180,7 +180,7 @@ BAD_REQUESTS: list[tuple[str, object, str, str]] = [
 async def test_bad_requests_say_what_is_wrong(env: Env) -> None:
     # One service for every case: starting one per case would only slow the suite down.
     for method, request, code, says in BAD_REQUESTS:
-        err = await rpc_error(getattr(env.api, method)(request, timeout=10))
+        err = await rpc_error(getattr(env.api_for(method), method)(request, timeout=10))
         assert err.code() == getattr(grpc.StatusCode, code), (method, request, err.details())
         assert says in (err.details() or ""), (method, err.details())
 
@@ -266,7 +266,7 @@ MALFORMED: list[tuple[str, object, str]] = [
 
 async def test_malformed_input_is_invalid_argument_naming_the_field(env: Env) -> None:
     for method, request, field in MALFORMED:
-        err = await rpc_error(getattr(env.api, method)(request, timeout=30))
+        err = await rpc_error(getattr(env.api_for(method), method)(request, timeout=30))
         details = err.details() or ""
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, field, err.code(), details[:300])
         assert field in details, (method, field, details[:300])

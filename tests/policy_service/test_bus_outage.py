@@ -39,7 +39,8 @@ async def test_bus_outage_is_shown_and_the_next_change_flows_at_once(env: Env) -
     )
     assert not down.synced and down.details["bus"].startswith("down"), down
     # It still answers: health is SERVING, and so are reads.
-    assert await asyncio.to_thread(health_status, env.policy.address) == health_pb2.HealthCheckResponse.SERVING
+    health = await asyncio.to_thread(health_status, env.policy.address, "policy")
+    assert health == health_pb2.HealthCheckResponse.SERVING
 
     await asyncio.to_thread(env.nats.start)
     await eventually(lambda: _bus_up(status()), "status to show the bus back")

@@ -10,9 +10,9 @@ from typing import Any
 
 import grpc
 
-from palisade.v1 import identity_pb2, identity_pb2_grpc, k8s_pb2, policy_pb2
+from palisade.v1 import identity_pb2, identity_pb2_grpc, k8s_pb2, policy_pb2, policy_pb2_grpc
 from services.common.subjects import k8s_subject
-from tests.harness import EtcdServer, NatsServer, ServiceProcess
+from tests.harness import EtcdServer, NatsServer, ServiceProcess, channel
 from tests.policy_service import builders
 from tests.policy_service.cluster import Datapath, Feed, OrderLog, eventually, start_policy
 
@@ -80,7 +80,7 @@ async def test_kubernetes_to_orders_through_the_real_ipam(
     )
     await asyncio.to_thread(ipam.wait_serving)
     policy = await start_policy(service, nats_server)
-    async with grpc.aio.insecure_channel(ipam.address) as ipam_channel:
+    async with channel(ipam.address, "ipam", "datapath") as ipam_channel:
         resolved: dict[str, identity_pb2.ResolvePodResponse] = {}
         for name in ("web-1", "db-1", "web-2"):
             resolved[name] = await eventually(partial(resolve, ipam_channel, name), f"ipam resolving {name}")
@@ -129,7 +129,10 @@ async def test_kubernetes_to_orders_through_the_real_ipam(
         datapaths["node-a"].endpoints[f"{NS}/db-2"] = (4, db)
 
         await eventually(lambda: db in datapaths["node-a"].state.policies, "db on node-a")
-        current = (await datapaths["node-a"].stub.ListPolicies(policy_pb2.ListPoliciesRequest())).revision
+        async with channel(policy.address, "policy") as operator:  # listing is the CLI's, not a datapath's
+            current = (
+                await policy_pb2_grpc.PolicyServiceStub(operator).ListPolicies(policy_pb2.ListPoliciesRequest())
+            ).revision
         await datapaths["node-a"].resync()  # report the new endpoint at the current revision
         waited = await datapaths["node-a"].stub.WaitForRevision(
             policy_pb2.WaitForRevisionRequest(revision=current, timeout_seconds=20), timeout=30

@@ -7,11 +7,11 @@ import pytest
 from services.common.bus import Bus
 from services.policy.engine.orders import PersistedState
 from services.policy.revision import STATE_KEY, RevisionStore, StateConflictError, StateCorruptError
-from tests.harness import NatsServer
+from tests.harness import NatsServer, creds
 
 
 async def connect(nats: NatsServer) -> Bus:
-    return await Bus.connect([nats.url], name="test-revision", retries=3, backoff=0.05)
+    return await Bus.connect([nats.url], name="test-revision", retries=3, backoff=0.05, tls=creds())
 
 
 async def test_state_round_trips_and_survives_a_nats_restart(nats_server: NatsServer) -> None:

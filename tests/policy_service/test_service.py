@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2
 
 from palisade.v1 import common_pb2, common_pb2_grpc, policy_pb2, policy_pb2_grpc
 from services.common.largeobjects import LargeObjects
-from tests.harness import NatsServer, ServiceProcess, health_status
+from tests.harness import NatsServer, ServiceProcess, channel, health_status
 from tests.policy_service import builders
 from tests.policy_service.cluster import Feed, OrderLog, eventually, start_policy
 from tests.policy_service.scenario import CACHE, DB, PODS, WEB, Env, next_orders, publish_world
@@ -26,11 +26,11 @@ async def test_not_serving_and_no_orders_until_kubernetes_is_synced(
     await publish_world(feed)
     await feed.policy(builders.netpol("db-from-web", {"app": "db"}, {"app": "web"}, 5432))
     proc = await start_policy(service, nats_server, wait=False)
-    await eventually(lambda: health_status(proc.address) != -1, "the gRPC server to listen")
-    async with grpc.aio.insecure_channel(proc.address) as ch:
+    await eventually(lambda: health_status(proc.address, proc.name) != -1, "the gRPC server to listen")
+    async with channel(proc.address, "policy", "datapath") as ch:  # Resync is the datapaths' call
         status = await common_pb2_grpc.StatusServiceStub(ch).GetStatus(common_pb2.GetStatusRequest(), timeout=5)
         assert not status.synced
-        assert health_status(proc.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert health_status(proc.address, proc.name) == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await policy_pb2_grpc.PolicyServiceStub(ch).Resync(policy_pb2.ResyncRequest(node="n1"), timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -21,8 +21,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
+from services.common.grpcserver import open_sync_channel
+from services.common.trust import Credentials
 from tests.harness import ROOT, free_port
 
 SERVICES = ("watcher", "policy", "ipam", "datapath")
@@ -40,10 +43,20 @@ class Stack:
     def address(self, service: str) -> str:
         return self.addresses[SERVICES.index(service)]
 
+    @property
+    def tls_dir(self) -> Path:
+        """The stack's installation (its CA and certificates), made by the stack on start."""
+        return self.run_dir / "tls"
+
+    def channel(self, service: str) -> grpc.Channel:
+        """A mutual-TLS channel to ``service`` presenting the CLI's certificate, as `palisade` does."""
+        return open_sync_channel(self.address(service), service, Credentials.load(self.tls_dir, "cli"))
+
     def palisade(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "services.cli.main", *args, *self.flags(args[0])],
             cwd=ROOT,
+            env={**os.environ, "PALISADE_TLS_DIR": str(self.tls_dir)},
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import pytest
 import yaml
 
@@ -38,8 +37,8 @@ def probe_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProbeRun]:
     probes = [Probe.parse(p) for p in PROBES]
     with (
         running_stack(tmp_path_factory.mktemp("conformance"), None) as stack,
-        grpc.insecure_channel(stack.address("datapath")) as dp_ch,
-        grpc.insecure_channel(stack.address("policy")) as pol_ch,
+        stack.channel("datapath") as dp_ch,
+        stack.channel("policy") as pol_ch,
     ):
         run = ProbeRun(
             datapath_pb2_grpc.DatapathServiceStub(dp_ch), policy_pb2_grpc.PolicyServiceStub(pol_ch), timeout=1.5

@@ -11,7 +11,7 @@ from nats.js import api as jsapi
 
 from services.common.bus import K8S_STREAM, Bus
 from services.common.subjects import k8s_filter
-from tests.harness import NatsServer
+from tests.harness import NatsServer, creds
 from tests.watcher.apiserver import FakeApiServer
 from tests.watcher.helpers import StreamReader
 
@@ -31,7 +31,7 @@ def kubeconfig(apiserver: FakeApiServer, tmp_path: Path) -> Path:
 
 @pytest.fixture
 async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
-    async with await Bus.connect([nats_server.url], name="test") as b:
+    async with await Bus.connect([nats_server.url], name="test", tls=creds()) as b:
         await b.ensure_stream(K8S_STREAM)
         yield b
 

@@ -8,14 +8,13 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import grpc
 import yaml
 from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from palisade.v1 import common_pb2, common_pb2_grpc, k8s_pb2
 from services.common.subjects import k8s_subject
-from tests.harness import NatsServer, ServiceProcess, health_status
+from tests.harness import NatsServer, ServiceProcess, health_status, sync_channel
 from tests.watcher import objects as o
 from tests.watcher.apiserver import FakeApiServer
 from tests.watcher.helpers import StreamReader, eventually
@@ -53,7 +52,7 @@ async def start(service: Start, *args: str, wait: bool = True) -> ServiceProcess
 
 
 def get_status(proc: ServiceProcess) -> common_pb2.ServiceStatus:
-    with grpc.insecure_channel(proc.address) as ch:
+    with sync_channel(proc.address, proc.name) as ch:
         status: common_pb2.ServiceStatus = common_pb2_grpc.StatusServiceStub(ch).GetStatus(
             common_pb2.GetStatusRequest(), timeout=5
         )
@@ -108,7 +107,7 @@ async def test_not_serving_until_synced(
     proc = await start(service, *kube_args(nats_server, kubeconfig), wait=False)
     await eventually(lambda: apiserver.count("pods", watch=False) >= 2, "pods list retried")
     await eventually(lambda: apiserver.count("nodes", watch=True) >= 1, "nodes listed and watched")
-    assert await asyncio.to_thread(health_status, proc.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await asyncio.to_thread(health_status, proc.address, proc.name) == health_pb2.HealthCheckResponse.NOT_SERVING
     status = await asyncio.to_thread(get_status, proc)
     assert not status.synced
     assert "500" in status.details["error.pod"]

@@ -1,0 +1,36 @@
+"""How Palisade runs etcd: the listen URLs and, with credentials, TLS with client certificates.
+
+Used by `make run` and the test fixtures, so every etcd they start speaks TLS on its
+client and peer ports and accepts only clients whose certificate the installation's CA
+signed (ipam is the only component that connects).
+"""
+
+from __future__ import annotations
+
+from services.common.trust import Credentials
+
+
+def flags(tls: Credentials | None, name: str, client: str, peer: str) -> list[str]:
+    """etcd flags for one member ``name`` listening on ``client`` and ``peer`` (host:port)."""
+    scheme = "http" if tls is None else "https"
+    out = [
+        "--listen-client-urls", f"{scheme}://{client}",
+        "--advertise-client-urls", f"{scheme}://{client}",
+        "--listen-peer-urls", f"{scheme}://{peer}",
+        "--initial-advertise-peer-urls", f"{scheme}://{peer}",
+        "--initial-cluster", f"{name}={scheme}://{peer}",
+    ]  # fmt: skip
+    if tls is not None:
+        cert, key, ca = str(tls.cert_file), str(tls.key_file), str(tls.ca_file)
+        out += [
+            "--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth",
+            "--peer-cert-file", cert, "--peer-key-file", key, "--peer-trusted-ca-file", ca, "--peer-client-cert-auth",
+        ]  # fmt: skip
+    return out
+
+
+def ctl_flags(tls: Credentials | None) -> list[str]:
+    """etcdctl flags that present ``tls`` (a client's credentials)."""
+    if tls is None:
+        return []
+    return ["--cacert", str(tls.ca_file), "--cert", str(tls.cert_file), "--key", str(tls.key_file)]
