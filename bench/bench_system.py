@@ -41,8 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import percentile, stats_ms
+from services.common.access import INBOX_PREFIX
+from services.common.grpcserver import open_channel
 from services.common.subjects import k8s_subject
-from tests.harness import channel
+from services.common.trust import Credentials
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -233,10 +235,11 @@ class Hops:
     server's clock, which is this machine's, as the writes' and probes' times are).
     """
 
-    def __init__(self, nats_url: str, namespace: str) -> None:
+    def __init__(self, nats_url: str, namespace: str, credentials: Credentials) -> None:
         self.deltas: list[float] = []
         self.orders: list[float] = []
         self._url = nats_url
+        self._credentials = credentials
         self._subjects = {
             k8s_subject("networkpolicy", namespace, "bench-flip"): self.deltas,
             "palisade.regen.dev-node": self.orders,
@@ -252,7 +255,11 @@ class Hops:
         import nats
         from nats.js import api as jsapi
 
-        nc = await nats.connect(self._url)
+        # The policy service's bus user reads both streams (k8s objects in, orders out).
+        who = self._credentials
+        nc = await nats.connect(
+            self._url, tls=who.client_ssl_context(), tls_hostname="nats", inbox_prefix=INBOX_PREFIX + who.name
+        )
         js = nc.jetstream()
         subs = []
         for subject, into in self._subjects.items():
@@ -379,6 +386,11 @@ class DevStack:
     def datapath(self) -> str:
         return f"127.0.0.1:{self.grpc_base + 3}"
 
+    @property
+    def tls_dir(self) -> Path:
+        """The stack's installation, which it makes on start."""
+        return self.tmp / "run" / "tls"
+
     def tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -434,7 +446,8 @@ async def wait_ready(stack: DevStack, pods: int, timeout: float) -> dict[str, An
     while time.monotonic() < deadline:
         stack.check_alive()
         try:
-            async with channel(stack.datapath, "datapath") as ch:
+            cli = Credentials.load(stack.tls_dir, "cli")
+            async with open_channel(stack.datapath, "datapath", cli) as ch:
                 stub = datapath_pb2_grpc.DatapathServiceStub(ch)
                 listed = await stub.ListEndpoints(datapath_pb2.ListEndpointsRequest(), timeout=5)
             ready = {
@@ -479,7 +492,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         witness.wait(ip, True, args, deadline=60)
         agent.wait(ip, False, args, deadline=60)
         log(f"{args.pods} pods ready in {ready_s:.1f}s; timing {args.changes} changes")
-        hops = Hops(f"nats://127.0.0.1:{stack.nats_port}", namespace)
+        hops = Hops(f"nats://127.0.0.1:{stack.nats_port}", namespace, Credentials.load(stack.tls_dir, "policy"))
         hop_samples: list[tuple[float, float, float]] = []
         samples: list[tuple[bool, float]] = []
         rng = random.Random(1)

@@ -150,9 +150,14 @@ class _Server:
 
 
 class NatsServer(_Server):
-    """nats-server with JetStream on a free loopback port."""
+    """nats-server with JetStream on a free loopback port: TLS and the components' users, or
+    (``secure=False``, for benchmarks that price TLS) plaintext without users."""
 
     name = "nats"
+
+    def __init__(self, data_dir: Path, secure: bool = True) -> None:
+        super().__init__(data_dir)
+        self.secure = secure
 
     @property
     def url(self) -> str:
@@ -164,7 +169,7 @@ class NatsServer(_Server):
             self.data_dir / "nats.conf",
             listen=f"127.0.0.1:{self.port}",
             store_dir=str(self.data_dir / "js"),
-            tls=creds("nats"),
+            tls=creds("nats") if self.secure else None,
             roles={**BUS_ROLES, TEST_IDENTITY: TEST_ROLE},
         )
         return [_binary("nats-server"), "-c", str(conf)]
@@ -217,9 +222,12 @@ class EtcdServer(_Server):
         raise TimeoutError("etcd did not become healthy")
 
 
-def health_status(address: str, server: str, service: str = "", timeout: float = 1.0) -> int:
-    """The gRPC health status of ``server`` (the component's name) at ``address``; -1 if unreachable."""
-    with sync_channel(address, server) as ch:
+def health_status(address: str, server: str, service: str = "", timeout: float = 1.0, secure: bool = True) -> int:
+    """The gRPC health status of ``server`` (the component's name) at ``address``; -1 if unreachable.
+
+    ``secure=False`` asks a service started with --insecure, in plaintext.
+    """
+    with sync_channel(address, server) if secure else grpc.insecure_channel(address) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError:
@@ -300,7 +308,10 @@ class ServiceProcess:
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.logs()[-3000:]}")
-            if health_status(self.address, self.name) == health_pb2.HealthCheckResponse.SERVING:
+            if (
+                health_status(self.address, self.name, secure="--insecure" not in self.args)
+                == health_pb2.HealthCheckResponse.SERVING
+            ):
                 return
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} not SERVING after {timeout}s:\n{self.logs()[-3000:]}")

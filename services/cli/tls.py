@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from services.cli.client import run
 from services.common.trust import COMPONENTS, ensure_pki
@@ -12,7 +13,8 @@ from services.common.trust import COMPONENTS, ensure_pki
 def cmd_init(args: argparse.Namespace) -> int:
     unknown = sorted(set(args.component) - set(COMPONENTS))
     if unknown:
-        print(f"palisade: error: unknown component(s) {', '.join(unknown)}; known: {', '.join(COMPONENTS)}")
+        known = ", ".join(COMPONENTS)
+        print(f"palisade: error: unknown component(s) {', '.join(unknown)}; known: {known}", file=sys.stderr)
         return 2
     root = ensure_pki(args.dir, args.component or COMPONENTS, extra_hosts=args.host)
     print(f"certificates in {root}: {', '.join(sorted(p.name for p in root.iterdir()))}")

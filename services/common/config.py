@@ -121,7 +121,11 @@ def build_parser(config_type: type[CommonConfig], prog: str) -> argparse.Argumen
     for f in dataclasses.fields(config_type):
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = f"{f.metadata.get('help', '')} (env {_env(f.name)}; default {default!r})"
-        parser.add_argument(_flag(f.name), dest=f.name, default=None, metavar=f.name.upper(), help=help_text)
+        if f.type in (bool, "bool"):
+            # A switch: `--insecure` alone means true; `--insecure false` is still accepted.
+            parser.add_argument(_flag(f.name), dest=f.name, default=None, nargs="?", const="true", help=help_text)
+        else:
+            parser.add_argument(_flag(f.name), dest=f.name, default=None, metavar=f.name.upper(), help=help_text)
     return parser
 
 

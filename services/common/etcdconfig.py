@@ -1,13 +1,17 @@
 """How Palisade runs etcd: the listen URLs and, with credentials, TLS with client certificates.
 
 Used by `make run` and the test fixtures, so every etcd they start speaks TLS on its
-client and peer ports and accepts only clients whose certificate the installation's CA
-signed (ipam is the only component that connects).
+client and peer ports and accepts only ipam's certificate: the CA must have signed it
+and it must carry the name ``ipam`` (every component has a certificate from the same CA;
+only ipam's passes). Peers must be ``etcd``.
 """
 
 from __future__ import annotations
 
 from services.common.trust import Credentials
+
+#: The one component etcd serves.
+CLIENT = "ipam"
 
 
 def flags(tls: Credentials | None, name: str, client: str, peer: str) -> list[str]:
@@ -24,7 +28,9 @@ def flags(tls: Credentials | None, name: str, client: str, peer: str) -> list[st
         cert, key, ca = str(tls.cert_file), str(tls.key_file), str(tls.ca_file)
         out += [
             "--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth",
+            "--client-cert-allowed-hostname", CLIENT,
             "--peer-cert-file", cert, "--peer-key-file", key, "--peer-trusted-ca-file", ca, "--peer-client-cert-auth",
+            "--peer-cert-allowed-cn", "etcd",
         ]  # fmt: skip
     return out
 

@@ -7,7 +7,9 @@ users and permissions (:data:`services.common.access.BUS_ROLES`).
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -47,3 +49,20 @@ def render(
 def write(path: Path, **kw: object) -> Path:
     path.write_text(render(**kw))  # type: ignore[arg-type]
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the configuration (deploy/kubernetes/nats-config.yaml and deploy/compose/nats.conf)."""
+    parser = argparse.ArgumentParser(prog="python -m services.common.natsconfig", description=main.__doc__)
+    parser.add_argument("--listen", default="0.0.0.0:4222")
+    parser.add_argument("--store-dir", default="/data")
+    parser.add_argument("--tls-dir", default="/etc/palisade/tls", help="where the nats certificate is mounted")
+    parser.add_argument("--http", default="0.0.0.0:8222", help="monitoring address (health probes)")
+    args = parser.parse_args(argv)
+    tls = Credentials("nats", Path(args.tls_dir))
+    sys.stdout.write(render(listen=args.listen, store_dir=args.store_dir, tls=tls, http=args.http))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -111,6 +111,8 @@ class EndpointStore:
     def prepare(self) -> None:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            # Root's alone: endpoint state, and the node socket that needs no certificate.
+            os.chmod(self.root, 0o700)
         except OSError as exc:
             raise OSError(f"cannot create state directory {self.root} ({exc}); fix --state-dir") from None
 

@@ -99,3 +99,11 @@ def test_cni_quick() -> None:
         assert out[mode]["plugin_failures"] == 0
         assert out[mode]["add_ms"]["p50"] > 0 and out[mode]["del_ms"]["p50"] > 0
         assert out[mode]["sandboxes_per_s"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_tls_quick() -> None:
+    out = run_quick("bench_tls.py")
+    for key in ("orders_1k_latency_ms_p50", "orders_16k_per_s", "reports_latency_ms_p50", "reports_per_s"):
+        assert out["tls"][key] > 0 and out["plain"][key] > 0, key
+        assert out["ratios"][key] == round(out["tls"][key] / out["plain"][key], 3), key

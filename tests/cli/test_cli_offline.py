@@ -25,6 +25,7 @@ COMMANDS = [
     ["observe"],
     ["analyze"],
     ["connectivity", "probe"],
+    ["tls", "init"],
 ]
 
 

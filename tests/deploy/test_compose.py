@@ -7,6 +7,7 @@ validated against the Compose specification's JSON schema as vendored by
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,9 @@ from typing import Any
 
 import pytest
 
+from services.common import natsconfig
 from services.common.config import DEFAULT_GRPC_PORTS
+from services.common.trust import Credentials
 from services.datapath.config import DatapathConfig
 from services.datapath.netns import NETNS_DIR
 from tests.deploy.manifests import (
@@ -44,7 +47,11 @@ def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _palisade(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The Palisade services, by service name (the compose service names are the same)."""
-    return {name: svc for name, svc in services.items() if str(svc.get("image", "")).startswith("palisade:")}
+    return {
+        name: svc
+        for name, svc in services.items()
+        if str(svc.get("image", "")).startswith("palisade:") and svc["command"][:2] == ["python", "-m"]
+    }
 
 
 def _env(svc: dict[str, Any]) -> dict[str, str]:
@@ -78,7 +85,9 @@ def test_runs_nats_with_jetstream_etcd_3_5_and_the_four_services(services: dict[
     assert set(_palisade(services)) == SERVICES
     nats = services["nats"]
     assert str(nats["image"]).startswith("nats:")
-    assert "-js" in nats["command"] or "--jetstream" in nats["command"]
+    assert nats["command"] == ["--config", "/etc/nats/nats.conf"]
+    assert _mounts(nats)["/etc/nats/nats.conf"]["source"] == "./nats.conf"
+    assert "jetstream" in json.loads((COMPOSE_FILE.parent / "nats.conf").read_text())
     assert str(services["etcd"]["image"]).startswith(
         ("quay.io/coreos/etcd:v3.5.", "gcr.io/etcd-development/etcd:v3.5.")
     )
@@ -154,6 +163,8 @@ def test_palisade_healthchecks_ask_grpc_health_on_the_service_port(services: dic
         test = svc["healthcheck"]["test"]
         assert test[:2] == ["CMD", "palisade-healthcheck"], name
         assert port_of(test[2]) == DEFAULT_GRPC_PORTS[name], name
+        # All certificates share the mounted directory here: say whose to present and expect.
+        assert test[3:] == ["--server", name], name
 
 
 def _mounts(svc: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -207,3 +218,34 @@ def test_watcher_reads_the_repository_examples_read_only(services: dict[str, dic
     mount = _mounts(watcher)[env["PALISADE_MANIFESTS"]]
     assert (COMPOSE_FILE.parent / mount["source"]).resolve() == ROOT / "examples"
     assert mount["read_only"] is True
+
+
+def test_certificates_are_made_once_and_mounted_read_only_everywhere(services: dict[str, dict[str, Any]]) -> None:
+    init = services["tls-init"]
+    assert "palisade tls init --dir /tls" in " ".join(init["command"])
+    assert _mounts(init)["/tls"]["source"] == "./tls"
+    for name in (*SERVICES, "nats", "etcd"):
+        mount = _mounts(services[name])["/etc/palisade/tls"]
+        assert mount["source"] == "./tls" and mount["read_only"] is True, name
+    # Nothing starts before the certificates exist (the services wait on nats, which waits on them).
+    for name in ("nats", "etcd"):
+        assert services[name]["depends_on"]["tls-init"] == {"condition": "service_completed_successfully"}
+
+
+def test_nats_runs_the_configuration_generated_from_the_code() -> None:
+    wanted = natsconfig.render(
+        listen="0.0.0.0:4222",
+        store_dir="/data",
+        tls=Credentials("nats", Path("/etc/palisade/tls")),
+        http="0.0.0.0:8222",
+    )
+    assert (COMPOSE_FILE.parent / "nats.conf").read_text() == wanted, (
+        "regenerate: python -m services.common.natsconfig > deploy/compose/nats.conf"
+    )
+
+
+def test_etcd_speaks_tls_and_serves_only_ipam(services: dict[str, dict[str, Any]]) -> None:
+    flags = dict(str(a).removeprefix("--").partition("=")[::2] for a in services["etcd"]["command"][1:])
+    assert flags["listen-client-urls"].startswith("https://")
+    assert "client-cert-auth" in flags and flags["client-cert-allowed-hostname"] == "ipam"
+    assert _env(services["ipam"])["PALISADE_ETCD_ENDPOINTS"] == "etcd:2379"

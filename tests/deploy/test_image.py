@@ -76,7 +76,11 @@ def test_the_compose_healthcheck_command_is_installed(commands: list[dockerfile.
     copies = [c.value for c in _stages(commands)[-1] if c.cmd == "COPY"]
     assert ("deploy/docker/healthcheck.py", HEALTHCHECK_COMMAND) in copies
     services = load_yaml(COMPOSE_FILE)["services"]
-    used = {svc["healthcheck"]["test"][1] for svc in services.values() if svc.get("image", "").startswith("palisade:")}
+    used = {
+        svc["healthcheck"]["test"][1]
+        for svc in services.values()
+        if "healthcheck" in svc and svc.get("image", "").startswith("palisade:")
+    }
     assert used == {Path(HEALTHCHECK_COMMAND).name}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,7 +15,10 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from services.common import natsconfig
+from services.common.access import BUS_ROLES
 from services.common.config import DEFAULT_GRPC_PORTS
+from services.common.trust import Credentials
 from services.datapath.netns import NETNS_DIR
 from tests.deploy.manifests import (
     KUBERNETES_DIR,
@@ -251,12 +255,139 @@ def test_settings_shared_by_services_agree() -> None:
     assert disagreements(configs) == []
 
 
-def test_probes_ask_grpc_health_on_the_service_port() -> None:
+def test_probes_run_the_healthcheck_with_the_components_own_certificate() -> None:
+    # kubelet's grpc: probes cannot present a client certificate: the image's healthcheck does.
     for name, (_, container) in _palisade_containers().items():
         port = DEFAULT_GRPC_PORTS[name]
         assert {"containerPort": port, "name": "grpc"} in container["ports"], name
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": port}, f"{name} {probe}"
+            assert container[probe]["exec"] == {"command": ["palisade-healthcheck"]}, f"{name} {probe}"
+
+
+def _env_entries(container: Obj) -> dict[str, Obj]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_services_listen_on_their_own_address_not_every_interface() -> None:
+    for name, (_, container) in _palisade_containers().items():
+        env = _env_entries(container)
+        variable, field = ("HOST_IP", "status.hostIP") if name == "datapath" else ("POD_IP", "status.podIP")
+        assert env[variable]["valueFrom"] == {"fieldRef": {"fieldPath": field}}, name
+        names = list(env)
+        for setting in ("PALISADE_GRPC_LISTEN", "PALISADE_METRICS_LISTEN"):
+            value = env[setting]["value"]
+            assert value.startswith(f"$({variable}):"), f"{name} {setting}={value}"
+            # Kubernetes expands $(VAR) only from variables defined before it.
+            assert names.index(variable) < names.index(setting), name
+    etcd = _pod_spec(_named("StatefulSet", "palisade-etcd"))["containers"][0]
+    listens = [a for a in etcd["args"] if a.startswith(("--listen-client-urls", "--listen-peer-urls"))]
+    assert listens and all("$(POD_IP)" in a and "0.0.0.0" not in a for a in listens), listens
+
+
+def _tls_mounts(workload: Obj) -> list[tuple[Obj, Obj]]:
+    """(container, volume) for every mount of a TLS secret in the workload's main containers."""
+    pod = _pod_spec(workload)
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    return [
+        (c, volumes[m["name"]])
+        for c in pod["containers"]
+        for m in c.get("volumeMounts", [])
+        if "secret" in volumes.get(m["name"], {})
+    ]
+
+
+COMPONENTS = {
+    ("Deployment", "palisade-watcher"): "watcher",
+    ("Deployment", "palisade-policy"): "policy",
+    ("Deployment", "palisade-ipam"): "ipam",
+    ("DaemonSet", "palisade-datapath"): "datapath",
+    ("StatefulSet", "palisade-nats"): "nats",
+    ("StatefulSet", "palisade-etcd"): "etcd",
+}
+
+
+def test_each_component_mounts_only_its_own_certificate_read_only() -> None:
+    for (kind, workload_name), component in COMPONENTS.items():
+        workload = _named(kind, workload_name)
+        mounts = _tls_mounts(workload)
+        assert len(mounts) == 1, f"{workload_name} mounts {len(mounts)} secrets"
+        container, volume = mounts[0]
+        assert volume["secret"]["secretName"] == f"palisade-tls-{component}", workload_name
+        assert volume["secret"]["defaultMode"] & 0o007 == 0, f"{workload_name}: the key is readable by others"
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount["mountPath"] == "/etc/palisade/tls" and mount["readOnly"] is True, workload_name
+        pod = _pod_spec(workload)
+        if pod.get("securityContext", {}).get("runAsNonRoot"):
+            # The secret's files are group-readable by the pod's group, nobody else's.
+            assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"], workload_name
+
+
+def test_etcd_speaks_tls_and_serves_only_ipams_certificate() -> None:
+    args = _pod_spec(_named("StatefulSet", "palisade-etcd"))["containers"][0]["args"]
+    flags = dict(a.removeprefix("--").partition("=")[::2] for a in args)
+    for url in ("listen-client-urls", "advertise-client-urls", "listen-peer-urls", "initial-advertise-peer-urls"):
+        assert flags[url].startswith("https://"), url
+    assert "client-cert-auth" in flags and "peer-client-cert-auth" in flags
+    assert flags["client-cert-allowed-hostname"] == "ipam"
+    assert flags["trusted-ca-file"] == "/etc/palisade/tls/ca.crt"
+
+
+def test_nats_runs_the_generated_configuration() -> None:
+    nats = _pod_spec(_named("StatefulSet", "palisade-nats"))["containers"][0]
+    assert nats["args"] == ["--config", "/etc/nats/nats.conf"]
+    text = _named("ConfigMap", "palisade-nats-config")["data"]["nats.conf"]
+    wanted = natsconfig.render(
+        listen="0.0.0.0:4222",
+        store_dir="/data",
+        tls=Credentials("nats", Path("/etc/palisade/tls")),
+        http="0.0.0.0:8222",
+    )
+    assert text == wanted, "regenerate deploy/kubernetes/nats-config.yaml (see its header)"
+    config = json.loads(text)
+    assert config["jetstream"]["store_dir"] == "/data"
+    assert config["tls"]["verify_and_map"] is True
+    assert {u["user"] for u in config["authorization"]["users"]} == set(BUS_ROLES)
+
+
+def _policies() -> list[Obj]:
+    return _of_kind("NetworkPolicy")
+
+
+def _sources(rule: Obj) -> list[Obj]:
+    return list(rule.get("from", []))
+
+
+def test_palisade_system_denies_ingress_except_what_the_components_need() -> None:
+    policies = _policies()
+    deny = [p for p in policies if p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")]
+    assert deny and deny[0]["spec"]["policyTypes"] == ["Ingress"], "no default deny for palisade-system"
+    scrape = {"namespaceSelector": {"matchLabels": {"palisade.io/scrape-metrics": "true"}}}
+    for workload in _of_kind(*WORKLOAD_KINDS):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        name = workload["metadata"]["name"]
+        if _pod_spec(workload).get("hostNetwork"):
+            continue  # the datapath: NetworkPolicy does not apply to host-network pods
+        mine = [
+            p
+            for p in policies
+            if p["spec"]["podSelector"] and p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+        ]
+        assert len(mine) == 1, f"{name} is selected by {len(mine)} policies"
+        rules = mine[0]["spec"]["ingress"]
+        ports = {p["name"] for c in _pod_spec(workload)["containers"] for p in c.get("ports", [])}
+        for rule in rules:
+            assert rule["ports"], f"{name}: a rule admits every port"
+            for port in rule["ports"]:
+                assert port["port"] in ports, f"{name}: no port {port['port']}"
+            metrics = {p["port"] for p in rule["ports"]} & {"metrics", "monitor"}
+            if metrics:
+                assert _sources(rule) == [scrape], f"{name}: metrics open beyond the scraper"
+            else:
+                assert _sources(rule), f"{name}: a port open to everyone"
+                assert all("namespaceSelector" not in src for src in _sources(rule)), name
+    etcd = next(p for p in policies if p["metadata"]["name"] == "palisade-etcd")
+    client = next(r for r in etcd["spec"]["ingress"] if r["ports"] == [{"port": "client"}])
+    assert _sources(client) == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "palisade-ipam"}}}]
 
 
 def test_unprivileged_services_are_locked_down() -> None:
@@ -304,9 +435,7 @@ def test_datapath_is_a_privileged_daemonset_on_every_node_with_the_host_mounts()
     assert any(Path(config.state_dir).is_relative_to(d) for d in host_dirs), "endpoint state must be on the node"
 
 
-def test_nats_runs_jetstream_and_etcd_is_3_5() -> None:
-    nats = _pod_spec(_named("StatefulSet", "palisade-nats"))["containers"][0]
-    assert "--jetstream" in nats["command"] + nats["args"]
+def test_etcd_is_3_5() -> None:
     etcd = _pod_spec(_named("StatefulSet", "palisade-etcd"))["containers"][0]
     assert etcd["image"].startswith(("quay.io/coreos/etcd:v3.5.", "gcr.io/etcd-development/etcd:v3.5."))
 
