@@ -29,7 +29,6 @@ import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ from bench.stats import percentile, stats_ms
 from services.common.access import INBOX_PREFIX
 from services.common.grpcserver import open_channel
 from services.common.subjects import k8s_subject
-from services.common.trust import Credentials
+from services.common.trust import Credentials, TrustError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -321,24 +320,11 @@ def write_yaml(folder: Path, name: str, docs: Sequence[dict[str, Any]], staging:
 # -- the stack -------------------------------------------------------------------------
 
 
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_ports(count: int) -> int:
     """A base port with ``count`` consecutive free ports."""
     from tests.harness import free_port
 
-    for _ in range(200):
-        base = free_port()
-        if base + count < 65536 and all(port_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError(f"no {count} consecutive free ports")
+    return free_port(count)
 
 
 def descendants(pid: int) -> dict[int, str]:
@@ -457,7 +443,7 @@ async def wait_ready(stack: DevStack, pods: int, timeout: float) -> dict[str, An
             }
             if len(ready) == pods:
                 return ready
-        except grpc.aio.AioRpcError:
+        except (grpc.aio.AioRpcError, TrustError):  # not serving yet, or its certificates not made yet
             pass
         await asyncio.sleep(0.5)
     raise RuntimeError(f"{len(ready)} of {pods} endpoints READY after {timeout:.0f}s; stack output:\n{stack.tail()}")

@@ -7,6 +7,7 @@ by the fixtures in ``conftest.py``. Nothing here mocks the bus or the store.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -79,10 +80,43 @@ def sync_channel(address: str, service: str, as_: str = "cli") -> grpc.Channel:
     return open_sync_channel(address, service, creds(as_))
 
 
-def free_port() -> int:
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return low, high
+
+
+def port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(count: int = 1) -> int:
+    """A free loopback port (the first of ``count`` consecutive ones) for a server to bind.
+
+    Chosen outside the kernel's ephemeral range: a port from that range (what binding
+    port 0 gives) can be taken by any outgoing connection between this check and the
+    server's bind, and a server that then cannot bind fails a test at random. Never the
+    same port twice in one process, so servers not yet listening keep theirs.
+    """
+    low, high = _ephemeral_range()
+    first, last = (10000, low - 1) if low - 10000 > 1000 else (high + 1, 65535)
+    for _ in range(1000):
+        base = random.randrange(first, last - count + 1)
+        ports = range(base, base + count)
+        if not _handed_out.intersection(ports) and all(port_free(p) for p in ports):
+            _handed_out.update(ports)
+            return base
+    raise RuntimeError(f"no {count} free consecutive ports in {first}-{last}")
 
 
 def _binary(name: str) -> str:

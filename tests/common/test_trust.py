@@ -334,8 +334,9 @@ def test_the_datapath_node_socket_is_root_only(servers: dict[str, str]) -> None:
         "s = socket.socket(socket.AF_UNIX)\n"
         "try:\n    s.connect(sys.argv[1])\nexcept PermissionError:\n    sys.exit(3)\n"
     )
+    # The system interpreter: the project's may live where nobody can read (a root-only home).
     nobody = subprocess.run(
-        [sys.executable, "-c", script, str(socket_path)],
+        ["/usr/bin/python3", "-c", script, str(socket_path)],
         user=65534,
         group=65534,
         extra_groups=[],

@@ -13,7 +13,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -143,9 +142,7 @@ def running_stack(tmp: Path, examples: Path | None, *extra: str) -> Iterator[Sta
         shutil.copytree(examples, manifests)
     else:
         manifests.mkdir()
-    base = free_port()
-    while not all(_free(base + i) for i in range(len(SERVICES))):
-        base = free_port()
+    base = free_port(len(SERVICES))
     bpffs = f"/sys/fs/bpf/palisade-e2e-{secrets.token_hex(3)}"
     cmd = [
         sys.executable, "-m", "services.devstack",
@@ -153,7 +150,7 @@ def running_stack(tmp: Path, examples: Path | None, *extra: str) -> Iterator[Sta
         "--run-dir", str(tmp / "run"),
         "--bpffs", bpffs,
         "--nats-port", str(free_port()),
-        "--etcd-port", str(_free_pair()),
+        "--etcd-port", str(free_port(2)),
         "--grpc-port-base", str(base),
         *extra,
     ]  # fmt: skip
@@ -181,22 +178,6 @@ def running_stack(tmp: Path, examples: Path | None, *extra: str) -> Iterator[Sta
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_pair() -> int:
-    port = free_port()
-    while not (_free(port) and _free(port + 1)):
-        port = free_port()
-    return port
 
 
 def wait_for(check: Callable[[], object], timeout: float = 30.0) -> bool:
