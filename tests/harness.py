@@ -35,6 +35,7 @@ from services.common.access import (
     BusRole,
 )
 from services.common.grpcserver import open_channel, open_sync_channel
+from services.common.natsconfig import Cluster
 from services.common.trust import COMPONENTS, Credentials, ensure_pki
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,9 +190,10 @@ class NatsServer(_Server):
 
     name = "nats"
 
-    def __init__(self, data_dir: Path, secure: bool = True) -> None:
+    def __init__(self, data_dir: Path, secure: bool = True, cluster: Cluster | None = None) -> None:
         super().__init__(data_dir)
         self.secure = secure
+        self.cluster = cluster
 
     @property
     def url(self) -> str:
@@ -205,8 +207,36 @@ class NatsServer(_Server):
             store_dir=str(self.data_dir / "js"),
             tls=creds("nats") if self.secure else None,
             roles={**BUS_ROLES, TEST_IDENTITY: TEST_ROLE},
+            cluster=self.cluster,
         )
         return [_binary("nats-server"), "-c", str(conf)]
+
+
+class NatsCluster:
+    """Three (or ``size``) nats-servers routed into one cluster, JetStream replicated across them."""
+
+    def __init__(self, data_dir: Path, size: int = 3) -> None:
+        routes = tuple(f"127.0.0.1:{free_port()}" for _ in range(size))
+        self.members = [
+            NatsServer(data_dir / f"nats-{i}", cluster=Cluster(f"nats-{i}", routes[i], routes)) for i in range(size)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [m.url for m in self.members]
+
+    @property
+    def url(self) -> str:
+        """Every member's URL, comma-separated, as a --nats-url."""
+        return ",".join(self.urls)
+
+    def start(self) -> None:
+        for member in self.members:
+            member.start()
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()
 
 
 class EtcdServer(_Server):

@@ -51,6 +51,9 @@ log = get_logger("bus")
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 
+#: Seconds between a consumer's idle heartbeats (see Follower._config).
+HEARTBEAT = 1.0
+
 #: What a raw follower hands each message to: (subject, payload).
 MsgHandler = Callable[[str, bytes], Awaitable[None]]
 
@@ -76,9 +79,18 @@ REGEN_STREAM = StreamSpec("PALISADE_REGEN", (REGEN_ALL,), compacted=False, histo
 ALL_STREAMS = (K8S_STREAM, IDENTITY_STREAM, IPCACHE_STREAM, REGEN_STREAM)
 
 
-def _stream_config(spec: StreamSpec) -> jsapi.StreamConfig:
+def replicas_for(servers: Sequence[str]) -> int:
+    """JetStream replicas for a bus of ``servers``: 3 on a cluster of three or more, else 1.
+
+    R3 survives the loss of any one server (a quorum of two keeps the stream writable).
+    """
+    return 3 if len(servers) >= 3 else 1
+
+
+def _stream_config(spec: StreamSpec, replicas: int = 1) -> jsapi.StreamConfig:
     return jsapi.StreamConfig(
         name=spec.name,
+        num_replicas=replicas,
         subjects=list(spec.subjects),
         storage=jsapi.StorageType.FILE,
         retention=jsapi.RetentionPolicy.LIMITS,
@@ -141,6 +153,9 @@ class Follower:
             config = jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.NEW)
         if len(self._filters) > 1:
             config.filter_subjects = list(self._filters)
+        # The client re-creates an ordered consumer after two missed heartbeats: on a cluster
+        # that lost the server holding the consumer, this bounds the pause to about 2 s.
+        config.idle_heartbeat = HEARTBEAT
         return config
 
     async def _subscribe(self) -> Any:
@@ -195,10 +210,12 @@ class Follower:
 class Bus:
     """A NATS connection with JetStream, used as ``async with await Bus.connect(...)``."""
 
-    def __init__(self, nc: NATSClient, js: JetStreamContext, name: str) -> None:
+    def __init__(self, nc: NATSClient, js: JetStreamContext, name: str, replicas: int = 1) -> None:
         self.nc = nc
         self.js = js
         self.name = name
+        #: Replicas of the streams and buckets this bus creates (by the number of servers it was given).
+        self.replicas = replicas
         #: Set while connected; cleared on disconnect.
         self._up = asyncio.Event()
         self._up.set()
@@ -358,7 +375,7 @@ class Bus:
             pending_size=64 * 1024 * 1024,
         )
         log.info("nats connected", servers=address, client=name)
-        bus = cls(nc, nc.jetstream(), name)
+        bus = cls(nc, nc.jetstream(), name, replicas_for(servers))
         holder.append(bus)
         return bus
 
@@ -379,10 +396,29 @@ class Bus:
             await asyncio.wait_for(self.nc.drain(), 5)
         except Exception:
             await self.nc.close()
+        await self._settle_consumer_recreations()
+
+    async def _settle_consumer_recreations(self) -> None:
+        """Let the consumer re-creations nats-py started for this connection end with it.
+
+        nats-py re-creates an ordered consumer (after missed heartbeats, as when a cluster
+        loses the consumer's server) in a task it does not keep; once the connection is
+        closed its request fails at once, so nothing of this bus outlives close().
+        """
+        mine = []
+        for task in asyncio.all_tasks():
+            coro = task.get_coro()
+            frame = getattr(coro, "cr_frame", None)
+            if getattr(coro, "__qualname__", "").endswith("_JSI.recreate_consumer") and frame is not None:
+                owner = frame.f_locals.get("self")
+                if getattr(owner, "_conn", None) is self.nc:
+                    mine.append(task)
+        if mine:
+            await asyncio.wait(mine, timeout=5)
 
     async def ensure_stream(self, spec: StreamSpec) -> None:
         """Create the stream, or bring an existing one to this config; idempotent."""
-        config = _stream_config(spec)
+        config = _stream_config(spec, self.replicas)
         try:
             await self.js.stream_info(spec.name)
         except NotFoundError:
@@ -405,9 +441,10 @@ class Bus:
             return await self.js.object_store(bucket)
         except BucketNotFoundError:
             try:
-                store = await self.js.create_object_store(
-                    bucket, jsapi.ObjectStoreConfig(description=description, storage=jsapi.StorageType.FILE)
+                config = jsapi.ObjectStoreConfig(
+                    description=description, storage=jsapi.StorageType.FILE, replicas=self.replicas
                 )
+                store = await self.js.create_object_store(bucket, config)
             except Exception as exc:  # created concurrently by another process
                 if "already in use" not in str(exc):
                     raise

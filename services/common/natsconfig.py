@@ -8,6 +8,7 @@ users and permissions (:data:`services.common.access.BUS_ROLES`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Mapping
@@ -17,6 +18,16 @@ from services.common.access import BUS_ROLES, BusRole, bus_permissions
 from services.common.trust import Credentials
 
 
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """This server's place in a cluster: its name, its route listener, and every member's."""
+
+    server_name: str
+    listen: str
+    routes: tuple[str, ...]
+    name: str = "palisade"
+
+
 def render(
     *,
     listen: str,
@@ -24,11 +35,33 @@ def render(
     tls: Credentials | None,
     http: str = "",
     roles: Mapping[str, BusRole] = BUS_ROLES,
+    cluster: Cluster | None = None,
 ) -> str:
-    """A nats-server configuration; ``tls`` is the server's own credentials (None: no TLS, no users)."""
+    """A nats-server configuration; ``tls`` is the server's own credentials (None: no TLS, no users).
+
+    With ``cluster`` the server joins the others over routes (TLS both ways, each side
+    proving it is ``nats``) and JetStream replicates across them.
+    """
     config: dict[str, object] = {"listen": listen, "jetstream": {"store_dir": store_dir}}
     if http:
         config["http"] = http
+    if cluster is not None:
+        scheme = "nats-route" if tls is None else "tls"
+        routes: dict[str, object] = {
+            "name": cluster.name,
+            "listen": cluster.listen,
+            "routes": [f"{scheme}://{r}" for r in cluster.routes if r != cluster.listen],
+        }
+        if tls is not None:
+            routes["tls"] = {
+                "cert_file": str(tls.cert_file),
+                "key_file": str(tls.key_file),
+                "ca_file": str(tls.ca_file),
+                "verify": True,
+                "timeout": 5,
+            }
+        config["server_name"] = cluster.server_name
+        config["cluster"] = routes
     if tls is not None:
         config["tls"] = {
             "cert_file": str(tls.cert_file),

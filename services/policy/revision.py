@@ -71,9 +71,14 @@ class RevisionStore:
 
     @classmethod
     async def open(
-        cls, js: JetStreamContext, bucket: str, *, pause: Callable[[float], Awaitable[None]] = asyncio.sleep
+        cls,
+        js: JetStreamContext,
+        bucket: str,
+        *,
+        pause: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        replicas: int = 1,
     ) -> RevisionStore:
-        """Bind to the bucket, creating it on first use."""
+        """Bind to the bucket, creating it on first use (with ``replicas`` copies on a cluster)."""
         try:
             kv = await js.key_value(bucket)
         except BucketNotFoundError:
@@ -82,6 +87,7 @@ class RevisionStore:
                     bucket=bucket,
                     history=1,
                     storage=jsapi.StorageType.FILE,
+                    replicas=replicas,
                     description="Palisade policy revision and per-node order sequences",
                 )
             )

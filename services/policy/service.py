@@ -88,7 +88,7 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
     cfg = ctx.config
     bus = await ctx.bus()
     await bus.ensure_streams(*ALL_STREAMS)
-    store = await RevisionStore.open(bus.js, cfg.state_bucket, pause=bus.pause)
+    store = await RevisionStore.open(bus.js, cfg.state_bucket, pause=bus.pause, replicas=bus.replicas)
     persisted = await store.load()
     core = PolicyCore(persisted=persisted, cluster=cfg.cluster_name)
     imported = await ApiPolicyStore.open(bus, f"{cfg.state_bucket}_API")
