@@ -244,9 +244,12 @@ class EtcdServer(_Server):
 
     name = "etcd"
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, name: str = "test", members: dict[str, str] | None = None) -> None:
         super().__init__(data_dir)
         self.peer_port = free_port()
+        self.member = name
+        #: name -> peer address of every member, when this one is part of a cluster.
+        self.members = members
 
     @property
     def endpoint(self) -> str:
@@ -256,12 +259,12 @@ class EtcdServer(_Server):
         return [
             _binary("etcd"),
             "--name",
-            "test",
+            self.member,
             "--data-dir",
             str(self.data_dir / "data"),
             "--log-level",
             "warn",
-            *etcdconfig.flags(creds("etcd"), "test", self.endpoint, f"127.0.0.1:{self.peer_port}"),
+            *etcdconfig.flags(creds("etcd"), self.member, self.endpoint, f"127.0.0.1:{self.peer_port}", self.members),
         ]
 
     def wait_ready(self) -> None:
@@ -284,6 +287,34 @@ class EtcdServer(_Server):
                 return
             time.sleep(0.1)
         raise TimeoutError("etcd did not become healthy")
+
+
+class EtcdCluster:
+    """Three (or ``size``) etcd members in one cluster."""
+
+    def __init__(self, data_dir: Path, size: int = 3) -> None:
+        self.members = [EtcdServer(data_dir / f"etcd-{i}", f"etcd-{i}") for i in range(size)]
+        peers = {m.member: f"127.0.0.1:{m.peer_port}" for m in self.members}
+        for m in self.members:
+            m.members = peers
+
+    @property
+    def endpoints(self) -> str:
+        """Every member's client address, comma-separated, as --etcd-endpoints."""
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self) -> None:
+        # Each member waits for a quorum of the others: start them all, then wait.
+        for m in self.members:
+            m.data_dir.mkdir(parents=True, exist_ok=True)
+            with open(m.log_path, "ab") as log:
+                m.proc = subprocess.Popen(m.command(), stdout=log, stderr=subprocess.STDOUT)
+        for m in self.members:
+            m.wait_ready()
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
 
 
 def health_status(address: str, server: str, service: str = "", timeout: float = 1.0, secure: bool = True) -> int:

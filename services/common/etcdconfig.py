@@ -14,15 +14,22 @@ from services.common.trust import Credentials
 CLIENT = "ipam"
 
 
-def flags(tls: Credentials | None, name: str, client: str, peer: str) -> list[str]:
-    """etcd flags for one member ``name`` listening on ``client`` and ``peer`` (host:port)."""
+def flags(
+    tls: Credentials | None, name: str, client: str, peer: str, members: dict[str, str] | None = None
+) -> list[str]:
+    """etcd flags for one member ``name`` listening on ``client`` and ``peer`` (host:port).
+
+    ``members`` (name -> peer host:port, this one included) makes it one of a cluster.
+    """
     scheme = "http" if tls is None else "https"
+    initial = ",".join(f"{n}={scheme}://{p}" for n, p in (members or {name: peer}).items())
     out = [
         "--listen-client-urls", f"{scheme}://{client}",
         "--advertise-client-urls", f"{scheme}://{client}",
         "--listen-peer-urls", f"{scheme}://{peer}",
         "--initial-advertise-peer-urls", f"{scheme}://{peer}",
-        "--initial-cluster", f"{name}={scheme}://{peer}",
+        "--initial-cluster", initial,
+        "--initial-cluster-token", "palisade",
     ]  # fmt: skip
     if tls is not None:
         cert, key, ca = str(tls.cert_file), str(tls.key_file), str(tls.ca_file)

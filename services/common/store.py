@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 import aetcd
@@ -18,22 +19,46 @@ log = get_logger("store")
 PREFIX = b"/palisade/"
 
 
-class TlsClient(aetcd.Client):  # type: ignore[misc]
-    """aetcd's client over mutual TLS: it proves it is ipam and checks that the server is etcd."""
+def grpc_target(endpoints: list[tuple[str, int]]) -> str:
+    """One gRPC target for every endpoint: with several IP addresses the channel fails over
+    between them by itself (pick-first); a name is resolved by DNS (a Kubernetes Service)."""
+    if len(endpoints) > 1 and all(_is_ipv4(h) for h, _ in endpoints):
+        return "ipv4:" + ",".join(f"{h}:{p}" for h, p in endpoints)
+    host, port = endpoints[0]
+    return f"{host}:{port}"
 
-    def __init__(self, *, credentials: Credentials, **kw: Any) -> None:
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv4Address)
+    except ValueError:
+        return False
+
+
+class StoreClient(aetcd.Client):  # type: ignore[misc]
+    """aetcd's client on a channel of ours: every member of the cluster, and mutual TLS.
+
+    With credentials it proves it is ipam and checks that the server is etcd; with several
+    members the channel moves to another when the one it uses goes away.
+    """
+
+    def __init__(self, *, target: str, credentials: Credentials | None, **kw: Any) -> None:
         super().__init__(**kw)
+        self._target = target
         self._credentials = credentials
 
     async def connect(self) -> None:
         if self._connected.is_set():
             return
-        target = f"{self._host}:{self._port}"
-        self.channel = grpc.aio.secure_channel(
-            target,
-            self._credentials.channel_credentials(),
-            options=[*self._options.items(), ("grpc.ssl_target_name_override", "etcd")],
-        )
+        options = list(self._options.items())
+        if self._credentials is None:
+            self.channel = grpc.aio.insecure_channel(self._target, options=options)
+        else:
+            self.channel = grpc.aio.secure_channel(
+                self._target,
+                self._credentials.channel_credentials(),
+                options=[*options, ("grpc.ssl_target_name_override", "etcd")],
+            )
         self.kvstub = rpc.KVStub(self.channel)
         self.clusterstub = rpc.ClusterStub(self.channel)
         self.leasestub = rpc.LeaseStub(self.channel)
@@ -50,18 +75,12 @@ async def connect_etcd(
     timeout: int = 5,
     tls: Credentials | None = None,
 ) -> aetcd.Client:
-    """A connected client to the first endpoint that answers a status call."""
+    """A connected client of the cluster at ``endpoints`` (checked with a status call)."""
     address = ",".join(f"{h}:{p}" for h, p in endpoints)
-    state = {"i": 0}
+    target = grpc_target(endpoints)
 
     async def attempt() -> aetcd.Client:
-        host, port = endpoints[state["i"] % len(endpoints)]
-        state["i"] += 1
-        client = (
-            aetcd.Client(host=host, port=port, timeout=timeout)
-            if tls is None
-            else TlsClient(host=host, port=port, timeout=timeout, credentials=tls)
-        )
+        client = StoreClient(target=target, credentials=tls, timeout=timeout)
         try:
             await client.connect()
             await client.status()
