@@ -20,7 +20,11 @@ from services.common.trust import Credentials
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-    """This server's place in a cluster: its name, its route listener, and every member's."""
+    """This server's place in a cluster: its name, its route listener, and every member's.
+
+    A ``server_name`` starting with ``$`` is an environment variable nats-server reads at
+    start (one configuration for every member of a StatefulSet).
+    """
 
     server_name: str
     listen: str
@@ -76,7 +80,18 @@ def render(
                 {"user": name, "permissions": bus_permissions(name, role)} for name, role in sorted(roles.items())
             ]
         }
-    return json.dumps(config, indent=2) + "\n"
+    text = json.dumps(config, indent=2) + "\n"
+    if cluster is not None and cluster.server_name.startswith("$"):
+        text = text.replace(json.dumps(cluster.server_name), cluster.server_name)  # a variable, unquoted
+    return text
+
+
+#: The cluster of deploy/kubernetes/nats.yaml: three members of a StatefulSet behind its headless Service.
+KUBERNETES_CLUSTER = Cluster(
+    server_name="$POD_NAME",
+    listen="0.0.0.0:6222",
+    routes=tuple(f"palisade-nats-{i}.palisade-nats-headless.palisade-system.svc:6222" for i in range(3)),
+)
 
 
 def write(path: Path, **kw: object) -> Path:
@@ -91,9 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-dir", default="/data")
     parser.add_argument("--tls-dir", default="/etc/palisade/tls", help="where the nats certificate is mounted")
     parser.add_argument("--http", default="0.0.0.0:8222", help="monitoring address (health probes)")
+    parser.add_argument(
+        "--kubernetes-cluster", action="store_true", help="the three-member cluster of deploy/kubernetes"
+    )
     args = parser.parse_args(argv)
     tls = Credentials("nats", Path(args.tls_dir))
-    sys.stdout.write(render(listen=args.listen, store_dir=args.store_dir, tls=tls, http=args.http))
+    cluster = KUBERNETES_CLUSTER if args.kubernetes_cluster else None
+    sys.stdout.write(render(listen=args.listen, store_dir=args.store_dir, tls=tls, http=args.http, cluster=cluster))
     return 0
 
 

@@ -108,6 +108,9 @@ def dns_names(name: str) -> list[str]:
         f"{service}.{NAMESPACE}",
         f"{service}.{NAMESPACE}.svc",
         f"{service}.{NAMESPACE}.svc.cluster.local",
+        # StatefulSet members (NATS servers, etcd members) by their own names, for routes and peers.
+        f"*.{service}-headless.{NAMESPACE}.svc",
+        f"*.{service}-headless.{NAMESPACE}.svc.cluster.local",
         "localhost",
     ]
 

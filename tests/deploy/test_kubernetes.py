@@ -17,6 +17,7 @@ import yaml
 
 from services.common import natsconfig
 from services.common.access import BUS_ROLES
+from services.common.bus import replicas_for
 from services.common.config import DEFAULT_GRPC_PORTS
 from services.common.trust import Credentials
 from services.datapath.netns import NETNS_DIR
@@ -341,9 +342,11 @@ def test_nats_runs_the_generated_configuration() -> None:
         store_dir="/data",
         tls=Credentials("nats", Path("/etc/palisade/tls")),
         http="0.0.0.0:8222",
+        cluster=natsconfig.KUBERNETES_CLUSTER,
     )
     assert text == wanted, "regenerate deploy/kubernetes/nats-config.yaml (see its header)"
-    config = json.loads(text)
+    config = json.loads(text.replace("$POD_NAME", '"$POD_NAME"'))
+    assert config["server_name"] == "$POD_NAME" and len(config["cluster"]["routes"]) == 3
     assert config["jetstream"]["store_dir"] == "/data"
     assert config["tls"]["verify_and_map"] is True
     assert {u["user"] for u in config["authorization"]["users"]} == set(BUS_ROLES)
@@ -435,6 +438,31 @@ def test_datapath_is_a_privileged_daemonset_on_every_node_with_the_host_mounts()
     assert any(Path(config.state_dir).is_relative_to(d) for d in host_dirs), "endpoint state must be on the node"
 
 
+def test_nats_and_etcd_run_three_members_and_ipam_two_spread_over_nodes() -> None:
+    for kind, name, replicas in (
+        ("StatefulSet", "palisade-nats", 3),
+        ("StatefulSet", "palisade-etcd", 3),
+        ("Deployment", "palisade-ipam", 2),
+    ):
+        workload = _named(kind, name)
+        assert workload["spec"]["replicas"] == replicas, name
+        (term,) = _pod_spec(workload)["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname", name
+        assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": name}
+        (budget,) = [p for p in _of_kind("PodDisruptionBudget") if p["metadata"]["name"] == name]
+        assert budget["spec"]["maxUnavailable"] == 1, name
+        assert budget["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": name}
+    # Every client is given every NATS server (and so creates its streams with three replicas).
+    for name, (workload, container) in _palisade_containers().items():
+        _, config = _check(workload, container)
+        assert replicas_for(config.nats_servers()) == 3, name
+    args = _pod_spec(_named("StatefulSet", "palisade-etcd"))["containers"][0]["args"]
+    (initial,) = [a for a in args if a.startswith("--initial-cluster=")]
+    assert initial.count("=https://") == 3
+    # The policy service stays one writer until its replicas elect a leader.
+    assert _named("Deployment", "palisade-policy")["spec"]["replicas"] == 1
+
+
 def test_etcd_is_3_5() -> None:
     etcd = _pod_spec(_named("StatefulSet", "palisade-etcd"))["containers"][0]
     assert etcd["image"].startswith(("quay.io/coreos/etcd:v3.5.", "gcr.io/etcd-development/etcd:v3.5."))
@@ -463,8 +491,16 @@ def test_every_service_selects_one_workload_and_existing_ports() -> None:
 
 
 def _service_port(host: str, port: int) -> Obj:
-    """The Service that ``host:port`` names, as ``<service>.<namespace>.svc[.cluster.local]``."""
-    service_name, namespace, *rest = host.split(".")
+    """The Service that ``host:port`` names: ``<service>.<namespace>.svc[.cluster.local]``, or a
+    StatefulSet member ``<set>-<ordinal>.<headless service>.<namespace>.svc`` (that Service)."""
+    labels = host.split(".")
+    if len(labels) >= 4 and labels[3] == "svc":
+        member, service_name, namespace = labels[:3]
+        workload = _named("StatefulSet", member.rpartition("-")[0])
+        assert workload["spec"]["serviceName"] == service_name, f"{host}: not the set's governing Service"
+        assert int(member.rpartition("-")[2]) < workload["spec"]["replicas"], f"{host}: no such member"
+        labels = [service_name, namespace, *labels[3:]]
+    service_name, namespace, *rest = labels
     assert rest in (["svc"], ["svc", "cluster", "local"]), f"{host} is not a Service DNS name"
     service = _named("Service", service_name)
     assert service["metadata"]["namespace"] == namespace
@@ -487,7 +523,8 @@ def test_every_address_reaches_the_right_service() -> None:
         assert found, name
         for up in found:
             service = _service_port(up.host, up.port)
-            assert service["metadata"]["name"] == EXPECTED_TARGET[up.setting], f"{name} {up}"
+            target = service["spec"]["selector"]["app.kubernetes.io/name"]
+            assert target == EXPECTED_TARGET[up.setting], f"{name} {up}"
 
 
 # ---------------------------------------------------------------------------
