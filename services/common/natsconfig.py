@@ -32,6 +32,11 @@ class Cluster:
     name: str = "palisade"
 
 
+def _tls(tls: Credentials, **checks: bool) -> dict[str, object]:
+    files = {"cert_file": str(tls.cert_file), "key_file": str(tls.key_file), "ca_file": str(tls.ca_file)}
+    return {**files, **checks, "timeout": 5}
+
+
 def render(
     *,
     listen: str,
@@ -57,24 +62,12 @@ def render(
             "routes": [f"{scheme}://{r}" for r in cluster.routes if r != cluster.listen],
         }
         if tls is not None:
-            routes["tls"] = {
-                "cert_file": str(tls.cert_file),
-                "key_file": str(tls.key_file),
-                "ca_file": str(tls.ca_file),
-                "verify": True,
-                "timeout": 5,
-            }
+            routes["tls"] = _tls(tls, verify=True)  # each side proves it is nats
         config["server_name"] = cluster.server_name
         config["cluster"] = routes
     if tls is not None:
-        config["tls"] = {
-            "cert_file": str(tls.cert_file),
-            "key_file": str(tls.key_file),
-            "ca_file": str(tls.ca_file),
-            # The client certificate's name is the user: no passwords to hand around.
-            "verify_and_map": True,
-            "timeout": 5,
-        }
+        # The client certificate's name is the user: no passwords to hand around.
+        config["tls"] = _tls(tls, verify_and_map=True)
         config["authorization"] = {
             "users": [
                 {"user": name, "permissions": bus_permissions(name, role)} for name, role in sorted(roles.items())
