@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
 import time
 from collections.abc import Callable
@@ -163,6 +164,33 @@ def start_metrics(listen: str) -> int:
     bound = int(server.server_port)
     log.info("metrics listening", address=f"{host}:{bound}")
     return bound
+
+
+def grpc_target(endpoints: list[tuple[str, int]]) -> str:
+    """One gRPC target for every endpoint: with several IP addresses the channel fails over
+    between them by itself (pick-first); a name is resolved by DNS (a Kubernetes Service)."""
+    if len(endpoints) > 1 and all(_is_ipv4(h) for h, _ in endpoints):
+        return "ipv4:" + ",".join(f"{h}:{p}" for h, p in endpoints)
+    host, port = endpoints[0]
+    return f"{host}:{port}"
+
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv4Address)
+    except ValueError:
+        return False
+
+
+def parse_addresses(value: str) -> list[tuple[str, int]]:
+    """``host:port[,host:port...]`` as (host, port) pairs; ValueError naming what is wrong."""
+    out = []
+    for item in value.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{item.strip()!r} is not host:port")
+        out.append((host, int(port)))
+    return out
 
 
 def channel_args(service: str, credentials: Credentials | None) -> list[tuple[str, Any]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Any
 
 import aetcd
@@ -10,6 +9,7 @@ import grpc
 from aetcd import rpc
 from aetcd.watcher import Watcher
 
+from services.common.grpcserver import grpc_target
 from services.common.log import get_logger
 from services.common.retry import with_retries
 from services.common.trust import Credentials
@@ -17,22 +17,6 @@ from services.common.trust import Credentials
 log = get_logger("store")
 
 PREFIX = b"/palisade/"
-
-
-def grpc_target(endpoints: list[tuple[str, int]]) -> str:
-    """One gRPC target for every endpoint: with several IP addresses the channel fails over
-    between them by itself (pick-first); a name is resolved by DNS (a Kubernetes Service)."""
-    if len(endpoints) > 1 and all(_is_ipv4(h) for h, _ in endpoints):
-        return "ipv4:" + ",".join(f"{h}:{p}" for h, p in endpoints)
-    host, port = endpoints[0]
-    return f"{host}:{port}"
-
-
-def _is_ipv4(host: str) -> bool:
-    try:
-        return isinstance(ipaddress.ip_address(host), ipaddress.IPv4Address)
-    except ValueError:
-        return False
 
 
 class StoreClient(aetcd.Client):  # type: ignore[misc]

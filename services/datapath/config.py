@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 from services.common.config import CommonConfig, ConfigError, setting
+from services.common.grpcserver import parse_addresses
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -13,7 +14,10 @@ class DatapathConfig(CommonConfig):
     """Realize policy entries in BPF on this node."""
 
     policy_address: str = setting("PolicyService address host:port.", default="127.0.0.1:9402")
-    ipam_address: str = setting("IdentityService/IPAMService address host:port.", default="127.0.0.1:9403")
+    ipam_address: str = setting(
+        "IdentityService/IPAMService address host:port, or several (replicas), comma-separated.",
+        default="127.0.0.1:9403",
+    )
     state_dir: str = setting("Per-endpoint state directory.", default="/var/run/palisade/datapath")
     bpffs: str = setting("Where maps and programs are pinned.", default="/sys/fs/bpf/palisade")
     rpc_timeout: float = setting("Seconds one call to PolicyService or IPAMService may take.", default=10.0)
@@ -44,10 +48,11 @@ class DatapathConfig(CommonConfig):
     def validate(self) -> None:
         for name in ("policy_address", "ipam_address"):
             value = getattr(self, name)
-            host, _, port = value.rpartition(":")
-            if not host or not port.isdigit():
+            try:
+                parse_addresses(value)
+            except ValueError as exc:
                 flag = "--" + name.replace("_", "-")
-                raise ConfigError(f"{flag} {value!r} is not host:port; give the service's gRPC address")
+                raise ConfigError(f"{flag} {value!r}: {exc}; give the service's gRPC address") from None
         if not self.state_dir:
             raise ConfigError("--state-dir is empty; give a directory for per-endpoint state")
         if not self.bpffs:

@@ -23,7 +23,7 @@ from typing import Any
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
 from services.common.bus import IPCACHE_STREAM, REGEN_STREAM, Bus
-from services.common.grpcserver import open_channel
+from services.common.grpcserver import grpc_target, open_channel, parse_addresses
 from services.common.log import get_logger
 from services.common.runner import ServiceContext, run_service
 from services.datapath import deletequeue
@@ -169,9 +169,9 @@ async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
         await asyncio.to_thread(datapath.close)
 
     ctx.stack.push_async_callback(close_datapath)
-    policy_channel = open_channel(cfg.policy_address, "policy", ctx.credentials)
+    policy_channel = open_channel(grpc_target(parse_addresses(cfg.policy_address)), "policy", ctx.credentials)
     ctx.stack.push_async_callback(policy_channel.close)
-    ipam_channel = open_channel(cfg.ipam_address, "ipam", ctx.credentials)
+    ipam_channel = open_channel(grpc_target(parse_addresses(cfg.ipam_address)), "ipam", ctx.credentials)
     ctx.stack.push_async_callback(ipam_channel.close)
 
     agent = await start_agent(

@@ -41,8 +41,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--node", default="dev-node", help="name of the dev node")
     p.add_argument("--run-dir", default=str(ROOT / ".run"), help="logs and data of this run")
     p.add_argument("--bpffs", default="/sys/fs/bpf/palisade", help="where the datapath pins its maps")
-    p.add_argument("--nats-port", type=int, default=4222)
-    p.add_argument("--etcd-port", type=int, default=2379)
+    p.add_argument("--nats-port", type=int, default=4222, help="NATS client port (with --ha, the first of 3)")
+    p.add_argument("--nats-route-port", type=int, default=6222, help="with --ha: the first of 3 NATS route ports")
+    p.add_argument(
+        "--etcd-port", type=int, default=2379, help="etcd client port; its peer port is the next (--ha: 3 such pairs)"
+    )
+    p.add_argument(
+        "--ha",
+        action="store_true",
+        help="a control plane that survives losing any one member: 3 NATS servers (R3 JetStream), "
+        "3 etcd members, 2 ipam replicas (the policy service stays one: no leader election yet)",
+    )
     p.add_argument(
         "--grpc-port-base",
         type=int,
@@ -64,44 +73,74 @@ def grpc_address(args: argparse.Namespace, name: str) -> str:
     return f"127.0.0.1:{args.grpc_port_base + offset}"
 
 
+def nats_urls(args: argparse.Namespace) -> list[str]:
+    return [f"nats://127.0.0.1:{args.nats_port + i}" for i in range(3 if args.ha else 1)]
+
+
 def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     # One CA per installation, made on first start; every part proves its name with it.
     tls_dir = ensure_pki(run_dir / "tls")
-    nats_url = f"nats://127.0.0.1:{args.nats_port}"
-    etcd = f"127.0.0.1:{args.etcd_port}"
-    etcd_peer = args.etcd_port + 1
-    common = ["--nats-url", nats_url, "--etcd-endpoints", etcd, "--node-name", args.node, "--log-format", "json"]
+    members = 3 if args.ha else 1
+    # etcd member i listens for clients on etcd_port + 2i and for peers on the port after it.
+    etcd = [f"127.0.0.1:{args.etcd_port + 2 * i}" for i in range(members)]
+    common = ["--nats-url", ",".join(nats_urls(args)), "--etcd-endpoints", ",".join(etcd),
+              "--node-name", args.node, "--log-format", "json"]  # fmt: skip
     env = {"PALISADE_TLS_DIR": str(tls_dir)}
     probe = Credentials.load(tls_dir, "devnode")
 
-    def svc(name: str, *extra: str) -> Child:
-        address = grpc_address(args, name)
+    def svc(name: str, *extra: str, address: str = "", replica: str = "") -> Child:
+        address = address or grpc_address(args, name)
         cmd = [sys.executable, "-m", f"services.{name}", "--grpc-listen", address, *common, *extra]
-        return Child(name, cmd, logs / f"{name}.log", grpc_address=address, env=env, credentials=probe)
+        child = name + replica
+        return Child(child, cmd, logs / f"{child}.log", grpc_address=address, env=env, credentials=probe,
+                     component=name)  # fmt: skip
 
-    nats_conf = natsconfig.write(
-        run_dir / "nats.conf",
-        listen=f"127.0.0.1:{args.nats_port}",
-        store_dir=str(run_dir / "nats"),
-        tls=Credentials.load(tls_dir, "nats"),
-    )
+    def suffix(i: int) -> str:
+        return f"-{i + 1}" if args.ha else ""
+
+    nats_tls = Credentials.load(tls_dir, "nats")
+    routes = tuple(f"127.0.0.1:{args.nats_route_port + i}" for i in range(members))
+    children = []
+    for i in range(members):
+        name = "nats" + suffix(i)
+        cluster = natsconfig.Cluster(name, routes[i], routes) if args.ha else None
+        conf = natsconfig.write(
+            run_dir / f"{name}.conf",
+            listen=f"127.0.0.1:{args.nats_port + i}",
+            store_dir=str(run_dir / name),
+            tls=nats_tls,
+            cluster=cluster,
+        )
+        children.append(Child(name, [binary("nats-server"), "-c", str(conf)], logs / f"{name}.log",
+                              tcp_port=args.nats_port + i, group="nats"))  # fmt: skip
+    etcd_tls = Credentials.load(tls_dir, "etcd")
+    peers = {f"dev{suffix(i)}": f"127.0.0.1:{args.etcd_port + 2 * i + 1}" for i in range(members)}
+    for i, (member, peer) in enumerate(peers.items()):
+        name = "etcd" + suffix(i)
+        children.append(Child(
+            name,
+            [binary("etcd"), "--name", member, "--data-dir", str(run_dir / name), "--log-level", "warn",
+             *etcdconfig.flags(etcd_tls, member, etcd[i], peer, peers)],
+            logs / f"{name}.log",
+            tcp_port=args.etcd_port + 2 * i,
+            group="etcd",
+        ))  # fmt: skip
+    ipams = [svc("ipam", replica=suffix(0))]
+    if args.ha:
+        # A second ipam on the port after the datapath's: replicas serve the same etcd state.
+        second = f"127.0.0.1:{args.grpc_port_base + 4}"
+        ipams.append(svc("ipam", address=second, replica=suffix(1)))
+    ipam_addresses = ",".join(c.grpc_address for c in ipams)
     return [
-        Child("nats", [binary("nats-server"), "-c", str(nats_conf)], logs / "nats.log", tcp_port=args.nats_port),
-        Child(
-            "etcd",
-            [binary("etcd"), "--name", "dev", "--data-dir", str(run_dir / "etcd"), "--log-level", "warn",
-             *etcdconfig.flags(Credentials.load(tls_dir, "etcd"), "dev", etcd, f"127.0.0.1:{etcd_peer}")],
-            logs / "etcd.log",
-            tcp_port=args.etcd_port,
-        ),
+        *children,
         # Upstreams first: each service reports SERVING only once what it consumes is synced.
         svc("watcher", "--source", "manifests", "--manifests", args.manifests),
-        svc("ipam"),
+        *ipams,
         svc("policy"),
         svc("datapath", "--policy-address", grpc_address(args, "policy"),
-            "--ipam-address", grpc_address(args, "ipam"),
+            "--ipam-address", ipam_addresses,
             "--state-dir", str(run_dir / "datapath"), "--bpffs", args.bpffs),
     ]  # fmt: skip
 
@@ -152,13 +191,17 @@ async def main_async(args: argparse.Namespace) -> int:
     pod_netns: list[str] = []
     code = 0
     try:
-        for c in children:
+        # In order; the members of a cluster start together, then each is waited for.
+        for i, c in enumerate(children):
             print(f"starting {c.name}...", flush=True)
             c.start(ROOT)
-            await asyncio.to_thread(c.wait_ready, 60.0)
+            if c.group and i + 1 < len(children) and children[i + 1].group == c.group:
+                continue
+            for member in [m for m in children[: i + 1] if m.group and m.group == c.group] or [c]:
+                await asyncio.to_thread(member.wait_ready, 60.0)
         if not args.no_pods:
             devnode = Credentials.load(run_dir / "tls", "devnode")
-            bus = await Bus.connect([f"nats://127.0.0.1:{args.nats_port}"], name="palisade-devnode", tls=devnode)
+            bus = await Bus.connect(nats_urls(args), name="palisade-devnode", tls=devnode)
             cni = CniRuntime(str(run_dir / "datapath" / "cni.sock")) if args.cni else None
             node = DevNode(bus, grpc_address(args, "datapath"), args.node, cni, devnode)
             node_task = asyncio.create_task(node.run(), name="devnode")

@@ -67,6 +67,11 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     #: What the readiness probe presents to a gRPC child (any certificate of the installation will do).
     credentials: Credentials | None = None
+    #: The component it is (its certificate's name) when several children are one ("ipam-2").
+    component: str = ""
+    #: Children of one group start together before any is waited for (members of a cluster
+    #: wait for each other's quorum).
+    group: str = ""
     proc: subprocess.Popen[bytes] | None = None
     #: Restarts after unexpected exits, as a restartPolicy: Always would do (backoff from 0.5 s to 10 s).
     restarts: int = 0
@@ -112,7 +117,7 @@ class Child:
             if self.proc is None or self.proc.poll() is not None:
                 code = self.proc.returncode if self.proc else None
                 raise StackError(f"{self.name} exited ({code}) during startup; its log {self.log} ends:\n{self.tail()}")
-            if self.grpc_address and serving(self.grpc_address, self.name, self.credentials):
+            if self.grpc_address and serving(self.grpc_address, self.component or self.name, self.credentials):
                 return
             if self.tcp_port and not self.grpc_address:
                 try:

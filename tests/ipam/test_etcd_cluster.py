@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from services.common.grpcserver import grpc_target
 from services.common.labels import LabelSet
-from services.common.store import connect_etcd, grpc_target
+from services.common.store import connect_etcd
 from services.ipam.identities import IdentityAllocator
 from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases

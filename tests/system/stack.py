@@ -72,7 +72,7 @@ class Stack:
 
     def pid(self, child: str) -> int:
         """The PID ``child`` (nats, etcd, or a service) runs as now (the stack restarts what dies); 0: none."""
-        if child in ("nats", "etcd"):
+        if child.partition("-")[0] in ("nats", "etcd"):  # "nats", or a cluster's "nats-2"
             marks = [str(self.run_dir / child).encode()]
         else:
             marks = [f"services.{child}".encode(), self.address(child).encode()]
@@ -101,7 +101,7 @@ class Stack:
             pid = self.pid(child)
             if not pid or pid == old_pid:
                 return False
-            if child in ("nats", "etcd"):
+            if child.partition("-")[0] in ("nats", "etcd"):
                 return True
             out = self.palisade("status", "-o", "json", timeout=30)
             if out.returncode != 0:
@@ -142,15 +142,19 @@ def running_stack(tmp: Path, examples: Path | None, *extra: str) -> Iterator[Sta
         shutil.copytree(examples, manifests)
     else:
         manifests.mkdir()
-    base = free_port(len(SERVICES))
+    ha = "--ha" in extra
+    # With --ha: 3 NATS servers and their 3 route ports, 3 etcd client/peer pairs, a second ipam.
+    base = free_port(len(SERVICES) + (1 if ha else 0))
+    members = 3 if ha else 1
     bpffs = f"/sys/fs/bpf/palisade-e2e-{secrets.token_hex(3)}"
     cmd = [
         sys.executable, "-m", "services.devstack",
         "--manifests", str(manifests),
         "--run-dir", str(tmp / "run"),
         "--bpffs", bpffs,
-        "--nats-port", str(free_port()),
-        "--etcd-port", str(free_port(2)),
+        "--nats-port", str(free_port(members)),
+        "--nats-route-port", str(free_port(members)),
+        "--etcd-port", str(free_port(2 * members)),
         "--grpc-port-base", str(base),
         *extra,
     ]  # fmt: skip
