@@ -112,6 +112,24 @@ class Stack:
 
         assert wait_for(back, timeout), f"{child} did not come back within {timeout:.0f}s"
 
+    def check_policy_edit(self, timeout: float = 30.0) -> None:
+        """Add a policy file that lets tools/debug reach shop/backend:8080, see it enforced with
+        real packets, remove it, and see it gone: the system still follows its manifest folder."""
+        extra = self.manifests / "70-debug-to-backend.yaml"
+        extra.write_text(
+            "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\n"
+            "metadata: {name: debug-to-backend, namespace: shop}\n"
+            "spec:\n  podSelector: {matchLabels: {app: backend}}\n  ingress:\n"
+            "  - from: [{namespaceSelector: {matchLabels: {team: tools}}}]\n    ports: [{port: 8080}]\n"
+        )
+        try:
+            assert wait_for(lambda: self.reach("tools/debug", "shop/backend", 8080), timeout), (
+                "the edit was not enforced"
+            )
+        finally:
+            extra.unlink()
+        assert wait_for(lambda: not self.reach("tools/debug", "shop/backend", 8080), timeout), "the removal was not"
+
     def netns(self, pod: str) -> str:
         out = self.palisade("endpoint", "get", pod, "-o", "json")
         assert out.returncode == 0, out.stderr

@@ -66,18 +66,7 @@ def test_kill_9_of_any_part_drops_no_allowed_and_admits_no_denied_connection(sta
         time.sleep(0.5)
     assert_clean(traffic.counts)
     # Still a working system: a policy edit takes effect after the restart.
-    extra = stack.manifests / "70-debug-to-backend.yaml"
-    extra.write_text(
-        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\n"
-        "metadata: {name: debug-to-backend, namespace: shop}\n"
-        "spec:\n  podSelector: {matchLabels: {app: backend}}\n  ingress:\n"
-        "  - from: [{namespaceSelector: {matchLabels: {team: tools}}}]\n    ports: [{port: 8080}]\n"
-    )
-    try:
-        assert wait_for(lambda: stack.reach("tools/debug", "shop/backend", 8080))
-    finally:
-        extra.unlink()
-    assert wait_for(lambda: not stack.reach("tools/debug", "shop/backend", 8080))
+    stack.check_policy_edit()
 
 
 def test_a_broken_file_keeps_its_deny_across_a_watcher_restart(stack: Stack) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import ROOT
-from tests.system.stack import Stack, running_stack, wait_for
+from tests.system.stack import Stack, running_stack
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -58,18 +58,7 @@ def test_example_story_is_enforced_with_real_packets(stack: Stack) -> None:
 
 
 def test_editing_a_policy_file_changes_connectivity(stack: Stack) -> None:
-    extra = stack.manifests / "70-debug-to-backend.yaml"
-    extra.write_text(
-        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\n"
-        "metadata: {name: debug-to-backend, namespace: shop}\n"
-        "spec:\n  podSelector: {matchLabels: {app: backend}}\n  ingress:\n"
-        "  - from: [{namespaceSelector: {matchLabels: {team: tools}}}]\n    ports: [{port: 8080}]\n"
-    )
-    try:
-        assert wait_for(lambda: stack.reach("tools/debug", "shop/backend", 8080))
-    finally:
-        extra.unlink()
-    assert wait_for(lambda: not stack.reach("tools/debug", "shop/backend", 8080))
+    stack.check_policy_edit()
 
 
 def test_a_broken_policy_file_leaves_everything_else_enforced(stack: Stack) -> None:
