@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import aetcd
-import grpc
 from aetcd import rpc
 from aetcd.watcher import Watcher
 
-from services.common.grpcserver import grpc_target
+from services.common.grpcserver import grpc_target, open_channel
 from services.common.log import get_logger
 from services.common.retry import with_retries
 from services.common.trust import Credentials
@@ -34,15 +33,8 @@ class StoreClient(aetcd.Client):  # type: ignore[misc]
     async def connect(self) -> None:
         if self._connected.is_set():
             return
-        options = list(self._options.items())
-        if self._credentials is None:
-            self.channel = grpc.aio.insecure_channel(self._target, options=options)
-        else:
-            self.channel = grpc.aio.secure_channel(
-                self._target,
-                self._credentials.channel_credentials(),
-                options=[*options, ("grpc.ssl_target_name_override", "etcd")],
-            )
+        # The project's one channel factory: mutual TLS checking the server is etcd, or plaintext.
+        self.channel = open_channel(self._target, "etcd", self._credentials)
         self.kvstub = rpc.KVStub(self.channel)
         self.clusterstub = rpc.ClusterStub(self.channel)
         self.leasestub = rpc.LeaseStub(self.channel)
