@@ -1,7 +1,9 @@
 """How the CLI reaches the services: addresses, channels, errors, output.
 
 Addresses come from flags (`--policy-address`...), else PALISADE_<SERVICE>_ADDRESS,
-else the default local ports that `make run` uses. A `unix:` address (the datapath's
+else the addresses `make run` wrote to its run directory (several replicas with --ha),
+else the default local ports that `make run` uses. Several comma-separated addresses
+of one service make one channel that moves to the next replica when one goes away. A `unix:` address (the datapath's
 root-only node socket) needs no certificate; TCP addresses are mutual TLS with the CLI's
 certificate, found with --tls-dir, else PALISADE_TLS_DIR, else `make run`'s run
 directory, else /etc/palisade/tls.
@@ -25,12 +27,14 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from services.common.config import DEFAULT_GRPC_PORTS
-from services.common.grpcserver import open_sync_channel
+from services.common.grpcserver import grpc_target, open_sync_channel, parse_addresses
 from services.common.trust import Credentials, TrustError
 
 SERVICES = ("watcher", "policy", "ipam", "datapath")
 #: Where `make run` keeps its installation's certificates, and where a node keeps them.
 RUN_TLS_DIR = Path(__file__).resolve().parents[2] / ".run" / "tls"
+#: The addresses of the services `make run` started (service -> "host:port[,host:port]").
+RUN_ADDRESSES = RUN_TLS_DIR.parent / "addresses.json"
 SYSTEM_TLS_DIR = Path("/etc/palisade/tls")
 T = TypeVar("T")
 
@@ -48,9 +52,10 @@ def add_address_flags(parser: argparse.ArgumentParser, *services: str) -> None:
         parser.add_argument(
             f"--{name}-address",
             default=None,
-            metavar="HOST:PORT",
-            help=f"{name} service gRPC address (env PALISADE_{name.upper()}_ADDRESS; "
-            f"default 127.0.0.1:{DEFAULT_GRPC_PORTS[name]})",
+            metavar="HOST:PORT[,...]",
+            help=f"{name} service gRPC address, or its replicas' comma-separated (env "
+            f"PALISADE_{name.upper()}_ADDRESS; default what `make run` started, else 127.0.0.1:"
+            f"{DEFAULT_GRPC_PORTS[name]})",
         )
 
     parser.add_argument(
@@ -98,14 +103,37 @@ def add_output_flag(parser: argparse.ArgumentParser) -> None:
 
 def address(args: argparse.Namespace, service: str) -> str:
     flag = getattr(args, f"{service}_address", None)
-    return flag or os.environ.get(f"PALISADE_{service.upper()}_ADDRESS") or f"127.0.0.1:{DEFAULT_GRPC_PORTS[service]}"
+    return (
+        flag
+        or os.environ.get(f"PALISADE_{service.upper()}_ADDRESS")
+        or _run_addresses().get(service)
+        or f"127.0.0.1:{DEFAULT_GRPC_PORTS[service]}"
+    )
+
+
+def _run_addresses() -> dict[str, str]:
+    try:
+        data = json.loads(RUN_ADDRESSES.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def dial_target(address: str) -> str:
+    """The gRPC target of one address or of several replicas' (one channel failing over between them)."""
+    if address.startswith("unix:") or "," not in address:
+        return address
+    try:
+        return grpc_target(parse_addresses(address))
+    except ValueError as exc:
+        raise CLIError(f"bad address list {address!r}: {exc}", 2) from None
 
 
 @contextmanager
 def channel(args: argparse.Namespace, service: str, timeout: float = 3.0) -> Iterator[grpc.Channel]:
     """A ready channel to ``service``, or a CLIError naming the address and how to start it."""
     target = address(args, service)
-    ch = open_sync_channel(target, service, None if target.startswith("unix:") else credentials(args))
+    ch = open_sync_channel(dial_target(target), service, None if target.startswith("unix:") else credentials(args))
     try:
         grpc.channel_ready_future(ch).result(timeout=timeout)
     except grpc.FutureTimeoutError:

@@ -17,6 +17,7 @@ from services.cli.client import (
     print_json,
     print_table,
     run,
+    to_dict,
 )
 from services.common.grpcserver import open_sync_channel
 from services.common.trust import Credentials
@@ -48,9 +49,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     results = []
     creds = credentials(args)
     for name in SERVICES:
-        target = address(args, name)
-        state, status = _probe(target, name, creds)
-        results.append((name, target, state, status))
+        # Each replica on its own: a list of addresses is a service's replicas.
+        for target in address(args, name).split(","):
+            state, status = _probe(target.strip(), name, creds)
+            results.append((name, target.strip(), state, status))
+    members = _members(results)
     if args.output == "json":
         out = []
         for name, target, state, status in results:
@@ -61,20 +64,28 @@ def cmd_status(args: argparse.Namespace) -> int:
                     revision=status.revision,
                     node=status.node,
                     version=status.version,
+                    role=status.details.get("role", ""),
                     details=dict(status.details),
                 )
             out.append(item)
-        print_json({"services": out})
+        print_json({"services": out, "members": [to_dict(m) for m in members]})
     else:
         rows: list[tuple[object, ...]] = []
         for name, target, state, status in results:
             if status is None:
-                rows.append((name, target, state, "", "", "", ""))
+                rows.append((name, target, state, "", "", "", "", ""))
                 continue
-            details = " ".join(f"{k}={v}" for k, v in sorted(status.details.items()))
-            rows.append((name, target, state, status.synced, status.revision or "", status.node, details))
-        print_table(("SERVICE", "ADDRESS", "HEALTH", "SYNCED", "REVISION", "NODE", "DETAILS"), rows)
-        down = [n for n, _, s, _ in results if s == "unreachable"]
+            details = " ".join(f"{k}={v}" for k, v in sorted(status.details.items()) if k not in ("role", "leader"))
+            role = status.details.get("role", "")
+            rows.append((name, target, state, role, status.synced, status.revision or "", status.node, details))
+        print_table(("SERVICE", "ADDRESS", "HEALTH", "ROLE", "SYNCED", "REVISION", "NODE", "DETAILS"), rows)
+        if members:
+            print()
+            print_table(
+                ("MEMBER", "GROUP", "ADDRESS", "ROLE", "HEALTH"),
+                [(m.name, m.group, m.address, m.role, m.health) for m in members],
+            )
+        down = [f"{n} at {t}" for n, t, s, _ in results if s == "unreachable"]
         if down:
             print(f"\n{', '.join(down)} unreachable: start the system with `make run`, or pass --<service>-address.")
         for name, _, _, status in results:
@@ -83,8 +94,22 @@ def cmd_status(args: argparse.Namespace) -> int:
                     f"\n{name}: {dependency} {problem}; it answers from what it knows, but changes do not flow "
                     "until it is back"
                 )
-    healthy = all(s == "SERVING" for _, _, s, _ in results)
+    healthy = all(s == "SERVING" for _, _, s, _ in results) and all(m.health == "ok" for m in members)
     return 0 if healthy and not any(_dependencies_down(status) for *_, status in results) else 1
+
+
+def _members(results: list[tuple[str, str, str, common_pb2.ServiceStatus | None]]) -> list[common_pb2.Member]:
+    """Every member the services report (policy replicas, NATS servers, etcd members), once each.
+
+    Where services disagree (one saw a member go), the worse health is shown.
+    """
+    seen: dict[tuple[str, str], common_pb2.Member] = {}
+    for *_, status in results:
+        for member in status.members if status is not None else ():
+            key = (member.group, member.name)
+            if key not in seen or (seen[key].health == "ok" and member.health != "ok"):
+                seen[key] = member
+    return [seen[k] for k in sorted(seen)]
 
 
 def _dependencies_down(status: common_pb2.ServiceStatus | None) -> dict[str, str]:

@@ -22,6 +22,7 @@ ANYONE = frozenset({"*"})
 _CLI = frozenset({"cli"})
 _DATAPATH = frozenset({"datapath"})
 _NODE = frozenset({"cli", "devnode"})
+_POLICY = frozenset({"policy"})
 
 #: Full method name (or service name, for all its methods) -> certificate names allowed.
 RULES: dict[str, frozenset[str]] = {
@@ -29,20 +30,21 @@ RULES: dict[str, frozenset[str]] = {
     "grpc.reflection.v1alpha.ServerReflection": ANYONE,
     "palisade.v1.StatusService": ANYONE,
     # The policy service: edits and reads from operators, the realization loop from datapaths.
-    "palisade.v1.PolicyService/ImportPolicies": _CLI,
-    "palisade.v1.PolicyService/DeletePolicy": _CLI,
-    "palisade.v1.PolicyService/GetPolicy": _CLI,
-    "palisade.v1.PolicyService/ListPolicies": _CLI,
-    "palisade.v1.PolicyService/Trace": _CLI,
-    "palisade.v1.PolicyService/WaitForRevision": _CLI | _DATAPATH,
-    "palisade.v1.PolicyService/Resync": _DATAPATH,
-    "palisade.v1.PolicyService/ReportRealized": _DATAPATH,
+    # A follower replica forwards every call to the leader under its own name ("policy").
+    "palisade.v1.PolicyService/ImportPolicies": _CLI | _POLICY,
+    "palisade.v1.PolicyService/DeletePolicy": _CLI | _POLICY,
+    "palisade.v1.PolicyService/GetPolicy": _CLI | _POLICY,
+    "palisade.v1.PolicyService/ListPolicies": _CLI | _POLICY,
+    "palisade.v1.PolicyService/Trace": _CLI | _POLICY,
+    "palisade.v1.PolicyService/WaitForRevision": _CLI | _DATAPATH | _POLICY,
+    "palisade.v1.PolicyService/Resync": _DATAPATH | _POLICY,
+    "palisade.v1.PolicyService/ReportRealized": _DATAPATH | _POLICY,
     # ipam: allocation only by datapaths (they make endpoints), reads by operators too.
     "palisade.v1.IdentityService/AllocateIdentity": _DATAPATH,
     "palisade.v1.IdentityService/ReleaseIdentity": _DATAPATH,
     "palisade.v1.IdentityService/ResolvePod": _DATAPATH,
-    "palisade.v1.IdentityService/GetIdentity": _CLI | _DATAPATH | {"policy"},
-    "palisade.v1.IdentityService/ListIdentities": _CLI | _DATAPATH | {"policy"},
+    "palisade.v1.IdentityService/GetIdentity": _CLI | _DATAPATH | _POLICY,
+    "palisade.v1.IdentityService/ListIdentities": _CLI | _DATAPATH | _POLICY,
     "palisade.v1.IPAMService/AllocateIP": _DATAPATH,
     "palisade.v1.IPAMService/ReleaseIP": _DATAPATH,
     "palisade.v1.IPAMService/GetNodeCIDR": _CLI | _DATAPATH,
@@ -137,6 +139,7 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 K8S, IDENTITY, IPCACHE, REGEN = "PALISADE_K8S", "PALISADE_IDENTITY", "PALISADE_IPCACHE", "PALISADE_REGEN"
 LARGE_OBJECTS = "PALISADE_K8S_OBJECTS"
 POLICY_STATE = "PALISADE_POLICY"
+POLICY_LEADER = "PALISADE_POLICY_LEADER"
 POLICY_API = "PALISADE_POLICY_API"
 INBOX_PREFIX = "_INBOX_"
 
@@ -169,9 +172,18 @@ BUS_ROLES: dict[str, BusRole] = {
         reads=(K8S, f"OBJ_{LARGE_OBJECTS}", IDENTITY, IPCACHE),
     ),
     "policy": BusRole(
-        publishes=("palisade.regen.>", f"$KV.{POLICY_STATE}.>", f"$O.{POLICY_API}.>"),
-        provisions=(K8S, IDENTITY, IPCACHE, REGEN, f"KV_{POLICY_STATE}", f"OBJ_{POLICY_API}"),
-        reads=(K8S, f"OBJ_{LARGE_OBJECTS}", IDENTITY, IPCACHE, REGEN, f"KV_{POLICY_STATE}", f"OBJ_{POLICY_API}"),
+        publishes=("palisade.regen.>", f"$KV.{POLICY_STATE}.>", f"$KV.{POLICY_LEADER}.>", f"$O.{POLICY_API}.>"),
+        provisions=(K8S, IDENTITY, IPCACHE, REGEN, f"KV_{POLICY_STATE}", f"KV_{POLICY_LEADER}", f"OBJ_{POLICY_API}"),
+        reads=(
+            K8S,
+            f"OBJ_{LARGE_OBJECTS}",
+            IDENTITY,
+            IPCACHE,
+            REGEN,
+            f"KV_{POLICY_STATE}",
+            f"KV_{POLICY_LEADER}",
+            f"OBJ_{POLICY_API}",
+        ),
         purges=(f"OBJ_{POLICY_API}",),
     ),
     "datapath": BusRole(provisions=(REGEN, IPCACHE), reads=(REGEN, IPCACHE, IDENTITY)),

@@ -55,9 +55,14 @@ class StatusServicer(common_pb2_grpc.StatusServiceServicer):
         self._started.FromNanoseconds(time.time_ns())
         self.provider: StatusProvider | None = None
         self._dependencies: dict[str, DependencyProbe] = {}
+        self._members: list[Callable[[], list[common_pb2.Member]]] = []
 
     def add_dependency(self, name: str, probe: DependencyProbe) -> None:
         self._dependencies[name] = probe
+
+    def add_members(self, members: Callable[[], list[common_pb2.Member]]) -> None:
+        """Report cluster members this service sees (its replicas, the NATS servers, etcd members)."""
+        self._members.append(members)
 
     def snapshot(self) -> common_pb2.ServiceStatus:
         status = common_pb2.ServiceStatus(service=self._service, version=__version__, node=self._node)
@@ -69,6 +74,8 @@ class StatusServicer(common_pb2_grpc.StatusServiceServicer):
             status.details[name] = "ok" if problem is None else f"down: {problem}"
             if problem is not None:
                 status.synced = False
+        for members in self._members:
+            status.members.extend(members())
         return status
 
     async def GetStatus(

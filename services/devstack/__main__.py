@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -50,7 +51,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--ha",
         action="store_true",
         help="a control plane that survives losing any one member: 3 NATS servers (R3 JetStream), "
-        "3 etcd members, 2 ipam replicas (the policy service stays one: no leader election yet)",
+        "3 etcd members, 2 policy replicas (one leader) and 2 ipam replicas",
     )
     p.add_argument(
         "--grpc-port-base",
@@ -132,15 +133,26 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
         # A second ipam on the port after the datapath's: replicas serve the same etcd state.
         second = f"127.0.0.1:{args.grpc_port_base + 4}"
         ipams.append(svc("ipam", address=second, replica=suffix(1)))
-    ipam_addresses = ",".join(c.grpc_address for c in ipams)
+    policies = [svc("policy", "--member", "policy" + suffix(0), replica=suffix(0))]
+    if args.ha:
+        # The second policy replica after the second ipam; the replicas elect one leader.
+        second = f"127.0.0.1:{args.grpc_port_base + 5}"
+        policies.append(svc("policy", "--member", "policy-2", address=second, replica=suffix(1)))
+    addresses = {
+        "watcher": grpc_address(args, "watcher"),
+        "policy": ",".join(c.grpc_address for c in policies),
+        "ipam": ",".join(c.grpc_address for c in ipams),
+        "datapath": grpc_address(args, "datapath"),
+    }
+    # The CLI reads them from here (every replica, so it reaches the survivors of a failover).
+    (run_dir / "addresses.json").write_text(json.dumps(addresses, indent=2) + "\n")
     return [
         *children,
         # Upstreams first: each service reports SERVING only once what it consumes is synced.
         svc("watcher", "--source", "manifests", "--manifests", args.manifests),
         *ipams,
-        svc("policy"),
-        svc("datapath", "--policy-address", grpc_address(args, "policy"),
-            "--ipam-address", ipam_addresses,
+        *policies,
+        svc("datapath", "--policy-address", addresses["policy"], "--ipam-address", addresses["ipam"],
             "--state-dir", str(run_dir / "datapath"), "--bpffs", args.bpffs),
     ]  # fmt: skip
 

@@ -19,6 +19,7 @@ from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, i
 from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, Bus
 from services.common.largeobjects import follow_deltas
 from services.common.log import get_logger
+from services.common.members import MemberView, etcd_members
 from services.common.runner import ServiceContext, run_service
 from services.common.subjects import SYNCED_SUBJECT, k8s_filter
 from services.ipam import metrics
@@ -191,7 +192,11 @@ async def setup(ctx: ServiceContext[IPAMConfig]) -> None:
     cfg = ctx.config
     bus = await ctx.bus()
     await bus.ensure_streams(K8S_STREAM, IDENTITY_STREAM, IPCACHE_STREAM)
-    store = Store(await ctx.etcd(), patience=cfg.etcd_patience)
+    etcd = await ctx.etcd()
+    store = Store(etcd, patience=cfg.etcd_patience)
+    members = MemberView(etcd_members(etcd, cfg.etcd_endpoint_list(), ctx.credentials))
+    ctx.server.status.add_members(members)
+    ctx.spawn(members.run(), "etcd-members")
     ipam = build(cfg, bus, store)
     ctx.stack.push_async_callback(ipam.leases.close)
     loaded_at = await load_and_republish(ipam)

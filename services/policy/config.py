@@ -29,6 +29,19 @@ class PolicyConfig(CommonConfig):
     cluster_name: str = setting("Cluster name, as matched by the `cluster` entity.", default="default")
     wait_timeout: float = setting("Default WaitForRevision timeout, seconds.", default=30.0)
     max_wait_timeout: float = setting("Longest WaitForRevision timeout a client may ask for, seconds.", default=600.0)
+    member: str = setting(
+        "This replica's name among the policy replicas (default: host name and process id; set it to the pod name).",
+        default="",
+    )
+    advertise_address: str = setting(
+        "host:port the other replicas forward calls to (default: the gRPC listen address, with the host "
+        "name when it listens on every interface).",
+        default="",
+    )
+    leader_lease: float = setting(
+        "Seconds a leader's lease lasts without renewal: a follower takes over about this long after the leader dies.",
+        default=3.0,
+    )
     max_batch: int = setting(
         "Most queued changes folded into one engine batch (one order per node per batch).", default=512
     )
@@ -47,5 +60,9 @@ class PolicyConfig(CommonConfig):
                 f"--wait-timeout {self.wait_timeout} must be positive and at most --max-wait-timeout "
                 f"{self.max_wait_timeout}"
             )
+        if not 0.5 <= self.leader_lease <= 60:
+            raise ConfigError(f"--leader-lease {self.leader_lease} must be between 0.5 and 60 seconds")
+        if self.member and not _BUCKET_RE.match(self.member):
+            raise ConfigError(f"--member {self.member!r} is not a valid name; use letters, digits, - and _")
         if self.max_batch < 1:
             raise ConfigError(f"--max-batch {self.max_batch} must be at least 1")

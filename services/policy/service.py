@@ -8,21 +8,29 @@ send every node its whole state and report SERVING.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import re
+import socket
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
 from services.common.bus import ALL_STREAMS, Bus
 from services.common.grpcserver import GrpcServer, StatusProvider
+from services.common.members import MemberView, nats_members
 from services.common.runner import ServiceContext, run_service
 from services.common.subjects import regen_subject
 from services.policy.apistore import ApiPolicyStore
 from services.policy.config import PolicyConfig
 from services.policy.controller import Controller, Encoding, JobKind
 from services.policy.documents import dump_document
+from services.policy.election import Election
 from services.policy.engine.core import PolicyCore
 from services.policy.engine.orders import PersistedState
 from services.policy.engine.registry import ApiChange
+from services.policy.forward import Forwarder, routed
 from services.policy.inputs import Inputs
 from services.policy.revision import RevisionStore
 from services.policy.servicer import PolicyServicer
@@ -51,37 +59,106 @@ class BusSink:
             await self._bus.publish(subject, message)
 
 
-def status_provider(controller: Controller) -> StatusProvider:
+def status_provider(controller: Controller, election: Election) -> StatusProvider:
     def fill(status: common_pb2.ServiceStatus) -> None:
         snap = controller.core.status()
-        status.synced = snap.synced
-        status.revision = snap.revision
+        leading = election.leading.is_set()
+        status.synced = snap.synced or (not leading and controller.core.warm)
+        # A follower's own revision counter means nothing outside it; the leader's is the revision.
+        status.revision = snap.revision if leading else 0
+        leader = election.leader.name if election.leader is not None else ""
         status.details.update(
             {
+                "role": election.role,
+                "leader": leader or "(none: election under way)",
                 "policies": str(snap.policies),
                 "rejected": str(snap.rejected),
                 "identities": str(snap.identities),
                 "ipcache": str(snap.ipcache),
-                "nodes": str(snap.nodes),
-                "endpoints": str(snap.endpoints),
-                "endpoints_behind": str(snap.endpoints_behind),
-                "endpoints_failed": str(snap.endpoints_failed),
             }
         )
+        if leading:
+            status.details.update(
+                {
+                    "nodes": str(snap.nodes),
+                    "endpoints": str(snap.endpoints),
+                    "endpoints_behind": str(snap.endpoints_behind),
+                    "endpoints_failed": str(snap.endpoints_failed),
+                }
+            )
+        status.members.extend(members_to_proto(election))
 
     return fill
 
 
-async def _go_live(ctx: ServiceContext[PolicyConfig], inputs: Inputs, controller: Controller) -> None:
+def members_to_proto(election: Election) -> list[common_pb2.Member]:
+    """The replicas with a heartbeat in the bucket; one silent for over a lease is shown as such."""
+    now = time.time()
+    out = []
+    for member in sorted(election.members.values(), key=lambda m: m.name):
+        silent = now - member.seen
+        health = "ok" if silent <= election.lease else f"no heartbeat for {silent:.0f}s"
+        leading = election.leader is not None and election.leader.name == member.name
+        out.append(
+            common_pb2.Member(
+                group="policy",
+                name=member.name,
+                address=member.address,
+                role="leader" if leading else "follower",
+                health=health,
+            )
+        )
+    return out
+
+
+async def _go_live(
+    ctx: ServiceContext[PolicyConfig],
+    inputs: Inputs,
+    controller: Controller,
+    election: Election,
+    store: RevisionStore,
+    imported: ApiPolicyStore,
+) -> None:
+    """Warm (inputs replayed) -> SERVING and a candidate for leader -> on election, take over."""
     await inputs.wait_synced()
-    await controller.call(lambda core, now: core.mark_synced(now), JobKind.CHANGE, durable=True)
-    ctx.log.info("policy synced", revision=controller.core.revision)
+    await controller.call(lambda core, now: core.mark_warm(), JobKind.CHANGE)
+    election.run_for_leader()
+    ctx.log.info("policy inputs synced; candidate for leader", member=election.member)
+    # SERVING once calls can be answered: as leader after taking over, as follower once a leader is known.
+    await election.leader_known.wait()
+    if not election.leading.is_set():
+        await ctx.server.set_serving(True)
+    await election.leading.wait()
+    started = time.perf_counter()
+    # Read after winning the lease: whatever the previous leader persisted is final by now,
+    # or its next write fails against ours (the state's compare-and-set).
+    persisted = await store.load()
+    stored = await imported.load()
+    documents = await asyncio.to_thread(lambda: [(p, dump_document(p.object)) for p in stored])
+    await controller.call(lambda core, now: core.lead(persisted, documents, now), JobKind.CHANGE, durable=True)
     await ctx.server.set_serving(True)
+    ctx.log.info(
+        "policy leader in place",
+        member=election.member,
+        revision=controller.core.revision,
+        imported=len(stored),
+        seconds=round(time.perf_counter() - started, 3),
+    )
 
 
-def register(server: GrpcServer, servicer: PolicyServicer) -> None:
+def register(server: GrpcServer, servicer: Any) -> None:
     policy_pb2_grpc.add_PolicyServiceServicer_to_server(servicer, server.server)
     server.add_service(policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name)
+
+
+def advertised(cfg: PolicyConfig, server: GrpcServer) -> str:
+    """The address other replicas reach this one at (``--advertise-address``, else the listen address)."""
+    if cfg.advertise_address:
+        return cfg.advertise_address
+    host = server.listen.rpartition(":")[0].strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    return f"{host}:{server.port}"
 
 
 async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
@@ -89,10 +166,10 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
     bus = await ctx.bus()
     await bus.ensure_streams(*ALL_STREAMS)
     store = await RevisionStore.open(bus.js, cfg.state_bucket, pause=bus.pause, replicas=bus.replicas)
-    persisted = await store.load()
-    core = PolicyCore(persisted=persisted, cluster=cfg.cluster_name)
+    core = PolicyCore(persisted=PersistedState(), cluster=cfg.cluster_name)
     imported = await ApiPolicyStore.open(bus, f"{cfg.state_bucket}_API")
     now = time.time()
+    # Imported policies count like any input for a warm engine; the leader reloads them when it takes over.
     restored = await imported.load()
     for stored in restored:
         outcome = core.restore_imported(stored, dump_document(stored.object), now)
@@ -105,24 +182,31 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
         encoding=Encoding(max_order_bytes=max_bytes, max_order_chunks=cfg.max_order_chunks),
         max_batch=cfg.max_batch,
     )
-    register(
-        ctx.server,
-        PolicyServicer(controller, wait_timeout=cfg.wait_timeout, max_wait_timeout=cfg.max_wait_timeout),
+    member = cfg.member or re.sub(r"[^A-Za-z0-9_-]", "-", f"{socket.gethostname()}-{os.getpid()}")
+    election = await Election.open(
+        bus,
+        f"{cfg.state_bucket}_LEADER",
+        member=member,
+        address=lambda: advertised(cfg, ctx.server),
+        lease=cfg.leader_lease,
     )
-    ctx.server.status.provider = status_provider(controller)
+    ctx.stack.push_async_callback(election.resign)
+    forwarder = Forwarder(election, ctx.credentials)
+    ctx.stack.push_async_callback(forwarder.close)
+    servicer = PolicyServicer(controller, wait_timeout=cfg.wait_timeout, max_wait_timeout=cfg.max_wait_timeout)
+    register(ctx.server, routed(servicer, election, forwarder))
+    ctx.server.status.provider = status_provider(controller, election)
+    servers = MemberView(nats_members(bus, f"KV_{cfg.state_bucket}"))
+    ctx.server.status.add_members(servers)
+    ctx.spawn(servers.run(), name="nats-members")
     ctx.spawn(controller.run(), name="policy-state")
     ctx.spawn(controller.run_publisher(), name="policy-publisher")
+    ctx.spawn(election.run(), name="policy-election")
     inputs = Inputs(bus, controller)
     await inputs.start()
     ctx.stack.push_async_callback(inputs.stop)
-    ctx.spawn(_go_live(ctx, inputs, controller), name="policy-sync")
-    ctx.log.info(
-        "policy state loaded",
-        revision=persisted.revision,
-        nodes=len(persisted.sequences),
-        imported=len(restored),
-        max_order_bytes=max_bytes,
-    )
+    ctx.spawn(_go_live(ctx, inputs, controller, election, store, imported), name="policy-sync")
+    ctx.log.info("policy replica started", member=member, imported=len(restored), max_order_bytes=max_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ from services.policy.engine.sources import Source, object_key, parse_kind, sourc
 from services.policy.engine.trace import TraceSide
 from services.policy.engine.wire import direction_to_proto, ref_to_proto, verdict_to_proto
 
-_NOT_SYNCED = (
+NOT_SYNCED = (
     "the policy service is still loading its initial state (waiting for the watcher's synced marker "
     "and the identity and ipcache streams); retry when its health is SERVING"
 )
@@ -216,7 +216,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
 
     async def _require_synced(self, context: grpc.aio.ServicerContext) -> None:
         if not self._controller.core.synced:
-            await abort(context, Code.UNAVAILABLE, _NOT_SYNCED)
+            await abort(context, Code.UNAVAILABLE, NOT_SYNCED)
 
     async def _ref(
         self, ref: common_pb2.ObjectRef, context: grpc.aio.ServicerContext, *, field: str = "ref"

@@ -19,10 +19,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
+from services.cli.client import dial_target
 from services.common.grpcserver import open_sync_channel
 from services.common.trust import Credentials
 from tests.harness import ROOT, free_port
@@ -36,11 +38,31 @@ class Stack:
     manifests: Path
     run_dir: Path
     bpffs: str
-    addresses: list[str]
+    #: Service -> its address, or its replicas' comma-separated (what the stack wrote for the CLI).
+    addresses: dict[str, str]
     output: list[str]
 
     def address(self, service: str) -> str:
-        return self.addresses[SERVICES.index(service)]
+        return str(self.addresses[service])
+
+    def child_address(self, child: str) -> str:
+        """The gRPC address of one child ("policy-2"), as the banner lists it."""
+        for line in self.output:
+            parts = line.split()
+            if line.startswith("  ") and len(parts) >= 2 and parts[0] == child:
+                return parts[1]
+        return self.address(child)
+
+    def status(self) -> dict[str, Any]:
+        out = self.palisade("status", "-o", "json", timeout=30)
+        assert out.stdout, out.stderr
+        return dict(json.loads(out.stdout))
+
+    def policy_leader(self) -> str:
+        """The policy replica that leads now ("policy-1"), from `palisade status`."""
+        leaders = {m["name"] for m in self.status()["members"] if m["group"] == "policy" and m["role"] == "leader"}
+        assert len(leaders) == 1, leaders
+        return str(leaders.pop())
 
     @property
     def tls_dir(self) -> Path:
@@ -49,7 +71,7 @@ class Stack:
 
     def channel(self, service: str) -> grpc.Channel:
         """A mutual-TLS channel to ``service`` presenting the CLI's certificate, as `palisade` does."""
-        return open_sync_channel(self.address(service), service, Credentials.load(self.tls_dir, "cli"))
+        return open_sync_channel(dial_target(self.address(service)), service, Credentials.load(self.tls_dir, "cli"))
 
     def palisade(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -75,7 +97,8 @@ class Stack:
         if child.partition("-")[0] in ("nats", "etcd"):  # "nats", or a cluster's "nats-2"
             marks = [str(self.run_dir / child).encode()]
         else:
-            marks = [f"services.{child}".encode(), self.address(child).encode()]
+            component = child.partition("-")[0]
+            marks = [f"services.{component}".encode(), f"--grpc-listen\0{self.child_address(child)}\0".encode()]
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -106,8 +129,8 @@ class Stack:
             out = self.palisade("status", "-o", "json", timeout=30)
             if out.returncode != 0:
                 return False
-            rows = {r["service"]: r for r in json.loads(out.stdout)["services"]}
-            row = rows.get(child, {})
+            rows = {r["address"]: r for r in json.loads(out.stdout)["services"]}
+            row = rows.get(self.child_address(child), {})
             return bool(row.get("health") == "SERVING" and row.get("synced"))
 
         assert wait_for(back, timeout), f"{child} did not come back within {timeout:.0f}s"
@@ -162,7 +185,8 @@ def running_stack(tmp: Path, examples: Path | None, *extra: str) -> Iterator[Sta
         manifests.mkdir()
     ha = "--ha" in extra
     # With --ha: 3 NATS servers and their 3 route ports, 3 etcd client/peer pairs, a second ipam.
-    base = free_port(len(SERVICES) + (1 if ha else 0))
+    # With --ha the second ipam and the second policy replica take the two ports after the datapath's.
+    base = free_port(len(SERVICES) + (2 if ha else 0))
     members = 3 if ha else 1
     bpffs = f"/sys/fs/bpf/palisade-e2e-{secrets.token_hex(3)}"
     cmd = [
@@ -190,7 +214,7 @@ def running_stack(tmp: Path, examples: Path | None, *extra: str) -> Iterator[Sta
     if not any(line.startswith("Palisade is running") for line in output):
         proc.kill()
         pytest.fail("make run did not come up:\n" + "".join(output))
-    addresses = [f"127.0.0.1:{base + i}" for i in range(len(SERVICES))]
+    addresses = json.loads((tmp / "run" / "addresses.json").read_text())
     try:
         yield Stack(proc, manifests, tmp / "run", bpffs, addresses, output)
     finally:

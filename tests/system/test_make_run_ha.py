@@ -1,13 +1,16 @@
-"""`make run --ha`: 3 NATS servers, 3 etcd members, 2 ipam replicas; losing one loses nothing.
+"""`make run --ha`: 3 NATS servers, 3 etcd members, 2 policy replicas, 2 ipam replicas;
+losing one loses nothing.
 
-Under counted traffic (an allowed and a denied peer), kill -9 one member of each; while it
-is gone a policy edit is made and must be enforced, no denied connection gets in and no
-allowed one fails. (The policy service is still one process: see the HA issue.)
+Under counted traffic (an allowed and a denied peer), kill -9 one member of each (for the
+policy service, the leader); while it is gone a policy edit is made and must be enforced
+within 5 s, no denied connection gets in, no allowed one fails, the revision never goes
+back, and every endpoint keeps its identity and address.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 
@@ -51,15 +54,54 @@ def test_every_stream_has_three_replicas_over_three_servers(stack: Stack) -> Non
     assert {"etcd-1", "etcd-2", "etcd-3", "ipam-1", "ipam-2"} <= set(members)
 
 
-@pytest.mark.parametrize("member", ["nats-1", "etcd-2", "ipam"])
+def test_status_lists_every_member_with_its_role(stack: Stack) -> None:
+    status = stack.status()
+    members = {(m["group"], m["name"]): m for m in status["members"]}
+    assert {name for group, name in members if group == "policy"} == {"policy-1", "policy-2"}
+    assert sorted(m["role"] for (group, _), m in members.items() if group == "policy") == ["follower", "leader"]
+    assert {name for group, name in members if group == "nats"} == {"nats-1", "nats-2", "nats-3"}
+    assert {name for group, name in members if group == "etcd"} == {"dev-1", "dev-2", "dev-3"}
+    for group in ("nats", "etcd"):
+        assert [m["role"] for (g, _), m in members.items() if g == group].count("leader") == 1, group
+    assert all(m["health"] == "ok" for m in members.values()), members
+    replicas = [r for r in status["services"] if r["service"] in ("policy", "ipam")]
+    assert len(replicas) == 4 and all(r["health"] == "SERVING" for r in replicas), replicas
+    assert sorted(r["role"] for r in replicas if r["service"] == "policy") == ["follower", "leader"]
+
+
+def _revision(stack: Stack) -> int:
+    """The policy revision, as the leader reports it (followers report none of their own)."""
+    rows = [r for r in stack.status()["services"] if r["service"] == "policy" and r.get("revision")]
+    return max(int(r["revision"]) for r in rows) if rows else 0
+
+
+def _endpoints(stack: Stack) -> dict[str, tuple[int, tuple[str, ...]]]:
+    out = stack.palisade("endpoint", "list", "-o", "json")
+    assert out.returncode == 0, out.stderr
+    return {
+        f"{e['namespace']}/{e['pod']}": (e["identity"], tuple(e["ips"])) for e in json.loads(out.stdout)["endpoints"]
+    }
+
+
+@pytest.mark.parametrize("member", ["nats-1", "etcd-2", "ipam-1", "policy leader"])
 def test_losing_one_member_loses_nothing_and_an_edit_meanwhile_is_enforced(stack: Stack, member: str) -> None:
+    before = _endpoints(stack)
+    revision = _revision(stack)
+    assert revision > 0
+    if member == "policy leader":
+        member = stack.policy_leader()
     with Traffic(stack, "shop/frontend", ALLOWED, DENIED) as traffic:
         time.sleep(0.5)
         old = stack.kill(member)
-        stack.check_policy_edit()  # made and enforced while the member is gone
+        stack.check_policy_edit(timeout=5.0)  # made and enforced while the member is gone
         stack.serving_again(member, old)
         time.sleep(0.5)
     counts = traffic.counts
     assert counts["denied_admitted"] == 0, counts
     assert counts["allowed_failed"] == 0, counts
     assert counts["allowed_ok"] > 0 and counts["denied_blocked"] > 0, counts
+    assert _revision(stack) > revision  # the edit and its removal, never back
+    after = _endpoints(stack)
+    assert after == before  # no identity or address lost, changed or handed out twice
+    addresses = [ip for _, ips in after.values() for ip in ips]
+    assert len(addresses) == len(set(addresses))

@@ -135,6 +135,7 @@ class PolicyCore:
         self._caused_at: float | None = None
         self._persisted = persisted
         self._api_changes: list[ApiChange] = []
+        self._warm = False
 
     # --- batching -------------------------------------------------------------------------
 
@@ -180,6 +181,39 @@ class PolicyCore:
         if self._caused_at is None or now < self._caused_at:
             self._caused_at = now
 
+    @property
+    def warm(self) -> bool:
+        return self._warm
+
+    def mark_warm(self) -> None:
+        """Inputs replayed on a replica that does not lead: from now on each commit resolves its batch.
+
+        The replayed inputs were one batch (cheapest for a bulk load); afterwards a follower keeps
+        its engine current batch by batch, so that taking over costs one commit, not a replay.
+        """
+        self._warm = True
+
+    def lead(self, persisted: PersistedState, imported: Iterable[tuple[StoredPolicy, str]], now: float) -> None:
+        """Take over as leader: continue the stored counters, adopt the stored imported policies.
+
+        The revision continues above both this engine's and the stored one, and takes one more
+        step, so the takeover's revision is new to every datapath; the next commit sends every
+        node its whole state with the node's next sequence (a fresh planner from the stored ones).
+        """
+        self.engine.seed_revision(persisted.revision)
+        self.planner = OrderPlanner(persisted.sequences)
+        self._persisted = persisted
+        self._dirty.clear()
+        stored = {policy.key: (policy, document) for policy, document in imported}
+        for record in [r for r in self.registry if r.source is Source.API and r.key not in stored]:
+            self.delete(Source.API, record.key, now)
+        for policy, document in stored.values():
+            self.restore_imported(policy, document, now)
+        self._api_changes.clear()  # they are what the store holds
+        self._change(now)
+        self.engine.repository.bump()
+        self.mark_synced(now)
+
     def mark_synced(self, now: float) -> None:
         """Upstreams delivered their state: the next commit sends every node its whole state."""
         if self.synced:
@@ -195,6 +229,13 @@ class PolicyCore:
     def commit(self, now: float) -> Commit:
         """Close the open batch: per-node orders and the state to persist before publishing them."""
         if not self.synced or not self._batch_open:
+            if self._warm and self._batch_open:
+                # A follower: resolve, plan nothing (the leader's replace covers every node).
+                self.engine.end_batch()
+                self._batch_open = False
+                self._caused_at = None
+                self._dirty.clear()
+                self.registry.settle(self.engine.revision)
             return Commit(self.revision, api=self._take_api_changes())
         result = self.engine.end_batch()
         self._batch_open = False

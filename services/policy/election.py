@@ -1,0 +1,235 @@
+"""Which policy replica leads: a lease in a JetStream key-value bucket.
+
+Every replica consumes the same inputs and keeps a warm engine; exactly one, the
+leader, plans, persists and publishes orders. The lease is the key ``leader`` in a
+bucket whose entries expire after ``lease`` seconds (the bucket's max age): a replica
+becomes leader by creating the key (which succeeds only when it is absent), and keeps
+it by updating it, compare-and-set on its own last write, several times per lease. A
+leader that dies stops renewing; its key expires and a follower creates it.
+
+The lease decides who *tries* to lead; the state bucket's compare-and-set decides who
+*can*: a new leader writes the revision and sequences first, so a deposed leader that
+has not noticed yet fails its next write (StateConflictError) before it publishes
+anything, and exits. Losing the lease (a renewal refused) also exits: the supervisor
+restarts the process as a follower, with clean state.
+
+Each replica also keeps ``member.<name>`` fresh in the same bucket (address and role),
+which is how ``palisade status`` lists the replicas and how followers find the leader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nats.js import api as jsapi
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.kv import KeyValue
+
+from services.common.bus import Bus
+from services.common.log import get_logger
+
+log = get_logger("election")
+
+LEADER_KEY = "leader"
+MEMBER_PREFIX = "member."
+
+
+class LeadershipLost(RuntimeError):
+    """Another replica holds the lease this one held: it must stop acting as leader."""
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    name: str
+    address: str
+    role: str  # "leader" or "follower"
+    #: Server time of the member's last heartbeat (seconds since the epoch).
+    seen: float
+
+
+def _decode(data: bytes | None) -> dict[str, Any]:
+    try:
+        raw = json.loads(data or b"{}")
+    except ValueError:
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+class Election:
+    """Run with :meth:`run`; ``leading`` is set once this replica holds the lease (it never clears:
+    losing the lease raises :class:`LeadershipLost` and the process exits)."""
+
+    def __init__(
+        self,
+        kv: KeyValue,
+        *,
+        member: str,
+        address: Callable[[], str],
+        lease: float,
+    ) -> None:
+        self._kv = kv
+        self.member = member
+        self.address = address
+        self.lease = lease
+        self.leading = asyncio.Event()
+        self._ready = False
+        self._resigned = False
+        self._wake = asyncio.Event()
+        #: Set whenever a leader is known (this replica or another).
+        self.leader_known = asyncio.Event()
+        self._revision = 0
+        self.leader: Member | None = None
+        self.members: dict[str, Member] = {}
+
+    @classmethod
+    async def open(
+        cls,
+        bus: Bus,
+        bucket: str,
+        *,
+        member: str,
+        address: Callable[[], str],
+        lease: float,
+    ) -> Election:
+        try:
+            kv = await bus.js.key_value(bucket)
+        except BucketNotFoundError:
+            kv = await bus.js.create_key_value(
+                jsapi.KeyValueConfig(
+                    bucket=bucket,
+                    history=1,
+                    ttl=lease,
+                    storage=jsapi.StorageType.FILE,
+                    replicas=bus.replicas,
+                    description="Palisade policy leader lease and replica heartbeats",
+                )
+            )
+        return cls(kv, member=member, address=address, lease=lease)
+
+    @property
+    def role(self) -> str:
+        return "leader" if self.leading.is_set() else "follower"
+
+    @property
+    def interval(self) -> float:
+        """How often the lease is renewed and heartbeats are written: several times per lease."""
+        return self.lease / 4
+
+    @property
+    def candidate(self) -> bool:
+        """This replica's engine is warm: it may lead."""
+        return self._ready
+
+    def run_for_leader(self) -> None:
+        """This replica's engine is warm: it may lead from now on (it campaigns at once)."""
+        self._ready = True
+        self._wake.set()
+
+    def _value(self) -> bytes:
+        return json.dumps({"member": self.member, "address": self.address(), "at": time.time()}).encode()
+
+    async def run(self) -> None:
+        while not self._resigned:
+            try:
+                if self.leading.is_set():
+                    await self._renew()
+                elif self._ready:
+                    await self._campaign()
+                await self._heartbeat()
+                await self._refresh()
+            except LeadershipLost:
+                raise
+            except Exception as exc:  # NATS away: keep trying; the lease decides
+                log.warning("election step failed, retrying", error=str(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval)
+            self._wake.clear()
+
+    async def _campaign(self) -> None:
+        try:
+            self._revision = await self._kv.create(LEADER_KEY, self._value())
+        except KeyWrongLastSequenceError:
+            if not await self._take_from_predecessor():
+                return  # somebody leads
+        log.info("elected policy leader", member=self.member)
+        self.leader = Member(self.member, self.address(), "leader", time.time())
+        self.leading.set()
+        self.leader_known.set()
+
+    async def _take_from_predecessor(self) -> bool:
+        """A lease naming this very address was held by a process that is gone: this one holds its port.
+
+        That is a replica restarted in place (a kill -9, a crash): it need not wait for the lease to
+        expire. Deleting is compare-and-set on the entry read, so a lease renewed meanwhile stays.
+        """
+        try:
+            entry = await self._kv.get(LEADER_KEY)
+        except KeyNotFoundError:
+            return False
+        raw = _decode(entry.value)
+        if raw.get("address") != self.address() or raw.get("member") == self.member:
+            return False
+        try:
+            await self._kv.delete(LEADER_KEY, last=entry.revision)
+            self._revision = await self._kv.create(LEADER_KEY, self._value())
+        except KeyWrongLastSequenceError:
+            return False
+        log.info("took over the lease of this address's previous process", previous=str(raw.get("member")))
+        return True
+
+    async def _renew(self) -> None:
+        try:
+            self._revision = await self._kv.update(LEADER_KEY, self._value(), last=self._revision)
+            return
+        except KeyWrongLastSequenceError:
+            pass
+        try:
+            # The lease expired while NATS was away and nobody took it: take it again. Had
+            # another replica led meanwhile, the state bucket's compare-and-set stops us.
+            self._revision = await self._kv.create(LEADER_KEY, self._value())
+            log.warning("leader lease expired and was taken again", member=self.member)
+        except KeyWrongLastSequenceError:
+            raise LeadershipLost(
+                f"policy replica {self.member} lost its leader lease (it could not renew it within "
+                f"{self.lease:g}s, and another replica took it); exiting to restart as a follower"
+            ) from None
+
+    async def _heartbeat(self) -> None:
+        record = {"address": self.address(), "role": self.role, "at": time.time()}
+        await self._kv.put(MEMBER_PREFIX + self.member, json.dumps(record).encode())
+
+    async def _refresh(self) -> None:
+        """Who leads, and which replicas sent a heartbeat within a lease (expired ones are gone)."""
+        try:
+            entry = await self._kv.get(LEADER_KEY)
+            raw = _decode(entry.value)
+            self.leader = Member(str(raw.get("member", "")), str(raw.get("address", "")), "leader", 0.0)
+            self.leader_known.set()
+        except KeyNotFoundError:
+            self.leader = None
+        members = {}
+        with contextlib.suppress(NoKeysError):
+            for key in [k for k in await self._kv.keys() if k.startswith(MEMBER_PREFIX)]:
+                with contextlib.suppress(KeyNotFoundError):
+                    raw = _decode((await self._kv.get(key)).value)
+                    name = key.removeprefix(MEMBER_PREFIX)
+                    members[name] = Member(
+                        name, str(raw.get("address", "")), str(raw.get("role", "")), float(raw.get("at", 0.0))
+                    )
+        self.members = members
+
+    async def resign(self) -> None:
+        """On a clean shutdown: give the lease up at once, so a follower need not wait for it to expire."""
+        self._resigned = True
+        with contextlib.suppress(Exception):
+            await self._kv.delete(MEMBER_PREFIX + self.member)
+        if self.leading.is_set():
+            with contextlib.suppress(Exception):
+                await self._kv.delete(LEADER_KEY, last=self._revision)
+                log.info("leader lease released", member=self.member)

@@ -1,0 +1,95 @@
+"""The leader lease on a real NATS: one leader, a follower takes over when it goes, fencing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from services.common.bus import Bus
+from services.policy.election import LEADER_KEY, Election, LeadershipLost
+from tests.harness import NatsServer, creds
+from tests.policy_service.cluster import eventually
+
+BUCKET = "PALISADE_POLICY_LEADER"  # the bucket the policy user may use
+LEASE = 1.0
+
+
+@contextlib.asynccontextmanager
+async def replica(server: NatsServer, name: str, address: str) -> AsyncIterator[tuple[Election, asyncio.Task[None]]]:
+    bus = await Bus.connect([server.url], name=name, tls=creds("policy"))
+    election = await Election.open(bus, BUCKET, member=name, address=lambda: address, lease=LEASE)
+    task = asyncio.create_task(election.run())
+    try:
+        yield election, task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, LeadershipLost):
+            await task
+        await bus.close()
+
+
+def _leads(election: Election, name: str) -> bool:
+    return election.leader is not None and election.leader.name == name
+
+
+async def test_one_leader_and_a_follower_that_takes_over_when_it_dies(nats_server: NatsServer) -> None:
+    async with replica(nats_server, "a", "10.0.0.1:1") as (a, a_task):
+        a.run_for_leader()
+        await asyncio.wait_for(a.leading.wait(), 5)
+        async with replica(nats_server, "b", "10.0.0.2:1") as (b, _):
+            b.run_for_leader()
+            await eventually(lambda: _leads(b, "a"), "b to see a lead", 5)
+            await asyncio.sleep(3 * LEASE)  # renewals keep the lease: b never leads meanwhile
+            assert not b.leading.is_set() and b.leader is not None and b.leader.address == "10.0.0.1:1"
+            await eventually(lambda: {"a", "b"} <= set(b.members), "both heartbeats", 5)
+            assert b.members["a"].role == "leader" and b.members["b"].role == "follower"
+            # a dies without a word (no resign): its lease expires and b takes it.
+            a_task.cancel()
+            loop = asyncio.get_running_loop()
+            stopped = loop.time()
+            await asyncio.wait_for(b.leading.wait(), 5 * LEASE)
+            assert loop.time() - stopped <= 2 * LEASE + 0.5
+
+
+async def test_a_clean_stop_hands_over_at_once(nats_server: NatsServer) -> None:
+    async with replica(nats_server, "a", "10.0.0.1:1") as (a, _):
+        a.run_for_leader()
+        await asyncio.wait_for(a.leading.wait(), 5)
+        async with replica(nats_server, "b", "10.0.0.2:1") as (b, _):
+            b.run_for_leader()
+            await eventually(lambda: _leads(b, "a"), "b to see a lead", 5)
+            await a.resign()
+            loop = asyncio.get_running_loop()
+            stopped = loop.time()
+            await asyncio.wait_for(b.leading.wait(), 5)
+            # Well before the lease would have expired: b campaigns every quarter lease.
+            assert loop.time() - stopped < LEASE
+
+
+async def test_a_replica_restarted_in_place_takes_its_predecessors_lease(nats_server: NatsServer) -> None:
+    async with replica(nats_server, "old", "10.0.0.1:1") as (old, old_task):
+        old.run_for_leader()
+        await asyncio.wait_for(old.leading.wait(), 5)
+        old_task.cancel()
+    # Same address (it holds the port the dead process held), another name: no wait for the lease.
+    async with replica(nats_server, "new", "10.0.0.1:1") as (new, _):
+        new.run_for_leader()
+        await asyncio.wait_for(new.leading.wait(), LEASE / 2)
+
+
+async def test_a_leader_whose_lease_was_taken_stops(nats_server: NatsServer) -> None:
+    async with replica(nats_server, "a", "10.0.0.1:1") as (a, a_task):
+        a.run_for_leader()
+        await asyncio.wait_for(a.leading.wait(), 5)
+        # Another replica takes the lease (as after a partition that outlived it).
+        bus = await Bus.connect([nats_server.url], name="thief", tls=creds("policy"))
+        try:
+            kv = await bus.js.key_value(BUCKET)
+            await kv.put(LEADER_KEY, b'{"member": "b", "address": "10.0.0.2:1"}')
+            with pytest.raises(LeadershipLost, match="lost its leader lease"):
+                await asyncio.wait_for(a_task, 5)
+        finally:
+            await bus.close()
