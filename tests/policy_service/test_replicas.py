@@ -1,0 +1,161 @@
+"""Two policy replicas on one bus: one leads, the other forwards and takes over when it dies.
+
+The datapaths and clients talk to the follower throughout, so every answer here crossed
+the follower: an import, WaitForRevision, Resync and the realized reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import yaml
+
+from palisade.v1 import common_pb2, common_pb2_grpc, policy_pb2, policy_pb2_grpc
+from tests.harness import NatsServer, ServiceProcess
+from tests.harness import channel as open_channel
+from tests.policy_service import builders
+from tests.policy_service.cluster import Datapath, Feed, OrderLog, eventually, start_policy
+from tests.policy_service.scenario import DB, PODS, WEB, publish_world
+
+
+@dataclass
+class Replicas:
+    feed: Feed
+    log: OrderLog
+    first: ServiceProcess
+    second: ServiceProcess
+    datapaths: dict[str, Datapath]
+    #: The CLI's channel to the second replica (the follower at the start).
+    channel: grpc.aio.Channel
+
+    @property
+    def api(self) -> policy_pb2_grpc.PolicyServiceStub:
+        return policy_pb2_grpc.PolicyServiceStub(self.channel)
+
+
+async def _status(address: str) -> common_pb2.ServiceStatus:
+    channel = open_channel(address, "policy")
+    try:
+        status: common_pb2.ServiceStatus = await common_pb2_grpc.StatusServiceStub(channel).GetStatus(
+            common_pb2.GetStatusRequest(), timeout=5
+        )
+        return status
+    finally:
+        await channel.close()
+
+
+@pytest.fixture
+async def replicas(nats_server: NatsServer, service: Callable[..., ServiceProcess]) -> AsyncIterator[Replicas]:
+    feed = await Feed.open(nats_server)
+    log = OrderLog()
+    await log.start(feed.bus)
+    await publish_world(feed)
+    await feed.policy(builders.netpol("db-from-web", {"app": "db"}, {"app": "web"}, 5432))
+    await feed.synced()
+    lease = ("--leader-lease", "1.5")
+    first = await start_policy(service, nats_server, "--member", "one", *lease)
+    assert (await _status(first.address)).details["role"] == "leader"
+    second = await start_policy(service, nats_server, "--member", "two", *lease)
+    datapaths = {node: Datapath(feed.bus, second.address, node, pods) for node, pods in PODS.items()}
+    for dp in datapaths.values():
+        await dp.start()
+    channel = open_channel(second.address, "policy")
+    yield Replicas(feed, log, first, second, datapaths, channel)
+    await channel.close()
+    for dp in datapaths.values():
+        await dp.stop()
+    await feed.close()
+
+
+def _deny(port: int) -> str:
+    deny = builders.cnp("db-deny-web", {"app": "db"}, {"app": "web"}, port)
+    deny["spec"]["ingressDeny"] = deny["spec"].pop("ingress")
+    return yaml.safe_dump(deny)
+
+
+def _denies(dp: Datapath, port: int) -> bool:
+    _, entries = dp.state.policies.get(DB, ((False, False), {}))
+    return any(key[1] == WEB and key[3] == port and v == common_pb2.VERDICT_DENY for key, v in entries.items())
+
+
+async def test_a_follower_forwards_and_takes_over_without_losing_anything(replicas: Replicas) -> None:
+    r = replicas
+    status = await _status(r.second.address)
+    assert status.details["role"] == "follower" and status.details["leader"] == "one"
+    assert {m.name: m.role for m in status.members if m.group == "policy"} == {"one": "leader", "two": "follower"}
+
+    # Through the follower: the import lands on the leader, its revision is the leader's, and
+    # WaitForRevision sees the datapaths' reports (which they also send to the follower).
+    imported = await r.api.ImportPolicies(
+        policy_pb2.ImportPoliciesRequest(documents=_deny(5432), origin="deny.yaml"), timeout=30
+    )
+    assert imported.policies[0].state != policy_pb2.POLICY_STATE_REJECTED
+    assert (await _status(r.first.address)).revision == imported.revision
+    waited = await r.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=imported.revision, timeout_seconds=20), timeout=30
+    )
+    assert waited.realized, waited
+    assert _denies(r.datapaths["n2"], 5432)
+    sequences = {node: r.log.last_sequence(node) for node in PODS}
+
+    # The leader dies without a word; a Kubernetes change made meanwhile is not lost.
+    r.first.kill()
+    await r.feed.policy(builders.netpol("web-from-db", {"app": "web"}, {"app": "db"}, 81))
+    await eventually(lambda: _role(r.second.address, "leader"), "the follower to lead", 10)
+
+    # The new leader sends every node its whole state at a revision above anything handed out,
+    # each node's next sequence (no gap to resync across), with the imported policy kept.
+    after = await eventually(
+        lambda: (
+            {n: [o for o in r.log.by_node.get(n, []) if o.sequence == sequences[n] + 1] for n in PODS}
+            if all(r.log.last_sequence(n) > sequences[n] for n in PODS)
+            else None
+        ),
+        "orders from the new leader",
+    )
+    for node, orders in after.items():
+        assert len(orders) == 1 and orders[0].replace and orders[0].revision > imported.revision, node
+    current = (await _status(r.second.address)).revision
+    assert current >= after["n1"][0].revision
+    await eventually(lambda: all(dp.state.revision >= current for dp in r.datapaths.values()), "every node caught up")
+    assert _denies(r.datapaths["n2"], 5432)
+    ref = common_pb2.ObjectRef(kind="CiliumNetworkPolicy", namespace="default", name="db-deny-web")
+    kept = await r.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref, source=policy_pb2.POLICY_SOURCE_API))
+    assert kept.origin == "api deny.yaml"
+    assert all([await dp.matches_resync() for dp in r.datapaths.values()])
+
+    # And it serves changes itself: a new import is enforced and realized.
+    again = await r.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=_deny(6379)), timeout=30)
+    assert again.revision > current
+    waited = await r.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=again.revision, timeout_seconds=20), timeout=30
+    )
+    assert waited.realized, waited
+    assert _denies(r.datapaths["n2"], 6379)
+
+
+async def test_the_old_leader_back_is_a_follower(replicas: Replicas) -> None:
+    r = replicas
+    r.first.kill()
+    await eventually(lambda: _role(r.second.address, "leader"), "the follower to lead", 10)
+    revision = (await _status(r.second.address)).revision
+    r.first.start(wait=False)
+    await eventually(lambda: _role(r.first.address, "follower"), "the old leader back, following", 30)
+    # Calls to it reach the leader: the revision it answers with is the leader's, not one of its own.
+    channel = open_channel(r.first.address, "policy")
+    try:
+        listed = await policy_pb2_grpc.PolicyServiceStub(channel).ListPolicies(policy_pb2.ListPoliciesRequest())
+    finally:
+        await channel.close()
+    assert listed.revision == revision == (await _status(r.second.address)).revision
+
+
+async def _role(address: str, role: str) -> bool:
+    try:
+        status = await _status(address)
+    except grpc.aio.AioRpcError:
+        return False
+    return status.details.get("role") == role and (role != "leader" or status.synced)
