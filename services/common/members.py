@@ -10,7 +10,7 @@ follower's state); etcd members are the cluster's, each asked for its own status
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
 import aetcd
 from aetcd import rpc
@@ -67,11 +67,17 @@ def nats_members(bus: Bus, stream: str) -> Fetch:
     return fetch
 
 
-def etcd_members(client: aetcd.Client, endpoints: Sequence[tuple[str, int]], tls: Credentials | None) -> Fetch:
-    """Every etcd member, each asked over its own channel whether it answers and whom it follows."""
-    stubs = {f"{h}:{p}": rpc.MaintenanceStub(open_channel(f"{h}:{p}", "etcd", tls)) for h, p in endpoints}
+def etcd_members(client: aetcd.Client, tls: Credentials | None) -> Fetch:
+    """Every etcd member, each asked at its own advertised client URL whether it answers and whom
+    it follows (the client's own channel may go through a Service that picks any member)."""
+    stubs: dict[str, rpc.MaintenanceStub] = {}
 
-    async def ask(stub: rpc.MaintenanceStub) -> rpc.StatusResponse | None:
+    async def ask(address: str) -> rpc.StatusResponse | None:
+        if not address:
+            return None
+        stub = stubs.get(address)
+        if stub is None:
+            stub = stubs[address] = rpc.MaintenanceStub(open_channel(address, "etcd", tls))
         try:
             return await stub.Status(rpc.StatusRequest(), timeout=1.0)
         except Exception:
@@ -79,16 +85,17 @@ def etcd_members(client: aetcd.Client, endpoints: Sequence[tuple[str, int]], tls
 
     async def fetch() -> list[common_pb2.Member]:
         known = [m async for m in client.members()]
-        answers = await asyncio.gather(*(ask(stub) for stub in stubs.values()))
-        by_member = {a.header.member_id: a for a in answers if a is not None}
-        leaders = {a.leader for a in by_member.values()}
+        addresses = [next((u.rpartition("//")[2] for u in m.client_urls), "") for m in known]
+        answers = await asyncio.gather(*(ask(a) for a in addresses))
+        leaders = {a.leader for a in answers if a is not None}
         out = []
-        for member in known:
-            address = next((u.rpartition("//")[2] for u in member.client_urls), "")
-            answer = by_member.get(member.id)
-            health = "ok" if answer is not None else "unreachable"
-            if answer is not None and answer.errors:
+        for member, address, answer in zip(known, addresses, answers, strict=True):
+            if answer is None:
+                health = "unreachable"
+            elif answer.errors:
                 health = "; ".join(answer.errors)
+            else:
+                health = "ok"
             role = "leader" if leaders == {member.id} else "follower"
             out.append(common_pb2.Member(group="etcd", name=member.name, address=address, role=role, health=health))
         return sorted(out, key=lambda m: m.name)

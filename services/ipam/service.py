@@ -194,7 +194,7 @@ async def setup(ctx: ServiceContext[IPAMConfig]) -> None:
     await bus.ensure_streams(K8S_STREAM, IDENTITY_STREAM, IPCACHE_STREAM)
     etcd = await ctx.etcd()
     store = Store(etcd, patience=cfg.etcd_patience)
-    members = MemberView(etcd_members(etcd, cfg.etcd_endpoint_list(), ctx.credentials))
+    members = MemberView(etcd_members(etcd, ctx.credentials))
     ctx.server.status.add_members(members)
     ctx.spawn(members.run(), "etcd-members")
     ipam = build(cfg, bus, store)

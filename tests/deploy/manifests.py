@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,11 @@ def service_of_command(command: Sequence[str]) -> str:
     return name
 
 
+#: Sample values of the pod fields the manifests pass through the downward API.
+POD_FIELDS = {"POD_NAME": "palisade-policy-5d8c7b9f4-x2k8q", "POD_IP": "10.244.1.7", "HOST_IP": "10.0.0.5"}
+_POD_FIELD = re.compile(r"\$\((\w+)\)")
+
+
 def check_container_config(where: str, command: Sequence[str], env: Mapping[str, str]) -> tuple[str, CommonConfig]:
     """Check one Palisade container; return its service and the config it would run with.
 
@@ -93,7 +99,9 @@ def check_container_config(where: str, command: Sequence[str], env: Mapping[str,
     validate = getattr(config, "validate", None)
     try:
         if callable(validate):
-            validate(loaded)
+            # What kubelet substitutes for $(VAR) references to the pod's fields.
+            expanded = {k: _POD_FIELD.sub(lambda m: POD_FIELDS.get(m[1], m[0]), v) for k, v in palisade_env.items()}
+            validate(load_config(unvalidated, argv=[], env=expanded))
     except ConfigError as exc:
         container_paths = [v for v in palisade_env.values() if v.startswith("/") and v in str(exc)]
         if not container_paths or any(Path(p).exists() for p in container_paths):

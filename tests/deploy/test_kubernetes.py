@@ -360,6 +360,10 @@ def _sources(rule: Obj) -> list[Obj]:
     return list(rule.get("from", []))
 
 
+def _policy_named(name: str) -> Obj:
+    return next(p for p in _policies() if p["metadata"]["name"] == name)
+
+
 def test_palisade_system_denies_ingress_except_what_the_components_need() -> None:
     policies = _policies()
     deny = [p for p in policies if p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")]
@@ -388,7 +392,7 @@ def test_palisade_system_denies_ingress_except_what_the_components_need() -> Non
             else:
                 assert _sources(rule), f"{name}: a port open to everyone"
                 assert all("namespaceSelector" not in src for src in _sources(rule)), name
-    etcd = next(p for p in policies if p["metadata"]["name"] == "palisade-etcd")
+    etcd = _policy_named("palisade-etcd")
     client = next(r for r in etcd["spec"]["ingress"] if r["ports"] == [{"port": "client"}])
     assert _sources(client) == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "palisade-ipam"}}}]
 
@@ -438,10 +442,11 @@ def test_datapath_is_a_privileged_daemonset_on_every_node_with_the_host_mounts()
     assert any(Path(config.state_dir).is_relative_to(d) for d in host_dirs), "endpoint state must be on the node"
 
 
-def test_nats_and_etcd_run_three_members_and_ipam_two_spread_over_nodes() -> None:
+def test_nats_and_etcd_run_three_members_policy_and_ipam_two_spread_over_nodes() -> None:
     for kind, name, replicas in (
         ("StatefulSet", "palisade-nats", 3),
         ("StatefulSet", "palisade-etcd", 3),
+        ("Deployment", "palisade-policy", 2),
         ("Deployment", "palisade-ipam", 2),
     ):
         workload = _named(kind, name)
@@ -459,8 +464,13 @@ def test_nats_and_etcd_run_three_members_and_ipam_two_spread_over_nodes() -> Non
     args = _pod_spec(_named("StatefulSet", "palisade-etcd"))["containers"][0]["args"]
     (initial,) = [a for a in args if a.startswith("--initial-cluster=")]
     assert initial.count("=https://") == 3
-    # The policy service stays one writer until its replicas elect a leader.
-    assert _named("Deployment", "palisade-policy")["spec"]["replicas"] == 1
+    # Policy replicas are named by their pods and reachable by each other at their pod address.
+    policy = _named("Deployment", "palisade-policy")
+    assert "strategy" not in policy["spec"], "replicas roll one at a time (the default), not Recreate"
+    _, config = _check(policy, _pod_spec(policy)["containers"][0])
+    assert config.member == "$(POD_NAME)" and config.advertise_address == "$(POD_IP):9402"
+    grpc_rule = next(r for r in _policy_named("palisade-policy")["spec"]["ingress"] if r["ports"] == [{"port": "grpc"}])
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "palisade-policy"}}} in _sources(grpc_rule)
 
 
 def test_etcd_is_3_5() -> None:
