@@ -135,10 +135,16 @@ class Stack:
 
         assert wait_for(back, timeout), f"{child} did not come back within {timeout:.0f}s"
 
-    def check_policy_edit(self, timeout: float = 30.0) -> None:
+    def check_policy_edit(self, timeout: float = 30.0) -> float:
         """Add a policy file that lets tools/debug reach shop/backend:8080, see it enforced with
-        real packets, remove it, and see it gone: the system still follows its manifest folder."""
+        real packets, remove it, and see it gone: the system still follows its manifest folder.
+
+        Returns the seconds from the file's write to the first connection the edit let in.
+        """
+        # Looked up once: each probe is then only a connection attempt (the CLI takes ~0.5 s a call).
+        netns, ip = self.netns("tools/debug"), self.ip("shop/backend")
         extra = self.manifests / "70-debug-to-backend.yaml"
+        written = time.monotonic()
         extra.write_text(
             "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\n"
             "metadata: {name: debug-to-backend, namespace: shop}\n"
@@ -146,12 +152,12 @@ class Stack:
             "  - from: [{namespaceSelector: {matchLabels: {team: tools}}}]\n    ports: [{port: 8080}]\n"
         )
         try:
-            assert wait_for(lambda: self.reach("tools/debug", "shop/backend", 8080), timeout), (
-                "the edit was not enforced"
-            )
+            assert wait_for(lambda: probe(netns, ip, 8080), timeout), "the edit was not enforced"
+            enforced = time.monotonic() - written
         finally:
             extra.unlink()
-        assert wait_for(lambda: not self.reach("tools/debug", "shop/backend", 8080), timeout), "the removal was not"
+        assert wait_for(lambda: not probe(netns, ip, 8080), timeout), "the removal was not"
+        return enforced
 
     def netns(self, pod: str) -> str:
         out = self.palisade("endpoint", "get", pod, "-o", "json")
@@ -163,16 +169,21 @@ class Stack:
         return str(json.loads(out.stdout)["ips"][0])
 
     def reach(self, src: str, dst: str, port: int, protocol: str = "TCP") -> bool:
-        target = [{"id": "t", "ip": self.ip(dst), "port": port, "protocol": protocol}]
-        out = subprocess.run(
-            [sys.executable, "-m", "services.devstack.prober", "--netns", self.netns(src), "--timeout", "1.5"],
-            cwd=ROOT,
-            input=json.dumps(target),
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return bool(json.loads(out.stdout)["t"])
+        return probe(self.netns(src), self.ip(dst), port, protocol)
+
+
+def probe(netns: str, ip: str, port: int, protocol: str = "TCP") -> bool:
+    """One connection attempt from inside ``netns`` (the prober a pod would run)."""
+    target = [{"id": "t", "ip": ip, "port": port, "protocol": protocol}]
+    out = subprocess.run(
+        [sys.executable, "-m", "services.devstack.prober", "--netns", netns, "--timeout", "1.5"],
+        cwd=ROOT,
+        input=json.dumps(target),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return bool(json.loads(out.stdout)["t"])
 
 
 @contextlib.contextmanager
