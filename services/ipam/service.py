@@ -66,6 +66,8 @@ class Ipam:
         status.details["ipcache"] = str(len(self.ipcache.entries))
         status.details["api_endpoints"] = str(self.pods.api_endpoint_count())
         status.details["mode"] = self.config.mode.value
+        # Replicas are peers: each serves every call against etcd's transactions; none leads.
+        status.details["role"] = "replica"
 
 
 def build(cfg: IPAMConfig, bus: Bus, store: Store) -> Ipam:

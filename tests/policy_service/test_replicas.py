@@ -6,6 +6,8 @@ the follower: an import, WaitForRevision, Resync and the realized reports.
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -159,3 +161,31 @@ async def _role(address: str, role: str) -> bool:
     except grpc.aio.AioRpcError:
         return False
     return status.details.get("role") == role and (role != "leader" or status.synced)
+
+
+async def test_a_deposed_leader_cannot_publish(nats_server: NatsServer, service: Callable[..., ServiceProcess]) -> None:
+    """The state's compare-and-set is the fence: once another writer saved the state, the old
+    leader's next change fails before any order is published, and the process exits."""
+    feed = await Feed.open(nats_server)
+    log = OrderLog()
+    await log.start(feed.bus)
+    try:
+        await publish_world(feed)
+        await feed.synced()
+        leader = await start_policy(service, nats_server, "--member", "one")
+        channel = open_channel(leader.address, "policy")
+        api = policy_pb2_grpc.PolicyServiceStub(channel)
+        first = await api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=_deny(5432)), timeout=30)
+        # A new leader (here: a write as one would make it) saves the state under the old one's feet.
+        kv = await feed.bus.js.key_value("PALISADE_POLICY")
+        await kv.put("state", json.dumps({"revision": first.revision + 100, "sequences": {}}).encode())
+        published = len(log.all())
+        with pytest.raises(grpc.aio.AioRpcError):
+            await api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=_deny(6379)), timeout=30)
+        await channel.close()
+        assert leader.proc is not None
+        assert await asyncio.to_thread(leader.proc.wait, 30) == 1
+        assert "changed by another writer" in leader.logs()
+        assert all(o.revision <= first.revision for o in log.all()[published:])
+    finally:
+        await feed.close()

@@ -67,6 +67,7 @@ def test_status_lists_every_member_with_its_role(stack: Stack) -> None:
     replicas = [r for r in status["services"] if r["service"] in ("policy", "ipam")]
     assert len(replicas) == 4 and all(r["health"] == "SERVING" for r in replicas), replicas
     assert sorted(r["role"] for r in replicas if r["service"] == "policy") == ["follower", "leader"]
+    assert [r["role"] for r in replicas if r["service"] == "ipam"] == ["replica", "replica"]
 
 
 def _revision(stack: Stack) -> int:
