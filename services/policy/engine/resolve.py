@@ -247,6 +247,14 @@ def _entry_keys(
                 yield EntryKey(d, r, proto, spec.port_low, spec.port_high)
 
 
+_Signature = tuple[Direction, Verdict, tuple[Selector, ...] | None, tuple[PortSpec, ...]]
+
+
+def _signature(pr: PeerRule) -> _Signature:
+    """What a peer rule's entries depend on within one subject (its requirements act subject-wide)."""
+    return (pr.direction, pr.verdict, pr.peers, pr.ports)
+
+
 def _put(entries: dict[EntryKey, Verdict], key: EntryKey, verdict: Verdict) -> None:
     """Deny wins: a key keeps DENY once any rule denies it; an allow never overwrites."""
     if verdict is Verdict.DENY:
@@ -272,11 +280,19 @@ def resolve_subject(
     reqs = srules.requirement_sets(ctx)
     own_ports = ctx.named_ports(subject)
     entries: dict[EntryKey, Verdict] = {}
+    # Policies repeat peer rules (every one of a team's policies allowing DNS, or the cluster):
+    # an equal one adds nothing, so it is skipped, unless the caller wants every rule's share.
+    done: set[_Signature] | None = set() if explain is None else None
     for pkey, rule in srules.rules:
         for pr in rule.peer_rules:
             d = pr.direction
             if pr.verdict is Verdict.ALLOW and not srules.enforced(d):
                 continue
+            if done is not None:
+                signature = _signature(pr)
+                if signature in done:
+                    continue
+                done.add(signature)
             remotes = _remotes(pr, ctx, reqs[d])
             if remotes is not None and not remotes:
                 continue
@@ -315,11 +331,16 @@ def resolve_remote(
     own_ports = ctx.named_ports(subject)
     entries: dict[EntryKey, Verdict] = {}
     only = (remote,)
+    done: set[_Signature] = set()
     for _, rule in srules.rules if candidates is None else candidates:
         for pr in rule.peer_rules:
             d = pr.direction
             if pr.verdict is Verdict.ALLOW and not srules.enforced(d):
                 continue
+            signature = _signature(pr)
+            if signature in done:
+                continue
+            done.add(signature)
             if pr.peers is None:
                 if d is Direction.INGRESS or not pr.has_named_ports:
                     continue
