@@ -64,9 +64,11 @@ from services.policy.engine.parse import parse_policy
 from services.policy.engine.repository import Repository
 from services.policy.engine.resolve import (
     NamedPorts,
+    PeerIndex,
     ResolvedPolicy,
     RuleRef,
     SubjectRules,
+    peer_index,
     resolve_remote,
     resolve_subject,
 )
@@ -149,6 +151,7 @@ class _Subject:
     rids: tuple[RuleId, ...]
     rules: SubjectRules
     by_remote: dict[int, list[EntryKey]]
+    index: PeerIndex
 
 
 class PolicyEngine:
@@ -516,15 +519,6 @@ class PolicyEngine:
                     break
         return affected
 
-    def _rules_reaching(self, remote: int) -> set[RuleId]:
-        """Rules that may have entries with ``remote``: a peer or requirement selects it, or egress named ports."""
-        out: set[RuleId] = set()
-        for sel in self._cache.selectors_selecting(remote):
-            out |= self._by_peer.get(sel, set())
-        if self._ports.get(remote):
-            out |= self._egress_named
-        return out
-
     def _flush(self, *, policy_change: bool) -> ChangeResult:
         """Do the pending work (unless batching) and diff against the stored policies.
 
@@ -540,11 +534,10 @@ class PolicyEngine:
             d = self._recompute_whole(i)
             if d is not None:
                 diffs[i] = d
-        reaching: dict[int, set[RuleId]] = {}
         for i, remotes in slices.items():
             if i in full:
                 continue
-            d = self._recompute_slices(i, remotes, reaching)
+            d = self._recompute_slices(i, remotes)
             if d is not None:
                 diffs[i] = d
         if diffs and not policy_change:
@@ -564,11 +557,11 @@ class PolicyEngine:
         by_remote: dict[int, list[EntryKey]] = {}
         for key in new.entries:
             by_remote.setdefault(key.identity, []).append(key)
-        self._subjects[i] = _Subject(rids, srules, by_remote)
+        self._subjects[i] = _Subject(rids, srules, by_remote, peer_index(srules))
         self._resolved[i] = new
         return diff_policies(old, new, i)
 
-    def _recompute_slices(self, i: int, remotes: set[int], reaching: dict[int, set[RuleId]]) -> PolicyDiff | None:
+    def _recompute_slices(self, i: int, remotes: set[int]) -> PolicyDiff | None:
         """Recompute subject ``i``'s entries for each remote in ``remotes``; its other entries stay.
 
         Valid because ``i``'s rule set did not change (else it would be in
@@ -585,12 +578,9 @@ class PolicyEngine:
         for x in sorted(remotes):
             new: dict[EntryKey, Verdict] = {}
             if x in self._identities:
-                rules = reaching.get(x)
-                if rules is None:
-                    rules = reaching[x] = self._rules_reaching(x)
-                candidates = [r for rid, r in zip(sub.rids, sub.rules.rules, strict=True) if rid in rules]
-                if candidates:
-                    new = resolve_remote(i, x, sub.rules, self, candidates=candidates)
+                peer_rules = sub.index.reaching(self._cache.selectors_selecting(x), bool(self._ports.get(x)))
+                if peer_rules:
+                    new = resolve_remote(i, x, sub.rules, self, peer_rules=peer_rules)
             old_keys = sub.by_remote.get(x, ())
             if len(old_keys) == len(new) and all(new.get(k) is old_entries[k] for k in old_keys):
                 continue

@@ -311,6 +311,7 @@ def resolve_remote(
     ctx: ResolveContext,
     *,
     candidates: Iterable[tuple[PolicyRef, Rule]] | None = None,
+    peer_rules: Iterable[PeerRule] | None = None,
 ) -> dict[EntryKey, Verdict]:
     """The entries of ``subject`` whose remote identity is ``remote``.
 
@@ -320,8 +321,10 @@ def resolve_remote(
     recomputes for every subject whose rules may select it. ``remote`` must
     be an identity the context knows (not the wildcard 0). ``candidates``
     optionally narrows the rules walked to those of ``srules`` that can
-    select ``remote`` at all (peers selecting it, or no peers); enforcement
-    and requirements still come from the whole of ``srules``.
+    select ``remote`` at all (peers selecting it, or no peers); ``peer_rules``
+    narrows further, to the peer rules of ``srules`` that can (see
+    :func:`peer_index`). Enforcement and requirements still come from the whole
+    of ``srules``.
     """
     selecting = ctx.selectors_selecting(remote)
     meets = {
@@ -332,23 +335,67 @@ def resolve_remote(
     entries: dict[EntryKey, Verdict] = {}
     only = (remote,)
     done: set[_Signature] = set()
-    for _, rule in srules.rules if candidates is None else candidates:
-        for pr in rule.peer_rules:
-            d = pr.direction
-            if pr.verdict is Verdict.ALLOW and not srules.enforced(d):
+    if peer_rules is None:
+        rules = srules.rules if candidates is None else candidates
+        peer_rules = (pr for _, rule in rules for pr in rule.peer_rules)
+    for pr in peer_rules:
+        d = pr.direction
+        if pr.verdict is Verdict.ALLOW and not srules.enforced(d):
+            continue
+        signature = _signature(pr)
+        if signature in done:
+            continue
+        done.add(signature)
+        if pr.peers is None:
+            if d is Direction.INGRESS or not pr.has_named_ports:
                 continue
-            signature = _signature(pr)
-            if signature in done:
-                continue
-            done.add(signature)
-            if pr.peers is None:
-                if d is Direction.INGRESS or not pr.has_named_ports:
-                    continue
-                remotes: Sequence[int] | None = None
-            elif _selects(pr, selecting, meets[d]):
-                remotes = only
-            else:
-                continue
-            for key in _entry_keys(pr, remotes, own_ports, ctx, only=remote):
-                _put(entries, key, pr.verdict)
+            remotes: Sequence[int] | None = None
+        elif _selects(pr, selecting, meets[d]):
+            remotes = only
+        else:
+            continue
+        for key in _entry_keys(pr, remotes, own_ports, ctx, only=remote):
+            _put(entries, key, pr.verdict)
     return entries
+
+
+@dataclass(frozen=True, slots=True)
+class PeerIndex:
+    """A subject's peer rules by the selectors naming their peers, for :func:`resolve_remote`.
+
+    Only peer rules with a peer selecting a remote, and egress rules without peers that
+    use named ports, can give entries for that remote: an identity change walks those,
+    not every rule of every subject it touches.
+    """
+
+    by_selector: Mapping[Selector, tuple[PeerRule, ...]]
+    named_egress: tuple[PeerRule, ...]
+
+    def reaching(self, selecting: AbstractSet[Selector], has_named_ports: bool) -> list[PeerRule]:
+        """The peer rules that may have entries for a remote selected by ``selecting``."""
+        found: dict[int, PeerRule] = {}
+        if len(self.by_selector) <= len(selecting):
+            groups = [prs for sel, prs in self.by_selector.items() if sel in selecting]
+        else:
+            groups = [self.by_selector[sel] for sel in selecting if sel in self.by_selector]
+        for prs in groups:
+            for pr in prs:
+                found[id(pr)] = pr
+        if has_named_ports:
+            for pr in self.named_egress:
+                found[id(pr)] = pr
+        return list(found.values())
+
+
+def peer_index(srules: SubjectRules) -> PeerIndex:
+    by_selector: dict[Selector, list[PeerRule]] = {}
+    named: list[PeerRule] = []
+    for _, rule in srules.rules:
+        for pr in rule.peer_rules:
+            if pr.peers is None:
+                if pr.direction is Direction.EGRESS and pr.has_named_ports:
+                    named.append(pr)
+                continue
+            for sel in pr.peers:
+                by_selector.setdefault(sel, []).append(pr)
+    return PeerIndex({sel: tuple(prs) for sel, prs in by_selector.items()}, tuple(named))
