@@ -19,14 +19,20 @@ import shutil
 import signal
 import sys
 import time
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
+from palisade.v1 import ipam_pb2, ipam_pb2_grpc
 from services.common import etcdconfig, natsconfig
 from services.common.bus import Bus
 from services.common.config import DEFAULT_GRPC_PORTS
+from services.common.grpcserver import open_channel
 from services.common.log import get_logger, setup_logging
 from services.common.trust import Credentials, ensure_pki
+from services.devstack import hosts
 from services.devstack.cniexec import CniRuntime
+from services.devstack.hosts import HostsError
 from services.devstack.node import DevNode
 from services.devstack.processes import Child, StackError, binary, port_free
 
@@ -59,6 +65,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_GRPC_PORTS["watcher"],
         help="gRPC ports: watcher at this port, then policy, ipam, datapath (the CLI's defaults are 9401-9404)",
     )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="dev nodes: with more than one, each (dev-node-1..N) is a network namespace standing for a host, "
+        "on a bridge, with its own datapath and pod CIDR, routed natively to the others; pods go to the node "
+        "their spec.nodeName names, the others are spread",
+    )
+    p.add_argument(
+        "--node-subnet",
+        default="172.31.255.0/24",
+        help="with --nodes: the hosts' network (the bridge takes its first address, where the control plane "
+        "listens; node i the 10+i-th)",
+    )
     p.add_argument("--keep-state", action="store_true", help="keep pinned maps, namespaces and data on exit")
     p.add_argument("--no-pods", action="store_true", help="do not create the dev node's pods")
     p.add_argument(
@@ -66,16 +86,42 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="create the dev node's pods as a container runtime does: sandbox namespaces joined by palisade-cni",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.nodes < 1:
+        p.error(f"--nodes {args.nodes} must be 1 or more")
+    if args.nodes > 1 and args.cni:
+        p.error("--cni runs one node; drop --cni or --nodes")
+    args.network = None
+    args.host = "127.0.0.1"
+    if args.nodes > 1:
+        # The stack's run directory names its hosts, so stacks side by side do not collide.
+        tag = format(zlib.crc32(str(Path(args.run_dir).resolve()).encode()), "08x")
+        try:
+            args.network = hosts.plan([f"dev-node-{i + 1}" for i in range(args.nodes)], args.node_subnet, tag)
+        except (HostsError, ValueError) as exc:
+            p.error(str(exc))
+        args.host = args.network.gateway  # reachable from the root namespace and from every node
+    return args
 
 
 def grpc_address(args: argparse.Namespace, name: str) -> str:
     offset = DEFAULT_GRPC_PORTS[name] - DEFAULT_GRPC_PORTS["watcher"]
-    return f"127.0.0.1:{args.grpc_port_base + offset}"
+    return f"{args.host}:{args.grpc_port_base + offset}"
 
 
 def nats_urls(args: argparse.Namespace) -> list[str]:
-    return [f"nats://127.0.0.1:{args.nats_port + i}" for i in range(3 if args.ha else 1)]
+    return [f"nats://{args.host}:{args.nats_port + i}" for i in range(3 if args.ha else 1)]
+
+
+def watcher_nodes(args: argparse.Namespace) -> list[str]:
+    """In a dev cluster the watcher plays the scheduler and lists the nodes' Node objects."""
+    if args.network is None:
+        return []
+    return ["--dev-nodes", ",".join(f"{n.name}={n.address}" for n in args.network.nodes)]
+
+
+def node_names(args: argparse.Namespace) -> list[str]:
+    return [n.name for n in args.network.nodes] if args.network else [args.node]
 
 
 def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
@@ -85,7 +131,7 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
     tls_dir = ensure_pki(run_dir / "tls")
     members = 3 if args.ha else 1
     # etcd member i listens for clients on etcd_port + 2i and for peers on the port after it.
-    etcd = [f"127.0.0.1:{args.etcd_port + 2 * i}" for i in range(members)]
+    etcd = [f"{args.host}:{args.etcd_port + 2 * i}" for i in range(members)]
     common = ["--nats-url", ",".join(nats_urls(args)), "--etcd-endpoints", ",".join(etcd),
               "--node-name", args.node, "--log-format", "json"]  # fmt: skip
     env = {"PALISADE_TLS_DIR": str(tls_dir)}
@@ -102,22 +148,22 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
         return f"-{i + 1}" if args.ha else ""
 
     nats_tls = Credentials.load(tls_dir, "nats")
-    routes = tuple(f"127.0.0.1:{args.nats_route_port + i}" for i in range(members))
+    routes = tuple(f"{args.host}:{args.nats_route_port + i}" for i in range(members))
     children = []
     for i in range(members):
         name = "nats" + suffix(i)
         cluster = natsconfig.Cluster(name, routes[i], routes) if args.ha else None
         conf = natsconfig.write(
             run_dir / f"{name}.conf",
-            listen=f"127.0.0.1:{args.nats_port + i}",
+            listen=f"{args.host}:{args.nats_port + i}",
             store_dir=str(run_dir / name),
             tls=nats_tls,
             cluster=cluster,
         )
         children.append(Child(name, [binary("nats-server"), "-c", str(conf)], logs / f"{name}.log",
-                              tcp_port=args.nats_port + i, group="nats"))  # fmt: skip
+                              tcp_port=args.nats_port + i, tcp_host=args.host, group="nats"))  # fmt: skip
     etcd_tls = Credentials.load(tls_dir, "etcd")
-    peers = {f"dev{suffix(i)}": f"127.0.0.1:{args.etcd_port + 2 * i + 1}" for i in range(members)}
+    peers = {f"dev{suffix(i)}": f"{args.host}:{args.etcd_port + 2 * i + 1}" for i in range(members)}
     for i, (member, peer) in enumerate(peers.items()):
         name = "etcd" + suffix(i)
         children.append(Child(
@@ -126,44 +172,87 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
              *etcdconfig.flags(etcd_tls, member, etcd[i], peer, peers)],
             logs / f"{name}.log",
             tcp_port=args.etcd_port + 2 * i,
+            tcp_host=args.host,
             group="etcd",
         ))  # fmt: skip
     ipams = [svc("ipam", replica=suffix(0))]
     if args.ha:
         # A second ipam on the port after the datapath's: replicas serve the same etcd state.
-        second = f"127.0.0.1:{args.grpc_port_base + 4}"
+        second = f"{args.host}:{args.grpc_port_base + 4}"
         ipams.append(svc("ipam", address=second, replica=suffix(1)))
     policies = [svc("policy", "--member", "policy" + suffix(0), replica=suffix(0))]
     if args.ha:
         # The second policy replica after the second ipam; the replicas elect one leader.
-        second = f"127.0.0.1:{args.grpc_port_base + 5}"
+        second = f"{args.host}:{args.grpc_port_base + 5}"
         policies.append(svc("policy", "--member", "policy-2", address=second, replica=suffix(1)))
+    policy_addresses = ",".join(c.grpc_address for c in policies)
+    ipam_addresses = ",".join(c.grpc_address for c in ipams)
+    datapaths = [
+        Child(
+            node.child,
+            [sys.executable, "-m", *node.launcher, "services.datapath", "--grpc-listen", node.address, *common,
+             "--node-name", node.name, "--policy-address", policy_addresses, "--ipam-address", ipam_addresses,
+             "--state-dir", str(node.state_dir), "--bpffs", node.bpffs],
+            logs / f"{node.child}.log",
+            grpc_address=node.address,
+            env=env,
+            credentials=probe,
+            component="datapath",
+        )
+        for node in dev_nodes(args, run_dir)
+    ]  # fmt: skip
     addresses = {
         "watcher": grpc_address(args, "watcher"),
-        "policy": ",".join(c.grpc_address for c in policies),
-        "ipam": ",".join(c.grpc_address for c in ipams),
-        "datapath": grpc_address(args, "datapath"),
+        "policy": policy_addresses,
+        "ipam": ipam_addresses,
+        "datapath": ",".join(c.grpc_address for c in datapaths),
     }
-    # The CLI reads them from here (every replica, so it reaches the survivors of a failover).
+    # The CLI reads them from here (every replica, so it reaches the survivors of a failover;
+    # every node's datapath, so `palisade endpoint list` shows the whole cluster).
     (run_dir / "addresses.json").write_text(json.dumps(addresses, indent=2) + "\n")
     return [
         *children,
         # Upstreams first: each service reports SERVING only once what it consumes is synced.
-        svc("watcher", "--source", "manifests", "--manifests", args.manifests),
+        svc("watcher", "--source", "manifests", "--manifests", args.manifests, *watcher_nodes(args)),
         *ipams,
         *policies,
-        svc("datapath", "--policy-address", addresses["policy"], "--ipam-address", addresses["ipam"],
-            "--state-dir", str(run_dir / "datapath"), "--bpffs", args.bpffs),
+        *datapaths,
+    ]
+
+
+@dataclass(frozen=True)
+class DevNodeSpec:
+    """Where one dev node's datapath runs, listens and keeps its state."""
+
+    name: str
+    child: str
+    address: str
+    state_dir: Path
+    bpffs: str
+    #: What runs the datapath's module (``-m`` this, then the module): it enters the node's namespace.
+    launcher: tuple[str, ...]
+
+
+def dev_nodes(args: argparse.Namespace, run_dir: Path) -> list[DevNodeSpec]:
+    """The single dev node (the root namespace), or each node host of a dev cluster."""
+    if args.network is None:
+        return [DevNodeSpec(args.node, "datapath", grpc_address(args, "datapath"), run_dir / "datapath",
+                            args.bpffs, ())]  # fmt: skip
+    port = args.grpc_port_base + DEFAULT_GRPC_PORTS["datapath"] - DEFAULT_GRPC_PORTS["watcher"]
+    return [
+        DevNodeSpec(host.name, f"datapath-{i + 1}", f"{host.address}:{port}", run_dir / f"datapath-{host.name}",
+                    f"{args.bpffs}-{host.name}", ("services.devstack.innetns", host.netns))
+        for i, host in enumerate(args.network.nodes)
     ]  # fmt: skip
 
 
-def banner(args: argparse.Namespace, children: list[Child], node: DevNode | None, started: float) -> str:
+def banner(args: argparse.Namespace, children: list[Child], nodes: list[DevNode], started: float) -> str:
     lines = [f"Palisade is running ({time.monotonic() - started:.1f}s to start). Logs: {args.run_dir}/logs", ""]
     for c in children:
-        where = c.grpc_address or f"127.0.0.1:{c.tcp_port}"
+        where = c.grpc_address or f"{c.tcp_host}:{c.tcp_port}"
         lines.append(f"  {c.name:9} {where:18} pid {c.proc.pid if c.proc else '-'}")
-    if node is not None:
-        lines += ["", f"Pods on {args.node}:"]
+    for node in nodes:
+        lines += ["", f"Pods on {node.name}:"]
         for key, ep in sorted(node.endpoints.items()):
             lines.append(f"  {key:24} {','.join(ep.ips):16} identity {ep.identity}  endpoint {ep.id}")
     lines += [
@@ -179,6 +268,21 @@ def banner(args: argparse.Namespace, children: list[Child], node: DevNode | None
         "Ctrl-C stops everything and cleans up.",
     ]
     return "\n".join(lines)
+
+
+async def route_nodes(args: argparse.Namespace, tls_dir: Path) -> None:
+    """Route every node's pod CIDR (as ipam assigns it) to that node, from the others and the root."""
+    if args.network is None:
+        return
+    address = grpc_address(args, "ipam")
+    cidrs: dict[str, list[str]] = {}
+    async with open_channel(address, "ipam", Credentials.load(tls_dir, "cli")) as channel:
+        stub = ipam_pb2_grpc.IPAMServiceStub(channel)
+        for name in node_names(args):
+            answer = await stub.GetNodeCIDR(ipam_pb2.GetNodeCIDRRequest(node=name), timeout=30)
+            cidrs[name] = list(answer.cidrs)
+    await asyncio.to_thread(hosts.route_pod_cidrs, args.network, cidrs)
+    log.info("pod CIDRs routed", cidrs=json.dumps(cidrs))
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -197,12 +301,14 @@ async def main_async(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    node: DevNode | None = None
-    node_task: asyncio.Task[None] | None = None
+    nodes: list[DevNode] = []
+    node_tasks: list[asyncio.Task[None]] = []
     bus: Bus | None = None
-    pod_netns: list[str] = []
+    pod_netns: dict[str, list[str]] = {}
     code = 0
     try:
+        if args.network is not None:
+            await asyncio.to_thread(hosts.create, args.network)
         # In order; the members of a cluster start together, then each is waited for.
         for i, c in enumerate(children):
             print(f"starting {c.name}...", flush=True)
@@ -211,15 +317,19 @@ async def main_async(args: argparse.Namespace) -> int:
                 continue
             for member in [m for m in children[: i + 1] if m.group and m.group == c.group] or [c]:
                 await asyncio.to_thread(member.wait_ready, 60.0)
+        await route_nodes(args, run_dir / "tls")
         if not args.no_pods:
             devnode = Credentials.load(run_dir / "tls", "devnode")
             bus = await Bus.connect(nats_urls(args), name="palisade-devnode", tls=devnode)
-            cni = CniRuntime(str(run_dir / "datapath" / "cni.sock")) if args.cni else None
-            node = DevNode(bus, grpc_address(args, "datapath"), args.node, cni, devnode)
-            node_task = asyncio.create_task(node.run(), name="devnode")
+            names = node_names(args)
+            for spec in dev_nodes(args, run_dir):
+                cni = CniRuntime(str(spec.state_dir / "cni.sock")) if args.cni else None
+                node = DevNode(bus, spec.address, spec.name, cni, devnode, names)
+                nodes.append(node)
+                node_tasks.append(asyncio.create_task(node.run(), name=f"devnode-{spec.name}"))
             # The banner lists the pods, so let the initial ones come up first.
-            await asyncio.wait_for(node.settled.wait(), 120)
-        print(banner(args, children, node, started), flush=True)
+            await asyncio.wait_for(asyncio.gather(*(n.settled.wait() for n in nodes)), 120)
+        print(banner(args, children, nodes, started), flush=True)
         # Like a kubelet with restartPolicy Always: a part that dies (crash, kill -9) comes back.
         while not stop.is_set():
             for c in children:
@@ -231,11 +341,11 @@ async def main_async(args: argparse.Namespace) -> int:
                 await asyncio.wait_for(stop.wait(), 0.2)
         print("\nstopping...", flush=True)
     finally:
-        if node is not None:
-            pod_netns = [ep.netns for ep in node.endpoints.values()]
+        for node in nodes:
+            pod_netns[node.name] = [ep.netns for ep in node.endpoints.values()]
             await node.shutdown()
-        if node_task is not None:
-            node_task.cancel()
+        for task in node_tasks:
+            task.cancel()
         if bus is not None:
             await bus.close()
         for c in reversed(children):
@@ -245,7 +355,12 @@ async def main_async(args: argparse.Namespace) -> int:
         else:
             from services.devstack.cleanup import clean  # the datapath's modules, only at the end
 
-            left = await asyncio.to_thread(clean, args.bpffs, run_dir / "datapath", pod_netns)
+            left: list[str] = []
+            if args.network is not None:
+                # A node's namespace takes its pods' veths and routes with it.
+                left += await asyncio.to_thread(hosts.remove, args.network)
+            for spec in dev_nodes(args, run_dir):
+                left += await asyncio.to_thread(clean, spec.bpffs, spec.state_dir, pod_netns.get(spec.name, []))
             shutil.rmtree(run_dir, ignore_errors=True)
             if left:
                 print("stopped; could not remove, do it by hand:\n  " + "\n  ".join(left), flush=True)

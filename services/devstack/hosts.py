@@ -116,7 +116,11 @@ def remove(network: HostNetwork) -> list[str]:
             _ip("netns", "del", node.netns, check=False)
         _ip("link", "del", node.link, check=False)
     _ip("link", "del", network.bridge, check=False)
-    left = [f"network namespace {n.netns} (ip netns del {n.netns})" for n in network.nodes if os.path.exists(f"/run/netns/{n.netns}")]
+    left = [
+        f"network namespace {n.netns} (ip netns del {n.netns})"
+        for n in network.nodes
+        if os.path.exists(f"/run/netns/{n.netns}")
+    ]
     if _ip("link", "show", network.bridge, check=False).returncode == 0:
         left.append(f"bridge {network.bridge} (ip link del {network.bridge})")
     return left

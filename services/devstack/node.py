@@ -13,6 +13,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -44,12 +45,23 @@ class PodSpec:
         return f"{self.namespace}/{self.name}"
 
 
-def pod_spec(obj: dict[str, object], node: str) -> PodSpec | None:
-    """The pod's spec if it runs on ``node`` (or is unassigned), else None."""
+def placement(node_name: str, nodes: Sequence[str]) -> str | None:
+    """The dev node a pod runs on: the one its ``spec.nodeName`` names (in a dev cluster the watcher
+    binds every pod to one); on a single dev node also the unassigned ones. A pod naming another
+    node is not ours, as a kubelet would ignore it."""
+    if node_name in nodes:
+        return node_name
+    if not node_name and len(nodes) == 1:
+        return nodes[0]
+    return None
+
+
+def pod_spec(obj: dict[str, object], node: str, nodes: Sequence[str] = ()) -> PodSpec | None:
+    """The pod's spec if it runs on ``node`` (of the dev nodes ``nodes``, default just it), else None."""
     meta = obj.get("metadata") or {}
     spec = obj.get("spec") or {}
     assert isinstance(meta, dict) and isinstance(spec, dict)
-    if spec.get("nodeName") not in (None, "", node):
+    if placement(str(spec.get("nodeName") or ""), nodes or (node,)) != node:
         return None
     ports = []
     for container in spec.get("containers") or []:
@@ -77,12 +89,15 @@ class DevNode:
         node: str,
         cni: CniRuntime | None = None,
         credentials: Credentials | None = None,
+        nodes: Sequence[str] = (),
     ) -> None:
         self._bus = bus
         self._cni = cni
         self._datapath = datapath
         self._credentials = credentials
         self._node = node
+        #: Every dev node (pods are placed among them); just this one by default.
+        self._nodes = tuple(nodes) or (node,)
         self._queue: asyncio.Queue[tuple[str, PodSpec | None]] = asyncio.Queue()
         #: Set once the pods present at startup have been created.
         self.settled = asyncio.Event()
@@ -90,13 +105,17 @@ class DevNode:
         self.endpoints: dict[str, datapath_pb2.Endpoint] = {}
         self._servers: dict[str, subprocess.Popen[bytes]] = {}
 
+    @property
+    def name(self) -> str:
+        return self._node
+
     async def run(self) -> None:
         async def on_delta(subject: str, delta: k8s_pb2.K8sDelta) -> None:
             key = f"{delta.namespace}/{delta.name}"
             if delta.op == k8s_pb2.DELTA_OP_DELETE:
                 await self._queue.put((key, None))
                 return
-            spec = pod_spec(json.loads(delta.object_json), self._node)
+            spec = pod_spec(json.loads(delta.object_json), self._node, self._nodes)
             await self._queue.put((key, spec))
 
         follower = await follow_deltas(self._bus, k8s_filter("pod"), on_delta)

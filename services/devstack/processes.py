@@ -63,6 +63,7 @@ class Child:
     cmd: list[str]
     log: Path
     tcp_port: int = 0
+    tcp_host: str = "127.0.0.1"
     grpc_address: str = ""
     env: dict[str, str] = field(default_factory=dict)
     #: What the readiness probe presents to a gRPC child (any certificate of the installation will do).
@@ -121,7 +122,7 @@ class Child:
                 return
             if self.tcp_port and not self.grpc_address:
                 try:
-                    with socket.create_connection(("127.0.0.1", self.tcp_port), timeout=0.2):
+                    with socket.create_connection((self.tcp_host, self.tcp_port), timeout=0.2):
                         return
                 except OSError:
                     pass

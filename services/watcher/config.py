@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 from pathlib import Path
 
 from services.common.config import CommonConfig, ConfigError, setting
@@ -29,6 +30,12 @@ class WatcherConfig(CommonConfig):
     manifests_notify: bool = setting(
         "React to file-system notifications (inotify) on the manifest folder within milliseconds.", default=True
     )
+    dev_nodes: str = setting(
+        "Manifests source only: the nodes of a dev cluster, NAME=ADDRESS comma-separated. The source then "
+        "plays the scheduler (a pod whose spec.nodeName names none of them gets one, spread by its name) "
+        "and lists a Node object for each node the folder does not define.",
+        default="",
+    )
     watch_timeout: int = setting(
         "Seconds the API server keeps one watch request open before it is renewed.", default=300
     )
@@ -42,6 +49,17 @@ class WatcherConfig(CommonConfig):
         "Subjects published concurrently to JetStream (order per subject is kept).", default=256
     )
 
+    def dev_node_addresses(self) -> dict[str, str]:
+        """``--dev-nodes`` as name -> address; ValueError naming a malformed item."""
+        out: dict[str, str] = {}
+        for item in filter(None, (i.strip() for i in self.dev_nodes.split(","))):
+            name, sep, address = item.partition("=")
+            if not sep or not name or not address:
+                raise ValueError(f"{item!r} is not NAME=ADDRESS")
+            ipaddress.ip_address(address)
+            out[name] = address
+        return out
+
     def source_kind(self) -> SourceKind:
         return SourceKind(self.source)
 
@@ -52,6 +70,10 @@ class WatcherConfig(CommonConfig):
             raise ConfigError(
                 f"--manifests {self.manifests!r} is not a folder; create it or point --manifests at your manifests"
             )
+        try:
+            self.dev_node_addresses()
+        except ValueError as exc:
+            raise ConfigError(f"--dev-nodes {self.dev_nodes!r}: {exc}") from None
         positive = {
             "--manifests-poll": self.manifests_poll,
             "--watch-timeout": self.watch_timeout,

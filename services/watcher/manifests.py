@@ -32,6 +32,7 @@ import json
 import os
 import time
 import uuid
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,49 @@ def parse_file(origin: str, data: bytes) -> Parsed:
     return to_objects(docs, origin)
 
 
+DEV_CLUSTER_ORIGIN = "(dev cluster)"
+
+
+def schedule(objects: Mapping[ObjectKey, KObject], nodes: Mapping[str, str]) -> dict[ObjectKey, KObject]:
+    """What the API server holds once a dev cluster's scheduler and kubelets have run.
+
+    Each pod whose ``spec.nodeName`` names none of ``nodes`` is bound to one, chosen by a hash
+    of its name (stable across restarts, spread over the nodes), as kube-scheduler would bind
+    an unscheduled one; each node the folder does not define gets a Node object with its
+    address, as a kubelet would register it.
+    """
+    names = sorted(nodes)
+    out = dict(objects)
+    for key, obj in objects.items():
+        if key.kind is not Kind.POD:
+            continue
+        spec = obj.body.get("spec")
+        spec = dict(spec) if isinstance(spec, Mapping) else {}
+        if spec.get("nodeName") in nodes:
+            continue
+        spec["nodeName"] = names[zlib.crc32(f"{key.namespace}/{key.name}".encode()) % len(names)]
+        out[key] = dataclasses.replace(obj, body={**obj.body, "spec": spec})
+    info = lookup("v1", "Node")
+    assert info is not None
+    defined = {key.name for key in objects if key.kind is Kind.NODE}
+    for name in names:
+        if name in defined:
+            continue
+        body = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "uid": synthetic_uid(info, "", name),
+                "labels": {"kubernetes.io/hostname": name},
+            },
+            "status": {"addresses": [{"type": "InternalIP", "address": nodes[name]}]},
+        }
+        node = from_api(info, body, origin=DEV_CLUSTER_ORIGIN)
+        out[node.key] = node
+    return out
+
+
 def with_resource_version(obj: KObject, rv: str) -> KObject:
     meta = dict(obj.body.get("metadata") or {})
     meta["resourceVersion"] = rv
@@ -153,8 +197,11 @@ class ManifestSource:
         poll_interval: float = 0.5,
         notify: bool = True,
         notified_poll_interval: float = 5.0,
+        dev_nodes: Mapping[str, str] | None = None,
     ) -> None:
         self.root = root
+        #: A dev cluster's nodes (name -> address): this source schedules pods onto them.
+        self._dev_nodes = dict(dev_nodes or {})
         self.name = f"manifests:{root}"
         self.kinds = kinds
         self._poll = poll_interval
@@ -306,6 +353,8 @@ class ManifestSource:
     def _listing(self) -> list[SourceEvent]:
         events: list[SourceEvent] = []
         merged = self._resolve_conflicts(events)
+        if self._dev_nodes:
+            merged = schedule(merged, self._dev_nodes)
         versions: dict[ObjectKey, tuple[str, str]] = {}
         per_kind: dict[Kind, list[KObject]] = {info.kind: [] for info in self.kinds}
         for key, obj in merged.items():

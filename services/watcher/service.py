@@ -39,7 +39,12 @@ def build_source(cfg: WatcherConfig) -> Source:
             page_size=cfg.list_page_size,
         )
         return KubeSource(load_client_configuration(cfg.kubeconfig), settings=settings)
-    return ManifestSource(Path(cfg.manifests).resolve(), poll_interval=cfg.manifests_poll, notify=cfg.manifests_notify)
+    return ManifestSource(
+        Path(cfg.manifests).resolve(),
+        poll_interval=cfg.manifests_poll,
+        notify=cfg.manifests_notify,
+        dev_nodes=cfg.dev_node_addresses(),
+    )
 
 
 async def setup(ctx: ServiceContext[WatcherConfig]) -> None:
