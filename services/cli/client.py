@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,6 +26,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from palisade.v1 import common_pb2, common_pb2_grpc
 from services.common.config import DEFAULT_GRPC_PORTS
 from services.common.grpcserver import grpc_target, open_sync_channel, parse_addresses
 from services.common.trust import Credentials, TrustError
@@ -147,6 +148,25 @@ def channel(args: argparse.Namespace, service: str, timeout: float = 3.0) -> Ite
         yield ch
     finally:
         ch.close()
+
+
+@contextmanager
+def node_channels(args: argparse.Namespace, node: str = "") -> Iterator[dict[str, grpc.Channel]]:
+    """A ready channel to the datapath of every node (by node name), or of ``node`` only.
+
+    The datapath address may list several nodes' datapaths (a dev cluster's, as `make run
+    --nodes` writes them); each is asked which node it serves.
+    """
+    out: dict[str, grpc.Channel] = {}
+    with ExitStack() as stack:
+        for target in address(args, "datapath").split(","):
+            single = argparse.Namespace(**{**vars(args), "datapath_address": target.strip()})
+            ch = stack.enter_context(channel(single, "datapath"))
+            status = call("datapath", common_pb2_grpc.StatusServiceStub(ch).GetStatus, common_pb2.GetStatusRequest())
+            out[status.node] = ch
+        if node and node not in out:
+            raise CLIError(f"no datapath serves node {node!r}; the nodes are: {', '.join(sorted(out))}", 2)
+        yield {node: out[node]} if node else out
 
 
 def call(service: str, fn: Callable[..., T], request: Message, timeout: float = 30.0) -> T:

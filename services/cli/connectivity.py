@@ -1,8 +1,10 @@
 """`palisade connectivity probe`: the analyze matrix, measured with real packets.
 
-Creates the pods of the given manifests as network namespaces on the local dev node
-(through the datapath, at the addresses their status.podIP/podIPs give, even outside the
-node's pool, so ipBlocks naming them judge what `palisade analyze` judges), imports the
+Creates the pods of the given manifests as network namespaces on the dev nodes (through
+each node's datapath: a pod goes to the node its spec.nodeName names, the others in turn,
+so that most pairs cross nodes; at the addresses their status.podIP/podIPs give, even
+outside the node's pool, so ipBlocks naming them judge what `palisade analyze` judges;
+in a dev cluster give no such addresses, which only their node routes), imports the
 policies through the policy service, waits until their revision is realized, probes
 every pod pair on each port/protocol, prints the matrix, and cleans up. Policies that
 are already in the running system apply as well; run it on a stack without other
@@ -25,7 +27,16 @@ import yaml
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc, policy_pb2, policy_pb2_grpc
 from services.cli.analyze import load_documents
-from services.cli.client import CLIError, add_address_flags, call, channel, print_json, progress, run
+from services.cli.client import (
+    CLIError,
+    add_address_flags,
+    call,
+    channel,
+    node_channels,
+    print_json,
+    progress,
+    run,
+)
 from services.common.labels import pod_identity_labels
 from services.common.manifests import Document
 from services.policy.engine.analyze import AnalyzeError, Probe, build_model
@@ -127,26 +138,32 @@ class ProbeRun:
 
     def __init__(
         self,
-        datapath: datapath_pb2_grpc.DatapathServiceStub,
+        datapath: datapath_pb2_grpc.DatapathServiceStub | Mapping[str, datapath_pb2_grpc.DatapathServiceStub],
         policy: policy_pb2_grpc.PolicyServiceStub,
         *,
         timeout: float = 2.0,
         wait_timeout: float = 60.0,
     ) -> None:
-        self.datapath = datapath
+        #: Each node's datapath, by node name (one unnamed node when given a single datapath).
+        self.datapaths = dict(datapath) if isinstance(datapath, Mapping) else {"": datapath}
         self.policy = policy
         self.timeout = timeout
         self.wait_timeout = wait_timeout
         self.endpoints: dict[str, datapath_pb2.Endpoint] = {}
+        self._nodes: dict[str, str] = {}
         self.imported: list[common_pb2.ObjectRef] = []
 
     def create_pods(self, docs: list[Document], probes: list[Probe]) -> None:
         """Each Pod of ``docs`` as an endpoint, at the addresses its status gives."""
         pods, namespaces = _pods(docs)
-        for doc in pods:
+        nodes = sorted(self.datapaths)
+        for i, doc in enumerate(pods):
             body = doc.body
             ns = str(body["metadata"].get("namespace") or "default")
             key = f"{ns}/{body['metadata']['name']}"
+            # The node the pod names, else the next in turn: most pairs then cross nodes.
+            named = str((body.get("spec") or {}).get("nodeName") or "")
+            node = named if named in self.datapaths else nodes[i % len(nodes)]
             labels = [
                 common_pb2.Label(source=lb.source, key=lb.key, value=lb.value)
                 for lb in pod_identity_labels(body, namespaces.get(ns))
@@ -161,7 +178,8 @@ class ProbeRun:
                 ips=_given_ips(body),
                 outside_pool=bool(_given_ips(body)),
             )
-            self.endpoints[key] = call("datapath", self.datapath.CreateEndpoint, req, timeout=60)
+            self.endpoints[key] = call("datapath", self.datapaths[node].CreateEndpoint, req, timeout=60)
+            self._nodes[key] = node
 
     def enforce(self, policy_docs: list[Mapping[str, Any]], origin: str = "connectivity probe") -> None:
         """Import ``policy_docs`` through the API and wait until every endpoint enforces them."""
@@ -209,10 +227,13 @@ class ProbeRun:
         self.withdraw(wait=False)
         for key, ep in self.endpoints.items():
             try:
-                self.datapath.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=ep.id), timeout=30)
+                self.datapaths[self._nodes[key]].DeleteEndpoint(
+                    datapath_pb2.DeleteEndpointRequest(id=ep.id), timeout=30
+                )
             except grpc.RpcError as err:
                 print(f"warning: pod {key} not deleted: {err.details()}", file=sys.stderr)
         self.endpoints = {}
+        self._nodes = {}
 
 
 @run
@@ -227,9 +248,12 @@ def cmd_probe(args: argparse.Namespace) -> int:
     policy_docs = [d.body for d in docs if d.body.get("kind") in POLICY_KINDS]
     started = time.monotonic()
     with ExitStack() as stack:
-        datapath = datapath_pb2_grpc.DatapathServiceStub(stack.enter_context(channel(args, "datapath")))
+        datapaths = {
+            node: datapath_pb2_grpc.DatapathServiceStub(ch)
+            for node, ch in stack.enter_context(node_channels(args)).items()
+        }
         policy = policy_pb2_grpc.PolicyServiceStub(stack.enter_context(channel(args, "policy")))
-        probe_run = ProbeRun(datapath, policy, timeout=args.timeout, wait_timeout=args.wait_timeout)
+        probe_run = ProbeRun(datapaths, policy, timeout=args.timeout, wait_timeout=args.wait_timeout)
         try:
             with progress(f"creating {len(pods)} pods"):
                 probe_run.create_pods(docs, probes)
@@ -266,7 +290,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     csub = p.add_subparsers(dest="connectivity_command", metavar="COMMAND", required=True)
     probe = csub.add_parser(
         "probe",
-        help="create the manifests' pods on the dev node, enforce their policies, probe every pair",
+        help="create the manifests' pods on the dev nodes, enforce their policies, probe every pair",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+import grpc
+
 from palisade.v1 import datapath_pb2, datapath_pb2_grpc
 from services.cli.client import (
     CLIError,
     add_address_flags,
     add_output_flag,
     call,
-    channel,
+    node_channels,
     print_json,
     print_table,
     run,
@@ -38,15 +40,17 @@ def _enforcement(ep: datapath_pb2.Endpoint) -> str:
 
 @run
 def cmd_list(args: argparse.Namespace) -> int:
-    with channel(args, "datapath") as ch:
-        resp = call(
-            "datapath", datapath_pb2_grpc.DatapathServiceStub(ch).ListEndpoints, datapath_pb2.ListEndpointsRequest()
-        )
+    endpoints: list[datapath_pb2.Endpoint] = []
+    with node_channels(args, args.node) as channels:
+        for _, ch in sorted(channels.items()):
+            stub = datapath_pb2_grpc.DatapathServiceStub(ch)
+            endpoints += call("datapath", stub.ListEndpoints, datapath_pb2.ListEndpointsRequest()).endpoints
     if args.output == "json":
-        print_json({"endpoints": [to_dict(e) for e in resp.endpoints]})
+        print_json({"endpoints": [to_dict(e) for e in endpoints]})
     else:
         rows = [
             (
+                e.node,
                 e.id,
                 f"{e.namespace}/{e.pod}",
                 e.identity,
@@ -55,17 +59,23 @@ def cmd_list(args: argparse.Namespace) -> int:
                 e.realized_revision,
                 _enforcement(e),
             )
-            for e in resp.endpoints
+            for e in endpoints
         ]
-        print_table(("ID", "POD", "IDENTITY", "IPS", "STATE", "REVISION", "ENFORCEMENT"), rows)
+        print_table(("NODE", "ID", "POD", "IDENTITY", "IPS", "STATE", "REVISION", "ENFORCEMENT"), rows)
     return 0
 
 
 @run
 def cmd_get(args: argparse.Namespace) -> int:
     req = endpoint_request(args.endpoint)
-    with channel(args, "datapath") as ch:
-        ep = call("datapath", datapath_pb2_grpc.DatapathServiceStub(ch).GetEndpoint, req)
+    with node_channels(args, args.node) as channels:
+        if req.id and len(channels) > 1:
+            raise CLIError(
+                f"endpoint ids are per node: give --node with {req.id}, or NAMESPACE/POD (nodes: "
+                f"{', '.join(sorted(channels))})",
+                2,
+            )
+        ep = _find(channels, req)
     if args.output == "json":
         print_json(to_dict(ep))
     else:
@@ -89,6 +99,22 @@ def cmd_get(args: argparse.Namespace) -> int:
     return 0
 
 
+def _find(channels: dict[str, grpc.Channel], req: datapath_pb2.GetEndpointRequest) -> datapath_pb2.Endpoint:
+    """The endpoint from whichever node has it (a pod lives on one node)."""
+    if len(channels) == 1:
+        (ch,) = channels.values()
+        found: datapath_pb2.Endpoint = call("datapath", datapath_pb2_grpc.DatapathServiceStub(ch).GetEndpoint, req)
+        return found
+    for _, ch in sorted(channels.items()):
+        try:
+            found = datapath_pb2_grpc.DatapathServiceStub(ch).GetEndpoint(req, timeout=30)
+            return found
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.NOT_FOUND:
+                raise CLIError(f"datapath: {err.code().name}: {err.details()}") from None
+    raise CLIError(f"no node has endpoint {req.namespace}/{req.pod}; list them with `palisade endpoint list`", 2)
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("endpoint", help="endpoints (pods) on a node")
     esub = p.add_subparsers(dest="endpoint_command", metavar="COMMAND", required=True)
@@ -98,5 +124,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     get.add_argument("endpoint", help="endpoint id or NAMESPACE/POD")
     get.set_defaults(func=cmd_get)
     for q in (lst, get):
+        q.add_argument("--node", default="", help="only this node's endpoints (default: every node's)")
         add_address_flags(q, "datapath")
         add_output_flag(q)
