@@ -1,6 +1,8 @@
 """The ipcache: ``palisade.ipcache.>`` into the BPF LPM map, and relabels of local pods.
 
-The stream keeps the last entry per address, so following it from the start replays
+Node addresses come as ``remote-node``; the ones of this datapath's own node are
+installed as ``host`` (Cilium's reserved identities 6 and 1). The stream keeps the last
+entry per address, so following it from the start replays
 the current ipcache; after the replay, prefixes the map holds but the stream no
 longer has (deleted while the datapath was down) are removed. Tombstones delete.
 
@@ -19,6 +21,7 @@ from typing import Protocol
 
 from palisade.v1 import identity_pb2
 from services.common.bus import Bus, Follower
+from services.common.labels import ReservedIdentity
 from services.common.log import get_logger
 
 log = get_logger("ipcache")
@@ -52,9 +55,11 @@ def normalize(prefix: str) -> str:
 class IpcacheSync:
     """Keeps the LPM map equal to the ipcache stream (plus the local endpoints' addresses)."""
 
-    def __init__(self, datapath: IpcacheMap, endpoints: LocalEndpoints) -> None:
+    def __init__(self, datapath: IpcacheMap, endpoints: LocalEndpoints, node: str = "") -> None:
         self._dp = datapath
         self._endpoints = endpoints
+        #: This datapath's node: its own addresses are ``host``, other nodes' ``remote-node``.
+        self._node = node
         #: The desired ipcache: prefix -> identity, as the stream says.
         self.entries: dict[str, int] = {}
         self.loaded = asyncio.Event()
@@ -86,12 +91,15 @@ class IpcacheSync:
                 return  # the endpoint still exists here: its address keeps its identity
             await asyncio.to_thread(self._dp.ipcache_delete, prefix)
         else:
-            self.entries[prefix] = entry.identity
+            identity = entry.identity
+            if identity == ReservedIdentity.REMOTE_NODE and entry.node and entry.node == self._node:
+                identity = ReservedIdentity.HOST  # as Cilium: this node's own addresses are the host
+            self.entries[prefix] = identity
             if prefix in local:
-                if local[prefix] != entry.identity:
-                    await self._endpoints.ipcache_identity(prefix, entry.identity, entry.namespace, entry.pod)
+                if local[prefix] != identity:
+                    await self._endpoints.ipcache_identity(prefix, identity, entry.namespace, entry.pod)
                 return
-            await asyncio.to_thread(self._dp.ipcache_upsert, prefix, entry.identity)
+            await asyncio.to_thread(self._dp.ipcache_upsert, prefix, identity)
         self.updates += 1
 
     async def _prune(self) -> int:

@@ -122,7 +122,7 @@ async def start_agent(
         backoff_max=cfg.retry_backoff_max,
     )
     consumer = OrderConsumer(node, policy, manager, backoff_max=cfg.retry_backoff_max)
-    ipcache = IpcacheSync(datapath, manager)
+    ipcache = IpcacheSync(datapath, manager, cfg.node_name)
 
     def pod_of(endpoint_id: int) -> str:
         ep = manager.endpoints.get(endpoint_id)

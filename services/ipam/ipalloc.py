@@ -243,7 +243,8 @@ class IPAllocator:
                 ops.append(Txn((value_is(pool_key, name.encode()),), (Delete(pool_key),)))
         res = await self._store.txn([mod_is(keys.ipam_node(name), record.mod_revision)], ops)
         if res.succeeded:
-            del self._nodes[name]
+            # The etcd watch may have applied this very delete while the transaction was in flight.
+            self._nodes.pop(name, None)
             for c in record.cidrs:
                 if self._claims.get(c.cidr) == name:
                     del self._claims[c.cidr]

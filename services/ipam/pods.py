@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from palisade.v1 import identity_pb2
 from services.common.errors import Code
-from services.common.labels import LabelSet
+from services.common.labels import LabelSet, ReservedIdentity
 from services.common.log import get_logger
 from services.ipam.errors import IpamError
 from services.ipam.identities import IdentityAllocator
@@ -111,8 +112,32 @@ class ApiOwner:
     owner: str
 
 
-#: Who claims ipcache entries: a pod from the bus, or an API owner on a node.
-EntryKey = PodKey | ApiOwner
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeHost:
+    """The entries of a node's own addresses (``remote-node``), from its Node object."""
+
+    node: str
+
+
+#: Who claims ipcache entries: a pod from the bus, an API owner on a node, or a node itself.
+EntryKey = PodKey | ApiOwner | NodeHost
+
+#: The Node address types that are the node's (Cilium's node IPs): pods never use them.
+_NODE_ADDRESS_TYPES = ("InternalIP", "ExternalIP")
+
+
+def node_addresses(obj: Mapping[str, Any] | None) -> list[str]:
+    """The addresses a Node object reports for itself (``status.addresses``), valid IPs only."""
+    status = obj.get("status") if obj is not None else None
+    found = status.get("addresses") if isinstance(status, Mapping) else None
+    out = []
+    for item in found if isinstance(found, list) else ():
+        if isinstance(item, Mapping) and item.get("type") in _NODE_ADDRESS_TYPES:
+            try:
+                out.append(str(ipaddress.ip_address(str(item.get("address", "")))))
+            except ValueError:
+                continue
+    return sorted(set(out))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -304,6 +329,16 @@ class PodManager:
             await self._rejoin_owner(pod_owner(*key), scan=change.obj is None and self.swept.is_set())
         else:
             await self._ipalloc.observe_node(change.name, change.obj)
+            # Each node address is the remote-node identity everywhere (its own datapath: host).
+            await self._set_entries(
+                NodeHost(change.name),
+                {
+                    host_prefix(ip): identity_pb2.IpcacheEntry(
+                        prefix=host_prefix(ip), identity=int(ReservedIdentity.REMOTE_NODE), node=change.name
+                    )
+                    for ip in node_addresses(change.obj)
+                },
+            )
             if change.obj is None:
                 await self._allocator.drop_node(change.name)
                 self._api_refs = {h for h in self._api_refs if h[0] != change.name}

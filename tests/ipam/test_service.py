@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -437,3 +438,37 @@ async def _resolves_to(api: Api, ns: str, name: str, identity: int) -> bool:
     # The reference the API moved was taken back for the bus pod's labels.
     held = await api.identity.GetIdentity(identity_pb2.GetIdentityRequest(id=identity), timeout=5)
     return bool(held.references == 1)
+
+
+async def test_node_addresses_are_remote_node_entries_that_follow_the_node_object(
+    nats_server: NatsServer, etcd_server: EtcdServer, service: Callable[..., ServiceProcess], bus: Bus
+) -> None:
+    """A Node's InternalIP/ExternalIP get the remote-node identity (6), named by the node; they move
+    and go with the Node object, and survive an ipam restart."""
+    view = await BusView.start(bus)
+    k8s = K8s(bus)
+    node_a = node("node-a")
+    node_a["status"] = {
+        "addresses": [
+            {"type": "InternalIP", "address": "192.168.7.10"},
+            {"type": "Hostname", "address": "node-a"},
+            {"type": "ExternalIP", "address": "203.0.113.10"},
+        ]
+    }
+    await k8s.apply(node_a)
+    await k8s.synced()
+    proc = service("ipam", *ipam_args(nats_server, etcd_server))
+    for prefix in ("192.168.7.10/32", "203.0.113.10/32"):
+        entry = await eventually(functools.partial(view.entry, prefix))
+        assert (entry.identity, entry.node, entry.pod) == (6, "node-a", "")
+    assert not any(p.startswith("node-a") for p in view.ipcache)
+
+    node_a["status"]["addresses"] = [{"type": "InternalIP", "address": "192.168.7.11"}]
+    await k8s.apply(node_a)
+    await eventually(lambda: view.entry("192.168.7.11/32"))
+    await eventually(lambda: view.entry("192.168.7.10/32") is None)
+
+    proc.kill()
+    proc = service("ipam", *ipam_args(nats_server, etcd_server))
+    await k8s.delete(node_a)
+    await eventually(lambda: view.entry("192.168.7.11/32") is None)

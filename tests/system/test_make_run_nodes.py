@@ -17,18 +17,20 @@ from typing import Any
 import pytest
 import yaml
 
+from services.devstack import __main__ as devstack
 from tests.harness import ROOT
-from tests.system.stack import Stack, Traffic, running_stack
+from tests.system.stack import Stack, Traffic, probe, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
 NODES = ["dev-node-1", "dev-node-2", "dev-node-3"]
+SUBNET = "172.31.254.0/24"
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with running_stack(
-        tmp_path_factory.mktemp("nodes"), ROOT / "examples", "--nodes", "3", "--node-subnet", "172.31.254.0/24"
+        tmp_path_factory.mktemp("nodes"), ROOT / "examples", "--nodes", "3", "--node-subnet", SUBNET
     ) as s:
         yield s
 
@@ -164,3 +166,45 @@ def test_a_killed_node_leaves_the_others_enforcing_and_catches_up(stack: Stack) 
         k: (e["node"], e["ips"]) for k, e in endpoints.items()
     }
     assert not stack.reach("tools/debug", "shop/db", 5432)
+
+
+def _node_netns(stack: Stack) -> dict[str, str]:
+    """Each dev node's network namespace (its "host"), as the stack named them."""
+    args = devstack.parse(["--nodes", "3", "--node-subnet", SUBNET, "--run-dir", str(stack.run_dir)])
+    return {host.name: host.netns for host in args.network.nodes}
+
+
+def test_node_addresses_are_remote_node_elsewhere_and_host_at_home(stack: Stack) -> None:
+    """A CCNP admitting `remote-node` lets other nodes' hosts in, not the pod's own host; adding `host`
+    lets that in too (node addresses come from the Node objects, judged per node)."""
+    backend = str(_endpoints(stack)["shop/backend"]["node"])
+    other = next(n for n in NODES if n != backend)
+    netns = _node_netns(stack)
+    ip = stack.ip("shop/backend")
+    path = stack.manifests / "80-backend-from-nodes.yaml"
+
+    def admit(*entities: str) -> None:
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "cilium.io/v2",
+                    "kind": "CiliumClusterwideNetworkPolicy",
+                    "metadata": {"name": "backend-from-nodes"},
+                    "spec": {
+                        "endpointSelector": {"matchLabels": {"app": "backend"}},
+                        "ingress": [{"fromEntities": list(entities), "toPorts": [{"ports": [{"port": "8080"}]}]}],
+                    },
+                }
+            )
+        )
+
+    try:
+        assert not probe(netns[other], ip, 8080) and not probe(netns[backend], ip, 8080), "hosts need a policy"
+        admit("remote-node")
+        assert wait_for(lambda: probe(netns[other], ip, 8080)), "another node's host is remote-node"
+        assert not probe(netns[backend], ip, 8080), "the pod's own node is host, not remote-node"
+        admit("remote-node", "host")
+        assert wait_for(lambda: probe(netns[backend], ip, 8080)), "its own node's host"
+    finally:
+        path.unlink(missing_ok=True)
+    assert wait_for(lambda: not probe(netns[other], ip, 8080))

@@ -42,7 +42,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from services.common.labels import CLUSTER_NAME_DEFAULT
+from services.common.labels import CLUSTER_NAME_DEFAULT, ReservedIdentity
 from services.policy.engine.identity import (
     DEFAULT_RESERVED,
     Identity,
@@ -138,6 +138,9 @@ def apply_diff(policies: dict[int, ResolvedPolicy], diff: PolicyDiff) -> None:
 #: whole once it has more than this many and more than a quarter as many as it
 #: has entries: past that, one full resolve is cheaper than the slices.
 _SLICES_BEFORE_FULL = 32
+
+#: Identities of node addresses (the ipcache maps them; CIDR selection ignores them).
+_NODE_IDENTITIES = frozenset({int(ReservedIdentity.HOST), int(ReservedIdentity.REMOTE_NODE)})
 
 
 @dataclass(slots=True)
@@ -390,6 +393,8 @@ class PolicyEngine:
     # --- internals -------------------------------------------------------------------------
 
     def _set_ips(self, identity: int, new: frozenset[IPAddress]) -> None:
+        if identity in _NODE_IDENTITIES:
+            return  # as Cilium's default: CIDR rules never select nodes (entities do)
         if self._ips.get(identity, frozenset()) == new:
             return
         if new:
