@@ -2,9 +2,10 @@
 
 Creates the pods of the given manifests as network namespaces on the dev nodes (through
 each node's datapath: a pod goes to the node its spec.nodeName names, the others in turn,
-so that most pairs cross nodes; at the addresses their status.podIP/podIPs give, even
-outside the node's pool, so ipBlocks naming them judge what `palisade analyze` judges;
-in a dev cluster give no such addresses, which only their node routes), imports the
+so that most pairs cross nodes; at the addresses their status.podIP/podIPs give, so that
+ipBlocks naming them judge what `palisade analyze` judges: an address inside a node's pod
+CIDR puts the pod on that node, where the cluster routes it; one outside every pod CIDR is
+reserved anyway, reachable from its own node only), imports the
 policies through the policy service, waits until their revision is realized, probes
 every pod pair on each port/protocol, prints the matrix, and cleans up. Policies that
 are already in the running system apply as well; run it on a stack without other
@@ -14,18 +15,27 @@ policies to compare it with `palisade analyze` on the same files.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import grpc
 import yaml
 
-from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc, policy_pb2, policy_pb2_grpc
+from palisade.v1 import (
+    common_pb2,
+    datapath_pb2,
+    datapath_pb2_grpc,
+    ipam_pb2,
+    ipam_pb2_grpc,
+    policy_pb2,
+    policy_pb2_grpc,
+)
 from services.cli.analyze import load_documents
 from services.cli.client import (
     CLIError,
@@ -143,9 +153,12 @@ class ProbeRun:
         *,
         timeout: float = 2.0,
         wait_timeout: float = 60.0,
+        cidrs: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         #: Each node's datapath, by node name (one unnamed node when given a single datapath).
         self.datapaths = dict(datapath) if isinstance(datapath, Mapping) else {"": datapath}
+        #: Each node's pod CIDRs: a pod whose given addresses lie in one goes to that node.
+        self.cidrs = {node: [ipaddress.ip_network(c) for c in nets] for node, nets in (cidrs or {}).items()}
         self.policy = policy
         self.timeout = timeout
         self.wait_timeout = wait_timeout
@@ -161,9 +174,12 @@ class ProbeRun:
             body = doc.body
             ns = str(body["metadata"].get("namespace") or "default")
             key = f"{ns}/{body['metadata']['name']}"
-            # The node the pod names, else the next in turn: most pairs then cross nodes.
+            # The node whose pod CIDR holds the pod's given addresses (in the pool: routed there),
+            # else the node the pod names, else the next in turn: most pairs then cross nodes.
+            given = _given_ips(body)
+            home = self._home(given)
             named = str((body.get("spec") or {}).get("nodeName") or "")
-            node = named if named in self.datapaths else nodes[i % len(nodes)]
+            node = home or (named if named in self.datapaths else nodes[i % len(nodes)])
             labels = [
                 common_pb2.Label(source=lb.source, key=lb.key, value=lb.value)
                 for lb in pod_identity_labels(body, namespaces.get(ns))
@@ -175,11 +191,20 @@ class ProbeRun:
                 ports=_ports(body, probes),
                 # The addresses the files give (status.podIP/podIPs), wherever they lie, so that
                 # ipBlocks naming them judge the same packets analyze judges; IPAM picks the rest.
-                ips=_given_ips(body),
-                outside_pool=bool(_given_ips(body)),
+                ips=given,
+                outside_pool=bool(given) and home is None,
             )
             self.endpoints[key] = call("datapath", self.datapaths[node].CreateEndpoint, req, timeout=60)
             self._nodes[key] = node
+
+    def _home(self, ips: list[str]) -> str | None:
+        """The node whose pod CIDRs hold every address of ``ips`` (None: none does, or no addresses)."""
+        if not ips:
+            return None
+        for node, nets in self.cidrs.items():
+            if node in self.datapaths and all(any(ipaddress.ip_address(ip) in n for n in nets) for ip in ips):
+                return node
+        return None
 
     def enforce(self, policy_docs: list[Mapping[str, Any]], origin: str = "connectivity probe") -> None:
         """Import ``policy_docs`` through the API and wait until every endpoint enforces them."""
@@ -253,7 +278,12 @@ def cmd_probe(args: argparse.Namespace) -> int:
             for node, ch in stack.enter_context(node_channels(args)).items()
         }
         policy = policy_pb2_grpc.PolicyServiceStub(stack.enter_context(channel(args, "policy")))
-        probe_run = ProbeRun(datapaths, policy, timeout=args.timeout, wait_timeout=args.wait_timeout)
+        cidrs: dict[str, list[str]] = {}
+        if len(datapaths) > 1:
+            ipam = ipam_pb2_grpc.IPAMServiceStub(stack.enter_context(channel(args, "ipam")))
+            for node in datapaths:
+                cidrs[node] = list(call("ipam", ipam.GetNodeCIDR, ipam_pb2.GetNodeCIDRRequest(node=node)).cidrs)
+        probe_run = ProbeRun(datapaths, policy, timeout=args.timeout, wait_timeout=args.wait_timeout, cidrs=cidrs)
         try:
             with progress(f"creating {len(pods)} pods"):
                 probe_run.create_pods(docs, probes)
@@ -299,5 +329,5 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     probe.add_argument("-o", "--output", choices=("table", "json"), default="table")
     probe.add_argument("--timeout", type=float, default=2.0, help="seconds before a probe counts as denied")
     probe.add_argument("--wait-timeout", type=float, default=60.0, help="seconds to wait for enforcement")
-    add_address_flags(probe, "datapath", "policy")
+    add_address_flags(probe, "datapath", "policy", "ipam")
     probe.set_defaults(func=cmd_probe)

@@ -87,7 +87,7 @@ class Stack:
         wanted = {
             "status": SERVICES,
             "endpoint": ("datapath",),
-            "connectivity": ("datapath", "policy"),
+            "connectivity": ("datapath", "policy", "ipam"),
             "policy": ("policy",),
         }.get(command, ())
         return [f for n in wanted for f in (f"--{n}-address", self.address(n))]

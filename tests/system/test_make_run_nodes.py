@@ -8,6 +8,7 @@ ipcache, and an egress policy judges by the receiver's.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
+from palisade.v1 import ipam_pb2, ipam_pb2_grpc
 from services.devstack import __main__ as devstack
 from tests.harness import ROOT
 from tests.system.stack import Stack, Traffic, probe, running_stack, wait_for
@@ -70,19 +72,20 @@ def test_the_example_story_holds_across_nodes(stack: Stack) -> None:
 MATRIX_PODS = [(ns, pod) for ns in ("x", "y", "z") for pod in ("a", "b", "c")]
 
 
-def _matrix_files(tmp: Path, policies: list[dict[str, object]]) -> Path:
-    docs: list[dict[str, object]] = [
+def _matrix_files(tmp: Path, policies: list[dict[str, object]], ips: dict[str, str] | None = None) -> Path:
+    docs: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": {"ns": ns}}} for ns in "xyz"
     ]
-    docs += [
-        {
+    for ns, pod in MATRIX_PODS:
+        doc: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {"name": pod, "namespace": ns, "labels": {"pod": pod}},
             "spec": {"containers": [{"name": "c", "ports": [{"containerPort": 80}, {"containerPort": 81}]}]},
         }
-        for ns, pod in MATRIX_PODS
-    ]
+        if ips and f"{ns}/{pod}" in ips:
+            doc["status"] = {"podIP": ips[f"{ns}/{pod}"]}
+        docs.append(doc)
     path = tmp / "matrix.yaml"
     path.write_text(yaml.safe_dump_all([*docs, *policies]))
     return path
@@ -130,9 +133,7 @@ MATRIX_CASES: dict[str, list[dict[str, object]]] = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(MATRIX_CASES))
-def test_connectivity_probe_across_nodes_equals_analyze(stack: Stack, tmp_path: Path, case: str) -> None:
-    path = _matrix_files(tmp_path, MATRIX_CASES[case])
+def _probe_equals_analyze(stack: Stack, path: Path) -> dict[int, dict[str, dict[str, bool]]]:
     probes = ["--probe", "80/TCP", "--probe", "81/TCP"]
     measured = stack.palisade("connectivity", "probe", "-f", str(path), *probes, "--timeout", "1.5", "-o", "json")
     assert measured.returncode == 0, measured.stderr
@@ -142,6 +143,35 @@ def test_connectivity_probe_across_nodes_equals_analyze(stack: Stack, tmp_path: 
     want = {p["port"]: p["matrix"] for p in json.loads(analyzed.stdout)["probes"]}
     assert got == want
     assert any(not allowed for row in got[80].values() for allowed in row.values()), "the case denies something"
+    return got
+
+
+@pytest.mark.parametrize("case", sorted(MATRIX_CASES))
+def test_connectivity_probe_across_nodes_equals_analyze(stack: Stack, tmp_path: Path, case: str) -> None:
+    _probe_equals_analyze(stack, _matrix_files(tmp_path, MATRIX_CASES[case]))
+
+
+def test_an_ipblock_naming_pods_on_other_nodes(stack: Stack, tmp_path: Path) -> None:
+    """Pods at addresses of their own nodes' pod CIDRs (the probe puts each where its address is
+    routed); an ipBlock admitting two of them, both on other nodes than the pod it guards."""
+    with stack.channel("ipam") as ch:
+        stub = ipam_pb2_grpc.IPAMServiceStub(ch)
+        cidrs = [ipaddress.ip_network(stub.GetNodeCIDR(ipam_pb2.GetNodeCIDRRequest(node=n), timeout=10).cidrs[0])
+                 for n in NODES]  # fmt: skip
+    # Pod i on node i mod 3, far above what IPAM hands out first.
+    ips = {f"{ns}/{pod}": str(cidrs[i % 3].network_address + 200 + i) for i, (ns, pod) in enumerate(MATRIX_PODS)}
+    guarded, admitted = "x/a", ["y/b", "z/c"]  # nodes 0, 1 and 2
+    policy: dict[str, object] = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "a-from-blocks", "namespace": "x"},
+        "spec": {
+            "podSelector": {"matchLabels": {"pod": "a"}},
+            "ingress": [{"from": [{"ipBlock": {"cidr": f"{ips[p]}/32"}} for p in admitted]}],
+        },
+    }
+    got = _probe_equals_analyze(stack, _matrix_files(tmp_path, [policy], ips))
+    assert {src for src, row in got[80].items() if row[guarded]} == {guarded, *admitted}
 
 
 def test_a_killed_node_leaves_the_others_enforcing_and_catches_up(stack: Stack) -> None:
