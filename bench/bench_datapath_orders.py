@@ -73,7 +73,7 @@ class Policy:
             )
         return wire.resync_from_proto(out)
 
-    async def report(self, reports: Sequence[policy_pb2.RealizedReport]) -> None:
+    async def report(self, reports: Sequence[policy_pb2.RealizedReport], node: str = "") -> None:
         now = time.perf_counter()
         for r in reports:
             seen = self._realized.setdefault(r.revision, set())

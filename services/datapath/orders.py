@@ -165,7 +165,7 @@ class PolicyPort(Protocol):
 
     async def resync(self, node: str, identities: Sequence[int] = ()) -> dt.ResyncState: ...
 
-    async def report(self, reports: Sequence[policy_pb2.RealizedReport]) -> None: ...
+    async def report(self, reports: Sequence[policy_pb2.RealizedReport], node: str = "") -> None: ...
 
 
 class GrpcPolicyClient:
@@ -181,8 +181,8 @@ class GrpcPolicyClient:
         response: policy_pb2.ResyncResponse = await self._stub.Resync(request, timeout=self._timeout)
         return wire.resync_from_proto(response)
 
-    async def report(self, reports: Sequence[policy_pb2.RealizedReport]) -> None:
-        request = policy_pb2.ReportRealizedRequest(reports=list(reports))
+    async def report(self, reports: Sequence[policy_pb2.RealizedReport], node: str = "") -> None:
+        request = policy_pb2.ReportRealizedRequest(reports=list(reports), node=node)
         await self._stub.ReportRealized(request, timeout=self._timeout)
 
 
@@ -195,10 +195,12 @@ def rpc_error(exc: BaseException) -> str:
 class Reporter:
     """Delivers realized revisions to PolicyService, newest per endpoint, retrying until it is reachable."""
 
-    def __init__(self, node: str, policy: PolicyPort, backoff_max: float = 5.0) -> None:
+    def __init__(self, node: str, policy: PolicyPort, backoff_max: float = 5.0, heartbeat: float = 10.0) -> None:
         self._node = node
         self._policy = policy
         self._backoff_max = backoff_max
+        #: With nothing to report for this long, an empty report says the node is alive.
+        self._heartbeat = heartbeat
         self._pending: dict[int, policy_pb2.RealizedReport] = {}
         #: Deleted endpoints to report, by (endpoint id, pod); sent before the live reports of a batch,
         #: so an id reused by a new endpoint is reported after its old endpoint went.
@@ -265,7 +267,11 @@ class Reporter:
     async def run(self) -> None:
         backoff = Backoff(0.05, self._backoff_max)
         while True:
-            await self._wake.wait()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self._heartbeat)
+            except TimeoutError:
+                await self._beat()
+                continue
             self._wake.clear()
             if not self._pending and not self._gone:
                 self._idle.set()
@@ -276,7 +282,7 @@ class Reporter:
             live = sorted(batch.values(), key=lambda r: r.endpoint_id)
             reports = [gone[k] for k in sorted(gone)] + live
             try:
-                await self._policy.report(reports)
+                await self._policy.report(reports, self._node)
             except Exception as exc:
                 for key, report in gone.items():
                     self._gone.setdefault(key, report)
@@ -298,6 +304,12 @@ class Reporter:
                     self.on_order_realized(max(0.0, done - arrived))
             if not self._pending and not self._gone:
                 self._idle.set()
+
+    async def _beat(self) -> None:
+        try:
+            await self._policy.report([], self._node)
+        except Exception as exc:  # the next beat, or the next report, tries again
+            log.debug("heartbeat not delivered", error=rpc_error(exc))
 
 
 class PolicyApplier(Protocol):

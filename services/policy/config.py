@@ -42,6 +42,11 @@ class PolicyConfig(CommonConfig):
         "Seconds a leader's lease lasts without renewal: a follower takes over about this long after the leader dies.",
         default=3.0,
     )
+    node_grace: float = setting(
+        "Seconds a node's datapath may stay silent (datapaths send a heartbeat every 10 s) before its "
+        "endpoints stop counting in 'realized on n/N' and in WaitForRevision, until it reports again.",
+        default=60.0,
+    )
     max_batch: int = setting(
         "Most queued changes folded into one engine batch (one order per node per batch).", default=512
     )
@@ -64,5 +69,7 @@ class PolicyConfig(CommonConfig):
             raise ConfigError(f"--leader-lease {self.leader_lease} must be between 0.5 and 60 seconds")
         if self.member and not _BUCKET_RE.match(self.member):
             raise ConfigError(f"--member {self.member!r} is not a valid name; use letters, digits, - and _")
+        if self.node_grace < 1:
+            raise ConfigError(f"--node-grace {self.node_grace} must be at least 1 second (datapaths beat every 10)")
         if self.max_batch < 1:
             raise ConfigError(f"--max-batch {self.max_batch} must be at least 1")

@@ -16,13 +16,15 @@ from services.common.largeobjects import LargeObjects
 from services.common.log import get_logger
 from services.common.subjects import IDENTITY_ALL, IPCACHE_ALL, SYNCED_SUBJECT, k8s_filter
 from services.policy import metrics
-from services.policy.controller import Controller
+from services.policy.controller import Controller, JobKind
 from services.policy.engine.core import PolicyCore
 from services.policy.engine.sources import KIND_TOKENS
 
 log = get_logger("inputs")
 
 POLICY_SUBJECTS = tuple(k8s_filter(token) for token in KIND_TOKENS)
+#: Node objects: a deleted one takes its node out of the realized counts.
+NODE_SUBJECT = k8s_filter("node")
 
 
 class Inputs:
@@ -40,7 +42,7 @@ class Inputs:
     async def start(self) -> None:
         # One ordered consumer over the policy kinds and the marker keeps their stream order,
         # so when the marker arrives every delta of the initial list is already queued.
-        self._k8s = await self._bus.follow_raw([*POLICY_SUBJECTS, SYNCED_SUBJECT], self._on_k8s)
+        self._k8s = await self._bus.follow_raw([*POLICY_SUBJECTS, NODE_SUBJECT, SYNCED_SUBJECT], self._on_k8s)
         self._identity = await self._bus.follow(IDENTITY_ALL, identity_pb2.IdentityUpdate, self._on_identity)
         self._ipcache = await self._bus.follow(IPCACHE_ALL, identity_pb2.IpcacheEntry, self._on_ipcache)
 
@@ -74,6 +76,10 @@ class Inputs:
             parsed.ParseFromString(data)
         except Exception as exc:
             log.error("undecodable message skipped", subject=subject, error=str(exc))
+            return
+        if parsed.kind == k8s_pb2.K8S_KIND_NODE:
+            node_delta = parsed
+            self._controller.post(lambda core, now: core.apply_node_delta(node_delta), JobKind.REALIZED)
             return
         delta = await self._large.resolved(parsed)
         if delta is None:

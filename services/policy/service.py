@@ -84,6 +84,7 @@ def status_provider(controller: Controller, election: Election) -> StatusProvide
                     "endpoints": str(snap.endpoints),
                     "endpoints_behind": str(snap.endpoints_behind),
                     "endpoints_failed": str(snap.endpoints_failed),
+                    "nodes_gone": str(snap.nodes_gone),
                 }
             )
         status.members.extend(members_to_proto(election))
@@ -146,6 +147,13 @@ async def _go_live(
     )
 
 
+async def expire_nodes(controller: Controller, grace: float) -> None:
+    """Every quarter grace, nodes whose datapath has been silent for a whole grace stop counting."""
+    while True:
+        await asyncio.sleep(grace / 4)
+        controller.post(lambda core, now: core.expire_nodes(now, grace), JobKind.REALIZED)
+
+
 def register(server: GrpcServer, servicer: Any) -> None:
     policy_pb2_grpc.add_PolicyServiceServicer_to_server(servicer, server.server)
     server.add_service(policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name)
@@ -206,6 +214,7 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
     await inputs.start()
     ctx.stack.push_async_callback(inputs.stop)
     ctx.spawn(_go_live(ctx, inputs, controller, election, store, imported), name="policy-sync")
+    ctx.spawn(expire_nodes(controller, cfg.node_grace), name="node-grace")
     ctx.log.info("policy replica started", member=member, imported=len(restored), max_order_bytes=max_bytes)
 
 

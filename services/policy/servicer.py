@@ -472,7 +472,15 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 await abort_with(context, exc)
             reports.append(Report(r.node, r.endpoint_id, r.identity, r.revision, r.pod, r.deleted, clip(r.error)))
 
+        if request.node:
+            try:
+                validate_name(request.node, "node")
+            except PalisadeError as exc:
+                await abort_with(context, exc)
+
         def apply(core: PolicyCore, now: float) -> None:
+            if request.node:
+                core.node_seen(request.node, now)
             for _revision, caused_at in core.report(reports, now):
                 metrics.IMPLEMENTATION_DELAY.observe(max(0.0, now - caused_at))
             metrics.REALIZED_REPORTS.inc(len(reports))

@@ -181,7 +181,7 @@ class Capture:
     async def resync(self, node: str, identities: Sequence[int] = ()) -> dt.ResyncState:
         return dt.ResyncState(0, 0)
 
-    async def report(self, reports: Sequence[policy_pb2.RealizedReport]) -> None:
+    async def report(self, reports: Sequence[policy_pb2.RealizedReport], node: str = "") -> None:
         self.reports.extend(reports)
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from palisade.v1 import common_pb2, policy_pb2
+from palisade.v1 import common_pb2, k8s_pb2, policy_pb2
 from services.policy.engine.core import RequestError
 from services.policy.engine.orders import PersistedState
 from services.policy.engine.realized import Report
@@ -324,6 +324,40 @@ def test_policy_status_rolls_up_realization_per_node(world: World) -> None:
     view = world.core.get_policy(Source.KUBERNETES, outcome.key)
     assert view.rollup.realized and view.rollup.nodes_realized == 2
     assert [n.realized_revision for n in view.rollup.nodes] == [rev, rev]
+
+
+def test_a_node_that_leaves_stops_counting_until_it_is_back(world: World) -> None:
+    """A deleted Node object, or a datapath silent past the grace, takes the node out of
+    "realized on n/N" and of waits; its next report (or heartbeat) brings it back."""
+    outcome = world.policy(builders.netpol("p", {"app": "web"}, {"app": "db"}, 80))
+    rev = world.commit().revision
+    assert outcome is not None
+    world.report("n1", "default/web-1", WEB, rev)
+
+    def counted() -> list[str]:
+        return [n.node for n in world.core.get_policy(Source.KUBERNETES, outcome.key).rollup.nodes]
+
+    assert counted() == ["n1", "n3"]
+    assert {lag.node for lag in world.core.wait_state(rev)} == {"n2", "n3"}
+    # n3's Node object is deleted: it no longer counts, nor holds the wait.
+    world.core.apply_node_delta(k8s_pb2.K8sDelta(kind=k8s_pb2.K8S_KIND_NODE, op=k8s_pb2.DELTA_OP_DELETE, name="n3"))
+    assert counted() == ["n1"]
+    assert world.core.get_policy(Source.KUBERNETES, outcome.key).rollup.realized
+    assert {lag.node for lag in world.core.wait_state(rev)} == {"n2"}
+    assert world.core.status().nodes_gone == 1
+    # n2's datapath goes silent past the grace (n1 keeps beating).
+    start = world.now
+    world.core.expire_nodes(start, 60)  # the grace starts when the node is first known
+    world.core.node_seen("n1", start + 50)
+    world.core.expire_nodes(start + 61, 60)
+    assert world.core.wait_state(rev) == [] and world.core.status().nodes_gone == 2
+    # n2 speaks again: it counts, and is behind.
+    world.core.node_seen("n2", start + 62)
+    assert {lag.node for lag in world.core.wait_state(rev)} == {"n2"}
+    # n3 comes back as a Node and reports.
+    world.core.apply_node_delta(k8s_pb2.K8sDelta(kind=k8s_pb2.K8S_KIND_NODE, op=k8s_pb2.DELTA_OP_UPSERT, name="n3"))
+    world.report("n3", "default/web-2", WEB, rev)
+    assert counted() == ["n1", "n3"] and world.core.status().nodes_gone == 0
 
 
 def test_implementation_delay_completes_with_the_last_affected_endpoint(world: World) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+import pytest
 import yaml
 
 from palisade.v1 import common_pb2, policy_pb2
@@ -180,3 +182,11 @@ async def test_a_failed_realization_is_reported_and_ends_waits_at_once(env: Env)
     assert waited.realized and not waited.failed
     status = await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref))
     assert status.state == policy_pb2.POLICY_STATE_REALIZED and not status.error
+
+
+async def test_a_heartbeat_is_a_report_with_only_the_node(env: Env) -> None:
+    stub = env.api_for("ReportRealized")
+    await stub.ReportRealized(policy_pb2.ReportRealizedRequest(node="n1"), timeout=10)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.ReportRealized(policy_pb2.ReportRealizedRequest(node="Not_A_Node"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "node" in (err.value.details() or "")

@@ -115,6 +115,7 @@ class StatusSnapshot:
     endpoints: int = 0
     endpoints_behind: int = 0
     endpoints_failed: int = 0
+    nodes_gone: int = 0
 
 
 class PolicyCore:
@@ -136,6 +137,10 @@ class PolicyCore:
         self._persisted = persisted
         self._api_changes: list[ApiChange] = []
         self._warm = False
+        #: When each node's datapath was last heard from (reports and heartbeats).
+        self._seen: dict[str, float] = {}
+        #: Nodes whose Node object was deleted.
+        self._deleted_nodes: set[str] = set()
 
     # --- batching -------------------------------------------------------------------------
 
@@ -437,6 +442,30 @@ class PolicyCore:
             if not self.hosts(r.node, r.identity):
                 self.realized.drop_changes(r.node, r.identity)
 
+    # --- nodes joining and leaving -------------------------------------------------------
+
+    def node_seen(self, node: str, now: float) -> None:
+        """The node's datapath spoke (a report or a heartbeat): it counts again if it had gone."""
+        self._seen[node] = now
+        if node not in self._deleted_nodes and self.realized.set_gone(node, False):
+            log.info("node back", node=node)
+
+    def apply_node_delta(self, delta: k8s_pb2.K8sDelta) -> None:
+        """A Node object: deleting it takes the node out of every count until it is back."""
+        if delta.op == k8s_pb2.DELTA_OP_DELETE:
+            self._deleted_nodes.add(delta.name)
+            if self.realized.set_gone(delta.name, True):
+                log.info("node gone: its Node object was deleted", node=delta.name)
+        else:
+            self._deleted_nodes.discard(delta.name)
+
+    def expire_nodes(self, now: float, grace: float) -> None:
+        """Nodes whose datapath has been silent for over ``grace`` seconds stop counting."""
+        for node in self.realized.nodes():
+            last = self._seen.setdefault(node, now)  # first seen now: the grace starts here
+            if now - last > grace and self.realized.set_gone(node, True):
+                log.warning("node gone: its datapath is silent", node=node, silent_s=round(now - last, 1))
+
     # --- realized revisions -----------------------------------------------------------------
 
     def report(self, reports: Iterable[Report], now: float) -> list[tuple[int, float]]:
@@ -449,6 +478,8 @@ class PolicyCore:
                     "report only revisions received in orders"
                 )
         done: list[tuple[int, float]] = []
+        for node in {r.node for r in batch}:
+            self.node_seen(node, now)
         for r in batch:
             if r.deleted:
                 gone = self.realized.forget(r)
@@ -591,6 +622,7 @@ class PolicyCore:
             endpoints=len(self.realized),
             endpoints_behind=len(behind),
             endpoints_failed=sum(1 for lag in behind if lag.error),
+            nodes_gone=len(self.realized.gone),
         )
 
 

@@ -141,9 +141,31 @@ class RealizedTable:
         self._declared: dict[str, Counter[int]] = {}
         self._changes: dict[tuple[str, int], list[int]] = {}
         self._pending: dict[int, _Pending] = {}
+        #: Nodes that left (Node deleted, or datapath silent past the grace): not counted.
+        self._gone: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._endpoints)
+
+    # --- nodes ----------------------------------------------------------------------------
+
+    def nodes(self) -> set[str]:
+        """Nodes with endpoints."""
+        return {node for node, _ in self._endpoints}
+
+    def set_gone(self, node: str, gone: bool) -> bool:
+        """Count ``node``'s endpoints (``gone`` False) or not; True when that changed."""
+        if gone == (node in self._gone):
+            return False
+        if gone:
+            self._gone.add(node)
+        else:
+            self._gone.discard(node)
+        return True
+
+    @property
+    def gone(self) -> frozenset[str]:
+        return frozenset(self._gone)
 
     # --- endpoints ----------------------------------------------------------------------
 
@@ -351,7 +373,11 @@ class RealizedTable:
 
     def behind(self, revision: int) -> list[Lag]:
         """Endpoints that ``revision`` affects and that have not reported it, sorted."""
-        out = [self._lag(ep, revision) for ep in self._endpoints.values() if self.is_behind(ep, revision)]
+        out = [
+            self._lag(ep, revision)
+            for ep in self._endpoints.values()
+            if ep.node not in self._gone and self.is_behind(ep, revision)
+        ]
         out.sort(key=lambda lag: (lag.node, lag.pod, lag.endpoint_id))
         return out
 
@@ -361,7 +387,8 @@ class RealizedTable:
         for identity in subjects:
             for key in self._by_identity.get(identity, ()):
                 ep = self._endpoints[key]
-                per_node.setdefault(ep.node, []).append(ep)
+                if ep.node not in self._gone:
+                    per_node.setdefault(ep.node, []).append(ep)
         nodes = []
         failures = []
         for node in sorted(per_node):
