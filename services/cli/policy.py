@@ -233,6 +233,15 @@ def cmd_get(args: argparse.Namespace) -> int:
         print_json({"policies": [to_dict(s) for s in statuses]})
     else:
         _print_statuses(statuses)
+        if args.name and statuses[0].nodes:
+            print()
+            print_table(
+                ("NODE", "REALIZED REVISION", "ENDPOINTS", "REALIZED", "FAILED"),
+                [
+                    (n.node, n.realized_revision or "-", n.endpoints, n.endpoints_realized, n.endpoints_failed)
+                    for n in statuses[0].nodes
+                ],
+            )
         if args.name and statuses[0].origin:
             print(f"\norigin: {statuses[0].origin}")
         if args.name and statuses[0].document:

@@ -59,6 +59,21 @@ def test_pods_are_spread_over_the_nodes_with_each_node_its_own_cidr(stack: Stack
     assert {e["node"] for e in json.loads(listed.stdout)["endpoints"]} <= {"dev-node-1"}
 
 
+def test_policy_get_and_status_show_every_node(stack: Stack) -> None:
+    """The shop's default deny selects pods on two or more nodes: realized on each, per node."""
+    shop_nodes = {str(e["node"]) for k, e in _endpoints(stack).items() if k.startswith("shop/")}
+    out = stack.palisade("policy", "get", "networkpolicy", "default-deny-ingress", "-n", "shop", "-o", "json")
+    assert out.returncode == 0, out.stderr
+    (status,) = json.loads(out.stdout)["policies"]
+    assert {n["node"] for n in status["nodes"]} == shop_nodes
+    assert status["nodes_realized"] == status["nodes_total"] == len(shop_nodes) >= 2
+    table = stack.palisade("policy", "get", "networkpolicy", "default-deny-ingress", "-n", "shop")
+    assert all(node in table.stdout for node in shop_nodes), table.stdout
+    rows = [r for r in stack.status()["services"] if r["service"] == "datapath"]
+    assert sorted(r["node"] for r in rows) == NODES
+    assert all(r["health"] == "SERVING" and int(r["revision"]) > 0 for r in rows), rows
+
+
 def test_the_example_story_holds_across_nodes(stack: Stack) -> None:
     endpoints = _endpoints(stack)
     assert endpoints["shop/frontend"]["node"] != endpoints["shop/backend"]["node"], "pick pods on two nodes"
