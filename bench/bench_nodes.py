@@ -174,20 +174,9 @@ def main(argv: list[str] | None = None) -> int:
          "unit": "ms"},
     ]  # fmt: skip
     for node in NODES:
-        summary.append(
-            {
-                "metric": f"order bytes to {node}, one node selected",
-                "value": one["order_bytes_per_change"][node],
-                "unit": "B",
-            }  # fmt: skip
-        )
-        summary.append(
-            {
-                "metric": f"order bytes to {node}, all selected",
-                "value": every["order_bytes_per_change"][node],
-                "unit": "B",
-            }  # fmt: skip
-        )
+        for label, case in (("one node selected", one), ("all selected", every)):
+            bytes_ = case["order_bytes_per_change"][node]
+            summary.append({"metric": f"order bytes to {node}, {label}", "value": bytes_, "unit": "B"})
     print(json.dumps({**result, "changes": args.changes, "summary": summary}, indent=2))
     return 0
 
