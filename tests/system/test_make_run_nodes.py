@@ -205,7 +205,15 @@ def test_a_killed_node_leaves_the_others_enforcing_and_catches_up(stack: Stack) 
     assert counts["allowed_failed"] == 0, counts
     assert counts["denied_admitted"] == 0, counts
     assert counts["allowed_ok"] > 0 and counts["denied_blocked"] > 0, counts
-    # The restarted node restored its endpoints, where they were.
+
+    # The restarted node caught up: its datapath is at the revision every other node is at.
+    def caught_up() -> bool:
+        rows = {r["node"]: r for r in stack.status()["services"] if r["service"] == "datapath"}
+        policy = max(int(r.get("revision") or 0) for r in stack.status()["services"] if r["service"] == "policy")
+        return all(r.get("synced") and int(r.get("revision") or 0) == policy for r in rows.values())
+
+    assert wait_for(caught_up), stack.status()
+    # It restored its endpoints, where they were.
     after = _endpoints(stack)
     assert {k: (e["node"], e["ips"]) for k, e in after.items()} == {
         k: (e["node"], e["ips"]) for k, e in endpoints.items()
