@@ -24,7 +24,7 @@ from palisade.v1 import ipam_pb2, ipam_pb2_grpc
 from services.cni import install
 from tests.cni.runtime import Containerd, Cri, missing
 from tests.harness import ROOT
-from tests.system.stack import Stack, running_stack, wait_for
+from tests.system.stack import Stack, probe, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -83,19 +83,6 @@ def allocations(stack: Stack) -> list[str]:
     with stack.channel("ipam") as ch:
         listing = ipam_pb2_grpc.IPAMServiceStub(ch).ListAllocations(ipam_pb2.ListAllocationsRequest(), timeout=10)
     return [a.owner for a in listing.allocations if a.owner.startswith(f"pod/{NS}/")]
-
-
-def reach(netns_src: str, ip: str, port: int = 80) -> bool:
-    target = [{"id": "t", "ip": ip, "port": port, "protocol": "TCP"}]
-    out = subprocess.run(
-        [sys.executable, "-m", "services.devstack.prober", "--netns", netns_src, "--timeout", "1.5"],
-        cwd=ROOT,
-        input=json.dumps(target),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return bool(json.loads(out.stdout)["t"])
 
 
 def analyzed(stack: Stack) -> dict[str, dict[str, bool]]:
@@ -186,7 +173,7 @@ def test_sandboxes_from_containerd_are_enforced_by_identity_and_leave_nothing(
         for src in ("client", "late"):
             want = matrix[f"{NS}/{src}"][f"{NS}/server"]
             src_netns = str(eps[f"{NS}/{src}"]["netns"])
-            assert wait_for(lambda n=src_netns, w=want: reach(n, server_ep["ips"][0]) == w)  # type: ignore[misc]
+            assert wait_for(lambda n=src_netns, w=want: probe(n, server_ep["ips"][0], 80) == w)  # type: ignore[misc]
         assert matrix[f"{NS}/client"][f"{NS}/server"] and not matrix[f"{NS}/late"][f"{NS}/server"]
     finally:
         for proc in servers:

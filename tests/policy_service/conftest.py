@@ -8,19 +8,13 @@ import pytest
 
 from tests.harness import NatsServer, ServiceProcess
 from tests.harness import channel as policy_channel
-from tests.policy_service import builders
-from tests.policy_service.cluster import Datapath, Feed, OrderLog, start_policy
-from tests.policy_service.scenario import PODS, Env, publish_world
+from tests.policy_service.cluster import Datapath, start_policy
+from tests.policy_service.scenario import PODS, Env, seeded
 
 
 @pytest.fixture
 async def env(nats_server: NatsServer, service: Callable[..., ServiceProcess]) -> AsyncIterator[Env]:
-    feed = await Feed.open(nats_server)
-    log = OrderLog()
-    await log.start(feed.bus)
-    await publish_world(feed)
-    await feed.policy(builders.netpol("db-from-web", {"app": "db"}, {"app": "web"}, 5432))
-    await feed.synced()
+    feed, log = await seeded(nats_server)
     proc = await start_policy(service, nats_server)
     datapaths = {node: Datapath(feed.bus, proc.address, node, pods) for node, pods in PODS.items()}
     for dp in datapaths.values():

@@ -9,6 +9,7 @@ import grpc
 from palisade.v1 import policy_pb2, policy_pb2_grpc
 from services.common.access import may_call
 from tests.harness import NatsServer, ServiceProcess
+from tests.policy_service import builders
 from tests.policy_service.cluster import Datapath, Feed, OrderLog, eventually
 
 WEB, DB, CACHE = 256, 257, 258
@@ -55,6 +56,18 @@ class Env:
             lambda: all(dp.state.revision >= revision for dp in self.datapaths.values()),
             f"every node at revision {revision}",
         )
+
+
+async def seeded(nats: NatsServer) -> tuple[Feed, OrderLog]:
+    """The bus as the watcher and ipam leave it: the world, one NetworkPolicy, the synced marker;
+    and a log of every order published from now on."""
+    feed = await Feed.open(nats)
+    log = OrderLog()
+    await log.start(feed.bus)
+    await publish_world(feed)
+    await feed.policy(builders.netpol("db-from-web", {"app": "db"}, {"app": "web"}, 5432))
+    await feed.synced()
+    return feed, log
 
 
 async def publish_world(feed: Feed) -> None:

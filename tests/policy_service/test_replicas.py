@@ -20,7 +20,7 @@ from tests.harness import NatsServer, ServiceProcess
 from tests.harness import channel as open_channel
 from tests.policy_service import builders
 from tests.policy_service.cluster import Datapath, Feed, OrderLog, eventually, start_policy
-from tests.policy_service.scenario import DB, PODS, WEB, publish_world
+from tests.policy_service.scenario import DB, PODS, WEB, publish_world, seeded
 
 
 @dataclass
@@ -51,12 +51,7 @@ async def _status(address: str) -> common_pb2.ServiceStatus:
 
 @pytest.fixture
 async def replicas(nats_server: NatsServer, service: Callable[..., ServiceProcess]) -> AsyncIterator[Replicas]:
-    feed = await Feed.open(nats_server)
-    log = OrderLog()
-    await log.start(feed.bus)
-    await publish_world(feed)
-    await feed.policy(builders.netpol("db-from-web", {"app": "db"}, {"app": "web"}, 5432))
-    await feed.synced()
+    feed, log = await seeded(nats_server)
     lease = ("--leader-lease", "1.5")
     first = await start_policy(service, nats_server, "--member", "one", *lease)
     assert (await _status(first.address)).details["role"] == "leader"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -261,3 +263,16 @@ def test_node_addresses_are_remote_node_elsewhere_and_host_at_home(stack: Stack)
     finally:
         path.unlink(missing_ok=True)
     assert wait_for(lambda: not probe(netns[other], ip, 8080))
+
+
+def test_zz_ctrl_c_removes_the_hosts_and_leaves_nothing_behind(stack: Stack) -> None:
+    netns = _node_netns(stack)
+    stack.proc.send_signal(signal.SIGINT)
+    rest, _ = stack.proc.communicate(timeout=90)
+    assert stack.proc.returncode == 0, rest
+    assert "nothing left behind" in rest
+    assert not [n for n in netns.values() if os.path.exists(f"/run/netns/{n}")]
+    assert not [n for n in NODES if os.path.exists(f"{stack.bpffs}-{n}")]
+    pods = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+    assert not [n for n in pods if n.startswith(("pal_shop_", "pal_tools_"))]
+    assert not stack.run_dir.exists()
