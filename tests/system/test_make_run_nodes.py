@@ -61,6 +61,25 @@ def test_pods_are_spread_over_the_nodes_with_each_node_its_own_cidr(stack: Stack
     assert {e["node"] for e in json.loads(listed.stdout)["endpoints"]} <= {"dev-node-1"}
 
 
+def test_a_pod_lands_on_the_node_its_manifest_names(stack: Stack) -> None:
+    path = stack.manifests / "90-pinned.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "pinned", "namespace": "tools", "labels": {"app": "pinned"}},
+                "spec": {"nodeName": "dev-node-3", "containers": [{"name": "c", "ports": [{"containerPort": 80}]}]},
+            }
+        )
+    )
+    try:
+        assert wait_for(lambda: _endpoints(stack).get("tools/pinned", {}).get("node") == "dev-node-3")
+    finally:
+        path.unlink()
+    assert wait_for(lambda: "tools/pinned" not in _endpoints(stack))
+
+
 def test_policy_get_and_status_show_every_node(stack: Stack) -> None:
     """The shop's default deny selects pods on two or more nodes: realized on each, per node."""
     shop_nodes = {str(e["node"]) for k, e in _endpoints(stack).items() if k.startswith("shop/")}

@@ -8,8 +8,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services.common.manifests import Document
 from services.watcher.kinds import Kind, lookup
-from services.watcher.manifests import ManifestError, ManifestSource, parse_file
+from services.watcher.manifests import (
+    DEV_CLUSTER_ORIGIN,
+    ManifestError,
+    ManifestSource,
+    parse_file,
+    schedule,
+    to_objects,
+)
 from services.watcher.source import Listed, Problem
 from tests.watcher import objects as o
 
@@ -176,3 +184,26 @@ def test_names_kubernetes_refuses_reject_the_file_naming_the_field(doc: dict[str
         parse_file("bad.yaml", yaml.safe_dump(doc).encode())
     assert err.value.message.startswith("bad.yaml") and field in err.value.message
     assert len(err.value.message) < 1000
+
+
+def test_a_dev_cluster_source_binds_pods_and_registers_its_nodes() -> None:
+    """With dev nodes the source plays scheduler and kubelet: pods naming none of them get one
+    (stable, spread by name), pods naming one keep it, and each node gets a Node object with
+    its address unless the folder defines it."""
+    docs = [o.pod(f"p{i}", "prod") for i in range(12)]
+    docs[0]["spec"]["nodeName"] = "dev-node-2"
+    docs[1]["spec"]["nodeName"] = "elsewhere"
+    defined = o.node("dev-node-3")
+    parsed = to_objects([Document(f"f[{i}]", d) for i, d in enumerate([*docs, defined])], "f.yaml")
+    objects = {obj.key: obj for obj in parsed.objects}
+    nodes = {"dev-node-1": "172.31.255.10", "dev-node-2": "172.31.255.11", "dev-node-3": "172.31.255.12"}
+    out = schedule(objects, nodes)
+    placed = {k.name: v.body["spec"]["nodeName"] for k, v in out.items() if k.kind is Kind.POD}
+    assert placed["p0"] == "dev-node-2"
+    assert set(placed.values()) == set(nodes), "spread over every node"
+    assert schedule(objects, nodes) == out, "stable"
+    registered = {k.name: v for k, v in out.items() if k.kind is Kind.NODE}
+    assert set(registered) == set(nodes)
+    assert registered["dev-node-3"] is objects[next(k for k in objects if k.kind is Kind.NODE)]
+    assert registered["dev-node-1"].body["status"]["addresses"] == [{"type": "InternalIP", "address": "172.31.255.10"}]
+    assert registered["dev-node-1"].origin == DEV_CLUSTER_ORIGIN
