@@ -22,12 +22,9 @@ from google.protobuf.message import Message
 from palisade.v1 import policy_pb2, policy_pb2_grpc
 from services.common.errors import Code, abort
 from services.common.grpcserver import open_channel
-from services.common.log import get_logger
 from services.common.trust import Credentials
 from services.policy.election import Election
 from services.policy.servicer import NOT_SYNCED
-
-log = get_logger("forward")
 
 SERVICE = policy_pb2.DESCRIPTOR.services_by_name["PolicyService"]
 #: Set on forwarded calls: a replica that is not the leader either refuses them (no loops).

@@ -1,9 +1,11 @@
 """The policy service: bus inputs -> one state-owning task -> per-node orders, plus PolicyService.
 
-A thin shell. Startup: load the persisted revision and sequences and the policies
-imported over the API, follow the inputs (replayed into one engine batch), and
-only once Kubernetes is synced and the identity and ipcache streams are replayed
-send every node its whole state and report SERVING.
+A thin shell. Startup: load the policies imported over the API, follow the inputs
+(replayed into one engine batch, then resolved batch by batch: a warm engine), and
+run for leader (:mod:`services.policy.election`). The leader loads the persisted
+revision and sequences, sends every node its whole state and reports SERVING; a
+follower reports SERVING once a leader is known and forwards every call to it
+(:mod:`services.policy.forward`) until it leads itself.
 """
 
 from __future__ import annotations
