@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc, k8s_pb2
+from services.common.backoff import Backoff
 from services.common.bus import Bus
 from services.common.grpcserver import open_channel
 from services.common.largeobjects import follow_deltas
@@ -30,6 +31,8 @@ from services.devstack.cniexec import CniError, CniRuntime
 log = get_logger("devnode")
 
 PROTOCOLS = {"TCP": common_pb2.PROTOCOL_TCP, "UDP": common_pb2.PROTOCOL_UDP, "SCTP": common_pb2.PROTOCOL_SCTP}
+#: Failures that pass by themselves: the pod (or its identity) is not known to ipam yet, or ipam is away.
+_PASSING = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,10 @@ class DevNode:
         #: Every dev node (pods are placed among them); just this one by default.
         self._nodes = tuple(nodes) or (node,)
         self._queue: asyncio.Queue[tuple[str, PodSpec | None]] = asyncio.Queue()
+        #: The newest spec queued per pod: a retry of an older one is dropped.
+        self._latest: dict[str, PodSpec | None] = {}
+        #: Pods whose creation failed for a reason that passes (ipam has not seen the pod yet).
+        self._retrying: dict[str, Backoff] = {}
         #: Set once the pods present at startup have been created.
         self.settled = asyncio.Event()
         self.pods: dict[str, PodSpec] = {}
@@ -113,9 +120,11 @@ class DevNode:
         async def on_delta(subject: str, delta: k8s_pb2.K8sDelta) -> None:
             key = f"{delta.namespace}/{delta.name}"
             if delta.op == k8s_pb2.DELTA_OP_DELETE:
+                self._latest[key] = None
                 await self._queue.put((key, None))
                 return
             spec = pod_spec(json.loads(delta.object_json), self._node, self._nodes)
+            self._latest[key] = spec
             await self._queue.put((key, spec))
 
         follower = await follow_deltas(self._bus, k8s_filter("pod"), on_delta)
@@ -123,7 +132,8 @@ class DevNode:
             async with open_channel(self._datapath, "datapath", self._credentials) as channel:
                 stub = datapath_pb2_grpc.DatapathServiceStub(channel)
                 while True:
-                    if not self.settled.is_set() and follower.caught_up.is_set() and self._queue.empty():
+                    idle = self._queue.empty() and not self._retrying
+                    if not self.settled.is_set() and follower.caught_up.is_set() and idle:
                         self.settled.set()
                     try:
                         key, spec = await asyncio.wait_for(self._queue.get(), 0.2)
@@ -157,17 +167,34 @@ class DevNode:
                 req = datapath_pb2.CreateEndpointRequest(namespace=spec.namespace, pod=spec.name, ports=ports)
                 ep = await stub.CreateEndpoint(req, timeout=60)
         except grpc.aio.AioRpcError as err:
+            if err.code() in _PASSING:
+                # As a kubelet retries a pod sync: ipam learns of a new pod from the same bus, maybe later.
+                self._retry(key, spec)
+                log.info("endpoint not created yet, retrying", pod=key, code=err.code().name, error=err.details())
+                return
             log.error("endpoint not created", pod=key, code=err.code().name, error=err.details())
             return
         except CniError as err:
             log.error("endpoint not created", pod=key, error=str(err))
             return
+        self._retrying.pop(key, None)
         self.pods[key] = spec
         self.endpoints[key] = ep
         self._servers[key] = await asyncio.to_thread(
             subprocess.Popen, server_command(ep.netns, spec), stdout=subprocess.DEVNULL
         )
         log.info("pod started", pod=key, ips=",".join(ep.ips), identity=ep.identity, endpoint=ep.id)
+
+    def _retry(self, key: str, spec: PodSpec) -> None:
+        backoff = self._retrying.setdefault(key, Backoff(0.2, 5.0))
+
+        def again() -> None:
+            if self._latest.get(key) is spec:
+                self._queue.put_nowait((key, spec))
+            else:
+                self._retrying.pop(key, None)
+
+        asyncio.get_running_loop().call_later(backoff.next(), again)
 
     async def _remove(self, stub: datapath_pb2_grpc.DatapathServiceStub, pod: PodSpec) -> None:
         server = self._servers.pop(pod.key, None)

@@ -177,12 +177,18 @@ async def test_a_failed_map_write_is_reported_with_its_error_and_repair_clears_i
 class Capture:
     def __init__(self) -> None:
         self.reports: list[policy_pb2.RealizedReport] = []
+        #: The node named by each call, and set once a call came with no reports (a heartbeat).
+        self.nodes: list[str] = []
+        self.beats = asyncio.Event()
 
     async def resync(self, node: str, identities: Sequence[int] = ()) -> dt.ResyncState:
         return dt.ResyncState(0, 0)
 
     async def report(self, reports: Sequence[policy_pb2.RealizedReport], node: str = "") -> None:
         self.reports.extend(reports)
+        self.nodes.append(node)
+        if not reports:
+            self.beats.set()
 
 
 async def test_the_reporter_carries_the_failure_to_the_policy_service() -> None:
@@ -199,3 +205,16 @@ async def test_the_reporter_carries_the_failure_to_the_policy_service() -> None:
         (1, 11, ""),
         (2, 11, "writing the policy map failed"),
     ]
+
+
+async def test_an_idle_reporter_beats_with_its_node_name() -> None:
+    """With nothing to report, the reporter still says the node is alive (an empty report naming it)."""
+    policy = Capture()
+    reporter = Reporter("n1", policy, heartbeat=0.05)
+    task = asyncio.create_task(reporter.run())
+    try:
+        await asyncio.wait_for(policy.beats.wait(), 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert policy.reports == [] and policy.nodes[0] == "n1"

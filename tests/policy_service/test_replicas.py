@@ -184,3 +184,21 @@ async def test_a_deposed_leader_cannot_publish(nats_server: NatsServer, service:
         assert all(o.revision <= first.revision for o in log.all()[published:])
     finally:
         await feed.close()
+
+
+async def test_a_leader_stopped_cleanly_hands_over_without_waiting_for_its_lease(
+    nats_server: NatsServer, service: Callable[..., ServiceProcess]
+) -> None:
+    """SIGTERM: the leader gives its lease up. With a 60 s lease, a follower leading within the
+    wait below can only have found it released, not expired."""
+    feed, _ = await seeded(nats_server)
+    try:
+        lease = ("--leader-lease", "60")
+        first = await start_policy(service, nats_server, "--member", "one", *lease)
+        await eventually(lambda: _role(first.address, "leader"), "one to lead")
+        second = await start_policy(service, nats_server, "--member", "two", *lease)
+        await eventually(lambda: _role(second.address, "follower"), "two to follow")
+        assert first.terminate() == 0
+        await eventually(lambda: _role(second.address, "leader"), "two to lead", 20)
+    finally:
+        await feed.close()
