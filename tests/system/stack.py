@@ -247,6 +247,13 @@ def wait_for(check: Callable[[], object], timeout: float = 30.0) -> bool:
     return False
 
 
+def assert_clean(counts: dict[str, int]) -> None:
+    """What counted traffic must show: no denied connection got in, no allowed one failed, both tried."""
+    assert counts["denied_admitted"] == 0, counts
+    assert counts["allowed_failed"] == 0, counts
+    assert counts["allowed_ok"] > 0 and counts["denied_blocked"] > 0, counts
+
+
 class Traffic:
     """Counted connections from one pod of a stack while a block runs (see :mod:`tests.system.traffic`)."""
 

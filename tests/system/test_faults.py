@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.harness import ROOT
-from tests.system.stack import Stack, Traffic, running_stack, wait_for
+from tests.system.stack import Stack, Traffic, assert_clean, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -42,12 +42,6 @@ def services(stack: Stack) -> dict[str, dict[str, Any]]:
 def all_synced(stack: Stack) -> bool:
     rows = services(stack)
     return len(rows) == 4 and all(r["health"] == "SERVING" and r["synced"] for r in rows.values())
-
-
-def assert_clean(counts: dict[str, int]) -> None:
-    assert counts["denied_admitted"] == 0, counts
-    assert counts["allowed_failed"] == 0, counts
-    assert counts["allowed_ok"] > 0 and counts["denied_blocked"] > 0, counts
 
 
 def policy(stack: Stack, kind: str, name: str, *flags: str) -> dict[str, Any] | None:
