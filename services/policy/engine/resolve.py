@@ -310,7 +310,6 @@ def resolve_remote(
     srules: SubjectRules,
     ctx: ResolveContext,
     *,
-    candidates: Iterable[tuple[PolicyRef, Rule]] | None = None,
     peer_rules: Iterable[PeerRule] | None = None,
 ) -> dict[EntryKey, Verdict]:
     """The entries of ``subject`` whose remote identity is ``remote``.
@@ -319,12 +318,10 @@ def resolve_remote(
     ``identity == remote``, computed without looking at any other remote:
     this is what an identity change (add, remove, relabel, IPs, named ports)
     recomputes for every subject whose rules may select it. ``remote`` must
-    be an identity the context knows (not the wildcard 0). ``candidates``
-    optionally narrows the rules walked to those of ``srules`` that can
-    select ``remote`` at all (peers selecting it, or no peers); ``peer_rules``
-    narrows further, to the peer rules of ``srules`` that can (see
-    :func:`peer_index`). Enforcement and requirements still come from the whole
-    of ``srules``.
+    be an identity the context knows (not the wildcard 0). ``peer_rules``
+    optionally narrows the peer rules walked to those of ``srules`` that can
+    name ``remote`` at all (see :func:`peer_index`); enforcement and
+    requirements still come from the whole of ``srules``.
     """
     selecting = ctx.selectors_selecting(remote)
     meets = {
@@ -336,8 +333,7 @@ def resolve_remote(
     only = (remote,)
     done: set[_Signature] = set()
     if peer_rules is None:
-        rules = srules.rules if candidates is None else candidates
-        peer_rules = (pr for _, rule in rules for pr in rule.peer_rules)
+        peer_rules = (pr for _, rule in srules.rules for pr in rule.peer_rules)
     for pr in peer_rules:
         d = pr.direction
         if pr.verdict is Verdict.ALLOW and not srules.enforced(d):
