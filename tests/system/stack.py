@@ -58,6 +58,11 @@ class Stack:
         assert out.stdout, out.stderr
         return dict(json.loads(out.stdout))
 
+    def policy_revision(self, status: dict[str, Any] | None = None) -> int:
+        """The policy revision, as the leader reports it (followers report none of their own)."""
+        rows = (status or self.status())["services"]
+        return max((int(r.get("revision") or 0) for r in rows if r["service"] == "policy"), default=0)
+
     def policy_leader(self) -> str:
         """The policy replica that leads now ("policy-1"), from `palisade status`."""
         leaders = {m["name"] for m in self.status()["members"] if m["group"] == "policy" and m["role"] == "leader"}

@@ -70,12 +70,6 @@ def test_status_lists_every_member_with_its_role(stack: Stack) -> None:
     assert [r["role"] for r in replicas if r["service"] == "ipam"] == ["replica", "replica"]
 
 
-def _revision(stack: Stack) -> int:
-    """The policy revision, as the leader reports it (followers report none of their own)."""
-    rows = [r for r in stack.status()["services"] if r["service"] == "policy" and r.get("revision")]
-    return max(int(r["revision"]) for r in rows) if rows else 0
-
-
 def _endpoints(stack: Stack) -> dict[str, tuple[int, tuple[str, ...]]]:
     out = stack.palisade("endpoint", "list", "-o", "json")
     assert out.returncode == 0, out.stderr
@@ -87,7 +81,7 @@ def _endpoints(stack: Stack) -> dict[str, tuple[int, tuple[str, ...]]]:
 @pytest.mark.parametrize("member", ["nats-1", "etcd-2", "ipam-1", "policy leader"])
 def test_losing_one_member_loses_nothing_and_an_edit_meanwhile_is_enforced(stack: Stack, member: str) -> None:
     before = _endpoints(stack)
-    revision = _revision(stack)
+    revision = stack.policy_revision()
     assert revision > 0
     if member == "policy leader":
         member = stack.policy_leader()
@@ -100,7 +94,7 @@ def test_losing_one_member_loses_nothing_and_an_edit_meanwhile_is_enforced(stack
         stack.serving_again(member, old)
         time.sleep(0.5)
     assert_clean(traffic.counts)
-    assert _revision(stack) > revision  # the edit and its removal, never back
+    assert stack.policy_revision() > revision  # the edit and its removal, never back
     after = _endpoints(stack)
     assert after == before  # no identity or address lost, changed or handed out twice
     addresses = [ip for _, ips in after.values() for ip in ips]

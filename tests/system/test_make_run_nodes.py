@@ -226,9 +226,10 @@ def test_a_killed_node_leaves_the_others_enforcing_and_catches_up(stack: Stack) 
 
     # The restarted node caught up: its datapath is at the revision every other node is at.
     def caught_up() -> bool:
-        rows = {r["node"]: r for r in stack.status()["services"] if r["service"] == "datapath"}
-        policy = max(int(r.get("revision") or 0) for r in stack.status()["services"] if r["service"] == "policy")
-        return all(r.get("synced") and int(r.get("revision") or 0) == policy for r in rows.values())
+        status = stack.status()
+        policy = stack.policy_revision(status)
+        rows = [r for r in status["services"] if r["service"] == "datapath"]
+        return all(r.get("synced") and int(r.get("revision") or 0) == policy for r in rows)
 
     assert wait_for(caught_up), stack.status()
     # It restored its endpoints, where they were.
