@@ -50,16 +50,27 @@ from services.datapath.maps import (
     enforcementmap,
     eventsmap,
     ipcachemap,
+    lbaffinitymap,
+    lbbackendmap,
+    lbctmap,
+    lbrevnatmap,
+    lbservicemap,
     metricsmap,
     policymap,
     statemap,
 )
+from services.datapath.loadbalancer import LoadBalancer
 from services.datapath.maps.bpf import PinnedMap, ensure_bpffs, unpin
 from services.datapath.maps.ctmap import CtEntry, CtMap
 from services.datapath.maps.endpointmap import EndpointEntry, EndpointMap
 from services.datapath.maps.enforcementmap import EnforcementMap
 from services.datapath.maps.eventsmap import EventReader
 from services.datapath.maps.ipcachemap import IPCacheMap
+from services.datapath.maps.lbaffinitymap import LbAffinityMap
+from services.datapath.maps.lbbackendmap import LbBackendMap
+from services.datapath.maps.lbctmap import LbCtEntry, LbCtMap
+from services.datapath.maps.lbrevnatmap import LbRevNatMap
+from services.datapath.maps.lbservicemap import LbServiceMap
 from services.datapath.maps.metricsmap import MetricsMap
 from services.datapath.maps.policymap import PolicyMap, Prefix, PrefixMap
 from services.datapath.maps.statemap import StateMap
@@ -70,6 +81,9 @@ from services.datapath.types import (
     EndpointSpec,
     Enforcement,
     FlowEvent,
+    Frontend,
+    LbService,
+    LbState,
     PinnedEndpoint,
     PolicyChange,
     PolicyEntry,
@@ -110,6 +124,9 @@ class DatapathAPI(Protocol):
     def ipcache_upsert(self, prefix: str, identity: int) -> None: ...
     def ipcache_delete(self, prefix: str) -> bool: ...
     def ipcache_dump(self) -> dict[str, int]: ...
+    def lb_upsert(self, service: LbService) -> LbState: ...
+    def lb_delete(self, frontend: Frontend) -> bool: ...
+    def lb_services(self) -> list[LbState]: ...
     def counters(self) -> Counters: ...
     def read_flows(self, timeout_ms: int = 0) -> list[FlowEvent]: ...
     def pinned_endpoints(self) -> list[PinnedEndpoint]: ...
@@ -140,6 +157,13 @@ class Datapath:
         self.conntrack_map = CtMap(maps[ctmap.NAME])
         self.metrics = MetricsMap(maps[metricsmap.NAME])
         self._events = EventReader(maps[eventsmap.NAME])
+        self.lb = LoadBalancer(
+            LbServiceMap(maps[lbservicemap.NAME]),
+            LbBackendMap(maps[lbbackendmap.NAME]),
+            LbRevNatMap(maps[lbrevnatmap.NAME]),
+            LbAffinityMap(maps[lbaffinitymap.NAME]),
+        )
+        self.lb_conntrack_map = LbCtMap(maps[lbctmap.NAME])
         self._lock = threading.RLock()
         self._events_lock = threading.Lock()
         self._closed = False
@@ -337,6 +361,30 @@ class Datapath:
         with self._lock:
             self._check_open()
             return self.ipcache.dump()
+
+    # -- services -----------------------------------------------------------
+
+    def lb_upsert(self, service: LbService) -> LbState:
+        """Serve ``service``'s frontend with its backends (ids of kept backends are kept)."""
+        with self._lock:
+            self._check_open()
+            return self.lb.upsert(service)
+
+    def lb_delete(self, frontend: Frontend) -> bool:
+        with self._lock:
+            self._check_open()
+            return self.lb.delete(frontend)
+
+    def lb_services(self) -> list[LbState]:
+        """Every frontend the maps serve (after a restart: what the previous run left)."""
+        with self._lock:
+            self._check_open()
+            return sorted(self.lb.state.values(), key=lambda s: s.frontend)
+
+    def lb_conntrack(self) -> list[LbCtEntry]:
+        with self._lock:
+            self._check_open()
+            return self.lb_conntrack_map.entries()
 
     # -- observation --------------------------------------------------------
 

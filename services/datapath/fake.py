@@ -31,6 +31,9 @@ from services.datapath.types import (
     EndpointSpec,
     Enforcement,
     FlowEvent,
+    Frontend,
+    LbService,
+    LbState,
     PinnedEndpoint,
     PolicyChange,
     PolicyEntry,
@@ -53,6 +56,8 @@ class _FakeKernel:
     ipcache: dict[str, int] = dataclasses.field(default_factory=dict)
     counters: dict[CounterKey, CounterValue] = dataclasses.field(default_factory=dict)
     flows: list[FlowEvent] = dataclasses.field(default_factory=list)
+    services: dict[Frontend, LbState] = dataclasses.field(default_factory=dict)
+    next_backend: int = 1
 
 
 class FakeDatapath:
@@ -162,6 +167,33 @@ class FakeDatapath:
         with self._lock:
             self._check_open()
             return dict(self._k.ipcache)
+
+    def lb_upsert(self, service: LbService) -> LbState:
+        with self._lock:
+            self._check_open()
+            old = self._k.services.get(service.frontend)
+            used = {s.id for s in self._k.services.values()}
+            service_id = old.id if old is not None else min(set(range(1, len(used) + 2)) - used)
+            kept = {b: i for i, b in old.backends.items()} if old is not None else {}
+            ids = {}
+            for backend in dict.fromkeys(service.backends):
+                backend_id = kept.get(backend)
+                if backend_id is None:
+                    backend_id, self._k.next_backend = self._k.next_backend, self._k.next_backend + 1
+                ids[backend_id] = backend
+            state = LbState(service.frontend, service_id, ids, service.affinity_timeout)
+            self._k.services[service.frontend] = state
+            return state
+
+    def lb_delete(self, frontend: Frontend) -> bool:
+        with self._lock:
+            self._check_open()
+            return self._k.services.pop(frontend, None) is not None
+
+    def lb_services(self) -> list[LbState]:
+        with self._lock:
+            self._check_open()
+            return sorted(self._k.services.values(), key=lambda s: s.frontend)
 
     def counters(self) -> Counters:
         with self._lock:

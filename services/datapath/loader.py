@@ -84,6 +84,11 @@ class ProgramConfig:
             f"-DPOLICY_MAX={s.policy}",
             f"-DCT_MAX={s.conntrack}",
             f"-DMETRICS_MAX={s.metrics}",
+            f"-DLB_SERVICES_MAX={s.lb_services}",
+            f"-DLB_BACKENDS_MAX={s.lb_backends}",
+            f"-DLB_REVNAT_MAX={s.lb_services}",
+            f"-DLB_AFFINITY_MAX={s.lb_affinity}",
+            f"-DLB_CT_MAX={s.lb_conntrack}",
             f"-DEVENTS_BYTES={s.events_bytes}",
         ]
 

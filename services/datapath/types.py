@@ -114,6 +114,8 @@ class Reason(StrEnum):
     NOT_ENFORCED = "not-enforced"
     #: An IP packet too short to parse; the datapath drops it (no protobuf equivalent).
     INVALID = "invalid"
+    #: A connection to a service frontend without backends: rejected (ICMP port unreachable).
+    NO_BACKEND = "no-backend"
 
     @property
     def wire(self) -> int:
@@ -121,7 +123,7 @@ class Reason(StrEnum):
 
     @property
     def is_drop(self) -> bool:
-        return self in (Reason.POLICY_DENY, Reason.DEFAULT_DENY, Reason.INVALID)
+        return self in (Reason.POLICY_DENY, Reason.DEFAULT_DENY, Reason.INVALID, Reason.NO_BACKEND)
 
     @classmethod
     def from_wire(cls, value: int) -> Reason:
@@ -138,6 +140,7 @@ _REASON_NUMBERS = {
     Reason.ESTABLISHED: 4,
     Reason.NOT_ENFORCED: 5,
     Reason.INVALID: 6,
+    Reason.NO_BACKEND: 7,
 }
 
 
@@ -477,3 +480,47 @@ class Realized:
     revision: int
     pod: str
     error: str = ""
+
+
+# -- services (load-balancing) ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Frontend:
+    """Where a service is reached: a ClusterIP, a port and TCP or UDP."""
+
+    address: str
+    port: int
+    protocol: Protocol
+
+    def __str__(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{host}:{self.port}/{self.protocol.value.upper()}"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Backend:
+    """A ready endpoint of a service: the pod address and the resolved target port."""
+
+    address: str
+    port: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LbService:
+    """One frontend and the backends connections to it are spread over."""
+
+    frontend: Frontend
+    backends: tuple[Backend, ...] = ()
+    #: ClientIP session affinity timeout in seconds; 0 is no affinity.
+    affinity_timeout: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LbState:
+    """A frontend as the kernel maps hold it: its service id and backends by backend id."""
+
+    frontend: Frontend
+    id: int
+    backends: dict[int, Backend]
+    affinity_timeout: int = 0

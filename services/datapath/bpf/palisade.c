@@ -12,6 +12,12 @@
  * each struct below to its ctypes mirror.
  *
  * Per packet:
+ *   0. Leaving a pod (egress), TCP/UDP to a service frontend (ClusterIP, port): the
+ *      connection's backend (lb_conntrack), else one chosen (ClientIP affinity, else at
+ *      random), is written into the packet (DNAT) before anything else, so policy
+ *      judges the backend's identity and port. A frontend with no backend answers with
+ *      ICMP port unreachable, as kube-proxy does. Replies entering the client are
+ *      reverse-NATed (the conntrack entry names the service) so it sees the ClusterIP.
  *   1. Not an endpoint's veth, or not IPv4/IPv6 (ARP...): pass.
  *      IPv6 neighbour discovery / MLD and ICMP error messages: pass.
  *   2. Conntrack: the packet's own tuple (an established flow), else the
@@ -69,6 +75,21 @@
 #ifndef METRICS_MAX
 #define METRICS_MAX 65536
 #endif
+#ifndef LB_SERVICES_MAX
+#define LB_SERVICES_MAX 65536
+#endif
+#ifndef LB_BACKENDS_MAX
+#define LB_BACKENDS_MAX 65536
+#endif
+#ifndef LB_REVNAT_MAX
+#define LB_REVNAT_MAX 65536
+#endif
+#ifndef LB_AFFINITY_MAX
+#define LB_AFFINITY_MAX 65536
+#endif
+#ifndef LB_CT_MAX
+#define LB_CT_MAX 262144
+#endif
 #ifndef EVENTS_BYTES
 #define EVENTS_BYTES (1 << 22)
 #endif
@@ -83,6 +104,7 @@
 #define REASON_ESTABLISHED 4
 #define REASON_NOT_ENFORCED 5
 #define REASON_INVALID 6
+#define REASON_NO_BACKEND 7
 #define REASON_EVENT_LOST 255
 #define ENFORCE_INGRESS 1
 #define ENFORCE_EGRESS 2
@@ -91,6 +113,8 @@
 #define IPCACHE_HEADER_BITS 32
 #define POLICY_FULL_PREFIX 112
 #define NSEC 1000000000ULL
+
+#define SVC_FLAG_AFFINITY 1
 
 #define TCP_FLAG_FIN 0x01
 #define TCP_FLAG_RST 0x04
@@ -166,7 +190,74 @@ struct ct_value {
     u64 epoch;
     u32 remote_identity;
     u8 closing;
-    u8 pad[3];
+    u8 pad;
+    u16 rev_nat;   /* the service a connection was opened to (0: none), for reverse NAT */
+};
+
+/* Service frontends, Cilium's layout: slot 0 is the service, slots 1..count its backends. */
+struct lb_service_key {
+    u8 addr[16];
+    __be16 port;
+    u16 slot;
+    u8 family;
+    u8 protocol;
+    u8 pad[2];
+};
+struct lb_service_value {
+    u32 backend_id;  /* slot > 0 */
+    u16 count;       /* slot 0: number of backends (0: reject) */
+    u16 rev_nat;     /* slot 0: service id, the reverse NAT index */
+    u32 affinity_s;  /* slot 0: ClientIP affinity timeout */
+    u32 flags;
+};
+/* A backend id is per service: removing a backend from its service removes the id. */
+struct lb_backend_key {
+    u32 id;
+};
+struct lb_backend_value {
+    u8 addr[16];
+    __be16 port;
+    u8 family;
+    u8 pad;
+};
+struct lb_revnat_key {
+    u16 id;
+    u16 pad;
+};
+struct lb_revnat_value {
+    u8 addr[16];
+    __be16 port;
+    u8 family;
+    u8 pad;
+};
+struct lb_affinity_key {
+    u8 client[16];
+    u16 rev_nat;
+    u8 family;
+    u8 pad;
+};
+struct lb_affinity_value {
+    u64 last_ns;
+    u32 backend_id;
+    u32 pad;
+};
+/* A connection to a frontend, keyed as the client sent it: which backend it has. */
+struct lb_ct_key {
+    u8 saddr[16];
+    u8 vaddr[16];
+    __be16 sport;
+    __be16 vport;
+    u32 ep_id;
+    u8 family;
+    u8 protocol;
+    u8 pad[2];
+};
+struct lb_ct_value {
+    u64 expires_ns;
+    u32 backend_id;
+    u16 rev_nat;
+    u8 closing;
+    u8 pad;
 };
 
 struct metrics_key {
@@ -208,6 +299,16 @@ BPF_TABLE_PINNED("hash", struct enforcement_key, struct enforcement_value, enfor
                  PIN_DIR "/enforcement");
 BPF_TABLE_PINNED("array", struct state_key, struct state_value, state, 1, PIN_DIR "/state");
 BPF_TABLE_PINNED("lru_hash", struct ct_key, struct ct_value, conntrack, CT_MAX, PIN_DIR "/conntrack");
+BPF_TABLE_PINNED("hash", struct lb_service_key, struct lb_service_value, lb_services, LB_SERVICES_MAX,
+                 PIN_DIR "/lb_services");
+BPF_TABLE_PINNED("hash", struct lb_backend_key, struct lb_backend_value, lb_backends, LB_BACKENDS_MAX,
+                 PIN_DIR "/lb_backends");
+BPF_TABLE_PINNED("hash", struct lb_revnat_key, struct lb_revnat_value, lb_revnat, LB_REVNAT_MAX,
+                 PIN_DIR "/lb_revnat");
+BPF_TABLE_PINNED("lru_hash", struct lb_affinity_key, struct lb_affinity_value, lb_affinity, LB_AFFINITY_MAX,
+                 PIN_DIR "/lb_affinity");
+BPF_TABLE_PINNED("lru_hash", struct lb_ct_key, struct lb_ct_value, lb_conntrack, LB_CT_MAX,
+                 PIN_DIR "/lb_conntrack");
 BPF_TABLE_PINNED("percpu_hash", struct metrics_key, struct metrics_value, metrics, METRICS_MAX,
                  PIN_DIR "/metrics");
 
@@ -234,7 +335,8 @@ struct flow {
     u8 family;
     u8 protocol;
     u8 tcp_flags;
-    u8 pad[3];
+    u8 has_l4;            /* the L4 header was parsed (not a later fragment) */
+    u16 l4_off;           /* offset of the L4 header */
 };
 
 #define PARSE_OK 0
@@ -250,6 +352,8 @@ static __always_inline int parse_l4(struct __sk_buff *skb, u32 off, struct flow 
 {
     if (!first_fragment)
         return PARSE_OK;  /* later fragments carry no ports: judged with port 0 */
+    f->has_l4 = 1;
+    f->l4_off = off;
     if (has_ports(f->protocol)) {
         struct {
             __be16 sport;
@@ -470,6 +574,288 @@ static __always_inline u64 current_epoch(void)
     return sv ? sv->policy_epoch : 0;
 }
 
+/* -- services: DNAT before policy, reverse NAT for replies, reject without backends -- */
+
+#define IPV4_CSUM_OFF (ETH_HLEN + 10)
+#define IPV4_SADDR_OFF (ETH_HLEN + 12)
+#define IPV4_DADDR_OFF (ETH_HLEN + 16)
+#define IPV6_SADDR_OFF (ETH_HLEN + 8)
+#define IPV6_DADDR_OFF (ETH_HLEN + 24)
+
+static __always_inline int lb_l4(const struct flow *f)
+{
+    return f->has_l4 && (f->protocol == IPPROTO_TCP || f->protocol == IPPROTO_UDP);
+}
+
+/* Rewrite the destination (dst) or source address and port, keeping checksums right. */
+static __always_inline int lb_rewrite(struct __sk_buff *skb, struct flow *f, const u8 *addr, __be16 port, int dst)
+{
+    u32 l4 = f->l4_off;
+    u32 csum_off = l4 + (f->protocol == IPPROTO_TCP ? 16 : 6);
+    u64 mangled = 0;
+    int l4_csum = 1;
+    if (f->protocol == IPPROTO_UDP) {
+        __sum16 udp_csum = 0;
+        if (bpf_skb_load_bytes(skb, csum_off, &udp_csum, sizeof(udp_csum)) < 0)
+            return -1;
+        if (f->family == FAMILY_V4 && udp_csum == 0)
+            l4_csum = 0;  /* IPv4 UDP without a checksum stays without one */
+        mangled = BPF_F_MARK_MANGLED_0;
+    }
+    u8 *cur = dst ? f->daddr : f->saddr;
+    if (f->family == FAMILY_V4) {
+        u32 from, to;
+        __builtin_memcpy(&from, cur, 4);
+        __builtin_memcpy(&to, addr, 4);
+        if (from != to) {
+            if (bpf_l3_csum_replace(skb, IPV4_CSUM_OFF, from, to, 4) < 0)
+                return -1;
+            if (l4_csum && bpf_l4_csum_replace(skb, csum_off, from, to, BPF_F_PSEUDO_HDR | mangled | 4) < 0)
+                return -1;
+            if (bpf_skb_store_bytes(skb, dst ? IPV4_DADDR_OFF : IPV4_SADDR_OFF, &to, 4, 0) < 0)
+                return -1;
+        }
+    } else {
+        u32 from[4], to[4];
+        __builtin_memcpy(from, cur, 16);
+        __builtin_memcpy(to, addr, 16);
+        s64 diff = bpf_csum_diff(from, 16, to, 16, 0);
+        if (bpf_l4_csum_replace(skb, csum_off, 0, diff, BPF_F_PSEUDO_HDR | mangled) < 0)
+            return -1;
+        if (bpf_skb_store_bytes(skb, dst ? IPV6_DADDR_OFF : IPV6_SADDR_OFF, to, 16, 0) < 0)
+            return -1;
+    }
+    __be16 old_port = dst ? f->dport : f->sport;
+    if (old_port != port) {
+        if (l4_csum && bpf_l4_csum_replace(skb, csum_off, old_port, port, mangled | 2) < 0)
+            return -1;
+        if (bpf_skb_store_bytes(skb, l4 + (dst ? 2 : 0), &port, 2, 0) < 0)
+            return -1;
+    }
+    __builtin_memcpy(cur, addr, 16);
+    if (dst) {
+        f->dport = port;
+        f->policy_port = bpf_ntohs(port);
+    } else {
+        f->sport = port;
+    }
+    return 0;
+}
+
+static __always_inline u16 csum_fold(u64 sum)
+{
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    return (u16)~sum;
+}
+
+/* Turn the packet into "port unreachable" from the frontend back to the client:
+ * [eth][ip][icmp][the original IP header][its first L4 bytes]. The original
+ * headers stay where they are; room for the new ones is made in front of them.
+ * The quote is the UDP header, or the whole 20-byte TCP header: a checksum the
+ * stack still has to fill in (CHECKSUM_PARTIAL) must stay inside the packet. */
+static __always_inline int lb_reject(struct __sk_buff *skb, const struct flow *f)
+{
+    struct ethhdr eth;
+    if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) < 0)
+        return -1;
+    u8 mac[ETH_ALEN];
+    __builtin_memcpy(mac, eth.h_dest, ETH_ALEN);
+    __builtin_memcpy(eth.h_dest, eth.h_source, ETH_ALEN);
+    __builtin_memcpy(eth.h_source, mac, ETH_ALEN);
+    u8 l4[20] = {};
+    struct {
+        u8 type;
+        u8 code;
+        __sum16 csum;
+        u32 unused;
+    } icmp = {};
+    if (f->family == FAMILY_V4) {
+        struct iphdr orig;
+        if (f->l4_off != ETH_HLEN + sizeof(orig))
+            return -1;  /* IP options: not worth quoting, the packet is dropped */
+        if (bpf_skb_load_bytes(skb, ETH_HLEN, &orig, sizeof(orig)) < 0)
+            return -1;
+        if (f->protocol == IPPROTO_TCP) {
+            if (bpf_skb_load_bytes(skb, f->l4_off, l4, 20) < 0)
+                return -1;
+        } else if (bpf_skb_load_bytes(skb, f->l4_off, l4, 8) < 0) {
+            return -1;
+        }
+        u32 quote = f->protocol == IPPROTO_TCP ? 20 : 8;
+        if (bpf_skb_adjust_room(skb, 28, BPF_ADJ_ROOM_MAC, 0) < 0 ||
+            bpf_skb_change_tail(skb, ETH_HLEN + 48 + quote, 0) < 0)
+            return -1;
+        icmp.type = 3;
+        icmp.code = 3;
+        s64 sum = bpf_csum_diff(0, 0, (void *)&icmp, sizeof(icmp), 0);
+        sum = bpf_csum_diff(0, 0, (void *)&orig, sizeof(orig), sum);
+        if (quote == 20)
+            sum = bpf_csum_diff(0, 0, (void *)l4, 20, sum);
+        else
+            sum = bpf_csum_diff(0, 0, (void *)l4, 8, sum);
+        icmp.csum = csum_fold(sum);
+        struct iphdr ip = {};
+        ip.version = 4;
+        ip.ihl = 5;
+        ip.tos = 0xc0;
+        ip.tot_len = bpf_htons(48 + quote);
+        ip.ttl = 64;
+        ip.protocol = IPPROTO_ICMP;
+        ip.saddr = orig.daddr;
+        ip.daddr = orig.saddr;
+        ip.check = csum_fold(bpf_csum_diff(0, 0, (void *)&ip, sizeof(ip), 0));
+        if (bpf_skb_store_bytes(skb, 0, &eth, sizeof(eth), 0) < 0 ||
+            bpf_skb_store_bytes(skb, ETH_HLEN, &ip, sizeof(ip), 0) < 0 ||
+            bpf_skb_store_bytes(skb, ETH_HLEN + sizeof(ip), &icmp, sizeof(icmp), 0) < 0)
+            return -1;
+        return 0;
+    }
+    struct ipv6hdr orig6;
+    if (f->l4_off != ETH_HLEN + sizeof(orig6))
+        return -1;  /* extension headers: dropped */
+    if (bpf_skb_load_bytes(skb, ETH_HLEN, &orig6, sizeof(orig6)) < 0)
+        return -1;
+    if (f->protocol == IPPROTO_TCP) {
+        if (bpf_skb_load_bytes(skb, f->l4_off, l4, 20) < 0)
+            return -1;
+    } else if (bpf_skb_load_bytes(skb, f->l4_off, l4, 8) < 0) {
+        return -1;
+    }
+    u32 quote = f->protocol == IPPROTO_TCP ? 20 : 8;
+    if (bpf_skb_adjust_room(skb, 48, BPF_ADJ_ROOM_MAC, 0) < 0 ||
+        bpf_skb_change_tail(skb, ETH_HLEN + 88 + quote, 0) < 0)
+        return -1;
+    icmp.type = 1;
+    icmp.code = 4;
+    struct ipv6hdr ip6 = {};
+    ip6.version = 6;
+    ip6.payload_len = bpf_htons(48 + quote);
+    ip6.nexthdr = IPPROTO_ICMPV6;
+    ip6.hop_limit = 64;
+    ip6.saddr = orig6.daddr;
+    ip6.daddr = orig6.saddr;
+    struct {
+        u32 len;
+        u32 next;
+    } pseudo = {.len = bpf_htonl(48 + quote), .next = bpf_htonl(IPPROTO_ICMPV6)};
+    s64 sum = bpf_csum_diff(0, 0, (void *)&ip6.saddr, 32, 0);
+    sum = bpf_csum_diff(0, 0, (void *)&pseudo, sizeof(pseudo), sum);
+    sum = bpf_csum_diff(0, 0, (void *)&icmp, sizeof(icmp), sum);
+    sum = bpf_csum_diff(0, 0, (void *)&orig6, sizeof(orig6), sum);
+    if (quote == 20)
+        sum = bpf_csum_diff(0, 0, (void *)l4, 20, sum);
+    else
+        sum = bpf_csum_diff(0, 0, (void *)l4, 8, sum);
+    icmp.csum = csum_fold(sum);
+    if (bpf_skb_store_bytes(skb, 0, &eth, sizeof(eth), 0) < 0 ||
+        bpf_skb_store_bytes(skb, ETH_HLEN, &ip6, sizeof(ip6), 0) < 0 ||
+        bpf_skb_store_bytes(skb, ETH_HLEN + sizeof(ip6), &icmp, sizeof(icmp), 0) < 0)
+        return -1;
+    return 0;
+}
+
+static __always_inline u32 lb_pick(const struct lb_service_key *sk, const struct lb_service_value *svc,
+                                   const struct flow *f, u64 now)
+{
+    struct lb_affinity_key ak = {};
+    struct lb_affinity_value *av = NULL;
+    if (svc->flags & SVC_FLAG_AFFINITY) {
+        __builtin_memcpy(ak.client, f->saddr, 16);
+        ak.rev_nat = svc->rev_nat;
+        ak.family = f->family;
+        av = lb_affinity.lookup(&ak);
+        if (av && now - av->last_ns < (u64)svc->affinity_s * NSEC) {
+            struct lb_backend_key bk = {.id = av->backend_id};
+            if (lb_backends.lookup(&bk)) {
+                av->last_ns = now;
+                return av->backend_id;
+            }
+        }
+    }
+    struct lb_service_key slot = *sk;
+    slot.slot = (bpf_get_prandom_u32() % svc->count) + 1;
+    struct lb_service_value *sv = lb_services.lookup(&slot);
+    if (!sv)
+        return 0;
+    if (svc->flags & SVC_FLAG_AFFINITY) {
+        struct lb_affinity_value nv = {.last_ns = now, .backend_id = sv->backend_id};
+        lb_affinity.update(&ak, &nv);
+    }
+    return sv->backend_id;
+}
+
+#define LB_NONE 0      /* not a frontend: the packet goes on unchanged */
+#define LB_DNAT 1      /* rewritten to a backend; *rev_nat names the service */
+#define LB_REJECT 2    /* a frontend without backends: answered, the packet was consumed */
+#define LB_DROP 3      /* cannot be translated */
+
+static __always_inline int lb_egress(struct __sk_buff *skb, struct flow *f, u32 ep_id, u64 now, u16 *rev_nat)
+{
+    if (!lb_l4(f))
+        return LB_NONE;
+    struct lb_service_key sk = {};
+    __builtin_memcpy(sk.addr, f->daddr, 16);
+    sk.port = f->dport;
+    sk.family = f->family;
+    sk.protocol = f->protocol;
+    struct lb_service_value *svc = lb_services.lookup(&sk);
+    if (!svc)
+        return LB_NONE;
+
+    struct lb_ct_key ck = {};
+    __builtin_memcpy(ck.saddr, f->saddr, 16);
+    __builtin_memcpy(ck.vaddr, f->daddr, 16);
+    ck.sport = f->sport;
+    ck.vport = f->dport;
+    ck.ep_id = ep_id;
+    ck.family = f->family;
+    ck.protocol = f->protocol;
+    struct lb_backend_value *be = NULL;
+    struct lb_ct_value *cv = lb_conntrack.lookup(&ck);
+    if (cv && cv->expires_ns >= now && cv->rev_nat == svc->rev_nat) {
+        struct lb_backend_key bk = {.id = cv->backend_id};
+        be = lb_backends.lookup(&bk);
+    }
+    u8 closing = (f->tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) ? 1 : 0;
+    if (be) {
+        /* The connection keeps its backend. */
+        cv->closing |= closing;
+        cv->expires_ns = now + ct_lifetime(f->protocol, cv->closing);
+    } else {
+        /* A new connection, or its backend went away: a live backend of the service
+         * (the new one answers a mid-connection TCP segment with a reset: it ends cleanly). */
+        if (svc->count == 0)
+            return LB_REJECT;
+        u32 id = lb_pick(&sk, svc, f, now);
+        struct lb_backend_key bk = {.id = id};
+        be = lb_backends.lookup(&bk);
+        if (!be)
+            return LB_DROP;
+        struct lb_ct_value nv = {};
+        nv.expires_ns = now + ct_lifetime(f->protocol, closing);
+        nv.backend_id = id;
+        nv.rev_nat = svc->rev_nat;
+        nv.closing = closing;
+        lb_conntrack.update(&ck, &nv);
+    }
+    if (lb_rewrite(skb, f, be->addr, be->port, 1) < 0)
+        return LB_DROP;
+    *rev_nat = svc->rev_nat;
+    return LB_DNAT;
+}
+
+/* A reply entering the client: the backend's address and port become the frontend's. */
+static __always_inline int lb_reverse(struct __sk_buff *skb, struct flow *f, u16 rev_nat)
+{
+    struct lb_revnat_key rk = {.id = rev_nat};
+    struct lb_revnat_value *rv = lb_revnat.lookup(&rk);
+    if (!rv)
+        return -1;
+    return lb_rewrite(skb, f, rv->addr, rv->port, 0);
+}
+
 static __always_inline int handle(struct __sk_buff *skb, u8 dir)
 {
     struct endpoint_key self = {};
@@ -492,6 +878,17 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
     }
 
     u64 now = bpf_ktime_get_ns();
+    u16 rev_nat = 0;
+    if (dir == DIR_EGRESS) {
+        int lb = lb_egress(skb, &f, ep_id, now, &rev_nat);
+        if (lb == LB_REJECT || lb == LB_DROP) {
+            emit(skb, &f, ep_id, local_id, WORLD_ID, dir, VERDICT_DENY, REASON_NO_BACKEND);
+            count(ep_id, REASON_NO_BACKEND, dir, skb->len);
+            if (lb == LB_REJECT && lb_reject(skb, &f) == 0)
+                return bpf_redirect_peer(skb->ifindex, 0);
+            return TC_ACT_SHOT;
+        }
+    }
     u64 epoch = current_epoch();
 
     struct ct_key fwd = {};
@@ -544,6 +941,12 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
         if (f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST))
             ct->closing = 1;
         ct->expires_ns = now + ct_lifetime(f.protocol, ct->closing);
+        if (rev_nat)
+            ct->rev_nat = rev_nat;
+        else if (origin == &rev && ct->rev_nat && lb_reverse(skb, &f, ct->rev_nat) < 0) {
+            count(ep_id, REASON_NO_BACKEND, dir, skb->len);
+            return TC_ACT_SHOT;  /* the service is gone: the client could not match the reply */
+        }
         count(ep_id, REASON_ESTABLISHED, dir, skb->len);
         return TC_ACT_OK;
     }
@@ -561,6 +964,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
     nv.expires_ns = now + ct_lifetime(f.protocol, nv.closing);
     nv.epoch = epoch;
     nv.remote_identity = remote_id;
+    nv.rev_nat = rev_nat;
     conntrack.update(&fwd, &nv);
     return TC_ACT_OK;
 }

@@ -45,7 +45,8 @@ class CtValue(ctypes.Structure):
         ("epoch", ctypes.c_uint64),
         ("remote_identity", ctypes.c_uint32),
         ("closing", ctypes.c_uint8),
-        ("pad", ctypes.c_uint8 * 3),
+        ("pad", ctypes.c_uint8),
+        ("rev_nat", ctypes.c_uint16),
     ]
 
 
@@ -70,6 +71,8 @@ class CtEntry:
     epoch: int
     remote_identity: int
     closing: bool
+    #: The service (reverse NAT id) the connection was opened to; 0 for none.
+    service_id: int = 0
 
 
 def _addr(raw: ctypes.Array[ctypes.c_uint8], family: int) -> str:
@@ -89,6 +92,7 @@ def to_entry(key: CtKey, value: CtValue) -> CtEntry:
         epoch=int(value.epoch),
         remote_identity=int(value.remote_identity),
         closing=bool(value.closing),
+        service_id=int(value.rev_nat),
     )
 
 

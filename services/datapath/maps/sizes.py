@@ -19,5 +19,13 @@ class MapSizes:
     conntrack: int = 262144
     #: (endpoint, reason, direction) counter slots.
     metrics: int = 65536
+    #: Service frontends and their backend slots (all services together); also bounds service ids.
+    lb_services: int = 65536
+    #: Service backends (a backend of two services counts twice).
+    lb_backends: int = 65536
+    #: ClientIP affinity entries (LRU).
+    lb_affinity: int = 65536
+    #: Connections to services (LRU).
+    lb_conntrack: int = 262144
     #: Ring buffer size in bytes (a power of two).
     events_bytes: int = 1 << 22

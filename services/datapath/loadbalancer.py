@@ -1,0 +1,120 @@
+"""Service frontends in the kernel maps: ids kept across restarts, writes ordered for live traffic.
+
+The maps are the record (after Cilium's ``RestoreServices``): :class:`LoadBalancer`
+reads them when the datapath opens, so a restarted agent keeps every service id
+(connections in conntrack name it for reverse NAT) and every backend id (service
+connections name it), and only then reconciles with the current Services.
+
+Write order for an update, so a packet never finds a slot pointing nowhere:
+new backends, the reverse NAT entry, the slots 1..n, the service slot (count n),
+then slots above n and the backends that left. A backend that left loses its id;
+connections that had it pick another live backend on their next packet.
+
+Not thread-safe: the facade calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from services.datapath.maps.lbaffinitymap import LbAffinityMap
+from services.datapath.maps.lbbackendmap import LbBackendMap
+from services.datapath.maps.lbrevnatmap import LbRevNatMap
+from services.datapath.maps.lbservicemap import LbServiceMap, Master
+from services.datapath.types import Backend, Frontend, LbService, LbState
+
+#: Service ids are 16-bit (the reverse NAT index in conntrack entries); 0 means none.
+MAX_SERVICE_ID = 0xFFFF
+MAX_BACKEND_ID = 0xFFFFFFFF
+
+
+class LoadBalancerFull(RuntimeError):
+    """No service id is free (65,535 frontends on one node)."""
+
+
+class LoadBalancer:
+    def __init__(
+        self, services: LbServiceMap, backends: LbBackendMap, revnat: LbRevNatMap, affinity: LbAffinityMap
+    ) -> None:
+        self._services = services
+        self._backends = backends
+        self._revnat = revnat
+        self._affinity = affinity
+        self.state: dict[Frontend, LbState] = self._restore()
+        used = [b for s in self.state.values() for b in s.backends]
+        self._next_backend = max(used, default=0) + 1
+        #: Ids held by a service or still in the reverse NAT map (left by a crash mid-delete).
+        self._service_ids = {s.id for s in self.state.values()} | revnat.ids()
+        self._next_service = 1
+
+    def _restore(self) -> dict[Frontend, LbState]:
+        """What the maps hold; slots with no service slot or naming no backend are dropped."""
+        backends = self._backends.read()
+        masters: dict[Frontend, Master] = {}
+        slots: dict[Frontend, dict[int, int]] = {}
+        for frontend, slot, value in self._services.read():
+            if slot == 0:
+                masters[frontend] = Master(int(value.rev_nat), int(value.count), int(value.affinity_s))
+            else:
+                slots.setdefault(frontend, {})[slot] = int(value.backend_id)
+        state: dict[Frontend, LbState] = {}
+        for frontend, master in masters.items():
+            ids = [slots.get(frontend, {}).get(i) for i in range(1, master.count + 1)]
+            held = {i: backends[i] for i in ids if i is not None and i in backends}
+            state[frontend] = LbState(frontend, master.id, held, master.affinity_timeout)
+        return state
+
+    def upsert(self, service: LbService) -> LbState:
+        """Make the maps serve ``service``; backends it keeps keep their ids."""
+        frontend = service.frontend
+        old = self.state.get(frontend)
+        service_id = old.id if old is not None else self._free_service_id()
+        old_backends = old.backends if old is not None else {}
+        by_backend = {b: i for i, b in old_backends.items()}
+        wanted = list(dict.fromkeys(service.backends))
+        ids: dict[int, Backend] = {}
+        for backend in wanted:
+            backend_id = by_backend.get(backend)
+            if backend_id is None:
+                backend_id = self._new_backend_id()
+                self._backends.write(backend_id, backend)
+            ids[backend_id] = backend
+        self._revnat.write(service_id, frontend)
+        for slot, backend_id in enumerate(ids, 1):
+            self._services.write_slot(frontend, slot, backend_id)
+        self._services.write_master(frontend, Master(service_id, len(ids), service.affinity_timeout))
+        for slot in range(len(ids) + 1, len(old_backends) + 1):
+            self._services.delete(frontend, slot)
+        for backend_id in old_backends.keys() - ids.keys():
+            self._backends.delete(backend_id)
+        state = LbState(frontend, service_id, ids, service.affinity_timeout)
+        self.state[frontend] = state
+        return state
+
+    def delete(self, frontend: Frontend) -> bool:
+        old = self.state.pop(frontend, None)
+        if old is None:
+            return False
+        self._services.delete(frontend)
+        for slot in range(1, len(old.backends) + 1):
+            self._services.delete(frontend, slot)
+        for backend_id in old.backends:
+            self._backends.delete(backend_id)
+        self._revnat.delete(old.id)
+        self._affinity.forget_service(old.id)
+        self._service_ids.discard(old.id)
+        return True
+
+    def _free_service_id(self) -> int:
+        if len(self._service_ids) >= MAX_SERVICE_ID:
+            raise LoadBalancerFull(f"all {MAX_SERVICE_ID} service ids are in use on this node")
+        # Round-robin: a deleted service's id is reused last (its connections are gone by then).
+        candidate = self._next_service
+        while candidate in self._service_ids:
+            candidate = candidate % MAX_SERVICE_ID + 1
+        self._next_service = candidate % MAX_SERVICE_ID + 1
+        self._service_ids.add(candidate)
+        return candidate
+
+    def _new_backend_id(self) -> int:
+        backend_id = self._next_backend
+        self._next_backend = 1 if backend_id >= MAX_BACKEND_ID else backend_id + 1
+        return backend_id

@@ -1,0 +1,87 @@
+"""Service connections: an LRU hash from a connection as the client sent it to its backend.
+
+Keyed by (client address and port, ClusterIP and port, protocol, endpoint), the
+value keeps the backend id and the service id for the life of the connection,
+with the same idle lifetimes as ``ctmap``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import socket
+
+from services.datapath.maps import addresses
+from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
+from services.datapath.maps.sizes import MapSizes
+
+NAME = "lb_conntrack"
+
+
+class LbCtKey(ctypes.Structure):
+    # struct lb_ct_key in bpf/palisade.c; addresses and ports in network order.
+    _fields_ = [
+        ("saddr", ctypes.c_uint8 * 16),
+        ("vaddr", ctypes.c_uint8 * 16),
+        ("sport", ctypes.c_uint16),
+        ("vport", ctypes.c_uint16),
+        ("ep_id", ctypes.c_uint32),
+        ("family", ctypes.c_uint8),
+        ("protocol", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8 * 2),
+    ]
+
+
+class LbCtValue(ctypes.Structure):
+    # struct lb_ct_value in bpf/palisade.c
+    _fields_ = [
+        ("expires_ns", ctypes.c_uint64),
+        ("backend_id", ctypes.c_uint32),
+        ("rev_nat", ctypes.c_uint16),
+        ("closing", ctypes.c_uint8),
+        ("pad", ctypes.c_uint8),
+    ]
+
+
+C_STRUCTS = ((LbCtKey, "lb_ct_key"), (LbCtValue, "lb_ct_value"))
+
+
+def spec(sizes: MapSizes) -> MapSpec:
+    return MapSpec(NAME, MapType.LRU_HASH, ctypes.sizeof(LbCtKey), ctypes.sizeof(LbCtValue), sizes.lb_conntrack)
+
+
+@dataclasses.dataclass(frozen=True)
+class LbCtEntry:
+    ep_id: int
+    protocol: int
+    client: str
+    client_port: int
+    frontend: str
+    frontend_port: int
+    backend_id: int
+    service_id: int
+    expires_ns: int
+
+
+class LbCtMap:
+    def __init__(self, pinned: PinnedMap) -> None:
+        self.map = pinned
+
+    def entries(self) -> list[LbCtEntry]:
+        out = []
+        for k, v in self.map.items(LbCtKey, LbCtValue):
+            family = int(k.family)
+            out.append(
+                LbCtEntry(
+                    ep_id=int(k.ep_id),
+                    protocol=int(k.protocol),
+                    client=addresses.get(k.saddr, family),
+                    client_port=socket.ntohs(int(k.sport)),
+                    frontend=addresses.get(k.vaddr, family),
+                    frontend_port=socket.ntohs(int(k.vport)),
+                    backend_id=int(v.backend_id),
+                    service_id=int(v.rev_nat),
+                    expires_ns=int(v.expires_ns),
+                )
+            )
+        return out

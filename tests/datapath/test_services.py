@@ -1,0 +1,174 @@
+"""Services on real packets: ClusterIP DNAT before policy, reverse NAT, reject, affinity, restart."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from services.datapath.datapath import Datapath
+from services.datapath.types import (
+    Backend,
+    Direction,
+    Enforcement,
+    Frontend,
+    LbService,
+    PolicyEntry,
+    PolicyKey,
+    Protocol,
+    Reason,
+    Verdict,
+)
+from tests.datapath.node import Node
+from tests.datapath.traffic import ALLOW_TIMEOUT, DENY_TIMEOUT, Stream, family_of, socket_in, tcp_exchange, udp_exchange
+
+pytestmark = [pytest.mark.root, pytest.mark.bcc]
+
+VIP = "10.96.77.10"
+VIP6 = "fd00:96::77:10"
+EGRESS_ONLY = Enforcement(egress=True)
+
+
+def allow_egress(identity: int, proto: Protocol, port: int) -> PolicyEntry:
+    return PolicyEntry(PolicyKey(Direction.EGRESS, identity, proto, port, port), Verdict.ALLOW)
+
+
+@pytest.fixture
+def svc(net: Node) -> Iterator[Node]:
+    """The clean node; every frontend a test adds is removed after it."""
+    yield net
+    for state in net.dp.lb_services():
+        net.dp.lb_delete(state.frontend)
+    net.dp.flush_conntrack()
+
+
+def tcp(address: str, port: int) -> Frontend:
+    return Frontend(address, port, Protocol.TCP)
+
+
+def backends_used(dp: Datapath, ep_id: int, frontend_port: int) -> set[str]:
+    """The backend addresses the endpoint's conntrack shows for connections opened to a service."""
+    return {e.destination_ip for e in dp.conntrack(ep_id) if e.service_id and e.direction is Direction.EGRESS}
+
+
+def test_clusterip_tcp_and_udp_reach_the_backend_and_replies_come_from_the_clusterip(svc: Node) -> None:
+    dp, a, b = svc.dp, svc.a, svc.b
+    state = dp.lb_upsert(LbService(tcp(VIP, 80), (Backend(b.v4, 8080),)))
+    dp.lb_upsert(LbService(Frontend(VIP, 53, Protocol.UDP), (Backend(b.v4, 5353),)))
+    assert tcp_exchange(a.name, VIP, 80)
+    assert udp_exchange(a.name, VIP, 53)  # the reply's source is the ClusterIP, or recvfrom never matches
+    with socket_in(a.name, socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(ALLOW_TIMEOUT)
+        s.connect((VIP, 80))
+        assert s.getpeername() == (VIP, 80)
+    entries = [e for e in dp.conntrack(a.ep_id) if e.service_id == state.id]
+    assert entries and all(e.destination_ip == b.v4 and e.destination_port == 8080 for e in entries)
+    # The server sees the client's own address: no SNAT.
+    assert any(e.source_ip == a.v4 for e in dp.conntrack(b.ep_id))
+
+
+def test_ipv6_clusterip(svc: Node) -> None:
+    svc.dp.lb_upsert(LbService(tcp(VIP6, 80), (Backend(svc.b.v6, 8080),)))
+    assert tcp_exchange(svc.a.name, VIP6, 80)
+
+
+def test_egress_policy_judges_the_backend_identity_and_port(svc: Node) -> None:
+    dp, a, b, c = svc.dp, svc.a, svc.b, svc.c
+    dp.lb_upsert(LbService(tcp(VIP, 80), (Backend(b.v4, 8080),)))
+    dp.lb_upsert(LbService(tcp(VIP, 81), (Backend(c.v4, 8080),)))
+    dp.sync_policy(a.ep_id, EGRESS_ONLY, [allow_egress(b.identity, Protocol.TCP, 8080)])
+    assert tcp_exchange(a.name, VIP, 80)
+    assert not tcp_exchange(a.name, VIP, 81, timeout=DENY_TIMEOUT)  # c is not allowed
+    # Allowing the frontend's port, not the backend's, allows nothing (policy applies after DNAT).
+    dp.sync_policy(a.ep_id, EGRESS_ONLY, [allow_egress(b.identity, Protocol.TCP, 80)])
+    dp.flush_conntrack()
+    assert not tcp_exchange(a.name, VIP, 80, timeout=DENY_TIMEOUT)
+    flows = [f for f in dp.read_flows(0) if f.source_ip == a.v4 and f.verdict is Verdict.DENY]
+    assert flows and all(f.destination_ip in (b.v4, c.v4) for f in flows)  # never the ClusterIP
+
+
+def refused(ns: str, ip: str, port: int, kind: int) -> int:
+    """The errno a connection (TCP) or a datagram exchange (UDP) to ``ip:port`` ends with, 0 if answered."""
+    with socket_in(ns, family_of(ip), kind) as s:
+        s.settimeout(ALLOW_TIMEOUT)
+        try:
+            s.connect((ip, port))
+            if kind == socket.SOCK_DGRAM:
+                s.send(b"x")
+                s.recv(16)
+            return 0
+        except OSError as exc:
+            return exc.errno or -1
+
+
+@pytest.mark.parametrize("vip", [VIP, VIP6])
+def test_a_service_without_backends_is_refused_at_once(svc: Node, vip: str) -> None:
+    dp, a = svc.dp, svc.a
+    dp.lb_upsert(LbService(tcp(vip, 80)))
+    dp.lb_upsert(LbService(Frontend(vip, 53, Protocol.UDP)))
+    assert refused(a.name, vip, 80, socket.SOCK_STREAM) == errno.ECONNREFUSED
+    assert refused(a.name, vip, 53, socket.SOCK_DGRAM) == errno.ECONNREFUSED
+    assert dp.counters().packets(endpoint_id=a.ep_id, reason=Reason.NO_BACKEND) >= 2
+
+
+def test_connections_spread_over_backends_unless_client_ip_affinity(svc: Node) -> None:
+    dp, a, b, c = svc.dp, svc.a, svc.b, svc.c
+    both = (Backend(b.v4, 8080), Backend(c.v4, 8080))
+    dp.lb_upsert(LbService(tcp(VIP, 80), both))
+    for _ in range(24):
+        assert tcp_exchange(a.name, VIP, 80)
+    assert backends_used(dp, a.ep_id, 80) == {b.v4, c.v4}
+    dp.flush_conntrack()
+    dp.lb_upsert(LbService(tcp(VIP, 80), both, affinity_timeout=600))
+    for _ in range(24):
+        assert tcp_exchange(a.name, VIP, 80)
+    assert len(backends_used(dp, a.ep_id, 80)) == 1
+
+
+def test_a_removed_backend_ends_its_connections_cleanly_and_the_rest_keep_theirs(svc: Node) -> None:
+    dp, a, b, c = svc.dp, svc.a, svc.b, svc.c
+    dp.lb_upsert(LbService(tcp(VIP, 80), (Backend(b.v4, 8080),)))
+    dp.lb_upsert(LbService(tcp(VIP, 81), (Backend(b.v4, 8081),)))
+    gone, kept = Stream(a.name, VIP, 80), Stream(a.name, VIP, 81)
+    try:
+        assert gone.ping() and kept.ping()
+        dp.lb_upsert(LbService(tcp(VIP, 80), (Backend(c.v4, 8080),)))
+        # The next segment goes to the remaining backend, which knows no such connection: a reset.
+        gone.sock.sendall(b"after")
+        with pytest.raises(ConnectionResetError):
+            data = gone.sock.recv(16)
+            if not data:
+                raise ConnectionResetError
+        assert kept.ping()
+        assert tcp_exchange(a.name, VIP, 80)  # new connections use the remaining backend
+        assert backends_used(dp, a.ep_id, 80) >= {c.v4}
+    finally:
+        gone.close()
+        kept.close()
+
+
+def test_a_reopened_datapath_keeps_service_ids_and_established_connections(svc: Node) -> None:
+    dp, a, b = svc.dp, svc.a, svc.b
+    before = dp.lb_upsert(LbService(tcp(VIP, 80), (Backend(b.v4, 8080),), affinity_timeout=30))
+    stream = Stream(a.name, VIP, 80)
+    try:
+        assert stream.ping()
+        reopened = Datapath.open(dp.base_dir)  # a restarted agent: the maps are the record
+        try:
+            (after,) = reopened.lb_services()
+            assert (after.frontend, after.id, after.backends, after.affinity_timeout) == (
+                before.frontend,
+                before.id,
+                before.backends,
+                30,
+            )
+            again = reopened.lb_upsert(LbService(tcp(VIP, 80), (Backend(b.v4, 8080),), affinity_timeout=30))
+            assert again.backends == before.backends
+            assert stream.ping()
+        finally:
+            reopened.close()
+        assert stream.ping()
+    finally:
+        stream.close()
