@@ -43,6 +43,7 @@ from typing import Protocol, runtime_checkable
 
 from services.common.log import get_logger
 from services.datapath import maps as bpf_maps
+from services.datapath.loadbalancer import LoadBalancer
 from services.datapath.loader import PROGRAMS_DIR, Loader, ProgramConfig, Template
 from services.datapath.maps import (
     ctmap,
@@ -59,7 +60,6 @@ from services.datapath.maps import (
     policymap,
     statemap,
 )
-from services.datapath.loadbalancer import LoadBalancer
 from services.datapath.maps.bpf import PinnedMap, ensure_bpffs, unpin
 from services.datapath.maps.ctmap import CtEntry, CtMap
 from services.datapath.maps.endpointmap import EndpointEntry, EndpointMap
