@@ -1,4 +1,4 @@
-"""The six Kubernetes kinds Palisade watches: where the API serves them and how they are named on the bus.
+"""The eight Kubernetes kinds Palisade watches: where the API serves them and how they are named on the bus.
 
 Pure data: nothing here does I/O.
 """
@@ -20,6 +20,8 @@ class Kind(enum.StrEnum):
     NETWORK_POLICY = "networkpolicy"
     CILIUM_NETWORK_POLICY = "ciliumnetworkpolicy"
     CILIUM_CLUSTERWIDE_NETWORK_POLICY = "ciliumclusterwidenetworkpolicy"
+    SERVICE = "service"
+    ENDPOINT_SLICE = "endpointslice"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,16 @@ KINDS: tuple[KindInfo, ...] = (
         "ciliumclusterwidenetworkpolicies",
         namespaced=False,
         custom=True,
+    ),
+    KindInfo(Kind.SERVICE, k8s_pb2.K8S_KIND_SERVICE, "Service", "", "v1", "services", namespaced=True),
+    KindInfo(
+        Kind.ENDPOINT_SLICE,
+        k8s_pb2.K8S_KIND_ENDPOINT_SLICE,
+        "EndpointSlice",
+        "discovery.k8s.io",
+        "v1",
+        "endpointslices",
+        namespaced=True,
     ),
 )
 

@@ -44,6 +44,8 @@ WATCHED = {
     ("", "namespaces"),
     ("", "pods"),
     ("", "nodes"),
+    ("", "services"),
+    ("discovery.k8s.io", "endpointslices"),
     ("networking.k8s.io", "networkpolicies"),
     ("cilium.io", "ciliumnetworkpolicies"),
     ("cilium.io", "ciliumclusterwidenetworkpolicies"),

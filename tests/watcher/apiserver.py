@@ -66,6 +66,8 @@ def default_resources() -> list[Resource]:
         Resource(
             "cilium.io", "v2", "ciliumclusterwidenetworkpolicies", "CiliumClusterwideNetworkPolicy", namespaced=False
         ),
+        Resource("", "v1", "services", "Service", namespaced=True),
+        Resource("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice", namespaced=True),
     ]
 
 

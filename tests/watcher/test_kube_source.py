@@ -24,6 +24,8 @@ ALL_KINDS = [
     "networkpolicy",
     "ciliumnetworkpolicy",
     "ciliumclusterwidenetworkpolicy",
+    "service",
+    "endpointslice",
 ]
 
 Reader = Callable[[], Awaitable[StreamReader]]
@@ -152,7 +154,7 @@ async def test_cut_watch_resumes_from_its_resource_version(
         watches = apiserver.count("pods", watch=True)
 
         # Mid-stream, half an event, then the connection drops.
-        assert apiserver.cut(partial=True) == 6
+        assert apiserver.cut(partial=True) == len(ALL_KINDS)
         apiserver.create("pods", o.pod("late", "prod", app="web"))
         apiserver.delete("pods", "prod", "web-0")
         await eventually(lambda: pod_subject("web-0") in stream.tombstones(), "tombstone after the cut")
@@ -240,7 +242,7 @@ async def test_missing_crds_do_not_stop_other_kinds(
     async with running(bus, kube_source(kubeconfig)) as run:
         await eventually(lambda: bool(stream.markers), "synced marker")
         marker = stream.markers[0]
-        assert list(marker.kinds) == ["namespace", "pod", "node", "networkpolicy"]
+        assert list(marker.kinds) == ["namespace", "pod", "node", "networkpolicy", "service", "endpointslice"]
         assert list(marker.missing_kinds) == ["ciliumnetworkpolicy", "ciliumclusterwidenetworkpolicy"]
         assert pod_subject("web-0") in stream.current()
         assert not any(s.startswith("palisade.k8s.cilium") for s in stream.current())
@@ -290,7 +292,7 @@ async def test_rejected_credentials_are_reported(
     apiserver.token = "the-right-token"
     stream = await reader()
     async with running(bus, kube_source(kubeconfig)) as run:
-        await eventually(lambda: len(stream.statuses) > 0 and len(stream.statuses[-1].errors) == 6, "errors")
+        await eventually(lambda: len(stream.statuses) > 0 and len(stream.statuses[-1].errors) == len(ALL_KINDS), "errors")
         message = stream.statuses[-1].errors["pod"]
         assert "401" in message and "list and watch" in message
         assert not run.watcher.synced.is_set()

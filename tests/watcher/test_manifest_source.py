@@ -14,6 +14,7 @@ from palisade.v1 import common_pb2, k8s_pb2
 from services.common.bus import Bus
 from services.common.largeobjects import BUCKET
 from services.common.subjects import k8s_subject
+from services.watcher.kinds import KINDS
 from services.watcher.manifests import ManifestSource
 from tests.watcher import objects as o
 from tests.watcher.helpers import StreamReader, eventually, manifest_source, running
@@ -61,7 +62,7 @@ async def test_initial_sync_from_a_folder(manifests: Path, bus: Bus, reader: Rea
         assert len(stream.deltas) == len(expected)
         marker = stream.markers[0]
         assert marker.source == f"manifests:{manifests}"
-        assert len(marker.kinds) == 6 and not marker.missing_kinds
+        assert len(marker.kinds) == len(KINDS) and not marker.missing_kinds
 
         web = stream.last[k8s_subject("pod", "prod", "web")]
         assert web.origin == "apps/web.yml"

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from services.common.manifests import Document
-from services.watcher.kinds import Kind, lookup
+from services.watcher.kinds import KINDS, Kind, lookup
 from services.watcher.manifests import (
     DEV_CLUSTER_ORIGIN,
     ManifestError,
@@ -33,7 +33,9 @@ from tests.watcher import objects as o
         ("cilium.io/v2alpha1", "CiliumNetworkPolicy", Kind.CILIUM_NETWORK_POLICY),
         ("cilium.io/v2", "CiliumClusterwideNetworkPolicy", Kind.CILIUM_CLUSTERWIDE_NETWORK_POLICY),
         ("apps/v1", "Deployment", None),
-        ("v1", "Service", None),
+        ("v1", "Service", Kind.SERVICE),
+        ("discovery.k8s.io/v1", "EndpointSlice", Kind.ENDPOINT_SLICE),
+        ("v1", "ConfigMap", None),
         ("extensions/v1beta1", "NetworkPolicy", None),
     ],
 )
@@ -120,7 +122,7 @@ def test_scan_emits_only_on_change_and_versions_move_only_with_content(tmp_path:
     (tmp_path / "a.yaml").write_text(yaml.safe_dump(o.pod("a", "prod")))
     source = ManifestSource(tmp_path)
     first = source.scan()
-    assert [type(e) for e in first] == [Listed] * 6
+    assert [type(e) for e in first] == [Listed] * len(KINDS)
     pods = next(e for e in first if isinstance(e, Listed) and e.kind is Kind.POD).objects
     rv = pods[0].resource_version
     assert source.scan() == []  # nothing changed
