@@ -186,7 +186,10 @@ BUS_ROLES: dict[str, BusRole] = {
         ),
         purges=(f"OBJ_{POLICY_API}",),
     ),
-    "datapath": BusRole(provisions=(REGEN, IPCACHE), reads=(REGEN, IPCACHE, IDENTITY)),
+    # Services and EndpointSlices come from the k8s stream (the datapath load-balances them).
+    "datapath": BusRole(
+        provisions=(K8S, REGEN, IPCACHE), reads=(K8S, f"OBJ_{LARGE_OBJECTS}", REGEN, IPCACHE, IDENTITY)
+    ),
     "devnode": BusRole(reads=(K8S, f"OBJ_{LARGE_OBJECTS}")),
 }
 

@@ -8,6 +8,8 @@ answers from step 3 on, health says NOT_SERVING until step 4's resync is applied
 2. restore endpoints from the state directory (stale ones, whose namespace is gone,
    are cleaned up) and re-attach them;
 3. subscribe to this node's orders (queued), replay the ipcache into the LPM map;
+   replay Services and EndpointSlices and reconcile the service maps (whose ids the
+   facade restored in step 1, so connections through ClusterIPs kept working);
 4. start the order consumer, whose first step is a full Resync that reconciles every
    restored endpoint's map with the current policy; re-reserve restored addresses.
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
-from services.common.bus import IPCACHE_STREAM, REGEN_STREAM, Bus
+from services.common.bus import IPCACHE_STREAM, K8S_STREAM, REGEN_STREAM, Bus
 from services.common.grpcserver import grpc_target, open_channel, parse_addresses
 from services.common.log import get_logger
 from services.common.runner import ServiceContext, run_service
@@ -37,6 +39,7 @@ from services.datapath.metrics import AgentParts, DatapathMetrics
 from services.datapath.netns import NetnsPodNetwork
 from services.datapath.orders import GrpcPolicyClient, OrderConsumer, PolicyPort, Reporter
 from services.datapath.servicer import DatapathServicer
+from services.datapath.servicesync import ServiceSync
 from services.datapath.state import EndpointStore
 from services.datapath.types import EndpointState
 
@@ -72,13 +75,14 @@ class Agent:
     manager: EndpointManager
     consumer: OrderConsumer
     ipcache: IpcacheSync
+    services: ServiceSync
     reporter: Reporter
     flows: FlowHub
     servicer: DatapathServicer
 
     def status(self, out: common_pb2.ServiceStatus) -> None:
         """The status provider: endpoints, realized revision (min over endpoints), synced."""
-        out.synced = self.ipcache.loaded.is_set() and self.consumer.synced.is_set()
+        out.synced = self.ipcache.loaded.is_set() and self.services.loaded.is_set() and self.consumer.synced.is_set()
         out.revision = self.manager.realized_revision()
         out.details["endpoints"] = str(len(self.manager.endpoints))
         out.details["sequence"] = str(self.consumer.sequence)
@@ -86,6 +90,7 @@ class Agent:
         out.details["replaces"] = str(self.consumer.replaces)
         out.details["gaps"] = str(self.consumer.sequencer.gaps)
         out.details["ipcache_prefixes"] = str(len(self.ipcache.entries))
+        out.details["service_frontends"] = str(self.services.frontend_count())
         out.details["reports_delivered"] = str(self.reporter.delivered)
         out.details["flow_events"] = str(self.flows.events)
         out.details["observers"] = str(self.flows.subscribers)
@@ -110,6 +115,7 @@ async def start_agent(
 ) -> Agent:
     """Restore endpoints, load the ipcache and start following orders; returns once ready to serve."""
     node = cfg.node_name
+    await bus.ensure_streams(K8S_STREAM, REGEN_STREAM, IPCACHE_STREAM)
     reporter = Reporter(node, policy, cfg.retry_backoff_max)
     manager = EndpointManager(
         node=node,
@@ -123,6 +129,7 @@ async def start_agent(
     )
     consumer = OrderConsumer(node, policy, manager, backoff_max=cfg.retry_backoff_max)
     ipcache = IpcacheSync(datapath, manager, cfg.node_name)
+    services = ServiceSync(datapath, node)
 
     def pod_of(endpoint_id: int) -> str:
         ep = manager.endpoints.get(endpoint_id)
@@ -140,6 +147,9 @@ async def start_agent(
     stack.push_async_callback(consumer.stop)
     await ipcache.start(bus)
     stack.push_async_callback(ipcache.stop)
+    await services.start(bus)
+    stack.push_async_callback(services.stop)
+    spawn(services.run(), "services")
     spawn(consumer.run(), "orders")
     spawn(manager.reclaim(restored), "reclaim")
     if cfg.repair_interval > 0:
@@ -147,14 +157,13 @@ async def start_agent(
     if cfg.cni_sweep_interval > 0:
         queue = deletequeue.queue_dir(cfg.cni_socket_path)
         spawn(_sweep_loop(manager, queue, cfg.cni_sweep_interval), "sweep")
-    servicer = DatapathServicer(manager, flows, datapath)
-    return Agent(node, manager, consumer, ipcache, reporter, flows, servicer)
+    servicer = DatapathServicer(manager, flows, datapath, services)
+    return Agent(node, manager, consumer, ipcache, services, reporter, flows, servicer)
 
 
 async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
     cfg = ctx.config
     bus = await ctx.bus()
-    await bus.ensure_streams(REGEN_STREAM, IPCACHE_STREAM)
     try:
         datapath = await asyncio.to_thread(Datapath.open, cfg.bpffs)
     except (OSError, RuntimeError) as exc:

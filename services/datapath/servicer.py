@@ -22,6 +22,7 @@ from services.datapath.datapath import CounterSource
 from services.datapath.endpoint import Endpoint
 from services.datapath.flows import VERDICTS, FlowFilter, FlowHub
 from services.datapath.manager import EndpointManager
+from services.datapath.servicesync import ServiceSync
 
 log = get_logger("servicer")
 
@@ -29,10 +30,13 @@ T = TypeVar("T")
 
 
 class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
-    def __init__(self, manager: EndpointManager, flows: FlowHub, counters: CounterSource) -> None:
+    def __init__(
+        self, manager: EndpointManager, flows: FlowHub, counters: CounterSource, services: ServiceSync | None = None
+    ) -> None:
         self._manager = manager
         self._flows = flows
         self._counters = counters
+        self._services = services
 
     async def _guard(self, context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
         try:
@@ -95,6 +99,34 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
         endpoints = sorted(self._manager.endpoints.values(), key=lambda e: e.id)
         node = self._manager.node
         return datapath_pb2.ListEndpointsResponse(endpoints=[wire.endpoint_to_proto(e, node) for e in endpoints])
+
+    async def ListServices(
+        self, request: datapath_pb2.ListServicesRequest, context: grpc.aio.ServicerContext
+    ) -> datapath_pb2.ListServicesResponse:
+        out = datapath_pb2.ListServicesResponse(node=self._manager.node)
+        if self._services is None:
+            return out
+        for served in self._services.served():
+            state = served.state
+            out.frontends.append(
+                datapath_pb2.ServiceFrontend(
+                    namespace=served.namespace,
+                    name=served.name,
+                    port_name=served.port_name,
+                    address=state.frontend.address,
+                    port=state.frontend.port,
+                    protocol=state.frontend.protocol.number,  # type: ignore[arg-type]  # IP numbers are the enum
+                    id=state.id,
+                    backends=[
+                        datapath_pb2.ServiceBackend(address=b.address, port=b.port, id=i)
+                        for i, b in sorted(state.backends.items(), key=lambda item: item[1])
+                    ],
+                    affinity_timeout_seconds=state.affinity_timeout,
+                    local_only=served.local_only,
+                )
+            )
+        out.skipped.extend(line for lines in self._services.skipped.values() for line in lines)
+        return out
 
     async def GetPolicyMap(
         self, request: datapath_pb2.GetPolicyMapRequest, context: grpc.aio.ServicerContext

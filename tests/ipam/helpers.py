@@ -87,6 +87,8 @@ _KINDS = {
     "Pod": (k8s_pb2.K8S_KIND_POD, "pod"),
     "Namespace": (k8s_pb2.K8S_KIND_NAMESPACE, "namespace"),
     "Node": (k8s_pb2.K8S_KIND_NODE, "node"),
+    "Service": (k8s_pb2.K8S_KIND_SERVICE, "service"),
+    "EndpointSlice": (k8s_pb2.K8S_KIND_ENDPOINT_SLICE, "endpointslice"),
 }
 
 

@@ -292,7 +292,8 @@ async def test_rejected_credentials_are_reported(
     apiserver.token = "the-right-token"
     stream = await reader()
     async with running(bus, kube_source(kubeconfig)) as run:
-        await eventually(lambda: len(stream.statuses) > 0 and len(stream.statuses[-1].errors) == len(ALL_KINDS), "errors")
+        every_kind = len(ALL_KINDS)
+        await eventually(lambda: len(stream.statuses) > 0 and len(stream.statuses[-1].errors) == every_kind, "errors")
         message = stream.statuses[-1].errors["pod"]
         assert "401" in message and "list and watch" in message
         assert not run.watcher.synced.is_set()
