@@ -13,8 +13,7 @@ from services.datapath.fake import FakeDatapath
 from services.datapath.k8sservices import frontends, parse_service, parse_slice
 from services.datapath.servicesync import ServiceSync
 from services.datapath.types import Backend, Frontend, LbService, Protocol
-from tests.conftest import NatsServer
-from tests.harness import creds
+from tests.harness import NatsServer, creds
 from tests.ipam.helpers import K8s
 
 NODE = "node-a"
@@ -30,7 +29,7 @@ def service(name: str = "web", ns: str = "prod", **spec: Any) -> dict[str, Any]:
 
 
 def endpoint(ip: str, node: str = NODE, **conditions: bool) -> dict[str, Any]:
-    return {"addresses": [ip], "nodeName": node, "conditions": conditions}
+    return {"addresses": [ip], "nodeName": node, "conditions": dict(conditions)}
 
 
 def endpoint_slice(
@@ -65,7 +64,7 @@ WEB = Frontend("10.96.0.10", 80, Protocol.TCP)
     ],
 )
 def test_only_ready_non_terminating_endpoints_serve(conditions: dict[str, bool], serves: bool) -> None:
-    got = lb(service(), [endpoint_slice("web-1", [endpoint("10.0.0.1", **conditions)])])
+    got = lb(service(), [endpoint_slice("web-1", [endpoint("10.0.0.1", NODE, **conditions)])])
     assert got[WEB] == ((Backend("10.0.0.1", 8080),) if serves else ())
 
 
