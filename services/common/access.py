@@ -160,10 +160,11 @@ class BusRole:
 
 
 BUS_ROLES: dict[str, BusRole] = {
+    # The ipcache: a dev cluster's watcher keeps EndpointSlices from the pods' addresses.
     "watcher": BusRole(
         publishes=("palisade.k8s.>", f"$O.{LARGE_OBJECTS}.>"),
-        provisions=(K8S, f"OBJ_{LARGE_OBJECTS}"),
-        reads=(K8S, f"OBJ_{LARGE_OBJECTS}"),
+        provisions=(K8S, f"OBJ_{LARGE_OBJECTS}", IPCACHE),
+        reads=(K8S, f"OBJ_{LARGE_OBJECTS}", IPCACHE),
         purges=(f"OBJ_{LARGE_OBJECTS}",),
     ),
     "ipam": BusRole(

@@ -40,6 +40,7 @@ from pathlib import Path
 from services.common.errors import PalisadeError, clip
 from services.common.log import get_logger
 from services.common.manifests import Document, DocumentError, split_documents
+from services.watcher.endpointslices import PodAddresses, with_endpoint_slices
 from services.watcher.inotify import FolderWatch
 from services.watcher.kinds import KINDS, Kind, KindInfo, lookup
 from services.watcher.objects import KObject, ObjectKey, check_names, from_api
@@ -123,7 +124,7 @@ def parse_file(origin: str, data: bytes) -> Parsed:
     return to_objects(docs, origin)
 
 
-DEV_CLUSTER_ORIGIN = "(dev cluster)"
+DEV_CLUSTER_ORIGIN = "(dev cluster)"  # also endpointslices.ORIGIN
 
 
 def schedule(objects: Mapping[ObjectKey, KObject], nodes: Mapping[str, str]) -> dict[ObjectKey, KObject]:
@@ -200,8 +201,13 @@ class ManifestSource:
         dev_nodes: Mapping[str, str] | None = None,
     ) -> None:
         self.root = root
-        #: A dev cluster's nodes (name -> address): this source schedules pods onto them.
+        #: A dev cluster's nodes (name -> address): this source schedules pods onto them, and
+        #: keeps the Services' EndpointSlices from the pods' addresses (:meth:`set_pod_addresses`).
         self._dev_nodes = dict(dev_nodes or {})
+        self._pod_addresses: dict[tuple[str, str], tuple[str, ...]] = {}
+        #: The addresses the last listing used (a snapshot: scans run on another thread).
+        self._listed_addresses: PodAddresses = {}
+        self._addresses_changed: asyncio.Event | None = None
         self.name = f"manifests:{root}"
         self.kinds = kinds
         self._poll = poll_interval
@@ -230,30 +236,59 @@ class ManifestSource:
                 self._owners[obj.key] = obj.origin
         self._seeded = {rel: tuple(objs) for rel, objs in by_file.items()}
 
+    def set_pod_addresses(self, namespace: str, pod: str, ips: tuple[str, ...]) -> None:
+        """A pod's addresses (none: it has none any more), as the cluster's ipcache says; a dev cluster's
+        EndpointSlices follow them."""
+        key = (namespace, pod)
+        if self._pod_addresses.get(key, ()) == ips:
+            return
+        if ips:
+            self._pod_addresses[key] = ips
+        else:
+            self._pod_addresses.pop(key, None)
+        if self._addresses_changed is not None:
+            self._addresses_changed.set()
+
     async def run(self, emit: Emit) -> None:
         watch = FolderWatch.open(self.root) if self._notify else None
         self.notified = watch is not None
         poll = self._notified_poll if watch is not None else self._poll
+        self._addresses_changed = asyncio.Event()
         log.info("watching manifests", folder=str(self.root), notified=self.notified, poll_interval=poll)
         if watch is not None:
             watch.start()
         try:
+            addresses: PodAddresses | None = dict(self._pod_addresses)
             while True:
-                for event in await asyncio.to_thread(self.scan):
+                for event in await asyncio.to_thread(self.scan, addresses):
                     emit(event)
-                if watch is None:
-                    await asyncio.sleep(poll)
-                elif await watch.changed(poll):
+                if await self._wait(watch, poll):
                     # Writes often come in bursts (an editor's save, a `cp -r`): take them in one scan.
                     await asyncio.sleep(0.002)
-                    await watch.changed(0)
+                    if watch is not None:
+                        await watch.changed(0)
+                addresses = None
+                if self._addresses_changed.is_set():
+                    self._addresses_changed.clear()
+                    addresses = dict(self._pod_addresses)
         finally:
             if watch is not None:
                 watch.close()
 
-    def scan(self) -> list[SourceEvent]:
+    async def _wait(self, watch: FolderWatch | None, poll: float) -> bool:
+        """Until the folder or a pod's addresses changed (True), or the poll interval passed."""
+        assert self._addresses_changed is not None
+        folder = asyncio.ensure_future(watch.changed(poll) if watch is not None else asyncio.sleep(poll, False))
+        addresses = asyncio.ensure_future(self._addresses_changed.wait())
+        done, pending = await asyncio.wait((folder, addresses), return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        return bool(folder in done and folder.result())
+
+    def scan(self, addresses: PodAddresses | None = None) -> list[SourceEvent]:
         """One poll of the folder: the events its changes produce (none if nothing changed).
 
+        ``addresses``: the pods' addresses changed to these (a dev cluster's slices follow).
         Only ever called by one thread at a time; it owns the source's state.
         """
         events: list[SourceEvent] = []
@@ -273,6 +308,9 @@ class ManifestSource:
 
         present = set(self._walk())
         changed = not self._listed_once
+        if addresses is not None and addresses != self._listed_addresses:
+            self._listed_addresses = addresses
+            changed = True
         for rel in sorted(set(self._files) - present):
             gone = self._files.pop(rel)
             changed = True
@@ -355,6 +393,7 @@ class ManifestSource:
         merged = self._resolve_conflicts(events)
         if self._dev_nodes:
             merged = schedule(merged, self._dev_nodes)
+            merged = with_endpoint_slices(merged, self._listed_addresses, synthetic_uid)
         versions: dict[ObjectKey, tuple[str, str]] = {}
         per_kind: dict[Kind, list[KObject]] = {info.kind: [] for info in self.kinds}
         for key, obj in merged.items():

@@ -8,7 +8,10 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+from palisade.v1 import identity_pb2
+from services.common.bus import IPCACHE_STREAM, Bus
 from services.common.runner import ServiceContext, run_service
+from services.common.subjects import IPCACHE_ALL
 from services.watcher.config import SourceKind, WatcherConfig
 from services.watcher.kube import KubeSettings, KubeSource, load_client_configuration
 from services.watcher.manifests import ManifestSource
@@ -47,6 +50,27 @@ def build_source(cfg: WatcherConfig) -> Source:
     )
 
 
+async def follow_pod_addresses(bus: Bus, source: ManifestSource) -> None:
+    """A dev cluster's EndpointSlices need the pods' addresses, which ipam gives (the ipcache)."""
+    by_prefix: dict[str, tuple[str, str]] = {}
+    by_pod: dict[tuple[str, str], set[str]] = {}
+
+    async def on_entry(subject: str, entry: identity_pb2.IpcacheEntry) -> None:
+        ip = entry.prefix.split("/")[0]
+        old = by_prefix.pop(ip, None)
+        if old is not None:
+            by_pod.get(old, set()).discard(ip)
+            source.set_pod_addresses(*old, tuple(sorted(by_pod.get(old, ()))))
+        if entry.deleted or not entry.pod:
+            return
+        pod = (entry.namespace, entry.pod)
+        by_prefix[ip] = pod
+        by_pod.setdefault(pod, set()).add(ip)
+        source.set_pod_addresses(*pod, tuple(sorted(by_pod[pod])))
+
+    await bus.follow(IPCACHE_ALL, identity_pb2.IpcacheEntry, on_entry)
+
+
 async def setup(ctx: ServiceContext[WatcherConfig]) -> None:
     tune_gc()
     source = build_source(ctx.config)
@@ -61,6 +85,9 @@ async def setup(ctx: ServiceContext[WatcherConfig]) -> None:
         await ctx.server.set_serving(True)
 
     ctx.spawn(watcher.run(), "watcher")
+    if isinstance(source, ManifestSource) and ctx.config.dev_node_addresses():
+        await bus.ensure_streams(IPCACHE_STREAM)
+        await follow_pod_addresses(bus, source)
     ctx.spawn(serve_when_synced(), "watcher-ready")
 
 

@@ -1,0 +1,138 @@
+"""A dev cluster's EndpointSlice controller: the slices Kubernetes would keep for each Service.
+
+Pure. In a dev cluster (``make run``) nothing runs kube-controller-manager, so the
+manifest source derives the slices itself, as the controller does
+(``pkg/controller/endpointslice``): for each Service with a selector, the pods of
+its namespace whose labels match, that have an address (the pod is running: ipam
+gave it one), grouped by the ports each pod resolves, one slice per group and
+address family. A named ``targetPort`` is resolved in each pod's container ports
+(a pod without that port is left out of that port's slices); a numeric or absent
+one is the number. A Service whose slices the folder defines itself keeps those.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from services.watcher.kinds import Kind, KindInfo, lookup
+from services.watcher.objects import KObject, ObjectKey, from_api
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
+MANAGED_BY = "palisade-dev-cluster"
+ORIGIN = "(dev cluster)"
+#: (kind, namespace, name) -> the uid a manifest source gives an object it makes
+UidOf = Callable[[KindInfo, str, str], str]
+
+#: (namespace, pod) -> the pod's addresses
+PodAddresses = Mapping[tuple[str, str], tuple[str, ...]]
+
+
+def _map(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _resolve(target: Any, port: int, protocol: str, pod: Mapping[str, Any]) -> int | None:
+    if target is None or target == "":
+        return port
+    if isinstance(target, int):
+        return target
+    if isinstance(target, str) and target.isdigit():
+        return int(target)
+    for container in _list(_map(pod.get("spec")).get("containers")):
+        for cp in map(_map, _list(_map(container).get("ports"))):
+            if cp.get("name") == target and str(cp.get("protocol") or "TCP").upper() == protocol:
+                number = cp.get("containerPort")
+                return number if isinstance(number, int) else None
+    return None
+
+
+def _slices_for(service: KObject, pods: list[KObject], addresses: PodAddresses) -> list[dict[str, Any]]:
+    spec = _map(service.body.get("spec"))
+    ns, name = service.key.namespace, service.key.name
+    # group key: (family, ((port name, number, protocol), ...)) -> endpoints
+    groups: dict[tuple[str, tuple[tuple[str, int, str], ...]], list[dict[str, Any]]] = {}
+    for pod in sorted(pods, key=lambda p: p.key.name):
+        ips = addresses.get((ns, pod.key.name), ())
+        if not ips:
+            continue
+        resolved = []
+        for sp in map(_map, _list(spec.get("ports"))):
+            if not isinstance(sp.get("port"), int):
+                continue
+            protocol = str(sp.get("protocol") or "TCP").upper()
+            number = _resolve(sp.get("targetPort"), int(sp["port"]), protocol, pod.body)
+            if number is not None:
+                resolved.append((str(sp.get("name") or ""), number, protocol))
+        terminating = bool(_map(pod.body.get("metadata")).get("deletionTimestamp"))
+        for ip in ips:
+            family = "IPv4" if ipaddress.ip_address(ip).version == 4 else "IPv6"
+            groups.setdefault((family, tuple(resolved)), []).append(
+                {
+                    "addresses": [ip],
+                    "conditions": {"ready": not terminating, "serving": not terminating, "terminating": terminating},
+                    "nodeName": _map(pod.body.get("spec")).get("nodeName") or "",
+                    "targetRef": {"kind": "Pod", "namespace": ns, "name": pod.key.name},
+                }
+            )
+    out = []
+    for (family, ports), endpoints in sorted(groups.items()):
+        digest = hashlib.sha256(json.dumps([family, ports]).encode()).hexdigest()[:8]
+        out.append(
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": f"{name}-{digest}",
+                    "namespace": ns,
+                    "labels": {SERVICE_NAME_LABEL: name, MANAGED_BY_LABEL: MANAGED_BY},
+                },
+                "addressType": family,
+                "ports": [{"name": n, "port": p, "protocol": proto} for n, p, proto in ports],
+                "endpoints": endpoints,
+            }
+        )
+    return out
+
+
+def with_endpoint_slices(
+    objects: Mapping[ObjectKey, KObject], addresses: PodAddresses, uid: UidOf
+) -> dict[ObjectKey, KObject]:
+    """``objects`` plus the slices the controller would keep for their Services."""
+    info = lookup("discovery.k8s.io/v1", "EndpointSlice")
+    assert info is not None
+    out = dict(objects)
+    defined = {
+        (key.namespace, str(_map(_map(obj.body.get("metadata")).get("labels")).get(SERVICE_NAME_LABEL) or ""))
+        for key, obj in objects.items()
+        if key.kind is Kind.ENDPOINT_SLICE
+    }
+    pods_by_ns: dict[str, list[KObject]] = {}
+    for key, obj in objects.items():
+        if key.kind is Kind.POD:
+            pods_by_ns.setdefault(key.namespace, []).append(obj)
+    for key, service in objects.items():
+        if key.kind is not Kind.SERVICE or (key.namespace, key.name) in defined:
+            continue
+        spec = _map(service.body.get("spec"))
+        selector = _map(spec.get("selector"))
+        if not selector or spec.get("type") == "ExternalName":
+            continue  # no selector: the user keeps the slices (Kubernetes does not manage them)
+        members = [
+            pod
+            for pod in pods_by_ns.get(key.namespace, [])
+            if all(_map(_map(pod.body.get("metadata")).get("labels")).get(k) == v for k, v in selector.items())
+        ]
+        for body in _slices_for(service, members, addresses):
+            body["metadata"]["uid"] = uid(info, key.namespace, body["metadata"]["name"])
+            obj = from_api(info, body, origin=ORIGIN)
+            out[obj.key] = obj
+    return out
