@@ -280,9 +280,12 @@ class ManifestSource:
         assert self._addresses_changed is not None
         folder = asyncio.ensure_future(watch.changed(poll) if watch is not None else asyncio.sleep(poll, False))
         addresses = asyncio.ensure_future(self._addresses_changed.wait())
-        done, pending = await asyncio.wait((folder, addresses), return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
+        try:
+            done, _ = await asyncio.wait((folder, addresses), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (folder, addresses):
+                task.cancel()
+            await asyncio.gather(folder, addresses, return_exceptions=True)
         return bool(folder in done and folder.result())
 
     def scan(self, addresses: PodAddresses | None = None) -> list[SourceEvent]:
