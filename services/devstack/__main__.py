@@ -79,6 +79,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="with --nodes: the hosts' network (the bridge takes its first address, where the control plane "
         "listens; node i the 10+i-th)",
     )
+    p.add_argument(
+        "--service-cidr",
+        default="10.96.0.0/16",
+        help="the dev cluster's Service range: Services written without a clusterIP get one from it",
+    )
     p.add_argument("--keep-state", action="store_true", help="keep pinned maps, namespaces and data on exit")
     p.add_argument("--no-pods", action="store_true", help="do not create the dev node's pods")
     p.add_argument(
@@ -213,7 +218,16 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
     return [
         *children,
         # Upstreams first: each service reports SERVING only once what it consumes is synced.
-        svc("watcher", "--source", "manifests", "--manifests", args.manifests, *watcher_nodes(args)),
+        svc(
+            "watcher",
+            "--source",
+            "manifests",
+            "--manifests",
+            args.manifests,
+            "--service-cidr",
+            args.service_cidr,
+            *watcher_nodes(args),
+        ),
         *ipams,
         *policies,
         *datapaths,

@@ -1,4 +1,4 @@
-"""Bus consumers: policy deltas and the synced marker, identities, ipcache.
+"""Bus consumers: policy, Service and EndpointSlice deltas and the synced marker, identities, ipcache.
 
 Each message becomes a job for the controller, in stream order. ``wait_synced``
 returns once the world is fully known: the watcher's ``palisade.k8s.synced``
@@ -25,6 +25,8 @@ log = get_logger("inputs")
 POLICY_SUBJECTS = tuple(k8s_filter(token) for token in KIND_TOKENS)
 #: Node objects: a deleted one takes its node out of the realized counts.
 NODE_SUBJECT = k8s_filter("node")
+#: Services and EndpointSlices: what ``toServices`` rules name.
+SERVICE_SUBJECTS = (k8s_filter("service"), k8s_filter("endpointslice"))
 
 
 class Inputs:
@@ -42,7 +44,8 @@ class Inputs:
     async def start(self) -> None:
         # One ordered consumer over the policy kinds and the marker keeps their stream order,
         # so when the marker arrives every delta of the initial list is already queued.
-        self._k8s = await self._bus.follow_raw([*POLICY_SUBJECTS, NODE_SUBJECT, SYNCED_SUBJECT], self._on_k8s)
+        subjects = [*POLICY_SUBJECTS, *SERVICE_SUBJECTS, NODE_SUBJECT, SYNCED_SUBJECT]
+        self._k8s = await self._bus.follow_raw(subjects, self._on_k8s)
         self._identity = await self._bus.follow(IDENTITY_ALL, identity_pb2.IdentityUpdate, self._on_identity)
         self._ipcache = await self._bus.follow(IPCACHE_ALL, identity_pb2.IpcacheEntry, self._on_ipcache)
 

@@ -36,6 +36,12 @@ class WatcherConfig(CommonConfig):
         "and lists a Node object for each node the folder does not define.",
         default="",
     )
+    service_cidr: str = setting(
+        "Manifests source only: play a dev cluster's controllers: Services written without a clusterIP get "
+        "one from this range, and Services with a selector get the EndpointSlices Kubernetes would keep "
+        "(from the pods' addresses, which ipam publishes). Empty: neither.",
+        default="",
+    )
     watch_timeout: int = setting(
         "Seconds the API server keeps one watch request open before it is renewed.", default=300
     )
@@ -74,6 +80,13 @@ class WatcherConfig(CommonConfig):
             self.dev_node_addresses()
         except ValueError as exc:
             raise ConfigError(f"--dev-nodes {self.dev_nodes!r}: {exc}") from None
+        if self.service_cidr:
+            try:
+                network = ipaddress.ip_network(self.service_cidr)
+            except ValueError as exc:
+                raise ConfigError(f"--service-cidr {self.service_cidr!r}: {exc}") from None
+            if network.num_addresses < 4:
+                raise ConfigError(f"--service-cidr {self.service_cidr!r}: give a range of at least 4 addresses")
         positive = {
             "--manifests-poll": self.manifests_poll,
             "--watch-timeout": self.watch_timeout,

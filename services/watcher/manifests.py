@@ -40,6 +40,7 @@ from pathlib import Path
 from services.common.errors import PalisadeError, clip
 from services.common.log import get_logger
 from services.common.manifests import Document, DocumentError, split_documents
+from services.watcher.clusterips import assign_cluster_ips
 from services.watcher.endpointslices import PodAddresses, with_endpoint_slices
 from services.watcher.inotify import FolderWatch
 from services.watcher.kinds import KINDS, Kind, KindInfo, lookup
@@ -199,11 +200,14 @@ class ManifestSource:
         notify: bool = True,
         notified_poll_interval: float = 5.0,
         dev_nodes: Mapping[str, str] | None = None,
+        service_cidr: str = "",
     ) -> None:
         self.root = root
-        #: A dev cluster's nodes (name -> address): this source schedules pods onto them, and
-        #: keeps the Services' EndpointSlices from the pods' addresses (:meth:`set_pod_addresses`).
+        #: A dev cluster's nodes (name -> address): this source schedules pods onto them.
         self._dev_nodes = dict(dev_nodes or {})
+        #: A dev cluster's service range: this source gives Services their ClusterIPs and keeps
+        #: their EndpointSlices from the pods' addresses (:meth:`set_pod_addresses`).
+        self._service_cidr = service_cidr
         self._pod_addresses: dict[tuple[str, str], tuple[str, ...]] = {}
         #: The addresses the last listing used (a snapshot: scans run on another thread).
         self._listed_addresses: PodAddresses = {}
@@ -396,6 +400,8 @@ class ManifestSource:
         merged = self._resolve_conflicts(events)
         if self._dev_nodes:
             merged = schedule(merged, self._dev_nodes)
+        if self._service_cidr:
+            merged = assign_cluster_ips(merged, self._service_cidr)
             merged = with_endpoint_slices(merged, self._listed_addresses, synthetic_uid)
         versions: dict[ObjectKey, tuple[str, str]] = {}
         per_kind: dict[Kind, list[KObject]] = {info.kind: [] for info in self.kinds}

@@ -47,6 +47,7 @@ def build_source(cfg: WatcherConfig) -> Source:
         poll_interval=cfg.manifests_poll,
         notify=cfg.manifests_notify,
         dev_nodes=cfg.dev_node_addresses(),
+        service_cidr=cfg.service_cidr,
     )
 
 
@@ -85,7 +86,7 @@ async def setup(ctx: ServiceContext[WatcherConfig]) -> None:
         await ctx.server.set_serving(True)
 
     ctx.spawn(watcher.run(), "watcher")
-    if isinstance(source, ManifestSource) and ctx.config.dev_node_addresses():
+    if isinstance(source, ManifestSource) and ctx.config.service_cidr:
         await bus.ensure_streams(IPCACHE_STREAM)
         await follow_pod_addresses(bus, source)
     ctx.spawn(serve_when_synced(), "watcher-ready")

@@ -23,6 +23,10 @@ metadata: {name: b, namespace: x, labels: {app: b}}
 apiVersion: v1
 kind: Service
 metadata: {name: s, namespace: x}
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: c, namespace: x}
 """
 POLICY = """\
 apiVersion: networking.k8s.io/v1
@@ -64,7 +68,7 @@ def test_json_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
             },
         ]
     }
-    assert "ignored Service" in err
+    assert "ignored ConfigMap" in err and "ignored Service" not in err  # Services are what toServices names
 
 
 @pytest.mark.parametrize(

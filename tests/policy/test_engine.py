@@ -280,10 +280,6 @@ def test_ip_block_error_message_format() -> None:
     ("section", "feature"),
     [
         ("egress:\n  - toFQDNs: [{matchName: a.com}]\n", "spec.egress[0].toFQDNs: toFQDNs"),
-        (
-            "egress:\n  - toServices: [{k8sService: {serviceName: s, namespace: x}}]\n",
-            "spec.egress[0].toServices: toServices",
-        ),
         ("egress:\n  - toGroups: [{aws: {labels: {a: b}}}]\n", "spec.egress[0].toGroups: toGroups"),
         ("ingress:\n  - fromNodes: [{matchLabels: {a: b}}]\n", "spec.ingress[0].fromNodes: fromNodes"),
         (

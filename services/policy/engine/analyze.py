@@ -120,6 +120,7 @@ def build_model(documents: Iterable[Document]) -> Model:
     namespaces: dict[str, Mapping[str, Any]] = {}
     pods: list[tuple[Document, str, str]] = []
     policy_docs: list[Document] = []
+    service_docs: list[Document] = []
     warnings: list[str] = []
     for doc in documents:
         kind = doc.body.get("kind")
@@ -134,6 +135,10 @@ def build_model(documents: Iterable[Document]) -> Model:
             pods.append((doc, str(meta.get("namespace") or "default"), str(meta["name"])))
         elif kind in POLICY_KINDS:
             policy_docs.append(doc)
+        elif kind in ("Service", "EndpointSlice"):
+            if not meta.get("name"):
+                raise AnalyzeError(doc.source, f"{kind}: metadata.name: required")
+            service_docs.append(doc)
         else:
             warnings.append(f"{doc.source}: ignored {kind or 'document without kind'} {meta.get('name', '')}".rstrip())
 
@@ -170,6 +175,13 @@ def build_model(documents: Iterable[Document]) -> Model:
         engine.set_identity_ips(ident_id, ip_set)
     for ident_id, named in by_identity_ports.items():
         engine.set_named_ports(ident_id, named)
+    for doc in service_docs:  # what toServices rules name
+        meta = _meta(doc.body)
+        ns, name = str(meta.get("namespace") or "default"), str(meta["name"])
+        if doc.body.get("kind") == "Service":
+            engine.set_service(ns, name, doc.body)
+        else:
+            engine.set_endpoint_slice(ns, name, doc.body)
     policies: list[Policy] = []
     seen_policies: set[str] = set()
     for doc in policy_docs:

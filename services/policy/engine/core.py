@@ -279,8 +279,30 @@ class PolicyCore:
 
     # --- policies -------------------------------------------------------------------------
 
+    def apply_service_delta(self, delta: k8s_pb2.K8sDelta, now: float) -> None:
+        """A Service or EndpointSlice: the policies whose ``toServices`` name it follow."""
+        obj: dict[str, Any] | None = None
+        if delta.op != k8s_pb2.DELTA_OP_DELETE:
+            try:
+                parsed = json.loads(delta.object_json)
+            except (ValueError, RecursionError) as exc:
+                log.warning("service object ignored: not JSON", name=f"{delta.namespace}/{delta.name}", error=str(exc))
+                return
+            obj = parsed if isinstance(parsed, dict) else None
+            if obj is None:
+                return
+        if self.engine.names_services():
+            self._change(now)  # a policy's expansion may change: its diffs go with the next commit
+        if delta.kind == k8s_pb2.K8S_KIND_SERVICE:
+            self.engine.set_service(delta.namespace, delta.name, obj)
+        else:
+            self.engine.set_endpoint_slice(delta.namespace, delta.name, obj)
+
     def apply_policy_delta(self, delta: k8s_pb2.K8sDelta, now: float) -> Outcome | None:
         """A NetworkPolicy/CNP/CCNP from the watcher; None for kinds that are not policies."""
+        if delta.kind in (k8s_pb2.K8S_KIND_SERVICE, k8s_pb2.K8S_KIND_ENDPOINT_SLICE):
+            self.apply_service_delta(delta, now)
+            return None
         kind = _DELTA_KINDS.get(delta.kind)
         if kind is None:
             return None
@@ -340,7 +362,7 @@ class PolicyCore:
         if dry_run:
             return Outcome(source, key, True, "", document, parsed)
         policy = dataclasses.replace(parsed, key=engine_key(source, key))
-        changed = self.engine.repository.get(policy.key) != policy
+        changed = self.engine.declared_policy(policy.key) != policy
         if changed:
             self._change(now)
             self.engine.upsert_policy(policy)

@@ -106,6 +106,23 @@ ALL_PORTS = PortSpec(Protocol.ANY, 0, 0)
 
 
 @dataclass(frozen=True, slots=True)
+class ServiceRef:
+    """A ``toServices`` item: one Service by name, or the Services whose labels a selector matches.
+
+    ``namespace`` None is every namespace (a clusterwide policy that names none).
+    The engine expands it into the Services' backends (see ``servicepeers``).
+    """
+
+    namespace: str | None
+    name: str | None = None
+    selector: EndpointSelector | None = None
+
+    def __str__(self) -> str:
+        where = self.namespace if self.namespace is not None else "*"
+        return f"service {where}/{self.name}" if self.name else f"services {where}/{self.selector}"
+
+
+@dataclass(frozen=True, slots=True)
 class PeerRule:
     """One ingress/egress element: which remote identities, which ports, allow or deny.
 
@@ -113,6 +130,8 @@ class PeerRule:
     tuple selects nothing (Cilium's empty rule ``ingress: [{}]``).
     ``requirements`` (fromRequires/toRequires) further restrict the identities
     selected by endpoint selectors. ``origin`` is the field path, for traces.
+    ``services`` are the ``toServices`` items as written; the engine adds their
+    backends' selectors to ``peers`` while the Services exist.
     """
 
     direction: Direction
@@ -121,6 +140,7 @@ class PeerRule:
     ports: tuple[PortSpec, ...] = (ALL_PORTS,)
     requirements: tuple[Selector, ...] = ()
     origin: str = ""
+    services: tuple[ServiceRef, ...] = ()
 
     @property
     def has_named_ports(self) -> bool:

@@ -10,7 +10,7 @@ and its L3/L4 effect is always the conservative one:
   ``listener`` under ``toPorts``: the L3/L4 part (peers, ports) is enforced as
   written, as Cilium does when no proxy is in the path; the L7 filter is not.
 * ``authentication``: the rule is enforced without mutual authentication.
-* ``toFQDNs``, ``toServices``, ``toGroups``/``fromGroups``, ``toNodes``/
+* ``toFQDNs``, ``toGroups``/``fromGroups``, ``toNodes``/
   ``fromNodes``, ``cidrGroupRef``/``cidrGroupSelector``: these peers select no
   identity (nothing is allowed, or denied, through them); they still count as
   peers, so a rule made only of them is never widened to "all peers".
@@ -19,7 +19,8 @@ and its L3/L4 effect is always the conservative one:
 * extended protocols (``VRRP``, ``IGMP``): that port entry is skipped; if a
   ``toPorts`` element keeps no port, it allows nothing.
 
-``fromRequires``/``toRequires`` and ``icmps`` are implemented.
+``fromRequires``/``toRequires``, ``icmps`` and ``toServices`` (``k8sService``,
+``k8sServiceSelector``: the Services' backends, see ``servicepeers``) are implemented.
 
 The module is about 600 lines because it follows the three schemas field by field, so
 a reader can hold one document beside it; the model and the selector grammar live in
@@ -52,6 +53,7 @@ from services.policy.engine.model import (
     PortSpec,
     Protocol,
     Rule,
+    ServiceRef,
     Verdict,
 )
 from services.policy.engine.selector import (
@@ -488,9 +490,17 @@ def _cilium_peer_rule(
         else:
             peers.extend(sels)
 
+    services: list[ServiceRef] = []
+    if direction is Direction.EGRESS:
+        for j, svc in enumerate(_as_list(ctx, item.get("toServices"), f"{path}.toServices")):
+            peer_fields_present = True
+            ref = _service_ref(ctx, _as_map(ctx, svc, f"{path}.toServices[{j}]"), f"{path}.toServices[{j}]")
+            if ref is not None:
+                services.append(ref)
+
     unsupported_peers = [f"{p}Nodes", f"{p}Groups"]
     if direction is Direction.EGRESS:
-        unsupported_peers += ["toFQDNs", "toServices"]
+        unsupported_peers += ["toFQDNs"]
     for f in unsupported_peers:
         if item.get(f):
             peer_fields_present = True
@@ -520,7 +530,37 @@ def _cilium_peer_rule(
         peer_tuple = ()
     else:
         peer_tuple = ()  # Cilium: an empty rule selects no peer
-    return PeerRule(direction, verdict, peer_tuple, ports, tuple(requirements), origin=path)
+    return PeerRule(direction, verdict, peer_tuple, ports, tuple(requirements), origin=path, services=tuple(services))
+
+
+def _service_ref(ctx: _Ctx, item: Mapping[str, Any], path: str) -> ServiceRef | None:
+    """A ``toServices`` item; an empty one names no Service (and selects nothing)."""
+    if "k8sService" in item and "k8sServiceSelector" in item:
+        raise ctx.error(path, "give k8sService or k8sServiceSelector, not both")
+    if "k8sService" in item:
+        spath = f"{path}.k8sService"
+        named = _as_map(ctx, item["k8sService"], spath)
+        name = named.get("serviceName")
+        if not isinstance(name, str) or not name:
+            raise ctx.error(f"{spath}.serviceName", "required: the name of the Service")
+        return ServiceRef(_service_namespace(ctx, named.get("namespace"), spath), name=name)
+    if "k8sServiceSelector" in item:
+        spath = f"{path}.k8sServiceSelector"
+        chosen = _as_map(ctx, item["k8sServiceSelector"], spath)
+        if "selector" not in chosen:
+            raise ctx.error(f"{spath}.selector", "required: a label selector over Services")
+        selector = parse_label_selector(chosen.get("selector"), obj=ctx.obj, path=f"{spath}.selector")
+        return ServiceRef(_service_namespace(ctx, chosen.get("namespace"), spath), selector=selector)
+    return None
+
+
+def _service_namespace(ctx: _Ctx, raw: Any, path: str) -> str | None:
+    """The namespace a ``toServices`` item looks in: as written, else the policy's (clusterwide: every one)."""
+    if raw is None or raw == "":
+        return ctx.key.namespace or None
+    if not isinstance(raw, str):
+        raise ctx.error(f"{path}.namespace", "must be a string")
+    return raw
 
 
 def _cilium_ports(ctx: _Ctx, item: Mapping[str, Any], path: str, verdict: Verdict) -> tuple[PortSpec, ...] | None:

@@ -74,6 +74,7 @@ from services.policy.engine.resolve import (
 )
 from services.policy.engine.selector import CIDRSelector, Selector
 from services.policy.engine.selectorcache import SelectionChange, SelectorCache
+from services.policy.engine.servicepeers import ServiceRegistry, has_service_peers
 
 RuleId = tuple[PolicyRef, int]
 
@@ -163,6 +164,10 @@ class PolicyEngine:
     def __init__(self, *, cluster: str = CLUSTER_NAME_DEFAULT, with_reserved: bool = True) -> None:
         self.cluster = cluster
         self._repo = Repository()
+        #: The cluster's Services, for ``toServices``; policies naming some are kept as declared
+        #: here and enter the repository expanded (``servicepeers``).
+        self.services = ServiceRegistry()
+        self._declared: dict[PolicyRef, Policy] = {}
         self._cache = SelectorCache()
         self._identities: dict[int, Identity] = {}
         self._ips: dict[int, frozenset[IPAddress]] = {}
@@ -284,6 +289,49 @@ class PolicyEngine:
 
     def upsert_policy(self, policy: Policy) -> ChangeResult:
         """Add a policy, or replace every rule of the object with the same key."""
+        if has_service_peers(policy):
+            self._declared[policy.key] = policy
+            policy = self.services.expand(policy)
+        else:
+            self._declared.pop(policy.key, None)
+        return self._put_policy(policy)
+
+    def names_services(self) -> bool:
+        """Whether some policy has ``toServices`` (only then can a Service change a policy)."""
+        return bool(self._declared)
+
+    def declared_policy(self, key: PolicyRef) -> Policy | None:
+        """A policy as it was given (``toServices`` not expanded)."""
+        return self._declared.get(key) or self._repo.get(key)
+
+    def set_service(self, namespace: str, name: str, obj: Mapping[str, Any] | None) -> ChangeResult:
+        """A Service added, changed or (``obj`` None) deleted; policies naming it follow."""
+        self.services.set_service(namespace, name, obj)
+        return self._reexpand()
+
+    def set_endpoint_slice(self, namespace: str, name: str, obj: Mapping[str, Any] | None) -> ChangeResult:
+        """An EndpointSlice added, changed or deleted (it matters to Services without a selector)."""
+        self.services.set_slice(namespace, name, obj)
+        return self._reexpand()
+
+    def _reexpand(self) -> ChangeResult:
+        changed = []
+        for key, declared in self._declared.items():
+            expanded = self.services.expand(declared)
+            if expanded != self._repo.get(key):
+                changed.append(expanded)
+        if not changed:
+            return ChangeResult(self.revision)
+        if self._batching:
+            for policy in changed:
+                self._put_policy(policy)
+            return ChangeResult(self.revision)
+        self.begin_batch()
+        for policy in changed:
+            self._put_policy(policy)
+        return self.end_batch()
+
+    def _put_policy(self, policy: Policy) -> ChangeResult:
         old = self._repo.get(policy.key)
         if old is not None:
             self._pending_full |= self._unregister(old)
@@ -293,6 +341,7 @@ class PolicyEngine:
         return ChangeResult(result.revision, result.diffs, policy)
 
     def delete_policy(self, key: PolicyRef) -> ChangeResult:
+        self._declared.pop(key, None)
         old = self._repo.get(key)
         if old is None:
             return ChangeResult(self.revision)
