@@ -112,6 +112,19 @@ def address(args: argparse.Namespace, service: str) -> str:
     )
 
 
+def manifest_folder(args: argparse.Namespace) -> Path:
+    """The dev cluster's manifest folder (its API server): --manifests, PALISADE_MANIFESTS, or `make run`'s."""
+    folder = (
+        getattr(args, "manifests", None) or os.environ.get("PALISADE_MANIFESTS") or _run_addresses().get("manifests")
+    )
+    if not folder:
+        raise CLIError("no manifest folder: give --manifests (the folder the running stack's watcher reads)", 2)
+    path = Path(folder)
+    if not path.is_dir():
+        raise CLIError(f"manifest folder {path} is not a folder; give the one the running stack's watcher reads", 2)
+    return path
+
+
 def _run_addresses() -> dict[str, str]:
     try:
         data = json.loads(RUN_ADDRESSES.read_text())

@@ -10,6 +10,12 @@ policies through the policy service, waits until their revision is realized, pro
 every pod pair on each port/protocol, prints the matrix, and cleans up. Policies that
 are already in the running system apply as well; run it on a stack without other
 policies to compare it with `palisade analyze` on the same files.
+
+With --via-services every pod also gets a ClusterIP Service on the probed ports (applied to
+the dev cluster's manifest folder, its API server, with an EndpointSlice naming exactly that
+pod, as the slice controller keeps for a selector that matches it alone; a label added to
+select it would change its identity), and every pair is probed through the destination's
+ClusterIP, as upstream's NetworkPolicy e2e tests do: policy judges the backend pod.
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import secrets
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -42,6 +50,7 @@ from services.cli.client import (
     add_address_flags,
     call,
     channel,
+    manifest_folder,
     node_channels,
     print_json,
     progress,
@@ -101,8 +110,13 @@ def _servers(endpoints: dict[str, datapath_pb2.Endpoint], probes: list[Probe]) -
 
 
 def _probe_all(
-    endpoints: dict[str, datapath_pb2.Endpoint], probes: list[Probe], timeout: float
+    endpoints: dict[str, datapath_pb2.Endpoint],
+    probes: list[Probe],
+    timeout: float,
+    targets_by_pod: Mapping[str, str] | None = None,
 ) -> list[dict[str, dict[str, bool]]]:
+    """Every pair on every probe; ``targets_by_pod`` gives the address to dial per destination
+    (its ClusterIP), else its first pod address."""
     keys = sorted(endpoints)
     results: dict[tuple[int, str, str], bool] = {}
     procs = []
@@ -112,7 +126,7 @@ def _probe_all(
             for dst in keys:
                 if dst == src:
                     continue  # a pod reaching itself never leaves its namespace: always allowed
-                ip = endpoints[dst].ips[0]
+                ip = targets_by_pod[dst] if targets_by_pod else endpoints[dst].ips[0]
                 targets.append({"id": f"{i}|{dst}", "ip": ip, "port": pr.port, "protocol": pr.protocol.name})
         cmd = [
             sys.executable,
@@ -165,6 +179,9 @@ class ProbeRun:
         self.endpoints: dict[str, datapath_pb2.Endpoint] = {}
         self._nodes: dict[str, str] = {}
         self.imported: list[common_pb2.ObjectRef] = []
+        #: pod -> its Service's ClusterIP, once :meth:`expose` made them.
+        self.cluster_ips: dict[str, str] = {}
+        self._services_file: Path | None = None
 
     def create_pods(self, docs: list[Document], probes: list[Probe]) -> None:
         """Each Pod of ``docs`` as an endpoint, at the addresses its status gives."""
@@ -242,14 +259,97 @@ class ProbeRun:
             raise CLIError(f"revision {revision} not realized after {self.wait_timeout:g}s; behind: {behind}")
 
     def probe(self, probes: list[Probe]) -> list[dict[str, dict[str, bool]]]:
-        """One matrix per probe: row = source, column = destination."""
-        return _probe_all(self.endpoints, probes, self.timeout)
+        """One matrix per probe: row = source, column = destination (through ClusterIPs once exposed)."""
+        return _probe_all(self.endpoints, probes, self.timeout, self.cluster_ips or None)
+
+    def expose(self, folder: Path, probes: list[Probe]) -> dict[str, str]:
+        """A ClusterIP Service per pod on the probed ports; returns pod -> ClusterIP once every node serves them."""
+        docs: list[dict[str, Any]] = []
+        names: dict[tuple[str, str], str] = {}
+        ports = [
+            {"name": f"p{pr.port}-{pr.protocol.name.lower()}", "port": pr.port, "protocol": pr.protocol.name}
+            for pr in probes
+            if pr.protocol.name in ("TCP", "UDP")
+        ]
+        if len(ports) != len(probes):
+            raise CLIError("--via-services probes TCP and UDP ports only (Services are not load-balanced for SCTP)", 2)
+        for key, ep in sorted(self.endpoints.items()):
+            ns, pod = key.split("/", 1)
+            name = f"probe-{pod}"[:63].rstrip("-")
+            names[(ns, name)] = key
+            service_ports = [{**p, "targetPort": p["port"]} for p in ports]
+            docs.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Service",
+                    "metadata": {"name": name, "namespace": ns, "labels": {"palisade.io/probe": "true"}},
+                    "spec": {"type": "ClusterIP", "ports": service_ports},
+                }
+            )
+            v4 = [ip for ip in ep.ips if ipaddress.ip_address(ip).version == 4]
+            docs.append(
+                {
+                    "apiVersion": "discovery.k8s.io/v1",
+                    "kind": "EndpointSlice",
+                    "metadata": {
+                        "name": f"{name}-probe",
+                        "namespace": ns,
+                        "labels": {"kubernetes.io/service-name": name},
+                    },
+                    "addressType": "IPv4",
+                    "ports": ports,
+                    "endpoints": [
+                        {
+                            "addresses": v4[:1],
+                            "conditions": {"ready": True},
+                            "nodeName": self._nodes[key],
+                            "targetRef": {"kind": "Pod", "namespace": ns, "name": pod},
+                        }
+                    ],
+                }
+            )
+        self._services_file = folder / f"zz-connectivity-probe-{secrets.token_hex(3)}.yaml"
+        self._services_file.write_text(yaml.safe_dump_all(docs))
+        deadline = time.monotonic() + self.wait_timeout
+        with progress(f"waiting for {len(names)} Services on every node"):
+            while True:
+                found = self._served(names, len(ports))
+                if found is not None:
+                    self.cluster_ips = found
+                    return found
+                if time.monotonic() > deadline:
+                    raise CLIError(
+                        f"the probe's Services were not served on every node within {self.wait_timeout:g}s: "
+                        "does the stack's watcher read this manifest folder and give Services ClusterIPs "
+                        "(`make run` does)?"
+                    )
+                time.sleep(0.1)
+
+    def _served(self, names: Mapping[tuple[str, str], str], port_count: int) -> dict[str, str] | None:
+        """pod -> ClusterIP if every node serves every probe Service with its backend, else None."""
+        ips: dict[str, str] = {}
+        for stub in self.datapaths.values():
+            answer = call("datapath", stub.ListServices, datapath_pb2.ListServicesRequest())
+            ready: dict[tuple[str, str], list[str]] = {}
+            for f in answer.frontends:
+                if (f.namespace, f.name) in names and len(f.backends) == 1:
+                    ready.setdefault((f.namespace, f.name), []).append(f.address)
+            for ref, pod in names.items():
+                addresses = ready.get(ref, [])
+                if len(addresses) != port_count or len(set(addresses)) != 1:
+                    return None
+                ips[pod] = addresses[0]
+        return ips
 
     def servers(self, probes: list[Probe]) -> AbstractContextManager[None]:
         return _servers(self.endpoints, probes)
 
     def close(self) -> None:
         self.withdraw(wait=False)
+        if self._services_file is not None:
+            self._services_file.unlink(missing_ok=True)
+            self._services_file = None
+            self.cluster_ips = {}
         for key, ep in self.endpoints.items():
             try:
                 self.datapaths[self._nodes[key]].DeleteEndpoint(
@@ -287,6 +387,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
         try:
             with progress(f"creating {len(pods)} pods"):
                 probe_run.create_pods(docs, probes)
+            if args.via_services:
+                probe_run.expose(manifest_folder(args), probes)
             probe_run.enforce(policy_docs)
             with probe_run.servers(probes), progress("probing every pod pair"):
                 matrices = probe_run.probe(probes)
@@ -329,5 +431,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     probe.add_argument("-o", "--output", choices=("table", "json"), default="table")
     probe.add_argument("--timeout", type=float, default=2.0, help="seconds before a probe counts as denied")
     probe.add_argument("--wait-timeout", type=float, default=60.0, help="seconds to wait for enforcement")
+    probe.add_argument(
+        "--via-services",
+        action="store_true",
+        help="give every pod a ClusterIP Service on the probed ports and probe through the ClusterIPs",
+    )
+    probe.add_argument(
+        "--manifests",
+        default=None,
+        metavar="DIR",
+        help="with --via-services: the manifest folder the stack's watcher reads (env PALISADE_MANIFESTS; "
+        "default the one `make run` reads)",
+    )
     add_address_flags(probe, "datapath", "policy", "ipam")
     probe.set_defaults(func=cmd_probe)

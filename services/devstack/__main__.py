@@ -211,6 +211,8 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
         "policy": policy_addresses,
         "ipam": ipam_addresses,
         "datapath": ",".join(c.grpc_address for c in datapaths),
+        # The dev cluster's API server is this folder: `connectivity probe --via-services` applies Services to it.
+        "manifests": str(Path(args.manifests).resolve()),
     }
     # The CLI reads them from here (every replica, so it reaches the survivors of a failover;
     # every node's datapath, so `palisade endpoint list` shows the whole cluster).

@@ -1,4 +1,5 @@
-"""The servers a dev-node pod runs on its ports: TCP answers with the pod's name, UDP echoes.
+"""The servers a dev-node pod runs on its ports: TCP greets with the pod's name then echoes, UDP answers
+with the name.
 
     python -m services.devstack.podserver --netns /run/netns/x --name shop/db --tcp 5432 --udp 9125
 
@@ -25,9 +26,10 @@ async def serve(name: str, tcp: list[int], udp: list[int], sctp: list[int]) -> N
         try:
             writer.write(greeting)
             await writer.drain()
-            # Keep the connection while the client sends (streaming tests), echo nothing back.
-            while await reader.read(65536):
-                pass
+            # Then echo what the client sends: a long connection can prove it still works both ways.
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
         except (ConnectionError, OSError):
             pass
         finally:

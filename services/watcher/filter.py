@@ -37,6 +37,9 @@ _RELEVANT: dict[Kind, tuple[tuple[str, tuple[str, ...] | None], ...]] = {
     # Cilium agents write per-node enforcement into status; it is not policy input.
     Kind.CILIUM_NETWORK_POLICY: (("spec", None), ("specs", None)),
     Kind.CILIUM_CLUSTERWIDE_NETWORK_POLICY: (("spec", None), ("specs", None)),
+    # What the datapath load-balances and toServices names; a Service's status (load balancer) is not.
+    Kind.SERVICE: (("spec", None),),
+    Kind.ENDPOINT_SLICE: (("addressType", None), ("endpoints", None), ("ports", None)),
 }
 
 

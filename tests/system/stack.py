@@ -82,7 +82,7 @@ class Stack:
         return subprocess.run(
             [sys.executable, "-m", "services.cli.main", *args, *self.flags(args[0])],
             cwd=ROOT,
-            env={**os.environ, "PALISADE_TLS_DIR": str(self.tls_dir)},
+            env={**os.environ, "PALISADE_TLS_DIR": str(self.tls_dir), "PALISADE_MANIFESTS": str(self.manifests)},
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -92,6 +92,7 @@ class Stack:
         wanted = {
             "status": SERVICES,
             "endpoint": ("datapath",),
+            "service": ("datapath",),
             "connectivity": ("datapath", "policy", "ipam"),
             "policy": ("policy",),
         }.get(command, ())
@@ -175,6 +176,31 @@ class Stack:
 
     def reach(self, src: str, dst: str, port: int, protocol: str = "TCP") -> bool:
         return probe(self.netns(src), self.ip(dst), port, protocol)
+
+    def frontends(self) -> list[dict[str, Any]]:
+        """Every node's Service frontends, as `palisade service list` gives them."""
+        out = self.palisade("service", "list", "-o", "json")
+        assert out.returncode == 0, out.stderr
+        return [f for node in json.loads(out.stdout)["nodes"] for f in node.get("frontends", [])]
+
+    def cluster_ip(self, service: str, port: int) -> str:
+        """The ClusterIP of NAMESPACE/NAME serving ``port``, once every node serves it."""
+        ns, name = service.split("/")
+        found: list[str] = []
+
+        def served() -> bool:
+            found[:] = [
+                f["address"]
+                for f in self.frontends()
+                if f["namespace"] == ns and f["name"] == name and f.get("port") == port
+            ]
+            return bool(found)
+
+        assert wait_for(served), f"{service} port {port} is not served"
+        return found[0]
+
+    def reach_service(self, src: str, service: str, port: int, protocol: str = "TCP") -> bool:
+        return probe(self.netns(src), self.cluster_ip(service, port), port, protocol)
 
 
 def probe(netns: str, ip: str, port: int, protocol: str = "TCP") -> bool:

@@ -33,6 +33,20 @@ BASE: dict[Kind, Obj] = {
     Kind.NETWORK_POLICY: o.netpol("deny"),
     Kind.CILIUM_NETWORK_POLICY: o.cnp("allow"),
     Kind.CILIUM_CLUSTERWIDE_NETWORK_POLICY: o.ccnp("egress"),
+    Kind.SERVICE: {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "web", "namespace": "prod"},
+        "spec": {"clusterIP": "10.96.0.10", "selector": {"app": "web"}, "ports": [{"port": 80}]},
+    },
+    Kind.ENDPOINT_SLICE: {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"name": "web-1", "namespace": "prod", "labels": {"kubernetes.io/service-name": "web"}},
+        "addressType": "IPv4",
+        "ports": [{"port": 8080}],
+        "endpoints": [{"addresses": ["10.0.0.1"], "conditions": {"ready": True}}],
+    },
 }
 
 
@@ -75,6 +89,13 @@ BASE: dict[Kind, Obj] = {
         (Kind.CILIUM_NETWORK_POLICY, _set("specs", [{"endpointSelector": {}}]), True),
         (Kind.CILIUM_CLUSTERWIDE_NETWORK_POLICY, _set("spec.egress", []), True),
         (Kind.CILIUM_CLUSTERWIDE_NETWORK_POLICY, _set("status.derivativePolicies", {}), False),
+        # Services: the spec is what is load-balanced; the load balancer status is not.
+        (Kind.SERVICE, _set("spec.selector", {"app": "api"}), True),
+        (Kind.SERVICE, _set("status.loadBalancer", {"ingress": [{"ip": "1.2.3.4"}]}), False),
+        # EndpointSlices: endpoints (with their conditions) and ports.
+        (Kind.ENDPOINT_SLICE, _set("endpoints", [{"addresses": ["10.0.0.1"], "conditions": {"ready": False}}]), True),
+        (Kind.ENDPOINT_SLICE, _set("ports", [{"port": 9090}]), True),
+        (Kind.ENDPOINT_SLICE, _set("metadata.generation", 4), False),
     ],
 )
 def test_relevant_change(kind: Kind, change: Callable[[Obj], None], relevant: bool) -> None:
