@@ -105,6 +105,24 @@ def test_the_example_story_holds_across_nodes(stack: Stack) -> None:
     assert not stack.reach("tools/debug", "shop/db", 5432)  # the clusterwide deny
 
 
+def test_the_story_through_cluster_ips_across_nodes(stack: Stack) -> None:
+    # Every node serves every Service; the client's node translates, the backend's node judges ingress.
+    def serving_nodes() -> set[str]:
+        answers = json.loads(stack.palisade("service", "list", "-o", "json").stdout)["nodes"]
+        return {
+            a["node"]
+            for a in answers
+            if any((f["namespace"], f["name"]) == ("shop", "backend") for f in a.get("frontends", []))
+        }
+
+    assert wait_for(lambda: serving_nodes() == {"dev-node-1", "dev-node-2", "dev-node-3"})
+    assert len({f["address"] for f in stack.frontends() if (f["namespace"], f["name"]) == ("shop", "backend")}) == 1
+    assert stack.reach_service("shop/frontend", "shop/backend", 80)
+    assert not stack.reach_service("tools/debug", "shop/backend", 80)
+    assert stack.reach_service("shop/backend", "shop/db", 5432)
+    assert not stack.reach_service("shop/frontend", "shop/db", 5432)
+
+
 MATRIX_PODS = [(ns, pod) for ns in ("x", "y", "z") for pod in ("a", "b", "c")]
 
 

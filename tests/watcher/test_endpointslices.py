@@ -7,6 +7,7 @@ from typing import Any
 
 import yaml
 
+from services.watcher.clusterips import assign_cluster_ips
 from services.watcher.endpointslices import with_endpoint_slices
 from services.watcher.kinds import Kind, lookup
 from services.watcher.manifests import ManifestSource, synthetic_uid
@@ -25,7 +26,7 @@ def pod(name: str, ports: list[Obj] | None = None, ns: str = "prod", deleting: b
 
 
 def service(name: str = "web", ns: str = "prod", selector: Obj | None = None, ports: list[Obj] | None = None) -> Obj:
-    spec: Obj = {"clusterIP": "10.96.0.10", "ports": ports or [{"name": "http", "port": 80, "targetPort": "http"}]}
+    spec: Obj = {"ports": ports or [{"name": "http", "port": 80, "targetPort": "http"}]}
     if selector is not None:
         spec["selector"] = selector
     return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns}, "spec": spec}
@@ -104,9 +105,11 @@ def test_the_manifest_source_of_a_dev_cluster_lists_slices_when_addresses_arrive
     (tmp_path / "app.yaml").write_text(
         yaml.safe_dump_all([service(selector={"app": "web"}), pod("a", HTTP, app="web")])
     )
-    source = ManifestSource(tmp_path, dev_nodes={"n1": "172.31.255.2"})
+    source = ManifestSource(tmp_path, dev_nodes={"n1": "172.31.255.2"}, service_cidr="10.96.0.0/16")
     first = {e.kind: e.objects for e in source.scan() if isinstance(e, Listed)}
     assert first[Kind.ENDPOINT_SLICE] == ()
+    (svc,) = first[Kind.SERVICE]
+    assert svc.body["spec"]["clusterIP"].startswith("10.96.")  # the API server's allocator's part
     assert source.scan() == []  # nothing changed
     source.set_pod_addresses("prod", "a", ("10.0.0.1",))
     second = {e.kind: e.objects for e in source.scan({("prod", "a"): ("10.0.0.1",)}) if isinstance(e, Listed)}
@@ -115,3 +118,19 @@ def test_the_manifest_source_of_a_dev_cluster_lists_slices_when_addresses_arrive
     assert sl.resource_version  # versioned like every listed object
     gone = {e.kind: e.objects for e in source.scan({}) if isinstance(e, Listed)}
     assert gone[Kind.ENDPOINT_SLICE] == ()
+
+
+def test_cluster_ips_are_stable_unique_and_never_taken_from_written_ones() -> None:
+    given = objects(
+        service("a"),
+        service("b"),
+        {**service("fixed"), "spec": {"clusterIP": "10.96.0.5", "ports": []}},
+        {**service("ext"), "spec": {"type": "ExternalName", "externalName": "example.com"}},
+    )
+    first = assign_cluster_ips(given, "10.96.0.0/29")  # 6 usable addresses: collisions are likely
+    again = assign_cluster_ips(given, "10.96.0.0/29")
+    ips = {k.name: o.body["spec"].get("clusterIP") for k, o in first.items()}
+    assert ips == {k.name: o.body["spec"].get("clusterIP") for k, o in again.items()}
+    assert ips["fixed"] == "10.96.0.5" and ips["ext"] is None
+    assert len({ips["a"], ips["b"], ips["fixed"]}) == 3
+    assert all(ip in {f"10.96.0.{i}" for i in range(1, 7)} for ip in (ips["a"], ips["b"]))

@@ -1,0 +1,372 @@
+"""Services benchmark: a ClusterIP load-balanced in BPF vs. the pod IP directly vs. kube-proxy's iptables DNAT.
+
+Run as root on a machine with bcc, iperf3 and iptables:
+
+    .venv/bin/python -m bench.bench_services            # about 6 minutes
+    .venv/bin/python -m bench.bench_services --quick    # about 1.5 minutes, a smoke run
+
+Two pods (network namespaces routed through the host, as Palisade wires pods) with
+Palisade's programs attached to both host veths (no policy enforced: what is measured is
+the service translation). Variants, all measured in one run, interleaved (forward order
+on even rounds, backward on odd ones, so a drift of the machine hits every variant alike):
+
+- ``direct``: the client dials the server pod's address;
+- ``clusterip-N``: the client dials a ClusterIP that Palisade's programs translate to the
+  server pod (DNAT at the client's veth, reverse NAT of the replies), while the service
+  maps hold N frontends in all;
+- ``iptables-N``: the client dials the same ClusterIP, which kube-proxy-style iptables
+  rules translate instead (nat PREROUTING -> a SERVICES chain with one rule per frontend
+  -> the service's SVC chain -> its SEP chain -> DNAT; netfilter conntrack reverses the
+  replies), with N frontends; the measured service's rule comes last in the SERVICES
+  chain, the worst case of kube-proxy's linear match, paid by the first packet of every
+  new connection. Palisade's service maps hold nothing then.
+
+Metrics, medians over rounds, and ratios to ``direct`` and of ``clusterip-N`` to
+``iptables-N``: new connections per second (a Python client that connects, waits for the
+server's close and closes, every connection a fresh 4-tuple) and 64-byte UDP packets per
+second received (iperf3 -u -l 64 -b 0). Before the first sample of each variant the run
+checks that the translation it claims happened (Palisade's service conntrack or the DNAT
+rule's counter) and that the other did not.
+
+Everything (namespaces, veths, iptables chains and the PREROUTING jump, BPF pins under
+/sys/fs/bpf/palisade-bench-<run>) is removed at the end, on failure and on Ctrl-C too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from bench.bench_datapath_cost import (
+    CONN_PORT,
+    CONN_PORTS,
+    IPERF_PORT,
+    SELF,
+    Server,
+    connection_rate,
+    iperf,
+    log,
+    round_to,
+    run_cmd,
+    stdout_reserved_for_json,
+)
+from services.datapath import netns
+from services.datapath.datapath import Datapath, teardown_all
+from services.datapath.netns import PodLink
+from services.datapath.types import Backend, EndpointSpec, Frontend, LbService, Protocol
+from tests.datapath.traffic import tcp_connects
+
+DEFAULT_LEVELS = (100, 1000, 10000)
+METRICS = ("conn_rate", "udp_pps")
+VIP = "10.96.255.254"
+FILLER_BASE = int(ipaddress.IPv4Address("10.97.0.0"))
+SRC_EP, DST_EP = 1, 2
+
+
+def measured_services(dst_ip: str) -> list[LbService]:
+    """The frontends the client uses: iperf3's control (TCP) and data (UDP) port, and the connection ports."""
+    out = [
+        LbService(Frontend(VIP, IPERF_PORT, Protocol.TCP), (Backend(dst_ip, IPERF_PORT),)),
+        LbService(Frontend(VIP, IPERF_PORT, Protocol.UDP), (Backend(dst_ip, IPERF_PORT),)),
+    ]
+    out += [
+        LbService(Frontend(VIP, port, Protocol.TCP), (Backend(dst_ip, port),))
+        for port in range(CONN_PORT, CONN_PORT + CONN_PORTS)
+    ]
+    return out
+
+
+def filler_services(count: int, dst_ip: str) -> list[LbService]:
+    return [
+        LbService(Frontend(str(ipaddress.IPv4Address(FILLER_BASE + i)), 80, Protocol.TCP), (Backend(dst_ip, 80),))
+        for i in range(max(0, count))
+    ]
+
+
+class KubeProxy:
+    """kube-proxy's iptables mode in small: nat chains per service and endpoint, built with iptables-restore."""
+
+    def __init__(self, run: str) -> None:
+        self.prefix = f"PALS-{run}"
+        self.services = f"{self.prefix}-SERVICES"
+
+    def ruleset(self, services: Sequence[LbService]) -> str:
+        lines = ["*nat", f":{self.services} - [0:0]"]
+        rules = []
+        for i, svc in enumerate(services):
+            f, (b,) = svc.frontend, svc.backends
+            proto = f.protocol.value
+            chain_svc, chain_sep = f"{self.prefix}-SVC-{i}", f"{self.prefix}-SEP-{i}"
+            lines += [f":{chain_svc} - [0:0]", f":{chain_sep} - [0:0]"]
+            rules.append(f"-A {self.services} -d {f.address}/32 -p {proto} -m {proto} --dport {f.port} -j {chain_svc}")
+            rules.append(f"-A {chain_svc} -j {chain_sep}")
+            rules.append(f"-A {chain_sep} -p {proto} -m {proto} -j DNAT --to-destination {b.address}:{b.port}")
+        lines += rules
+        lines.append(f"-I PREROUTING 1 -j {self.services}")
+        lines.append("COMMIT")
+        return "\n".join(lines) + "\n"
+
+    def install(self, services: Sequence[LbService]) -> None:
+        self.uninstall()
+        run_cmd(["iptables-restore", "-w", "30", "--noflush"], stdin=self.ruleset(services))
+
+    def uninstall(self) -> None:
+        while (
+            run_cmd(
+                ["iptables", "-w", "30", "-t", "nat", "-D", "PREROUTING", "-j", self.services], check=False
+            ).returncode
+            == 0
+        ):
+            pass
+        chains = self.our_chains()
+        if not chains:
+            return
+        lines = ["*nat", *(f":{c} - [0:0]" for c in sorted(chains)), *(f"-X {c}" for c in sorted(chains)), "COMMIT"]
+        run_cmd(["iptables-restore", "-w", "30", "--noflush"], stdin="\n".join(lines) + "\n")
+
+    def our_chains(self) -> set[str]:
+        out = run_cmd(["iptables-save", "-t", "nat"], check=False).stdout
+        return set(re.findall(rf"^:({re.escape(self.prefix)}-\S+)", out, re.M))
+
+    def dnat_packets(self, chain: str) -> int:
+        out = run_cmd(["iptables", "-w", "30", "-t", "nat", "-L", chain, "-n", "-v", "-x"]).stdout
+        rows = [line.split() for line in out.splitlines()[2:] if line.strip()]
+        return int(rows[0][0]) if rows else 0
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.run = secrets.token_hex(2)
+        self.prefix = f"pbs{self.run}"
+        self.base = f"/sys/fs/bpf/palisade-bench-{self.run}"
+        self.pods: list[PodLink] = []
+        self.servers: list[Server] = []
+        self.dp: Datapath | None = None
+        self.kp = KubeProxy(self.run)
+        self.current = ""
+        self.next_conn = 0
+        self.checks: list[dict[str, Any]] = []
+
+    def setup(self) -> None:
+        netns.enable_forwarding()
+        o2, o3 = 150 + secrets.randbelow(50), 64 + secrets.randbelow(190)
+        self.src = netns.create_pod(f"{self.prefix}s", f"{self.prefix}s", [f"10.{o2}.{o3}.1"])
+        self.pods.append(self.src)
+        self.dst = netns.create_pod(f"{self.prefix}d", f"{self.prefix}d", [f"10.{o2}.{o3}.2"])
+        self.pods.append(self.dst)
+        self.dst_ip = self.dst.ips[0]
+        iperf_server = Server("iperf3 server", self.dst.name, ["iperf3", "-s", "-p", str(IPERF_PORT)])
+        ports = ",".join(str(p) for p in range(CONN_PORT, CONN_PORT + CONN_PORTS))
+        accept = Server(
+            "accept server", self.dst.name, [sys.executable, *SELF, "--role", "accept", "--ports", ports], "ready"
+        )
+        for server in (iperf_server, accept):
+            self.servers.append(server)
+            server.start()
+        self.iperf_server = iperf_server
+        self.dp = Datapath.open(self.base)
+        for ep, pod in ((SRC_EP, self.src), (DST_EP, self.dst)):
+            self.dp.attach_endpoint(EndpointSpec(ep, pod.host_ifindex, pod.host_ifname, pod.ips, 1000 + ep))
+        self.measured = measured_services(self.dst_ip)
+
+    def cleanup(self) -> dict[str, Any]:
+        problems: list[str] = []
+
+        def attempt(what: str, fn: Any, *a: Any) -> None:
+            try:
+                fn(*a)
+            except Exception as exc:
+                problems.append(f"{what}: {exc}")
+
+        for server in self.servers:
+            attempt(f"stop {server.name}", server.stop)
+        attempt("iptables", self.kp.uninstall)
+        if self.dp is not None:
+            attempt("datapath teardown", self.dp.teardown)
+        attempt("teardown_all", teardown_all, self.base)
+        for pod in self.pods:
+            attempt(f"delete {pod.name}", netns.delete_pod, pod)
+        return {
+            "problems": problems,
+            "netns_left": netns.list_netns(self.prefix),
+            "iptables_chains_left": sorted(self.kp.our_chains()),
+            "bpf_dir_left": os.path.exists(self.base),
+        }
+
+    def lb_hold(self, services: Sequence[LbService]) -> None:
+        """Make Palisade's service maps hold exactly ``services``."""
+        assert self.dp is not None
+        wanted = {s.frontend: s for s in services}
+        for state in self.dp.lb_services():
+            if state.frontend not in wanted:
+                self.dp.lb_delete(state.frontend)
+        held = {s.frontend for s in self.dp.lb_services()}
+        for frontend, svc in wanted.items():
+            if frontend not in held:
+                self.dp.lb_upsert(svc)
+
+    def switch(self, variant: str) -> float:
+        started = time.perf_counter()
+        kind, _, level = variant.partition("-")
+        if self.current.startswith("iptables") and kind != "iptables":
+            self.kp.uninstall()
+        fillers = filler_services(int(level or 0) - len(self.measured), self.dst_ip)
+        if kind == "clusterip":
+            self.lb_hold([*fillers, *self.measured])
+        elif kind == "iptables":
+            self.lb_hold([])
+            self.kp.install([*fillers, *self.measured])
+        self.current = variant
+        return time.perf_counter() - started
+
+    def target(self, variant: str) -> str:
+        return self.dst_ip if variant == "direct" else VIP
+
+    def check(self, variant: str) -> None:
+        assert self.dp is not None
+        ok = tcp_connects(self.src.name, self.target(variant), CONN_PORT, 3.0)
+        bpf = sum(1 for e in self.dp.conntrack(SRC_EP) if e.service_id)
+        if variant.startswith("iptables"):
+            i = len(filler_services(int(variant.partition("-")[2]) - len(self.measured), self.dst_ip)) + 2
+            dnat = self.kp.dnat_packets(f"{self.kp.prefix}-SEP-{i}")
+            passed, detail = ok and dnat > 0 and bpf == 0, f"connects={ok} dnat_packets={dnat} bpf_service_flows={bpf}"
+        elif variant.startswith("clusterip"):
+            passed, detail = ok and bpf > 0, f"connects={ok} bpf_service_flows={bpf}"
+        else:
+            passed, detail = ok, f"connects={ok}"
+        self.checks.append({"variant": variant, "passed": passed, "detail": detail})
+        if not passed:
+            log(f"CHECK FAILED: {variant}: {detail}")
+
+    def measure(self, variant: str) -> dict[str, float]:
+        assert self.dp is not None
+        self.dp.flush_conntrack()
+        conn = connection_rate(self.src, self.target(variant), self.args.seconds, self.next_conn)
+        self.next_conn = int(conn["next"])
+        udp = iperf(self.src.name, self.target(variant), self.args.seconds, udp=True, server=self.iperf_server)
+        self.dp.read_flows(0)
+        return {"conn_rate": conn["value"], "udp_pps": udp["value"]}
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    variants = ["direct", *(f"{k}-{n}" for n in args.levels for k in ("clusterip", "iptables"))]
+    samples: dict[str, dict[str, list[float]]] = {v: {m: [] for m in METRICS} for v in variants}
+    switch_seconds: dict[str, list[float]] = {v: [] for v in variants}
+    bench = Bench(args)
+    cleanup: dict[str, Any] = {}
+    try:
+        bench.setup()
+        checked: set[str] = set()
+        for r in range(args.rounds):
+            order = variants if r % 2 == 0 else list(reversed(variants))
+            for variant in order:
+                switch_seconds[variant].append(bench.switch(variant))
+                if variant not in checked:
+                    bench.check(variant)
+                    checked.add(variant)
+                for metric, value in bench.measure(variant).items():
+                    samples[variant][metric].append(value)
+            log(f"round {r + 1}/{args.rounds} done")
+    finally:
+        cleanup = bench.cleanup()
+    medians = {v: {m: round_to(statistics.median(samples[v][m])) for m in METRICS} for v in variants}
+    direct = medians["direct"]
+    ratios: dict[str, dict[str, float]] = {}
+    summary = []
+    for n in args.levels:
+        cip, ipt = medians[f"clusterip-{n}"], medians[f"iptables-{n}"]
+        ratios[str(n)] = {}
+        for m in METRICS:
+            ratios[str(n)][f"{m}_clusterip_vs_direct"] = round_to(cip[m] / direct[m]) if direct[m] else 0.0
+            ratios[str(n)][f"{m}_iptables_vs_direct"] = round_to(ipt[m] / direct[m]) if direct[m] else 0.0
+            ratios[str(n)][f"{m}_clusterip_vs_iptables"] = round_to(cip[m] / ipt[m]) if ipt[m] else 0.0
+        what = {"conn_rate": "new connections", "udp_pps": "64-byte UDP"}
+        for m in METRICS:
+            summary.append(
+                {
+                    "metric": f"{what[m]}, {n} services: ClusterIP (BPF) / direct",
+                    "value": ratios[str(n)][f"{m}_clusterip_vs_direct"],
+                    "unit": "x",
+                }
+            )
+            summary.append(
+                {
+                    "metric": f"{what[m]}, {n} services: iptables DNAT / direct",
+                    "value": ratios[str(n)][f"{m}_iptables_vs_direct"],
+                    "unit": "x",
+                }
+            )
+    summary.append(
+        {"metric": "checks passed", "value": f"{sum(c['passed'] for c in bench.checks)}/{len(bench.checks)}"}
+    )
+    return {
+        "summary": summary,
+        "medians": medians,
+        "ratios": ratios,
+        "samples": samples,
+        "switch_seconds_median": {v: round_to(statistics.median(s)) for v, s in switch_seconds.items() if s},
+        "checks": bench.checks,
+        "checks_passed": all(c["passed"] for c in bench.checks),
+        "config": {"rounds": args.rounds, "seconds": args.seconds, "levels": args.levels},
+        "cleanup": cleanup,
+        "cleanup_ok": not any(
+            cleanup.get(k) for k in ("problems", "netns_left", "iptables_chains_left", "bpf_dir_left")
+        ),
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of 1-second samples")
+    p.add_argument("--rounds", type=int, default=None, help="rounds, each running every variant once (default 6)")
+    p.add_argument("--seconds", type=int, default=None, help="seconds per sample (default 2)")
+    p.add_argument(
+        "--levels",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=list(DEFAULT_LEVELS),
+        help="comma-separated service counts (default 100,1000,10000)",
+    )
+    args = p.parse_args(argv)
+    args.rounds = args.rounds or (2 if args.quick else 6)
+    args.seconds = args.seconds or (1 if args.quick else 2)
+    if min(args.levels) <= len(measured_services("10.0.0.1")):
+        p.error(f"--levels must each exceed the {len(measured_services('10.0.0.1'))} measured frontends")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        print(json.dumps({"error": "needs root (network namespaces, BPF, iptables)"}))
+        return 2
+    for tool in ("ip", "iperf3", "iptables", "iptables-restore", "iptables-save"):
+        if shutil.which(tool) is None:
+            print(json.dumps({"error": f"{tool} is not installed"}))
+            return 2
+
+    def terminate(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGHUP, terminate)
+    with stdout_reserved_for_json() as out_fd:
+        result = run_bench(args)
+        with os.fdopen(os.dup(out_fd), "w") as out:
+            out.write(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
