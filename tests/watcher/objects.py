@@ -60,3 +60,23 @@ def ccnp(name: str) -> Obj:
         "metadata": {"name": name},
         "spec": {"endpointSelector": {}, "egress": [{"toEntities": ["cluster"]}]},
     }
+
+
+def service(name: str, ns: str = "default", app: str = "web") -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"clusterIP": "10.96.0.10", "selector": {"app": app}, "ports": [{"port": 80, "targetPort": 8080}]},
+    }
+
+
+def endpoint_slice(name: str, ns: str = "default", service: str = "web", ip: str = "10.0.1.10") -> Obj:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"name": name, "namespace": ns, "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "ports": [{"port": 8080, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": True}}],
+    }
