@@ -78,7 +78,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -331,6 +331,52 @@ class Server:
             proc.stdout.close()
 
 
+def create_pod_pair(prefix: str, pods: list[PodLink]) -> tuple[PodLink, PodLink]:
+    """Two pods (``<prefix>s`` and ``<prefix>d``) routed through the host, added to ``pods`` as made."""
+    netns.enable_forwarding()
+    o2 = 150 + secrets.randbelow(50)
+    o3 = 64 + secrets.randbelow(190)
+    src = netns.create_pod(f"{prefix}s", f"{prefix}s", [f"10.{o2}.{o3}.1"])
+    pods.append(src)
+    dst = netns.create_pod(f"{prefix}d", f"{prefix}d", [f"10.{o2}.{o3}.2"])
+    pods.append(dst)
+    return src, dst
+
+
+def start_servers(dst: PodLink, extra_ports: Sequence[int], servers: list[Server]) -> tuple[Server, Server]:
+    """iperf3 and the accept server (the connection ports and ``extra_ports``) in ``dst``, both added to ``servers``."""
+    iperf_server = Server("iperf3 server", dst.name, ["iperf3", "-s", "-p", str(IPERF_PORT)])
+    ports = [*range(CONN_PORT, CONN_PORT + CONN_PORTS), *extra_ports]
+    accept_argv = [sys.executable, *SELF, "--role", "accept", "--ports", ",".join(map(str, ports))]
+    accept_server = Server("accept server", dst.name, accept_argv, ready_line="ready")
+    for server in (iperf_server, accept_server):
+        servers.append(server)
+        server.start()
+    return iperf_server, accept_server
+
+
+def clean_up(
+    prefix: str, base: str, servers: Sequence[Server], pods: Sequence[PodLink], steps: Sequence[tuple[str, Any]]
+) -> dict[str, Any]:
+    """Stop the servers, run ``steps`` (name, callable), remove the pins and pods; what could not be undone."""
+    problems: list[str] = []
+
+    def attempt(what: str, fn: Any, *a: Any) -> None:
+        try:
+            fn(*a)
+        except Exception as exc:
+            problems.append(f"{what}: {exc}")
+
+    for server in servers:
+        attempt(f"stop {server.name}", server.stop)
+    for what, fn in steps:
+        attempt(what, fn)
+    attempt("teardown_all", teardown_all, base)
+    for pod in pods:
+        attempt(f"delete {pod.name}", netns.delete_pod, pod)
+    return {"problems": problems, "netns_left": netns.list_netns(prefix), "bpf_dir_left": os.path.exists(base)}
+
+
 # -- measurements ------------------------------------------------------------------------
 
 
@@ -539,51 +585,24 @@ class Bench:
     # setup / teardown -----------------------------------------------------------------
 
     def setup(self) -> None:
-        netns.enable_forwarding()
-        o2 = 150 + secrets.randbelow(50)
-        o3 = 64 + secrets.randbelow(190)
-        self.src = netns.create_pod(f"{self.prefix}s", f"{self.prefix}s", [f"10.{o2}.{o3}.1"])
-        self.pods.append(self.src)
-        self.dst = netns.create_pod(f"{self.prefix}d", f"{self.prefix}d", [f"10.{o2}.{o3}.2"])
-        self.pods.append(self.dst)
+        self.src, self.dst = create_pod_pair(self.prefix, self.pods)
         self.dst_ip = self.dst.ips[0]
-        self.iperf_server = Server("iperf3 server", self.dst.name, ["iperf3", "-s", "-p", str(IPERF_PORT)])
-        ports = [*range(CONN_PORT, CONN_PORT + CONN_PORTS), PROBE_INGRESS_PORT, PROBE_EGRESS_PORT]
-        accept_argv = [sys.executable, *SELF, "--role", "accept", "--ports", ",".join(map(str, ports))]
-        self.accept_server = Server("accept server", self.dst.name, accept_argv, ready_line="ready")
-        for server in (self.iperf_server, self.accept_server):
-            self.servers.append(server)
-            server.start()
+        extra = (PROBE_INGRESS_PORT, PROBE_EGRESS_PORT)
+        self.iperf_server, self.accept_server = start_servers(self.dst, extra, self.servers)
         self.dp = Datapath.open(self.base)
         self.ipt = Iptables(self.run, self.src, self.dst)
         self.src_spec = EndpointSpec(SRC_EP, self.src.host_ifindex, self.src.host_ifname, self.src.ips, SRC_IDENTITY)
         self.dst_spec = EndpointSpec(DST_EP, self.dst.host_ifindex, self.dst.host_ifname, self.dst.ips, DST_IDENTITY)
 
     def cleanup(self) -> dict[str, Any]:
-        problems: list[str] = []
-
-        def attempt(what: str, fn: Any, *a: Any) -> None:
-            try:
-                fn(*a)
-            except Exception as exc:
-                problems.append(f"{what}: {exc}")
-
-        for server in self.servers:
-            attempt(f"stop {server.name}", server.stop)
+        steps: list[tuple[str, Callable[[], object]]] = []
         if self.ipt is not None:
-            attempt("iptables", self.ipt.uninstall)
+            steps.append(("iptables", self.ipt.uninstall))
         if self.dp is not None:
-            attempt("datapath teardown", self.dp.teardown)
-        attempt("teardown_all", teardown_all, self.base)
-        for pod in self.pods:
-            attempt(f"delete {pod.name}", netns.delete_pod, pod)
-        left_chains = sorted(self.ipt.our_chains()) if self.ipt is not None else []
-        return {
-            "problems": problems,
-            "netns_left": netns.list_netns(self.prefix),
-            "iptables_chains_left": left_chains,
-            "bpf_dir_left": os.path.exists(self.base),
-        }
+            steps.append(("datapath teardown", self.dp.teardown))
+        out = clean_up(self.prefix, self.base, self.servers, self.pods, steps)
+        out["iptables_chains_left"] = sorted(self.ipt.our_chains()) if self.ipt is not None else []
+        return out
 
     # variants ---------------------------------------------------------------------------
 

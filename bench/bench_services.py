@@ -45,24 +45,25 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.bench_datapath_cost import (
     CONN_PORT,
     CONN_PORTS,
     IPERF_PORT,
-    SELF,
     Server,
+    clean_up,
     connection_rate,
+    create_pod_pair,
     iperf,
     log,
     round_to,
     run_cmd,
+    start_servers,
     stdout_reserved_for_json,
 )
-from services.datapath import netns
-from services.datapath.datapath import Datapath, teardown_all
+from services.datapath.datapath import Datapath
 from services.datapath.netns import PodLink
 from services.datapath.types import Backend, EndpointSpec, Frontend, LbService, Protocol
 from tests.datapath.traffic import tcp_connects
@@ -160,50 +161,21 @@ class Bench:
         self.checks: list[dict[str, Any]] = []
 
     def setup(self) -> None:
-        netns.enable_forwarding()
-        o2, o3 = 150 + secrets.randbelow(50), 64 + secrets.randbelow(190)
-        self.src = netns.create_pod(f"{self.prefix}s", f"{self.prefix}s", [f"10.{o2}.{o3}.1"])
-        self.pods.append(self.src)
-        self.dst = netns.create_pod(f"{self.prefix}d", f"{self.prefix}d", [f"10.{o2}.{o3}.2"])
-        self.pods.append(self.dst)
+        self.src, self.dst = create_pod_pair(self.prefix, self.pods)
         self.dst_ip = self.dst.ips[0]
-        iperf_server = Server("iperf3 server", self.dst.name, ["iperf3", "-s", "-p", str(IPERF_PORT)])
-        ports = ",".join(str(p) for p in range(CONN_PORT, CONN_PORT + CONN_PORTS))
-        accept = Server(
-            "accept server", self.dst.name, [sys.executable, *SELF, "--role", "accept", "--ports", ports], "ready"
-        )
-        for server in (iperf_server, accept):
-            self.servers.append(server)
-            server.start()
-        self.iperf_server = iperf_server
+        self.iperf_server, _ = start_servers(self.dst, (), self.servers)
         self.dp = Datapath.open(self.base)
         for ep, pod in ((SRC_EP, self.src), (DST_EP, self.dst)):
             self.dp.attach_endpoint(EndpointSpec(ep, pod.host_ifindex, pod.host_ifname, pod.ips, 1000 + ep))
         self.measured = measured_services(self.dst_ip)
 
     def cleanup(self) -> dict[str, Any]:
-        problems: list[str] = []
-
-        def attempt(what: str, fn: Any, *a: Any) -> None:
-            try:
-                fn(*a)
-            except Exception as exc:
-                problems.append(f"{what}: {exc}")
-
-        for server in self.servers:
-            attempt(f"stop {server.name}", server.stop)
-        attempt("iptables", self.kp.uninstall)
+        steps: list[tuple[str, Callable[[], object]]] = [("iptables", self.kp.uninstall)]
         if self.dp is not None:
-            attempt("datapath teardown", self.dp.teardown)
-        attempt("teardown_all", teardown_all, self.base)
-        for pod in self.pods:
-            attempt(f"delete {pod.name}", netns.delete_pod, pod)
-        return {
-            "problems": problems,
-            "netns_left": netns.list_netns(self.prefix),
-            "iptables_chains_left": sorted(self.kp.our_chains()),
-            "bpf_dir_left": os.path.exists(self.base),
-        }
+            steps.append(("datapath teardown", self.dp.teardown))
+        out = clean_up(self.prefix, self.base, self.servers, self.pods, steps)
+        out["iptables_chains_left"] = sorted(self.kp.our_chains())
+        return out
 
     def lb_hold(self, services: Sequence[LbService]) -> None:
         """Make Palisade's service maps hold exactly ``services``."""

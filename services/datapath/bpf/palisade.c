@@ -650,6 +650,21 @@ static __always_inline u16 csum_fold(u64 sum)
     return (u16)~sum;
 }
 
+/* The L4 bytes an ICMP error quotes: TCP's 20-byte header or UDP's 8; 0 if they cannot be read. */
+static __always_inline u32 lb_quote(struct __sk_buff *skb, const struct flow *f, u8 *l4)
+{
+    if (f->protocol == IPPROTO_TCP)
+        return bpf_skb_load_bytes(skb, f->l4_off, l4, 20) < 0 ? 0 : 20;
+    return bpf_skb_load_bytes(skb, f->l4_off, l4, 8) < 0 ? 0 : 8;
+}
+
+static __always_inline s64 lb_quote_sum(u8 *l4, u32 quote, s64 sum)
+{
+    if (quote == 20)
+        return bpf_csum_diff(0, 0, (void *)l4, 20, sum);
+    return bpf_csum_diff(0, 0, (void *)l4, 8, sum);
+}
+
 /* Turn the packet into "port unreachable" from the frontend back to the client:
  * [eth][ip][icmp][the original IP header][its first L4 bytes]. The original
  * headers stay where they are; room for the new ones is made in front of them.
@@ -677,13 +692,9 @@ static __always_inline int lb_reject(struct __sk_buff *skb, const struct flow *f
             return -1;  /* IP options: not worth quoting, the packet is dropped */
         if (bpf_skb_load_bytes(skb, ETH_HLEN, &orig, sizeof(orig)) < 0)
             return -1;
-        if (f->protocol == IPPROTO_TCP) {
-            if (bpf_skb_load_bytes(skb, f->l4_off, l4, 20) < 0)
-                return -1;
-        } else if (bpf_skb_load_bytes(skb, f->l4_off, l4, 8) < 0) {
+        u32 quote = lb_quote(skb, f, l4);
+        if (!quote)
             return -1;
-        }
-        u32 quote = f->protocol == IPPROTO_TCP ? 20 : 8;
         if (bpf_skb_adjust_room(skb, 28, BPF_ADJ_ROOM_MAC, 0) < 0 ||
             bpf_skb_change_tail(skb, ETH_HLEN + 48 + quote, 0) < 0)
             return -1;
@@ -691,10 +702,7 @@ static __always_inline int lb_reject(struct __sk_buff *skb, const struct flow *f
         icmp.code = 3;
         s64 sum = bpf_csum_diff(0, 0, (void *)&icmp, sizeof(icmp), 0);
         sum = bpf_csum_diff(0, 0, (void *)&orig, sizeof(orig), sum);
-        if (quote == 20)
-            sum = bpf_csum_diff(0, 0, (void *)l4, 20, sum);
-        else
-            sum = bpf_csum_diff(0, 0, (void *)l4, 8, sum);
+        sum = lb_quote_sum(l4, quote, sum);
         icmp.csum = csum_fold(sum);
         struct iphdr ip = {};
         ip.version = 4;
@@ -717,13 +725,9 @@ static __always_inline int lb_reject(struct __sk_buff *skb, const struct flow *f
         return -1;  /* extension headers: dropped */
     if (bpf_skb_load_bytes(skb, ETH_HLEN, &orig6, sizeof(orig6)) < 0)
         return -1;
-    if (f->protocol == IPPROTO_TCP) {
-        if (bpf_skb_load_bytes(skb, f->l4_off, l4, 20) < 0)
-            return -1;
-    } else if (bpf_skb_load_bytes(skb, f->l4_off, l4, 8) < 0) {
+    u32 quote = lb_quote(skb, f, l4);
+    if (!quote)
         return -1;
-    }
-    u32 quote = f->protocol == IPPROTO_TCP ? 20 : 8;
     if (bpf_skb_adjust_room(skb, 48, BPF_ADJ_ROOM_MAC, 0) < 0 ||
         bpf_skb_change_tail(skb, ETH_HLEN + 88 + quote, 0) < 0)
         return -1;
@@ -744,10 +748,7 @@ static __always_inline int lb_reject(struct __sk_buff *skb, const struct flow *f
     sum = bpf_csum_diff(0, 0, (void *)&pseudo, sizeof(pseudo), sum);
     sum = bpf_csum_diff(0, 0, (void *)&icmp, sizeof(icmp), sum);
     sum = bpf_csum_diff(0, 0, (void *)&orig6, sizeof(orig6), sum);
-    if (quote == 20)
-        sum = bpf_csum_diff(0, 0, (void *)l4, 20, sum);
-    else
-        sum = bpf_csum_diff(0, 0, (void *)l4, 8, sum);
+    sum = lb_quote_sum(l4, quote, sum);
     icmp.csum = csum_fold(sum);
     if (bpf_skb_store_bytes(skb, 0, &eth, sizeof(eth), 0) < 0 ||
         bpf_skb_store_bytes(skb, ETH_HLEN, &ip6, sizeof(ip6), 0) < 0 ||
