@@ -857,6 +857,20 @@ static __always_inline int lb_reverse(struct __sk_buff *skb, struct flow *f, u16
     return lb_rewrite(skb, f, rv->addr, rv->port, 0);
 }
 
+/* A packet's conntrack key: its own tuple (reversed: the reversed tuple with the opposite direction). */
+static __always_inline void ct_key_of(const struct flow *f, u32 ep_id, u8 dir, int reversed, struct ct_key *k)
+{
+    __builtin_memcpy(k->saddr, reversed ? f->daddr : f->saddr, 16);
+    __builtin_memcpy(k->daddr, reversed ? f->saddr : f->daddr, 16);
+    k->sport = reversed ? f->dport : f->sport;
+    k->dport = reversed ? f->sport : f->dport;
+    k->ep_id = ep_id;
+    k->family = f->family;
+    k->protocol = f->protocol;
+    k->direction = reversed ? (dir == DIR_EGRESS ? DIR_INGRESS : DIR_EGRESS) : dir;
+    k->pad = 0;
+}
+
 static __always_inline int handle(struct __sk_buff *skb, u8 dir)
 {
     struct endpoint_key self = {};
@@ -879,8 +893,20 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
     }
 
     u64 now = bpf_ktime_get_ns();
+    u64 epoch = current_epoch();
+    /* One key on the stack (the program's stack is small): the packet's tuple, then, for a
+     * reply, the reversed one; ``origin`` is the entry's key while it is in use. */
+    struct ct_key key = {};
+    ct_key_of(&f, ep_id, dir, 0, &key);
+    struct ct_key *origin = &key;
+    struct ct_value *ct = conntrack.lookup(&key);
+    if (ct && ct->expires_ns < now)
+        ct = NULL;
     u16 rev_nat = 0;
-    if (dir == DIR_EGRESS) {
+    if (!ct && dir == DIR_EGRESS) {
+        /* Not a flow established as sent: a connection to a service frontend is translated
+         * first (established service flows are keyed by their backend, so they come here too;
+         * every other established packet is spared the service lookup). */
         int lb = lb_egress(skb, &f, ep_id, now, &rev_nat);
         if (lb == LB_REJECT || lb == LB_DROP) {
             emit(skb, &f, ep_id, local_id, WORLD_ID, dir, VERDICT_DENY, REASON_NO_BACKEND);
@@ -889,34 +915,18 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
                 return bpf_redirect_peer(skb->ifindex, 0);
             return TC_ACT_SHOT;
         }
+        if (lb == LB_DNAT) {
+            ct_key_of(&f, ep_id, dir, 0, &key);
+            ct = conntrack.lookup(&key);
+            if (ct && ct->expires_ns < now)
+                ct = NULL;
+        }
     }
-    u64 epoch = current_epoch();
-
-    struct ct_key fwd = {};
-    __builtin_memcpy(fwd.saddr, f.saddr, 16);
-    __builtin_memcpy(fwd.daddr, f.daddr, 16);
-    fwd.sport = f.sport;
-    fwd.dport = f.dport;
-    fwd.ep_id = ep_id;
-    fwd.family = f.family;
-    fwd.protocol = f.protocol;
-    fwd.direction = dir;
-
-    struct ct_key rev = {};
-    __builtin_memcpy(rev.saddr, f.daddr, 16);
-    __builtin_memcpy(rev.daddr, f.saddr, 16);
-    rev.sport = f.dport;
-    rev.dport = f.sport;
-    rev.ep_id = ep_id;
-    rev.family = f.family;
-    rev.protocol = f.protocol;
-    rev.direction = dir == DIR_EGRESS ? DIR_INGRESS : DIR_EGRESS;
-
-    struct ct_key *origin = &fwd;
-    struct ct_value *ct = conntrack.lookup(&fwd);
-    if (!ct || ct->expires_ns < now) {
-        origin = &rev;
-        ct = conntrack.lookup(&rev);
+    int reply = 0;
+    if (!ct) {
+        reply = 1;
+        ct_key_of(&f, ep_id, dir, 1, &key);
+        ct = conntrack.lookup(&key);
         if (ct && ct->expires_ns < now)
             ct = NULL;
     }
@@ -944,7 +954,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
         ct->expires_ns = now + ct_lifetime(f.protocol, ct->closing);
         if (rev_nat)
             ct->rev_nat = rev_nat;
-        else if (origin == &rev && ct->rev_nat && lb_reverse(skb, &f, ct->rev_nat) < 0) {
+        else if (reply && ct->rev_nat && lb_reverse(skb, &f, ct->rev_nat) < 0) {
             count(ep_id, REASON_NO_BACKEND, dir, skb->len);
             return TC_ACT_SHOT;  /* the service is gone: the client could not match the reply */
         }
@@ -966,7 +976,8 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
     nv.epoch = epoch;
     nv.remote_identity = remote_id;
     nv.rev_nat = rev_nat;
-    conntrack.update(&fwd, &nv);
+    ct_key_of(&f, ep_id, dir, 0, &key);
+    conntrack.update(&key, &nv);
     return TC_ACT_OK;
 }
 
