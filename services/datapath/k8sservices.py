@@ -25,9 +25,9 @@ import ipaddress
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from services.common.k8sobjects import as_list, as_map, endpoint_serves, slice_service
 from services.datapath.types import Backend, Frontend, LbService, Protocol
 
-SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 DEFAULT_AFFINITY_TIMEOUT = 10800
 _PROTOCOLS = {"TCP": Protocol.TCP, "UDP": Protocol.UDP}
 
@@ -88,19 +88,11 @@ class Frontends:
     skipped: tuple[str, ...] = ()
 
 
-def _map(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
-def _list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else []
-
-
 def parse_service(obj: Mapping[str, Any]) -> ServiceInfo:
-    meta, spec = _map(obj.get("metadata")), _map(obj.get("spec"))
+    meta, spec = as_map(obj.get("metadata")), as_map(obj.get("spec"))
     ips: list[str] = []
     if spec.get("type") != "ExternalName":
-        for ip in [*_list(spec.get("clusterIPs")), spec.get("clusterIP")]:
+        for ip in [*as_list(spec.get("clusterIPs")), spec.get("clusterIP")]:
             if not isinstance(ip, str) or ip in ("", "None"):
                 continue
             try:
@@ -111,12 +103,12 @@ def parse_service(obj: Mapping[str, Any]) -> ServiceInfo:
                 ips.append(normalized)
     ports = tuple(
         ServicePort(str(p.get("name") or ""), int(p.get("port") or 0), str(p.get("protocol") or "TCP").upper())
-        for p in map(_map, _list(spec.get("ports")))
+        for p in map(as_map, as_list(spec.get("ports")))
         if isinstance(p.get("port"), int)
     )
     timeout = 0
     if spec.get("sessionAffinity") == "ClientIP":
-        configured = _map(_map(spec.get("sessionAffinityConfig")).get("clientIP")).get("timeoutSeconds")
+        configured = as_map(as_map(spec.get("sessionAffinityConfig")).get("clientIP")).get("timeoutSeconds")
         timeout = configured if isinstance(configured, int) and configured > 0 else DEFAULT_AFFINITY_TIMEOUT
     return ServiceInfo(
         namespace=str(meta.get("namespace") or "default"),
@@ -129,19 +121,18 @@ def parse_service(obj: Mapping[str, Any]) -> ServiceInfo:
 
 
 def parse_slice(obj: Mapping[str, Any]) -> SliceInfo:
-    meta = _map(obj.get("metadata"))
+    meta = as_map(obj.get("metadata"))
     family = {"IPv4": 4, "IPv6": 6}.get(str(obj.get("addressType")), 0)
     ports: dict[str, tuple[int, str]] = {}
-    for p in map(_map, _list(obj.get("ports"))):
+    for p in map(as_map, as_list(obj.get("ports"))):
         if isinstance(p.get("port"), int):
             ports[str(p.get("name") or "")] = (int(p["port"]), str(p.get("protocol") or "TCP").upper())
     endpoints = []
-    for ep in map(_map, _list(obj.get("endpoints"))):
-        addresses = [a for a in _list(ep.get("addresses")) if isinstance(a, str)]
+    for ep in map(as_map, as_list(obj.get("endpoints"))):
+        addresses = [a for a in as_list(ep.get("addresses")) if isinstance(a, str)]
         if not addresses:
             continue
-        conditions = _map(ep.get("conditions"))
-        serving = conditions.get("ready") is not False and conditions.get("terminating") is not True
+        serving = endpoint_serves(ep)
         try:
             address = str(ipaddress.ip_address(addresses[0]))
         except ValueError:
@@ -150,7 +141,7 @@ def parse_slice(obj: Mapping[str, Any]) -> SliceInfo:
     return SliceInfo(
         namespace=str(meta.get("namespace") or "default"),
         name=str(meta.get("name") or ""),
-        service=str(_map(meta.get("labels")).get(SERVICE_NAME_LABEL) or ""),
+        service=slice_service(obj),
         family=family,
         ports=ports,
         endpoints=tuple(endpoints),

@@ -62,6 +62,8 @@ class ServiceSync:
         self._services: dict[str, ServiceInfo] = {}
         #: (namespace, slice name) -> slice
         self._slices: dict[tuple[str, str], SliceInfo] = {}
+        #: service key -> its slices' keys
+        self._slices_by_service: dict[str, set[tuple[str, str]]] = {}
         #: service key -> the frontends written for it
         self._applied: dict[str, dict[Frontend, LbState]] = {}
         self._dirty: set[str] = set()
@@ -135,6 +137,7 @@ class ServiceSync:
         slice_key = (delta.namespace, delta.name)
         old = self._slices.pop(slice_key, None)
         if old is not None:
+            self._slices_by_service.get(old.service_key, set()).discard(slice_key)
             self._mark(old.service_key)
         if delta.op != k8s_pb2.DELTA_OP_DELETE:
             try:
@@ -147,6 +150,7 @@ class ServiceSync:
                 )
                 return
             self._slices[slice_key] = info
+            self._slices_by_service.setdefault(info.service_key, set()).add(slice_key)
             self._mark(info.service_key)
 
     def _mark(self, key: str) -> None:
@@ -157,7 +161,7 @@ class ServiceSync:
     # -- writing ---------------------------------------------------------------
 
     def _slices_of(self, key: str) -> Iterable[SliceInfo]:
-        return (s for s in self._slices.values() if s.service_key == key)
+        return [self._slices[k] for k in sorted(self._slices_by_service.get(key, ()))]
 
     async def _apply(self, key: str) -> None:
         info = self._services.get(key)

@@ -12,15 +12,10 @@ import dataclasses
 import ipaddress
 import zlib
 from collections.abc import Mapping
-from typing import Any
 
+from services.common.k8sobjects import as_map
 from services.watcher.kinds import Kind
 from services.watcher.objects import KObject, ObjectKey
-
-
-def _spec(obj: KObject) -> Mapping[str, Any]:
-    spec = obj.body.get("spec")
-    return spec if isinstance(spec, Mapping) else {}
 
 
 def assign_cluster_ips(objects: Mapping[ObjectKey, KObject], cidr: str) -> dict[ObjectKey, KObject]:
@@ -30,9 +25,9 @@ def assign_cluster_ips(objects: Mapping[ObjectKey, KObject], cidr: str) -> dict[
         raise ValueError(f"service range {cidr} is too small")
     out = dict(objects)
     services = sorted((key, obj) for key, obj in objects.items() if key.kind is Kind.SERVICE)
-    taken = {str(_spec(obj).get("clusterIP")) for _, obj in services}
+    taken = {str(as_map(obj.body.get("spec")).get("clusterIP")) for _, obj in services}
     for key, obj in services:
-        spec = _spec(obj)
+        spec = as_map(obj.body.get("spec"))
         if spec.get("clusterIP") or spec.get("type") == "ExternalName":
             continue
         offset = zlib.crc32(f"{key.namespace}/{key.name}".encode()) % size

@@ -18,10 +18,10 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from services.common.k8sobjects import SERVICE_NAME_LABEL, as_list, as_map, slice_service
 from services.watcher.kinds import Kind, KindInfo, lookup
 from services.watcher.objects import KObject, ObjectKey, from_api
 
-SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
 MANAGED_BY = "palisade-dev-cluster"
 ORIGIN = "(dev cluster)"
@@ -32,14 +32,6 @@ UidOf = Callable[[KindInfo, str, str], str]
 PodAddresses = Mapping[tuple[str, str], tuple[str, ...]]
 
 
-def _map(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
-def _list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else []
-
-
 def _resolve(target: Any, port: int, protocol: str, pod: Mapping[str, Any]) -> int | None:
     if target is None or target == "":
         return port
@@ -47,8 +39,8 @@ def _resolve(target: Any, port: int, protocol: str, pod: Mapping[str, Any]) -> i
         return target
     if isinstance(target, str) and target.isdigit():
         return int(target)
-    for container in _list(_map(pod.get("spec")).get("containers")):
-        for cp in map(_map, _list(_map(container).get("ports"))):
+    for container in as_list(as_map(pod.get("spec")).get("containers")):
+        for cp in map(as_map, as_list(as_map(container).get("ports"))):
             if cp.get("name") == target and str(cp.get("protocol") or "TCP").upper() == protocol:
                 number = cp.get("containerPort")
                 return number if isinstance(number, int) else None
@@ -56,7 +48,7 @@ def _resolve(target: Any, port: int, protocol: str, pod: Mapping[str, Any]) -> i
 
 
 def _slices_for(service: KObject, pods: list[KObject], addresses: PodAddresses) -> list[dict[str, Any]]:
-    spec = _map(service.body.get("spec"))
+    spec = as_map(service.body.get("spec"))
     ns, name = service.key.namespace, service.key.name
     # group key: (family, ((port name, number, protocol), ...)) -> endpoints
     groups: dict[tuple[str, tuple[tuple[str, int, str], ...]], list[dict[str, Any]]] = {}
@@ -65,21 +57,21 @@ def _slices_for(service: KObject, pods: list[KObject], addresses: PodAddresses) 
         if not ips:
             continue
         resolved = []
-        for sp in map(_map, _list(spec.get("ports"))):
+        for sp in map(as_map, as_list(spec.get("ports"))):
             if not isinstance(sp.get("port"), int):
                 continue
             protocol = str(sp.get("protocol") or "TCP").upper()
             number = _resolve(sp.get("targetPort"), int(sp["port"]), protocol, pod.body)
             if number is not None:
                 resolved.append((str(sp.get("name") or ""), number, protocol))
-        terminating = bool(_map(pod.body.get("metadata")).get("deletionTimestamp"))
+        terminating = bool(as_map(pod.body.get("metadata")).get("deletionTimestamp"))
         for ip in ips:
             family = "IPv4" if ipaddress.ip_address(ip).version == 4 else "IPv6"
             groups.setdefault((family, tuple(resolved)), []).append(
                 {
                     "addresses": [ip],
                     "conditions": {"ready": not terminating, "serving": not terminating, "terminating": terminating},
-                    "nodeName": _map(pod.body.get("spec")).get("nodeName") or "",
+                    "nodeName": as_map(pod.body.get("spec")).get("nodeName") or "",
                     "targetRef": {"kind": "Pod", "namespace": ns, "name": pod.key.name},
                 }
             )
@@ -111,9 +103,7 @@ def with_endpoint_slices(
     assert info is not None
     out = dict(objects)
     defined = {
-        (key.namespace, str(_map(_map(obj.body.get("metadata")).get("labels")).get(SERVICE_NAME_LABEL) or ""))
-        for key, obj in objects.items()
-        if key.kind is Kind.ENDPOINT_SLICE
+        (key.namespace, slice_service(obj.body)) for key, obj in objects.items() if key.kind is Kind.ENDPOINT_SLICE
     }
     pods_by_ns: dict[str, list[KObject]] = {}
     for key, obj in objects.items():
@@ -122,14 +112,14 @@ def with_endpoint_slices(
     for key, service in objects.items():
         if key.kind is not Kind.SERVICE or (key.namespace, key.name) in defined:
             continue
-        spec = _map(service.body.get("spec"))
-        selector = _map(spec.get("selector"))
+        spec = as_map(service.body.get("spec"))
+        selector = as_map(spec.get("selector"))
         if not selector or spec.get("type") == "ExternalName":
             continue  # no selector: the user keeps the slices (Kubernetes does not manage them)
         members = [
             pod
             for pod in pods_by_ns.get(key.namespace, [])
-            if all(_map(_map(pod.body.get("metadata")).get("labels")).get(k) == v for k, v in selector.items())
+            if all(as_map(as_map(pod.body.get("metadata")).get("labels")).get(k) == v for k, v in selector.items())
         ]
         for body in _slices_for(service, members, addresses):
             body["metadata"]["uid"] = uid(info, key.namespace, body["metadata"]["name"])

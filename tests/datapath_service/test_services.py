@@ -173,7 +173,9 @@ async def test_a_restart_keeps_ids_removes_what_disappeared_and_follows_changes(
         await k8s.apply(service("db", clusterIP="10.96.0.20"))
         await eventually(lambda: Frontend("10.96.0.20", 80, Protocol.TCP) in held(dp), "db frontend")
         await k8s.delete(service())
-        await eventually(lambda: WEB not in held(dp), "web frontend deleted")
+        # What is served is recorded once the Service's writes are done (after the maps change).
+        await eventually(lambda: [(s.namespace, s.name) for s in sync.served()] == [("prod", "db")], "web gone")
+        assert WEB not in held(dp)
         served = sync.served()
         assert [(s.namespace, s.name, s.port_name) for s in served] == [("prod", "db", "http")]
         assert served[0].state.backends == {}  # no slices: connections are refused

@@ -19,6 +19,7 @@ import ipaddress
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from services.common.k8sobjects import as_list, as_map, endpoint_serves, slice_service
 from services.common.labels import LabelSet, LabelSource
 from services.policy.engine.model import PeerRule, Policy, ServiceRef
 from services.policy.engine.selector import (
@@ -29,8 +30,6 @@ from services.policy.engine.selector import (
     Selector,
     namespace_requirement,
 )
-
-SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,37 +45,29 @@ class ServiceRecord:
     addresses: tuple[str, ...] = ()
 
 
-def _map(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
 def service_fields(obj: Mapping[str, Any]) -> tuple[LabelSet, Mapping[str, str] | None]:
     """A Service object's labels and pod selector."""
-    meta, spec = _map(obj.get("metadata")), _map(obj.get("spec"))
+    meta, spec = as_map(obj.get("metadata")), as_map(obj.get("spec"))
     labels = LabelSet.from_mapping(
-        {str(k): str(v) for k, v in _map(meta.get("labels")).items()}, source=LabelSource.K8S
+        {str(k): str(v) for k, v in as_map(meta.get("labels")).items()}, source=LabelSource.K8S
     )
-    raw = _map(spec.get("selector"))
+    raw = as_map(spec.get("selector"))
     selector = {str(k): str(v) for k, v in raw.items()} if raw and spec.get("type") != "ExternalName" else None
     return labels, selector
 
 
 def slice_fields(obj: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
     """An EndpointSlice's Service name and its ready, non-terminating endpoints' addresses."""
-    meta = _map(obj.get("metadata"))
-    service = str(_map(meta.get("labels")).get(SERVICE_NAME_LABEL) or "")
     out: list[str] = []
-    for ep in obj.get("endpoints") or []:
-        ep = _map(ep)
-        conditions = _map(ep.get("conditions"))
-        if conditions.get("ready") is False or conditions.get("terminating") is True:
+    for ep in map(as_map, as_list(obj.get("endpoints"))):
+        if not endpoint_serves(ep):
             continue
-        for address in ep.get("addresses") or []:
+        for address in as_list(ep.get("addresses")):
             try:
                 out.append(str(ipaddress.ip_address(str(address))))
             except ValueError:
                 continue
-    return service, tuple(sorted(set(out)))
+    return slice_service(obj), tuple(sorted(set(out)))
 
 
 class ServiceRegistry:
@@ -84,8 +75,10 @@ class ServiceRegistry:
 
     def __init__(self) -> None:
         self._services: dict[tuple[str, str], tuple[LabelSet, Mapping[str, str] | None]] = {}
-        #: (namespace, slice name) -> (service name, addresses)
-        self._slices: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
+        #: (namespace, slice name) -> its service name
+        self._slice_service: dict[tuple[str, str], str] = {}
+        #: (namespace, service name) -> slice name -> the slice's ready addresses
+        self._slices: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {}
 
     def set_service(self, namespace: str, name: str, obj: Mapping[str, Any] | None) -> None:
         """Add, change or (``obj`` None) remove a Service."""
@@ -95,18 +88,23 @@ class ServiceRegistry:
             self._services[(namespace, name)] = service_fields(obj)
 
     def set_slice(self, namespace: str, name: str, obj: Mapping[str, Any] | None) -> None:
-        if obj is None:
-            self._slices.pop((namespace, name), None)
-        else:
-            self._slices[(namespace, name)] = slice_fields(obj)
+        old = self._slice_service.pop((namespace, name), None)
+        if old is not None:
+            held = self._slices.get((namespace, old), {})
+            held.pop(name, None)
+            if not held:
+                self._slices.pop((namespace, old), None)
+        if obj is not None:
+            service, addresses = slice_fields(obj)
+            self._slice_service[(namespace, name)] = service
+            self._slices.setdefault((namespace, service), {})[name] = addresses
 
     def records(self) -> Iterable[ServiceRecord]:
         for (namespace, name), (labels, selector) in sorted(self._services.items()):
             addresses: set[str] = set()
             if selector is None:
-                for (ns, _), (service, addrs) in self._slices.items():
-                    if ns == namespace and service == name:
-                        addresses.update(addrs)
+                for addrs in self._slices.get((namespace, name), {}).values():
+                    addresses.update(addrs)
             yield ServiceRecord(namespace, name, labels, selector, tuple(sorted(addresses)))
 
     def selected(self, ref: ServiceRef) -> list[ServiceRecord]:
