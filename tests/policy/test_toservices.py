@@ -139,3 +139,28 @@ def test_parse_keeps_the_references_and_reports_nothing_unsupported() -> None:
         parsed("  - toServices: [{k8sService: {namespace: x}}]\n")
     with pytest.raises(PolicyValidationError, match="not both"):
         parsed("  - toServices: [{k8sService: {serviceName: a}, k8sServiceSelector: {selector: {}}}]\n")
+
+
+def test_only_slices_of_services_without_selector_can_change_a_policy() -> None:
+    docs = [Document(f"d{i}", d) for i, d in enumerate(yaml.safe_load_all(PODS + "---\n" + SERVICES)) if d]
+    rule = "  - toServices: [{k8sService: {serviceName: outside}}, {k8sService: {serviceName: web}}]\n"
+    docs.append(Document("p", yaml.safe_load(policy(rule))))
+    engine = build_model(docs).engine
+    registry = engine.services
+
+    def sl(service: str, ip: str) -> dict[str, Any]:
+        return {
+            "metadata": {"name": f"{service}-2", "labels": {"kubernetes.io/service-name": service}},
+            "endpoints": [{"addresses": [ip]}],
+        }
+
+    # web selects its pods: its slices are not what the policy means.
+    assert not registry.slice_matters("x", "web-2", sl("web", "192.0.2.8"))
+    revision = engine.revision
+    assert not engine.set_endpoint_slice("x", "web-2", sl("web", "192.0.2.8")).diffs
+    assert engine.revision == revision
+    # outside has no selector: a new slice adds an address, and deleting it takes it away.
+    assert registry.slice_matters("x", "outside-2", sl("outside", "192.0.2.9"))
+    assert engine.set_endpoint_slice("x", "outside-2", sl("outside", "192.0.2.9")).revision > revision
+    assert registry.slice_matters("x", "outside-2", None)
+    assert not registry.slice_matters("x", "unknown-1", sl("nothing", "192.0.2.10"))

@@ -291,9 +291,12 @@ class PolicyCore:
             obj = parsed if isinstance(parsed, dict) else None
             if obj is None:
                 return
-        if self.engine.names_services():
+        service = delta.kind == k8s_pb2.K8S_KIND_SERVICE
+        if self.engine.names_services() and (
+            service or self.engine.services.slice_matters(delta.namespace, delta.name, obj)
+        ):
             self._change(now)  # a policy's expansion may change: its diffs go with the next commit
-        if delta.kind == k8s_pb2.K8S_KIND_SERVICE:
+        if service:
             self.engine.set_service(delta.namespace, delta.name, obj)
         else:
             self.engine.set_endpoint_slice(delta.namespace, delta.name, obj)

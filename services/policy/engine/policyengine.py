@@ -311,8 +311,9 @@ class PolicyEngine:
 
     def set_endpoint_slice(self, namespace: str, name: str, obj: Mapping[str, Any] | None) -> ChangeResult:
         """An EndpointSlice added, changed or deleted (it matters to Services without a selector)."""
+        matters = self.services.slice_matters(namespace, name, obj)
         self.services.set_slice(namespace, name, obj)
-        return self._reexpand()
+        return self._reexpand() if matters else ChangeResult(self.revision)
 
     def _reexpand(self) -> ChangeResult:
         changed = []

@@ -87,6 +87,17 @@ class ServiceRegistry:
         else:
             self._services[(namespace, name)] = service_fields(obj)
 
+    def slice_matters(self, namespace: str, name: str, obj: Mapping[str, Any] | None) -> bool:
+        """Whether adding, changing or (``obj`` None) deleting this slice can change an expansion: only
+        when it belongs, before or after, to a Service without a selector (slices churn with pods;
+        the others' backends are their pods, whatever the slices say)."""
+        services = {self._slice_service.get((namespace, name)), slice_service(obj) if obj is not None else None}
+        return any(
+            (namespace, service) in self._services and self._services[(namespace, service)][1] is None
+            for service in services
+            if service
+        )
+
     def set_slice(self, namespace: str, name: str, obj: Mapping[str, Any] | None) -> None:
         old = self._slice_service.pop((namespace, name), None)
         if old is not None:
