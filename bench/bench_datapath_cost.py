@@ -1094,6 +1094,12 @@ def main(argv: list[str] | None = None) -> int:
         return role_accept([int(p) for p in args.ports.split(",")])
     if args.role == "connect":
         return role_connect(args.src, args.dst, args.seconds, args.start)
+    return run_as_json(run_bench, args)
+
+
+def run_as_json(bench: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace) -> int:
+    """Run a namespace-and-iptables benchmark and print its result as JSON on stdout (only that goes there);
+    SIGTERM and SIGHUP unwind it, so it cleans up."""
     problem = missing_prerequisites()
     if problem:
         print(json.dumps({"error": problem}))
@@ -1101,7 +1107,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)
     with stdout_reserved_for_json() as out_fd:
-        result = run_bench(args)
+        result = bench(args)
         with os.fdopen(os.dup(out_fd), "w") as out:
             out.write(json.dumps(result, indent=2) + "\n")
     return 0

@@ -36,12 +36,8 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import json
-import os
 import re
 import secrets
-import shutil
-import signal
 import statistics
 import sys
 import time
@@ -59,9 +55,9 @@ from bench.bench_datapath_cost import (
     iperf,
     log,
     round_to,
+    run_as_json,
     run_cmd,
     start_servers,
-    stdout_reserved_for_json,
 )
 from services.datapath.datapath import Datapath
 from services.datapath.netns import PodLink
@@ -319,25 +315,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if os.geteuid() != 0:
-        print(json.dumps({"error": "needs root (network namespaces, BPF, iptables)"}))
-        return 2
-    for tool in ("ip", "iperf3", "iptables", "iptables-restore", "iptables-save"):
-        if shutil.which(tool) is None:
-            print(json.dumps({"error": f"{tool} is not installed"}))
-            return 2
-
-    def terminate(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, terminate)
-    signal.signal(signal.SIGHUP, terminate)
-    with stdout_reserved_for_json() as out_fd:
-        result = run_bench(args)
-        with os.fdopen(os.dup(out_fd), "w") as out:
-            out.write(json.dumps(result, indent=2) + "\n")
-    return 0
+    return run_as_json(run_bench, parse_args(argv))
 
 
 if __name__ == "__main__":
