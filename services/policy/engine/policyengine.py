@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.common.labels import CLUSTER_NAME_DEFAULT, ReservedIdentity
+from services.policy.engine.entries import DENY_BIT, MAX_IDENTITY, EntrySet, KeySet
 from services.policy.engine.identity import (
     DEFAULT_RESERVED,
     Identity,
@@ -63,13 +64,13 @@ from services.policy.engine.model import (
 from services.policy.engine.parse import parse_policy
 from services.policy.engine.repository import Repository
 from services.policy.engine.resolve import (
+    Memo,
     NamedPorts,
     PeerIndex,
     ResolvedPolicy,
     RuleRef,
     SubjectRules,
     peer_index,
-    resolve_remote,
     resolve_subject,
 )
 from services.policy.engine.selector import CIDRSelector, Selector
@@ -91,8 +92,8 @@ class PolicyDiff:
     identity: int
     ingress_enforced: bool
     egress_enforced: bool
-    added: Mapping[EntryKey, Verdict] = field(default_factory=dict)
-    removed: frozenset[EntryKey] = frozenset()
+    added: Mapping[EntryKey, Verdict] = field(default_factory=EntrySet)
+    removed: AbstractSet[EntryKey] = field(default_factory=KeySet)
     deleted: bool = False
 
 
@@ -110,16 +111,24 @@ def diff_policies(old: ResolvedPolicy | None, new: ResolvedPolicy | None, identi
     if new is None:
         if old is None:
             return None
-        return PolicyDiff(identity, False, False, {}, frozenset(old.entries), deleted=True)
-    old_entries: Mapping[EntryKey, Verdict] = old.entries if old is not None else {}
-    added = {k: v for k, v in new.entries.items() if old_entries.get(k) is not v}
-    removed = frozenset(k for k, v in old_entries.items() if new.entries.get(k) is not v)
-    flags_same = old is not None and (
-        old.ingress_enforced == new.ingress_enforced and old.egress_enforced == new.egress_enforced
+        return PolicyDiff(identity, False, False, EntrySet(), KeySet(c & ~DENY_BIT for c in old.entries.codes), True)
+    new_codes = new.entries.codes
+    if old is None:
+        return PolicyDiff(identity, new.ingress_enforced, new.egress_enforced, new.entries, KeySet())
+    flags_same = old.ingress_enforced == new.ingress_enforced and old.egress_enforced == new.egress_enforced
+    old_codes = old.entries.codes
+    if old_codes == new_codes:
+        if flags_same:
+            return None
+        return PolicyDiff(identity, new.ingress_enforced, new.egress_enforced)
+    before, after = set(old_codes), set(new_codes)
+    return PolicyDiff(
+        identity,
+        new.ingress_enforced,
+        new.egress_enforced,
+        EntrySet(sorted(after - before)),
+        KeySet(c & ~DENY_BIT for c in before - after),
     )
-    if old is not None and flags_same and not added and not removed:
-        return None
-    return PolicyDiff(identity, new.ingress_enforced, new.egress_enforced, added, removed)
 
 
 def apply_diff(policies: dict[int, ResolvedPolicy], diff: PolicyDiff) -> None:
@@ -128,11 +137,13 @@ def apply_diff(policies: dict[int, ResolvedPolicy], diff: PolicyDiff) -> None:
         policies.pop(diff.identity, None)
         return
     old = policies.get(diff.identity)
-    entries = dict(old.entries) if old is not None else {}
+    entries = dict(old.entries.items()) if old is not None else {}
     for k in diff.removed:
         entries.pop(k, None)
-    entries.update(diff.added)
-    policies[diff.identity] = ResolvedPolicy(diff.identity, diff.ingress_enforced, diff.egress_enforced, entries)
+    entries.update(diff.added.items())
+    policies[diff.identity] = ResolvedPolicy(
+        diff.identity, diff.ingress_enforced, diff.egress_enforced, EntrySet.of(entries)
+    )
 
 
 #: A subject collecting pending slice updates (in one batch) is recomputed
@@ -148,13 +159,12 @@ _NODE_IDENTITIES = frozenset({int(ReservedIdentity.HOST), int(ReservedIdentity.R
 class _Subject:
     """What the engine keeps per computed subject besides its :class:`ResolvedPolicy`.
 
-    ``rids`` parallels ``rules.rules``; ``by_remote`` lists the subject's entry
-    keys per remote identity, so one remote's slice is replaced without a scan.
+    ``rids`` parallels ``rules.rules``. One remote's slice of the entries is a
+    contiguous run of the packed :class:`EntrySet`, so it is replaced without a scan.
     """
 
     rids: tuple[RuleId, ...]
     rules: SubjectRules
-    by_remote: dict[int, list[EntryKey]]
     index: PeerIndex
 
 
@@ -176,7 +186,9 @@ class PolicyEngine:
         self._port_index: dict[str, set[int]] = {}
         self._rules: dict[RuleId, Rule] = {}
         self._by_subject: dict[Selector, set[RuleId]] = {}
-        self._by_peer: dict[Selector, set[RuleId]] = {}
+        #: Peer (or requirement) selector -> subject selector -> the rules using both: what an
+        #: identity's change reaches without walking every rule that names a broad peer.
+        self._by_peer: dict[Selector, dict[Selector, set[RuleId]]] = {}
         self._egress_named: set[RuleId] = set()
         self._resolved: dict[int, ResolvedPolicy] = {}
         self._subjects: dict[int, _Subject] = {}
@@ -187,6 +199,7 @@ class PolicyEngine:
         self._pending_slices: dict[int, set[int]] = {}
         self._batching = False
         self._batch_start_revision = 0
+        self._memo: Memo | None = None
         if with_reserved:
             for r in DEFAULT_RESERVED:
                 ident = reserved_identity(r)
@@ -355,6 +368,8 @@ class PolicyEngine:
     def upsert_identity(self, identity: Identity) -> ChangeResult:
         """Add an identity or change its labels."""
         x = identity.id
+        if not 0 < x <= MAX_IDENTITY:
+            raise ValueError(f"identity {x} is outside 1..{MAX_IDENTITY}, the identities the engine can hold")
         old = self._identities.get(x)
         if old == identity:
             return ChangeResult(self.revision)
@@ -434,8 +449,9 @@ class PolicyEngine:
 
     def compute_all(self) -> dict[int, ResolvedPolicy]:
         """Recompute every subject from scratch without changing state."""
+        memo: Memo = {}
         return {
-            i: resolve_subject(i, self._rules_for(i), self)
+            i: resolve_subject(i, self._rules_for(i), self, memo=memo)
             for i, ident in sorted(self._identities.items())
             if ident.is_endpoint
         }
@@ -469,7 +485,7 @@ class PolicyEngine:
             for pr in rule.peer_rules:
                 for sel in (*(pr.peers or ()), *pr.requirements):
                     self._cache.add_selector(sel)
-                    self._by_peer.setdefault(sel, set()).add(rid)
+                    self._by_peer.setdefault(sel, {}).setdefault(rule.subject, set()).add(rid)
                 if pr.direction is Direction.EGRESS and pr.has_named_ports:
                     self._egress_named.add(rid)
             self._rules[rid] = self._interned(rule)
@@ -499,7 +515,11 @@ class PolicyEngine:
             self._cache.remove_selector(rule.subject)
             for pr in rule.peer_rules:
                 for sel in (*(pr.peers or ()), *pr.requirements):
-                    self._discard(self._by_peer, sel, rid)
+                    by_subject = self._by_peer.get(sel)
+                    if by_subject is not None:
+                        self._discard(by_subject, rule.subject, rid)
+                        if not by_subject:
+                            del self._by_peer[sel]
                     self._cache.remove_selector(sel)
         return affected
 
@@ -539,8 +559,7 @@ class PolicyEngine:
             self._pending_full.add(x)
         subject_selectors: set[Selector] = set()
         for sel in changes:
-            for rid in self._by_peer.get(sel, ()):
-                subject_selectors.add(self._rules[rid].subject)
+            subject_selectors.update(self._by_peer.get(sel, ()))
         subjects: set[int] = set(also)
         for sel in subject_selectors:
             subjects |= self._cache.selection_set(sel)
@@ -585,10 +604,14 @@ class PolicyEngine:
         full, slices = self._pending_full, self._pending_slices
         self._pending_full, self._pending_slices = set(), {}
         diffs: dict[int, PolicyDiff] = {}
-        for i in full:
-            d = self._recompute_whole(i)
-            if d is not None:
-                diffs[i] = d
+        self._memo = {}  # selections are fixed until the flush ends: subjects share peer rules' codes
+        try:
+            for i in full:
+                d = self._recompute_whole(i)
+                if d is not None:
+                    diffs[i] = d
+        finally:
+            self._memo = None
         for i, remotes in slices.items():
             if i in full:
                 continue
@@ -608,11 +631,8 @@ class PolicyEngine:
             return diff_policies(old, None, i)
         rids = tuple(self._rule_ids_for(i))
         srules = SubjectRules.of((rid[0], self._rules[rid]) for rid in rids)
-        new = resolve_subject(i, srules, self)
-        by_remote: dict[int, list[EntryKey]] = {}
-        for key in new.entries:
-            by_remote.setdefault(key.identity, []).append(key)
-        self._subjects[i] = _Subject(rids, srules, by_remote, peer_index(srules))
+        new = resolve_subject(i, srules, self, memo=self._memo)
+        self._subjects[i] = _Subject(rids, srules, peer_index(srules))
         self._resolved[i] = new
         return diff_policies(old, new, i)
 
@@ -626,35 +646,23 @@ class PolicyEngine:
         old = self._resolved.get(i)
         if sub is None or old is None:
             return None
-        old_entries = old.entries
-        entries: dict[EntryKey, Verdict] | None = None
-        added: dict[EntryKey, Verdict] = {}
-        removed: set[EntryKey] = set()
-        for x in sorted(remotes):
-            new: dict[EntryKey, Verdict] = {}
-            if x in self._identities:
-                peer_rules = sub.index.reaching(self._cache.selectors_selecting(x), bool(self._ports.get(x)))
-                if peer_rules:
-                    new = resolve_remote(i, x, sub.rules, self, peer_rules=peer_rules)
-            old_keys = sub.by_remote.get(x, ())
-            if len(old_keys) == len(new) and all(new.get(k) is old_entries[k] for k in old_keys):
+        entries = old.entries
+        codes = entries.codes
+        own_ports = self.named_ports(i)
+        runs: dict[int, list[int]] = {}
+        added: list[int] = []
+        removed: list[int] = []
+        for x in remotes:
+            new = sub.index.slice(x, own_ports, self) if x in self._identities else []
+            low, high = entries.run(x)
+            if high - low == len(new) and codes[low:high].tolist() == new:
                 continue
-            if entries is None:  # copy on first change: handed-out policies never change
-                entries = old_entries.copy() if isinstance(old_entries, dict) else dict(old_entries)
-            for k in old_keys:
-                if new.get(k) is not old_entries[k]:
-                    removed.add(k)
-                    if k not in new:
-                        del entries[k]
-            for k, v in new.items():
-                if old_entries.get(k) is not v:
-                    added[k] = v
-                    entries[k] = v
-            if new:
-                sub.by_remote[x] = list(new)
-            else:
-                sub.by_remote.pop(x, None)
-        if entries is None:
+            runs[x] = new
+            before, after = set(codes[low:high]), set(new)
+            added.extend(after - before)
+            removed.extend(c & ~DENY_BIT for c in before - after)
+        if not runs:
             return None
-        self._resolved[i] = ResolvedPolicy(i, old.ingress_enforced, old.egress_enforced, entries)
-        return PolicyDiff(i, old.ingress_enforced, old.egress_enforced, added, frozenset(removed))
+        # A new set, not an edit: policies handed out never change.
+        self._resolved[i] = ResolvedPolicy(i, old.ingress_enforced, old.egress_enforced, entries.with_runs(runs))
+        return PolicyDiff(i, old.ingress_enforced, old.egress_enforced, EntrySet(sorted(added)), KeySet(removed))

@@ -2,7 +2,8 @@
 
 Output per subject: for each direction whether it is *enforced* (some rule
 selecting the subject puts it in default-deny) and a map
-``EntryKey(direction, remote identity, protocol, port_low, port_high) -> ALLOW|DENY``.
+``EntryKey(direction, remote identity, protocol, port_low, port_high) -> ALLOW|DENY``,
+held packed (:mod:`entries`: one 64-bit code per entry); resolution works on the codes.
 
 Entry conventions (the datapath contract):
 
@@ -22,18 +23,19 @@ remote is expanded to every identity that has the name).
 
 Every entry with remote identity X depends only on the rule set selecting the
 subject, the subject's own named ports, and X itself (which selectors select
-it, its named ports). :func:`resolve_remote` computes exactly that slice, so
+it, its named ports). :meth:`PeerIndex.slice` computes exactly that slice, so
 an identity change costs the entries naming that identity, not whole subjects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from functools import cached_property
+from typing import Any
 from typing import Protocol as TypingProtocol
 
+from services.policy.engine.entries import EntrySet, decode_key, identity_part, merge, rule_part
 from services.policy.engine.model import (
     ALL_PORTS,
     WILDCARD_IDENTITY,
@@ -78,28 +80,28 @@ class RuleRef:
 
 @dataclass(frozen=True)
 class ResolvedPolicy:
-    """The computed policy of one subject identity (shared by all its endpoints)."""
+    """The computed policy of one subject identity (shared by all its endpoints).
+
+    ``entries`` is always an :class:`EntrySet` (a mapping given here is packed).
+    """
 
     identity: int
     ingress_enforced: bool
     egress_enforced: bool
-    entries: Mapping[EntryKey, Verdict] = field(default_factory=dict)
+    entries: EntrySet = field(default_factory=EntrySet)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.entries, EntrySet):
+            object.__setattr__(self, "entries", EntrySet.of(self.entries))
 
     def enforced(self, direction: Direction) -> bool:
         return self.ingress_enforced if direction is Direction.INGRESS else self.egress_enforced
-
-    @cached_property
-    def _by_remote(self) -> dict[tuple[Direction, int], list[tuple[EntryKey, Verdict]]]:
-        out: dict[tuple[Direction, int], list[tuple[EntryKey, Verdict]]] = {}
-        for key, verdict in self.entries.items():
-            out.setdefault((key.direction, key.identity), []).append((key, verdict))
-        return out
 
     def matching(self, direction: Direction, remote: int, protocol: int, port: int) -> list[tuple[EntryKey, Verdict]]:
         """Entries covering a packet (exact remote and wildcard remote)."""
         out: list[tuple[EntryKey, Verdict]] = []
         for ident in (remote, WILDCARD_IDENTITY) if remote != WILDCARD_IDENTITY else (remote,):
-            for key, verdict in self._by_remote.get((direction, ident), ()):
+            for key, verdict in self.entries.remote(direction, ident):
                 if key.covers(protocol=protocol, port=port):
                     out.append((key, verdict))
         return out
@@ -169,6 +171,9 @@ class SubjectRules:
     def enforced(self, direction: Direction) -> bool:
         return self.ingress_enforced if direction is Direction.INGRESS else self.egress_enforced
 
+    def requirements(self, direction: Direction) -> tuple[Selector, ...]:
+        return self.ingress_requirements if direction is Direction.INGRESS else self.egress_requirements
+
     def requirement_sets(self, ctx: ResolveContext) -> dict[Direction, list[set[int]]]:
         return {
             Direction.INGRESS: [ctx.selection_set(s) for s in self.ingress_requirements],
@@ -196,58 +201,47 @@ def _remotes(pr: PeerRule, ctx: ResolveContext, requirements: list[set[int]]) ->
     return out
 
 
-def _selects(pr: PeerRule, selecting: AbstractSet[Selector], meets_requirements: bool) -> bool:
-    """Whether the remote selected by ``selecting`` is among :func:`_remotes` (peer rule with peers)."""
-    for sel in pr.peers or ():
-        if sel in selecting and (meets_requirements or not isinstance(sel, EndpointSelector)):
-            return True
-    return False
-
-
-def _entry_keys(
+def _entry_codes(
     pr: PeerRule,
-    remotes: Sequence[int] | None,
+    remotes: Iterable[int] | None,
     own_ports: NamedPorts,
     ctx: ResolveContext,
     *,
     only: int | None = None,
-) -> Iterator[EntryKey]:
-    """The keys one peer rule produces for ``remotes`` (sorted; ``None``: every remote).
+) -> list[int]:
+    """The key codes one peer rule produces for ``remotes`` (``None``: every remote).
 
     With ``only`` set, just the keys whose remote identity is ``only``: for a
     peer rule without peers these are its egress named-port expansions.
     """
     d = pr.direction
-    wild: Sequence[int] = remotes if remotes is not None else (() if only is not None else (WILDCARD_IDENTITY,))
+    wild: Iterable[int] = remotes if remotes is not None else (() if only is not None else (WILDCARD_IDENTITY,))
+    out: list[int] = []
     for spec in pr.ports:
         if spec.name:
             if d is Direction.INGRESS:
-                numbers = _named(own_ports, spec)
-                for r in wild:
-                    for proto, n in numbers:
-                        yield EntryKey(d, r, proto, n, n)
+                parts = [rule_part(d, proto, n, n) for proto, n in _named(own_ports, spec)]
+                out.extend(identity_part(r) | part for r in wild for part in parts)
                 continue
             if remotes is not None:
-                targets: Sequence[int] = remotes
+                targets: Iterable[int] = remotes
             elif only is not None:
                 targets = (only,)
             else:
-                targets = sorted(ctx.identities_with_named_port(spec.name))
+                targets = ctx.identities_with_named_port(spec.name)
             for r in targets:
-                for proto, n in _named(ctx.named_ports(r), spec):
-                    yield EntryKey(d, r, proto, n, n)
+                rp = identity_part(r)
+                out.extend(rp | rule_part(d, proto, n, n) for proto, n in _named(ctx.named_ports(r), spec))
             continue
-        if spec == ALL_PORTS:
-            for r in wild:
-                yield EntryKey(d, r, Protocol.ANY, 0, 0)
-            continue
-        protos = _PORT_PROTOCOLS if spec.protocol is Protocol.ANY else (spec.protocol,)
-        for r in wild:
-            for proto in protos:
-                yield EntryKey(d, r, proto, spec.port_low, spec.port_high)
+        for part in _port_parts(d, spec):
+            out.extend([identity_part(r) | part for r in wild])
+    return out
 
 
 _Signature = tuple[Direction, Verdict, tuple[Selector, ...] | None, tuple[PortSpec, ...]]
+
+#: Key codes of peer rules already resolved in one engine flush (see :func:`resolve_subject`).
+Memo = dict[Any, list[int]]
 
 
 def _signature(pr: PeerRule) -> _Signature:
@@ -255,12 +249,8 @@ def _signature(pr: PeerRule) -> _Signature:
     return (pr.direction, pr.verdict, pr.peers, pr.ports)
 
 
-def _put(entries: dict[EntryKey, Verdict], key: EntryKey, verdict: Verdict) -> None:
-    """Deny wins: a key keeps DENY once any rule denies it; an allow never overwrites."""
-    if verdict is Verdict.DENY:
-        entries[key] = Verdict.DENY
-    else:
-        entries.setdefault(key, Verdict.ALLOW)
+def _frozen_ports(ports: NamedPorts) -> tuple[tuple[str, frozenset[tuple[Protocol, int]]], ...]:
+    return tuple(sorted(ports.items()))
 
 
 def resolve_subject(
@@ -269,129 +259,178 @@ def resolve_subject(
     ctx: ResolveContext,
     *,
     explain: dict[EntryKey, list[RuleRef]] | None = None,
+    memo: Memo | None = None,
 ) -> ResolvedPolicy:
     """Compute a subject's entries from the rules that select it.
 
     ``rules`` must be exactly the rules whose subject selector selects
     ``subject``. When ``explain`` is given it is filled with the rules that
     produced each entry (used by traces).
+
+    ``memo`` shares work between subjects while selections do not change (one
+    engine flush): a peer rule's codes depend only on its signature, the
+    subject's requirements when it selects endpoints, and the subject's own
+    named ports when it names ingress ports, so every subject with an equal
+    peer rule (each policy of a team allowing DNS, or the cluster) reuses them.
     """
     srules = rules if isinstance(rules, SubjectRules) else SubjectRules.of(rules)
     reqs = srules.requirement_sets(ctx)
     own_ports = ctx.named_ports(subject)
-    entries: dict[EntryKey, Verdict] = {}
-    # Policies repeat peer rules (every one of a team's policies allowing DNS, or the cluster):
-    # an equal one adds nothing, so it is skipped, unless the caller wants every rule's share.
+    frozen_ports: tuple[tuple[str, frozenset[tuple[Protocol, int]]], ...] | None = None
+    allow: set[int] = set()
+    deny: set[int] = set()
+    # Policies repeat peer rules: an equal one adds nothing, so it is skipped, unless the
+    # caller wants every rule's share.
     done: set[_Signature] | None = set() if explain is None else None
     for pkey, rule in srules.rules:
         for pr in rule.peer_rules:
             d = pr.direction
             if pr.verdict is Verdict.ALLOW and not srules.enforced(d):
                 continue
+            codes: list[int] | None = None
+            memo_key: Any = None
             if done is not None:
                 signature = _signature(pr)
                 if signature in done:
                     continue
                 done.add(signature)
-            remotes = _remotes(pr, ctx, reqs[d])
-            if remotes is not None and not remotes:
-                continue
-            ref = RuleRef(pkey, rule.origin, pr.origin, pr.verdict)
-            for key in _entry_keys(pr, None if remotes is None else sorted(remotes), own_ports, ctx):
-                _put(entries, key, pr.verdict)
-                if explain is not None:
-                    explain.setdefault(key, []).append(ref)
-    return ResolvedPolicy(subject, srules.ingress_enforced, srules.egress_enforced, entries)
+                if memo is not None:
+                    needs_reqs = bool(reqs[d]) and any(isinstance(s, EndpointSelector) for s in pr.peers or ())
+                    needs_ports = d is Direction.INGRESS and pr.has_named_ports
+                    if needs_ports and frozen_ports is None:
+                        frozen_ports = _frozen_ports(own_ports)
+                    memo_key = (
+                        signature,
+                        srules.requirements(d) if needs_reqs else None,
+                        frozen_ports if needs_ports else None,
+                    )
+                    codes = memo.get(memo_key)
+            if codes is None:
+                remotes = _remotes(pr, ctx, reqs[d])
+                codes = [] if remotes is not None and not remotes else _entry_codes(pr, remotes, own_ports, ctx)
+                if memo_key is not None and memo is not None:
+                    memo[memo_key] = codes
+            (deny if pr.verdict is Verdict.DENY else allow).update(codes)
+            if explain is not None:
+                ref = RuleRef(pkey, rule.origin, pr.origin, pr.verdict)
+                for c in codes:
+                    explain.setdefault(decode_key(c), []).append(ref)
+    return ResolvedPolicy(subject, srules.ingress_enforced, srules.egress_enforced, EntrySet.build(allow, deny))
 
 
-def resolve_remote(
-    subject: int,
-    remote: int,
-    srules: SubjectRules,
-    ctx: ResolveContext,
-    *,
-    peer_rules: Iterable[PeerRule] | None = None,
-) -> dict[EntryKey, Verdict]:
-    """The entries of ``subject`` whose remote identity is ``remote``.
+@dataclass(frozen=True, slots=True)
+class _Peer:
+    """One peer rule of a subject, its numbered ports already packed (see :class:`PeerIndex`)."""
 
-    Exactly ``resolve_subject(subject, ...).entries`` restricted to keys with
-    ``identity == remote``, computed without looking at any other remote:
-    this is what an identity change (add, remove, relabel, IPs, named ports)
-    recomputes for every subject whose rules may select it. ``remote`` must
-    be an identity the context knows (not the wildcard 0). ``peer_rules``
-    optionally narrows the peer rules walked to those of ``srules`` that can
-    name ``remote`` at all (see :func:`peer_index`); enforcement and
-    requirements still come from the whole of ``srules``.
-    """
-    selecting = ctx.selectors_selecting(remote)
-    meets = {
-        Direction.INGRESS: all(s in selecting for s in srules.ingress_requirements),
-        Direction.EGRESS: all(s in selecting for s in srules.egress_requirements),
-    }
-    own_ports = ctx.named_ports(subject)
-    entries: dict[EntryKey, Verdict] = {}
-    only = (remote,)
-    done: set[_Signature] = set()
-    if peer_rules is None:
-        peer_rules = (pr for _, rule in srules.rules for pr in rule.peer_rules)
-    for pr in peer_rules:
-        d = pr.direction
-        if pr.verdict is Verdict.ALLOW and not srules.enforced(d):
-            continue
-        signature = _signature(pr)
-        if signature in done:
-            continue
-        done.add(signature)
-        if pr.peers is None:
-            if d is Direction.INGRESS or not pr.has_named_ports:
-                continue
-            remotes: Sequence[int] | None = None
-        elif _selects(pr, selecting, meets[d]):
-            remotes = only
-        else:
-            continue
-        for key in _entry_keys(pr, remotes, own_ports, ctx, only=remote):
-            _put(entries, key, pr.verdict)
-    return entries
+    direction: Direction
+    deny: bool
+    #: Without peers (every remote): only its egress named ports name a remote.
+    wildcard: bool
+    parts: tuple[int, ...]
+    named: tuple[PortSpec, ...]
+
+
+def _port_parts(direction: Direction, spec: PortSpec) -> list[int]:
+    """The key codes (without identity) of a numbered port spec."""
+    if spec == ALL_PORTS:
+        return [rule_part(direction, Protocol.ANY, 0, 0)]
+    protos = _PORT_PROTOCOLS if spec.protocol is Protocol.ANY else (spec.protocol,)
+    return [rule_part(direction, proto, spec.port_low, spec.port_high) for proto in protos]
+
+
+def _peer(pr: PeerRule) -> _Peer:
+    parts: list[int] = []
+    for spec in pr.ports:
+        if not spec.name:
+            parts.extend(_port_parts(pr.direction, spec))
+    named = tuple(spec for spec in pr.ports if spec.name)
+    return _Peer(pr.direction, pr.verdict is Verdict.DENY, pr.peers is None, tuple(parts), named)
 
 
 @dataclass(frozen=True, slots=True)
 class PeerIndex:
-    """A subject's peer rules by the selectors naming their peers, for :func:`resolve_remote`.
+    """A subject's peer rules by the selectors naming their peers: what an identity change walks.
 
     Only peer rules with a peer selecting a remote, and egress rules without peers that
     use named ports, can give entries for that remote: an identity change walks those,
-    not every rule of every subject it touches.
+    not every rule of every subject it touches. Built once per rule set: peer rules
+    with equal signatures appear once, and allows of a direction not enforced not at all.
     """
 
-    by_selector: Mapping[Selector, tuple[PeerRule, ...]]
-    named_egress: tuple[PeerRule, ...]
+    by_selector: Mapping[Selector, tuple[_Peer, ...]]
+    named_egress: tuple[_Peer, ...]
+    ingress_requirements: tuple[Selector, ...]
+    egress_requirements: tuple[Selector, ...]
 
-    def reaching(self, selecting: AbstractSet[Selector], has_named_ports: bool) -> list[PeerRule]:
-        """The peer rules that may have entries for a remote selected by ``selecting``."""
-        found: dict[int, PeerRule] = {}
-        if len(self.by_selector) <= len(selecting):
-            groups = [prs for sel, prs in self.by_selector.items() if sel in selecting]
+    def slice(self, remote: int, own_ports: NamedPorts, ctx: ResolveContext) -> list[int]:
+        """The codes of the subject's entries whose remote identity is ``remote``, sorted.
+
+        Exactly :func:`resolve_subject`'s entries restricted to keys with
+        ``identity == remote``, computed without looking at any other remote:
+        this is what an identity change (add, remove, relabel, IPs, named ports)
+        recomputes for every subject whose rules may select it. ``remote`` must
+        be an identity the context knows (not the wildcard 0).
+        """
+        selecting = ctx.selectors_selecting(remote)
+        remote_ports = ctx.named_ports(remote)
+        # fromRequires/toRequires: an endpoint selector counts only for a remote meeting them all.
+        meets_ingress = all(s in selecting for s in self.ingress_requirements)
+        meets_egress = all(s in selecting for s in self.egress_requirements)
+        found: dict[int, _Peer] = {}
+        by_selector = self.by_selector
+        if len(by_selector) <= len(selecting):
+            groups = [(sel, peers) for sel, peers in by_selector.items() if sel in selecting]
         else:
-            groups = [self.by_selector[sel] for sel in selecting if sel in self.by_selector]
-        for prs in groups:
-            for pr in prs:
-                found[id(pr)] = pr
-        if has_named_ports:
-            for pr in self.named_egress:
-                found[id(pr)] = pr
-        return list(found.values())
+            groups = [(sel, by_selector[sel]) for sel in selecting if sel in by_selector]
+        for sel, peers in groups:
+            if isinstance(sel, EndpointSelector) and not (meets_ingress and meets_egress):
+                for p in peers:
+                    if meets_ingress if p.direction is Direction.INGRESS else meets_egress:
+                        found[id(p)] = p
+            else:
+                for p in peers:
+                    found[id(p)] = p
+        if remote_ports:
+            for p in self.named_egress:
+                found[id(p)] = p
+        if not found:
+            return []
+        allow: set[int] = set()
+        deny: set[int] = set()
+        ip = identity_part(remote)
+        for p in found.values():
+            target = deny if p.deny else allow
+            if not p.wildcard:
+                target.update([ip | part for part in p.parts])
+            for spec in p.named:
+                ports = own_ports if p.direction is Direction.INGRESS else remote_ports
+                target.update([ip | rule_part(p.direction, proto, n, n) for proto, n in _named(ports, spec)])
+        return merge(allow, deny)
 
 
 def peer_index(srules: SubjectRules) -> PeerIndex:
-    by_selector: dict[Selector, list[PeerRule]] = {}
-    named: list[PeerRule] = []
+    by_selector: dict[Selector, list[_Peer]] = {}
+    named: list[_Peer] = []
+    seen: set[_Signature] = set()
     for _, rule in srules.rules:
         for pr in rule.peer_rules:
+            if pr.verdict is Verdict.ALLOW and not srules.enforced(pr.direction):
+                continue
+            if pr.peers is None and (pr.direction is Direction.INGRESS or not pr.has_named_ports):
+                continue  # only wildcard entries (identity 0), which no remote's change touches
+            signature = _signature(pr)
+            if signature in seen:
+                continue
+            seen.add(signature)
+            peer = _peer(pr)
             if pr.peers is None:
-                if pr.direction is Direction.EGRESS and pr.has_named_ports:
-                    named.append(pr)
+                named.append(peer)
                 continue
             for sel in pr.peers:
-                by_selector.setdefault(sel, []).append(pr)
-    return PeerIndex({sel: tuple(prs) for sel, prs in by_selector.items()}, tuple(named))
+                by_selector.setdefault(sel, []).append(peer)
+    return PeerIndex(
+        {sel: tuple(peers) for sel, peers in by_selector.items()},
+        tuple(named),
+        srules.ingress_requirements,
+        srules.egress_requirements,
+    )
