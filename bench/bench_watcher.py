@@ -33,10 +33,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from services.common.bus import Bus
+from services.common.gctuning import tune_gc
 from services.watcher.kube import KubeSettings, KubeSource, load_client_configuration
 from services.watcher.metrics import WatcherMetrics
 from services.watcher.pipeline import Watcher
-from services.watcher.service import tune_gc
 from tests.harness import NatsServer, creds
 from tests.watcher.apiserver import FakeApiServer
 

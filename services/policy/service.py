@@ -20,6 +20,7 @@ from typing import Any
 
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
 from services.common.bus import ALL_STREAMS, Bus
+from services.common.gctuning import freeze_loaded, tune_gc
 from services.common.grpcserver import GrpcServer, StatusProvider
 from services.common.members import MemberView, nats_members
 from services.common.runner import ServiceContext, run_service
@@ -125,6 +126,7 @@ async def _go_live(
     """Warm (inputs replayed) -> SERVING and a candidate for leader -> on election, take over."""
     await inputs.wait_synced()
     await controller.call(lambda core, now: core.mark_warm(), JobKind.CHANGE)
+    freeze_loaded()
     election.run_for_leader()
     ctx.log.info("policy inputs synced; candidate for leader", member=election.member)
     # SERVING once calls can be answered: as leader after taking over, as follower once a leader is known.
@@ -172,6 +174,7 @@ def advertised(cfg: PolicyConfig, server: GrpcServer) -> str:
 
 
 async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
+    tune_gc()
     cfg = ctx.config
     bus = await ctx.bus()
     await bus.ensure_streams(*ALL_STREAMS)

@@ -5,11 +5,11 @@ Health stays NOT_SERVING until the synced marker is on the bus.
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 from palisade.v1 import identity_pb2
 from services.common.bus import IPCACHE_STREAM, Bus
+from services.common.gctuning import freeze_loaded, tune_gc
 from services.common.runner import ServiceContext, run_service
 from services.common.subjects import IPCACHE_ALL
 from services.watcher.config import SourceKind, WatcherConfig
@@ -18,18 +18,6 @@ from services.watcher.manifests import ManifestSource
 from services.watcher.metrics import WatcherMetrics
 from services.watcher.pipeline import Watcher
 from services.watcher.source import Source
-
-
-def tune_gc() -> None:
-    """Make the cyclic garbage collector cheap for a process holding a whole cluster in memory.
-
-    The cache keeps every object as many small, long-lived dicts, and a large list
-    allocates hundreds of thousands more at once; with CPython's default thresholds
-    the collector rescans them over and over, which costs a large share of the
-    initial-list throughput (``bench/bench_watcher.py --default-gc`` to compare). Parsed JSON holds no reference
-    cycles and little else here does, so rarer collections cost little memory.
-    """
-    gc.set_threshold(50_000, 20, 100)
 
 
 def build_source(cfg: WatcherConfig) -> Source:
@@ -81,8 +69,7 @@ async def setup(ctx: ServiceContext[WatcherConfig]) -> None:
 
     async def serve_when_synced() -> None:
         await watcher.synced.wait()
-        # What the initial sync built lives as long as the objects do: stop rescanning it.
-        gc.freeze()
+        freeze_loaded()
         await ctx.server.set_serving(True)
 
     ctx.spawn(watcher.run(), "watcher")

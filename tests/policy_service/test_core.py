@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from palisade.v1 import common_pb2, k8s_pb2, policy_pb2
 from services.policy.engine.core import RequestError
+from services.policy.engine.entries import MAX_IDENTITY
 from services.policy.engine.orders import PersistedState
 from services.policy.engine.realized import Report
 from services.policy.engine.sources import Source
@@ -440,3 +441,11 @@ def test_applied_orders_always_equal_resync(ops: list[tuple[tuple[Any, ...], boo
     w.assert_nodes_match_resync()
     for node in _NODES:
         assert set(w.resync(node)) == {i for i in w.core.hosted(node) if w.core.policy_of(i) is not None}
+
+
+def test_an_identity_above_what_the_engine_holds_is_ignored_and_the_rest_keeps_working(world: World) -> None:
+    world.identity(MAX_IDENTITY + 1, app="web")
+    assert world.core.engine.identity(MAX_IDENTITY + 1) is None
+    world.policy(builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432))
+    world.commit()
+    assert world.nodes["n2"].policies[DB][1] == {ingress_key(WEB, 5432): common_pb2.VERDICT_ALLOW}

@@ -23,6 +23,7 @@ from palisade.v1 import common_pb2, identity_pb2, k8s_pb2
 from services.common.errors import Code, PalisadeError
 from services.common.labels import CLUSTER_NAME_DEFAULT, LabelSet, LabelSource, parse_label
 from services.common.log import get_logger
+from services.policy.engine.entries import MAX_IDENTITY
 from services.policy.engine.identity import Identity
 from services.policy.engine.ipcache import IpcacheError, IpcacheTable, is_endpoint_identity, record_from_proto
 from services.policy.engine.model import Policy, PolicyKind, PolicyRef, PolicyValidationError, Protocol
@@ -422,6 +423,14 @@ class PolicyCore:
             if self.engine.identity(number) is not None:
                 self._change(now)
                 self.engine.remove_identity(number)
+            return
+        if number > MAX_IDENTITY:
+            log.warning(
+                "identity ignored: above the largest the engine holds; allocate identities in ipam's ranges",
+                subject=subject,
+                identity=number,
+                limit=MAX_IDENTITY,
+            )
             return
         identity = Identity(number, labels_from_proto(update.identity.labels))
         if self.engine.identity(number) == identity:
