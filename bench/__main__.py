@@ -2,7 +2,9 @@
 
 Each ``bench/bench_*.py`` is a script that prints one JSON object on stdout. It may hold:
 - ``summary``: a list of {"metric", "value", "unit"} rows for the Markdown table
-  (otherwise every top-level number is listed);
+  (otherwise every top-level number is listed); a row may carry a ``target``
+  ({"op": "<=" | ">=", "value": bound}, see ``bench.stats.target``): the report lists
+  every target first, with its value and whether it is met;
 - ``plots``: a list of {"name", "title", "xlabel", "ylabel", "kind": "line"|"hist",
   "series": {label: [[x, y], ...]} (line) or {label: [values...]} (hist)}.
 
@@ -21,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.stats import target_met
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -50,13 +54,44 @@ def run_one(script: Path, timeout: float, extra: list[str]) -> dict[str, Any]:
     return dict(data)
 
 
-def summary_rows(name: str, data: dict[str, Any]) -> list[tuple[str, str, str]]:
+def summary_rows(name: str, data: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(benchmark, metric, value, target) rows; the target cell says whether it is met."""
     if "error" in data:
-        return [(name, "error", str(data["error"]).splitlines()[0][:200])]
+        return [(name, "error", str(data["error"]).splitlines()[0][:200], "")]
     rows = data.get("summary")
     if isinstance(rows, list):
-        return [(name, str(r["metric"]), f"{r['value']} {r.get('unit', '')}".strip()) for r in rows]
-    return [(name, k, str(v)) for k, v in _numbers(data)]
+        return [(name, str(r["metric"]), _value(r), _target(r)) for r in rows]
+    return [(name, k, str(v), "") for k, v in _numbers(data)]
+
+
+def _value(row: dict[str, Any]) -> str:
+    return f"{row['value']} {row.get('unit', '')}".strip()
+
+
+def _target(row: dict[str, Any]) -> str:
+    goal = row.get("target")
+    if not goal:
+        return ""
+    unit = row.get("unit", "")
+    verdict = "met" if target_met(float(row["value"]), goal) else "**not met**"
+    return f"{'≤' if goal['op'] == '<=' else '≥'} {goal['value']} {unit}".strip() + f": {verdict}"
+
+
+def target_lines(report: dict[str, Any]) -> list[str]:
+    """The report's opening section: every target row of every benchmark, and how many are met."""
+    rows = [
+        (name, r)
+        for name, data in report["benchmarks"].items()
+        for r in (data.get("summary") or [])
+        if isinstance(r, dict) and r.get("target")
+    ]
+    if not rows:
+        return []
+    met = sum(target_met(float(r["value"]), r["target"]) for _, r in rows)
+    lines = ["## Targets", "", f"{met} of {len(rows)} met.", "", "| benchmark | metric | value | target |"]
+    lines.append("|---|---|---|---|")
+    lines += [f"| {name} | {r['metric']} | {_value(r)} | {_target(r)} |" for name, r in rows]
+    return [*lines, "", "## Every figure", ""]
 
 
 def _numbers(data: dict[str, Any], prefix: str = "", depth: int = 3) -> list[tuple[str, Any]]:
@@ -135,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {json.dumps(report['benchmarks'][name])[:300]}", flush=True)
     (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# Palisade benchmarks, {stem}", "", f"Machine: {report['machine']}", ""]
-    lines += ["| benchmark | metric | value |", "|---|---|---|"]
+    lines += target_lines(report)
+    lines += ["| benchmark | metric | value | target |", "|---|---|---|---|"]
     for name, data in report["benchmarks"].items():
-        lines += [f"| {a} | {b} | {c} |" for a, b, c in summary_rows(name, data)]
+        lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in summary_rows(name, data)]
     for name, data in report["benchmarks"].items():
         for fname in render_plots(stem, name, data, out_dir):
             lines += ["", f"![{fname}]({fname})"]

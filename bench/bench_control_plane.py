@@ -54,7 +54,7 @@ from typing import Any
 import grpc
 import yaml
 
-from bench.stats import stats_ms
+from bench.stats import rss_mib, stats_ms, target
 from palisade.v1 import (
     common_pb2,
     datapath_pb2,
@@ -80,18 +80,6 @@ TIERS = 2
 
 def log(message: str) -> None:
     print(f"[control_plane {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def rss_mib(pid: int) -> float:
-    """VmRSS of a process in MiB (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return round(int(line.split()[1]) / 1024, 1)
-    except FileNotFoundError:
-        pass
-    return 0.0
 
 
 class Cleanup:
@@ -565,13 +553,15 @@ async def big_policy_part(tmp: Path, args: argparse.Namespace, cleanup: Cleanup)
 def engine_part(policies: int, identities: int, namespaces: int, samples: int) -> dict[str, Any]:
     from bench.bench_engine import APPS as ENGINE_APPS
     from bench.bench_engine import TIERS as ENGINE_TIERS
-    from bench.bench_engine import make_identities, make_policy
+    from bench.bench_engine import make_identities, make_policy, profiled
+    from services.common.gctuning import freeze_loaded, tune_gc
     from services.common.labels import pod_identity_labels
     from services.policy.engine.identity import Identity
     from services.policy.engine.model import Protocol
     from services.policy.engine.parse import parse_policy
     from services.policy.engine.policyengine import PolicyEngine
 
+    tune_gc()  # as the policy service does
     rng = random.Random(7)
     t = time.perf_counter()
     idents = make_identities(identities, namespaces, rng)
@@ -590,6 +580,7 @@ def engine_part(policies: int, identities: int, namespaces: int, samples: int) -
     eng.end_batch()
     full_s = time.perf_counter() - t
     entries = sum(len(p.entries) for p in eng.policies().values())
+    freeze_loaded()  # as the policy service does once its inputs are replayed
 
     pick = random.Random(99)
     policy_times: list[float] = []
@@ -624,6 +615,11 @@ def engine_part(policies: int, identities: int, namespaces: int, samples: int) -
         eng.remove_identity(ident.id)
         remove_times.append(time.perf_counter() - t)
     rss = rss_mib(os.getpid())
+    later = [Identity(first + samples + n, new_labels(samples + n)) for n in range(5)]
+    profiles = {
+        "full_recompute": profiled(eng.compute_all),
+        "identity_add_x5": profiled(lambda: [eng.upsert_identity(i) for i in later]),
+    }
 
     def ms(values: list[float]) -> dict[str, float]:
         return stats_ms([v * 1000 for v in values])
@@ -642,6 +638,7 @@ def engine_part(policies: int, identities: int, namespaces: int, samples: int) -
         "incremental_identity_remove_ms": ms(remove_times),
         "samples": samples,
         "engine_process_rss_mib": rss,
+        "profile": profiles,
     }
 
 
@@ -697,6 +694,7 @@ def summary(out: dict[str, Any]) -> list[dict[str, Any]]:
             "metric": f"implementation delay p99 ({eps} endpoints, {pols} policies, 1 node)",
             "value": sv["implementation_delay_ms"]["p99"],
             "unit": "ms",
+            "target": target("<=", 50.0),
         },
         {"metric": f"{pols} policies: import -> realized", "value": sv["policy_import_to_realized_s"], "unit": "s"},
         {"metric": "CreateEndpoint p50 (4 in flight)", "value": sv["endpoint_create_ms"]["p50"], "unit": "ms"},
@@ -704,6 +702,7 @@ def summary(out: dict[str, Any]) -> list[dict[str, Any]]:
             "metric": f"engine full resolve ({eng['policies']} policies, {eng['identities']} identities)",
             "value": eng["full_resolve_s"],
             "unit": "s",
+            "target": target("<=", 10.0),
         },
         {
             "metric": "engine incremental policy change p50",
@@ -714,10 +713,22 @@ def summary(out: dict[str, Any]) -> list[dict[str, Any]]:
             "metric": "engine incremental policy change p99",
             "value": eng["incremental_policy_change_ms"]["p99"],
             "unit": "ms",
+            "target": target("<=", 20.0),
         },
         {"metric": "engine identity add p50", "value": eng["incremental_identity_add_ms"]["p50"], "unit": "ms"},
+        {
+            "metric": "engine identity add p99",
+            "value": eng["incremental_identity_add_ms"]["p99"],
+            "unit": "ms",
+            "target": target("<=", 20.0),
+        },
         {"metric": "engine identity remove p50", "value": eng["incremental_identity_remove_ms"]["p50"], "unit": "ms"},
-        {"metric": "engine process RSS at that scale", "value": eng["engine_process_rss_mib"], "unit": "MiB"},
+        {
+            "metric": "engine process RSS at that scale",
+            "value": eng["engine_process_rss_mib"],
+            "unit": "MiB",
+            "target": target("<=", 300.0),
+        },
     ]
     alloc = sv["allocation"]
     for level in (1, 16):

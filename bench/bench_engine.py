@@ -14,14 +14,20 @@ a full recomputation.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import ipaddress
 import json
+import os
+import pstats
 import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from bench.stats import percentile, rss_mib
+from services.common.gctuning import freeze_loaded, tune_gc
 from services.common.labels import pod_identity_labels
 from services.policy.engine.identity import Identity, LocalAllocator
 from services.policy.engine.model import Protocol
@@ -119,6 +125,15 @@ def make_policy(i: int, namespaces: int, rng: random.Random, *, variant: int = 0
     }
 
 
+def profiled(fn: Callable[[], object], top: int = 8) -> list[str]:
+    """Run ``fn`` under cProfile: its ``top`` functions by own time, as ``seconds calls function`` lines."""
+    profile = cProfile.Profile()
+    profile.runcall(fn)
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]  # the documented raw table
+    rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    return [f"{tt:.3f}s {nc} {Path(file).name}:{line}({name})" for (file, line, name), (_, nc, tt, _, _) in rows]
+
+
 def timed(fn: Callable[[], ChangeResult]) -> tuple[float, ChangeResult]:
     t = time.perf_counter()
     result = fn()
@@ -152,6 +167,7 @@ def identity_changes(eng: PolicyEngine, args: argparse.Namespace, rng: random.Ra
     out: dict[str, Any] = {}
     for name, values in times.items():
         out[f"{name}_median_s"] = round(statistics.median(values), 6)
+        out[f"{name}_p99_s"] = round(percentile(values, 0.99), 6)
         out[f"{name}_max_s"] = round(max(values), 6)
         out[f"{name}_subjects_changed_median"] = statistics.median(changed[name])
     return out
@@ -166,6 +182,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=100, help="identity adds in the batched case")
     ap.add_argument("--verify", action="store_true", help="compare with a full recomputation at the end")
     args = ap.parse_args()
+    tune_gc()  # as the policy service does
     rng = random.Random(7)
     idents = make_identities(args.identities, args.namespaces, rng)
     policies = [parse_policy(make_policy(i, args.namespaces, rng)) for i in range(args.policies)]
@@ -182,6 +199,10 @@ def main() -> int:
     full = eng.end_batch()
     full_s = time.perf_counter() - t0
     entries = sum(len(p.entries) for p in eng.policies().values())
+    full_diffs = len(full.diffs)
+    del full
+    freeze_loaded()  # as the policy service does once its inputs are replayed
+    loaded_rss = rss_mib(os.getpid())
 
     t1 = time.perf_counter()
     recompute = eng.compute_all()
@@ -204,6 +225,13 @@ def main() -> int:
         return eng.end_batch()
 
     batch_s, batch_result = timed(add_batch)
+
+    profile_first = max(eng.identities()) + 1
+    profile_adds = [Identity(profile_first + n, pod_labels(n, args.namespaces, TIERS[n % 3])) for n in range(5)]
+    profiles = {
+        "profile_full_recompute": profiled(eng.compute_all),
+        "profile_identity_add_x5": profiled(lambda: [eng.upsert_identity(i) for i in profile_adds]),
+    }
 
     verified: dict[str, Any] = {}
     if args.verify:
@@ -232,8 +260,11 @@ def main() -> int:
                 "batch_identity_adds": args.batch,
                 "batch_identity_adds_s": round(batch_s, 4),
                 "batch_subjects_changed": len(batch_result.diffs),
-                "full_subjects_changed": len(full.diffs),
+                "full_subjects_changed": full_diffs,
+                "rss_mib_loaded": loaded_rss,
+                "rss_mib_end": rss_mib(os.getpid()),
                 **verified,
+                **profiles,
             },
             indent=2,
         )

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.stats import percentile, stats_ms
+from bench.stats import percentile, stats_ms, target
 from services.common.access import INBOX_PREFIX
 from services.common.grpcserver import open_channel
 from services.common.subjects import k8s_subject
@@ -537,6 +537,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "metric": f"policy file -> enforced, p99 ({args.pods} pods, {len(samples)} changes)",
                 "value": round(percentile(delays, 0.99), 1),
                 "unit": "ms",
+                "target": target("<=", 100.0),
             },
             *(
                 {"metric": f"hop {name}, p50", "value": stats["p50"], "unit": "ms"}

@@ -1,9 +1,10 @@
-"""Order statistics shared by the benchmarks."""
+"""Order statistics, targets and process measurements shared by the benchmarks."""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -23,3 +24,27 @@ def stats_ms(values: Sequence[float], digits: int = 3) -> dict[str, float]:
         "min": round(min(values), digits),
         "max": round(max(values), digits),
     }
+
+
+def target(op: str, bound: float) -> dict[str, Any]:
+    """A target for a summary row: ``{"op": "<=" | ">=", "value": bound}``."""
+    if op not in ("<=", ">="):
+        raise ValueError(f"target op must be '<=' or '>=', not {op!r}")
+    return {"op": op, "value": float(bound)}
+
+
+def target_met(value: float, goal: Mapping[str, Any]) -> bool:
+    bound = float(goal["value"])
+    return value <= bound if goal["op"] == "<=" else value >= bound
+
+
+def rss_mib(pid: int) -> float:
+    """VmRSS of a process in MiB (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except FileNotFoundError:
+        pass
+    return 0.0

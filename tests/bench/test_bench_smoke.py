@@ -26,8 +26,10 @@ def run_quick(script: str) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out: dict[str, Any] = json.loads(proc.stdout)
     for row in out["summary"]:
-        assert set(row) == {"metric", "value", "unit"}
+        assert set(row) - {"target"} == {"metric", "value", "unit"}
         assert isinstance(row["value"], int | float)
+        if "target" in row:
+            assert row["target"]["op"] in ("<=", ">=") and isinstance(row["target"]["value"], float)
     for plot in out["plots"]:
         assert plot["kind"] == "hist" and all(plot["series"].values())
     return out
@@ -54,6 +56,9 @@ def test_control_plane_quick() -> None:
     assert all(v > 0 for v in services["rss_mib_loaded"].values())
     assert services["implementation_delay_ms"]["p50"] > 0
     assert out["engine"]["entries"] > 0 and out["policy_big"]["policy_rss_mib"] > 0
+    assert all(out["engine"]["profile"][part] for part in ("full_recompute", "identity_add_x5"))
+    targeted = {row["metric"] for row in out["summary"] if "target" in row}
+    assert {"engine identity add p99", "engine process RSS at that scale"} <= targeted
     assert services["allocation"]["identity_new_per_s_c16"] > 0 and services["allocation"]["ip_allocate_per_s_c16"] > 0
     assert leftovers() <= before, "pins or namespaces left behind"
 

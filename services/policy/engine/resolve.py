@@ -29,7 +29,8 @@ an identity change costs the entries naming that identity, not whole subjects.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
@@ -241,7 +242,7 @@ def _entry_codes(
 _Signature = tuple[Direction, Verdict, tuple[Selector, ...] | None, tuple[PortSpec, ...]]
 
 #: Key codes of peer rules already resolved in one engine flush (see :func:`resolve_subject`).
-Memo = dict[Any, list[int]]
+Memo = dict[Any, Sequence[int]]
 
 
 def _signature(pr: PeerRule) -> _Signature:
@@ -287,7 +288,7 @@ def resolve_subject(
             d = pr.direction
             if pr.verdict is Verdict.ALLOW and not srules.enforced(d):
                 continue
-            codes: list[int] | None = None
+            codes: Sequence[int] | None = None
             memo_key: Any = None
             if done is not None:
                 signature = _signature(pr)
@@ -309,7 +310,8 @@ def resolve_subject(
                 remotes = _remotes(pr, ctx, reqs[d])
                 codes = [] if remotes is not None and not remotes else _entry_codes(pr, remotes, own_ports, ctx)
                 if memo_key is not None and memo is not None:
-                    memo[memo_key] = codes
+                    # Packed: a flush may hold thousands of these, and int objects cost 5 times more.
+                    codes = memo[memo_key] = array("Q", codes)
             (deny if pr.verdict is Verdict.DENY else allow).update(codes)
             if explain is not None:
                 ref = RuleRef(pkey, rule.origin, pr.origin, pr.verdict)
