@@ -60,7 +60,7 @@ from services.datapath.maps import (
     policymap,
     statemap,
 )
-from services.datapath.maps.bpf import PinnedMap, ensure_bpffs, unpin
+from services.datapath.maps.bpf import MapLayoutError, PinnedMap, ensure_bpffs, unpin
 from services.datapath.maps.ctmap import CtEntry, CtMap
 from services.datapath.maps.endpointmap import EndpointEntry, EndpointMap
 from services.datapath.maps.enforcementmap import EnforcementMap
@@ -139,6 +139,11 @@ def check_identity(identity: int) -> None:
         raise ValueError(f"identity {identity} out of range")
 
 
+#: Maps holding nothing that must survive an upgrade which changes their layout: recreated
+#: instead of refusing to open (every other map keeps state a restart must find).
+_RECREATED_ON_LAYOUT_CHANGE = frozenset({metricsmap.NAME})
+
+
 class Datapath:
     """The real datapath: pinned maps plus the shared program template. Use :meth:`open`."""
 
@@ -182,8 +187,19 @@ class Datapath:
         loader = Loader(base_dir)
         try:
             for spec in specs:
-                created |= not os.path.exists(os.path.join(base_dir, spec.name))
-                maps[spec.name] = PinnedMap.open_or_create(base_dir, spec)
+                path = os.path.join(base_dir, spec.name)
+                created |= not os.path.exists(path)
+                try:
+                    maps[spec.name] = PinnedMap.open_or_create(base_dir, spec)
+                except MapLayoutError as exc:
+                    if spec.name not in _RECREATED_ON_LAYOUT_CHANGE:
+                        raise
+                    log.warning(
+                        "map recreated: its layout changed (counters restart from zero)", map=spec.name, error=str(exc)
+                    )
+                    unpin(path)
+                    created = True
+                    maps[spec.name] = PinnedMap.open_or_create(base_dir, spec)
             if created:
                 # Pinned programs refer to the maps they were loaded with; new maps need new programs.
                 loader.prune(keep=set())
@@ -391,7 +407,7 @@ class Datapath:
     def counters(self) -> Counters:
         with self._lock:
             self._check_open()
-            return self.metrics.read()
+            return self.metrics.read(self._endpoints)
 
     def read_flows(self, timeout_ms: int = 0) -> list[FlowEvent]:
         """Drain flow events, waiting up to ``timeout_ms`` when none is pending."""

@@ -16,7 +16,8 @@ import pytest
 from services.datapath import netns
 from services.datapath.datapath import Datapath, teardown_all
 from services.datapath.loader import Loader, ProgramConfig, program_ids
-from services.datapath.maps import policymap
+from services.datapath.maps import metricsmap, policymap
+from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap, ensure_bpffs
 from services.datapath.types import (
     Direction,
     EndpointSpec,
@@ -24,6 +25,7 @@ from services.datapath.types import (
     PolicyEntry,
     PolicyKey,
     Protocol,
+    Reason,
     Verdict,
 )
 from tests.datapath.node import TCP_PORTS, UDP_PORTS, Node, Pod, drops
@@ -198,6 +200,7 @@ def test_detach_endpoint_removes_programs_and_state(net: Node, extra_pods: list[
     dp.sync_policy(p.ep_id, Enforcement(ingress=True), [])
     assert not tcp_exchange(a.name, p.v4, 8080, timeout=DENY_TIMEOUT)
     assert any(e.id == p.ep_id and e.attached for e in dp.pinned_endpoints())
+    assert dp.counters().packets(endpoint_id=p.ep_id, reason=Reason.DEFAULT_DENY, direction=Direction.INGRESS) >= 1
 
     assert dp.detach_endpoint(p.ep_id)
     assert not dp.detach_endpoint(p.ep_id)
@@ -205,6 +208,28 @@ def test_detach_endpoint_removes_programs_and_state(net: Node, extra_pods: list[
     assert all(e.id != p.ep_id for e in dp.pinned_endpoints())
     assert dp.dump_policy(p.ep_id) == (Enforcement(), [])
     assert tcp_exchange(a.name, p.v4, 8080), "no program, no policy"
+
+    dp.attach_endpoint(p.spec)
+    try:
+        assert dp.counters().packets(endpoint_id=p.ep_id) == 0, "an endpoint reusing the id starts from zero"
+    finally:
+        dp.detach_endpoint(p.ep_id)
+
+
+def test_a_counters_map_of_an_older_layout_is_recreated_and_the_rest_kept(bpf_base: str) -> None:
+    base = bpf_base + "-upgrade"
+    ensure_bpffs(base)
+    old = MapSpec(metricsmap.NAME, MapType.PERCPU_HASH, 8, 16, 65536)  # the per-CPU hash counters once were
+    PinnedMap.open_or_create(base, old).close()
+    dp = Datapath.open(base)
+    try:
+        pinned = PinnedMap.open_any(base, metricsmap.NAME)
+        assert pinned.spec.type is MapType.PERCPU_ARRAY
+        pinned.close()
+        assert dp.counters().events_lost == 0
+    finally:
+        dp.teardown()
+    assert not os.path.exists(base)
 
 
 RESTORE_SCRIPT = textwrap.dedent(

@@ -260,12 +260,10 @@ struct lb_ct_value {
     u8 pad;
 };
 
-struct metrics_key {
-    u32 ep_id;
-    u8 reason;
-    u8 direction;
-    u16 pad;
-};
+/* Counters are a per-CPU array: endpoint ep_id owns slots ep_id * METRICS_SLOTS + (direction
+ * egress ? 8 : 0) + reason; slot 0 (endpoint 0 is never an endpoint) counts lost flow events.
+ * An array slot is an index, not a hashed key: the cheapest map access there is. */
+#define METRICS_SLOTS 16
 struct metrics_value {
     u64 packets;
     u64 bytes;
@@ -309,8 +307,7 @@ BPF_TABLE_PINNED("lru_hash", struct lb_affinity_key, struct lb_affinity_value, l
                  PIN_DIR "/lb_affinity");
 BPF_TABLE_PINNED("lru_hash", struct lb_ct_key, struct lb_ct_value, lb_conntrack, LB_CT_MAX,
                  PIN_DIR "/lb_conntrack");
-BPF_TABLE_PINNED("percpu_hash", struct metrics_key, struct metrics_value, metrics, METRICS_MAX,
-                 PIN_DIR "/metrics");
+BPF_TABLE_PINNED("percpu_array", u32, struct metrics_value, metrics, METRICS_MAX, PIN_DIR "/metrics");
 
 /* BPF_RINGBUF_OUTPUT has no pinned form; this is its expansion with a pin path. */
 struct events_table_t {
@@ -348,6 +345,24 @@ static __always_inline int has_ports(u8 proto)
     return proto == IPPROTO_TCP || proto == IPPROTO_UDP || proto == IPPROTO_SCTP;
 }
 
+/* Copy len bytes at off: straight from the packet when they are in its linear part (direct
+ * access, no helper call: the common case), else through bpf_skb_load_bytes. len must be a
+ * constant; off is bounded first so the verifier can check the access. */
+#define LOAD_DIRECT_MAX_OFF 255
+static __always_inline int load(struct __sk_buff *skb, u32 off, void *to, const u32 len)
+{
+    void *data = (void *)(long)skb->data;
+    void *data_end = (void *)(long)skb->data_end;
+    if (off <= LOAD_DIRECT_MAX_OFF) {
+        void *from = data + off;
+        if (from + len <= data_end) {
+            __builtin_memcpy(to, from, len);
+            return 0;
+        }
+    }
+    return bpf_skb_load_bytes(skb, off, to, len);
+}
+
 static __always_inline int parse_l4(struct __sk_buff *skb, u32 off, struct flow *f, int first_fragment)
 {
     if (!first_fragment)
@@ -363,8 +378,8 @@ static __always_inline int parse_l4(struct __sk_buff *skb, u32 off, struct flow 
             u8 doff;
             u8 flags;
         } l4 = {};
-        u32 len = f->protocol == IPPROTO_TCP ? 14 : 4;
-        if (bpf_skb_load_bytes(skb, off, &l4, len) < 0)
+        int loaded = f->protocol == IPPROTO_TCP ? load(skb, off, &l4, 14) : load(skb, off, &l4, 4);
+        if (loaded < 0)
             return PARSE_INVALID;
         f->sport = l4.sport;
         f->dport = l4.dport;
@@ -380,7 +395,7 @@ static __always_inline int parse_l4(struct __sk_buff *skb, u32 off, struct flow 
             u16 csum;
             __be16 id;
         } icmp = {};
-        if (bpf_skb_load_bytes(skb, off, &icmp, sizeof(icmp)) < 0)
+        if (load(skb, off, &icmp, sizeof(icmp)) < 0)
             return PARSE_INVALID;
         u8 request = f->protocol == IPPROTO_ICMP ? 8 : 128;
         u8 reply = f->protocol == IPPROTO_ICMP ? 0 : 129;
@@ -406,7 +421,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct flow *f)
 {
     if (skb->protocol == bpf_htons(ETH_P_IP)) {
         struct iphdr ip;
-        if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)) < 0)
+        if (load(skb, ETH_HLEN, &ip, sizeof(ip)) < 0)
             return PARSE_INVALID;
         f->family = FAMILY_V4;
         f->protocol = ip.protocol;
@@ -417,7 +432,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct flow *f)
     }
     if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
         struct ipv6hdr ip6;
-        if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip6, sizeof(ip6)) < 0)
+        if (load(skb, ETH_HLEN, &ip6, sizeof(ip6)) < 0)
             return PARSE_INVALID;
         f->family = FAMILY_V6;
         __builtin_memcpy(f->saddr, &ip6.saddr, 16);
@@ -526,16 +541,13 @@ static __always_inline u8 policy_verdict(u32 ep_id, u8 dir, u32 remote, u8 proto
 
 static __always_inline void count(u32 ep_id, u8 reason, u8 dir, u32 bytes)
 {
-    struct metrics_key mk = {.ep_id = ep_id, .reason = reason, .direction = dir};
-    struct metrics_value *mv = metrics.lookup(&mk);
+    u32 slot = reason == REASON_EVENT_LOST ? 0 : ep_id * METRICS_SLOTS + (dir == DIR_EGRESS ? 8 : 0) + (reason & 7);
+    struct metrics_value *mv = metrics.lookup(&slot);
     if (mv) {
         /* per-CPU slot: no other CPU writes it */
         mv->packets += 1;
         mv->bytes += bytes;
-        return;
     }
-    struct metrics_value nv = {.packets = 1, .bytes = bytes};
-    metrics.update(&mk, &nv);
 }
 
 static __always_inline void emit(struct __sk_buff *skb, const struct flow *f, u32 ep_id, u32 local_id,
@@ -892,7 +904,9 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
         return TC_ACT_SHOT;
     }
 
-    u64 now = bpf_ktime_get_ns();
+    /* Lifetimes are seconds: the coarse clock (CLOCK_MONOTONIC_COARSE, a tick behind at most)
+     * is precise enough and costs a fraction of the precise one on every packet. */
+    u64 now = bpf_ktime_get_coarse_ns();
     u64 epoch = current_epoch();
     /* One key on the stack (the program's stack is small): the packet's tuple, then, for a
      * reply, the reversed one; ``origin`` is the entry's key while it is in use. */

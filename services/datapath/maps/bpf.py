@@ -31,6 +31,7 @@ class MapType(IntEnum):
     HASH = 1
     ARRAY = 2
     PERCPU_HASH = 5
+    PERCPU_ARRAY = 6
     LRU_HASH = 9
     LPM_TRIE = 11
     RINGBUF = 27
@@ -227,7 +228,7 @@ class PinnedMap:
         self.path = path
         info = map_info(fd)
         self.id = int(info.id)
-        self._ncpus = possible_cpus() if spec.type is MapType.PERCPU_HASH else 1
+        self._ncpus = possible_cpus() if spec.type in (MapType.PERCPU_HASH, MapType.PERCPU_ARRAY) else 1
 
     @classmethod
     def open_or_create(cls, directory: str, spec: MapSpec) -> PinnedMap:
@@ -286,6 +287,11 @@ class PinnedMap:
         )
         return cls(fd, spec, path)
 
+    @property
+    def ncpus(self) -> int:
+        """Values per key: the possible CPUs for a per-CPU map, else 1."""
+        return self._ncpus
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
@@ -318,7 +324,7 @@ class PinnedMap:
             for i in range(self._ncpus)
         ]
 
-    def update(self, key: ctypes.Structure, value: ctypes.Structure, flags: int = BPF_ANY) -> None:
+    def update(self, key: ctypes.Structure, value: ctypes.Structure | ctypes.Array[Any], flags: int = BPF_ANY) -> None:
         check(libbpf().bpf_map_update_elem(self.fd, ctypes.byref(key), ctypes.byref(value), flags), "update", self.path)
 
     def delete(self, key: ctypes.Structure) -> bool:

@@ -1,13 +1,16 @@
-"""Per-endpoint, per-reason, per-direction packet and byte counters (a per-CPU hash).
+"""Per-endpoint, per-reason, per-direction packet and byte counters (a per-CPU array).
 
-The program adds to its CPU's slot without atomics; reading sums the slots.
-Flow events the ring buffer could not take are counted under endpoint 0 with
-the reserved reason ``EVENT_LOST``.
+Endpoint ``ep_id`` owns slots ``ep_id * SLOTS`` onwards: ``(egress ? 8 : 0) + reason``.
+Slot 0 (endpoint 0 is never an endpoint) counts the flow events the ring buffer
+could not take. The program adds to its CPU's slot without atomics; reading sums
+the slots. An array index costs the program less than a hashed key, so the reader
+walks the endpoints it knows instead of the map's keys.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
 from services.datapath.maps.sizes import MapSizes
@@ -16,16 +19,15 @@ from services.datapath.types import CounterKey, Counters, CounterValue, Directio
 NAME = "metrics"
 #: Reason number reserved for lost flow events (not a packet verdict).
 EVENT_LOST = 255
+#: Slots per endpoint (METRICS_SLOTS in bpf/palisade.c): 8 reasons per direction.
+SLOTS = 16
+#: Slot of the lost-events counter.
+LOST_SLOT = 0
 
 
 class MetricsKey(ctypes.Structure):
-    # struct metrics_key in bpf/palisade.c
-    _fields_ = [
-        ("ep_id", ctypes.c_uint32),
-        ("reason", ctypes.c_uint8),
-        ("direction", ctypes.c_uint8),
-        ("pad", ctypes.c_uint16),
-    ]
+    # the array index (u32) in bpf/palisade.c
+    _fields_ = [("slot", ctypes.c_uint32)]
 
 
 class MetricsValue(ctypes.Structure):
@@ -36,36 +38,40 @@ class MetricsValue(ctypes.Structure):
     ]
 
 
-C_STRUCTS = ((MetricsKey, "metrics_key"), (MetricsValue, "metrics_value"))
+C_STRUCTS = ((MetricsValue, "metrics_value"),)
 
 
 def spec(sizes: MapSizes) -> MapSpec:
-    return MapSpec(NAME, MapType.PERCPU_HASH, ctypes.sizeof(MetricsKey), ctypes.sizeof(MetricsValue), sizes.metrics)
+    return MapSpec(NAME, MapType.PERCPU_ARRAY, ctypes.sizeof(MetricsKey), ctypes.sizeof(MetricsValue), sizes.metrics)
+
+
+def slot(ep_id: int, reason: Reason, direction: Direction) -> int:
+    """The array index the program counts ``ep_id``'s packets of ``reason`` in ``direction`` at."""
+    return ep_id * SLOTS + (8 if direction is Direction.EGRESS else 0) + reason.wire
 
 
 class MetricsMap:
     def __init__(self, pinned: PinnedMap) -> None:
         self.map = pinned
 
-    def read(self) -> Counters:
+    def read(self, ep_ids: Iterable[int]) -> Counters:
+        """The counters of ``ep_ids`` (the endpoints the datapath holds) and the lost events."""
         values: dict[CounterKey, CounterValue] = {}
-        lost = 0
-        for key in list(self.map.keys(MetricsKey)):
-            slots = self.map.lookup_percpu(key, MetricsValue)
-            packets = sum(int(s.packets) for s in slots)
-            if key.reason == EVENT_LOST:
-                lost += packets
-                continue
-            try:
-                ck = CounterKey(
-                    int(key.ep_id), Reason.from_wire(int(key.reason)), Direction.from_wire(int(key.direction))
-                )
-            except ValueError:  # written by a newer program; not ours to interpret
-                continue
-            values[ck] = CounterValue(packets=packets, bytes=sum(int(s.bytes) for s in slots))
-        return Counters(values=values, events_lost=lost)
+        for ep_id in ep_ids:
+            for direction in Direction:
+                for reason in Reason:
+                    packets, nbytes = self._sum(slot(ep_id, reason, direction))
+                    if packets:
+                        values[CounterKey(ep_id, reason, direction)] = CounterValue(packets=packets, bytes=nbytes)
+        return Counters(values=values, events_lost=self._sum(LOST_SLOT)[0])
 
     def delete_endpoint(self, ep_id: int) -> None:
-        for key in list(self.map.keys(MetricsKey)):
-            if key.ep_id == ep_id:
-                self.map.delete(key)
+        """Zero an endpoint's slots, so the next endpoint with its id starts from nothing."""
+        zero = (MetricsValue * self.map.ncpus)()
+        for index in range(ep_id * SLOTS, (ep_id + 1) * SLOTS):
+            if index < self.map.spec.max_entries:
+                self.map.update(MetricsKey(index), zero)
+
+    def _sum(self, index: int) -> tuple[int, int]:
+        slots = self.map.lookup_percpu(MetricsKey(index), MetricsValue)
+        return sum(int(s.packets) for s in slots), sum(int(s.bytes) for s in slots)
