@@ -916,11 +916,20 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
     struct ct_value *ct = conntrack.lookup(&key);
     if (ct && ct->expires_ns < now)
         ct = NULL;
+    int reply = 0;
+    if (!ct) {
+        /* A reply: its peer opened the flow, so it never goes to a service frontend (a frontend
+         * is no pod's source address) and needs no service lookup. */
+        ct_key_of(&f, ep_id, dir, 1, &key);
+        ct = conntrack.lookup(&key);
+        if (ct && ct->expires_ns < now)
+            ct = NULL;
+        reply = ct != NULL;
+    }
     u16 rev_nat = 0;
     if (!ct && dir == DIR_EGRESS) {
-        /* Not a flow established as sent: a connection to a service frontend is translated
-         * first (established service flows are keyed by their backend, so they come here too;
-         * every other established packet is spared the service lookup). */
+        /* Not established either way: a connection to a service frontend is translated first
+         * (established service flows are keyed by their backend, so they come here too). */
         int lb = lb_egress(skb, &f, ep_id, now, &rev_nat);
         if (lb == LB_REJECT || lb == LB_DROP) {
             emit(skb, &f, ep_id, local_id, WORLD_ID, dir, VERDICT_DENY, REASON_NO_BACKEND);
@@ -935,14 +944,6 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
             if (ct && ct->expires_ns < now)
                 ct = NULL;
         }
-    }
-    int reply = 0;
-    if (!ct) {
-        reply = 1;
-        ct_key_of(&f, ep_id, dir, 1, &key);
-        ct = conntrack.lookup(&key);
-        if (ct && ct->expires_ns < now)
-            ct = NULL;
     }
 
     if (ct) {
