@@ -85,7 +85,7 @@ from typing import Any
 from bench.stats import target
 from services.datapath import netns
 from services.datapath.datapath import Datapath, teardown_all
-from services.datapath.maps.bpf import check, libbpf
+from services.datapath.maps.bpf import check, libbpf, prog_test_run
 from services.datapath.netns import PodLink
 from services.datapath.types import (
     Direction,
@@ -770,6 +770,39 @@ class Bench:
         self.drain_events()
         return out
 
+    def program_time(self, variant: Variant) -> dict[str, float]:
+        """Program time per packet without traffic (BPF_PROG_TEST_RUN, warm caches, no accounting).
+
+        Precise where the in-traffic figure is noisy: the same frame ``TEST_RUN_REPEAT`` times
+        through each hook, the median of three runs. An established UDP datagram crosses
+        from_container at the source and to_container at the destination; a TCP reply (the
+        ACK stream of a transfer) crosses them the other way. Every timed run must pass the
+        frame (a check), or the figure would time a drop.
+        """
+        assert self.dp is not None
+        fds = {"from_container": self.dp.template.from_container_fd, "to_container": self.dp.template.to_container_fd}
+        src_ip, src_if, dst_if = self.src.ips[0], self.src.host_ifindex, self.dst.host_ifindex
+        udp = frame(src_ip, self.dst_ip, 40000, IPERF_PORT, socket.IPPROTO_UDP)
+        syn = frame(src_ip, self.dst_ip, 40001, CONN_PORT, socket.IPPROTO_TCP, tcp_flags=0x02)
+        ack = frame(self.dst_ip, src_ip, CONN_PORT, 40001, socket.IPPROTO_TCP, tcp_flags=0x10)
+        cases = (("udp_established", udp, udp, src_if, dst_if), ("tcp_reply", syn, ack, dst_if, src_if))
+        out: dict[str, float] = {}
+        codes: set[int] = set()
+        for name, opening, packet, first, second in cases:
+            # The opening packet crosses the source's from_container and the destination's to_container.
+            prog_test_run(fds["from_container"], opening, src_if, 1)
+            prog_test_run(fds["to_container"], opening, dst_if, 1)
+            total = 0.0
+            for hook, ifindex in (("from_container", first), ("to_container", second)):
+                runs = [prog_test_run(fds[hook], packet, ifindex, TEST_RUN_REPEAT) for _ in range(3)]
+                codes |= {code for code, _ in runs}
+                ns = sorted(duration for _, duration in runs)[1]
+                out[f"{name}_{hook}_ns"] = float(ns)
+                total += ns
+            out[f"{name}_ns_per_packet"] = total
+        self.check(variant, "test-run frames pass", codes == {TC_ACT_OK}, f"return codes {sorted(codes)}")
+        return out
+
     def measure(self, variant: Variant) -> dict[str, dict[str, float]]:
         seconds = self.args.seconds
         out: dict[str, dict[str, float]] = {}
@@ -782,6 +815,24 @@ class Bench:
         if variant.kind == "palisade":
             self.drain_events()
         return out
+
+
+#: Runs per BPF_PROG_TEST_RUN measurement, and the code a passed frame returns.
+TEST_RUN_REPEAT = 200_000
+TC_ACT_OK = 0
+
+
+def frame(src: str, dst: str, sport: int, dport: int, proto: int, *, tcp_flags: int = 0) -> bytes:
+    """A 64-byte IPv4 Ethernet frame (checksums left zero: the programs do not check them)."""
+    payload = bytes(64 - 14 - 20 - (20 if proto == socket.IPPROTO_TCP else 8))
+    if proto == socket.IPPROTO_TCP:
+        l4 = struct.pack("!HHIIBBHHH", sport, dport, 1, 1, 5 << 4, tcp_flags, 65535, 0, 0) + payload
+    else:
+        l4 = struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload
+    ip = struct.pack(
+        "!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 1, 0, 64, proto, 0, socket.inet_aton(src), socket.inet_aton(dst)
+    )
+    return b"\x02" * 6 + b"\x04" * 6 + struct.pack("!H", 0x0800) + ip + l4
 
 
 def median(values: Sequence[float]) -> float:
@@ -960,6 +1011,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     setup_seconds: dict[str, list[float]] = {v.name: [] for v in variants}
     checked: set[str] = set()
     bpf_samples: dict[str, list[dict[str, dict[str, float]]]] = {}
+    program_times: dict[str, dict[str, float]] = {}
     started = time.monotonic()
     try:
         bench.setup()
@@ -990,6 +1042,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             for v in palisade if r % 2 == 0 else palisade[::-1]:
                 bench.switch(v)
                 bpf_samples.setdefault(v.name, []).append(bench.bpf_cost())
+                if r == 0:
+                    program_times[v.name] = bench.program_time(v)
                 log(f"[bpf run time {r + 1}/{args.bpf_stats_rounds}] {v.name}: {json.dumps(bpf_samples[v.name][-1])}")
         bench.switch(Variant("none"))
     finally:
@@ -1005,6 +1059,17 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         cleanup["forward_chain_before"], cleanup["forward_chain_after"] = forward_before, forward_after
     result.update(analyse(variants, samples, levels, summarize_bpf(bpf_samples)))
     result["bpf_run_time_samples"] = bpf_samples
+    result["program_time"] = program_times
+    for name, times in program_times.items():
+        label = Variant("palisade", int(name.split("-")[1])).label
+        for what, key in (("established 64-byte UDP packet", "udp_established"), ("TCP reply", "tcp_reply")):
+            result["summary"].append(
+                {
+                    "metric": f"program time per {what}, both hooks, without traffic (test run), {label}",
+                    "value": times[f"{key}_ns_per_packet"],
+                    "unit": "ns",
+                }
+            )
     result["samples"] = samples
     result["sample_details"] = extra
     result["setup_seconds"] = setup_seconds

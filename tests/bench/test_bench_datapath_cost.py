@@ -57,6 +57,10 @@ def test_quick_run_reports_every_variant_and_metric() -> None:
         cost = data["bpf_run_time"][f"palisade-{n}"]
         assert cost["udp_64b"]["ns_per_packet"] > 0
         assert cost["connections"]["ns_per_connection"] > 0
+        # ... and without traffic, every timed frame passed (not a drop timed).
+        times = data["program_time"][f"palisade-{n}"]
+        assert times["udp_established_ns_per_packet"] > 0 and times["tcp_reply_ns_per_packet"] > 0
+        assert (f"palisade-{n}", "test-run frames pass") in passed
 
     labels = [row["metric"] for row in data["summary"]]
     assert "TCP throughput, Palisade 10k entries / no filter" in labels

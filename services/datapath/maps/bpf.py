@@ -102,6 +102,27 @@ _lib: ctypes.CDLL | None = None
 RingBufferCallback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 
 
+class _TestRunOpts(ctypes.Structure):
+    # struct bpf_test_run_opts (libbpf 1.x, bpf.h)
+    _fields_ = [
+        ("sz", ctypes.c_size_t),
+        ("data_in", ctypes.c_void_p),
+        ("data_out", ctypes.c_void_p),
+        ("data_size_in", ctypes.c_uint32),
+        ("data_size_out", ctypes.c_uint32),
+        ("ctx_in", ctypes.c_void_p),
+        ("ctx_out", ctypes.c_void_p),
+        ("ctx_size_in", ctypes.c_uint32),
+        ("ctx_size_out", ctypes.c_uint32),
+        ("retval", ctypes.c_uint32),
+        ("repeat", ctypes.c_int),
+        ("duration", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("cpu", ctypes.c_uint32),
+        ("batch_size", ctypes.c_uint32),
+    ]
+
+
 def libbpf() -> ctypes.CDLL:
     """The libbpf shared library with the prototypes Palisade uses."""
     global _lib
@@ -127,6 +148,7 @@ def libbpf() -> ctypes.CDLL:
             "bpf_map_get_next_key": (c_int, [c_int, c_void_p, c_void_p]),
             "bpf_obj_get_info_by_fd": (c_int, [c_int, c_void_p, ctypes.POINTER(c_u32)]),
             "libbpf_num_possible_cpus": (c_int, []),
+            "bpf_prog_test_run_opts": (c_int, [c_int, ctypes.POINTER(_TestRunOpts)]),
             "ring_buffer__new": (c_void_p, [c_int, RingBufferCallback, c_void_p, c_void_p]),
             "ring_buffer__poll": (c_int, [c_void_p, c_int]),
             "ring_buffer__consume": (c_int, [c_void_p]),
@@ -169,6 +191,32 @@ def prog_info(fd: int) -> ProgInfo:
     size = ctypes.c_uint32(ctypes.sizeof(info))
     check(libbpf().bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size)), "prog info")
     return info
+
+
+#: sizeof(struct __sk_buff) and the offset of its ``ifindex``, the one context field set.
+_SK_BUFF_SIZE = 192
+_SK_BUFF_IFINDEX = 40
+
+
+def prog_test_run(fd: int, frame: bytes, ifindex: int, repeat: int) -> tuple[int, int]:
+    """Run a tc program ``repeat`` times on one Ethernet frame arriving on ``ifindex``
+    (BPF_PROG_TEST_RUN): its return code and the mean nanoseconds per run."""
+    ctx = ctypes.create_string_buffer(_SK_BUFF_SIZE)
+    ctypes.c_uint32.from_buffer(ctx, _SK_BUFF_IFINDEX).value = ifindex
+    data = ctypes.create_string_buffer(frame, len(frame))
+    out = ctypes.create_string_buffer(len(frame) + 256)
+    opts = _TestRunOpts(
+        sz=ctypes.sizeof(_TestRunOpts),
+        data_in=ctypes.cast(data, ctypes.c_void_p),
+        data_out=ctypes.cast(out, ctypes.c_void_p),
+        data_size_in=len(frame),
+        data_size_out=len(out),
+        ctx_in=ctypes.cast(ctx, ctypes.c_void_p),
+        ctx_size_in=_SK_BUFF_SIZE,
+        repeat=repeat,
+    )
+    check(libbpf().bpf_prog_test_run_opts(fd, ctypes.byref(opts)), "prog test run")
+    return int(opts.retval), int(opts.duration)
 
 
 def possible_cpus() -> int:
