@@ -154,8 +154,8 @@ def test_incremental_equals_full(
             results.append(eng.set_identity_ips(o[1], [ipaddress.ip_address(x) for x in o[2]]))
         elif o[0] == "ipcache":
             ip = ipaddress.ip_address(o[1])
-            owner = next((i for i in IDS if ip in eng.ips_of(i)), None)
-            touched = {o[2]} | ({owner} if owner is not None else set())
+            # Every identity holding the address (the low-level "ips" op can give it to several).
+            touched = {o[2]} | {i for i in IDS if ip in eng.ips_of(i)}
             results.append(eng.upsert_ipcache(ip, o[2]))
         elif o[0] == "ipcache-delete":
             ip = ipaddress.ip_address(o[1])

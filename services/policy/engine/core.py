@@ -424,9 +424,9 @@ class PolicyCore:
                 self._change(now)
                 self.engine.remove_identity(number)
             return
-        if number > MAX_IDENTITY:
+        if not 0 < number <= MAX_IDENTITY:
             log.warning(
-                "identity ignored: above the largest the engine holds; allocate identities in ipam's ranges",
+                "identity ignored: outside the identities the engine holds; allocate identities in ipam's ranges",
                 subject=subject,
                 identity=number,
                 limit=MAX_IDENTITY,

@@ -448,10 +448,13 @@ class PolicyEngine:
     # --- full recomputation (tests, resync) --------------------------------------------
 
     def compute_all(self) -> dict[int, ResolvedPolicy]:
-        """Recompute every subject from scratch without changing state."""
-        memo: Memo = {}
+        """Recompute every subject from scratch without changing state.
+
+        The reference the incremental engine is checked against, so it shares nothing
+        between subjects (no memo): a memo keyed wrongly would show as a difference.
+        """
         return {
-            i: resolve_subject(i, self._rules_for(i), self, memo=memo)
+            i: resolve_subject(i, self._rules_for(i), self)
             for i, ident in sorted(self._identities.items())
             if ident.is_endpoint
         }
