@@ -239,9 +239,11 @@ class Datapath:
             try:
                 self._loader.attach(self.template, spec.ifindex)
             except BaseException:
-                # Leave no record claiming an endpoint whose programs never ran.
+                # Leave no record claiming an endpoint whose programs never ran (and no program's
+                # endpoint cache holding it: the epoch moves on every endpoint write).
                 self.endpoints.remove(record)
                 del self._endpoints[spec.id]
+                self.state.bump_epoch()
                 raise
             self.state.bump_epoch()
             log.info("endpoint attached", endpoint=spec.id, ifindex=spec.ifindex, identity=spec.identity)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import os
@@ -214,6 +215,34 @@ def test_detach_endpoint_removes_programs_and_state(net: Node, extra_pods: list[
         assert dp.counters().packets(endpoint_id=p.ep_id) == 0, "an endpoint reusing the id starts from zero"
     finally:
         dp.detach_endpoint(p.ep_id)
+
+
+def test_a_veth_attached_again_under_another_endpoint_is_judged_as_that_endpoint(
+    net: Node, extra_pods: list[Pod]
+) -> None:
+    """The programs cache each veth's endpoint per CPU; no packet may see the earlier one."""
+    dp, a = net.dp, net.a
+    p = extra_pods[0]
+    dp.attach_endpoint(p.spec)
+    try:
+        for _ in range(3):  # through the caches of whichever CPUs carry it
+            assert tcp_exchange(a.name, p.v4, 8080)
+        dp.detach_endpoint(p.ep_id)
+        again = dataclasses.replace(p.spec, id=p.ep_id + 2)
+        dp.attach_endpoint(again)
+        dp.sync_policy(again.id, Enforcement(ingress=True), [])
+        for _ in range(3):
+            assert not tcp_exchange(a.name, p.v4, 8080, timeout=DENY_TIMEOUT)
+        assert dp.counters().packets(endpoint_id=again.id, reason=Reason.DEFAULT_DENY) >= 3
+        dp.set_identity(again.id, p.identity + 1)
+        dp.sync_policy(again.id, Enforcement(ingress=True), [])
+        dp.read_flows(0)
+        assert not tcp_exchange(a.name, p.v4, 8080, timeout=DENY_TIMEOUT)
+        flows = [f for f in dp.read_flows(500) if f.endpoint_id == again.id]
+        assert flows and all(f.destination_identity == p.identity + 1 for f in flows), flows
+    finally:
+        dp.detach_endpoint(p.ep_id)
+        dp.detach_endpoint(p.ep_id + 2)
 
 
 def test_a_counters_map_of_an_older_layout_is_recreated_and_the_rest_kept(bpf_base: str) -> None:

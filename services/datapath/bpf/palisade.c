@@ -309,6 +309,20 @@ BPF_TABLE_PINNED("lru_hash", struct lb_ct_key, struct lb_ct_value, lb_conntrack,
                  PIN_DIR "/lb_conntrack");
 BPF_TABLE_PINNED("percpu_array", u32, struct metrics_value, metrics, METRICS_MAX, PIN_DIR "/metrics");
 
+/* Each CPU remembers the endpoints of the veths it saw last (direct-mapped by ifindex), valid
+ * for one policy epoch: every endpoint write bumps the epoch, so an entry never outlives what it
+ * copied. Saves the endpoints hash lookup on nearly every packet. Not pinned: it lives with the
+ * programs and holds nothing a restart needs. */
+#define EP_CACHE_SLOTS 256
+struct ep_cache_value {
+    u32 ifindex;
+    u32 ep_id;
+    u32 identity;
+    u32 pad;
+    u64 epoch;
+};
+BPF_PERCPU_ARRAY(ep_cache, struct ep_cache_value, EP_CACHE_SLOTS);
+
 /* BPF_RINGBUF_OUTPUT has no pinned form; this is its expansion with a pin path. */
 struct events_table_t {
     int key;
@@ -885,13 +899,29 @@ static __always_inline void ct_key_of(const struct flow *f, u32 ep_id, u8 dir, i
 
 static __always_inline int handle(struct __sk_buff *skb, u8 dir)
 {
-    struct endpoint_key self = {};
-    self.ifindex = skb->ifindex;
-    struct endpoint_value *ep = endpoints.lookup(&self);
-    if (!ep)
-        return TC_ACT_OK;  /* not an endpoint's veth (or being detached) */
-    u32 ep_id = ep->ep_id;
-    u32 local_id = ep->identity;
+    u64 epoch = current_epoch();
+    u32 ifindex = skb->ifindex;
+    u32 slot = ifindex % EP_CACHE_SLOTS;
+    struct ep_cache_value *cached = ep_cache.lookup(&slot);
+    u32 ep_id, local_id;
+    if (cached && cached->ifindex == ifindex && cached->epoch == epoch && epoch) {
+        ep_id = cached->ep_id;
+        local_id = cached->identity;
+    } else {
+        struct endpoint_key self = {};
+        self.ifindex = ifindex;
+        struct endpoint_value *ep = endpoints.lookup(&self);
+        if (!ep)
+            return TC_ACT_OK;  /* not an endpoint's veth (or being detached) */
+        ep_id = ep->ep_id;
+        local_id = ep->identity;
+        if (cached) {
+            cached->ifindex = ifindex;
+            cached->ep_id = ep_id;
+            cached->identity = local_id;
+            cached->epoch = epoch;
+        }
+    }
 
     struct flow f = {};
     int parsed = parse(skb, &f);
@@ -907,7 +937,6 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
     /* Lifetimes are seconds: the coarse clock (CLOCK_MONOTONIC_COARSE, a tick behind at most)
      * is precise enough and costs a fraction of the precise one on every packet. */
     u64 now = bpf_ktime_get_coarse_ns();
-    u64 epoch = current_epoch();
     /* One key on the stack (the program's stack is small): the packet's tuple, then, for a
      * reply, the reversed one; ``origin`` is the entry's key while it is in use. */
     struct ct_key key = {};
