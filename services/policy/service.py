@@ -67,8 +67,11 @@ def status_provider(controller: Controller, election: Election) -> StatusProvide
         snap = controller.core.status()
         leading = election.leading.is_set()
         status.synced = snap.synced or (not leading and controller.core.warm)
-        # A follower's own revision counter means nothing outside it; the leader's is the revision.
-        status.revision = snap.revision if leading else 0
+        # A follower's own revision counter means nothing outside it; the leader's is the revision,
+        # once it has taken over (synced: the stored revision seeded and stepped past). Before
+        # that, just elected, it would show its follower counter, which can be below the last
+        # revision the previous leader sent.
+        status.revision = snap.revision if leading and snap.synced else 0
         leader = election.leader.name if election.leader is not None else ""
         status.details.update(
             {

@@ -58,10 +58,19 @@ class Stack:
         assert out.stdout, out.stderr
         return dict(json.loads(out.stdout))
 
-    def policy_revision(self, status: dict[str, Any] | None = None) -> int:
-        """The policy revision, as the leader reports it (followers report none of their own)."""
-        rows = (status or self.status())["services"]
-        return max((int(r.get("revision") or 0) for r in rows if r["service"] == "policy"), default=0)
+    def policy_revision(self, status: dict[str, Any] | None = None, timeout: float = 30.0) -> int:
+        """The policy revision, as the leader reports it (followers report none of their own).
+
+        A leader reports it once it has taken over: after a change of leader this waits for that
+        (up to ``timeout``), and returns 0 when no leader is in place by then.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            rows = (status or self.status())["services"]
+            revision = max((int(r.get("revision") or 0) for r in rows if r["service"] == "policy"), default=0)
+            if revision or status is not None or time.monotonic() > deadline:
+                return revision
+            time.sleep(0.2)
 
     def policy_leader(self) -> str:
         """The policy replica that leads now ("policy-1"), from `palisade status`."""
