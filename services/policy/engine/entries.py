@@ -88,6 +88,13 @@ def merge(allow: set[int], deny: set[int]) -> list[int]:
     return out
 
 
+def changes(before: Iterable[int], after: Iterable[int]) -> tuple[set[int], list[int]]:
+    """From codes ``before`` to codes ``after``: the codes added, and the key codes removed
+    (a key whose verdict changed is in both, as a diff applies them: remove, then add)."""
+    old, new = set(before), set(after)
+    return new - old, [c & ~DENY_BIT for c in old - new]
+
+
 class EntrySet(Mapping[EntryKey, Verdict]):
     """Entries as a sorted ``array('Q')`` of codes, one per key; immutable once built."""
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.common.labels import CLUSTER_NAME_DEFAULT, ReservedIdentity
-from services.policy.engine.entries import DENY_BIT, MAX_IDENTITY, EntrySet, KeySet
+from services.policy.engine.entries import DENY_BIT, MAX_IDENTITY, EntrySet, KeySet, changes
 from services.policy.engine.identity import (
     DEFAULT_RESERVED,
     Identity,
@@ -121,14 +121,8 @@ def diff_policies(old: ResolvedPolicy | None, new: ResolvedPolicy | None, identi
         if flags_same:
             return None
         return PolicyDiff(identity, new.ingress_enforced, new.egress_enforced)
-    before, after = set(old_codes), set(new_codes)
-    return PolicyDiff(
-        identity,
-        new.ingress_enforced,
-        new.egress_enforced,
-        EntrySet(sorted(after - before)),
-        KeySet(c & ~DENY_BIT for c in before - after),
-    )
+    added, removed = changes(old_codes, new_codes)
+    return PolicyDiff(identity, new.ingress_enforced, new.egress_enforced, EntrySet(sorted(added)), KeySet(removed))
 
 
 def apply_diff(policies: dict[int, ResolvedPolicy], diff: PolicyDiff) -> None:
@@ -661,9 +655,9 @@ class PolicyEngine:
             if high - low == len(new) and codes[low:high].tolist() == new:
                 continue
             runs[x] = new
-            before, after = set(codes[low:high]), set(new)
-            added.extend(after - before)
-            removed.extend(c & ~DENY_BIT for c in before - after)
+            run_added, run_removed = changes(codes[low:high], new)
+            added.extend(run_added)
+            removed.extend(run_removed)
         if not runs:
             return None
         # A new set, not an edit: policies handed out never change.

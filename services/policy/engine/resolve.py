@@ -189,6 +189,11 @@ def _named(ports: NamedPorts, spec: PortSpec) -> list[tuple[Protocol, int]]:
     return sorted(pp for pp in found if pp[0] == spec.protocol)
 
 
+def _named_parts(direction: Direction, ports: NamedPorts, spec: PortSpec) -> list[int]:
+    """The key codes (without identity) of a named port spec resolved against ``ports``."""
+    return [rule_part(direction, proto, n, n) for proto, n in _named(ports, spec)]
+
+
 def _remotes(pr: PeerRule, ctx: ResolveContext, requirements: list[set[int]]) -> set[int] | None:
     """Remote identities of a peer rule; ``None`` for every identity."""
     if pr.peers is None:
@@ -221,7 +226,7 @@ def _entry_codes(
     for spec in pr.ports:
         if spec.name:
             if d is Direction.INGRESS:
-                parts = [rule_part(d, proto, n, n) for proto, n in _named(own_ports, spec)]
+                parts = _named_parts(d, own_ports, spec)
                 out.extend(identity_part(r) | part for r in wild for part in parts)
                 continue
             if remotes is not None:
@@ -232,7 +237,7 @@ def _entry_codes(
                 targets = ctx.identities_with_named_port(spec.name)
             for r in targets:
                 rp = identity_part(r)
-                out.extend(rp | rule_part(d, proto, n, n) for proto, n in _named(ctx.named_ports(r), spec))
+                out.extend(rp | part for part in _named_parts(d, ctx.named_ports(r), spec))
             continue
         for part in _port_parts(d, spec):
             out.extend([identity_part(r) | part for r in wild])
@@ -406,7 +411,7 @@ class PeerIndex:
                 target.update([ip | part for part in p.parts])
             for spec in p.named:
                 ports = own_ports if p.direction is Direction.INGRESS else remote_ports
-                target.update([ip | rule_part(p.direction, proto, n, n) for proto, n in _named(ports, spec)])
+                target.update([ip | part for part in _named_parts(p.direction, ports, spec)])
         return merge(allow, deny)
 
 
