@@ -897,6 +897,13 @@ static __always_inline void ct_key_of(const struct flow *f, u32 ep_id, u8 dir, i
     k->pad = 0;
 }
 
+/* The live entry of a conntrack key (an expired one counts as none). */
+static __always_inline struct ct_value *ct_lookup(struct ct_key *k, u64 now)
+{
+    struct ct_value *ct = conntrack.lookup(k);
+    return ct && ct->expires_ns >= now ? ct : NULL;
+}
+
 static __always_inline int handle(struct __sk_buff *skb, u8 dir)
 {
     u64 epoch = current_epoch();
@@ -942,17 +949,13 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
     struct ct_key key = {};
     ct_key_of(&f, ep_id, dir, 0, &key);
     struct ct_key *origin = &key;
-    struct ct_value *ct = conntrack.lookup(&key);
-    if (ct && ct->expires_ns < now)
-        ct = NULL;
+    struct ct_value *ct = ct_lookup(&key, now);
     int reply = 0;
     if (!ct) {
         /* A reply: its peer opened the flow, so it never goes to a service frontend (a frontend
          * is no pod's source address) and needs no service lookup. */
         ct_key_of(&f, ep_id, dir, 1, &key);
-        ct = conntrack.lookup(&key);
-        if (ct && ct->expires_ns < now)
-            ct = NULL;
+        ct = ct_lookup(&key, now);
         reply = ct != NULL;
     }
     u16 rev_nat = 0;
@@ -969,9 +972,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
         }
         if (lb == LB_DNAT) {
             ct_key_of(&f, ep_id, dir, 0, &key);
-            ct = conntrack.lookup(&key);
-            if (ct && ct->expires_ns < now)
-                ct = NULL;
+            ct = ct_lookup(&key, now);
         }
     }
 
