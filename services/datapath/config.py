@@ -7,6 +7,7 @@ import os
 
 from services.common.config import CommonConfig, ConfigError, setting
 from services.common.grpcserver import parse_addresses
+from services.datapath.loader import ATTACH_MODES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -20,6 +21,11 @@ class DatapathConfig(CommonConfig):
     )
     state_dir: str = setting("Per-endpoint state directory.", default="/var/run/palisade/datapath")
     bpffs: str = setting("Where maps and programs are pinned.", default="/sys/fs/bpf/palisade")
+    attach: str = setting(
+        "How programs go on pod veths: tcx (BPF links, kernel 6.6+), tc (clsact filters, any kernel), "
+        "or auto (tcx where the kernel has it).",
+        default="auto",
+    )
     rpc_timeout: float = setting("Seconds one call to PolicyService or IPAMService may take.", default=10.0)
     repair_interval: float = setting(
         "Seconds between full dumps of every endpoint's policy map to repair drift (0 disables).",
@@ -57,6 +63,8 @@ class DatapathConfig(CommonConfig):
             raise ConfigError("--state-dir is empty; give a directory for per-endpoint state")
         if not self.bpffs:
             raise ConfigError("--bpffs is empty; give a directory under /sys/fs/bpf")
+        if self.attach not in ATTACH_MODES:
+            raise ConfigError(f"--attach {self.attach!r}: give one of {', '.join(ATTACH_MODES)}")
         if self.rpc_timeout <= 0:
             raise ConfigError(f"--rpc-timeout must be positive, got {self.rpc_timeout}")
         if self.repair_interval < 0:

@@ -44,7 +44,7 @@ from typing import Protocol, runtime_checkable
 from services.common.log import get_logger
 from services.datapath import maps as bpf_maps
 from services.datapath.loadbalancer import LoadBalancer
-from services.datapath.loader import PROGRAMS_DIR, Loader, ProgramConfig, Template
+from services.datapath.loader import LINKS_DIR, PROGRAMS_DIR, Loader, ProgramConfig, Template
 from services.datapath.maps import (
     ctmap,
     endpointmap,
@@ -176,15 +176,19 @@ class Datapath:
         self._endpoints: dict[int, EndpointEntry] = {r.id: r for r in self.endpoints.records()}
 
     @classmethod
-    def open(cls, base_dir: str = DEFAULT_BASE_DIR, *, config: ProgramConfig | None = None) -> Datapath:
-        """Mount bpffs if needed, open or create the pinned maps, reuse or compile the programs."""
+    def open(
+        cls, base_dir: str = DEFAULT_BASE_DIR, *, config: ProgramConfig | None = None, attach: str = "auto"
+    ) -> Datapath:
+        """Mount bpffs if needed, open or create the pinned maps, reuse or compile the programs.
+
+        ``attach`` chooses how programs go on the veths: "tcx", "tc", or "auto" (see loader)."""
         config = config or ProgramConfig()
         base_dir = os.path.abspath(base_dir)
         ensure_bpffs(base_dir)
         specs = [module.spec(config.sizes) for module in bpf_maps.ALL]
         maps: dict[str, PinnedMap] = {}
         created = False
-        loader = Loader(base_dir)
+        loader = Loader(base_dir, attach)
         try:
             for spec in specs:
                 path = os.path.join(base_dir, spec.name)
@@ -472,6 +476,7 @@ def _unpin_all(base_dir: str) -> None:
     for module in bpf_maps.ALL:
         unpin(os.path.join(base_dir, module.NAME))
     shutil.rmtree(os.path.join(base_dir, PROGRAMS_DIR), ignore_errors=True)
+    shutil.rmtree(os.path.join(base_dir, LINKS_DIR), ignore_errors=True)
     try:
         os.rmdir(base_dir)
     except OSError:  # something else lives there; leave it

@@ -75,7 +75,9 @@ class FakeDatapath:
         self._flow_ready = threading.Condition(self._lock)
 
     @classmethod
-    def open(cls, base_dir: str = DEFAULT_BASE_DIR, *, config: ProgramConfig | None = None) -> FakeDatapath:
+    def open(
+        cls, base_dir: str = DEFAULT_BASE_DIR, *, config: ProgramConfig | None = None, attach: str = "auto"
+    ) -> FakeDatapath:
         with cls._pinned_lock:
             kernel = cls._pinned.setdefault(base_dir, _FakeKernel())
         return cls(base_dir, kernel, (config or ProgramConfig()).world_identity)

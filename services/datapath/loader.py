@@ -11,17 +11,26 @@ template serves every endpoint. Lookup order:
    (no compiler run at all after a restart);
 3. compile with bcc, load both programs, pin them.
 
-Attaching puts a ``clsact`` qdisc on the pod's host-side veth and one
-direct-action ``bpf`` filter on each hook: ``from_container`` on tc ingress
-(packets leaving the pod), ``to_container`` on tc egress (packets entering it).
-Filters always use the same priority and handle and are written with
-replace semantics, so re-attaching a new template swaps the program in place
-with no window where the hook is empty. Filters hold their programs, so
-enforcement continues when this process exits.
+Attaching puts ``from_container`` on the tc ingress hook of the pod's
+host-side veth (packets leaving the pod) and ``to_container`` on its tc egress
+hook (packets entering it), in one of two ways:
+
+- tcx (kernel 6.6+, the default where the kernel has it, as in Cilium): one
+  BPF link per hook, pinned under ``<pin_dir>/links/<ifindex>/``. No qdisc and
+  no classifier walk: cheaper per packet than a filter. Re-attaching updates
+  the link's program atomically.
+- tc: a ``clsact`` qdisc with one direct-action ``bpf`` filter per hook, always
+  at the same priority and handle and written with replace semantics.
+
+Either way, re-attaching a new template swaps the program in place with no
+window where the hook is empty, and the pins or filters hold the programs, so
+enforcement continues when this process exits. Attaching one way removes an
+attachment made the other way (an agent upgraded onto a newer kernel).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -34,7 +43,21 @@ from typing import Any
 
 from services.common.log import get_logger
 from services.datapath import maps
-from services.datapath.maps.bpf import BpfError, c_layout, obj_get, obj_pin, prog_info
+from services.datapath.maps.bpf import (
+    BPF_TCX_EGRESS,
+    BPF_TCX_INGRESS,
+    BpfError,
+    c_layout,
+    link_create,
+    link_detach,
+    link_info,
+    link_update,
+    obj_get,
+    obj_pin,
+    prog_info,
+    prog_info_by_id,
+    prog_query,
+)
 from services.datapath.maps.sizes import MapSizes
 from services.datapath.types import IDENTITY_WORLD
 
@@ -52,6 +75,17 @@ FILTER_PRIO = 1
 FILTER_HANDLE = 1
 ETH_P_ALL = 0x0003
 FILTER_NAME_PREFIX = "palisade"
+#: Pinned tcx links: ``<pin_dir>/links/<ifindex>/<program>``.
+LINKS_DIR = "links"
+#: The two hooks: program, tcx attach type, clsact parent.
+HOOKS = (
+    (FROM_CONTAINER, BPF_TCX_INGRESS, TC_INGRESS_PARENT),
+    (TO_CONTAINER, BPF_TCX_EGRESS, TC_EGRESS_PARENT),
+)
+#: "tcx": BPF links on the tc hooks (kernel 6.6+: no qdisc, no classifier walk, a few percent of
+#: packet rate cheaper); "tc": a clsact qdisc with bpf filters (any kernel); "auto": tcx where the
+#: kernel has it.
+ATTACH_MODES = ("auto", "tcx", "tc")
 
 #: Every struct the program shares with Python, as (ctypes struct, C struct name).
 C_STRUCTS = tuple(struct for module in maps.ALL for struct in module.C_STRUCTS)
@@ -127,6 +161,9 @@ class Template:
     def short(self) -> str:
         return self.hash[:12]
 
+    def fd(self, name: str) -> int:
+        return self.from_container_fd if name == FROM_CONTAINER else self.to_container_fd
+
     def close(self) -> None:
         for fd in (self.from_container_fd, self.to_container_fd):
             if fd >= 0:
@@ -136,28 +173,36 @@ class Template:
 
 @dataclasses.dataclass(frozen=True)
 class Attachment:
-    """What tc holds on one veth: the filter name (which carries the template hash) per hook."""
+    """What runs on one veth's hooks: per hook, the short hash of the Palisade template there
+    ("" for a Palisade program of a template this pin directory does not hold), None for none."""
 
     from_container: str | None
     to_container: str | None
+    #: "tcx" or "tc": how the programs found are attached.
+    mechanism: str = "tcx"
+    #: Palisade programs found on the two hooks (2 when each hook runs exactly one).
+    programs: int = 0
 
     @property
     def complete(self) -> bool:
         return self.from_container is not None and self.to_container is not None
 
     def template(self) -> str | None:
-        """The short template hash, when both hooks run the same template."""
-        if not self.complete or self.from_container is None or self.to_container is None:
+        """The short template hash, when both hooks run the same known template."""
+        if not self.complete or not self.from_container or self.from_container != self.to_container:
             return None
-        a, b = self.from_container.rsplit("_", 1)[-1], self.to_container.rsplit("_", 1)[-1]
-        return a if a == b else None
+        return self.from_container
 
 
 class Loader:
-    """Owns the program templates of one pin directory and the tc attachments."""
+    """Owns the program templates of one pin directory and the attachments to pod veths."""
 
-    def __init__(self, pin_dir: str) -> None:
+    def __init__(self, pin_dir: str, attach: str = "auto") -> None:
+        if attach not in ATTACH_MODES:
+            raise ValueError(f"attach mode {attach!r}: give one of {', '.join(ATTACH_MODES)}")
         self.pin_dir = pin_dir
+        self.attach_mode = attach
+        self._tcx_missing = False
         self._templates: dict[str, Template] = {}
         self._lock = threading.Lock()
         self._ipr: Any = None
@@ -222,7 +267,7 @@ class Loader:
                 removed.append(name)
         return removed
 
-    # -- tc ----------------------------------------------------------------
+    # -- attaching -------------------------------------------------------------
 
     def _iproute(self) -> Any:
         if self._ipr is None:
@@ -231,68 +276,187 @@ class Loader:
             self._ipr = IPRoute()
         return self._ipr
 
+    @property
+    def mechanism(self) -> str:
+        """How this loader attaches: "tcx", or "tc" (chosen, or found to be all the kernel has)."""
+        return "tc" if self.attach_mode == "tc" or self._tcx_missing else "tcx"
+
     def attach(self, template: Template, ifindex: int) -> None:
         """Attach (or atomically replace) both programs on the veth ``ifindex``."""
-        from pyroute2.netlink.exceptions import NetlinkError
-
         with self._lock:
-            ipr = self._iproute()
-            try:
-                ipr.tc("add", "clsact", index=ifindex)
-            except NetlinkError as exc:
-                if exc.code != errno.EEXIST:
-                    raise
-            hooks = (
-                (TC_EGRESS_PARENT, template.to_container_fd, TO_CONTAINER),
-                (TC_INGRESS_PARENT, template.from_container_fd, FROM_CONTAINER),
-            )
-            for parent, fd, name in hooks:
-                ipr.tc(
-                    "replace-filter",
-                    "bpf",
-                    index=ifindex,
-                    handle=FILTER_HANDLE,
-                    prio=FILTER_PRIO,
-                    protocol=ETH_P_ALL,
-                    parent=parent,
-                    fd=fd,
-                    name=f"{FILTER_NAME_PREFIX}_{name}_{template.short}",
-                    classid=1,
-                    direct_action=True,
-                )
+            if self.mechanism == "tcx":
+                try:
+                    self._tcx_attach(template, ifindex)
+                except BpfError as exc:
+                    if self.attach_mode != "auto" or exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                        raise
+                    # A kernel before 6.6 has no tcx attach types: tc filters do the same job.
+                    self._tcx_missing = True
+                    log.warning("tcx is not supported by this kernel; attaching with tc filters", error=str(exc))
+                else:
+                    # An attachment an earlier agent made with tc filters: tcx runs first and passes or
+                    # drops for good, so they would never run again; remove them.
+                    self._tc_detach(ifindex)
+                    return
+            self._tc_attach(template, ifindex)
+            self._tcx_detach(ifindex)
 
     def detach(self, ifindex: int) -> bool:
+        """Remove both programs (links and tc filters alike); False if there was none."""
+        with self._lock:
+            found = self._tcx_detach(ifindex)
+            return self._tc_detach(ifindex) or found
+
+    def attachment(self, ifindex: int) -> Attachment:
+        """Which Palisade programs run on the hooks of ``ifindex``, as the kernel reports them."""
+        with self._lock:
+            found = self._tcx_attachment(ifindex)
+            if found.from_container is None and found.to_container is None:
+                found = self._tc_attachment(ifindex)
+            return found
+
+    # tcx: one BPF link per hook, pinned so it outlives this process ------------------
+
+    def _link_path(self, ifindex: int, name: str) -> str:
+        return os.path.join(self.pin_dir, LINKS_DIR, str(ifindex), name)
+
+    def _tcx_attach(self, template: Template, ifindex: int) -> None:
+        for name, attach_type, _parent in HOOKS:
+            prog_fd = template.fd(name)
+            path = self._link_path(ifindex, name)
+            if os.path.exists(path):
+                link = obj_get(path)
+                try:
+                    info = link_info(link)
+                    if info.tcx_ifindex == ifindex and info.tcx_attach_type == attach_type:
+                        link_update(link, prog_fd)
+                        continue
+                    # Defunct: its veth was deleted (a new one may have its ifindex now).
+                    with contextlib.suppress(BpfError):
+                        link_detach(link)
+                finally:
+                    os.close(link)
+                os.unlink(path)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            link = link_create(prog_fd, ifindex, attach_type)
+            try:
+                obj_pin(link, path)
+            finally:
+                # Unpinned, the link would go with the fd: the program never stays attached unowned.
+                os.close(link)
+
+    def _tcx_detach(self, ifindex: int) -> bool:
+        found = False
+        for name, _attach_type, _parent in HOOKS:
+            path = self._link_path(ifindex, name)
+            if not os.path.exists(path):
+                continue
+            link = obj_get(path)
+            try:
+                found |= link_info(link).tcx_ifindex == ifindex
+                with contextlib.suppress(BpfError):  # defunct already
+                    link_detach(link)
+            finally:
+                os.close(link)
+            os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(self._link_path(ifindex, FROM_CONTAINER)))
+        return found
+
+    def _tcx_attachment(self, ifindex: int) -> Attachment:
+        found: dict[str, str | None] = {FROM_CONTAINER: None, TO_CONTAINER: None}
+        count = 0
+        templates = self._template_ids()
+        for name, attach_type, _parent in HOOKS:
+            try:
+                ids = prog_query(ifindex, attach_type)
+            except BpfError:  # no such device, or a kernel without tcx
+                continue
+            for prog_id in ids:
+                info = prog_info_by_id(prog_id)
+                if info is None or info.name.decode() != name:
+                    continue
+                count += 1
+                found[name] = templates.get(prog_id, "")
+        return Attachment(found[FROM_CONTAINER], found[TO_CONTAINER], mechanism="tcx", programs=count)
+
+    def _template_ids(self) -> dict[int, str]:
+        """Program id -> short template hash, for every template pinned under this pin directory."""
+        out: dict[int, str] = {}
+        root = os.path.join(self.pin_dir, PROGRAMS_DIR)
+        for directory in os.listdir(root) if os.path.isdir(root) else []:
+            for name in (FROM_CONTAINER, TO_CONTAINER):
+                try:
+                    fd = obj_get(os.path.join(root, directory, name))
+                except BpfError:
+                    continue
+                try:
+                    out[int(prog_info(fd).id)] = directory[:12]
+                finally:
+                    os.close(fd)
+        for template in self._templates.values():
+            if template.from_container_fd >= 0:
+                for fd in (template.from_container_fd, template.to_container_fd):
+                    out[int(prog_info(fd).id)] = template.short
+        return out
+
+    # tc: a clsact qdisc with one direct-action bpf filter per hook -------------------
+
+    def _tc_attach(self, template: Template, ifindex: int) -> None:
+        from pyroute2.netlink.exceptions import NetlinkError
+
+        ipr = self._iproute()
+        try:
+            ipr.tc("add", "clsact", index=ifindex)
+        except NetlinkError as exc:
+            if exc.code != errno.EEXIST:
+                raise
+        for name, _attach_type, parent in HOOKS:
+            ipr.tc(
+                "replace-filter",
+                "bpf",
+                index=ifindex,
+                handle=FILTER_HANDLE,
+                prio=FILTER_PRIO,
+                protocol=ETH_P_ALL,
+                parent=parent,
+                fd=template.fd(name),
+                name=f"{FILTER_NAME_PREFIX}_{name}_{template.short}",
+                classid=1,
+                direct_action=True,
+            )
+
+    def _tc_detach(self, ifindex: int) -> bool:
         """Remove the clsact qdisc (and with it both filters); False if there was none."""
         from pyroute2.netlink.exceptions import NetlinkError
 
-        with self._lock:
-            try:
-                self._iproute().tc("del", "clsact", index=ifindex)
-            except NetlinkError as exc:
-                if exc.code in (errno.ENODEV, errno.ENOENT, errno.EINVAL):
-                    return False
-                raise
-            return True
+        try:
+            self._iproute().tc("del", "clsact", index=ifindex)
+        except NetlinkError as exc:
+            if exc.code in (errno.ENODEV, errno.ENOENT, errno.EINVAL):
+                return False
+            raise
+        return True
 
-    def attachment(self, ifindex: int) -> Attachment:
-        """Which Palisade filters tc holds on ``ifindex``."""
+    def _tc_attachment(self, ifindex: int) -> Attachment:
         from pyroute2.netlink.exceptions import NetlinkError
 
-        names: dict[int, str | None] = {TC_INGRESS_PARENT: None, TC_EGRESS_PARENT: None}
-        with self._lock:
-            for parent in names:
-                try:
-                    filters = list(self._iproute().get_filters(index=ifindex, parent=parent))
-                except NetlinkError:
+        found: dict[str, str | None] = {FROM_CONTAINER: None, TO_CONTAINER: None}
+        count = 0
+        for name, _attach_type, parent in HOOKS:
+            try:
+                filters = list(self._iproute().get_filters(index=ifindex, parent=parent))
+            except NetlinkError:
+                continue
+            for flt in filters:
+                if flt.get_attr("TCA_KIND") != "bpf":
                     continue
-                for flt in filters:
-                    if flt.get_attr("TCA_KIND") != "bpf":
-                        continue
-                    options = flt.get_attr("TCA_OPTIONS")
-                    name = options.get_attr("TCA_BPF_NAME") if options is not None else None
-                    if name and name.startswith(FILTER_NAME_PREFIX + "_"):
-                        names[parent] = name
-        return Attachment(from_container=names[TC_INGRESS_PARENT], to_container=names[TC_EGRESS_PARENT])
+                options = flt.get_attr("TCA_OPTIONS")
+                label = options.get_attr("TCA_BPF_NAME") if options is not None else None
+                if label and label.startswith(f"{FILTER_NAME_PREFIX}_{name}_"):
+                    count += 1
+                    found[name] = label.rsplit("_", 1)[-1]
+        return Attachment(found[FROM_CONTAINER], found[TO_CONTAINER], mechanism="tc", programs=count)
 
     def close(self) -> None:
         with self._lock:

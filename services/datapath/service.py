@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -165,7 +166,7 @@ async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
     cfg = ctx.config
     bus = await ctx.bus()
     try:
-        datapath = await asyncio.to_thread(Datapath.open, cfg.bpffs)
+        datapath = await asyncio.to_thread(functools.partial(Datapath.open, cfg.bpffs, attach=cfg.attach))
     except (OSError, RuntimeError) as exc:
         raise OSError(
             f"cannot open the BPF datapath at {cfg.bpffs}: {exc}; run as root with bcc and kernel headers "

@@ -156,7 +156,9 @@ def test_reattach_swaps_the_program_in_place(net: Node, bpf_base: str) -> None:
             dp.attach_endpoint(b.spec)  # back to the datapath's template
             assert dp._loader.attachment(b.net.host_ifindex).template() == dp.template.short
             assert stream.ping()
-        assert _bpf_filter_count(b.net.host_ifindex) == 2, "one filter per hook, replaced not added"
+        attachment = dp._loader.attachment(b.net.host_ifindex)
+        assert attachment.programs == 2, "one program per hook, replaced not added"
+        assert _bpf_filter_count(b.net.host_ifindex) == 0, "tcx: no tc filters"
     finally:
         other.close()
 
@@ -395,3 +397,67 @@ def test_policy_before_attach_is_enforced_from_the_first_packet(net: Node, extra
         assert dp.dump_policy(p.ep_id)[1] == [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)]
     finally:
         dp.detach_endpoint(p.ep_id)
+
+
+def test_tc_and_tcx_attachments_enforce_alike_and_replace_each_other(
+    net: Node, extra_pods: list[Pod], bpf_base: str
+) -> None:
+    """The tc fallback (kernels before 6.6) enforces as tcx does; either replaces the other in place."""
+    dp, a = net.dp, net.a
+    p = extra_pods[0]
+    ifindex = p.net.host_ifindex
+    dp.sync_policy(p.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)])
+    dp.attach_endpoint(p.spec)
+    tc = Loader(bpf_base, "tc")
+    try:
+        assert dp._loader.mechanism == "tcx" and tc.mechanism == "tc"
+        with streams((a.name, p.v4, 8080)) as (stream,):
+            for loader, mechanism, filters in ((tc, "tc", 2), (dp._loader, "tcx", 0), (tc, "tc", 2)):
+                if loader is tc:
+                    tc.attach(dp.template, ifindex)
+                else:
+                    dp.attach_endpoint(p.spec)
+                attachment = dp._loader.attachment(ifindex)
+                assert (attachment.mechanism, attachment.programs) == (mechanism, 2)
+                assert attachment.template() == dp.template.short
+                assert _bpf_filter_count(ifindex) == filters
+                assert os.path.isdir(os.path.join(bpf_base, "links", str(ifindex))) == (mechanism == "tcx")
+                assert stream.ping(), f"established flows continue onto {mechanism}"
+                assert tcp_exchange(a.name, p.v4, 8080)
+                assert not tcp_exchange(a.name, p.v4, 8081, timeout=DENY_TIMEOUT), f"{mechanism} enforces"
+        assert dp.detach_endpoint(p.ep_id)
+        assert dp._loader.attachment(ifindex) == tc.attachment(ifindex)
+        assert not dp._loader.attachment(ifindex).complete and _bpf_filter_count(ifindex) == 0
+        assert tcp_exchange(a.name, p.v4, 8081), "detached: nothing enforces"
+    finally:
+        tc.close()
+
+
+def test_a_pinned_link_of_another_veth_is_replaced(net: Node, extra_pods: list[Pod], bpf_base: str) -> None:
+    """A link pinned for an ifindex whose veth was deleted (and the number reused) is not updated but
+    replaced: updating it would run the program on the wrong veth, or on none."""
+    from services.datapath.maps.bpf import BPF_TCX_INGRESS, link_create, obj_pin
+
+    dp, a = net.dp, net.a
+    p, q = extra_pods
+    dp.sync_policy(p.ep_id, Enforcement(ingress=True), [])
+    path = os.path.join(bpf_base, "links", str(p.net.host_ifindex), "from_container")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    stray = link_create(dp.template.from_container_fd, q.net.host_ifindex, BPF_TCX_INGRESS)
+    try:
+        obj_pin(stray, path)
+    finally:
+        os.close(stray)
+    assert dp._loader.attachment(q.net.host_ifindex).from_container == dp.template.short
+    dp.attach_endpoint(p.spec)
+    try:
+        assert dp._loader.attachment(p.net.host_ifindex).programs == 2
+        assert dp._loader.attachment(q.net.host_ifindex).from_container is None, "the stray link is gone"
+        assert not tcp_exchange(a.name, p.v4, 8080, timeout=DENY_TIMEOUT)
+    finally:
+        dp.detach_endpoint(p.ep_id)
+
+
+def test_unknown_attach_mode_is_refused(bpf_base: str) -> None:
+    with pytest.raises(ValueError, match="attach mode 'xdp': give one of auto, tcx, tc"):
+        Loader(bpf_base, "xdp")

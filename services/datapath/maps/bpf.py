@@ -87,12 +87,38 @@ class MapInfo(ctypes.Structure):
 
 
 class ProgInfo(ctypes.Structure):
-    # The head of struct bpf_prog_info (uapi/linux/bpf.h).
+    # The head of struct bpf_prog_info (uapi/linux/bpf.h), up to the program's name.
     _fields_ = [
         ("type", ctypes.c_uint32),
         ("id", ctypes.c_uint32),
         ("tag", ctypes.c_uint8 * 8),
+        ("jited_prog_len", ctypes.c_uint32),
+        ("xlated_prog_len", ctypes.c_uint32),
+        ("jited_prog_insns", ctypes.c_uint64),
+        ("xlated_prog_insns", ctypes.c_uint64),
+        ("load_time", ctypes.c_uint64),
+        ("created_by_uid", ctypes.c_uint32),
+        ("nr_map_ids", ctypes.c_uint32),
+        ("map_ids", ctypes.c_uint64),
+        ("name", ctypes.c_char * 16),
     ]
+
+
+class LinkInfo(ctypes.Structure):
+    # The head of struct bpf_link_info with its tcx member (the union is 8-byte aligned).
+    _fields_ = [
+        ("type", ctypes.c_uint32),
+        ("id", ctypes.c_uint32),
+        ("prog_id", ctypes.c_uint32),
+        ("_pad", ctypes.c_uint32),
+        ("tcx_ifindex", ctypes.c_uint32),
+        ("tcx_attach_type", ctypes.c_uint32),
+    ]
+
+
+#: enum bpf_attach_type: the tc hooks as BPF links (tcx, kernel 6.6+).
+BPF_TCX_INGRESS = 46
+BPF_TCX_EGRESS = 47
 
 
 _lib_lock = threading.Lock()
@@ -149,6 +175,14 @@ def libbpf() -> ctypes.CDLL:
             "bpf_obj_get_info_by_fd": (c_int, [c_int, c_void_p, ctypes.POINTER(c_u32)]),
             "libbpf_num_possible_cpus": (c_int, []),
             "bpf_prog_test_run_opts": (c_int, [c_int, ctypes.POINTER(_TestRunOpts)]),
+            "bpf_link_create": (c_int, [c_int, c_int, c_int, c_void_p]),
+            "bpf_link_update": (c_int, [c_int, c_int, c_void_p]),
+            "bpf_link_detach": (c_int, [c_int]),
+            "bpf_prog_get_fd_by_id": (c_int, [c_u32]),
+            "bpf_prog_query": (
+                c_int,
+                [c_int, c_int, c_u32, ctypes.POINTER(c_u32), ctypes.POINTER(c_u32), ctypes.POINTER(c_u32)],
+            ),
             "ring_buffer__new": (c_void_p, [c_int, RingBufferCallback, c_void_p, c_void_p]),
             "ring_buffer__poll": (c_int, [c_void_p, c_int]),
             "ring_buffer__consume": (c_int, [c_void_p]),
@@ -191,6 +225,50 @@ def prog_info(fd: int) -> ProgInfo:
     size = ctypes.c_uint32(ctypes.sizeof(info))
     check(libbpf().bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size)), "prog info")
     return info
+
+
+def prog_info_by_id(prog_id: int) -> ProgInfo | None:
+    """The info of a loaded program by id; None if it was unloaded meanwhile."""
+    fd = libbpf().bpf_prog_get_fd_by_id(prog_id)
+    if fd < 0:
+        return None
+    try:
+        return prog_info(fd)
+    finally:
+        os.close(fd)
+
+
+def link_create(prog_fd: int, ifindex: int, attach_type: int) -> int:
+    """Attach a program to a tc hook of ``ifindex`` as a BPF link (tcx); the link's fd."""
+    return check(libbpf().bpf_link_create(prog_fd, ifindex, attach_type, None), "bpf_link_create")
+
+
+def link_update(link_fd: int, prog_fd: int) -> None:
+    """Swap the link's program atomically (no moment without one)."""
+    check(libbpf().bpf_link_update(link_fd, prog_fd, None), "bpf_link_update")
+
+
+def link_detach(link_fd: int) -> None:
+    check(libbpf().bpf_link_detach(link_fd), "bpf_link_detach")
+
+
+def link_info(fd: int) -> LinkInfo:
+    info = LinkInfo()
+    size = ctypes.c_uint32(ctypes.sizeof(info))
+    check(libbpf().bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size)), "link info")
+    return info
+
+
+def prog_query(ifindex: int, attach_type: int, capacity: int = 64) -> list[int]:
+    """Ids of the programs attached to a hook of ``ifindex``, in run order."""
+    ids = (ctypes.c_uint32 * capacity)()
+    count = ctypes.c_uint32(capacity)
+    flags = ctypes.c_uint32(0)
+    check(
+        libbpf().bpf_prog_query(ifindex, attach_type, 0, ctypes.byref(flags), ids, ctypes.byref(count)),
+        "bpf_prog_query",
+    )
+    return list(ids[: count.value])
 
 
 #: sizeof(struct __sk_buff) and the offset of its ``ifindex``, the one context field set.
