@@ -174,6 +174,21 @@ class Datapath:
         self._closed = False
         # The endpoints the kernel holds (policy is not cached: the realizer owns it).
         self._endpoints: dict[int, EndpointEntry] = {r.id: r for r in self.endpoints.records()}
+        # Each endpoint's lookup hints as the enforcement map holds them (see enforcementmap).
+        self._hints: dict[int, int] = {}
+        self._sync_hints()
+
+    def _sync_hints(self) -> None:
+        """Make every endpoint's hints exact, from one walk of the policy trie: an agent before hints
+        left none, and one that stopped mid-change may have left them wider than needed."""
+        held = self.policy.read()
+        raw = self.enforcement.raw()
+        for ep_id in held.keys() | raw.keys():
+            bits = _hints_of(held.get(ep_id, {}))
+            flags = raw.get(ep_id)
+            if flags is None or flags & ~enforcementmap.ENFORCE_MASK != bits | enforcementmap.HINTS_VALID:
+                self.enforcement.set(ep_id, enforcementmap.from_flags(flags or 0), bits)
+            self._hints[ep_id] = bits
 
     @classmethod
     def open(
@@ -263,6 +278,7 @@ class Datapath:
             self.endpoints.remove(record)
             self.policy.delete(self.policy.read(ep_id).get(ep_id, {}))
             self.enforcement.delete(ep_id)
+            self._hints.pop(ep_id, None)
             self.metrics.delete_endpoint(ep_id)
             # Stale conntrack entries are harmless: the new epoch makes any hit re-check policy.
             self.state.bump_epoch()
@@ -339,16 +355,33 @@ class Datapath:
             self._check_open()
             current = self.policy.read(ep_id).get(ep_id, {})
             writes, stale = policymap.diff(current, desired)
-            return self._write_policy(ep_id, enforcement, writes, stale)
+            return self._write_policy(ep_id, enforcement, writes, stale, exact_hints=_hints_of(desired))
 
     def _write_policy(
-        self, ep_id: int, enforcement: Enforcement, writes: PrefixMap, stale: list[Prefix]
+        self,
+        ep_id: int,
+        enforcement: Enforcement,
+        writes: PrefixMap,
+        stale: list[Prefix],
+        exact_hints: int | None = None,
     ) -> PolicyChange:
+        """Adds, then enforcement, then removals. Hints widen before the adds (a lookup the
+        program skips is never one the map can answer) and narrow, when the caller knows the
+        whole map (``exact_hints``), after the removals; an incremental change only widens them."""
+        held = self.enforcement.lookup(ep_id)
+        known = self._hints.get(ep_id, 0)
+        widened = known | _hints_of(writes)
+        final = widened if exact_hints is None else exact_hints
+        if widened != known:
+            self.enforcement.set(ep_id, held or Enforcement(), widened)
         self.policy.write(writes)
-        enforcement_changed = self.enforcement.lookup(ep_id) != enforcement
+        enforcement_changed = held != enforcement
         if enforcement_changed:
-            self.enforcement.set(ep_id, enforcement)
+            self.enforcement.set(ep_id, enforcement, widened)
         self.policy.delete(stale)
+        if final != widened:
+            self.enforcement.set(ep_id, enforcement, final)
+        self._hints[ep_id] = final
         change = PolicyChange(added=len(writes), removed=len(stale), enforcement_changed=enforcement_changed)
         if change.changed:
             self.state.bump_epoch()
@@ -470,6 +503,10 @@ class Datapath:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _hints_of(prefixes: Iterable[Prefix]) -> int:
+    return enforcementmap.hints((p.direction, p.verdict, p.identity, p.protocol) for p in prefixes)
 
 
 def _unpin_all(base_dir: str) -> None:

@@ -113,9 +113,9 @@ def test_policy_writes_add_before_enforce_before_remove(net: Node, monkeypatch: 
         calls.extend("remove" for _ in prefixes)
         real_delete(prefixes)
 
-    def set_enforcement(ep_id, enforcement):
+    def set_enforcement(ep_id, enforcement, hints):
         calls.append("enforce")
-        real_set(ep_id, enforcement)
+        real_set(ep_id, enforcement, hints)
 
     monkeypatch.setattr(dp.policy, "write", write)
     monkeypatch.setattr(dp.policy, "delete", delete)

@@ -33,10 +33,12 @@
  *        direction not enforced for the endpoint        -> allow
  *        allow the same four lookups                     -> pass
  *        nothing matched                                 -> default deny
+ *      Lookups the endpoint's hints (enforcement map) say cannot match are skipped.
  *      ICMP/ICMPv6 echo follows policy with port 0 (matched by L3-only and
  *      all-ports ICMP entries); the echo id stands in for ports in conntrack.
  *   5. A new allowed flow gets a conntrack entry and one flow event; every
- *      drop gets a flow event. Counters by endpoint/reason/direction.
+ *      drop gets a flow event. Counters by endpoint/reason/direction. An
+ *      established packet refreshes its entry's expiry at most once a second.
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/if_ether.h>
@@ -108,11 +110,14 @@
 #define REASON_EVENT_LOST 255
 #define ENFORCE_INGRESS 1
 #define ENFORCE_EGRESS 2
+#define HINTS_SHIFT 8
+#define HINTS_VALID (1u << 31)
 #define FAMILY_V4 4
 #define FAMILY_V6 6
 #define IPCACHE_HEADER_BITS 32
 #define POLICY_FULL_PREFIX 112
 #define NSEC 1000000000ULL
+#define CT_REFRESH_NS NSEC
 
 #define SVC_FLAG_AFFINITY 1
 
@@ -504,8 +509,23 @@ static __always_inline u32 resolve_identity(u8 family, const u8 *addr)
     return WORLD_ID;
 }
 
-static __always_inline int policy_match(u32 ep_id, u8 dir, u32 remote, u8 proto, u16 port, u8 verdict)
+/* Which of the four lookups below can match: the agent keeps, in the enforcement value, one bit
+ * per (direction, verdict, shape) for which the endpoint has entries (a superset: set before
+ * entries are written, cleared after they are removed). Shapes: 0 (identity, protocol),
+ * 1 (identity, any protocol), 2 (any identity, protocol), 3 (any identity, any protocol).
+ * Most endpoints have no deny entries and few wildcards: a new flow walks the trie once. */
+static __always_inline u32 lookup_shapes(const struct enforcement_value *en, u8 dir, u8 verdict)
 {
+    if (!en || !(en->flags & HINTS_VALID))
+        return 0xf;
+    u32 index = (dir == DIR_EGRESS ? 2 : 0) + (verdict == VERDICT_ALLOW ? 1 : 0);
+    return (en->flags >> (HINTS_SHIFT + index * 4)) & 0xf;
+}
+
+static __always_inline int policy_match(u32 ep_id, u8 dir, u32 remote, u8 proto, u16 port, u8 verdict, u32 shapes)
+{
+    if (!shapes)
+        return 0;
     struct policy_key k = {};
     k.prefixlen = POLICY_FULL_PREFIX;
     k.ep_id = ep_id;
@@ -515,17 +535,17 @@ static __always_inline int policy_match(u32 ep_id, u8 dir, u32 remote, u8 proto,
 
     k.identity = remote;
     k.protocol = proto;
-    if (policy.lookup(&k))
+    if ((shapes & 1) && policy.lookup(&k))
         return 1;
     k.protocol = 0;
-    if (policy.lookup(&k))
+    if ((shapes & 2) && policy.lookup(&k))
         return 1;
     k.identity = 0;
     k.protocol = proto;
-    if (policy.lookup(&k))
+    if ((shapes & 4) && policy.lookup(&k))
         return 1;
     k.protocol = 0;
-    if (policy.lookup(&k))
+    if ((shapes & 8) && policy.lookup(&k))
         return 1;
     return 0;
 }
@@ -537,7 +557,7 @@ static __always_inline u8 policy_verdict(u32 ep_id, u8 dir, u32 remote, u8 proto
     u32 bit = dir == DIR_INGRESS ? ENFORCE_INGRESS : ENFORCE_EGRESS;
     /* Deny entries hold even where the direction is not enforced (a policy with
      * enableDefaultDeny false still denies what its deny rules name). */
-    if (policy_match(ep_id, dir, remote, proto, port, VERDICT_DENY)) {
+    if (policy_match(ep_id, dir, remote, proto, port, VERDICT_DENY, lookup_shapes(en, dir, VERDICT_DENY))) {
         *reason = REASON_POLICY_DENY;
         return VERDICT_DENY;
     }
@@ -545,7 +565,7 @@ static __always_inline u8 policy_verdict(u32 ep_id, u8 dir, u32 remote, u8 proto
         *reason = REASON_NOT_ENFORCED;
         return VERDICT_ALLOW;
     }
-    if (policy_match(ep_id, dir, remote, proto, port, VERDICT_ALLOW)) {
+    if (policy_match(ep_id, dir, remote, proto, port, VERDICT_ALLOW, lookup_shapes(en, dir, VERDICT_ALLOW))) {
         *reason = REASON_POLICY_ALLOW;
         return VERDICT_ALLOW;
     }
@@ -994,9 +1014,15 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
             ct->epoch = epoch;
             ct->remote_identity = rid;
         }
-        if (f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST))
+        if ((f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) && !ct->closing) {
             ct->closing = 1;
-        ct->expires_ns = now + ct_lifetime(f.protocol, ct->closing);
+            ct->expires_ns = now + ct_lifetime(f.protocol, 1);
+        } else {
+            /* At most once a second (lifetimes are 10 s or more): most packets only read the entry. */
+            u64 expires = now + ct_lifetime(f.protocol, ct->closing);
+            if (ct->expires_ns + CT_REFRESH_NS < expires)
+                ct->expires_ns = expires;
+        }
         if (rev_nat)
             ct->rev_nat = rev_nat;
         else if (reply && ct->rev_nat && lb_reverse(skb, &f, ct->rev_nat) < 0) {

@@ -1,19 +1,31 @@
 """Per-endpoint enforcement flags: a hash from endpoint id to the enforced directions.
 
 An endpoint without an entry, or a direction without its bit, is allow-all.
+
+The same value carries lookup hints: with ``HINTS_VALID`` set, one bit per
+(direction, verdict, shape) says the endpoint's policy map may hold entries of
+that shape, so the program skips the trie lookups that cannot match (a new flow
+of an endpoint without deny entries or wildcards walks the trie once, not up to
+eight times). Shapes: 0 (identity, protocol), 1 (identity, any protocol),
+2 (any identity, protocol), 3 (any identity, any protocol). Hints may claim
+more than the map holds, never less.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
 from services.datapath.maps.sizes import MapSizes
-from services.datapath.types import Enforcement
+from services.datapath.types import IDENTITY_ANY, Direction, Enforcement, Protocol, Verdict
 
 NAME = "enforcement"
 ENFORCE_INGRESS = 1
 ENFORCE_EGRESS = 2
+ENFORCE_MASK = ENFORCE_INGRESS | ENFORCE_EGRESS
+HINTS_SHIFT = 8
+HINTS_VALID = 1 << 31
 
 
 class EnforcementKey(ctypes.Structure):
@@ -42,6 +54,21 @@ def from_flags(flags: int) -> Enforcement:
     return Enforcement(ingress=bool(flags & ENFORCE_INGRESS), egress=bool(flags & ENFORCE_EGRESS))
 
 
+def hint_bit(direction: Direction, verdict: Verdict, identity: int, protocol: Protocol) -> int:
+    """The hint bit of one policy entry (or trie prefix) of an endpoint (``HINTS_SHIFT`` applied)."""
+    index = (2 if direction == Direction.EGRESS else 0) + (1 if verdict == Verdict.ALLOW else 0)
+    shape = (2 if identity == IDENTITY_ANY else 0) + (1 if protocol == Protocol.ANY else 0)
+    return 1 << (HINTS_SHIFT + index * 4 + shape)
+
+
+def hints(entries: Iterable[tuple[Direction, Verdict, int, Protocol]]) -> int:
+    """The hint bits of (direction, verdict, identity, protocol) groups: what lookups may match."""
+    bits = 0
+    for group in set(entries):
+        bits |= hint_bit(*group)
+    return bits
+
+
 class EnforcementMap:
     def __init__(self, pinned: PinnedMap) -> None:
         self.map = pinned
@@ -54,11 +81,16 @@ class EnforcementMap:
         """The endpoint's enforcement; none recorded means allow-all both ways."""
         return self.lookup(ep_id) or Enforcement()
 
-    def set(self, ep_id: int, enforcement: Enforcement) -> None:
-        self.map.update(EnforcementKey(ep_id=ep_id), EnforcementValue(flags=to_flags(enforcement)))
+    def set(self, ep_id: int, enforcement: Enforcement, hint_bits: int) -> None:
+        flags = to_flags(enforcement) | hint_bits | HINTS_VALID
+        self.map.update(EnforcementKey(ep_id=ep_id), EnforcementValue(flags=flags))
+
+    def raw(self) -> dict[int, int]:
+        """Every endpoint's flags as the kernel holds them (hints included)."""
+        return {int(k.ep_id): int(v.flags) for k, v in self.map.items(EnforcementKey, EnforcementValue)}
 
     def delete(self, ep_id: int) -> None:
         self.map.delete(EnforcementKey(ep_id=ep_id))
 
     def dump(self) -> dict[int, Enforcement]:
-        return {int(k.ep_id): from_flags(int(v.flags)) for k, v in self.map.items(EnforcementKey, EnforcementValue)}
+        return {ep_id: from_flags(flags) for ep_id, flags in self.raw().items()}
