@@ -1137,7 +1137,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help="repetitions of the final kernel BPF run-time measurement of Palisade's programs "
-        "(default 3, --quick 1; 0 skips it)",
+        "(default 5, --quick 1; 0 skips it)",
     )
     # Helper processes started by the bench itself inside the pods' namespaces.
     p.add_argument("--role", choices=("accept", "connect"), help=argparse.SUPPRESS)
@@ -1149,7 +1149,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.rounds is None:
         args.rounds = 2 if args.quick else 8
     if args.bpf_stats_rounds is None:
-        args.bpf_stats_rounds = 1 if args.quick else 3
+        args.bpf_stats_rounds = 1 if args.quick else 5
     if args.seconds is None:
         args.seconds = 1 if args.quick else 2
     if args.role is None and (args.rounds < 1 or args.seconds < 1 or not args.levels or min(args.levels) < 1):
