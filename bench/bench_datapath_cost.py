@@ -85,7 +85,7 @@ from typing import Any
 from bench.stats import target
 from services.datapath import netns
 from services.datapath.datapath import Datapath, teardown_all
-from services.datapath.maps.bpf import check, libbpf, prog_test_run
+from services.datapath.maps.bpf import check, libbpf, prog_info, prog_test_run
 from services.datapath.netns import PodLink
 from services.datapath.types import (
     Direction,
@@ -447,19 +447,12 @@ def connection_rate(src: PodLink, dst_ip: str, seconds: float, start: int) -> di
     return result
 
 
-class ProgRunStats(ctypes.Structure):
-    # struct bpf_prog_info (uapi/linux/bpf.h) up to run_cnt; the kernel fills what fits.
-    _fields_ = [("head", ctypes.c_uint8 * 192), ("run_time_ns", ctypes.c_uint64), ("run_cnt", ctypes.c_uint64)]
-
-
 BPF_STATS_RUN_TIME = 0
 
 
 def prog_run_stats(fd: int) -> tuple[int, int]:
     """Total run time (ns) and run count the kernel has accounted to a program."""
-    info = ProgRunStats()
-    size = ctypes.c_uint32(ctypes.sizeof(info))
-    check(libbpf().bpf_obj_get_info_by_fd(fd, ctypes.byref(info), ctypes.byref(size)), "prog info")
+    info = prog_info(fd)
     return int(info.run_time_ns), int(info.run_cnt)
 
 

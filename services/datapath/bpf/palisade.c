@@ -1020,59 +1020,55 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
         }
     }
 
-    if (likely(ct != NULL)) {
-        if (unlikely(ct->epoch != epoch)) {
-            /* Policy changed since this flow's last verdict: judge it again as it was opened. */
-            u8 odir = origin->direction;
-            u32 rid = resolve_identity(origin->family, odir == DIR_EGRESS ? origin->daddr : origin->saddr);
-            u16 oport = has_ports(origin->protocol) ? bpf_ntohs(origin->dport) : 0;
-            u8 reason = 0;
-            u8 verdict = policy_verdict(ep_id, odir, rid, origin->protocol, oport, &reason);
-            if (verdict != VERDICT_ALLOW) {
+    if (unlikely(!ct || ct->epoch != epoch)) {
+        /* A new flow, or one whose verdict predates the policy: judged as it was opened. The remote
+         * address is the packet's either way (a reply's entry is keyed by the reversed tuple). One
+         * call site for the policy lookups and the event keeps the program small. */
+        u32 remote_id = resolve_identity(f.family, dir == DIR_EGRESS ? f.daddr : f.saddr);
+        u8 judged_dir = ct ? origin->direction : dir;
+        u16 judged_port = ct ? (has_ports(f.protocol) ? bpf_ntohs(origin->dport) : 0) : f.policy_port;
+        u8 reason = 0;
+        u8 verdict = policy_verdict(ep_id, judged_dir, remote_id, f.protocol, judged_port, &reason);
+        if (verdict != VERDICT_ALLOW || !ct) {
+            emit(skb, &f, ep_id, local_id, remote_id, dir, verdict, reason);
+            count(ep_id, reason, dir, skb->len);
+        }
+        if (verdict != VERDICT_ALLOW) {
+            if (ct)
                 conntrack.delete(origin);
-                u32 prid = resolve_identity(f.family, dir == DIR_EGRESS ? f.daddr : f.saddr);
-                emit(skb, &f, ep_id, local_id, prid, dir, VERDICT_DENY, reason);
-                count(ep_id, reason, dir, skb->len);
-                return TC_ACT_SHOT;
-            }
-            ct->epoch = epoch;
-            ct->remote_identity = rid;
+            return TC_ACT_SHOT;
         }
-        if (unlikely((f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) && !ct->closing)) {
-            ct->closing = 1;
-            ct->expires_ns = now + ct_lifetime(f.protocol, 1);
-        } else {
-            /* At most once a second (lifetimes are 10 s or more): most packets only read the entry. */
-            u64 expires = now + ct_lifetime(f.protocol, ct->closing);
-            if (unlikely(ct->expires_ns + CT_REFRESH_NS < expires))
-                ct->expires_ns = expires;
+        if (!ct) {
+            struct ct_value nv = {};
+            nv.closing = (f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) ? 1 : 0;
+            nv.expires_ns = now + ct_lifetime(f.protocol, nv.closing);
+            nv.epoch = epoch;
+            nv.remote_identity = remote_id;
+            nv.rev_nat = rev_nat;
+            ct_key_of(&f, ep_id, dir, 0, &key);
+            conntrack.update(&key, &nv);
+            return TC_ACT_OK;
         }
-        if (unlikely(rev_nat))
-            ct->rev_nat = rev_nat;
-        else if (unlikely(reply && ct->rev_nat) && lb_reverse(skb, &f, ct->rev_nat) < 0) {
-            count(ep_id, REASON_NO_BACKEND, dir, skb->len);
-            return TC_ACT_SHOT;  /* the service is gone: the client could not match the reply */
-        }
-        count(ep_id, REASON_ESTABLISHED, dir, skb->len);
-        return TC_ACT_OK;
+        ct->epoch = epoch;
+        ct->remote_identity = remote_id;
     }
 
-    u32 remote_id = resolve_identity(f.family, dir == DIR_EGRESS ? f.daddr : f.saddr);
-    u8 reason = 0;
-    u8 verdict = policy_verdict(ep_id, dir, remote_id, f.protocol, f.policy_port, &reason);
-    emit(skb, &f, ep_id, local_id, remote_id, dir, verdict, reason);
-    count(ep_id, reason, dir, skb->len);
-    if (verdict != VERDICT_ALLOW)
-        return TC_ACT_SHOT;
-
-    struct ct_value nv = {};
-    nv.closing = (f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) ? 1 : 0;
-    nv.expires_ns = now + ct_lifetime(f.protocol, nv.closing);
-    nv.epoch = epoch;
-    nv.remote_identity = remote_id;
-    nv.rev_nat = rev_nat;
-    ct_key_of(&f, ep_id, dir, 0, &key);
-    conntrack.update(&key, &nv);
+    if (unlikely((f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) && !ct->closing)) {
+        ct->closing = 1;
+        ct->expires_ns = now + ct_lifetime(f.protocol, 1);
+    } else {
+        /* At most once a second (lifetimes are 10 s or more): most packets only read the entry. */
+        u64 expires = now + ct_lifetime(f.protocol, ct->closing);
+        if (unlikely(ct->expires_ns + CT_REFRESH_NS < expires))
+            ct->expires_ns = expires;
+    }
+    if (unlikely(rev_nat))
+        ct->rev_nat = rev_nat;
+    else if (unlikely(reply && ct->rev_nat) && lb_reverse(skb, &f, ct->rev_nat) < 0) {
+        count(ep_id, REASON_NO_BACKEND, dir, skb->len);
+        return TC_ACT_SHOT;  /* the service is gone: the client could not match the reply */
+    }
+    count(ep_id, REASON_ESTABLISHED, dir, skb->len);
     return TC_ACT_OK;
 }
 

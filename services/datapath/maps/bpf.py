@@ -87,7 +87,7 @@ class MapInfo(ctypes.Structure):
 
 
 class ProgInfo(ctypes.Structure):
-    # The head of struct bpf_prog_info (uapi/linux/bpf.h), up to the program's name.
+    # The head of struct bpf_prog_info (uapi/linux/bpf.h), up to the run counters.
     _fields_ = [
         ("type", ctypes.c_uint32),
         ("id", ctypes.c_uint32),
@@ -101,6 +101,10 @@ class ProgInfo(ctypes.Structure):
         ("nr_map_ids", ctypes.c_uint32),
         ("map_ids", ctypes.c_uint64),
         ("name", ctypes.c_char * 16),
+        ("_middle", ctypes.c_uint8 * 112),
+        # Kernel-accounted run time and count (while BPF_ENABLE_STATS is on).
+        ("run_time_ns", ctypes.c_uint64),
+        ("run_cnt", ctypes.c_uint64),
     ]
 
 
