@@ -174,8 +174,6 @@ class Datapath:
         self._closed = False
         # The endpoints the kernel holds (policy is not cached: the realizer owns it).
         self._endpoints: dict[int, EndpointEntry] = {r.id: r for r in self.endpoints.records()}
-        # Each endpoint's lookup hints as the enforcement map holds them (see enforcementmap).
-        self._hints: dict[int, int] = {}
         self._sync_hints()
 
     def _sync_hints(self) -> None:
@@ -188,7 +186,6 @@ class Datapath:
             flags = raw.get(ep_id)
             if flags is None or flags & ~enforcementmap.ENFORCE_MASK != bits | enforcementmap.HINTS_VALID:
                 self.enforcement.set(ep_id, enforcementmap.from_flags(flags or 0), bits)
-            self._hints[ep_id] = bits
 
     @classmethod
     def open(
@@ -278,7 +275,6 @@ class Datapath:
             self.endpoints.remove(record)
             self.policy.delete(self.policy.read(ep_id).get(ep_id, {}))
             self.enforcement.delete(ep_id)
-            self._hints.pop(ep_id, None)
             self.metrics.delete_endpoint(ep_id)
             # Stale conntrack entries are harmless: the new epoch makes any hit re-check policy.
             self.state.bump_epoch()
@@ -368,8 +364,10 @@ class Datapath:
         """Adds, then enforcement, then removals. Hints widen before the adds (a lookup the
         program skips is never one the map can answer) and narrow, when the caller knows the
         whole map (``exact_hints``), after the removals; an incremental change only widens them."""
-        held = self.enforcement.lookup(ep_id)
-        known = self._hints.get(ep_id, 0)
+        flags = self.enforcement.flags(ep_id)
+        held = None if flags is None else enforcementmap.from_flags(flags)
+        # The kernel's hints, not a copy: another writer of the same pins may have widened them.
+        known = enforcementmap.hints_held(flags)
         widened = known | _hints_of(writes)
         final = widened if exact_hints is None else exact_hints
         if widened != known:
@@ -381,7 +379,6 @@ class Datapath:
         self.policy.delete(stale)
         if final != widened:
             self.enforcement.set(ep_id, enforcement, final)
-        self._hints[ep_id] = final
         change = PolicyChange(added=len(writes), removed=len(stale), enforcement_changed=enforcement_changed)
         if change.changed:
             self.state.bump_epoch()

@@ -178,8 +178,8 @@ class Attachment:
 
     from_container: str | None
     to_container: str | None
-    #: "tcx" or "tc": how the programs found are attached.
-    mechanism: str = "tcx"
+    #: "tcx" or "tc": how the programs found are attached (None: none found).
+    mechanism: str | None = None
     #: Palisade programs found on the two hooks (2 when each hook runs exactly one).
     programs: int = 0
 
@@ -310,10 +310,10 @@ class Loader:
     def attachment(self, ifindex: int) -> Attachment:
         """Which Palisade programs run on the hooks of ``ifindex``, as the kernel reports them."""
         with self._lock:
-            found = self._tcx_attachment(ifindex)
-            if found.from_container is None and found.to_container is None:
-                found = self._tc_attachment(ifindex)
-            return found
+            for found in (self._tcx_attachment(ifindex), self._tc_attachment(ifindex)):
+                if found.programs:
+                    return found
+            return Attachment(None, None)
 
     # tcx: one BPF link per hook, pinned so it outlives this process ------------------
 

@@ -126,3 +126,27 @@ def test_open_makes_hints_exact(net: Node) -> None:
     assert tcp_exchange(a.name, b.v4, 8080)
     assert not tcp_exchange(a.name, b.v4, 8081, timeout=DENY_TIMEOUT)
     dp.sync_policy(b.ep_id, Enforcement(), [])
+
+
+@pytest.mark.root
+@pytest.mark.bcc
+def test_an_incremental_write_keeps_hints_another_writer_added(net: Node, bpf_base: str) -> None:
+    """Hints are read from the kernel on every write, not remembered: a second writer of the same
+    pins (a restarted agent overlapping the old one) widened them, and they stay wide."""
+    from services.datapath.datapath import Datapath
+
+    dp, a, b = net.dp, net.a, net.b
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)])
+    other = Datapath.open(bpf_base)
+    try:
+        deny = entry(Direction.INGRESS, IDENTITY_ANY, Protocol.ANY, deny=True)
+        other.apply_policy(b.ep_id, Enforcement(ingress=True), add=[deny])
+    finally:
+        other.close()
+    # An entry of a shape the hints lack, so this write sets them.
+    dp.apply_policy(
+        b.ep_id, Enforcement(ingress=True), add=[entry(Direction.INGRESS, IDENTITY_ANY, Protocol.TCP, 8081)]
+    )
+    assert dp.enforcement.raw()[b.ep_id] & hint_bit(Direction.INGRESS, Verdict.DENY, IDENTITY_ANY, Protocol.ANY)
+    assert not tcp_exchange(a.name, b.v4, 8081, timeout=DENY_TIMEOUT), "the other writer's deny holds"
+    dp.sync_policy(b.ep_id, Enforcement(), [])

@@ -25,6 +25,7 @@ ENFORCE_INGRESS = 1
 ENFORCE_EGRESS = 2
 ENFORCE_MASK = ENFORCE_INGRESS | ENFORCE_EGRESS
 HINTS_SHIFT = 8
+HINTS_MASK = 0xFFFF << HINTS_SHIFT
 HINTS_VALID = 1 << 31
 
 
@@ -54,6 +55,11 @@ def from_flags(flags: int) -> Enforcement:
     return Enforcement(ingress=bool(flags & ENFORCE_INGRESS), egress=bool(flags & ENFORCE_EGRESS))
 
 
+def hints_held(flags: int | None) -> int:
+    """The hint bits of flags as the kernel holds them (none unless marked valid)."""
+    return flags & HINTS_MASK if flags is not None and flags & HINTS_VALID else 0
+
+
 def hint_bit(direction: Direction, verdict: Verdict, identity: int, protocol: Protocol) -> int:
     """The hint bit of one policy entry (or trie prefix) of an endpoint (``HINTS_SHIFT`` applied)."""
     index = (2 if direction == Direction.EGRESS else 0) + (1 if verdict == Verdict.ALLOW else 0)
@@ -73,9 +79,14 @@ class EnforcementMap:
     def __init__(self, pinned: PinnedMap) -> None:
         self.map = pinned
 
-    def lookup(self, ep_id: int) -> Enforcement | None:
+    def flags(self, ep_id: int) -> int | None:
+        """The endpoint's flags as the kernel holds them (hints included); None without an entry."""
         value = self.map.lookup(EnforcementKey(ep_id=ep_id), EnforcementValue)
-        return None if value is None else from_flags(int(value.flags))
+        return None if value is None else int(value.flags)
+
+    def lookup(self, ep_id: int) -> Enforcement | None:
+        flags = self.flags(ep_id)
+        return None if flags is None else from_flags(flags)
 
     def get(self, ep_id: int) -> Enforcement:
         """The endpoint's enforcement; none recorded means allow-all both ways."""
