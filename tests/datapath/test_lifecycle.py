@@ -468,3 +468,42 @@ def test_a_pinned_link_of_another_veth_is_replaced(net: Node, extra_pods: list[P
 def test_unknown_attach_mode_is_refused(bpf_base: str) -> None:
     with pytest.raises(ValueError, match="attach mode 'xdp': give one of auto, tcx, tc"):
         Loader(bpf_base, "xdp")
+
+
+def test_auto_falls_back_to_tc_where_the_kernel_has_no_tcx(
+    net: Node, extra_pods: list[Pod], bpf_base: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel before 6.6 answers a tcx link with EINVAL: "auto" attaches with tc filters from
+    then on; "tcx" asked for explicitly fails instead."""
+    import errno as errnos
+
+    from services.datapath import loader as loader_module
+    from services.datapath.maps.bpf import BpfError
+
+    def no_tcx(prog_fd: int, ifindex: int, attach_type: int) -> int:
+        raise BpfError(errnos.EINVAL, "bpf_link_create: Invalid argument")
+
+    dp, a = net.dp, net.a
+    p = extra_pods[0]
+    ifindex = p.net.host_ifindex
+    dp.sync_policy(p.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)])
+    dp.attach_endpoint(p.spec)
+    assert dp._loader.detach(ifindex)  # registered in the maps, no program on the veth
+    monkeypatch.setattr(loader_module, "link_create", no_tcx)
+    strict, auto = Loader(bpf_base, "tcx"), Loader(bpf_base, "auto")
+    try:
+        with pytest.raises(BpfError, match="Invalid argument"):
+            strict.attach(dp.template, p.net.host_ifindex + 100000)  # no such veth: nothing to undo
+        assert auto.mechanism == "tcx"
+        auto.attach(dp.template, ifindex)
+        assert auto.mechanism == "tc", "the loader remembers the kernel has no tcx"
+        attachment = auto.attachment(ifindex)
+        assert (attachment.mechanism, attachment.programs, attachment.template()) == ("tc", 2, dp.template.short)
+        assert not os.path.exists(os.path.join(bpf_base, "links", str(ifindex))), "the tcx links were removed"
+        assert tcp_exchange(a.name, p.v4, 8080)
+        assert not tcp_exchange(a.name, p.v4, 8081, timeout=DENY_TIMEOUT)
+    finally:
+        strict.close()
+        auto.close()
+        dp.detach_endpoint(p.ep_id)
+    assert _bpf_filter_count(ifindex) == 0
