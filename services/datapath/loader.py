@@ -366,7 +366,7 @@ class Loader:
     def _tcx_attachment(self, ifindex: int) -> Attachment:
         found: dict[str, str | None] = {FROM_CONTAINER: None, TO_CONTAINER: None}
         count = 0
-        templates = self._template_ids()
+        templates: dict[int, str] | None = None  # listed only once a Palisade program is found
         for name, attach_type, _parent in HOOKS:
             try:
                 ids = prog_query(ifindex, attach_type)
@@ -377,6 +377,8 @@ class Loader:
                 if info is None or info.name.decode() != name:
                     continue
                 count += 1
+                if templates is None:
+                    templates = self._template_ids()
                 found[name] = templates.get(prog_id, "")
         return Attachment(found[FROM_CONTAINER], found[TO_CONTAINER], mechanism="tcx", programs=count)
 
