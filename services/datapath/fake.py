@@ -210,6 +210,9 @@ class FakeDatapath:
             out, self._k.flows[:] = list(self._k.flows), []
             return out
 
+    def skip_flows(self, timeout_ms: int = 0) -> int:
+        return len(self.read_flows(timeout_ms))
+
     def pinned_endpoints(self) -> list[PinnedEndpoint]:
         with self._lock:
             self._check_open()

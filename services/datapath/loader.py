@@ -124,6 +124,7 @@ class ProgramConfig:
             f"-DLB_AFFINITY_MAX={s.lb_affinity}",
             f"-DLB_CT_MAX={s.lb_conntrack}",
             f"-DEVENTS_BYTES={s.events_bytes}",
+            f"-DEVENTS_WAKEUP_BYTES={maps.eventsmap.wakeup_bytes(s)}",
         ]
 
 

@@ -21,7 +21,8 @@
  *   1. Not an endpoint's veth, or not IPv4/IPv6 (ARP...): pass.
  *      IPv6 neighbour discovery / MLD and ICMP error messages: pass.
  *   2. Conntrack: the packet's own tuple (an established flow), else the
- *      reversed tuple with the opposite direction (a reply). A live entry
+ *      reversed tuple with the opposite direction (a reply); a SYN-ACK tries the
+ *      reversed tuple first, a bare SYN only its own. A live entry
  *      passes if its verdict is from the current policy epoch; otherwise
  *      the flow is re-checked as in 4 with its original direction, identity
  *      and port, then kept (epoch refreshed) or deleted and dropped.
@@ -37,7 +38,8 @@
  *      ICMP/ICMPv6 echo follows policy with port 0 (matched by L3-only and
  *      all-ports ICMP entries); the echo id stands in for ports in conntrack.
  *   5. A new allowed flow gets a conntrack entry and one flow event; every
- *      drop gets a flow event. Counters by endpoint/reason/direction. An
+ *      drop gets a flow event (the reader is woken only past a backlog mark,
+ *      it polls otherwise). Counters by endpoint/reason/direction. An
  *      established packet refreshes its entry's expiry at most once a second.
  */
 #include <uapi/linux/bpf.h>
@@ -95,6 +97,9 @@
 #ifndef EVENTS_BYTES
 #define EVENTS_BYTES (1 << 22)
 #endif
+#ifndef EVENTS_WAKEUP_BYTES
+#define EVENTS_WAKEUP_BYTES (EVENTS_BYTES / 8)  /* the loader passes eventsmap.wakeup_bytes */
+#endif
 
 #define DIR_INGRESS 1
 #define DIR_EGRESS 2
@@ -127,7 +132,9 @@
 #define unlikely(x) __builtin_expect(!!(x), 0)
 
 #define TCP_FLAG_FIN 0x01
+#define TCP_FLAG_SYN 0x02
 #define TCP_FLAG_RST 0x04
+#define TCP_FLAG_ACK 0x10
 
 struct ipcache_key {
     u32 prefixlen;
@@ -498,23 +505,25 @@ static __always_inline int parse(struct __sk_buff *skb, struct flow *f)
     return PARSE_PASS;
 }
 
-static __always_inline u32 resolve_identity(u8 family, const u8 *addr)
+/* A local endpoint's identity by address; 0 (no identity) if the address is no local endpoint's. */
+static __always_inline u32 local_identity(u8 family, const u8 *addr)
 {
     struct endpoint_key ek = {};
     ek.family = family;
     __builtin_memcpy(ek.addr, addr, 16);
     struct endpoint_value *ep = endpoints.lookup(&ek);
-    if (ep)
-        return ep->identity;
+    return ep ? ep->identity : 0;
+}
 
+/* Any other address: the longest ipcache prefix holding it, else WORLD_ID. */
+static __always_inline u32 cidr_identity(u8 family, const u8 *addr)
+{
     struct ipcache_key ik = {};
     ik.prefixlen = IPCACHE_HEADER_BITS + (family == FAMILY_V4 ? 32 : 128);
     ik.family = family;
     __builtin_memcpy(ik.addr, addr, 16);
     struct ipcache_value *iv = ipcache.lookup(&ik);
-    if (iv)
-        return iv->identity;
-    return WORLD_ID;
+    return iv ? iv->identity : WORLD_ID;
 }
 
 /* Which of the four lookups below can match: the agent keeps, in the enforcement value, one bit
@@ -592,6 +601,20 @@ static __always_inline void count(u32 ep_id, u8 reason, u8 dir, u32 bytes)
     }
 }
 
+/* The reader is woken only once a backlog builds up; otherwise it finds the events when it next
+ * polls (it does every few tens of milliseconds). The ring's default, a wakeup whenever the reader
+ * has caught up, costs an interrupt and a context switch for nearly every new flow. bcc has no table
+ * method for bpf_ringbuf_query, but it rewrites events.ringbuf_output(...) into a call of
+ * bpf_ringbuf_output with the map as first argument: this macro, defined only around emit, routes
+ * that call here (the parenthesized name below is the helper itself, not the macro). */
+static __always_inline long ringbuf_output_batched(void *ring, void *data, u64 size)
+{
+    u64 wakeup = bpf_ringbuf_query(ring, BPF_RB_AVAIL_DATA) >= EVENTS_WAKEUP_BYTES ? BPF_RB_FORCE_WAKEUP
+                                                                                  : BPF_RB_NO_WAKEUP;
+    return (bpf_ringbuf_output)(ring, data, size, wakeup);
+}
+#define bpf_ringbuf_output(ring, data, size, flags) ringbuf_output_batched(ring, data, size)
+
 static __always_inline void emit(struct __sk_buff *skb, const struct flow *f, u32 ep_id, u32 local_id,
                                  u32 remote_id, u8 dir, u8 verdict, u8 reason)
 {
@@ -613,6 +636,7 @@ static __always_inline void emit(struct __sk_buff *skb, const struct flow *f, u3
     if (events.ringbuf_output(&ev, sizeof(ev), 0) != 0)
         count(0, REASON_EVENT_LOST, 0, 0);
 }
+#undef bpf_ringbuf_output
 
 static __always_inline u64 ct_lifetime(u8 proto, int closing)
 {
@@ -991,22 +1015,32 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
     /* One key on the stack (the program's stack is small): the packet's tuple, then, for a
      * reply, the reversed one; ``origin`` is the entry's key while it is in use. */
     struct ct_key key = {};
-    ct_key_of(&f, ep_id, dir, 0, &key);
     struct ct_key *origin = &key;
+    /* Which tuple first: a SYN-ACK answers an opened flow, so its entry is the reversed tuple's; a
+     * bare SYN opens a flow, so only its own tuple can hold it (matched to the reversed tuple of a
+     * closing flow, it would open a connection the other way without a verdict). Anything else
+     * tries its own tuple, then the reversed one. A reply's peer opened the flow, so a reply never
+     * goes to a service frontend (a frontend is no pod's source address): no service lookup. */
+    u8 syn = f.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK);
+    int reversed = syn == (TCP_FLAG_SYN | TCP_FLAG_ACK);
+    ct_key_of(&f, ep_id, dir, reversed, &key);
     struct ct_value *ct = ct_lookup(&key, now);
-    int reply = 0;
-    if (!ct) {
-        /* A reply: its peer opened the flow, so it never goes to a service frontend (a frontend
-         * is no pod's source address) and needs no service lookup. */
-        ct_key_of(&f, ep_id, dir, 1, &key);
+    if (!ct && syn != TCP_FLAG_SYN) {
+        reversed = !reversed;
+        ct_key_of(&f, ep_id, dir, reversed, &key);
         ct = ct_lookup(&key, now);
-        reply = ct != NULL;
     }
+    int reply = ct && reversed;
     u16 rev_nat = 0;
+    u32 remote_id = 0;      /* the remote identity, once looked up */
+    int remote_local = 1;   /* whether it may be a local endpoint's address still to look up */
     if (unlikely(!ct && dir == DIR_EGRESS)) {
         /* Not established either way: a connection to a service frontend is translated first
-         * (established service flows are keyed by their backend, so they come here too). */
-        int lb = lb_egress(skb, &f, ep_id, now, &rev_nat);
+         * (established service flows are keyed by their backend, so they come here too). A local
+         * endpoint's address is never a frontend: its identity is needed anyway, and found first. */
+        remote_id = local_identity(f.family, f.daddr);
+        remote_local = 0;
+        int lb = remote_id ? LB_NONE : lb_egress(skb, &f, ep_id, now, &rev_nat);
         if (lb == LB_REJECT || lb == LB_DROP) {
             emit(skb, &f, ep_id, local_id, WORLD_ID, dir, VERDICT_DENY, REASON_NO_BACKEND);
             count(ep_id, REASON_NO_BACKEND, dir, skb->len);
@@ -1015,6 +1049,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
             return TC_ACT_SHOT;
         }
         if (lb == LB_DNAT) {
+            remote_local = 1;  /* the backend's address is another one */
             ct_key_of(&f, ep_id, dir, 0, &key);
             ct = ct_lookup(&key, now);
         }
@@ -1024,7 +1059,11 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
         /* A new flow, or one whose verdict predates the policy: judged as it was opened. The remote
          * address is the packet's either way (a reply's entry is keyed by the reversed tuple). One
          * call site for the policy lookups and the event keeps the program small. */
-        u32 remote_id = resolve_identity(f.family, dir == DIR_EGRESS ? f.daddr : f.saddr);
+        const u8 *remote = dir == DIR_EGRESS ? f.daddr : f.saddr;
+        if (remote_local)
+            remote_id = local_identity(f.family, remote);
+        if (!remote_id)
+            remote_id = cidr_identity(f.family, remote);
         u8 judged_dir = ct ? origin->direction : dir;
         u16 judged_port = ct ? (has_ports(f.protocol) ? bpf_ntohs(origin->dport) : 0) : f.policy_port;
         u8 reason = 0;
@@ -1053,7 +1092,11 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
         ct->remote_identity = remote_id;
     }
 
-    if (unlikely((f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) && !ct->closing)) {
+    if (unlikely(syn == TCP_FLAG_SYN && ct->closing)) {
+        /* The tuple opens again, the same way: a new connection, not the closing one's last packets. */
+        ct->closing = 0;
+        ct->expires_ns = now + ct_lifetime(f.protocol, 0);
+    } else if (unlikely((f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) && !ct->closing)) {
         ct->closing = 1;
         ct->expires_ns = now + ct_lifetime(f.protocol, 1);
     } else {

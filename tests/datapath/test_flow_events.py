@@ -1,0 +1,114 @@
+"""Flow events without a wakeup per event, and conntrack's choice of tuple for TCP SYNs.
+
+Frames go through the node's compiled programs with BPF_PROG_TEST_RUN, as if they
+arrived on a pod's host veth: every run is a packet the program judges, emits and
+counts like any other, and thousands of them take milliseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import socket
+import struct
+
+from services.datapath.maps import eventsmap
+from services.datapath.maps.bpf import obj_get, prog_test_run
+from services.datapath.types import Direction, Enforcement, PolicyEntry, PolicyKey, Protocol, Verdict
+from tests.datapath.node import Node
+
+TC_ACT_OK = 0
+TC_ACT_SHOT = 2
+SYN, ACK, FIN = 0x02, 0x10, 0x01
+#: struct flow_event and the ring's 8-byte record header.
+RECORD_BYTES = ctypes.sizeof(eventsmap.FlowEventRecord) + 8
+
+
+def frame(src: str, dst: str, sport: int, dport: int, proto: int, tcp_flags: int = 0) -> bytes:
+    """A 64-byte IPv4 Ethernet frame (checksums zero: the programs do not check them)."""
+    payload = bytes(64 - 14 - 20 - (20 if proto == socket.IPPROTO_TCP else 8))
+    if proto == socket.IPPROTO_TCP:
+        l4 = struct.pack("!HHIIBBHHH", sport, dport, 1, 1, 5 << 4, tcp_flags, 65535, 0, 0) + payload
+    else:
+        l4 = struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload
+    ip = struct.pack(
+        "!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 1, 0, 64, proto, 0, socket.inet_aton(src), socket.inet_aton(dst)
+    )
+    return b"\x02" * 6 + b"\x04" * 6 + struct.pack("!H", 0x0800) + ip + l4
+
+
+def test_the_reader_is_woken_only_once_a_backlog_builds_up(net: Node) -> None:
+    dp, a, b = net.dp, net.a, net.b
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [])  # b admits nothing: a's UDP is dropped
+    denied = frame(a.v4, b.v4, 40000, 9, socket.IPPROTO_UDP)
+    to_b = dp.template.to_container_fd
+    ring = obj_get(os.path.join(dp.base_dir, eventsmap.NAME))
+    poller = select.epoll()
+    try:
+        dp.skip_flows(0)
+        poller.register(ring, select.EPOLLIN)  # the ring is empty: nothing ready yet
+        code, _ = prog_test_run(to_b, denied, b.net.host_ifindex, 10)
+        assert code == TC_ACT_SHOT
+        assert poller.poll(0.2) == []  # ten events, no wakeup
+        assert dp.skip_flows(0) == 10  # yet a read finds them
+
+        mark = eventsmap.wakeup_bytes(dp.config.sizes) // RECORD_BYTES + 2  # the last one sees the mark passed
+        prog_test_run(to_b, denied, b.net.host_ifindex, mark)
+        assert poller.poll(5.0) != []  # the backlog mark woke the reader
+        assert dp.skip_flows(0) == mark
+    finally:
+        poller.close()
+        os.close(ring)
+
+
+def test_skip_consumes_without_decoding_and_read_decodes(net: Node) -> None:
+    dp, a, b = net.dp, net.a, net.b
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [])
+    to_b = dp.template.to_container_fd
+    prog_test_run(to_b, frame(a.v4, b.v4, 40001, 9, socket.IPPROTO_UDP), b.net.host_ifindex, 3)
+    assert dp.skip_flows(0) == 3
+    assert dp.read_flows(0) == []  # consumed
+    prog_test_run(to_b, frame(a.v4, b.v4, 40002, 9, socket.IPPROTO_UDP), b.net.host_ifindex, 2)
+    events = dp.read_flows(0)
+    assert [(e.source_ip, e.source_port, e.destination_port, e.verdict) for e in events] == [
+        (a.v4, 40002, 9, Verdict.DENY)
+    ] * 2
+    assert dp.skip_flows(0) == 0
+
+
+def test_a_bare_syn_never_matches_the_reversed_tuple(net: Node) -> None:
+    """b answering a's connection is a reply; b opening one back on the same ports is not, even
+    while a's entry lives (closing): a's ingress policy, which admits nothing, decides it."""
+    dp, a, b = net.dp, net.a, net.b
+    dp.sync_policy(a.ep_id, Enforcement(ingress=True), [])
+    from_a, to_a = dp.template.from_container_fd, dp.template.to_container_fd
+    a_if = a.net.host_ifindex
+    tcp = socket.IPPROTO_TCP
+    assert prog_test_run(from_a, frame(a.v4, b.v4, 41000, 8080, tcp, SYN), a_if, 1)[0] == TC_ACT_OK
+    assert prog_test_run(to_a, frame(b.v4, a.v4, 8080, 41000, tcp, SYN | ACK), a_if, 1)[0] == TC_ACT_OK
+    assert prog_test_run(to_a, frame(b.v4, a.v4, 8080, 41000, tcp, ACK), a_if, 1)[0] == TC_ACT_OK
+    assert prog_test_run(from_a, frame(a.v4, b.v4, 41000, 8080, tcp, FIN | ACK), a_if, 1)[0] == TC_ACT_OK
+    assert [e.closing for e in dp.conntrack(a.ep_id)] == [True]
+    assert prog_test_run(to_a, frame(b.v4, a.v4, 8080, 41000, tcp, SYN), a_if, 1)[0] == TC_ACT_SHOT
+    assert prog_test_run(to_a, frame(b.v4, a.v4, 8080, 41000, tcp, FIN | ACK), a_if, 1)[0] == TC_ACT_OK
+
+
+def test_a_syn_on_a_closing_entry_opens_it_again(net: Node) -> None:
+    """The same tuple, opened again the same way, is a live connection: its entry stops closing
+    (else it would expire after the closing lifetime under a connection still in use)."""
+    dp, a, b = net.dp, net.a, net.b
+    dp.sync_policy(
+        b.ep_id,
+        Enforcement(ingress=True),
+        [PolicyEntry(PolicyKey(Direction.INGRESS, a.identity, Protocol.TCP, 8080, 8080), Verdict.ALLOW)],
+    )
+    to_b, b_if = dp.template.to_container_fd, b.net.host_ifindex
+    tcp = socket.IPPROTO_TCP
+    assert prog_test_run(to_b, frame(a.v4, b.v4, 42000, 8080, tcp, SYN), b_if, 1)[0] == TC_ACT_OK
+    assert prog_test_run(to_b, frame(a.v4, b.v4, 42000, 8080, tcp, FIN | ACK), b_if, 1)[0] == TC_ACT_OK
+    (closing,) = dp.conntrack(b.ep_id)
+    assert closing.closing
+    assert prog_test_run(to_b, frame(a.v4, b.v4, 42000, 8080, tcp, SYN), b_if, 1)[0] == TC_ACT_OK
+    (reopened,) = dp.conntrack(b.ep_id)
+    assert not reopened.closing and reopened.expires_ns > closing.expires_ns
