@@ -100,6 +100,7 @@ from services.datapath.types import (
     Protocol,
     Reason,
 )
+from tests.datapath.traffic import tc_frame as frame
 from tests.datapath.traffic import tcp_connects
 
 #: How this module runs itself in a namespace (from the project root, as `make bench` runs it).
@@ -835,19 +836,6 @@ class Bench:
 #: Runs per BPF_PROG_TEST_RUN measurement, and the code a passed frame returns.
 TEST_RUN_REPEAT = 200_000
 TC_ACT_OK = 0
-
-
-def frame(src: str, dst: str, sport: int, dport: int, proto: int, *, tcp_flags: int = 0) -> bytes:
-    """A 64-byte IPv4 Ethernet frame (checksums left zero: the programs do not check them)."""
-    payload = bytes(64 - 14 - 20 - (20 if proto == socket.IPPROTO_TCP else 8))
-    if proto == socket.IPPROTO_TCP:
-        l4 = struct.pack("!HHIIBBHHH", sport, dport, 1, 1, 5 << 4, tcp_flags, 65535, 0, 0) + payload
-    else:
-        l4 = struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload
-    ip = struct.pack(
-        "!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 1, 0, 64, proto, 0, socket.inet_aton(src), socket.inet_aton(dst)
-    )
-    return b"\x02" * 6 + b"\x04" * 6 + struct.pack("!H", 0x0800) + ip + l4
 
 
 def median(values: Sequence[float]) -> float:

@@ -11,31 +11,16 @@ import ctypes
 import os
 import select
 import socket
-import struct
 
 from services.datapath.maps import eventsmap
 from services.datapath.maps.bpf import obj_get, prog_test_run
 from services.datapath.types import Direction, Enforcement, PolicyEntry, PolicyKey, Protocol, Verdict
 from tests.datapath.node import Node
+from tests.datapath.traffic import ACK, FIN, SYN, TC_ACT_OK, TC_ACT_SHOT
+from tests.datapath.traffic import tc_frame as frame
 
-TC_ACT_OK = 0
-TC_ACT_SHOT = 2
-SYN, ACK, FIN = 0x02, 0x10, 0x01
 #: struct flow_event and the ring's 8-byte record header.
 RECORD_BYTES = ctypes.sizeof(eventsmap.FlowEventRecord) + 8
-
-
-def frame(src: str, dst: str, sport: int, dport: int, proto: int, tcp_flags: int = 0) -> bytes:
-    """A 64-byte IPv4 Ethernet frame (checksums zero: the programs do not check them)."""
-    payload = bytes(64 - 14 - 20 - (20 if proto == socket.IPPROTO_TCP else 8))
-    if proto == socket.IPPROTO_TCP:
-        l4 = struct.pack("!HHIIBBHHH", sport, dport, 1, 1, 5 << 4, tcp_flags, 65535, 0, 0) + payload
-    else:
-        l4 = struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload
-    ip = struct.pack(
-        "!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 1, 0, 64, proto, 0, socket.inet_aton(src), socket.inet_aton(dst)
-    )
-    return b"\x02" * 6 + b"\x04" * 6 + struct.pack("!H", 0x0800) + ip + l4
 
 
 def test_the_reader_is_woken_only_once_a_backlog_builds_up(net: Node) -> None:

@@ -263,3 +263,22 @@ def _is_our_sctp(frame: bytes, v6: bool, sport: int, dport: int, tag: int) -> bo
         return False
     got_sport, got_dport = struct.unpack("!HH", l4[:4])
     return (got_sport, got_dport) == (sport, dport) and struct.unpack("!I", l4[16:20])[0] == tag
+
+
+#: tc verdicts a program returns, and TCP flags, for frames run through BPF_PROG_TEST_RUN.
+TC_ACT_OK = 0
+TC_ACT_SHOT = 2
+FIN, SYN, ACK = 0x01, 0x02, 0x10
+
+
+def tc_frame(src: str, dst: str, sport: int, dport: int, proto: int, tcp_flags: int = 0) -> bytes:
+    """A 64-byte IPv4 Ethernet frame for BPF_PROG_TEST_RUN (checksums zero: the programs do not check them)."""
+    payload = bytes(64 - 14 - 20 - (20 if proto == socket.IPPROTO_TCP else 8))
+    if proto == socket.IPPROTO_TCP:
+        l4 = struct.pack("!HHIIBBHHH", sport, dport, 1, 1, 5 << 4, tcp_flags, 65535, 0, 0) + payload
+    else:
+        l4 = struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload
+    ip = struct.pack(
+        "!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 1, 0, 64, proto, 0, socket.inet_aton(src), socket.inet_aton(dst)
+    )
+    return b"\x02" * 6 + b"\x04" * 6 + struct.pack("!H", 0x0800) + ip + l4
