@@ -46,6 +46,7 @@ from services.datapath import maps as bpf_maps
 from services.datapath.loadbalancer import LoadBalancer
 from services.datapath.loader import LINKS_DIR, PROGRAMS_DIR, Loader, ProgramConfig, Template
 from services.datapath.maps import (
+    ct4map,
     ctmap,
     endpointmap,
     enforcementmap,
@@ -131,6 +132,7 @@ class DatapathAPI(Protocol):
     def read_flows(self, timeout_ms: int = 0) -> list[FlowEvent]: ...
     def skip_flows(self, timeout_ms: int = 0) -> int: ...
     def pinned_endpoints(self) -> list[PinnedEndpoint]: ...
+    def migrate_conntrack(self) -> int: ...
     def close(self) -> None: ...
     def teardown(self) -> None: ...
 
@@ -160,7 +162,7 @@ class Datapath:
         self.policy = PolicyMap(maps[policymap.NAME])
         self.enforcement = EnforcementMap(maps[enforcementmap.NAME])
         self.state = StateMap(maps[statemap.NAME])
-        self.conntrack_map = CtMap(maps[ctmap.NAME])
+        self.conntrack_map = CtMap(maps[ct4map.NAME], maps[ctmap.NAME])
         self.metrics = MetricsMap(maps[metricsmap.NAME])
         self._events = EventReader(maps[eventsmap.NAME])
         self.lb = LoadBalancer(
@@ -176,6 +178,7 @@ class Datapath:
         # The endpoints the kernel holds (policy is not cached: the realizer owns it).
         self._endpoints: dict[int, EndpointEntry] = {r.id: r for r in self.endpoints.records()}
         self._sync_hints()
+        self.migrate_conntrack()
 
     def _sync_hints(self) -> None:
         """Make every endpoint's hints exact, from one walk of the policy trie: an agent before hints
@@ -462,6 +465,17 @@ class Datapath:
         with self._lock:
             self._check_open()
             return self.conntrack_map.entries(ep_id)
+
+    def migrate_conntrack(self) -> int:
+        """Move IPv4 conntrack entries an older program kept in the IPv6 map to the IPv4 map (see
+        ``ctmap``). Done on open, and worth doing again once every endpoint runs this version's
+        programs: an older one still attached keeps writing there until it is replaced."""
+        with self._lock:
+            self._check_open()
+            moved = self.conntrack_map.migrate()
+        if moved:
+            log.info("conntrack entries moved to the IPv4 map", entries=moved)
+        return moved
 
     def flush_conntrack(self, ep_id: int | None = None) -> int:
         with self._lock:

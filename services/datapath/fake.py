@@ -73,6 +73,9 @@ class FakeDatapath:
         self._lock = threading.RLock()
         self._closed = False
         self._flow_ready = threading.Condition(self._lock)
+        #: Endpoints this instance attached, and at each migrate_conntrack which of them it had.
+        self.attached_here: set[int] = set()
+        self.migrations: list[set[int]] = []
 
     @classmethod
     def open(
@@ -97,6 +100,7 @@ class FakeDatapath:
                 self._k.attached.discard(old.ifindex)
             self._k.endpoints[spec.id] = EndpointEntry(spec.id, spec.ifindex, spec.identity, spec.ips)
             self._k.attached.add(spec.ifindex)
+            self.attached_here.add(spec.id)
 
     def detach_endpoint(self, ep_id: int) -> bool:
         with self._lock:
@@ -212,6 +216,12 @@ class FakeDatapath:
 
     def skip_flows(self, timeout_ms: int = 0) -> int:
         return len(self.read_flows(timeout_ms))
+
+    def migrate_conntrack(self) -> int:
+        with self._lock:
+            self._check_open()
+            self.migrations.append(set(self.attached_here))
+            return 0  # the fake keeps no conntrack
 
     def pinned_endpoints(self) -> list[PinnedEndpoint]:
         with self._lock:

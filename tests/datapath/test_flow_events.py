@@ -1,4 +1,4 @@
-"""Flow events without a wakeup per event, and conntrack's choice of tuple for TCP SYNs.
+"""Flow events without a wakeup per event.
 
 Frames go through the node's compiled programs with BPF_PROG_TEST_RUN, as if they
 arrived on a pod's host veth: every run is a packet the program judges, emits and
@@ -14,9 +14,9 @@ import socket
 
 from services.datapath.maps import eventsmap
 from services.datapath.maps.bpf import obj_get, prog_test_run
-from services.datapath.types import Direction, Enforcement, PolicyEntry, PolicyKey, Protocol, Verdict
+from services.datapath.types import Enforcement, Verdict
 from tests.datapath.node import Node
-from tests.datapath.traffic import ACK, FIN, SYN, TC_ACT_OK, TC_ACT_SHOT
+from tests.datapath.traffic import TC_ACT_SHOT
 from tests.datapath.traffic import tc_frame as frame
 
 #: struct flow_event and the ring's 8-byte record header.
@@ -60,40 +60,3 @@ def test_skip_consumes_without_decoding_and_read_decodes(net: Node) -> None:
         (a.v4, 40002, 9, Verdict.DENY)
     ] * 2
     assert dp.skip_flows(0) == 0
-
-
-def test_a_bare_syn_never_matches_the_reversed_tuple(net: Node) -> None:
-    """b answering a's connection is a reply; b opening one back on the same ports is not, even
-    while a's entry lives (closing): a's ingress policy, which admits nothing, decides it."""
-    dp, a, b = net.dp, net.a, net.b
-    dp.sync_policy(a.ep_id, Enforcement(ingress=True), [])
-    from_a, to_a = dp.template.from_container_fd, dp.template.to_container_fd
-    a_if = a.net.host_ifindex
-    tcp = socket.IPPROTO_TCP
-    assert prog_test_run(from_a, frame(a.v4, b.v4, 41000, 8080, tcp, SYN), a_if, 1)[0] == TC_ACT_OK
-    assert prog_test_run(to_a, frame(b.v4, a.v4, 8080, 41000, tcp, SYN | ACK), a_if, 1)[0] == TC_ACT_OK
-    assert prog_test_run(to_a, frame(b.v4, a.v4, 8080, 41000, tcp, ACK), a_if, 1)[0] == TC_ACT_OK
-    assert prog_test_run(from_a, frame(a.v4, b.v4, 41000, 8080, tcp, FIN | ACK), a_if, 1)[0] == TC_ACT_OK
-    assert [e.closing for e in dp.conntrack(a.ep_id)] == [True]
-    assert prog_test_run(to_a, frame(b.v4, a.v4, 8080, 41000, tcp, SYN), a_if, 1)[0] == TC_ACT_SHOT
-    assert prog_test_run(to_a, frame(b.v4, a.v4, 8080, 41000, tcp, FIN | ACK), a_if, 1)[0] == TC_ACT_OK
-
-
-def test_a_syn_on_a_closing_entry_opens_it_again(net: Node) -> None:
-    """The same tuple, opened again the same way, is a live connection: its entry stops closing
-    (else it would expire after the closing lifetime under a connection still in use)."""
-    dp, a, b = net.dp, net.a, net.b
-    dp.sync_policy(
-        b.ep_id,
-        Enforcement(ingress=True),
-        [PolicyEntry(PolicyKey(Direction.INGRESS, a.identity, Protocol.TCP, 8080, 8080), Verdict.ALLOW)],
-    )
-    to_b, b_if = dp.template.to_container_fd, b.net.host_ifindex
-    tcp = socket.IPPROTO_TCP
-    assert prog_test_run(to_b, frame(a.v4, b.v4, 42000, 8080, tcp, SYN), b_if, 1)[0] == TC_ACT_OK
-    assert prog_test_run(to_b, frame(a.v4, b.v4, 42000, 8080, tcp, FIN | ACK), b_if, 1)[0] == TC_ACT_OK
-    (closing,) = dp.conntrack(b.ep_id)
-    assert closing.closing
-    assert prog_test_run(to_b, frame(a.v4, b.v4, 42000, 8080, tcp, SYN), b_if, 1)[0] == TC_ACT_OK
-    (reopened,) = dp.conntrack(b.ep_id)
-    assert not reopened.closing and reopened.expires_ns > closing.expires_ns

@@ -12,6 +12,7 @@ import ctypes
 from typing import Protocol
 
 from services.datapath.maps import (
+    ct4map,
     ctmap,
     endpointmap,
     enforcementmap,
@@ -54,6 +55,7 @@ ALL: tuple[MapModule, ...] = (
     enforcementmap,
     statemap,
     ctmap,
+    ct4map,
     metricsmap,
     eventsmap,
     lbservicemap,

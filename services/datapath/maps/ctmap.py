@@ -1,10 +1,15 @@
-"""Connection tracking: an LRU hash of flows seen per endpoint.
+"""Connection tracking: LRU hashes of flows seen per endpoint, one per family.
 
 An entry is keyed by the flow's first packet as seen at one endpoint's veth
-(addresses, ports, protocol, family), the endpoint and the direction the
-connection was opened in. Replies are found by looking up the reversed tuple
-with the opposite direction. The value keeps the policy epoch of the entry's
-last verdict (see ``statemap``) and when it expires (monotonic ns).
+(addresses, ports, protocol), the endpoint and the direction the connection was
+opened in. Replies are found by looking up the reversed tuple with the opposite
+direction. The value keeps the policy epoch of the entry's last verdict (see
+``statemap``) and when it expires (monotonic ns).
+
+IPv6 flows live in this module's map (``conntrack``, a 44-byte key), IPv4 flows
+in ``ct4map``'s (``conntrack4``, a 20-byte key: every lookup hashes and compares
+the whole key). Programs before the IPv4 map kept both families here;
+:meth:`CtMap.migrate` moves such IPv4 entries, so connections outlive the upgrade.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import dataclasses
 import ipaddress
 import socket
 import time
+from collections.abc import Iterator
 
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
 from services.datapath.maps.sizes import MapSizes
@@ -35,6 +41,20 @@ class CtKey(ctypes.Structure):
         ("protocol", ctypes.c_uint8),
         ("direction", ctypes.c_uint8),
         ("pad", ctypes.c_uint8),
+    ]
+
+
+class Ct4Key(ctypes.Structure):
+    # struct ct4_key in bpf/palisade.c; addresses and ports in network order.
+    _fields_ = [
+        ("saddr", ctypes.c_uint8 * 4),
+        ("daddr", ctypes.c_uint8 * 4),
+        ("sport", ctypes.c_uint16),
+        ("dport", ctypes.c_uint16),
+        ("ep_id", ctypes.c_uint32),
+        ("protocol", ctypes.c_uint8),
+        ("direction", ctypes.c_uint8),
+        ("pad", ctypes.c_uint16),
     ]
 
 
@@ -79,13 +99,14 @@ def _addr(raw: ctypes.Array[ctypes.c_uint8], family: int) -> str:
     return str(ipaddress.ip_address(bytes(raw[: 4 if family == FAMILY_V4 else 16])))
 
 
-def to_entry(key: CtKey, value: CtValue) -> CtEntry:
+def to_entry(key: CtKey | Ct4Key, value: CtValue) -> CtEntry:
+    family = FAMILY_V4 if isinstance(key, Ct4Key) else int(key.family)
     return CtEntry(
         ep_id=int(key.ep_id),
         direction=Direction.from_wire(int(key.direction)),
         protocol=int(key.protocol),
-        source_ip=_addr(key.saddr, int(key.family)),
-        destination_ip=_addr(key.daddr, int(key.family)),
+        source_ip=_addr(key.saddr, family),
+        destination_ip=_addr(key.daddr, family),
         source_port=socket.ntohs(int(key.sport)),
         destination_port=socket.ntohs(int(key.dport)),
         expires_ns=int(value.expires_ns),
@@ -96,26 +117,60 @@ def to_entry(key: CtKey, value: CtValue) -> CtEntry:
     )
 
 
+def to_v4_key(key: CtKey) -> Ct4Key:
+    """The IPv4 map's key for an IPv4 entry of the shared layout."""
+    return Ct4Key(
+        saddr=(ctypes.c_uint8 * 4)(*key.saddr[:4]),
+        daddr=(ctypes.c_uint8 * 4)(*key.daddr[:4]),
+        sport=key.sport,
+        dport=key.dport,
+        ep_id=key.ep_id,
+        protocol=key.protocol,
+        direction=key.direction,
+    )
+
+
 class CtMap:
-    def __init__(self, pinned: PinnedMap) -> None:
-        self.map = pinned
+    """Both families' entries: ``v4`` is ``conntrack4``, ``v6`` is ``conntrack``."""
+
+    def __init__(self, v4: PinnedMap, v6: PinnedMap) -> None:
+        self.v4 = v4
+        self.v6 = v6
+
+    def _items(self) -> Iterator[tuple[PinnedMap, CtKey | Ct4Key, CtValue]]:
+        for k4, v4 in self.v4.items(Ct4Key, CtValue):
+            yield self.v4, k4, v4
+        for k6, v6 in self.v6.items(CtKey, CtValue):
+            yield self.v6, k6, v6
 
     def entries(self, ep_id: int | None = None) -> list[CtEntry]:
-        return [to_entry(k, v) for k, v in self.map.items(CtKey, CtValue) if ep_id is None or int(k.ep_id) == ep_id]
+        return [to_entry(k, v) for _, k, v in self._items() if ep_id is None or int(k.ep_id) == ep_id]
 
     def flush(self, ep_id: int | None = None) -> int:
         """Delete every entry (of one endpoint); established flows are then checked as new."""
         count = 0
-        for key in list(self.map.keys(CtKey)):
+        for pinned, key, _ in list(self._items()):
             if ep_id is None or int(key.ep_id) == ep_id:
-                count += self.map.delete(key)
+                count += pinned.delete(key)
         return count
 
     def gc(self, now_ns: int | None = None) -> int:
         """Delete expired entries (the LRU also evicts under pressure)."""
         now = time.monotonic_ns() if now_ns is None else now_ns
         count = 0
-        for key, value in list(self.map.items(CtKey, CtValue)):
+        for pinned, key, value in list(self._items()):
             if int(value.expires_ns) < now:
-                count += self.map.delete(key)
+                count += pinned.delete(key)
         return count
+
+    def migrate(self) -> int:
+        """Move IPv4 entries from the IPv6 map, where programs before the IPv4 map kept them, into
+        the IPv4 map; returns how many moved. Written before deleted: a packet always finds one."""
+        moved = 0
+        for key, value in list(self.v6.items(CtKey, CtValue)):
+            if int(key.family) != FAMILY_V4:
+                continue
+            self.v4.update(to_v4_key(key), value)
+            self.v6.delete(key)
+            moved += 1
+        return moved
