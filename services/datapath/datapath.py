@@ -132,7 +132,7 @@ class DatapathAPI(Protocol):
     def read_flows(self, timeout_ms: int = 0) -> list[FlowEvent]: ...
     def skip_flows(self, timeout_ms: int = 0) -> int: ...
     def pinned_endpoints(self) -> list[PinnedEndpoint]: ...
-    def migrate_conntrack(self) -> int: ...
+    def migrate_conntrack(self, release: bool = True) -> int: ...
     def close(self) -> None: ...
     def teardown(self) -> None: ...
 
@@ -178,7 +178,7 @@ class Datapath:
         # The endpoints the kernel holds (policy is not cached: the realizer owns it).
         self._endpoints: dict[int, EndpointEntry] = {r.id: r for r in self.endpoints.records()}
         self._sync_hints()
-        self.migrate_conntrack()
+        self.migrate_conntrack(release=False)
 
     def _sync_hints(self) -> None:
         """Make every endpoint's hints exact, from one walk of the policy trie: an agent before hints
@@ -466,16 +466,18 @@ class Datapath:
             self._check_open()
             return self.conntrack_map.entries(ep_id)
 
-    def migrate_conntrack(self) -> int:
-        """Move IPv4 conntrack entries an older program kept in the IPv6 map to the IPv4 map (see
-        ``ctmap``). Done on open, and worth doing again once every endpoint runs this version's
-        programs: an older one still attached keeps writing there until it is replaced."""
+    def migrate_conntrack(self, release: bool = True) -> int:
+        """Copy the IPv4 conntrack entries an older program kept in the IPv6 map to the IPv4 map
+        (see ``ctmap``); ``release`` also removes them there. Open copies without releasing: the
+        older programs still attached read them there until each endpoint is attached again. Once
+        every endpoint runs this version's programs, a releasing pass copies what they wrote
+        meanwhile and removes the rest."""
         with self._lock:
             self._check_open()
-            moved = self.conntrack_map.migrate()
-        if moved:
-            log.info("conntrack entries moved to the IPv4 map", entries=moved)
-        return moved
+            copied = self.conntrack_map.migrate(release)
+        if copied:
+            log.info("conntrack entries copied to the IPv4 map", entries=copied, released=release)
+        return copied
 
     def flush_conntrack(self, ep_id: int | None = None) -> int:
         with self._lock:

@@ -73,9 +73,9 @@ class FakeDatapath:
         self._lock = threading.RLock()
         self._closed = False
         self._flow_ready = threading.Condition(self._lock)
-        #: Endpoints this instance attached, and at each migrate_conntrack which of them it had.
+        #: Endpoints this instance attached, and each migrate_conntrack: released, and which it had.
         self.attached_here: set[int] = set()
-        self.migrations: list[set[int]] = []
+        self.migrations: list[tuple[bool, set[int]]] = []
 
     @classmethod
     def open(
@@ -217,10 +217,10 @@ class FakeDatapath:
     def skip_flows(self, timeout_ms: int = 0) -> int:
         return len(self.read_flows(timeout_ms))
 
-    def migrate_conntrack(self) -> int:
+    def migrate_conntrack(self, release: bool = True) -> int:
         with self._lock:
             self._check_open()
-            self.migrations.append(set(self.attached_here))
+            self.migrations.append((release, set(self.attached_here)))
             return 0  # the fake keeps no conntrack
 
     def pinned_endpoints(self) -> list[PinnedEndpoint]:

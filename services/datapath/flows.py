@@ -7,6 +7,7 @@ events (counted), never slowing the reader or the other clients.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
@@ -107,6 +108,8 @@ class FlowHub:
         self._poll_ms = poll_ms
         self._buffer = buffer
         self._subs: set[Subscription] = set()
+        self._joined = asyncio.Event()  # a client subscribed: stop skipping
+        self._reading = False  # the hub decodes and fans out (it skips while nobody observes)
         self.events = 0
         #: Events dropped from the buffers of Observe clients that could not keep up.
         self.dropped = 0
@@ -115,12 +118,18 @@ class FlowHub:
         errors = 0
         while True:
             try:
+                self._joined.clear()
                 if not self._subs:
                     # Nobody observing: the events are consumed (so a client that comes gets new
-                    # ones, not a backlog) and counted, never decoded.
-                    self.events += await asyncio.to_thread(self._source.skip_flows, self._poll_ms)
+                    # ones, not a backlog) and counted, never decoded; then the hub waits for a
+                    # client or the next poll, whichever comes first.
+                    self._reading = False
+                    self.events += await asyncio.to_thread(self._source.skip_flows, 0)
                     errors = 0
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._joined.wait(), self._poll_ms / 1000)
                     continue
+                self._reading = True
                 batch = await asyncio.to_thread(self._source.read_flows, self._poll_ms)
                 errors = 0
             except Exception as exc:
@@ -139,9 +148,11 @@ class FlowHub:
                 self.dropped += 1
 
     async def stream(self, flt: FlowFilter, limit: int = 0) -> AsyncIterator[datapath_pb2.FlowEvent]:
-        """Events matching ``flt`` from now on; stops after ``limit`` (0: until the caller stops)."""
+        """Events matching ``flt`` from the hub's next read on (it stops skipping at once for the
+        first client); stops after ``limit`` (0: until the caller stops)."""
         sub = Subscription(flt, self._buffer)
         self._subs.add(sub)
+        self._joined.set()
         sent = 0
         try:
             while not limit or sent < limit:
@@ -154,7 +165,8 @@ class FlowHub:
 
     @property
     def subscribers(self) -> int:
-        return len(self._subs)
+        """Clients being served: subscribed, with the hub reading for them (no longer skipping)."""
+        return len(self._subs) if self._reading else 0
 
 
 VERDICTS = {common_pb2.VERDICT_ALLOW, common_pb2.VERDICT_DENY}

@@ -565,9 +565,9 @@ class EndpointManager:
         for ep_id in sorted(pinned - known):
             log.info("pinned endpoint without state detached", endpoint=ep_id)
             await asyncio.to_thread(self._dp.detach_endpoint, ep_id)
-        # Every endpoint now runs this version's programs: entries the programs of the version
-        # before wrote meanwhile in a layout this one no longer reads are moved.
-        await asyncio.to_thread(self._dp.migrate_conntrack)
+        # Every endpoint now runs this version's programs: conntrack entries the version before
+        # wrote in a layout this one no longer reads are copied, and released there.
+        await asyncio.to_thread(self._dp.migrate_conntrack, True)
         log.info("endpoints restored", restored=len(restored), stale=len(records) - len(restored))
         return restored
 

@@ -69,9 +69,11 @@ def legacy_key(src: str, dst: str, sport: int, dport: int, ep_id: int, direction
     )
 
 
-def test_ipv4_entries_of_the_shared_map_move_to_the_ipv4_map(net: Node) -> None:
-    """An agent before the IPv4 map left a's connection to b in the shared map; once moved, b's
-    answers still pass as replies though a's ingress admits nothing. IPv6 entries stay."""
+def test_ipv4_entries_of_the_shared_map_are_copied_then_released(net: Node) -> None:
+    """An agent before the IPv4 map left a's connection to b in the shared map. Opening copies it
+    (the older program, still attached until a's re-attach, reads it there), so b's answers pass
+    as replies though a's ingress admits nothing; the releasing pass after the restore keeps the
+    copy the new program has been updating, and removes the IPv4 entries there. IPv6 entries stay."""
     dp, a, b = net.dp, net.a, net.b
     dp.sync_policy(a.ep_id, Enforcement(ingress=True), [])
     to_a, a_if = dp.template.to_container_fd, a.net.host_ifindex
@@ -84,11 +86,16 @@ def test_ipv4_entries_of_the_shared_map_move_to_the_ipv4_map(net: Node) -> None:
     shared.update(legacy_key(a.v6, b.v6, 44000, 8080, a.ep_id, Direction.EGRESS), value)
     assert prog_test_run(to_a, answer, a_if, 1)[0] == TC_ACT_SHOT  # the program reads the IPv4 map only
 
-    assert dp.migrate_conntrack() == 1
+    assert dp.migrate_conntrack(release=False) == 1
     assert prog_test_run(to_a, answer, a_if, 1)[0] == TC_ACT_OK
-    assert sorted((e.source_ip, e.destination_port) for e in dp.conntrack(a.ep_id)) == [
-        (a.v4, 8080),
-        (a.v6, 8080),
-    ]
+    assert sorted(int(k.family) for k in shared.keys(CtKey)) == [4, 6]  # still there for the older program
+    fin = frame(a.v4, b.v4, 44000, 8080, socket.IPPROTO_TCP, FIN | ACK)
+    assert prog_test_run(dp.template.from_container_fd, fin, a_if, 1)[0] == TC_ACT_OK  # the copy now closes
+
+    assert dp.migrate_conntrack() == 0  # the copy is newer than the shared map's entry: kept
     assert [int(k.family) for k in shared.keys(CtKey)] == [6]
-    assert dp.migrate_conntrack() == 0
+    assert sorted((e.source_ip, e.destination_port, e.closing) for e in dp.conntrack(a.ep_id)) == [
+        (a.v4, 8080, True),
+        (a.v6, 8080, False),
+    ]
+    assert prog_test_run(to_a, answer, a_if, 1)[0] == TC_ACT_OK

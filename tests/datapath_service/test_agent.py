@@ -271,7 +271,7 @@ async def test_restart_restores_endpoints_cleans_stale_ones_and_catches_up(
     assert verdict(agent, db.id, web.ips[0], 6000) is dt.Verdict.ALLOW
     assert verdict(agent, db.id, web.ips[0], 5432) is dt.Verdict.DENY
     # Conntrack entries an older program wrote were moved once every endpoint ran the new programs.
-    assert agent.datapath.migrations == [{web.id, db.id}]
+    assert agent.datapath.migrations == [(True, {web.id, db.id})]
     # The stale endpoint is gone everywhere: programs, state, its address.
     assert gone.id not in {p.id for p in agent.datapath.pinned_endpoints()}
     assert not (Path(agent.config.state_dir) / str(gone.id)).exists()

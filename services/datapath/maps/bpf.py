@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 #: statfs f_type of a bpf filesystem.
 BPF_FS_MAGIC = 0xCAFE4A11
 BPF_ANY = 0
+BPF_NOEXIST = 1
 BPF_F_NO_PREALLOC = 1
 
 S = TypeVar("S", bound=ctypes.Structure)

@@ -9,19 +9,20 @@ direction. The value keeps the policy epoch of the entry's last verdict (see
 IPv6 flows live in this module's map (``conntrack``, a 44-byte key), IPv4 flows
 in ``ct4map``'s (``conntrack4``, a 20-byte key: every lookup hashes and compares
 the whole key). Programs before the IPv4 map kept both families here;
-:meth:`CtMap.migrate` moves such IPv4 entries, so connections outlive the upgrade.
+:meth:`CtMap.migrate` copies such IPv4 entries, so connections outlive the upgrade.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import ipaddress
 import socket
 import time
 from collections.abc import Iterator
 
-from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
+from services.datapath.maps.bpf import BPF_NOEXIST, BpfError, MapSpec, MapType, PinnedMap
 from services.datapath.maps.sizes import MapSizes
 from services.datapath.types import Direction
 
@@ -163,14 +164,21 @@ class CtMap:
                 count += pinned.delete(key)
         return count
 
-    def migrate(self) -> int:
-        """Move IPv4 entries from the IPv6 map, where programs before the IPv4 map kept them, into
-        the IPv4 map; returns how many moved. Written before deleted: a packet always finds one."""
-        moved = 0
+    def migrate(self, release: bool) -> int:
+        """Copy IPv4 entries from the IPv6 map, where programs before the IPv4 map kept them, into
+        the IPv4 map, where the IPv4 map has none for the key yet (one there is newer: the current
+        program wrote it); returns how many were copied. ``release`` also removes them from the
+        IPv6 map: only once no older program, which reads them there, is attached."""
+        copied = 0
         for key, value in list(self.v6.items(CtKey, CtValue)):
             if int(key.family) != FAMILY_V4:
                 continue
-            self.v4.update(to_v4_key(key), value)
-            self.v6.delete(key)
-            moved += 1
-        return moved
+            try:
+                self.v4.update(to_v4_key(key), value, BPF_NOEXIST)
+                copied += 1
+            except BpfError as exc:
+                if exc.errno != errno.EEXIST:
+                    raise
+            if release:
+                self.v6.delete(key)
+        return copied
