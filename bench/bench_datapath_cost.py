@@ -37,8 +37,8 @@ ratios to ``none``:
   destination pod. Every connection uses a fresh 4-tuple, so each one is a new
   flow for Palisade's conntrack and for netfilter's. Palisade's flow events
   are taken throughout, as the agent takes them while no Observe client
-  listens (a thread waiting in ``skip_flows`` the way the datapath service's
-  flow hub does), so their cost, wakeups included, is in every figure; the
+  listens (a thread that takes them with ``skip_flows`` once a poll, the way
+  the datapath service's flow hub does), so their cost is in every figure; the
   reader's CPU time per event is in the output (``events``).
 
 Samples are noisy on a small shared machine; the output also has per-round
@@ -105,7 +105,7 @@ from tests.datapath.traffic import tcp_connects
 
 #: How this module runs itself in a namespace (from the project root, as `make bench` runs it).
 SELF = ["-m", "bench.bench_datapath_cost"]
-#: How long one read of the flow events waits: the datapath service's default (flow_poll_ms).
+#: How long the flow reader waits between two takes: the datapath service's default (flow_poll_ms).
 FLOW_READ_POLL_MS = 200
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -589,7 +589,7 @@ class Bench:
         self.next_conn = 0
         self.checks: list[dict[str, Any]] = []
         self.events: dict[str, float] = {"taken": 0, "drained": 0, "lost": 0}
-        self._reading = threading.Event()
+        self._stop_reading = threading.Event()
         self._reader: threading.Thread | None = None
 
     # setup / teardown -----------------------------------------------------------------
@@ -600,7 +600,6 @@ class Bench:
         extra = (PROBE_INGRESS_PORT, PROBE_EGRESS_PORT)
         self.iperf_server, self.accept_server = start_servers(self.dst, extra, self.servers)
         self.dp = Datapath.open(self.base)
-        self._reading.set()
         self._reader = threading.Thread(target=self._read_flows, name="flow-reader", daemon=True)
         self._reader.start()
         self.ipt = Iptables(self.run, self.src, self.dst)
@@ -608,15 +607,17 @@ class Bench:
         self.dst_spec = EndpointSpec(DST_EP, self.dst.host_ifindex, self.dst.host_ifname, self.dst.ips, DST_IDENTITY)
 
     def _read_flows(self) -> None:
-        """The agent's flow reader: wait for events and take them, as the flow hub does with nobody observing."""
+        """The agent's flow reader with nobody observing, as the flow hub does it: take what is
+        there without decoding it, then wait one poll."""
         assert self.dp is not None
         began = time.thread_time()
-        while self._reading.is_set():
-            self.events["taken"] += self.dp.skip_flows(FLOW_READ_POLL_MS)
+        while not self._stop_reading.is_set():
+            self.events["taken"] += self.dp.skip_flows(0)
+            self._stop_reading.wait(FLOW_READ_POLL_MS / 1000)
         self.events["reader_cpu_s"] = round(time.thread_time() - began, 3)
 
     def cleanup(self) -> dict[str, Any]:
-        self._reading.clear()
+        self._stop_reading.set()
         if self._reader is not None:
             self._reader.join()
         steps: list[tuple[str, Callable[[], object]]] = []
