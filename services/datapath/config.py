@@ -34,7 +34,11 @@ class DatapathConfig(CommonConfig):
     retry_backoff_max: float = setting(
         "Longest wait, seconds, between retries of a failed resync or report.", default=5.0
     )
-    flow_poll_ms: int = setting("Milliseconds one read of the flow ring buffer waits for events.", default=200)
+    flow_poll_ms: int = setting(
+        "Milliseconds a read of the flow ring buffer waits for events; while no Observe client listens,"
+        " the milliseconds between two takes of them.",
+        default=200,
+    )
     observe_buffer: int = setting(
         "Flow events buffered per Observe client; a slower client loses the oldest.", default=4096
     )
