@@ -15,7 +15,7 @@ class MapSizes:
     endpoints: int = 16384
     #: LPM prefixes in the shared policy map (all endpoints together).
     policy: int = 262144
-    #: Tracked connections (LRU: the least recently used are evicted when full).
+    #: Tracked connections, per family (one LRU map each: the least recently used are evicted when full).
     conntrack: int = 262144
     #: (endpoint, reason, direction) counter slots.
     metrics: int = 65536
