@@ -26,6 +26,12 @@ class DatapathConfig(CommonConfig):
         "or auto (tcx where the kernel has it).",
         default="auto",
     )
+    local_delivery: bool = setting(
+        "Pass packets between pods of this node straight into the destination pod (its ingress policy "
+        "judged on the way, as in Cilium's BPF host routing); off, they go through the host's routing and "
+        "netfilter (for host firewall rules that must see pod-to-pod traffic).",
+        default=True,
+    )
     rpc_timeout: float = setting("Seconds one call to PolicyService or IPAMService may take.", default=10.0)
     repair_interval: float = setting(
         "Seconds between full dumps of every endpoint's policy map to repair drift (0 disables).",

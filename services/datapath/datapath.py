@@ -248,8 +248,11 @@ class Datapath:
             for other in self._endpoints.values():
                 if other.ifindex == spec.ifindex and other.id != spec.id:
                     raise ValueError(f"ifindex {spec.ifindex} already belongs to endpoint {other.id}")
-            record = EndpointEntry(spec.id, spec.ifindex, spec.identity, spec.ips)
             old = self._endpoints.get(spec.id)
+            # Until the programs are attached, the veth runs what it ran (an older agent's, after
+            # an upgrade): no other endpoint delivers to it directly before it runs these.
+            running = old.generation if old is not None and old.ifindex == spec.ifindex else 0
+            record = EndpointEntry(spec.id, spec.ifindex, spec.identity, spec.ips, running)
             if old is not None and (old.ifindex != record.ifindex or set(old.ips) - set(record.ips)):
                 self.endpoints.remove(old)
                 if old.ifindex != record.ifindex:
@@ -265,6 +268,10 @@ class Datapath:
                 del self._endpoints[spec.id]
                 self.state.bump_epoch()
                 raise
+            if record.generation != endpointmap.GENERATION:
+                record = dataclasses.replace(record, generation=endpointmap.GENERATION)
+                self.endpoints.write(record)
+                self._endpoints[spec.id] = record
             self.state.bump_epoch()
             log.info("endpoint attached", endpoint=spec.id, ifindex=spec.ifindex, identity=spec.identity)
 

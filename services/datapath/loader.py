@@ -9,7 +9,14 @@ template serves every endpoint. Lookup order:
 1. this process's cache;
 2. programs pinned under ``<pin_dir>/programs/<hash>/`` by an earlier process
    (no compiler run at all after a restart);
-3. compile with bcc, load both programs, pin them.
+3. compile with bcc, load the programs, pin them.
+
+A template is three programs: the two below and ``deliver``, which
+``from_container`` tail-calls for a packet to another local endpoint (that
+endpoint's ingress policy, then straight into its namespace). ``deliver`` sits
+in the template's one-slot program array ``calls``, pinned beside the programs:
+a program array empties when its last pin or descriptor goes, and a tail call
+into an empty slot falls back to the host's path.
 
 Attaching puts ``from_container`` on the tc ingress hook of the pod's
 host-side veth (packets leaving the pod) and ``to_container`` on its tc egress
@@ -31,6 +38,7 @@ attachment made the other way (an agent upgraded onto a newer kernel).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import hashlib
@@ -67,6 +75,11 @@ SOURCE_PATH = Path(__file__).parent / "bpf" / "palisade.c"
 PROGRAMS_DIR = "programs"
 FROM_CONTAINER = "from_container"
 TO_CONTAINER = "to_container"
+DELIVER = "deliver"
+#: The programs of a template, as pinned, and the pinned program array holding ``deliver``.
+PROGRAMS = (FROM_CONTAINER, TO_CONTAINER, DELIVER)
+CALLS = "calls"
+CALL_DELIVER = 0
 
 # clsact hooks: TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_INGRESS / TC_H_MIN_EGRESS).
 TC_INGRESS_PARENT = 0xFFFFFFF2
@@ -103,12 +116,17 @@ class ProgramConfig:
     ct_closing_lifetime_s: int = 10
     #: Idle lifetime of UDP, SCTP, ICMP and other entries.
     ct_other_lifetime_s: int = 60
+    #: Deliver packets between local endpoints straight into the destination's namespace (its
+    #: ingress policy judged on the way) instead of through the host's routing and netfilter.
+    local_delivery: bool = True
     sizes: MapSizes = dataclasses.field(default_factory=MapSizes)
 
     def cflags(self, pin_dir: str) -> list[str]:
         s = self.sizes
         return [
             f'-DPIN_DIR="{pin_dir}"',
+            f"-DLOCAL_DELIVERY={int(self.local_delivery)}",
+            f"-DEP_GENERATION={maps.endpointmap.GENERATION}",
             f"-DWORLD_ID={self.world_identity}",
             f"-DCT_TCP_LIFETIME_S={self.ct_tcp_lifetime_s}",
             f"-DCT_CLOSING_LIFETIME_S={self.ct_closing_lifetime_s}",
@@ -148,11 +166,16 @@ def template_hash(source: str, cflags: list[str]) -> str:
 
 @dataclasses.dataclass
 class Template:
-    """A loaded program pair, shared by every endpoint."""
+    """The loaded programs, shared by every endpoint."""
 
     hash: str
     from_container_fd: int
     to_container_fd: int
+    #: The program from_container tail-calls for local delivery (attached nowhere).
+    deliver_fd: int
+    #: The program array holding deliver: held open so it stays filled while this process uses the
+    #: template, even if another process unpins it.
+    calls_fd: int
     #: "compiled" (by this process), or "pinned" (reused from an earlier process).
     origin: str
     #: Seconds spent compiling and loading (0 when reused).
@@ -163,13 +186,13 @@ class Template:
         return self.hash[:12]
 
     def fd(self, name: str) -> int:
-        return self.from_container_fd if name == FROM_CONTAINER else self.to_container_fd
+        return {FROM_CONTAINER: self.from_container_fd, TO_CONTAINER: self.to_container_fd}.get(name, self.deliver_fd)
 
     def close(self) -> None:
-        for fd in (self.from_container_fd, self.to_container_fd):
+        for fd in (self.from_container_fd, self.to_container_fd, self.deliver_fd, self.calls_fd):
             if fd >= 0:
                 os.close(fd)
-        self.from_container_fd = self.to_container_fd = -1
+        self.from_container_fd = self.to_container_fd = self.deliver_fd = self.calls_fd = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,12 +248,12 @@ class Loader:
 
     def _open_pinned(self, digest: str) -> Template | None:
         directory = self._programs_dir(digest)
-        paths = [os.path.join(directory, name) for name in (FROM_CONTAINER, TO_CONTAINER)]
+        paths = [os.path.join(directory, name) for name in (*PROGRAMS, CALLS)]
         if not all(os.path.exists(p) for p in paths):
             return None
         fds = [obj_get(p) for p in paths]
         log.info("template reused", template=digest[:12], dir=directory)
-        return Template(digest, fds[0], fds[1], origin="pinned", compile_seconds=0.0)
+        return Template(digest, fds[0], fds[1], fds[2], fds[3], origin="pinned", compile_seconds=0.0)
 
     def _compile(self, digest: str, source: str, cflags: list[str]) -> Template:
         # Only this module imports bcc, and only when a template must be built.
@@ -239,21 +262,25 @@ class Loader:
         start = time.perf_counter()
         bpf = BPF(text=source.encode(), cflags=cflags)
         try:
-            functions = [bpf.load_func(name.encode(), BPF.SCHED_CLS) for name in (FROM_CONTAINER, TO_CONTAINER)]
+            functions = [bpf.load_func(name.encode(), BPF.SCHED_CLS) for name in PROGRAMS]
+            calls = bpf.get_table(CALLS.encode())
+            calls[ctypes.c_int(CALL_DELIVER)] = ctypes.c_int(functions[PROGRAMS.index(DELIVER)].fd)
             directory = self._programs_dir(digest)
             os.makedirs(directory, exist_ok=True)
-            for name, fn in zip((FROM_CONTAINER, TO_CONTAINER), functions, strict=True):
+            # The program array last: its pin is what _open_pinned takes for a finished template.
+            for name, fd in [*((n, fn.fd) for n, fn in zip(PROGRAMS, functions, strict=True)), (CALLS, calls.map_fd)]:
                 path = os.path.join(directory, name)
                 if os.path.exists(path):  # a half-finished earlier attempt
                     os.unlink(path)
-                obj_pin(fn.fd, path)
-            fds = [obj_get(os.path.join(directory, name)) for name in (FROM_CONTAINER, TO_CONTAINER)]
+                obj_pin(fd, path)
+            fds = [obj_get(os.path.join(directory, name)) for name in (*PROGRAMS, CALLS)]
         finally:
-            # The pins keep the programs (and through them the maps) loaded.
+            # The pins keep the programs (and through them the maps) loaded, and the program
+            # array filled.
             bpf.cleanup()
         seconds = time.perf_counter() - start
         log.info("template compiled", template=digest[:12], seconds=round(seconds, 3))
-        return Template(digest, fds[0], fds[1], origin="compiled", compile_seconds=seconds)
+        return Template(digest, fds[0], fds[1], fds[2], fds[3], origin="compiled", compile_seconds=seconds)
 
     def prune(self, keep: set[str]) -> list[str]:
         """Unpin templates not in ``keep`` (full hashes); programs still attached stay loaded."""

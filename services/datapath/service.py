@@ -35,6 +35,7 @@ from services.datapath.datapath import Datapath, DatapathAPI
 from services.datapath.flows import FlowHub
 from services.datapath.ipamclient import GrpcIpam, IpamPort
 from services.datapath.ipcache import IpcacheSync
+from services.datapath.loader import ProgramConfig
 from services.datapath.manager import EndpointManager, PodNetwork
 from services.datapath.metrics import AgentParts, DatapathMetrics
 from services.datapath.netns import NetnsPodNetwork
@@ -166,7 +167,10 @@ async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
     cfg = ctx.config
     bus = await ctx.bus()
     try:
-        datapath = await asyncio.to_thread(functools.partial(Datapath.open, cfg.bpffs, attach=cfg.attach))
+        program = ProgramConfig(local_delivery=cfg.local_delivery)
+        datapath = await asyncio.to_thread(
+            functools.partial(Datapath.open, cfg.bpffs, config=program, attach=cfg.attach)
+        )
     except (OSError, RuntimeError) as exc:
         raise OSError(
             f"cannot open the BPF datapath at {cfg.bpffs}: {exc}; run as root with bcc and kernel headers "

@@ -14,7 +14,7 @@ from services.datapath.maps.bpf import prog_test_run
 from services.datapath.maps.ctmap import CtKey, CtValue
 from services.datapath.types import Direction, Enforcement, PolicyEntry, PolicyKey, Protocol, Verdict
 from tests.datapath.node import Node
-from tests.datapath.traffic import ACK, FIN, SYN, TC_ACT_OK, TC_ACT_SHOT
+from tests.datapath.traffic import ACK, FIN, SYN, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT
 from tests.datapath.traffic import tc_frame as frame
 
 
@@ -26,10 +26,11 @@ def test_a_bare_syn_never_matches_the_reversed_tuple(net: Node) -> None:
     from_a, to_a = dp.template.from_container_fd, dp.template.to_container_fd
     a_if = a.net.host_ifindex
     tcp = socket.IPPROTO_TCP
-    assert prog_test_run(from_a, frame(a.v4, b.v4, 41000, 8080, tcp, SYN), a_if, 1)[0] == TC_ACT_OK
+    # b is local and admits everything: from_a passes a's packets straight to b.
+    assert prog_test_run(from_a, frame(a.v4, b.v4, 41000, 8080, tcp, SYN), a_if, 1)[0] == TC_ACT_REDIRECT
     assert prog_test_run(to_a, frame(b.v4, a.v4, 8080, 41000, tcp, SYN | ACK), a_if, 1)[0] == TC_ACT_OK
     assert prog_test_run(to_a, frame(b.v4, a.v4, 8080, 41000, tcp, ACK), a_if, 1)[0] == TC_ACT_OK
-    assert prog_test_run(from_a, frame(a.v4, b.v4, 41000, 8080, tcp, FIN | ACK), a_if, 1)[0] == TC_ACT_OK
+    assert prog_test_run(from_a, frame(a.v4, b.v4, 41000, 8080, tcp, FIN | ACK), a_if, 1)[0] == TC_ACT_REDIRECT
     assert [e.closing for e in dp.conntrack(a.ep_id)] == [True]
     assert prog_test_run(to_a, frame(b.v4, a.v4, 8080, 41000, tcp, SYN), a_if, 1)[0] == TC_ACT_SHOT
     assert prog_test_run(to_a, frame(b.v4, a.v4, 8080, 41000, tcp, FIN | ACK), a_if, 1)[0] == TC_ACT_OK
@@ -90,7 +91,7 @@ def test_ipv4_entries_of_the_shared_map_are_copied_then_released(net: Node) -> N
     assert prog_test_run(to_a, answer, a_if, 1)[0] == TC_ACT_OK
     assert sorted(int(k.family) for k in shared.keys(CtKey)) == [4, 6]  # still there for the older program
     fin = frame(a.v4, b.v4, 44000, 8080, socket.IPPROTO_TCP, FIN | ACK)
-    assert prog_test_run(dp.template.from_container_fd, fin, a_if, 1)[0] == TC_ACT_OK  # the copy now closes
+    assert prog_test_run(dp.template.from_container_fd, fin, a_if, 1)[0] == TC_ACT_REDIRECT  # the copy now closes
 
     assert dp.migrate_conntrack() == 0  # the copy is newer than the shared map's entry: kept
     assert [int(k.family) for k in shared.keys(CtKey)] == [6]

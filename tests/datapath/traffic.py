@@ -268,6 +268,9 @@ def _is_our_sctp(frame: bytes, v6: bool, sport: int, dport: int, tag: int) -> bo
 #: tc verdicts a program returns, and TCP flags, for frames run through BPF_PROG_TEST_RUN.
 TC_ACT_OK = 0
 TC_ACT_SHOT = 2
+#: bpf_redirect_peer's code: from_container passed a packet to another local endpoint, whose
+#: ingress policy (run in deliver) passed it too.
+TC_ACT_REDIRECT = 7
 FIN, SYN, ACK = 0x01, 0x02, 0x10
 
 

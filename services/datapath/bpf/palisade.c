@@ -4,6 +4,9 @@
  *
  *   from_container  tc ingress of the host veth: packets leaving the pod (egress policy)
  *   to_container    tc egress of the host veth: packets entering the pod (ingress policy)
+ *   deliver         tail-called by from_container for a packet to another local endpoint:
+ *                   that endpoint's ingress policy, then straight into its namespace
+ *                   (bpf_redirect_peer), past the host's routing and the veth pair
  *
  * One compiled object serves every endpoint: the program finds its endpoint
  * from skb->ifindex in the endpoints map, so nothing per endpoint is compiled in.
@@ -41,6 +44,14 @@
  *      drop gets a flow event (the reader is woken only past a backlog mark,
  *      it polls otherwise). Counters by endpoint/reason/direction. An
  *      established packet refreshes its entry's expiry at most once a second.
+ *   6. Local delivery (LOCAL_DELIVERY, Cilium's BPF host routing): a packet from_container
+ *      passed whose destination is a local endpoint's address, whose route (the host's FIB)
+ *      leads to that endpoint's veth with a known neighbour, and whose TTL / hop limit allows
+ *      forwarding, is judged by the destination's ingress policy in "deliver" (steps 1-5 for
+ *      that endpoint, as to_container would) and put into the destination's namespace with
+ *      the addresses and TTL the host's forwarding would give it. The host's routing,
+ *      netfilter and the veth's transmit path (where to_container runs) never see it.
+ *      Anything else, or a failed tail call, goes through the host as before.
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/if_ether.h>
@@ -119,6 +130,20 @@
 #define HINTS_VALID (1u << 31)
 #define FAMILY_V4 4
 #define FAMILY_V6 6
+/* endpoint_value.flags: the low byte names the datapath generation whose programs run on the
+ * endpoint's veth (written by the agent once they are attached). A program delivers locally only
+ * to an endpoint running its own generation: "deliver" runs the destination's ingress half with
+ * this program's maps, and a destination still running an older program (during an upgrade) keeps
+ * its state where that program looks. A change to a map layout the ingress half uses takes the
+ * next generation. */
+#define EP_GENERATION_MASK 0xff
+#ifndef EP_GENERATION
+#define EP_GENERATION 1  /* the loader passes endpointmap.GENERATION */
+#endif
+#ifndef LOCAL_DELIVERY
+#define LOCAL_DELIVERY 1
+#endif
+#define CALL_DELIVER 0
 #define IPCACHE_HEADER_BITS 32
 #define POLICY_FULL_PREFIX 112
 #define NSEC 1000000000ULL
@@ -634,13 +659,13 @@ static __always_inline long ringbuf_output_batched(void *ring, void *data, u64 s
 }
 #define bpf_ringbuf_output(ring, data, size, flags) ringbuf_output_batched(ring, data, size)
 
-static __always_inline void emit(struct __sk_buff *skb, const struct flow *f, u32 ep_id, u32 local_id,
+static __always_inline void emit(u32 ifindex, const struct flow *f, u32 ep_id, u32 local_id,
                                  u32 remote_id, u8 dir, u8 verdict, u8 reason)
 {
     struct flow_event ev = {};
     ev.ts_ns = bpf_ktime_get_ns();
     ev.ep_id = ep_id;
-    ev.ifindex = skb->ifindex;
+    ev.ifindex = ifindex;
     ev.src_identity = dir == DIR_EGRESS ? local_id : remote_id;
     ev.dst_identity = dir == DIR_EGRESS ? remote_id : local_id;
     __builtin_memcpy(ev.saddr, f->saddr, 16);
@@ -1042,10 +1067,11 @@ static __always_inline u64 coarse_now(struct ep_cache_value *cached)
     return now;
 }
 
-static __always_inline int handle(struct __sk_buff *skb, u8 dir)
+/* The policy of endpoint veth ``ifindex`` (skb->ifindex, or the destination's in "deliver") for
+ * the packet in direction ``dir``. */
+static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex)
 {
     u64 epoch = current_epoch();
-    u32 ifindex = skb->ifindex;
     u32 slot = ifindex % EP_CACHE_SLOTS;
     struct ep_cache_value *cached = ep_cache.lookup(&slot);
     u32 ep_id, local_id;
@@ -1074,7 +1100,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
         return TC_ACT_OK;
     if (unlikely(parsed == PARSE_INVALID)) {
         /* Too short to judge; the event carries whatever was parsed. */
-        emit(skb, &f, ep_id, local_id, 0, dir, VERDICT_DENY, REASON_INVALID);
+        emit(ifindex, &f, ep_id, local_id, 0, dir, VERDICT_DENY, REASON_INVALID);
         count(ep_id, REASON_INVALID, dir, skb->len);
         return TC_ACT_SHOT;
     }
@@ -1112,7 +1138,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
         remote_local = 0;
         int lb = remote_id ? LB_NONE : lb_egress(skb, &f, ep_id, now, &rev_nat);
         if (lb == LB_REJECT || lb == LB_DROP) {
-            emit(skb, &f, ep_id, local_id, WORLD_ID, dir, VERDICT_DENY, REASON_NO_BACKEND);
+            emit(ifindex, &f, ep_id, local_id, WORLD_ID, dir, VERDICT_DENY, REASON_NO_BACKEND);
             count(ep_id, REASON_NO_BACKEND, dir, skb->len);
             if (lb == LB_REJECT && lb_reject(skb, &f) == 0)
                 return bpf_redirect_peer(skb->ifindex, 0);
@@ -1141,7 +1167,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
         u8 reason = 0;
         u8 verdict = policy_verdict(ep_id, judged_dir, remote_id, f.protocol, judged_port, &reason);
         if (verdict != VERDICT_ALLOW || !ct) {
-            emit(skb, &f, ep_id, local_id, remote_id, dir, verdict, reason);
+            emit(ifindex, &f, ep_id, local_id, remote_id, dir, verdict, reason);
             count(ep_id, reason, dir, skb->len);
         }
         if (verdict != VERDICT_ALLOW) {
@@ -1187,12 +1213,126 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir)
     return TC_ACT_OK;
 }
 
+/* -- local delivery ------------------------------------------------------------------------- */
+
+/* Where "deliver" is: a program array of one, filled and pinned by the loader beside the template
+ * (an empty slot makes the tail call fail: the packet then takes the host's path, as without local
+ * delivery). */
+BPF_PROG_ARRAY(calls, 1);
+
+/* What from_container found for "deliver", in skb->cb (kept across a tail call): the destination
+ * veth, then the Ethernet addresses the host's forwarding would give the packet. */
+struct delivery {
+    u32 ifindex;
+    u8 dmac[6];
+    u8 smac[6];
+};
+
+/* Whether the packet goes to another local endpoint that can be delivered to directly; if so, the
+ * delivery is written to skb->cb. Read from the packet as it leaves from_container (after DNAT). */
+static __always_inline int delivery_of(struct __sk_buff *skb)
+{
+    void *data = (void *)(long)skb->data;
+    void *data_end = (void *)(long)skb->data_end;
+    struct endpoint_key ek = {};
+    struct bpf_fib_lookup fib = {};
+    if (skb->protocol == bpf_htons(ETH_P_IP)) {
+        struct iphdr *ip = data + ETH_HLEN;
+        if ((void *)(ip + 1) > data_end || ip->ttl <= 1)
+            return 0;  /* expiring: the host's forwarding answers with ICMP time exceeded */
+        ek.family = FAMILY_V4;
+        __builtin_memcpy(ek.addr, &ip->daddr, 4);
+        fib.family = 2;  /* AF_INET */
+        fib.tos = ip->tos;
+        fib.ipv4_src = ip->saddr;
+        fib.ipv4_dst = ip->daddr;
+    } else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+        struct ipv6hdr *ip6 = data + ETH_HLEN;
+        if ((void *)(ip6 + 1) > data_end || ip6->hop_limit <= 1)
+            return 0;
+        ek.family = FAMILY_V6;
+        __builtin_memcpy(ek.addr, &ip6->daddr, 16);
+        fib.family = 10;  /* AF_INET6 */
+        __builtin_memcpy(fib.ipv6_src, &ip6->saddr, 16);
+        __builtin_memcpy(fib.ipv6_dst, &ip6->daddr, 16);
+    } else {
+        return 0;
+    }
+    struct endpoint_value *ep = endpoints.lookup(&ek);
+    if (!ep || (ep->flags & EP_GENERATION_MASK) != EP_GENERATION || ep->ifindex == skb->ifindex)
+        return 0;  /* not local, not running this program yet, or the pod itself (hairpin) */
+    u32 target = ep->ifindex;
+    /* The route decides, as in the host: a destination routed elsewhere (an admin's route, a
+     * bridge) or whose neighbour is not resolved yet goes through the host. */
+    fib.ifindex = skb->ifindex;
+    if (bpf_fib_lookup(skb, &fib, sizeof(fib), 0) != BPF_FIB_LKUP_RET_SUCCESS || fib.ifindex != target)
+        return 0;
+    struct delivery d = {};
+    d.ifindex = target;
+    __builtin_memcpy(d.dmac, fib.dmac, 6);
+    __builtin_memcpy(d.smac, fib.smac, 6);
+    u32 words[4];
+    __builtin_memcpy(words, &d, sizeof(words));
+    skb->cb[0] = words[0];
+    skb->cb[1] = words[1];
+    skb->cb[2] = words[2];
+    skb->cb[3] = words[3];
+    return 1;
+}
+
+/* What the host's forwarding would have done: the Ethernet addresses of the destination's link,
+ * TTL or hop limit one less (the IPv4 checksum updated as ip_decrease_ttl does). */
+static __always_inline int forward_rewrite(struct __sk_buff *skb, const struct delivery *d)
+{
+    void *data = (void *)(long)skb->data;
+    void *data_end = (void *)(long)skb->data_end;
+    struct ethhdr *eth = data;
+    if ((void *)(eth + 1) > data_end)
+        return -1;
+    if (eth->h_proto == bpf_htons(ETH_P_IP)) {
+        struct iphdr *ip = data + ETH_HLEN;
+        if ((void *)(ip + 1) > data_end)
+            return -1;
+        u32 check = ip->check;
+        check += bpf_htons(0x0100);
+        ip->check = (u16)(check + (check >= 0xFFFF));
+        ip->ttl--;
+    } else {
+        struct ipv6hdr *ip6 = data + ETH_HLEN;
+        if ((void *)(ip6 + 1) > data_end)
+            return -1;
+        ip6->hop_limit--;
+    }
+    __builtin_memcpy(eth->h_dest, d->dmac, 6);
+    __builtin_memcpy(eth->h_source, d->smac, 6);
+    return 0;
+}
+
 int from_container(struct __sk_buff *skb)
 {
-    return handle(skb, DIR_EGRESS);
+    int verdict = handle(skb, DIR_EGRESS, skb->ifindex);
+#if LOCAL_DELIVERY
+    if (verdict == TC_ACT_OK && delivery_of(skb))
+        calls.call(skb, CALL_DELIVER);  /* returns only if the slot is empty */
+#endif
+    return verdict;
 }
 
 int to_container(struct __sk_buff *skb)
 {
-    return handle(skb, DIR_INGRESS);
+    return handle(skb, DIR_INGRESS, skb->ifindex);
+}
+
+/* The destination's ingress policy for a packet from_container passed, then into its namespace. */
+int deliver(struct __sk_buff *skb)
+{
+    struct delivery d;
+    u32 words[4] = {skb->cb[0], skb->cb[1], skb->cb[2], skb->cb[3]};
+    __builtin_memcpy(&d, words, sizeof(d));
+    int verdict = handle(skb, DIR_INGRESS, d.ifindex);
+    if (verdict != TC_ACT_OK)
+        return verdict;
+    if (forward_rewrite(skb, &d) < 0)
+        return TC_ACT_SHOT;  /* judged already: the host must not judge it again */
+    return bpf_redirect_peer(d.ifindex, 0);
 }

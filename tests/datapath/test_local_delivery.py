@@ -1,0 +1,204 @@
+"""Local delivery: packets between two pods of the node go from the source's program straight
+into the destination's namespace, judged by the destination's ingress policy on the way.
+
+What shows the path: a packet the host forwards leaves through the destination's host veth
+(a packet socket on that veth sees it go out, and to_container runs there); a packet delivered
+directly never touches that veth. Every test sends real packets between pod namespaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import socket
+import struct
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from services.datapath.maps import endpointmap
+from services.datapath.types import Direction, Enforcement, PolicyEntry, PolicyKey, Protocol, Reason, Verdict
+from tests.datapath.node import Node, Pod, drops
+from tests.datapath.traffic import DENY_TIMEOUT, family_of, socket_in, tcp_exchange, udp_exchange
+
+pytestmark = [pytest.mark.root, pytest.mark.bcc]
+
+#: The TTL / hop limit a pod's socket sends with, and what the destination sees after one hop.
+SENT_TTL = 64
+#: Linux's IP_RECVTTL (linux/in.h); Python's socket module does not export it.
+IP_RECVTTL = 12
+
+
+PACKET_OUTGOING = 4
+
+
+@contextlib.contextmanager
+def host_sent(node: Node, *pods: Pod) -> Iterator[Callable[[], int]]:
+    """Counts the IP packets between the node's pods that the host sends into ``pods`` through
+    their veths (what the host's forwarding delivers), seen by packet sockets on those veths.
+    Other traffic there (the host's neighbour discovery) is not counted."""
+    addresses = {ipaddress.ip_address(ip).packed for pod in node.pods for ip in pod.net.ips}
+    taps = []
+    try:
+        for pod in pods:
+            tap = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+            taps.append(tap)
+            tap.bind((pod.net.host_ifname, 0x0003))
+            tap.setblocking(False)
+
+        def count() -> int:
+            seen = 0
+            for tap in taps:
+                while True:
+                    try:
+                        frame, address = tap.recvfrom(65535)
+                    except BlockingIOError:
+                        break
+                    if address[2] == PACKET_OUTGOING and _between_pods(frame, addresses):
+                        seen += 1
+            return seen
+
+        yield count
+    finally:
+        for tap in taps:
+            tap.close()
+
+
+def _between_pods(frame: bytes, addresses: set[bytes]) -> bool:
+    ethertype = struct.unpack("!H", frame[12:14])[0]
+    if ethertype == 0x0800:
+        src, dst = frame[26:30], frame[30:34]
+    elif ethertype == 0x86DD:
+        src, dst = frame[22:38], frame[38:54]
+    else:
+        return False
+    return src in addresses and dst in addresses
+
+
+def allow_from(source: Pod, proto: Protocol = Protocol.ANY, port: int = 0) -> PolicyEntry:
+    return PolicyEntry(PolicyKey(Direction.INGRESS, source.identity, proto, port, port), Verdict.ALLOW)
+
+
+@pytest.mark.parametrize("family", ["v4", "v6"])
+def test_traffic_between_local_pods_skips_the_host(net: Node, family: str) -> None:
+    """Both directions of an allowed exchange are delivered directly: neither pod's host veth
+    transmits anything, and both ingress halves judged and counted as to_container would."""
+    dp, a, b = net.dp, net.a, net.b
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, Protocol.TCP, 8080)])
+    target = b.v4 if family == "v4" else b.v6
+    with host_sent(net, a, b) as forwarded:
+        assert tcp_exchange(a.name, target, 8080)
+        assert udp_exchange(b.name, a.v4 if family == "v4" else a.v6, 5353)
+        assert forwarded() == 0
+    counters = dp.counters()
+    assert counters.packets(endpoint_id=b.ep_id, reason=Reason.POLICY_ALLOW, direction=Direction.INGRESS) >= 1
+    assert counters.packets(endpoint_id=b.ep_id, reason=Reason.ESTABLISHED, direction=Direction.INGRESS) >= 2
+    assert counters.packets(endpoint_id=a.ep_id, reason=Reason.NOT_ENFORCED, direction=Direction.INGRESS) >= 1
+    # b's connection entry was written for b, ingress: its replies went out as established.
+    assert any(e.direction == Direction.INGRESS and e.destination_port == 8080 for e in dp.conntrack(b.ep_id))
+
+
+def test_the_destinations_ingress_policy_drops_on_the_way(net: Node) -> None:
+    dp, a, b, c = net.dp, net.a, net.b, net.c
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(c, Protocol.TCP, 8080)])
+    dp.read_flows(0)
+    before_drops = drops(dp, b.ep_id, Direction.INGRESS)
+    with host_sent(net, b) as forwarded:
+        assert not tcp_exchange(a.name, b.v4, 8080, timeout=DENY_TIMEOUT)
+        assert tcp_exchange(c.name, b.v4, 8080)
+        assert forwarded() == 0
+    assert drops(dp, b.ep_id, Direction.INGRESS) > before_drops
+    denied = [e for e in dp.read_flows(0) if e.verdict == Verdict.DENY]
+    assert denied, "a drop on the direct path reports a flow event"
+    assert {(e.endpoint_id, e.ifindex, e.direction, e.reason, e.source_identity) for e in denied} == {
+        (b.ep_id, b.net.host_ifindex, Direction.INGRESS, Reason.DEFAULT_DENY, a.identity)
+    }
+
+
+def received_ttl(sender: Pod, receiver: Pod, ip: str, port: int) -> int:
+    """The TTL / hop limit ``receiver`` sees on a datagram ``sender`` sent to ``ip:port``."""
+    family = family_of(ip)
+    level, option, answer = (
+        (socket.IPPROTO_IP, IP_RECVTTL, socket.IP_TTL)
+        if family == socket.AF_INET
+        else (socket.IPPROTO_IPV6, socket.IPV6_RECVHOPLIMIT, socket.IPV6_HOPLIMIT)
+    )
+    rx = socket_in(receiver.name, family, socket.SOCK_DGRAM)
+    tx = socket_in(sender.name, family, socket.SOCK_DGRAM)
+    with rx, tx:
+        rx.setsockopt(level, option, 1)
+        rx.bind((ip, port))
+        rx.settimeout(5)
+        if family == socket.AF_INET:
+            tx.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, SENT_TTL)
+        else:
+            tx.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS, SENT_TTL)
+        tx.sendto(b"ttl", (ip, port))
+        _, ancillary, _, _ = rx.recvmsg(16, socket.CMSG_SPACE(4))
+    (value,) = [int.from_bytes(data[:4], "little") for lvl, kind, data in ancillary if (lvl, kind) == (level, answer)]
+    return value
+
+
+@pytest.mark.parametrize("family", ["v4", "v6"])
+def test_a_delivered_packet_is_one_hop_on_as_if_forwarded(net: Node, family: str) -> None:
+    a, b = net.a, net.b
+    with host_sent(net, b) as forwarded:
+        assert received_ttl(a, b, b.v4 if family == "v4" else b.v6, 47001) == SENT_TTL - 1
+        assert forwarded() == 0
+
+
+@pytest.fixture
+def b_on_older_programs(net: Node) -> Iterator[Node]:
+    """b's map entries say its veth runs an older generation (as after an upgrade, before b's
+    re-attach); re-attaching b afterwards writes the current one again."""
+    dp, b = net.dp, net.b
+    (record,) = [r for r in dp.endpoints.records() if r.id == b.ep_id]
+    assert record.generation == endpointmap.GENERATION
+    dp.endpoints.write(dataclasses.replace(record, generation=0))
+    dp.state.bump_epoch()
+    try:
+        yield net
+    finally:
+        dp.attach_endpoint(b.spec)
+    (record,) = [r for r in dp.endpoints.records() if r.id == b.ep_id]
+    assert record.generation == endpointmap.GENERATION
+
+
+def test_an_endpoint_on_older_programs_is_reached_through_the_host(b_on_older_programs: Node) -> None:
+    """Delivering directly would run b's ingress half with this program's state, where b's own
+    (older) program would not find it: until b runs these programs, the host forwards to it."""
+    dp, a, b = b_on_older_programs.dp, b_on_older_programs.a, b_on_older_programs.b
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, Protocol.UDP, 5353)])
+    with host_sent(b_on_older_programs, b) as forwarded:
+        assert udp_exchange(a.name, b.v4, 5353)
+        assert forwarded() == 1
+
+
+@pytest.fixture
+def without_local_delivery(net: Node) -> Iterator[Node]:
+    """a and b run a template built with local delivery off; the node's own afterwards."""
+    dp = net.dp
+    host_routed = dp._loader.template(dataclasses.replace(dp.config, local_delivery=False))
+    assert host_routed.hash != dp.template.hash
+    try:
+        for pod in (net.a, net.b):
+            dp._loader.attach(host_routed, pod.net.host_ifindex)
+        yield net
+    finally:
+        for pod in (net.a, net.b):
+            dp.attach_endpoint(pod.spec)
+
+
+def test_without_local_delivery_the_host_forwards_and_to_container_judges(without_local_delivery: Node) -> None:
+    net = without_local_delivery
+    dp, a, b, c = net.dp, net.a, net.b, net.c
+    assert received_ttl(a, b, b.v4, 47002) == SENT_TTL - 1
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, Protocol.UDP, 5353)])
+    before_drops = drops(dp, b.ep_id, Direction.INGRESS)
+    with host_sent(without_local_delivery, a, b) as forwarded:
+        assert udp_exchange(a.name, b.v4, 5353)
+        assert forwarded() == 2  # the datagram and its echo
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(c, Protocol.UDP, 5353)])
+    assert not udp_exchange(a.name, b.v4, 5353, timeout=DENY_TIMEOUT)
+    assert drops(dp, b.ep_id, Direction.INGRESS) > before_drops
