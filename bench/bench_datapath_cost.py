@@ -14,7 +14,15 @@ all measured in one run:
   enforced on both pods by a policy that allows the measured traffic, while
   the policy map holds N other entries (other remote identities and ports:
   half on the two measured endpoints, half on eight other endpoint ids) and
-  the ipcache N other addresses;
+  the ipcache N other addresses. As the agent runs them by default, with
+  local delivery: the source's program judges the destination's ingress
+  policy too and puts the packet straight into the destination's namespace,
+  so Palisade's packets skip the host's routing and netfilter, which ``none``
+  and ``iptables-N`` go through;
+- ``palisade-host-N`` (the middle level only): the same with local delivery
+  off (``--local-delivery false``): packets go through the host's routing as
+  in ``none``, each judged at both veths. What local delivery is worth, and
+  what enforcement costs on the host's path;
 - ``iptables-N``: the same policy written the way iptables-based engines write
   it: a chain jumped to from FORWARD that accepts conntrack ESTABLISHED and
   RELATED first (as kube-router and Calico do), then dispatches on the host
@@ -67,6 +75,7 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import ipaddress
 import json
 import os
@@ -89,6 +98,7 @@ from typing import Any
 from bench.stats import target
 from services.datapath import netns
 from services.datapath.datapath import Datapath, teardown_all
+from services.datapath.loader import ProgramConfig
 from services.datapath.maps.bpf import check, libbpf, prog_info, prog_test_run
 from services.datapath.netns import PodLink
 from services.datapath.types import (
@@ -163,7 +173,7 @@ def human(n: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    kind: str  # "none" | "palisade" | "iptables"
+    kind: str  # "none" | "palisade" | "palisade-host" | "iptables"
     entries: int = 0
 
     @property
@@ -176,7 +186,13 @@ class Variant:
             return "no filter"
         if self.kind == "palisade":
             return f"Palisade {human(self.entries)} entries"
+        if self.kind == "palisade-host":
+            return f"Palisade {human(self.entries)} entries through the host (local delivery off)"
         return f"iptables {human(self.entries)} rules"
+
+    @property
+    def runs_palisade(self) -> bool:
+        return self.kind in ("palisade", "palisade-host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -581,9 +597,12 @@ class Bench:
         self.run = secrets.token_hex(2)
         self.prefix = f"pbc{self.run}"
         self.base = f"/sys/fs/bpf/palisade-bench-{self.run}"
+        self.host_base = f"{self.base}-host"
         self.pods: list[PodLink] = []
         self.servers: list[Server] = []
         self.dp: Datapath | None = None
+        #: A second datapath (own pins) whose programs have local delivery off: palisade-host-N.
+        self.dp_host: Datapath | None = None
         self.ipt: Iptables | None = None
         self.current: Variant | None = None
         self.next_conn = 0
@@ -600,6 +619,7 @@ class Bench:
         extra = (PROBE_INGRESS_PORT, PROBE_EGRESS_PORT)
         self.iperf_server, self.accept_server = start_servers(self.dst, extra, self.servers)
         self.dp = Datapath.open(self.base)
+        self.dp_host = Datapath.open(self.host_base, config=ProgramConfig(local_delivery=False))
         self._reader = threading.Thread(target=self._read_flows, name="flow-reader", daemon=True)
         self._reader.start()
         self.ipt = Iptables(self.run, self.src, self.dst)
@@ -609,10 +629,11 @@ class Bench:
     def _read_flows(self) -> None:
         """The agent's flow reader with nobody observing, as the flow hub does it: take what is
         there without decoding it, then wait one poll."""
-        assert self.dp is not None
+        assert self.dp is not None and self.dp_host is not None
         began = time.thread_time()
         while not self._stop_reading.is_set():
-            self.events["taken"] += self.dp.skip_flows(0)
+            for dp in (self.dp, self.dp_host):
+                self.events["taken"] += dp.skip_flows(0)
             self._stop_reading.wait(FLOW_READ_POLL_MS / 1000)
         self.events["reader_cpu_s"] = round(time.thread_time() - began, 3)
 
@@ -625,31 +646,40 @@ class Bench:
             steps.append(("iptables", self.ipt.uninstall))
         if self.dp is not None:
             steps.append(("datapath teardown", self.dp.teardown))
+        if self.dp_host is not None:
+            steps.append(("datapath (local delivery off) teardown", self.dp_host.teardown))
+        steps.append(("teardown_all (local delivery off)", functools.partial(teardown_all, self.host_base)))
         out = clean_up(self.prefix, self.base, self.servers, self.pods, steps)
+        out["bpf_dir_left"] = out["bpf_dir_left"] or os.path.exists(self.host_base)
         out["iptables_chains_left"] = sorted(self.ipt.our_chains()) if self.ipt is not None else []
         return out
 
     # variants ---------------------------------------------------------------------------
 
+    def datapath(self, variant: Variant) -> Datapath:
+        """The datapath whose programs a Palisade variant runs."""
+        dp = self.dp_host if variant.kind == "palisade-host" else self.dp
+        assert dp is not None
+        return dp
+
     def switch(self, variant: Variant) -> float:
         """Leave the current variant and set up ``variant``; returns the seconds it took."""
         assert self.dp is not None and self.ipt is not None
         started = time.perf_counter()
-        if self.current is not None and self.current.kind == "palisade" and variant.kind != "palisade":
-            self.dp.detach_endpoint(SRC_EP)
-            self.dp.detach_endpoint(DST_EP)
-        if self.current is not None and self.current.kind == "iptables":
+        current = self.current
+        if current is not None and current.runs_palisade and variant.kind != current.kind:
+            self.datapath(current).detach_endpoint(SRC_EP)
+            self.datapath(current).detach_endpoint(DST_EP)
+        if current is not None and current.kind == "iptables":
             self.ipt.uninstall()
-        if variant.kind == "palisade":
-            self.palisade(variant.entries)
+        if variant.runs_palisade:
+            self.palisade(variant.entries, self.datapath(variant))
         elif variant.kind == "iptables":
             self.ipt.install(variant.entries)
         self.current = variant
         return time.perf_counter() - started
 
-    def palisade(self, n: int) -> None:
-        assert self.dp is not None
-        dp = self.dp
+    def palisade(self, n: int, dp: Datapath) -> None:
         for ep, entries in palisade_policy(n).items():
             dp.sync_policy(ep, ENFORCE_BOTH, entries)
         desired = {f"{other(i).addr}/32": other(i).identity for i in range(n)}
@@ -665,11 +695,14 @@ class Bench:
         dp.attach_endpoint(self.dst_spec)
 
     def drain_events(self) -> None:
-        if self.dp is None:
-            return
-        while events := self.dp.read_flows(0):
-            self.events["drained"] += len(events)
-        self.events["lost"] = self.dp.counters().events_lost
+        lost = 0
+        for dp in (self.dp, self.dp_host):
+            if dp is None:
+                continue
+            while events := dp.read_flows(0):
+                self.events["drained"] += len(events)
+            lost += dp.counters().events_lost
+        self.events["lost"] = lost
 
     # checks -----------------------------------------------------------------------------
 
@@ -688,29 +721,28 @@ class Bench:
             for port in (PROBE_INGRESS_PORT, PROBE_EGRESS_PORT):
                 ok = tcp_connects(src, ip, port, ALLOW_TIMEOUT)
                 self.check(variant, "probe-port-open-without-filter", ok, f"tcp {port} has a listener")
-        elif variant.kind == "palisade":
+        elif variant.runs_palisade:
             self.palisade_checks(variant)
         else:
             self.iptables_checks(variant)
 
-    def _drops(self, ep_id: int, direction: Direction) -> int:
-        assert self.dp is not None
-        c = self.dp.counters()
+    def _drops(self, dp: Datapath, ep_id: int, direction: Direction) -> int:
+        c = dp.counters()
         return sum(
             c.packets(endpoint_id=ep_id, reason=r, direction=direction)
             for r in (Reason.POLICY_DENY, Reason.DEFAULT_DENY)
         )
 
     def palisade_checks(self, variant: Variant) -> None:
-        assert self.dp is not None
+        dp = self.datapath(variant)
         src, ip = self.src.name, self.dst_ip
         for port, ep, direction, what in (
             (PROBE_INGRESS_PORT, DST_EP, Direction.INGRESS, "ingress"),
             (PROBE_EGRESS_PORT, SRC_EP, Direction.EGRESS, "egress"),
         ):
-            before = self._drops(ep, direction)
+            before = self._drops(dp, ep, direction)
             blocked = not tcp_connects(src, ip, port, DENY_TIMEOUT)
-            dropped = self._drops(ep, direction) - before
+            dropped = self._drops(dp, ep, direction) - before
             self.check(
                 variant,
                 f"{what}-denied-port-dropped",
@@ -718,11 +750,11 @@ class Bench:
                 f"tcp {port}: connect {'failed' if blocked else 'succeeded'}, "
                 f"{dropped} packets dropped at endpoint {ep} {what}",
             )
-        prefixes = sum(len(p) for p in self.dp.policy.read().values())
+        prefixes = sum(len(p) for p in dp.policy.read().values())
         # One prefix per other entry, plus the allowing ones (the 32-port block is one prefix).
         expected = variant.entries + len(EGRESS_ALLOWED) + len(INGRESS_ALLOWED)
         self.check(variant, "policy-map-populated", prefixes == expected, f"{prefixes} prefixes, {expected} expected")
-        enforced = self.dp.dump_policy(SRC_EP)[0] == ENFORCE_BOTH and self.dp.dump_policy(DST_EP)[0] == ENFORCE_BOTH
+        enforced = dp.dump_policy(SRC_EP)[0] == ENFORCE_BOTH and dp.dump_policy(DST_EP)[0] == ENFORCE_BOTH
         self.check(variant, "ingress-and-egress-enforced", enforced, "both endpoints, both directions")
 
     def iptables_checks(self, variant: Variant) -> None:
@@ -749,9 +781,13 @@ class Bench:
     # measuring --------------------------------------------------------------------------
 
     def bpf_cost(self) -> dict[str, dict[str, float]]:
-        """Kernel-measured run time of Palisade's two programs under 64-byte UDP and new connections.
+        """Kernel-measured run time of Palisade's programs under 64-byte UDP and new connections.
 
-        Runs after the measured rounds: the accounting itself costs a little per run.
+        Runs after the measured rounds: the accounting itself costs a little per run. A packet
+        crosses from_container at the source, then, with local delivery, deliver (the
+        destination's ingress policy, tail-called: the kernel accounts a tail call's time to the
+        run that made it, so deliver's is in from_container's figure), else to_container at the
+        destination's veth.
         """
         assert self.dp is not None
         fds = {"from_container": self.dp.template.from_container_fd, "to_container": self.dp.template.to_container_fd}
@@ -777,8 +813,10 @@ class Bench:
                     row[f"{name}_runs"] = runs
                     row[f"{name}_ns_per_run"] = round(ns / runs, 1) if runs else 0.0
                 if workload == "udp_64b":
-                    # Each datagram crosses from_container at the source and to_container at the destination.
-                    row["ns_per_packet"] = round(row["from_container_ns_per_run"] + row["to_container_ns_per_run"], 1)
+                    # Each datagram crosses from_container at the source (deliver inside that run),
+                    # or to_container at the destination without local delivery.
+                    sent = row["from_container_runs"]
+                    row["ns_per_packet"] = round(total_ns / sent, 1) if sent else 0.0
                     row["packets_received"] = round(units)
                 else:
                     row["ns_per_connection"] = round(total_ns / units, 1) if units else 0.0
@@ -790,18 +828,24 @@ class Bench:
     def program_time(self, variant: Variant) -> dict[str, float]:
         """Program time per packet without traffic (BPF_PROG_TEST_RUN, warm caches, no accounting).
 
-        Precise where the in-traffic figure is noisy: the same frame ``TEST_RUN_REPEAT`` times
-        through each hook, the median of three runs. An established UDP datagram crosses
-        from_container at the source and to_container at the destination; a TCP reply (the
+        Precise where the in-traffic figure is noisy: the same frame through each hook
+        ``TEST_RUN_REPEAT`` times, in batches of ``TEST_RUN_BATCH`` (a run changes the frame as
+        local delivery forwards it, one TTL less: each batch starts from a fresh copy with TTL
+        255, so every run in it is delivered), the median of the batches. An established UDP
+        datagram crosses
+        from_container at the source and, with local delivery, deliver within that run (the
+        frame comes back redirected), else to_container at the destination; a TCP reply (the
         ACK stream of a transfer) crosses them the other way. Every timed run must pass the
         frame (a check), or the figure would time a drop.
         """
-        assert self.dp is not None
-        fds = {"from_container": self.dp.template.from_container_fd, "to_container": self.dp.template.to_container_fd}
+        dp = self.datapath(variant)
+        fds = {"from_container": dp.template.from_container_fd, "to_container": dp.template.to_container_fd}
+        local = dp.config.local_delivery
+        passed = TC_ACT_REDIRECT if local else TC_ACT_OK
         src_ip, src_if, dst_if = self.src.ips[0], self.src.host_ifindex, self.dst.host_ifindex
-        udp = frame(src_ip, self.dst_ip, 40000, IPERF_PORT, socket.IPPROTO_UDP)
-        syn = frame(src_ip, self.dst_ip, 40001, CONN_PORT, socket.IPPROTO_TCP, tcp_flags=0x02)
-        ack = frame(self.dst_ip, src_ip, CONN_PORT, 40001, socket.IPPROTO_TCP, tcp_flags=0x10)
+        udp = frame(src_ip, self.dst_ip, 40000, IPERF_PORT, socket.IPPROTO_UDP, ttl=255)
+        syn = frame(src_ip, self.dst_ip, 40001, CONN_PORT, socket.IPPROTO_TCP, tcp_flags=0x02, ttl=255)
+        ack = frame(self.dst_ip, src_ip, CONN_PORT, 40001, socket.IPPROTO_TCP, tcp_flags=0x10, ttl=255)
         cases = (("udp_established", udp, udp, src_if, dst_if), ("tcp_reply", syn, ack, dst_if, src_if))
         out: dict[str, float] = {}
         codes: set[int] = set()
@@ -810,14 +854,16 @@ class Bench:
             prog_test_run(fds["from_container"], opening, src_if, 1)
             prog_test_run(fds["to_container"], opening, dst_if, 1)
             total = 0.0
-            for hook, ifindex in (("from_container", first), ("to_container", second)):
-                runs = [prog_test_run(fds[hook], packet, ifindex, TEST_RUN_REPEAT) for _ in range(3)]
+            hooks = (("from_container", first),) if local else (("from_container", first), ("to_container", second))
+            for hook, ifindex in hooks:
+                batches = TEST_RUN_REPEAT // TEST_RUN_BATCH
+                runs = [prog_test_run(fds[hook], packet, ifindex, TEST_RUN_BATCH) for _ in range(batches)]
                 codes |= {code for code, _ in runs}
-                ns = sorted(duration for _, duration in runs)[1]
+                ns = median([duration for _, duration in runs])
                 out[f"{name}_{hook}_ns"] = float(ns)
                 total += ns
             out[f"{name}_ns_per_packet"] = total
-        self.check(variant, "test-run frames pass", codes == {TC_ACT_OK}, f"return codes {sorted(codes)}")
+        self.check(variant, "test-run frames pass", codes == {passed}, f"return codes {sorted(codes)}")
         return out
 
     def measure(self, variant: Variant) -> dict[str, dict[str, float]]:
@@ -829,14 +875,18 @@ class Bench:
         conn = connection_rate(self.src, self.dst_ip, seconds, self.next_conn)
         self.next_conn = int(conn.pop("next"))
         out["connection_rate"] = conn
-        if variant.kind == "palisade":
+        if variant.runs_palisade:
             self.drain_events()
         return out
 
 
 #: Runs per BPF_PROG_TEST_RUN measurement, and the code a passed frame returns.
 TEST_RUN_REPEAT = 200_000
+#: Runs per BPF_PROG_TEST_RUN call: fewer than the 254 hops a TTL of 255 allows.
+TEST_RUN_BATCH = 250
 TC_ACT_OK = 0
+#: What from_container returns for a packet it delivered to a local endpoint (bpf_redirect_peer).
+TC_ACT_REDIRECT = 7
 
 
 def median(values: Sequence[float]) -> float:
@@ -915,7 +965,7 @@ def analyse(
             label = Variant("palisade", int(name.split("-")[1])).label
             summary.append(
                 {
-                    "metric": f"BPF run time per 64-byte packet (both hooks), {label}",
+                    "metric": f"BPF run time per 64-byte packet (source and destination), {label}",
                     "value": cost["udp_64b"]["ns_per_packet"],
                     "unit": "ns",
                     "target": target("<=", PACKET_NS_TARGET),
@@ -949,7 +999,7 @@ def analyse(
                 "kind": "line",
                 "logx": True,
                 "series": {
-                    "per 64-byte packet (both hooks)": [
+                    "per 64-byte packet (source and destination)": [
                         [n, bpf_cost[f"palisade-{n}"]["udp_64b"]["ns_per_packet"]] for n in levels
                     ],
                     "per new connection (all hooks)": [
@@ -982,6 +1032,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     variants = [Variant("none")]
     for n in levels:
         variants += [Variant("palisade", n), Variant("iptables", n)]
+    variants.append(Variant("palisade-host", levels[len(levels) // 2]))
     bench = Bench(args)
     result: dict[str, Any] = {
         "config": {
@@ -1069,7 +1120,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         for what, key in (("established 64-byte UDP packet", "udp_established"), ("TCP reply", "tcp_reply")):
             result["summary"].append(
                 {
-                    "metric": f"program time per {what}, both hooks, without traffic (test run), {label}",
+                    "metric": f"program time per {what}, source and destination, without traffic (test run), {label}",
                     "value": times[f"{key}_ns_per_packet"],
                     "unit": "ns",
                 }

@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
 ROOT = Path(__file__).resolve().parents[2]
 LEVELS = (10, 1000, 10000)
-VARIANTS = {"none", *(f"{kind}-{n}" for kind in ("palisade", "iptables") for n in LEVELS)}
+#: palisade-host: local delivery off, at the middle level only.
+VARIANTS = {"none", *(f"{kind}-{n}" for kind in ("palisade", "iptables") for n in LEVELS), "palisade-host-1000"}
 METRICS = ("tcp_throughput", "udp_64b_rate", "connection_rate")
 
 

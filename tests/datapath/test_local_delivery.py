@@ -13,6 +13,7 @@ import dataclasses
 import ipaddress
 import socket
 import struct
+import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -202,3 +203,39 @@ def test_without_local_delivery_the_host_forwards_and_to_container_judges(withou
     dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(c, Protocol.UDP, 5353)])
     assert not udp_exchange(a.name, b.v4, 5353, timeout=DENY_TIMEOUT)
     assert drops(dp, b.ep_id, Direction.INGRESS) > before_drops
+
+
+@pytest.fixture
+def host_dnat(net: Node) -> Iterator[str]:
+    """A virtual address the host translates to b:8080, as kube-proxy's nat rules do for a NodePort
+    or an external IP; removed afterwards."""
+    chain = f"PALT-{net.run_id}"
+    vip = net.a.v4.rsplit(".", 1)[0] + ".250"
+    dnat = ["-j", "DNAT", "--to-destination", f"{net.b.v4}:8080"]
+    rules = [
+        ["-t", "nat", "-N", chain],
+        ["-t", "nat", "-A", chain, "-d", f"{vip}/32", "-p", "tcp", "--dport", "80", *dnat],
+        ["-t", "nat", "-I", "PREROUTING", "-j", chain],
+    ]
+    try:
+        for rule in rules:
+            subprocess.run(["iptables", "-w", *rule], check=True, capture_output=True)
+        yield vip
+    finally:
+        for rule in (
+            ["-t", "nat", "-D", "PREROUTING", "-j", chain],
+            ["-t", "nat", "-F", chain],
+            ["-t", "nat", "-X", chain],
+        ):
+            subprocess.run(["iptables", "-w", *rule], check=False, capture_output=True)
+
+
+def test_replies_of_a_flow_the_host_translated_go_back_through_the_host(net: Node, host_dnat: str) -> None:
+    """a dials an address the host DNATs to b: b's replies must reach the host's conntrack to get
+    that address back (delivered straight to a, they would carry b's and a would reset them)."""
+    a, b = net.a, net.b
+    with host_sent(net, b) as forwarded:
+        assert tcp_exchange(a.name, host_dnat, 80)
+        assert tcp_exchange(a.name, host_dnat, 80)
+        assert forwarded() >= 2  # every packet from a to b went through the host (its DNAT)
+    assert tcp_exchange(b.name, a.v4, 8080)  # b's own flows to a are still delivered directly

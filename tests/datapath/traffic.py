@@ -274,7 +274,7 @@ TC_ACT_REDIRECT = 7
 FIN, SYN, ACK = 0x01, 0x02, 0x10
 
 
-def tc_frame(src: str, dst: str, sport: int, dport: int, proto: int, tcp_flags: int = 0) -> bytes:
+def tc_frame(src: str, dst: str, sport: int, dport: int, proto: int, tcp_flags: int = 0, ttl: int = 64) -> bytes:
     """A 64-byte IPv4 Ethernet frame for BPF_PROG_TEST_RUN (checksums zero: the programs do not check them)."""
     payload = bytes(64 - 14 - 20 - (20 if proto == socket.IPPROTO_TCP else 8))
     if proto == socket.IPPROTO_TCP:
@@ -282,6 +282,6 @@ def tc_frame(src: str, dst: str, sport: int, dport: int, proto: int, tcp_flags: 
     else:
         l4 = struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload
     ip = struct.pack(
-        "!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 1, 0, 64, proto, 0, socket.inet_aton(src), socket.inet_aton(dst)
+        "!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 1, 0, ttl, proto, 0, socket.inet_aton(src), socket.inet_aton(dst)
     )
     return b"\x02" * 6 + b"\x04" * 6 + struct.pack("!H", 0x0800) + ip + l4

@@ -51,7 +51,8 @@
  *      that endpoint, as to_container would) and put into the destination's namespace with
  *      the addresses and TTL the host's forwarding would give it. The host's routing,
  *      netfilter and the veth's transmit path (where to_container runs) never see it.
- *      Anything else, or a failed tail call, goes through the host as before.
+ *      Anything else, or a failed tail call, goes through the host as before, and so do the
+ *      replies of a flow that entered its endpoint through the host (CT_F_VIA_HOST).
  */
 #include <uapi/linux/bpf.h>
 #include <uapi/linux/if_ether.h>
@@ -250,9 +251,13 @@ struct ct_value {
     u64 epoch;
     u32 remote_identity;
     u8 closing;
-    u8 pad;
+    u8 flags;      /* CT_F_*; a byte older programs left zero */
     u16 rev_nat;   /* the service a connection was opened to (0: none), for reverse NAT */
 };
+/* The flow entered the endpoint through the host (to_container opened it): its replies go back
+ * through the host too, never by local delivery, so whatever the host did to it (a kube-proxy
+ * DNAT to a NodePort or an external IP, netfilter conntrack) sees them and can undo it. */
+#define CT_F_VIA_HOST 1
 
 /* Service frontends, Cilium's layout: slot 0 is the service, slots 1..count its backends. */
 struct lb_service_key {
@@ -1068,8 +1073,9 @@ static __always_inline u64 coarse_now(struct ep_cache_value *cached)
 }
 
 /* The policy of endpoint veth ``ifindex`` (skb->ifindex, or the destination's in "deliver") for
- * the packet in direction ``dir``. */
-static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex)
+ * the packet in direction ``dir``. ``via_host``: the packet came through the host (to_container);
+ * ``*host_flow`` is set when its conntrack entry says the flow did. */
+static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8 via_host, u8 *host_flow)
 {
     u64 epoch = current_epoch();
     u32 slot = ifindex % EP_CACHE_SLOTS;
@@ -1182,6 +1188,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex)
             nv.epoch = epoch;
             nv.remote_identity = remote_id;
             nv.rev_nat = rev_nat;
+            nv.flags = via_host ? CT_F_VIA_HOST : 0;
             ct_key_of(&f, ep_id, dir, 0, &key);
             ct_store(f.family, &key, &nv);
             return TC_ACT_OK;
@@ -1190,6 +1197,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex)
         ct->remote_identity = remote_id;
     }
 
+    *host_flow = ct->flags & CT_F_VIA_HOST;
     if (unlikely(syn == TCP_FLAG_SYN && ct->closing)) {
         /* The tuple opens again, the same way: a new connection, not the closing one's last packets. */
         ct->closing = 0;
@@ -1310,9 +1318,10 @@ static __always_inline int forward_rewrite(struct __sk_buff *skb, const struct d
 
 int from_container(struct __sk_buff *skb)
 {
-    int verdict = handle(skb, DIR_EGRESS, skb->ifindex);
+    u8 host_flow = 0;
+    int verdict = handle(skb, DIR_EGRESS, skb->ifindex, 0, &host_flow);
 #if LOCAL_DELIVERY
-    if (verdict == TC_ACT_OK && delivery_of(skb))
+    if (verdict == TC_ACT_OK && !host_flow && delivery_of(skb))
         calls.call(skb, CALL_DELIVER);  /* returns only if the slot is empty */
 #endif
     return verdict;
@@ -1320,7 +1329,8 @@ int from_container(struct __sk_buff *skb)
 
 int to_container(struct __sk_buff *skb)
 {
-    return handle(skb, DIR_INGRESS, skb->ifindex);
+    u8 host_flow = 0;
+    return handle(skb, DIR_INGRESS, skb->ifindex, 1, &host_flow);
 }
 
 /* The destination's ingress policy for a packet from_container passed, then into its namespace. */
@@ -1329,7 +1339,8 @@ int deliver(struct __sk_buff *skb)
     struct delivery d;
     u32 words[4] = {skb->cb[0], skb->cb[1], skb->cb[2], skb->cb[3]};
     __builtin_memcpy(&d, words, sizeof(d));
-    int verdict = handle(skb, DIR_INGRESS, d.ifindex);
+    u8 host_flow = 0;
+    int verdict = handle(skb, DIR_INGRESS, d.ifindex, 0, &host_flow);
     if (verdict != TC_ACT_OK)
         return verdict;
     if (forward_rewrite(skb, &d) < 0)

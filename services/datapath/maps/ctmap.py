@@ -66,7 +66,7 @@ class CtValue(ctypes.Structure):
         ("epoch", ctypes.c_uint64),
         ("remote_identity", ctypes.c_uint32),
         ("closing", ctypes.c_uint8),
-        ("pad", ctypes.c_uint8),
+        ("flags", ctypes.c_uint8),  # CT_F_*: 1 = opened through the host (its replies go back that way)
         ("rev_nat", ctypes.c_uint16),
     ]
 
