@@ -43,11 +43,13 @@ from typing import Protocol, runtime_checkable
 
 from services.common.log import get_logger
 from services.datapath import maps as bpf_maps
+from services.datapath import netns
 from services.datapath.loadbalancer import LoadBalancer
 from services.datapath.loader import LINKS_DIR, PROGRAMS_DIR, Loader, ProgramConfig, Template
 from services.datapath.maps import (
     ct4map,
     ctmap,
+    deliverymap,
     endpointmap,
     enforcementmap,
     eventsmap,
@@ -63,6 +65,7 @@ from services.datapath.maps import (
 )
 from services.datapath.maps.bpf import MapLayoutError, PinnedMap, ensure_bpffs, unpin
 from services.datapath.maps.ctmap import CtEntry, CtMap
+from services.datapath.maps.deliverymap import DeliveryMap, DeliveryTarget
 from services.datapath.maps.endpointmap import EndpointEntry, EndpointMap
 from services.datapath.maps.enforcementmap import EnforcementMap
 from services.datapath.maps.eventsmap import EventReader
@@ -159,6 +162,7 @@ class Datapath:
         self.template: Template = loader.template(config)
         self.ipcache = IPCacheMap(maps[ipcachemap.NAME])
         self.endpoints = EndpointMap(maps[endpointmap.NAME])
+        self.delivery = DeliveryMap(maps[deliverymap.NAME])
         self.policy = PolicyMap(maps[policymap.NAME])
         self.enforcement = EnforcementMap(maps[enforcementmap.NAME])
         self.state = StateMap(maps[statemap.NAME])
@@ -248,12 +252,10 @@ class Datapath:
             for other in self._endpoints.values():
                 if other.ifindex == spec.ifindex and other.id != spec.id:
                     raise ValueError(f"ifindex {spec.ifindex} already belongs to endpoint {other.id}")
+            record = EndpointEntry(spec.id, spec.ifindex, spec.identity, spec.ips)
             old = self._endpoints.get(spec.id)
-            # Until the programs are attached, the veth runs what it ran (an older agent's, after
-            # an upgrade): no other endpoint delivers to it directly before it runs these.
-            running = old.generation if old is not None and old.ifindex == spec.ifindex else 0
-            record = EndpointEntry(spec.id, spec.ifindex, spec.identity, spec.ips, running)
             if old is not None and (old.ifindex != record.ifindex or set(old.ips) - set(record.ips)):
+                self._forget_delivery(old)
                 self.endpoints.remove(old)
                 if old.ifindex != record.ifindex:
                     self._loader.detach(old.ifindex)
@@ -264,16 +266,34 @@ class Datapath:
             except BaseException:
                 # Leave no record claiming an endpoint whose programs never ran (and no program's
                 # endpoint cache holding it: the epoch moves on every endpoint write).
+                self._forget_delivery(record)
                 self.endpoints.remove(record)
                 del self._endpoints[spec.id]
                 self.state.bump_epoch()
                 raise
-            if record.generation != endpointmap.GENERATION:
-                record = dataclasses.replace(record, generation=endpointmap.GENERATION)
-                self.endpoints.write(record)
-                self._endpoints[spec.id] = record
+            # Only now: other endpoints' programs deliver straight to this one once it runs these.
+            self._offer_delivery(record)
             self.state.bump_epoch()
             log.info("endpoint attached", endpoint=spec.id, ifindex=spec.ifindex, identity=spec.identity)
+
+    def _offer_delivery(self, record: EndpointEntry) -> None:
+        """Let other endpoints deliver to ``record``'s addresses directly: each one whose pod
+        Ethernet address the host knows (the neighbour entry on the veth; Palisade's own veths
+        always have one, another plugin's may not yet). An address without goes through the host."""
+        if not self.config.local_delivery:
+            return
+        host_mac = netns.link_mac(record.ifindex)
+        for ip in record.ips:
+            pod_mac = netns.neighbour_mac(record.ifindex, ip) if host_mac else None
+            if host_mac and pod_mac:
+                self.delivery.write(DeliveryTarget(ip, record.ifindex, pod_mac, host_mac))
+            else:
+                self.delivery.remove(ip, record.ifindex)
+                log.info("pod reached through the host: its Ethernet address is unknown", ip=ip, ifindex=record.ifindex)
+
+    def _forget_delivery(self, record: EndpointEntry) -> None:
+        for ip in record.ips:
+            self.delivery.remove(ip, record.ifindex)
 
     def detach_endpoint(self, ep_id: int) -> bool:
         """Detach the programs and forget the endpoint and its policy; False if it was unknown."""
@@ -282,6 +302,7 @@ class Datapath:
             record = self._endpoints.pop(ep_id, None)
             if record is None:
                 return False
+            self._forget_delivery(record)
             self._loader.detach(record.ifindex)
             self.endpoints.remove(record)
             self.policy.delete(self.policy.read(ep_id).get(ep_id, {}))

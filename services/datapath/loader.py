@@ -126,7 +126,7 @@ class ProgramConfig:
         return [
             f'-DPIN_DIR="{pin_dir}"',
             f"-DLOCAL_DELIVERY={int(self.local_delivery)}",
-            f"-DEP_GENERATION={maps.endpointmap.GENERATION}",
+            f"-DEP_GENERATION={maps.deliverymap.GENERATION}",
             f"-DWORLD_ID={self.world_identity}",
             f"-DCT_TCP_LIFETIME_S={self.ct_tcp_lifetime_s}",
             f"-DCT_CLOSING_LIFETIME_S={self.ct_closing_lifetime_s}",

@@ -159,6 +159,37 @@ def _mac(ipr: Any, index: int) -> str:
     return str(ipr.get_links(index)[0].get_attr("IFLA_ADDRESS"))
 
 
+#: Neighbour states whose link-layer address is usable (NUD_VALID in the kernel).
+NUD_VALID = 0x80 | 0x40 | 0x02 | 0x04 | 0x08 | 0x10  # permanent, noarp, reachable, stale, delay, probe
+
+
+def link_mac(ifindex: int) -> str | None:
+    """The Ethernet address of host interface ``ifindex``; None if it does not exist (any more)."""
+    from pyroute2 import IPRoute
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    with IPRoute() as ipr:
+        try:
+            return _mac(ipr, ifindex)
+        except NetlinkError:
+            return None
+
+
+def neighbour_mac(ifindex: int, ip: str) -> str | None:
+    """The Ethernet address the host's neighbour table gives ``ip`` on interface ``ifindex``
+    (a pod behind its veth), if it has a usable one."""
+    from pyroute2 import IPRoute
+
+    addr = ipaddress.ip_address(ip)
+    family = socket.AF_INET if addr.version == 4 else socket.AF_INET6
+    with IPRoute() as ipr:
+        for neigh in ipr.get_neighbours(family=family, ifindex=ifindex):
+            dst, lladdr = neigh.get_attr("NDA_DST"), neigh.get_attr("NDA_LLADDR")
+            if dst and lladdr and neigh["state"] & NUD_VALID and ipaddress.ip_address(dst) == addr:
+                return str(lladdr)
+    return None
+
+
 def _route_args(ip: str) -> dict[str, Any]:
     addr = ipaddress.ip_address(ip)
     if addr.version == 4:

@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from services.datapath.maps import endpointmap
+from services.datapath.maps import deliverymap
+from services.datapath.maps.deliverymap import DeliveryTarget
 from services.datapath.types import Direction, Enforcement, PolicyEntry, PolicyKey, Protocol, Reason, Verdict
 from tests.datapath.node import Node, Pod, drops
 from tests.datapath.traffic import DENY_TIMEOUT, family_of, socket_in, tcp_exchange, udp_exchange
@@ -149,21 +150,32 @@ def test_a_delivered_packet_is_one_hop_on_as_if_forwarded(net: Node, family: str
         assert forwarded() == 0
 
 
+def b_targets(node: Node) -> list[DeliveryTarget]:
+    return [t for t in node.dp.delivery.targets() if t.ifindex == node.b.net.host_ifindex]
+
+
+def test_attaching_offers_each_address_with_the_pods_ethernet_address(net: Node) -> None:
+    b = net.b
+    assert b_targets(net) == sorted(
+        (DeliveryTarget(ip, b.net.host_ifindex, b.net.pod_mac, b.net.host_mac) for ip in (b.v4, b.v6)),
+        key=lambda t: t.ip,
+    )
+
+
 @pytest.fixture
 def b_on_older_programs(net: Node) -> Iterator[Node]:
-    """b's map entries say its veth runs an older generation (as after an upgrade, before b's
-    re-attach); re-attaching b afterwards writes the current one again."""
-    dp, b = net.dp, net.b
-    (record,) = [r for r in dp.endpoints.records() if r.id == b.ep_id]
-    assert record.generation == endpointmap.GENERATION
-    dp.endpoints.write(dataclasses.replace(record, generation=0))
-    dp.state.bump_epoch()
+    """b's delivery entries name an older generation (as after an upgrade, before b's re-attach);
+    re-attaching b afterwards writes the current one again."""
+    dp = net.dp
+    targets = b_targets(net)
+    assert targets and all(t.generation == deliverymap.GENERATION for t in targets)
+    for target in targets:
+        dp.delivery.write(dataclasses.replace(target, generation=deliverymap.GENERATION - 1))
     try:
         yield net
     finally:
-        dp.attach_endpoint(b.spec)
-    (record,) = [r for r in dp.endpoints.records() if r.id == b.ep_id]
-    assert record.generation == endpointmap.GENERATION
+        dp.attach_endpoint(net.b.spec)
+    assert b_targets(net) == targets
 
 
 def test_an_endpoint_on_older_programs_is_reached_through_the_host(b_on_older_programs: Node) -> None:
@@ -174,6 +186,36 @@ def test_an_endpoint_on_older_programs_is_reached_through_the_host(b_on_older_pr
     with host_sent(b_on_older_programs, b) as forwarded:
         assert udp_exchange(a.name, b.v4, 5353)
         assert forwarded() == 1
+
+
+@pytest.fixture
+def b_unresolved(net: Node) -> Iterator[Node]:
+    """The host has no neighbour entry for b's IPv4 address on b's veth (another plugin's veth
+    before its first packet): attaching offers the IPv6 address only. Restored afterwards."""
+    dp, b = net.dp, net.b
+    subprocess.run(["ip", "neigh", "del", b.v4, "dev", b.net.host_ifname], check=True, capture_output=True)
+    try:
+        dp.attach_endpoint(b.spec)
+        yield net
+    finally:
+        subprocess.run(
+            ["ip", "neigh", "replace", b.v4, "lladdr", b.net.pod_mac, "dev", b.net.host_ifname, "nud", "permanent"],
+            check=True,
+            capture_output=True,
+        )
+        dp.attach_endpoint(b.spec)
+    assert {t.ip for t in b_targets(net)} == {b.v4, b.v6}
+
+
+def test_an_address_without_a_known_neighbour_is_reached_through_the_host(b_unresolved: Node) -> None:
+    net = b_unresolved
+    a, b = net.a, net.b
+    assert [t.ip for t in b_targets(net)] == [b.v6]
+    with host_sent(net, b) as forwarded:
+        assert udp_exchange(a.name, b.v4, 5353)
+        assert forwarded() == 1  # the host resolved b's address and forwarded the datagram
+        assert udp_exchange(a.name, b.v6, 5353)
+        assert forwarded() == 0
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from typing import Protocol
 from services.datapath.maps import (
     ct4map,
     ctmap,
+    deliverymap,
     endpointmap,
     enforcementmap,
     eventsmap,
@@ -63,4 +64,5 @@ ALL: tuple[MapModule, ...] = (
     lbrevnatmap,
     lbaffinitymap,
     lbctmap,
+    deliverymap,
 )

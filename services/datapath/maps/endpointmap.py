@@ -4,11 +4,6 @@ One hash holds two kinds of keys: ``{ifindex, 0, 0}`` (the program finds the
 endpoint it runs for from ``skb->ifindex``) and ``{0, family, address}`` (the
 program resolves a local peer's identity before consulting the ipcache). Both
 carry the same value, so a relabel rewrites every key of the endpoint.
-
-The value's flags name, in their low byte, the generation of the programs that
-run on the endpoint's veth (0: unknown, e.g. written by an older agent). A
-program delivers a packet straight to a local endpoint only when that endpoint
-runs its own generation (see "deliver" in bpf/palisade.c).
 """
 
 from __future__ import annotations
@@ -23,10 +18,6 @@ from services.datapath.maps.sizes import MapSizes
 NAME = "endpoints"
 FAMILY_V4 = 4
 FAMILY_V6 = 6
-#: EP_GENERATION in bpf/palisade.c: the generation of this agent's programs. Bump both together
-#: when a map layout the programs' ingress half uses changes.
-GENERATION = 1
-GENERATION_MASK = 0xFF
 
 
 class EndpointKey(ctypes.Structure):
@@ -80,8 +71,6 @@ class EndpointEntry:
     ifindex: int
     identity: int
     ips: tuple[str, ...]
-    #: Generation of the programs known to run on the veth (0: none or unknown).
-    generation: int = 0
 
 
 class EndpointMap:
@@ -90,9 +79,7 @@ class EndpointMap:
 
     def write(self, record: EndpointEntry) -> None:
         """Write the address keys first, then the ifindex key the program starts from."""
-        value = EndpointValue(
-            ep_id=record.id, identity=record.identity, ifindex=record.ifindex, flags=record.generation & GENERATION_MASK
-        )
+        value = EndpointValue(ep_id=record.id, identity=record.identity, ifindex=record.ifindex)
         for ip in record.ips:
             self.map.update(address_key(ip), value)
         self.map.update(ifindex_key(record.ifindex), value)
@@ -114,14 +101,14 @@ class EndpointMap:
 
     def records(self) -> list[EndpointEntry]:
         """Every endpoint that has an ifindex key, with the addresses that point at it."""
-        by_id: dict[int, tuple[int, int, int]] = {}
+        by_id: dict[int, tuple[int, int]] = {}
         ips: dict[int, list[str]] = {}
         for key, value in self.map.items(EndpointKey, EndpointValue):
             if key.ifindex:
-                by_id[int(value.ep_id)] = (int(key.ifindex), int(value.identity), int(value.flags) & GENERATION_MASK)
+                by_id[int(value.ep_id)] = (int(key.ifindex), int(value.identity))
             else:
                 ips.setdefault(int(value.ep_id), []).append(key_address(key))
         return [
-            EndpointEntry(ep_id, ifindex, identity, tuple(sorted(ips.get(ep_id, []))), generation)
-            for ep_id, (ifindex, identity, generation) in sorted(by_id.items())
+            EndpointEntry(ep_id, ifindex, identity, tuple(sorted(ips.get(ep_id, []))))
+            for ep_id, (ifindex, identity) in sorted(by_id.items())
         ]
