@@ -2,7 +2,7 @@
 
 Run as root on a machine with bcc, iperf3 and iptables:
 
-    .venv/bin/python bench/bench_datapath_cost.py            # about 7 minutes
+    .venv/bin/python bench/bench_datapath_cost.py            # about 15 minutes
     .venv/bin/python bench/bench_datapath_cost.py --quick    # about 1 minute, a smoke run
 
 Two pods (network namespaces joined to the host by veths and routed through
@@ -249,9 +249,22 @@ def palisade_policy(n: int) -> dict[int, list[PolicyEntry]]:
 
 # -- helper processes --------------------------------------------------------------------
 
+#: Where the connection client and the accept server run (indexes into the allowed CPUs).
+CLIENT_CPU = 0
+SERVER_CPU = 1
+
+
+def pin_to_cpu(index: int) -> None:
+    """Run this process on CPU ``index`` (modulo the CPUs it may use): the connection client and the
+    accept server each on their own, so every variant is measured with the same placement (left to
+    the scheduler, it changes between samples and moves a sample's rate by up to 15 %)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[index % len(cpus)]})
+
 
 def role_accept(ports: Sequence[int]) -> int:
-    """Accept-and-close server (runs inside the destination namespace)."""
+    """Accept-and-close server (runs inside the destination namespace, on the second CPU)."""
+    pin_to_cpu(SERVER_CPU)
     sel = selectors.DefaultSelector()
     listeners = []
     for port in ports:
@@ -276,7 +289,8 @@ def role_accept(ports: Sequence[int]) -> int:
 
 
 def role_connect(src: str, dst: str, seconds: float, start: int) -> int:
-    """Connect / wait for the server's close / close, for ``seconds`` (runs in the source namespace).
+    """Connect / wait for the server's close / close, for ``seconds`` (runs in the source namespace,
+    on the first CPU).
 
     Connection ``n`` uses destination port ``CONN_PORT + n % CONN_PORTS`` and source port
     ``CLIENT_PORT_LOW + (n // CONN_PORTS) % CLIENT_PORTS`` (``n`` counts on across samples): a
@@ -284,6 +298,7 @@ def role_connect(src: str, dst: str, seconds: float, start: int) -> int:
     forgot the closed flow (10 s), so every connection is a new flow. The client closes with a reset
     (SO_LINGER 0) after the server's FIN, so neither side keeps TIME_WAIT sockets.
     """
+    pin_to_cpu(CLIENT_CPU)
     linger = struct.pack("ii", 1, 0)
     n = start
     ok = errors = 0
@@ -1189,7 +1204,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rounds",
         type=int,
         default=None,
-        help="rounds; each runs every variant once (default 8; even balances the order)",
+        help="rounds; each runs every variant once (default 12; even balances the order)",
     )
     p.add_argument("--seconds", type=int, default=None, help="seconds per sample, whole (iperf3 -t) (default 2)")
     p.add_argument(
@@ -1213,7 +1228,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rounds is None:
-        args.rounds = 2 if args.quick else 8
+        args.rounds = 2 if args.quick else 12
     if args.bpf_stats_rounds is None:
         args.bpf_stats_rounds = 1 if args.quick else 5
     if args.seconds is None:
