@@ -186,7 +186,8 @@ class Template:
         return self.hash[:12]
 
     def fd(self, name: str) -> int:
-        return {FROM_CONTAINER: self.from_container_fd, TO_CONTAINER: self.to_container_fd}.get(name, self.deliver_fd)
+        fds = {FROM_CONTAINER: self.from_container_fd, TO_CONTAINER: self.to_container_fd, DELIVER: self.deliver_fd}
+        return fds[name]
 
     def close(self) -> None:
         for fd in (self.from_container_fd, self.to_container_fd, self.deliver_fd, self.calls_fd):

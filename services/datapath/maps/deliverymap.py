@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import ipaddress
 
+from services.datapath.maps import addresses
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
 from services.datapath.maps.sizes import MapSizes
 
 NAME = "delivery"
-FAMILY_V4 = 4
-FAMILY_V6 = 6
 #: The generation of this agent's programs.
 GENERATION = 1
 
@@ -66,9 +64,8 @@ def spec(sizes: MapSizes) -> MapSpec:
 
 
 def key_of(ip: str) -> DeliveryKey:
-    addr = ipaddress.ip_address(ip)
-    key = DeliveryKey(family=FAMILY_V4 if addr.version == 4 else FAMILY_V6)
-    ctypes.memmove(key.addr, addr.packed, len(addr.packed))
+    key = DeliveryKey()
+    key.family = addresses.put(key.addr, ip)
     return key
 
 
@@ -116,8 +113,7 @@ class DeliveryMap:
     def targets(self) -> list[DeliveryTarget]:
         out = []
         for key, value in self.map.items(DeliveryKey, DeliveryValue):
-            size = 4 if key.family == FAMILY_V4 else 16
-            ip = str(ipaddress.ip_address(bytes(key.addr[:size])))
+            ip = addresses.get(key.addr, int(key.family))
             out.append(
                 DeliveryTarget(ip, int(value.ifindex), _mac_text(value.dmac), _mac_text(value.smac), value.generation)
             )
