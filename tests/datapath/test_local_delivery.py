@@ -9,8 +9,10 @@ directly never touches that veth. Every test sends real packets between pod name
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import ipaddress
+import os
 import socket
 import struct
 import subprocess
@@ -18,7 +20,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from services.datapath.loader import CALL_DELIVER, CALLS
 from services.datapath.maps import deliverymap
+from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
 from services.datapath.maps.deliverymap import DeliveryTarget
 from services.datapath.types import Direction, Enforcement, PolicyEntry, PolicyKey, Protocol, Reason, Verdict
 from tests.datapath.node import Node, Pod, drops
@@ -281,3 +285,34 @@ def test_replies_of_a_flow_the_host_translated_go_back_through_the_host(net: Nod
         assert tcp_exchange(a.name, host_dnat, 80)
         assert forwarded() >= 2  # every packet from a to b went through the host (its DNAT)
     assert tcp_exchange(b.name, a.v4, 8080)  # b's own flows to a are still delivered directly
+
+
+class U32(ctypes.Structure):
+    """A program array's key (the slot) and value (a program's descriptor)."""
+
+    _fields_ = [("value", ctypes.c_uint32)]
+
+
+@pytest.fixture
+def empty_deliver_slot(net: Node) -> Iterator[Node]:
+    """The template's program array without deliver (as while a template is being built, or
+    after a prune unpinned it); filled again afterwards."""
+    template = net.dp.template
+    calls = PinnedMap(os.dup(template.calls_fd), MapSpec(CALLS, MapType.PROG_ARRAY, 4, 4, 1), "")
+    slot = U32(CALL_DELIVER)
+    try:
+        assert calls.delete(slot)
+        yield net
+    finally:
+        calls.update(slot, U32(template.deliver_fd))
+        calls.close()
+
+
+def test_a_failed_tail_call_leaves_the_packet_on_the_hosts_path(empty_deliver_slot: Node) -> None:
+    net = empty_deliver_slot
+    dp, a, b, c = net.dp, net.a, net.b, net.c
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, Protocol.UDP, 5353)])
+    with host_sent(net, a, b) as forwarded:
+        assert udp_exchange(a.name, b.v4, 5353)
+        assert forwarded() == 2  # the datagram and its echo, through the host; to_container judged
+        assert not udp_exchange(c.name, b.v4, 5353, timeout=DENY_TIMEOUT)

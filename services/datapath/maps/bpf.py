@@ -31,6 +31,7 @@ S = TypeVar("S", bound=ctypes.Structure)
 class MapType(IntEnum):
     HASH = 1
     ARRAY = 2
+    PROG_ARRAY = 3
     PERCPU_HASH = 5
     PERCPU_ARRAY = 6
     LRU_HASH = 9
