@@ -30,7 +30,7 @@ from services.datapath.types import (
     Verdict,
 )
 from tests.datapath.node import TCP_PORTS, UDP_PORTS, Node, Pod, drops
-from tests.datapath.traffic import DENY_TIMEOUT, EchoServer, streams, tcp_exchange
+from tests.datapath.traffic import DENY_TIMEOUT, EchoServer, host_sent, streams, tcp_exchange
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -336,8 +336,11 @@ def test_enforcement_outlives_the_process_and_a_new_one_restores(
         setup.send_signal(signal.SIGKILL)
         setup.wait(10)
 
-        # Nobody holds the datapath open: the programs and pinned maps still enforce.
-        assert tcp_exchange(p.name, q.v4, 8080)
+        # Nobody holds the datapath open: the programs and pinned maps still enforce, and the pinned
+        # program array still holds deliver (no packet of the exchange went through the host).
+        with host_sent((p, q), p, q) as forwarded:
+            assert tcp_exchange(p.name, q.v4, 8080)
+            assert forwarded() == 0
         assert not tcp_exchange(p.name, q.v4, 8081, timeout=DENY_TIMEOUT)
         assert not tcp_exchange(p.name, q.v6, 8081, timeout=DENY_TIMEOUT)
 

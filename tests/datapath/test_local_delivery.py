@@ -8,15 +8,12 @@ directly never touches that veth. Every test sends real packets between pod name
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
-import ipaddress
 import os
 import socket
-import struct
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -26,7 +23,7 @@ from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
 from services.datapath.maps.deliverymap import DeliveryTarget
 from services.datapath.types import Direction, Enforcement, PolicyEntry, PolicyKey, Protocol, Reason, Verdict
 from tests.datapath.node import Node, Pod, drops
-from tests.datapath.traffic import DENY_TIMEOUT, family_of, socket_in, tcp_exchange, udp_exchange
+from tests.datapath.traffic import DENY_TIMEOUT, family_of, host_sent, socket_in, tcp_exchange, udp_exchange
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -34,52 +31,6 @@ pytestmark = [pytest.mark.root, pytest.mark.bcc]
 SENT_TTL = 64
 #: Linux's IP_RECVTTL (linux/in.h); Python's socket module does not export it.
 IP_RECVTTL = 12
-
-
-PACKET_OUTGOING = 4
-
-
-@contextlib.contextmanager
-def host_sent(node: Node, *pods: Pod) -> Iterator[Callable[[], int]]:
-    """Counts the IP packets between the node's pods that the host sends into ``pods`` through
-    their veths (what the host's forwarding delivers), seen by packet sockets on those veths.
-    Other traffic there (the host's neighbour discovery) is not counted."""
-    addresses = {ipaddress.ip_address(ip).packed for pod in node.pods for ip in pod.net.ips}
-    taps = []
-    try:
-        for pod in pods:
-            tap = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
-            taps.append(tap)
-            tap.bind((pod.net.host_ifname, 0x0003))
-            tap.setblocking(False)
-
-        def count() -> int:
-            seen = 0
-            for tap in taps:
-                while True:
-                    try:
-                        frame, address = tap.recvfrom(65535)
-                    except BlockingIOError:
-                        break
-                    if address[2] == PACKET_OUTGOING and _between_pods(frame, addresses):
-                        seen += 1
-            return seen
-
-        yield count
-    finally:
-        for tap in taps:
-            tap.close()
-
-
-def _between_pods(frame: bytes, addresses: set[bytes]) -> bool:
-    ethertype = struct.unpack("!H", frame[12:14])[0]
-    if ethertype == 0x0800:
-        src, dst = frame[26:30], frame[30:34]
-    elif ethertype == 0x86DD:
-        src, dst = frame[22:38], frame[38:54]
-    else:
-        return False
-    return src in addresses and dst in addresses
 
 
 def allow_from(source: Pod, proto: Protocol = Protocol.ANY, port: int = 0) -> PolicyEntry:
@@ -93,7 +44,7 @@ def test_traffic_between_local_pods_skips_the_host(net: Node, family: str) -> No
     dp, a, b = net.dp, net.a, net.b
     dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, Protocol.TCP, 8080)])
     target = b.v4 if family == "v4" else b.v6
-    with host_sent(net, a, b) as forwarded:
+    with host_sent(net.pods, a, b) as forwarded:
         assert tcp_exchange(a.name, target, 8080)
         assert udp_exchange(b.name, a.v4 if family == "v4" else a.v6, 5353)
         assert forwarded() == 0
@@ -110,7 +61,7 @@ def test_the_destinations_ingress_policy_drops_on_the_way(net: Node) -> None:
     dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(c, Protocol.TCP, 8080)])
     dp.read_flows(0)
     before_drops = drops(dp, b.ep_id, Direction.INGRESS)
-    with host_sent(net, b) as forwarded:
+    with host_sent(net.pods, b) as forwarded:
         assert not tcp_exchange(a.name, b.v4, 8080, timeout=DENY_TIMEOUT)
         assert tcp_exchange(c.name, b.v4, 8080)
         assert forwarded() == 0
@@ -149,7 +100,7 @@ def received_ttl(sender: Pod, receiver: Pod, ip: str, port: int) -> int:
 @pytest.mark.parametrize("family", ["v4", "v6"])
 def test_a_delivered_packet_is_one_hop_on_as_if_forwarded(net: Node, family: str) -> None:
     a, b = net.a, net.b
-    with host_sent(net, b) as forwarded:
+    with host_sent(net.pods, b) as forwarded:
         assert received_ttl(a, b, b.v4 if family == "v4" else b.v6, 47001) == SENT_TTL - 1
         assert forwarded() == 0
 
@@ -187,7 +138,7 @@ def test_an_endpoint_on_older_programs_is_reached_through_the_host(b_on_older_pr
     (older) program would not find it: until b runs these programs, the host forwards to it."""
     dp, a, b = b_on_older_programs.dp, b_on_older_programs.a, b_on_older_programs.b
     dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, Protocol.UDP, 5353)])
-    with host_sent(b_on_older_programs, b) as forwarded:
+    with host_sent(b_on_older_programs.pods, b) as forwarded:
         assert udp_exchange(a.name, b.v4, 5353)
         assert forwarded() == 1
 
@@ -215,7 +166,7 @@ def test_an_address_without_a_known_neighbour_is_reached_through_the_host(b_unre
     net = b_unresolved
     a, b = net.a, net.b
     assert [t.ip for t in b_targets(net)] == [b.v6]
-    with host_sent(net, b) as forwarded:
+    with host_sent(net.pods, b) as forwarded:
         assert udp_exchange(a.name, b.v4, 5353)
         assert forwarded() == 1  # the host resolved b's address and forwarded the datagram
         assert udp_exchange(a.name, b.v6, 5353)
@@ -243,7 +194,7 @@ def test_without_local_delivery_the_host_forwards_and_to_container_judges(withou
     assert received_ttl(a, b, b.v4, 47002) == SENT_TTL - 1
     dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, Protocol.UDP, 5353)])
     before_drops = drops(dp, b.ep_id, Direction.INGRESS)
-    with host_sent(without_local_delivery, a, b) as forwarded:
+    with host_sent(without_local_delivery.pods, a, b) as forwarded:
         assert udp_exchange(a.name, b.v4, 5353)
         assert forwarded() == 2  # the datagram and its echo
     dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(c, Protocol.UDP, 5353)])
@@ -280,7 +231,7 @@ def test_replies_of_a_flow_the_host_translated_go_back_through_the_host(net: Nod
     """a dials an address the host DNATs to b: b's replies must reach the host's conntrack to get
     that address back (delivered straight to a, they would carry b's and a would reset them)."""
     a, b = net.a, net.b
-    with host_sent(net, b) as forwarded:
+    with host_sent(net.pods, b) as forwarded:
         assert tcp_exchange(a.name, host_dnat, 80)
         assert tcp_exchange(a.name, host_dnat, 80)
         assert forwarded() >= 2  # every packet from a to b went through the host (its DNAT)
@@ -312,7 +263,7 @@ def test_a_failed_tail_call_leaves_the_packet_on_the_hosts_path(empty_deliver_sl
     net = empty_deliver_slot
     dp, a, b, c = net.dp, net.a, net.b, net.c
     dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, Protocol.UDP, 5353)])
-    with host_sent(net, a, b) as forwarded:
+    with host_sent(net.pods, a, b) as forwarded:
         assert udp_exchange(a.name, b.v4, 5353)
         assert forwarded() == 2  # the datagram and its echo, through the host; to_container judged
         assert not udp_exchange(c.name, b.v4, 5353, timeout=DENY_TIMEOUT)

@@ -15,10 +15,11 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from services.datapath.netns import in_netns
 from services.devstack.sctp import INIT, Packet
+from tests.datapath.node import Pod
 
 #: How long an allowed exchange may take before the test calls it failed (generous: loaded CI).
 ALLOW_TIMEOUT = 5.0
@@ -285,3 +286,50 @@ def tc_frame(src: str, dst: str, sport: int, dport: int, proto: int, tcp_flags: 
         "!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 1, 0, ttl, proto, 0, socket.inet_aton(src), socket.inet_aton(dst)
     )
     return b"\x02" * 6 + b"\x04" * 6 + struct.pack("!H", 0x0800) + ip + l4
+
+
+PACKET_OUTGOING = 4
+
+
+@contextlib.contextmanager
+def host_sent(between: Sequence[Pod], *into: Pod) -> Iterator[Callable[[], int]]:
+    """Counts the IP packets among the pods ``between`` that the host sends into the pods ``into``
+    through their veths (what the host's forwarding delivers; a packet delivered straight into a
+    pod's namespace never shows there), seen by packet sockets on those veths. Other traffic there
+    (the host's neighbour discovery) is not counted. ``count()`` returns what came since the last."""
+    addresses = {ipaddress.ip_address(ip).packed for pod in between for ip in pod.net.ips}
+    taps = []
+    try:
+        for pod in into:
+            tap = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+            taps.append(tap)
+            tap.bind((pod.net.host_ifname, 0x0003))
+            tap.setblocking(False)
+
+        def count() -> int:
+            seen = 0
+            for tap in taps:
+                while True:
+                    try:
+                        frame, address = tap.recvfrom(65535)
+                    except BlockingIOError:
+                        break
+                    if address[2] == PACKET_OUTGOING and _between_pods(frame, addresses):
+                        seen += 1
+            return seen
+
+        yield count
+    finally:
+        for tap in taps:
+            tap.close()
+
+
+def _between_pods(frame: bytes, addresses: set[bytes]) -> bool:
+    ethertype = struct.unpack("!H", frame[12:14])[0]
+    if ethertype == 0x0800:
+        src, dst = frame[26:30], frame[30:34]
+    elif ethertype == 0x86DD:
+        src, dst = frame[22:38], frame[38:54]
+    else:
+        return False
+    return src in addresses and dst in addresses
