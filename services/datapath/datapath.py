@@ -61,6 +61,7 @@ from services.datapath.maps import (
     lbservicemap,
     metricsmap,
     policymap,
+    snatmap,
     statemap,
 )
 from services.datapath.maps.bpf import MapLayoutError, PinnedMap, ensure_bpffs, unpin
@@ -77,6 +78,7 @@ from services.datapath.maps.lbrevnatmap import LbRevNatMap
 from services.datapath.maps.lbservicemap import LbServiceMap
 from services.datapath.maps.metricsmap import MetricsMap
 from services.datapath.maps.policymap import PolicyMap, Prefix, PrefixMap
+from services.datapath.maps.snatmap import SnatEntry, SnatMap
 from services.datapath.maps.statemap import StateMap
 from services.datapath.types import (
     IDENTITY_WORLD,
@@ -176,6 +178,7 @@ class Datapath:
             LbAffinityMap(maps[lbaffinitymap.NAME]),
         )
         self.lb_conntrack_map = LbCtMap(maps[lbctmap.NAME])
+        self.snat_map = SnatMap(maps[snatmap.NAME])
         self._lock = threading.RLock()
         self._events_lock = threading.Lock()
         self._closed = False
@@ -508,9 +511,17 @@ class Datapath:
         return copied
 
     def flush_conntrack(self, ep_id: int | None = None) -> int:
+        """Forget tracked flows (of one endpoint), with the ports given to clashing ones."""
         with self._lock:
             self._check_open()
+            self.snat_map.flush(ep_id)
             return self.conntrack_map.flush(ep_id)
+
+    def snat(self) -> list[SnatEntry]:
+        """Connections given a source port of their own (their tuple was another flow's)."""
+        with self._lock:
+            self._check_open()
+            return self.snat_map.entries()
 
     def policy_epoch(self) -> int:
         with self._lock:

@@ -141,6 +141,9 @@ class ProgramConfig:
             f"-DLB_REVNAT_MAX={s.lb_services}",
             f"-DLB_AFFINITY_MAX={s.lb_affinity}",
             f"-DLB_CT_MAX={s.lb_conntrack}",
+            f"-DSNAT_MAX={s.snat}",
+            f"-DSNAT_PORT_MIN={maps.snatmap.PORT_MIN}",
+            f"-DSNAT_PORT_MAX={maps.snatmap.PORT_MAX}",
             f"-DEVENTS_BYTES={s.events_bytes}",
             f"-DEVENTS_WAKEUP_BYTES={maps.eventsmap.wakeup_bytes(s)}",
         ]

@@ -116,6 +116,9 @@ class Reason(StrEnum):
     INVALID = "invalid"
     #: A connection to a service frontend without backends: rejected (ICMP port unreachable).
     NO_BACKEND = "no-backend"
+    #: A connection whose tuple (after DNAT) another live flow of its client held, and no free
+    #: source port to give it: dropped.
+    NO_PORT = "no-port"
 
     @property
     def wire(self) -> int:
@@ -123,7 +126,7 @@ class Reason(StrEnum):
 
     @property
     def is_drop(self) -> bool:
-        return self in (Reason.POLICY_DENY, Reason.DEFAULT_DENY, Reason.INVALID, Reason.NO_BACKEND)
+        return self in (Reason.POLICY_DENY, Reason.DEFAULT_DENY, Reason.INVALID, Reason.NO_BACKEND, Reason.NO_PORT)
 
     @classmethod
     def from_wire(cls, value: int) -> Reason:
@@ -141,6 +144,7 @@ _REASON_NUMBERS = {
     Reason.NOT_ENFORCED: 5,
     Reason.INVALID: 6,
     Reason.NO_BACKEND: 7,
+    Reason.NO_PORT: 8,
 }
 
 

@@ -119,7 +119,7 @@ def tcp_exchange(ns: str, ip: str, port: int, timeout: float = ALLOW_TIMEOUT) ->
         try:
             s.connect((ip, port))
             s.sendall(b"palisade")
-            return _recv_exact(s, 8) == b"palisade"
+            return recv_exact(s, 8) == b"palisade"
         except OSError:
             return False
 
@@ -141,7 +141,7 @@ def udp_exchange(ns: str, ip: str, port: int, timeout: float = ALLOW_TIMEOUT) ->
     return False
 
 
-def _recv_exact(s: socket.socket, size: int) -> bytes:
+def recv_exact(s: socket.socket, size: int) -> bytes:
     buf = b""
     while len(buf) < size:
         chunk = s.recv(size - len(buf))
@@ -166,7 +166,7 @@ class Stream:
         self.sock.settimeout(timeout)
         try:
             self.sock.sendall(msg)
-            return _recv_exact(self.sock, len(msg)) == msg
+            return recv_exact(self.sock, len(msg)) == msg
         except OSError:
             return False
 

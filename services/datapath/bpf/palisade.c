@@ -106,6 +106,18 @@
 #ifndef LB_CT_MAX
 #define LB_CT_MAX 262144
 #endif
+#ifndef SNAT_MAX
+#define SNAT_MAX 65536
+#endif
+/* Source ports given to a connection whose translated tuple another live flow of its client holds:
+ * above the kernel's default ephemeral range, so the client's own connections seldom pick them. */
+#ifndef SNAT_PORT_MIN
+#define SNAT_PORT_MIN 61000
+#endif
+#ifndef SNAT_PORT_MAX
+#define SNAT_PORT_MAX 65535
+#endif
+#define SNAT_TRIES 6
 #ifndef EVENTS_BYTES
 #define EVENTS_BYTES (1 << 22)
 #endif
@@ -124,6 +136,7 @@
 #define REASON_NOT_ENFORCED 5
 #define REASON_INVALID 6
 #define REASON_NO_BACKEND 7
+#define REASON_NO_PORT 8  /* a clashing connection found no free port (counted in its direction's slot 0) */
 #define REASON_EVENT_LOST 255
 #define ENFORCE_INGRESS 1
 #define ENFORCE_EGRESS 2
@@ -271,6 +284,10 @@ struct ct_value {
  * through the host too, never by local delivery, so whatever the host did to it (a kube-proxy
  * DNAT to a NodePort or an external IP, netfilter conntrack) sees them and can undo it. */
 #define CT_F_VIA_HOST 1
+/* The flow left with a source port Palisade gave it (the snat map holds the client's own): another
+ * live flow of the endpoint held its tuple as translated. A packet whose own port finds this entry
+ * belongs to another flow; the flow's replies get the client's port back. */
+#define CT_F_SNAT 2
 
 /* Service frontends, Cilium's layout: slot 0 is the service, slots 1..count its backends. */
 struct lb_service_key {
@@ -338,6 +355,31 @@ struct lb_ct_value {
     u8 pad;
 };
 
+/* Ports given to clashing connections (CT_F_SNAT), both ways: SNAT_FORWARD keys a connection as its
+ * client sent it after any DNAT (sport: the client's port) to the port given; SNAT_REVERSE keys it
+ * with the port given to the client's port. rev_nat (the connection's service, 0 for none) is part
+ * of the key: a connection through a ClusterIP and a direct one from one port are two connections.
+ * An entry is trusted only while both directions agree and the given tuple's conntrack entry lives,
+ * so stale entries are harmless and the LRU reclaims them. */
+#define SNAT_FORWARD 1
+#define SNAT_REVERSE 2
+struct snat_key {
+    u8 saddr[16];
+    u8 daddr[16];
+    __be16 sport;
+    __be16 dport;
+    u32 ep_id;
+    u16 rev_nat;
+    u8 family;
+    u8 protocol;
+    u8 kind;
+    u8 pad[3];
+};
+struct snat_value {
+    __be16 port;
+    u16 pad;
+};
+
 /* Counters are a per-CPU array: endpoint ep_id owns slots ep_id * METRICS_SLOTS + (direction
  * egress ? 8 : 0) + reason; slot 0 (endpoint 0 is never an endpoint) counts lost flow events.
  * An array slot is an index, not a hashed key: the cheapest map access there is. */
@@ -388,6 +430,7 @@ BPF_TABLE_PINNED("lru_hash", struct lb_affinity_key, struct lb_affinity_value, l
                  PIN_DIR "/lb_affinity");
 BPF_TABLE_PINNED("lru_hash", struct lb_ct_key, struct lb_ct_value, lb_conntrack, LB_CT_MAX,
                  PIN_DIR "/lb_conntrack");
+BPF_TABLE_PINNED("lru_hash", struct snat_key, struct snat_value, snat, SNAT_MAX, PIN_DIR "/snat");
 BPF_TABLE_PINNED("percpu_array", u32, struct metrics_value, metrics, METRICS_MAX, PIN_DIR "/metrics");
 
 /* Each CPU remembers the endpoints of the veths it saw last (direct-mapped by ifindex), valid
@@ -957,7 +1000,9 @@ static __always_inline int lb_egress(struct __sk_buff *skb, struct flow *f, u32 
     ck.protocol = f->protocol;
     struct lb_backend_value *be = NULL;
     struct lb_ct_value *cv = lb_conntrack.lookup(&ck);
-    if (cv && cv->expires_ns >= now && cv->rev_nat == svc->rev_nat) {
+    /* A bare SYN on a closing connection's entry opens a new connection: it is balanced anew. */
+    int reopens = (f->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN;
+    if (cv && cv->expires_ns >= now && cv->rev_nat == svc->rev_nat && !(reopens && cv->closing)) {
         struct lb_backend_key bk = {.id = cv->backend_id};
         be = lb_backends.lookup(&bk);
     }
@@ -1071,6 +1116,88 @@ static __always_inline void ct_forget(u8 family, union ct_tuple *k)
     }
 }
 
+/* -- clashing tuples: a port of Palisade's for a connection whose tuple another flow holds ---------- */
+
+/* The snat key of a flow as its client sent it (reversed: of a reply to it), after any DNAT. */
+static __always_inline void snat_key_of(const struct flow *f, u32 ep_id, u16 rev_nat, u8 kind, int reversed,
+                                        struct snat_key *k)
+{
+    __builtin_memcpy(k->saddr, reversed ? f->daddr : f->saddr, 16);
+    __builtin_memcpy(k->daddr, reversed ? f->saddr : f->daddr, 16);
+    k->sport = reversed ? f->dport : f->sport;
+    k->dport = reversed ? f->sport : f->dport;
+    k->ep_id = ep_id;
+    k->rev_nat = rev_nat;
+    k->family = f->family;
+    k->protocol = f->protocol;
+    k->kind = kind;
+}
+
+#define SNAT_NONE 0    /* the packet keeps its port; *ct is NULL: a new flow on its own tuple */
+#define SNAT_GIVEN 1   /* the packet now has the port given to its connection; *ct is that flow's entry
+                        * (NULL: a new flow on the given tuple) */
+#define SNAT_FAILED 2  /* no free port, or the packet could not be rewritten */
+
+/* An egress packet (after any DNAT, ``rev_nat`` its service) whose tuple's entry ``*ct`` belongs to
+ * another flow: one with another translation, or one Palisade gave this tuple's port (CT_F_SNAT);
+ * or a bare SYN on a closing entry; or, with *ct NULL, a packet that is no SYN (its connection may
+ * have been given a port while another flow held the tuple, since gone).
+ *
+ * Two connections of one client that differ only before DNAT (through a ClusterIP, and straight to
+ * the backend, from one port) are one tuple to the backend and to its replies. As netfilter's NAT
+ * does for a clashing tuple, the later one gets a source port of its own; the client never sees it
+ * (replies get the client's port back). A SYN on the closing entry of a flow with the same
+ * translation opens a new flow in its place (Cilium's CT_REOPENED): judged, counted and reported
+ * as new, never inheriting the old one's state. ``key`` is left the tuple the flow is tracked by. */
+static __always_inline int snat_resolve(struct __sk_buff *skb, struct flow *f, u32 ep_id, u16 rev_nat, u8 syn,
+                                        u64 now, union ct_tuple *key, struct ct_value **ct)
+{
+    __be16 own = f->sport;
+    struct snat_key fk = {};
+    snat_key_of(f, ep_id, rev_nat, SNAT_FORWARD, 0, &fk);
+    struct snat_value *given = snat.lookup(&fk);
+    if (given) {
+        __be16 port = given->port;
+        f->sport = port;
+        struct snat_key rk = {};
+        snat_key_of(f, ep_id, rev_nat, SNAT_REVERSE, 0, &rk);
+        struct snat_value *back = snat.lookup(&rk);
+        ct_key_of(f, ep_id, DIR_EGRESS, 0, key);
+        struct ct_value *e = ct_lookup(f->family, key, now);
+        f->sport = own;
+        if (e && (e->flags & CT_F_SNAT) && e->rev_nat == rev_nat && back && back->port == own) {
+            if (lb_rewrite(skb, f, f->saddr, port, 0) < 0)
+                return SNAT_FAILED;
+            *ct = syn == TCP_FLAG_SYN && e->closing ? NULL : e;
+            return SNAT_GIVEN;
+        }
+    }
+    struct ct_value *held = *ct;
+    *ct = NULL;
+    ct_key_of(f, ep_id, DIR_EGRESS, 0, key);
+    if (!held || (!(held->flags & CT_F_SNAT) && held->rev_nat == rev_nat))
+        return SNAT_NONE;  /* nothing holds the tuple, or it opens again the same way */
+    for (int i = 0; i < SNAT_TRIES; i++) {
+        __be16 port = bpf_htons(SNAT_PORT_MIN + bpf_get_prandom_u32() % (SNAT_PORT_MAX - SNAT_PORT_MIN + 1));
+        f->sport = port;
+        ct_key_of(f, ep_id, DIR_EGRESS, 0, key);
+        if (ct_lookup(f->family, key, now))
+            continue;  /* taken too */
+        struct snat_key rk = {};
+        snat_key_of(f, ep_id, rev_nat, SNAT_REVERSE, 0, &rk);
+        struct snat_value back = {.port = own};
+        struct snat_value fwd = {.port = port};
+        f->sport = own;
+        if (lb_rewrite(skb, f, f->saddr, port, 0) < 0)
+            return SNAT_FAILED;
+        snat.update(&fk, &fwd);
+        snat.update(&rk, &back);
+        return SNAT_GIVEN;
+    }
+    f->sport = own;
+    return SNAT_FAILED;
+}
+
 /* CLOCK_MONOTONIC_COARSE in ns: what bpf_ktime_get_coarse_ns returns, which only changes once a tick.
  * The helper call costs about 20 ns a packet; jiffies is one load (the verifier inlines it), so the
  * value is read once a tick and kept beside the endpoint cache entry, whose line is loaded anyway. */
@@ -1171,6 +1298,24 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
             ct = ct_lookup(f.family, &key, now);
         }
     }
+    u8 given_port = 0;
+    if (dir == DIR_EGRESS && !reply && lb_l4(&f) &&
+        unlikely(ct ? ct->rev_nat != rev_nat || (ct->flags & CT_F_SNAT) || (syn == TCP_FLAG_SYN && ct->closing)
+                    : syn != TCP_FLAG_SYN)) {
+        /* Not this flow's entry, or none where a connection may have been given a port. */
+        int resolved = snat_resolve(skb, &f, ep_id, rev_nat, syn, now, &key, &ct);
+        if (resolved == SNAT_FAILED) {
+            u32 remote = remote_id ? remote_id : local_identity(f.family, f.daddr);
+            if (!remote)
+                remote = cidr_identity(f.family, f.daddr);
+            emit(ifindex, &f, ep_id, local_id, remote, dir, VERDICT_DENY, REASON_NO_PORT);
+            count(ep_id, REASON_NO_PORT, dir, skb->len);
+            return TC_ACT_SHOT;
+        }
+        given_port = resolved == SNAT_GIVEN;
+    } else if (ct && !reversed && syn == TCP_FLAG_SYN && ct->closing && !(ct->flags & CT_F_SNAT)) {
+        ct = NULL;  /* the tuple opens again (a SYN on its closing entry): a new flow, judged anew */
+    }
 
     if (unlikely(!ct || ct->epoch != epoch)) {
         /* A new flow, or one whose verdict predates the policy: judged as it was opened. The remote
@@ -1203,7 +1348,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
             nv.epoch = epoch;
             nv.remote_identity = remote_id;
             nv.rev_nat = rev_nat;
-            nv.flags = via_host ? CT_F_VIA_HOST : 0;
+            nv.flags = (via_host ? CT_F_VIA_HOST : 0) | (given_port ? CT_F_SNAT : 0);
             ct_key_of(&f, ep_id, dir, 0, &key);
             ct_store(f.family, &key, &nv);
             return TC_ACT_OK;
@@ -1213,11 +1358,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
     }
 
     *host_flow = ct->flags & CT_F_VIA_HOST;
-    if (unlikely(syn == TCP_FLAG_SYN && ct->closing)) {
-        /* The tuple opens again, the same way: a new connection, not the closing one's last packets. */
-        ct->closing = 0;
-        ct->expires_ns = now + ct_lifetime(f.protocol, 0);
-    } else if (unlikely((f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) && !ct->closing)) {
+    if (unlikely((f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) && !ct->closing)) {
         ct->closing = 1;
         ct->expires_ns = now + ct_lifetime(f.protocol, 1);
     } else {
@@ -1226,11 +1367,23 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
         if (unlikely(ct->expires_ns + CT_REFRESH_NS < expires))
             ct->expires_ns = expires;
     }
-    if (unlikely(rev_nat))
-        ct->rev_nat = rev_nat;
-    else if (unlikely(reply && ct->rev_nat) && lb_reverse(skb, &f, ct->rev_nat) < 0) {
-        count(ep_id, REASON_NO_BACKEND, dir, skb->len);
-        return TC_ACT_SHOT;  /* the service is gone: the client could not match the reply */
+    if (unlikely(reply && (ct->rev_nat || (ct->flags & CT_F_SNAT)))) {
+        /* A reply to a translated connection: the client's own port back, the frontend as source. */
+        int undone = 0;
+        if (ct->flags & CT_F_SNAT) {
+            struct snat_key rk = {};
+            snat_key_of(&f, ep_id, ct->rev_nat, SNAT_REVERSE, 1, &rk);
+            struct snat_value *back = snat.lookup(&rk);
+            undone = back ? lb_rewrite(skb, &f, f.daddr, back->port, 1) : -1;
+        }
+        if (undone == 0 && ct->rev_nat)
+            undone = lb_reverse(skb, &f, ct->rev_nat);
+        if (undone < 0) {
+            /* The service or the port's record is gone: the client could not match the reply. */
+            emit(ifindex, &f, ep_id, local_id, ct->remote_identity, dir, VERDICT_DENY, REASON_NO_BACKEND);
+            count(ep_id, REASON_NO_BACKEND, dir, skb->len);
+            return TC_ACT_SHOT;
+        }
     }
     count(ep_id, REASON_ESTABLISHED, dir, skb->len);
     return TC_ACT_OK;

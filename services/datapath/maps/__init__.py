@@ -26,6 +26,7 @@ from services.datapath.maps import (
     lbservicemap,
     metricsmap,
     policymap,
+    snatmap,
     statemap,
 )
 from services.datapath.maps.bpf import MapSpec
@@ -65,4 +66,5 @@ ALL: tuple[MapModule, ...] = (
     lbaffinitymap,
     lbctmap,
     deliverymap,
+    snatmap,
 )

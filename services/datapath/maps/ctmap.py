@@ -28,6 +28,9 @@ from services.datapath.types import Direction
 
 NAME = "conntrack"
 FAMILY_V4 = 4
+#: ct_value.flags (CT_F_* in bpf/palisade.c)
+FLAG_VIA_HOST = 1
+FLAG_SNAT = 2
 
 
 class CtKey(ctypes.Structure):
@@ -66,7 +69,9 @@ class CtValue(ctypes.Structure):
         ("epoch", ctypes.c_uint64),
         ("remote_identity", ctypes.c_uint32),
         ("closing", ctypes.c_uint8),
-        ("flags", ctypes.c_uint8),  # CT_F_*: 1 = opened through the host (its replies go back that way)
+        # CT_F_*: 1 = opened through the host (its replies go back that way), 2 = left with a source
+        # port Palisade gave it (see snatmap)
+        ("flags", ctypes.c_uint8),
         ("rev_nat", ctypes.c_uint16),
     ]
 
@@ -94,6 +99,8 @@ class CtEntry:
     closing: bool
     #: The service (reverse NAT id) the connection was opened to; 0 for none.
     service_id: int = 0
+    #: The source port is one Palisade gave the connection (another flow held its tuple).
+    given_port: bool = False
 
 
 def _addr(raw: ctypes.Array[ctypes.c_uint8], family: int) -> str:
@@ -115,6 +122,7 @@ def to_entry(key: CtKey | Ct4Key, value: CtValue) -> CtEntry:
         remote_identity=int(value.remote_identity),
         closing=bool(value.closing),
         service_id=int(value.rev_nat),
+        given_port=bool(int(value.flags) & FLAG_SNAT),
     )
 
 

@@ -47,7 +47,9 @@ def spec(sizes: MapSizes) -> MapSpec:
 
 def slot(ep_id: int, reason: Reason, direction: Direction) -> int:
     """The array index the program counts ``ep_id``'s packets of ``reason`` in ``direction`` at."""
-    return ep_id * SLOTS + (8 if direction is Direction.EGRESS else 0) + reason.wire
+    # Eight slots a direction: a reason numbered 8 or more counts in slot ``wire % 8`` (slot 0 has
+    # no reason of its own), as the program's ``reason & 7`` does.
+    return ep_id * SLOTS + (8 if direction is Direction.EGRESS else 0) + reason.wire % 8
 
 
 class MetricsMap:

@@ -27,5 +27,8 @@ class MapSizes:
     lb_affinity: int = 65536
     #: Connections to services (LRU).
     lb_conntrack: int = 262144
+    #: Connections given a source port of their own because another flow held their tuple (LRU; two
+    #: entries each).
+    snat: int = 65536
     #: Ring buffer size in bytes (a power of two).
     events_bytes: int = 1 << 22
