@@ -106,6 +106,19 @@ def tcp_open(ns: str, ip: str, port: int, src_port: int) -> socket.socket:
     return s
 
 
+def close(s: socket.socket) -> None:
+    """Close a TCP connection and wait for the server's FIN: the client's end is then in TIME_WAIT, so
+    the same 4-tuple can be connected again at once (never while it is still closing)."""
+    if s.type == socket.SOCK_STREAM:
+        try:
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(256):
+                pass
+        except OSError:
+            pass
+    s.close()
+
+
 def echoes(s: socket.socket) -> bool:
     msg = os.urandom(8)
     try:
@@ -141,8 +154,11 @@ def test_tcp_one_after_the_other_on_one_port(paths: Paths, net: Node, order: tup
     port = client_port()
     for round_ in range(3):
         for path in order:
-            with tcp_open(paths.client, *to[path], port) as s:
+            s = tcp_open(paths.client, *to[path], port)
+            try:
                 assert echoes(s), f"round {round_}: {path} connection from port {port} got no echo"
+            finally:
+                close(s)
     # Every connection was judged as a new flow at the client, none inherited the one before: one
     # allow event each (a connection that follows one of the other path while that one's entry is
     # still closing leaves with a port of Palisade's, the others with the client's).

@@ -23,6 +23,7 @@ import yaml
 from palisade.v1 import ipam_pb2, ipam_pb2_grpc
 from services.devstack import __main__ as devstack
 from tests.harness import ROOT
+from tests.system import tuplereuse
 from tests.system.stack import Stack, Traffic, assert_clean, probe, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
@@ -311,3 +312,18 @@ def test_zz_ctrl_c_removes_the_hosts_and_leaves_nothing_behind(stack: Stack) -> 
     pods = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
     assert not [n for n in pods if n.startswith(("pal_shop_", "pal_tools_"))]
     assert not stack.run_dir.exists()
+
+
+def test_one_client_port_reaches_a_backend_on_another_node_by_cluster_ip_and_by_pod_address(stack: Stack) -> None:
+    """A client on one node, its backend on another: the two paths from one bound client port, one
+    after the other and side by side, TCP and UDP, lose no exchange."""
+    stack.manifests.joinpath("80-reuse.yaml").write_text(tuplereuse.manifest("dev-node-1", "dev-node-2"))
+    try:
+        assert wait_for(lambda: _endpoints(stack).get("reuse/backend", {}).get("node") == "dev-node-2", 60)
+        assert wait_for(lambda: _endpoints(stack).get("reuse/client", {}).get("node") == "dev-node-1", 60)
+        cluster_ip = stack.cluster_ip("reuse/backend", tuplereuse.FRONT_UDP)
+        counts = tuplereuse.alternate(stack.netns("reuse/client"), stack.ip("reuse/backend"), cluster_ip)
+        assert counts["failed"] == 0 and counts["ok"] > 0, counts
+    finally:
+        stack.manifests.joinpath("80-reuse.yaml").unlink()
+    assert wait_for(lambda: "reuse/client" not in _endpoints(stack), 60)

@@ -20,6 +20,7 @@ import pytest
 
 from services.datapath.netns import in_netns
 from tests.harness import ROOT
+from tests.system import tuplereuse
 from tests.system.stack import Stack, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
@@ -187,3 +188,19 @@ def test_an_established_connection_through_a_cluster_ip_survives_a_datapath_kill
         assert stack.reach_service("shop/frontend", "shop/backend", 80)
     finally:
         conn.close()
+
+
+def test_one_client_port_reaches_a_backend_by_cluster_ip_and_by_pod_address(stack: Stack) -> None:
+    """The two paths to one backend from one bound client port, one after the other and side by
+    side, TCP and UDP: not one exchange lost (after DNAT they are one tuple to the backend)."""
+    path = stack.manifests / "80-reuse.yaml"
+    path.write_text(tuplereuse.manifest("dev-node", "dev-node"))
+    try:
+        assert wait_for(lambda: stack.palisade("endpoint", "get", "reuse/backend").returncode == 0, 60)
+        assert wait_for(lambda: stack.palisade("endpoint", "get", "reuse/client").returncode == 0, 60)
+        cluster_ip = stack.cluster_ip("reuse/backend", tuplereuse.FRONT_UDP)
+        assert stack.cluster_ip("reuse/backend", tuplereuse.FRONT_TCP) == cluster_ip
+        counts = tuplereuse.alternate(stack.netns("reuse/client"), stack.ip("reuse/backend"), cluster_ip)
+        assert counts["failed"] == 0 and counts["ok"] > 0, counts
+    finally:
+        path.unlink()

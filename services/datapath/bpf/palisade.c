@@ -25,7 +25,10 @@
  *      IPv6 neighbour discovery / MLD and ICMP error messages: pass.
  *   2. Conntrack: the packet's own tuple (an established flow), else the
  *      reversed tuple with the opposite direction (a reply); a SYN-ACK tries the
- *      reversed tuple first, a bare SYN only its own. A live entry
+ *      reversed tuple first, a bare SYN only its own, and a bare SYN on a closing
+ *      entry opens a new flow in its place. Leaving a pod, an entry of another
+ *      translation belongs to another connection: this one gets a source port of
+ *      its own (snat_resolve; its replies get the client's port back). A live entry
  *      passes if its verdict is from the current policy epoch; otherwise
  *      the flow is re-checked as in 4 with its original direction, identity
  *      and port, then kept (epoch refreshed) or deleted and dropped.
