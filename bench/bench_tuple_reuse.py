@@ -23,6 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.datapath.maps import snatmap
+from services.datapath.maps.bpf import PinnedMap
+from services.datapath.maps.snatmap import SnatMap
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -64,13 +68,21 @@ def soak(nodes: int, seconds: float, rate: float) -> dict[str, Any]:
                     cwd=ROOT, stdout=subprocess.PIPE, text=True,
                 ),
             ]  # fmt: skip
-            counts: dict[str, int] = {}
+            keys = ("direct", "service", "long")
+            counts = {f"{k}_{r}": 0 for k in keys for r in ("ok", "failed")} | {
+                "denied_blocked": 0,
+                "denied_admitted": 0,
+            }
             for proc in procs:
                 out, _ = proc.communicate(timeout=seconds + 120)
                 if proc.returncode != 0:
                     raise RuntimeError(f"load exited {proc.returncode}")
                 counts.update(json.loads(out))
             counts["seconds"] = round(time.monotonic() - started)
+            # How often the collision happened: connections the client's node gave a port of their
+            # own (the LRU keeps them all at this rate).
+            pins = stack.bpffs if nodes == 1 else f"{stack.bpffs}-{names[0]}"
+            counts["given_ports"] = len(SnatMap(PinnedMap.open_any(pins, snatmap.NAME)).entries())
     counts["allowed_failed"] = counts["direct_failed"] + counts["service_failed"] + counts["long_failed"]
     return counts
 
@@ -95,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             {"metric": f"{where}: by ClusterIP ok / failed", "value": f"{c['service_ok']} / {c['service_failed']}"},
             {"metric": f"{where}: long-lived connection echoes ok / failed",
              "value": f"{c['long_ok']} / {c['long_failed']}"},
+            {"metric": f"{where}: connections given a source port of their own (tuple held by another flow)",
+             "value": c["given_ports"]},
             {"metric": f"{where}: denied blocked / admitted",
              "value": f"{c['denied_blocked']} / {c['denied_admitted']}"},
         ]  # fmt: skip
