@@ -88,12 +88,14 @@ def _obj(
     one_of_required: tuple[tuple[str, ...], ...] = (),
     legacy: Mapping[str, str] | None = None,
     is_selector: bool = False,
+    props: Mapping[str, Node] | None = None,
     **properties: Node,
 ) -> Node:
+    """An object of the fields ``properties`` (``props`` for names that are Python keywords)."""
     return Node(
         NodeType.OBJECT,
         description,
-        properties=properties,
+        properties={**(props or {}), **properties},
         required=required,
         one_of_required=one_of_required,
         legacy=legacy or {},
@@ -201,12 +203,12 @@ _KNP_SELECTOR = _selector("A Kubernetes label selector.")
 _KNP_PEER = _obj(
     podSelector=_KNP_SELECTOR,
     namespaceSelector=_KNP_SELECTOR,
-    ipBlock=_obj(required=("cidr",), cidr=_STRING, **{"except": _STRINGS}),
+    ipBlock=_obj(required=("cidr",), cidr=_STRING, props={"except": _STRINGS}),
 )
 _KNP_PORT = _port_range(KNP_PROTOCOLS, "A port number or a named container port.")
 _KNP_SPEC = _obj(
     podSelector=_KNP_SELECTOR,
-    ingress=_arr(_obj(ports=_arr(_KNP_PORT), **{"from": _arr(_KNP_PEER)})),
+    ingress=_arr(_obj(ports=_arr(_KNP_PORT), props={"from": _arr(_KNP_PEER)})),
     egress=_arr(_obj(to=_arr(_KNP_PEER), ports=_arr(_KNP_PORT))),
     policyTypes=_arr(_str(enum=("Ingress", "Egress"))),
 )
@@ -220,7 +222,7 @@ _CIDR_RULE = _obj(
     cidr=_STRING,
     cidrGroupRef=_STRING,
     cidrGroupSelector=_SELECTOR,
-    **{"except": _STRINGS},
+    props={"except": _STRINGS},
 )
 _ENTITY = _str(enum=tuple(ENTITIES))
 _GROUPS = _obj(
@@ -338,10 +340,10 @@ _RULE = _obj(
             icmps=_ICMPS,
             authentication=_AUTHENTICATION,
             auth=_LEGACY_AUTH,
-            **_ingress_common(),
+            props=_ingress_common(),
         )
     ),
-    ingressDeny=_arr(_obj(toPorts=_arr(_PORT_DENY_RULE), icmps=_ICMPS, **_ingress_common())),
+    ingressDeny=_arr(_obj(toPorts=_arr(_PORT_DENY_RULE), icmps=_ICMPS, props=_ingress_common())),
     egress=_arr(
         _obj(
             legacy=_LEGACY_AUTH_NOTE,
@@ -350,10 +352,10 @@ _RULE = _obj(
             icmps=_ICMPS,
             authentication=_AUTHENTICATION,
             auth=_LEGACY_AUTH,
-            **_egress_common(),
+            props=_egress_common(),
         )
     ),
-    egressDeny=_arr(_obj(toPorts=_arr(_PORT_DENY_RULE), icmps=_ICMPS, **_egress_common())),
+    egressDeny=_arr(_obj(toPorts=_arr(_PORT_DENY_RULE), icmps=_ICMPS, props=_egress_common())),
     labels=_arr(_obj(required=("key",), key=_STRING, value=_STRING, source=_STRING)),
     enableDefaultDeny=_obj(ingress=_BOOL, egress=_BOOL),
     description=_STRING,
@@ -374,7 +376,7 @@ def document_model(kind: PolicyKind) -> Node:
         "status": _STATUS,
     }
     if kind is PolicyKind.NETWORK_POLICY:
-        return _obj("A Kubernetes NetworkPolicy.", legacy=_APIVERSION_NOTE, spec=_KNP_SPEC, **top)
+        return _obj("A Kubernetes NetworkPolicy.", legacy=_APIVERSION_NOTE, spec=_KNP_SPEC, props=top)
     description = (
         "A cluster-wide Cilium network policy: L3/L4 rules for endpoints or nodes in any namespace."
         if kind is PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY
@@ -389,7 +391,7 @@ def document_model(kind: PolicyKind) -> Node:
         spec=_RULE,
         specs=_arr(_RULE),
         description=_str("Old place of spec.description."),
-        **top,
+        props=top,
     )
 
 
