@@ -208,7 +208,7 @@ def parse_config(stdin: bytes | str, command: str) -> NetConf:
         raise CniError(
             INVALID_CONFIG,
             "name is missing from the network configuration",
-            "every network configuration names its network, e.g. \"name\": \"k8s-pod-network\"",
+            'every network configuration names its network, e.g. "name": "k8s-pod-network"',
         )
     _check_keys(data)
     name = data["name"]

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from services.cli import analyze as cli
+from tests.policy.typo_cases import CASES, doc_of
 
 MODEL = """\
 apiVersion: v1
@@ -170,3 +174,25 @@ def test_no_policies_is_said(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     out, err = capsys.readouterr()
     assert "no valid NetworkPolicy" in err and "every connection is allowed" in err
     assert json.loads(out)["probes"][0]["matrix"]["x/b"]["x/a"] is True
+
+
+@pytest.mark.parametrize(
+    ("kind", "case", "where", "edit", "path", "words"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES]
+)
+def test_every_typo_stops_analyze_naming_its_path(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    kind: str,
+    case: str,
+    where: Callable[[dict[str, Any]], Any],
+    edit: Callable[[dict[str, Any]], None],
+    path: str,
+    words: str,
+) -> None:
+    doc = doc_of(kind)
+    edit(where(doc))
+    f = tmp_path / "in.yaml"
+    f.write_text(MODEL + "---\n" + yaml.safe_dump(doc))
+    assert run(["-f", str(f), "--probe", "80/TCP", "-o", "json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"{path}: " in err and words in err, err

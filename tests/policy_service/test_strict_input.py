@@ -7,10 +7,18 @@ as rejected with the field's path, and nothing else is affected.
 from __future__ import annotations
 
 import copy
+from functools import partial
+from typing import Any
+
+import grpc
+import yaml
 
 from palisade.v1 import common_pb2, policy_pb2
+from tests.policy.typo_cases import CASES, doc_of
 from tests.policy_service import builders
+from tests.policy_service.cluster import eventually
 from tests.policy_service.scenario import CACHE, PODS, WEB, Env, next_orders
+from tests.policy_service.test_api import rpc_error
 
 
 def _ref(name: str) -> common_pb2.ObjectRef:
@@ -26,7 +34,8 @@ async def _cache_to_web(env: Env, port: int) -> int:
             protocol=common_pb2.PROTOCOL_TCP,
         )
     )
-    return answer.verdict
+    verdict: int = answer.verdict
+    return verdict
 
 
 async def test_a_typo_in_an_enforced_policy_keeps_the_valid_version_enforced(env: Env) -> None:
@@ -79,3 +88,50 @@ async def test_a_typo_in_an_enforced_policy_keeps_the_valid_version_enforced(env
     assert await _cache_to_web(env, 80) == common_pb2.VERDICT_ALLOW
     status = await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=_ref("web-from-db")))
     assert status.state != policy_pb2.POLICY_STATE_REJECTED and not status.error
+
+
+def _case_doc(kind: str, where: Any, edit: Any, name: str) -> dict[str, Any]:
+    doc = doc_of(kind)
+    edit(where(doc))
+    doc["metadata"]["name"] = name
+    return doc
+
+
+def _error_name(kind: str, name: str) -> str:
+    return f"{kind} {name}" if kind == "CiliumClusterwideNetworkPolicy" else f"{kind} x/{name}"
+
+
+async def test_every_typo_is_refused_by_import_and_shown_invalid_through_the_watchers_path(env: Env) -> None:
+    """The table of typos at every depth, all three kinds, through ImportPolicies and the NATS deltas."""
+    refs = []
+    for n, (kind, case, where, edit, path, words) in enumerate(CASES):
+        name = f"typo-{n}"
+        doc = _case_doc(kind, where, edit, name)
+        for dry_run in (True, False):
+            err = await rpc_error(
+                env.api.ImportPolicies(
+                    policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(doc), dry_run=dry_run, origin="t.yaml")
+                )
+            )
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, case
+            details = err.details() or ""
+            assert f"{_error_name(kind, name)}: {path}: " in details and words in details, (case, details)
+        await env.feed.policy(doc)
+        refs.append((common_pb2.ObjectRef(kind=kind, namespace=doc["metadata"].get("namespace", ""), name=name), path))
+    listed = await env.api.ListPolicies(policy_pb2.ListPoliciesRequest())
+    assert not any(p.source == policy_pb2.POLICY_SOURCE_API for p in listed.policies)
+    for ref, path in refs:
+        status: policy_pb2.PolicyStatus = await eventually(partial(_status, env, ref), f"{ref.name} to arrive")
+        assert status.state == policy_pb2.POLICY_STATE_REJECTED
+        assert f": {path}: " in status.error, status.error
+        assert status.revision == 0  # never enforced
+
+
+async def _status(env: Env, ref: common_pb2.ObjectRef) -> policy_pb2.PolicyStatus | None:
+    try:
+        status: policy_pb2.PolicyStatus = await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref))
+        return status
+    except grpc.aio.AioRpcError as err:
+        if err.code() != grpc.StatusCode.NOT_FOUND:
+            raise
+        return None
