@@ -47,6 +47,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="evaluate pod-to-itself traffic through policy (default: always allowed)",
     )
+    parser.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="report an invalid policy and analyze the rest without it (exit status 1) instead of stopping",
+    )
     parser.set_defaults(func=run)
 
 
@@ -91,10 +96,11 @@ def _table(results: Sequence[ProbeResult], out: TextIO) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit status: 0 analyzed; 1 analyzed without the invalid policies (``--keep-going``); 2 bad input."""
     try:
         probes = [Probe.parse(p) for p in args.probes]
         docs = load_documents(args.paths)
-        results, model = analyze(docs, probes, self_traffic_allowed=not args.enforce_self)
+        results, model = analyze(docs, probes, self_traffic_allowed=not args.enforce_self, keep_going=args.keep_going)
     except AnalyzeError as err:
         print(f"palisade analyze: {err}", file=sys.stderr)
         return 2
@@ -102,10 +108,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     for policy in model.policies:
         for item in policy.unsupported:
-            print(f"warning: {policy.key}: unsupported: {item}", file=sys.stderr)
+            print(f"warning: {policy.key}: unsupported, not enforced: {item}", file=sys.stderr)
+    for error in model.invalid:
+        print(f"palisade analyze: {error} (left out: the matrix is computed without it)", file=sys.stderr)
+    paths = " ".join(args.paths)
+    if not model.pods:
+        print(
+            f"palisade analyze: no Pod objects in {paths}: there is no matrix to compute; "
+            "add the pods (kind: Pod, with metadata.labels) to the input",
+            file=sys.stderr,
+        )
+        return 2
+    if not model.policies:
+        print(
+            f"palisade analyze: note: no valid NetworkPolicy, CiliumNetworkPolicy or CiliumClusterwideNetworkPolicy "
+            f"in {paths}: every connection is allowed",
+            file=sys.stderr,
+        )
     if args.output == "json":
         payload: dict[str, Any] = {"probes": [r.to_json() for r in results]}
         sys.stdout.write(json.dumps(payload) + "\n")
     else:
         _table(results, sys.stdout)
-    return 0
+    return 1 if model.invalid else 0

@@ -7,7 +7,7 @@ import argparse
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from palisade.v1 import common_pb2, common_pb2_grpc
+from palisade.v1 import common_pb2, common_pb2_grpc, policy_pb2, policy_pb2_grpc
 from services.cli.client import (
     SERVICES,
     add_address_flags,
@@ -44,6 +44,24 @@ def _probe(target: str, service: str, creds: Credentials | None) -> tuple[str, c
         ch.close()
 
 
+def _invalid_policies(target: str, creds: Credentials | None) -> list[policy_pb2.PolicyStatus]:
+    """The policies whose latest version the policy service at ``target`` rejected."""
+    ch = open_sync_channel(target, "policy", creds)
+    try:
+        listing = policy_pb2_grpc.PolicyServiceStub(ch).ListPolicies(policy_pb2.ListPoliciesRequest(), timeout=5)
+    except grpc.RpcError:
+        return []
+    finally:
+        ch.close()
+    return [p for p in listing.policies if p.state == policy_pb2.POLICY_STATE_REJECTED]
+
+
+def _invalid_text(p: policy_pb2.PolicyStatus) -> str:
+    ref = f"{p.ref.kind} {p.ref.namespace + '/' if p.ref.namespace else ''}{p.ref.name}"
+    kept = f"the version of revision {p.revision} stays enforced" if p.revision else "not enforced"
+    return f"{ref} ({kept}): {p.error}"
+
+
 @run
 def cmd_status(args: argparse.Namespace) -> int:
     results = []
@@ -54,6 +72,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             state, status = _probe(target.strip(), name, creds)
             results.append((name, target.strip(), state, status))
     members = _members(results)
+    # Policies whose latest version was refused (a typo, a wrong type): asked of one replica.
+    invalid: list[policy_pb2.PolicyStatus] = []
+    for name, target, _, status in results:
+        if name == "policy" and status is not None and status.details.get("rejected", "0") != "0":
+            invalid = _invalid_policies(target, creds)
+            break
     if args.output == "json":
         out = []
         for name, target, state, status in results:
@@ -68,7 +92,15 @@ def cmd_status(args: argparse.Namespace) -> int:
                     details=dict(status.details),
                 )
             out.append(item)
-        print_json({"services": out, "members": [to_dict(m) for m in members]})
+        print_json(
+            {
+                "services": out,
+                "members": [to_dict(m) for m in members],
+                "invalid_policies": [
+                    {"ref": to_dict(p.ref), "error": p.error, "enforced_revision": p.revision} for p in invalid
+                ],
+            }
+        )
     else:
         rows: list[tuple[object, ...]] = []
         for name, target, state, status in results:
@@ -85,6 +117,10 @@ def cmd_status(args: argparse.Namespace) -> int:
                 ("MEMBER", "GROUP", "ADDRESS", "ROLE", "HEALTH"),
                 [(m.name, m.group, m.address, m.role, m.health) for m in members],
             )
+        if invalid:
+            print(f"\n{len(invalid)} invalid policies (their latest version is refused):")
+            for p in invalid:
+                print(f"  {_invalid_text(p)}")
         down = [f"{n} at {t}" for n, t, s, _ in results if s == "unreachable"]
         if down:
             print(f"\n{', '.join(down)} unreachable: start the system with `make run`, or pass --<service>-address.")

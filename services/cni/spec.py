@@ -7,6 +7,7 @@ with it). Codes are the specification's well-known ones.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import json
 import re
@@ -131,7 +132,52 @@ def parse_environment(env: Mapping[str, str]) -> Environment:
     return out
 
 
+#: CNI's network name rule (spec: "Network configuration format", ``name``).
+_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.\-]*")
+
+#: Keys of the configuration whose type the plugin checks: the specification's own and this
+#: plugin's (``socket``, ``timeout``). Other keys belong to runtimes or to other plugins.
+_KEY_TYPES: dict[str, tuple[type, ...]] = {
+    "cniVersion": (str,),
+    "name": (str,),
+    "type": (str,),
+    "socket": (str,),
+    "timeout": (int, float),
+    "prevResult": (dict,),
+    "args": (dict,),
+    "capabilities": (dict,),
+    "runtimeConfig": (dict,),
+    "ipam": (dict,),
+    "dns": (dict,),
+    "disableCheck": (bool,),
+    "disableGC": (bool,),
+}
+_OWN_KEYS = ("socket", "timeout")
+_TYPE_NAMES = {str: "a string", int: "a number", float: "a number", dict: "an object", bool: "true or false"}
+
+
+def _check_keys(data: Mapping[str, Any]) -> None:
+    """Types of the known keys, and a key that looks like a misspelling of one of them (code 7)."""
+    for key, value in data.items():
+        kinds = _KEY_TYPES.get(key)
+        if kinds is None:
+            close = difflib.get_close_matches(key, list(_KEY_TYPES), n=1, cutoff=0.8)
+            if close:
+                raise CniError(
+                    INVALID_CONFIG,
+                    f"unknown key {key!r} in the network configuration; did you mean {close[0]!r}?",
+                )
+            continue
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+            raise CniError(INVALID_CONFIG, f"{key} must be {_TYPE_NAMES[kinds[0]]}, not {type(value).__name__}")
+
+
 def parse_config(stdin: bytes | str, command: str) -> NetConf:
+    """The network configuration; a :class:`CniError` naming the field when it is invalid.
+
+    ``cniVersion``, ``name`` and ``type`` are required (VERSION needs only ``cniVersion``);
+    the specification's keys and this plugin's own are type-checked before anything is done.
+    """
     try:
         data = json.loads(stdin)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -151,22 +197,34 @@ def parse_config(stdin: bytes | str, command: str) -> NetConf:
         raise CniError(
             INCOMPATIBLE_VERSION, f"{command} needs cniVersion 1.1.0 or later, the configuration has {version}"
         )
+    if command == "VERSION":
+        return NetConf(version, str(data.get("name", "")), DEFAULT_SOCKET, DEFAULT_TIMEOUT, None, data)
+    if "type" not in data:
+        raise CniError(INVALID_CONFIG, 'type is missing from the network configuration; it is "palisade"')
     plugin_type = data.get("type")
     if plugin_type != "palisade":
         raise CniError(INVALID_CONFIG, f'type is {plugin_type!r}; this plugin is type "palisade"')
+    if "name" not in data:
+        raise CniError(
+            INVALID_CONFIG,
+            "name is missing from the network configuration",
+            'every network configuration names its network, e.g. "name": "k8s-pod-network"',
+        )
+    _check_keys(data)
+    name = data["name"]
+    if not _NAME.fullmatch(name):
+        raise CniError(
+            INVALID_CONFIG,
+            f"name {name!r} is not a network name",
+            "letters, digits, '_', '.' and '-', starting with a letter or a digit",
+        )
     socket = data.get("socket", DEFAULT_SOCKET)
-    if not isinstance(socket, str) or not socket.startswith("/"):
+    if not socket.startswith("/"):
         raise CniError(INVALID_CONFIG, f"socket {socket!r} is not an absolute path to the datapath's unix socket")
     timeout = data.get("timeout", DEFAULT_TIMEOUT)
-    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0 < timeout <= 300:
+    if not 0 < timeout <= 300:
         raise CniError(INVALID_CONFIG, f"timeout {timeout!r} is not a number of seconds in (0, 300]")
-    prev = data.get("prevResult")
-    if prev is not None and not isinstance(prev, dict):
-        raise CniError(INVALID_CONFIG, "prevResult is not an object")
-    name = data.get("name", "")
-    if not isinstance(name, str):
-        raise CniError(INVALID_CONFIG, "name is not a string")
-    return NetConf(version, name, socket, float(timeout), prev, data)
+    return NetConf(version, name, socket, float(timeout), data.get("prevResult"), data)
 
 
 def _older(version: str, than: str) -> bool:

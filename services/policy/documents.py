@@ -47,6 +47,8 @@ def _check_selector(selector: Any, path: str) -> None:
     labels = selector.get("matchLabels")
     if isinstance(labels, Mapping):
         for key, value in labels.items():
+            if value is not None and not isinstance(value, str):
+                continue  # the parser reports the wrong type with its path
             source, name = _split_source(str(key))
             validate_identity_label(source, name, "" if value is None else str(value), f"{path}.matchLabels")
     expressions = selector.get("matchExpressions")
@@ -59,7 +61,8 @@ def _check_selector(selector: Any, path: str) -> None:
             validate_identity_label(source, name, "", where)
             values = expr.get("values")
             for j, value in enumerate(values if isinstance(values, list) else []):
-                validate_label_value(str(value), f"{where}.values[{j}]")
+                if isinstance(value, str):  # else the parser reports the wrong type
+                    validate_label_value(value, f"{where}.values[{j}]")
 
 
 def validate_document(doc: Mapping[str, Any], where: str) -> None:

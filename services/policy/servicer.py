@@ -279,13 +279,19 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         check = still_wanted(context)
 
         def apply(core: PolicyCore, now: float) -> list[Outcome]:
+            # All or nothing: every document is checked first, and one invalid document
+            # fails the import (INVALID_ARGUMENT below) with nothing changed.
             if not request.dry_run:
                 check()
-            return [
-                core.upsert(
-                    Source.API, doc.body, text, now, origin=doc.source, provenance=provenance, dry_run=request.dry_run
-                )
+            checked = [
+                core.upsert(Source.API, doc.body, text, now, origin=doc.source, provenance=provenance, dry_run=True)
                 for doc, text in zip(docs, texts, strict=True)
+            ]
+            if request.dry_run or not all(o.accepted for o in checked):
+                return checked
+            return [
+                core.upsert(Source.API, doc.body, text, now, origin=doc.source, provenance=provenance, parsed=o.policy)
+                for doc, text, o in zip(docs, texts, checked, strict=True)
             ]
 
         try:
@@ -295,9 +301,16 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 outcomes = await self._controller.call(apply, JobKind.CHANGE, durable=True)
         except CallerGone as exc:
             await abort(context, Code.DEADLINE_EXCEEDED, str(exc))
-        for outcome in outcomes:
-            if not outcome.accepted:
-                metrics.REJECTED.labels(Source.API.value).inc()
+        invalid = [o for o in outcomes if not o.accepted]
+        if invalid:
+            metrics.REJECTED.labels(Source.API.value).inc(len(invalid))
+            nothing = "nothing was imported" if not request.dry_run else "dry run: nothing would be imported"
+            await abort(
+                context,
+                Code.INVALID_ARGUMENT,
+                f"{len(invalid)} of {len(outcomes)} documents invalid, {nothing}; fix them and import again:\n"
+                + "\n".join(o.error for o in invalid),
+            )
 
         def answer(core: PolicyCore, now: float) -> policy_pb2.ImportPoliciesResponse:
             response = policy_pb2.ImportPoliciesResponse(revision=core.revision)

@@ -33,14 +33,21 @@ _RELEVANT: dict[Kind, tuple[tuple[str, tuple[str, ...] | None], ...]] = {
         ("spec", ("podCIDR", "podCIDRs")),
         ("status", ("addresses",)),
     ),
-    Kind.NETWORK_POLICY: (("spec", None),),
-    # Cilium agents write per-node enforcement into status; it is not policy input.
-    Kind.CILIUM_NETWORK_POLICY: (("spec", None), ("specs", None)),
-    Kind.CILIUM_CLUSTERWIDE_NETWORK_POLICY: (("spec", None), ("specs", None)),
+    # Policies: every top-level field but status (see _POLICY_KINDS).
+    Kind.NETWORK_POLICY: (),
+    Kind.CILIUM_NETWORK_POLICY: (),
+    Kind.CILIUM_CLUSTERWIDE_NETWORK_POLICY: (),
     # What the datapath load-balances and toServices names; a Service's status (load balancer) is not.
     Kind.SERVICE: (("spec", None),),
     Kind.ENDPOINT_SLICE: (("addressType", None), ("endpoints", None), ("ports", None)),
 }
+
+
+#: Kinds whose every top-level field matters (status aside: Cilium agents write per-node
+#: enforcement there): a field the policy service does not know is an error it must see,
+#: so a change to a misspelled top-level field is published too.
+_POLICY_KINDS = frozenset({Kind.NETWORK_POLICY, Kind.CILIUM_NETWORK_POLICY, Kind.CILIUM_CLUSTERWIDE_NETWORK_POLICY})
+_NOT_POLICY_INPUT = frozenset({"apiVersion", "kind", "metadata", "status"})
 
 
 def strip_noise(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -65,6 +72,8 @@ def relevant_view(kind: Kind, obj: Mapping[str, Any]) -> dict[str, Any]:
         if not view_meta.get(key):
             view_meta.pop(key, None)
     view: dict[str, Any] = {"apiVersion": obj.get("apiVersion"), "metadata": view_meta}
+    if kind in _POLICY_KINDS:
+        view.update((k, v) for k, v in obj.items() if k not in _NOT_POLICY_INPUT)
     for field, subfields in _RELEVANT[kind]:
         value = obj.get(field)
         if value is None:

@@ -200,6 +200,8 @@ async def test_chained_adopts_the_previous_plugins_veth_and_passes_its_result_on
         ({"cniVersion": "1.0.0", "type": "bridge"}, {}, 7, "this plugin is type"),
         ({"cniVersion": "1.0.0", "type": "palisade", "socket": "relative.sock"}, {}, 7, "socket"),
         ({"cniVersion": "1.0.0", "type": "palisade", "timeout": -1}, {}, 7, "timeout"),
+        ({"cniVersion": "1.0.0", "type": "palisade", "name": 5}, {}, 7, "name must be a string"),
+        ({"cniVersion": "1.0.0", "type": "palisade", "sockett": "/x.sock"}, {}, 7, "did you mean 'socket'"),
         ({"cniVersion": "1.0.0", "type": "palisade"}, {"CNI_NETNS": ""}, 4, "CNI_NETNS"),
         ({"cniVersion": "1.0.0", "type": "palisade"}, {"CNI_CONTAINERID": ""}, 4, "CNI_CONTAINERID"),
         ({"cniVersion": "1.0.0", "type": "palisade"}, {"CNI_ARGS": "IgnoreUnknown=1"}, 4, "K8S_POD_NAME"),
@@ -212,7 +214,7 @@ async def test_bad_input_gets_the_specs_error_object(
     agent: InProcessAgent, netns: str, config: Any, env: dict[str, str], code: int, words: str
 ) -> None:
     if isinstance(config, dict):
-        config = {"socket": agent.config.cni_socket_path, **config}
+        config = {"socket": agent.config.cni_socket_path, "name": "k8s-pod-network", **config}
     status, out = await cni("ADD", config, netns=env.pop("CNI_NETNS", netns), **env)
     assert status == 1
     assert out["code"] == code and words in out["msg"] + out.get("details", ""), out

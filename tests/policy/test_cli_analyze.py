@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from services.cli import analyze as cli
+from tests.policy.typo_cases import CASES, doc_of
 
 MODEL = """\
 apiVersion: v1
@@ -97,3 +101,98 @@ def test_table_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert run(["-f", str(tmp_path / "m.yaml"), "--probe", "80/TCP"]) == 0
     out = capsys.readouterr().out
     assert "Probe 80/TCP" in out and "x/b" in out
+
+
+TYPO = """\
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: only-b, namespace: x}
+spec:
+  endpointSelector: {matchLabels: {app: a}}
+  ingress:
+  - fromEndpoint: [{matchLabels: {app: b}}]
+    toPorts: [{ports: [{port: "80"}]}]
+"""
+
+
+def test_a_typo_exits_2_naming_the_file_the_object_the_path_and_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = tmp_path / "in.yaml"
+    f.write_text(MODEL + "---\n" + TYPO)
+    assert run(["-f", str(f), "--probe", "80/TCP", "-o", "json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert str(f) in err
+    assert (
+        "CiliumNetworkPolicy x/only-b: spec.ingress[0].fromEndpoint: unknown field; did you mean 'fromEndpoints'?"
+        in err
+    )
+
+
+def test_keep_going_reports_the_invalid_policy_and_analyzes_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = tmp_path / "in.yaml"
+    f.write_text(MODEL + "---\n" + TYPO + "---\n" + POLICY)
+    assert run(["-f", str(f), "--probe", "8080/TCP", "-o", "json", "--keep-going"]) == 1
+    out, err = capsys.readouterr()
+    assert "spec.ingress[0].fromEndpoint: unknown field" in err and "left out" in err
+    # The valid policy is enforced (b may reach a's named port), the invalid one is not.
+    matrix = json.loads(out)["probes"][0]["matrix"]
+    assert matrix == {"x/a": {"x/a": True, "x/b": True}, "x/b": {"x/a": True, "x/b": True}}
+
+
+def test_engine_warnings_and_unsupported_parts_go_to_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    legacy = POLICY.replace("networking.k8s.io/v1", "extensions/v1beta1")
+    l7 = (
+        TYPO.replace("fromEndpoint:", "fromEndpoints:")
+        .replace('ports: [{port: "80"}]}]', 'ports: [{port: "80"}], rules: {http: [{method: GET}]}}]')
+        .replace("only-b", "l7")
+    )
+    f = tmp_path / "in.yaml"
+    f.write_text(MODEL + "---\n" + legacy + "---\n" + l7)
+    assert run(["-f", str(f), "--probe", "80/TCP", "-o", "json"]) == 0
+    out, err = capsys.readouterr()
+    json.loads(out)  # standard output holds the JSON alone
+    assert "NetworkPolicy x/p: apiVersion: legacy extensions/v1beta1" in err
+    assert "CiliumNetworkPolicy x/l7: unsupported, not enforced: spec.ingress[0].toPorts[0].rules" in err
+
+
+def test_no_pods_is_said_instead_of_an_empty_matrix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "in.yaml"
+    f.write_text(POLICY)
+    assert run(["-f", str(f), "--probe", "80/TCP", "-o", "json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "no Pod objects in" in err
+
+
+def test_no_policies_is_said(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "in.yaml"
+    f.write_text(MODEL)
+    assert run(["-f", str(f), "--probe", "80/TCP", "-o", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert "no valid NetworkPolicy" in err and "every connection is allowed" in err
+    assert json.loads(out)["probes"][0]["matrix"]["x/b"]["x/a"] is True
+
+
+@pytest.mark.parametrize(
+    ("kind", "case", "where", "edit", "path", "words"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES]
+)
+def test_every_typo_stops_analyze_naming_its_path(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    kind: str,
+    case: str,
+    where: Callable[[dict[str, Any]], Any],
+    edit: Callable[[dict[str, Any]], None],
+    path: str,
+    words: str,
+) -> None:
+    doc = doc_of(kind)
+    edit(where(doc))
+    f = tmp_path / "in.yaml"
+    f.write_text(MODEL + "---\n" + yaml.safe_dump(doc))
+    assert run(["-f", str(f), "--probe", "80/TCP", "-o", "json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"{path}: " in err and words in err, err

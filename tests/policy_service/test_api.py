@@ -23,28 +23,42 @@ async def rpc_error(call: object) -> grpc.aio.AioRpcError:
     return err.value
 
 
-async def test_import_mixed_documents_accepts_the_good_and_rejects_the_bad(env: Env) -> None:
+async def test_an_import_with_an_invalid_document_fails_whole_and_changes_nothing(env: Env) -> None:
     good = builders.netpol("web-in", {"app": "web"}, {"app": "db"}, 80)
     bad = builders.netpol("bad", {"app": "web"}, {"app": "db"}, 80)
     bad["spec"]["policyTypes"] = ["Sideways"]
     l7 = builders.cnp("l7", {"app": "db"}, {"app": "web"}, 80)
     l7["spec"]["ingress"][0]["toPorts"][0]["rules"] = {"http": [{"method": "GET"}]}
+    typo = builders.cnp("typo", {"app": "db"}, {"app": "web"}, 80)
+    typo["spec"]["ingress"][0]["fromEndpoint"] = typo["spec"]["ingress"][0].pop("fromEndpoints")
     before = (await env.api.ListPolicies(policy_pb2.ListPoliciesRequest())).revision
+    for dry_run in (True, False):
+        err = await rpc_error(
+            env.api.ImportPolicies(
+                policy_pb2.ImportPoliciesRequest(
+                    documents=yaml.safe_dump_all([good, bad, l7, typo]), origin="mixed.yaml", dry_run=dry_run
+                )
+            )
+        )
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = err.details() or ""
+        assert "2 of 4 documents invalid" in details
+        assert "mixed.yaml[1]" in details and "NetworkPolicy default/bad: spec.policyTypes[0]" in details
+        assert "CiliumNetworkPolicy default/typo: spec.ingress[0].fromEndpoint: unknown field" in details
+        assert "did you mean 'fromEndpoints'" in details
+        # Nothing was imported, not even the valid documents; the revision did not move.
+        listed = await env.api.ListPolicies(policy_pb2.ListPoliciesRequest())
+        assert [p.ref.name for p in listed.policies] == ["db-from-web"]
+        assert listed.revision == before
+
     answer = await env.api.ImportPolicies(
-        policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump_all([good, bad, l7]), origin="mixed.yaml")
+        policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump_all([good, l7]), origin="mixed.yaml")
     )
     assert answer.revision > before
     states = {p.ref.name: p for p in answer.policies}
     assert states["web-in"].state != policy_pb2.POLICY_STATE_REJECTED
     assert states["web-in"].source == policy_pb2.POLICY_SOURCE_API
-    assert states["bad"].state == policy_pb2.POLICY_STATE_REJECTED
-    assert "mixed.yaml[1]" in states["bad"].error
-    assert "NetworkPolicy default/bad: spec.policyTypes[0]" in states["bad"].error
     assert any("rules" in u for u in states["l7"].unsupported)
-    # The rejected document left no trace in the repository.
-    err = await rpc_error(env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref("bad"))))
-    assert err.code() == grpc.StatusCode.NOT_FOUND
-
     listed = await env.api.ListPolicies(policy_pb2.ListPoliciesRequest(namespace="default"))
     assert {(p.ref.name, p.source) for p in listed.policies} == {
         ("db-from-web", policy_pb2.POLICY_SOURCE_KUBERNETES),
@@ -53,10 +67,14 @@ async def test_import_mixed_documents_accepts_the_good_and_rejects_the_bad(env: 
     }
     assert (await env.api.ListPolicies(policy_pb2.ListPoliciesRequest(namespace="other"))).policies == []
 
-    # Importing only rejected documents changes nothing, not even the revision.
-    only_bad = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(bad)))
-    assert only_bad.revision == answer.revision
-    assert [p.state for p in only_bad.policies] == [policy_pb2.POLICY_STATE_REJECTED]
+    # A typo in a new version of an imported policy: refused, the imported version stays.
+    edited = builders.netpol("web-in", {"app": "web"}, {"app": "db"}, 8080)
+    edited["spec"]["ingress"][0]["ports"][0]["prot"] = "TCP"
+    err = await rpc_error(env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(edited))))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "spec.ingress[0].ports[0].prot: unknown field; did you mean 'port'?" in (err.details() or "")
+    kept = await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref("web-in"), source=policy_pb2.POLICY_SOURCE_API))
+    assert "port: 80" in kept.document and not kept.error
 
     # Dry run validates without changing anything.
     dry = await env.api.ImportPolicies(
@@ -279,13 +297,16 @@ async def test_malformed_input_is_invalid_argument_naming_the_field(env: Env) ->
 async def test_an_ip_block_without_a_prefix_length_is_rejected(env: Env) -> None:
     doc = builders.netpol("to-host", {"app": "web"}, {"app": "db"}, 80)
     doc["spec"]["ingress"][0]["from"] = [{"ipBlock": {"cidr": "10.0.0.1"}}]
-    answer = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(doc)), timeout=10)
-    (status,) = answer.policies
-    assert status.state == policy_pb2.POLICY_STATE_REJECTED
-    assert "ipBlock.cidr" in status.error and "prefix length" in status.error
+    err = await rpc_error(
+        env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(doc)), timeout=10)
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ipBlock.cidr" in (err.details() or "") and "prefix length" in (err.details() or "")
     doc["spec"]["ingress"][0]["from"] = [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.2.3"]}}]
-    answer = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(doc)), timeout=10)
-    assert "ipBlock.except[0]" in answer.policies[0].error
+    err = await rpc_error(
+        env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(doc)), timeout=10)
+    )
+    assert "ipBlock.except[0]" in (err.details() or "")
     doc["spec"]["ingress"][0]["from"] = [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
     answer = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(doc)), timeout=10)
     assert answer.policies[0].state != policy_pb2.POLICY_STATE_REJECTED, answer.policies[0].error

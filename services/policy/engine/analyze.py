@@ -78,6 +78,8 @@ class Model:
     pods: dict[str, PodModel]
     policies: list[Policy] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    #: Policies refused (``keep_going``): each error names the file, the object and the field.
+    invalid: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +117,12 @@ def _container_ports(pod: Mapping[str, Any], where: str) -> dict[str, set[tuple[
     return out
 
 
-def build_model(documents: Iterable[Document]) -> Model:
-    """Load documents into an engine. Raises :class:`AnalyzeError` on bad input."""
+def build_model(documents: Iterable[Document], *, keep_going: bool = False) -> Model:
+    """Load documents into an engine. Raises :class:`AnalyzeError` on bad input.
+
+    ``keep_going``: an invalid policy is left out and its error kept in ``Model.invalid``
+    instead of raised (every other bad input still raises).
+    """
     namespaces: dict[str, Mapping[str, Any]] = {}
     pods: list[tuple[Document, str, str]] = []
     policy_docs: list[Document] = []
@@ -183,19 +189,24 @@ def build_model(documents: Iterable[Document]) -> Model:
         else:
             engine.set_endpoint_slice(ns, name, doc.body)
     policies: list[Policy] = []
+    invalid: list[str] = []
     seen_policies: set[str] = set()
     for doc in policy_docs:
         try:
             policy = parse_policy(doc.body)
         except PolicyValidationError as err:
-            raise AnalyzeError(doc.source, str(err)) from None
+            if not keep_going:
+                raise AnalyzeError(doc.source, str(err)) from None
+            invalid.append(str(AnalyzeError(doc.source, str(err))))
+            continue
+        warnings.extend(f"{doc.source}: {policy.key}: {w}" for w in policy.warnings)
         if str(policy.key) in seen_policies:
             warnings.append(f"{doc.source}: {policy.key} defined twice; the last one wins")
         seen_policies.add(str(policy.key))
         engine.upsert_policy(policy)
         policies.append(policy)
     engine.end_batch()
-    return Model(engine, models, policies, warnings)
+    return Model(engine, models, policies, warnings, invalid)
 
 
 def _pod_ips(doc: Document) -> list[IPAddress]:
@@ -243,8 +254,9 @@ def analyze(
     probes: Sequence[Probe],
     *,
     self_traffic_allowed: bool = True,
+    keep_going: bool = False,
 ) -> tuple[list[ProbeResult], Model]:
     """Documents and probes in, one matrix per probe out (plus the model, for reports)."""
-    model = build_model(documents)
+    model = build_model(documents, keep_going=keep_going)
     results = [ProbeResult(p, connectivity(model, p, self_traffic_allowed=self_traffic_allowed)) for p in probes]
     return results, model

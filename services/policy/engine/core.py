@@ -342,16 +342,19 @@ class PolicyCore:
         conflict: str = "",
         dry_run: bool = False,
         restoring: bool = False,
+        parsed: Policy | None = None,
     ) -> Outcome:
         """Parse and enforce one document; a rejected one changes nothing but its error.
 
         ``origin`` prefixes errors (the file and document index); ``provenance`` is where the
         object came from, shown in its status; ``conflict`` says which other definitions of the
         object its source ignores (shown as its error). An accepted API document is persisted with the
-        next commit, unless it is being ``restoring`` from the store.
+        next commit, unless it is being ``restoring`` from the store. ``parsed`` is the policy a
+        ``dry_run`` of the same document returned (it is not parsed twice).
         """
         try:
-            parsed = parse_policy(doc, cluster=self.cluster)
+            if parsed is None:
+                parsed = parse_policy(doc, cluster=self.cluster)
         except PolicyValidationError as exc:
             error = f"{origin}: {exc}" if origin else str(exc)
             rk = key or _key_of(doc)

@@ -3,6 +3,13 @@
 Pure: documents (dicts, as loaded from YAML/JSON) in, :class:`Policy` out, or a
 :class:`PolicyValidationError` naming the object and the field path.
 
+Parsing is strict: every document is first checked against the field model
+(:mod:`fields`), so an unknown field at any depth (``spec.ingress[0].fromEndpoint``),
+a value of the wrong type or outside its enumeration is an error, with the field
+probably meant when one is close. A dropped typo would widen the policy. This
+module is the one place documents become policies: ``palisade analyze``, the
+watcher's objects and ``ImportPolicies`` all come through :func:`parse_policy`.
+
 What is not enforced is reported on ``Policy.unsupported`` as ``path: feature``
 and its L3/L4 effect is always the conservative one:
 
@@ -40,6 +47,7 @@ from services.common.labels import (
     ReservedIdentity,
     reserved_labels,
 )
+from services.policy.engine.fields import ICMP4_TYPES, ICMP6_TYPES, check_document
 from services.policy.engine.identity import entity_selectors
 from services.policy.engine.model import (
     ALL_PORTS,
@@ -75,53 +83,6 @@ _CILIUM_API_GROUPS = ("cilium.io/",)
 _PROTOCOLS = {"TCP": Protocol.TCP, "UDP": Protocol.UDP, "SCTP": Protocol.SCTP, "ANY": Protocol.ANY}
 _EXTENDED_PROTOCOLS = {"VRRP", "IGMP"}
 _L7_FIELDS = ("rules", "serverNames", "terminatingTLS", "originatingTLS", "listener")
-
-# ICMP type names accepted by Cilium (pkg/policy/api/icmp.go), IPv4 and IPv6.
-_ICMP4_TYPES = {
-    "EchoReply": 0,
-    "DestinationUnreachable": 3,
-    "Redirect": 5,
-    "Echo": 8,
-    "EchoRequest": 8,
-    "RouterAdvertisement": 9,
-    "RouterSelection": 10,
-    "TimeExceeded": 11,
-    "ParameterProblem": 12,
-    "Timestamp": 13,
-    "TimestampReply": 14,
-    "Photuris": 40,
-    "ExtendedEchoRequest": 42,
-    "ExtendedEchoReply": 43,
-}
-_ICMP6_TYPES = {
-    "DestinationUnreachable": 1,
-    "PacketTooBig": 2,
-    "TimeExceeded": 3,
-    "ParameterProblem": 4,
-    "EchoRequest": 128,
-    "EchoReply": 129,
-    "MulticastListenerQuery": 130,
-    "MulticastListenerReport": 131,
-    "MulticastListenerDone": 132,
-    "RouterSolicitation": 133,
-    "RouterAdvertisement": 134,
-    "NeighborSolicitation": 135,
-    "NeighborAdvertisement": 136,
-    "RedirectMessage": 137,
-    "RouterRenumbering": 138,
-    "ICMPNodeInformationQuery": 139,
-    "ICMPNodeInformationResponse": 140,
-    "InverseNeighborDiscoverySolicitation": 141,
-    "InverseNeighborDiscoveryAdvertisement": 142,
-    "HomeAgentAddressDiscoveryRequest": 144,
-    "HomeAgentAddressDiscoveryReply": 145,
-    "MobilePrefixSolicitation": 146,
-    "MobilePrefixAdvertisement": 147,
-    "DuplicateAddressRequestCodeSuffix": 157,
-    "DuplicateAddressConfirmationCodeSuffix": 158,
-    "ExtendedEchoRequest": 160,
-    "ExtendedEchoReply": 161,
-}
 
 
 def is_policy_document(doc: Any) -> bool:
@@ -176,6 +137,9 @@ def parse_policy(doc: Mapping[str, Any], *, cluster: str = CLUSTER_NAME_DEFAULT)
     ctx = _Ctx(key, cluster)
     if not name:
         raise ctx.error("metadata.name", "required")
+    checked = check_document(doc, kind, ctx.obj)
+    doc = checked.value
+    ctx.warnings.extend(checked.warnings)
     _check_api_version(ctx, doc)
     rules: tuple[Rule, ...]
     if kind is PolicyKind.NETWORK_POLICY:
@@ -201,9 +165,7 @@ def _check_api_version(ctx: _Ctx, doc: Mapping[str, Any]) -> None:
         return
     if not str(api).startswith(groups):
         raise ctx.error("apiVersion", f"unsupported apiVersion {api!r} for {ctx.key.kind.value}")
-    if "apiVersion" not in doc:
-        ctx.warnings.append("apiversion: should be spelled apiVersion")
-    elif str(api) not in ("networking.k8s.io/v1", "cilium.io/v2"):
+    if "apiVersion" in doc and str(api) not in ("networking.k8s.io/v1", "cilium.io/v2"):
         ctx.warnings.append(f"apiVersion: legacy {api}")
 
 
@@ -404,6 +366,8 @@ def _cilium_rule(ctx: _Ctx, spec: Mapping[str, Any], path: str) -> Rule | None:
             ctx.warnings.append(f"{path}.endpointSelector: namespace match replaced by the policy namespace")
         subject = EndpointSelector(kept).with_requirements(namespace_requirement(ctx.key.namespace))
     peer_rules = _cilium_sections(ctx, spec, path, subject=subject)
+    if spec.get("log"):
+        ctx.unsupported_feature(f"{path}.log", "policy logging; not applied")
     dd = _as_map(ctx, spec.get("enableDefaultDeny"), f"{path}.enableDefaultDeny")
     ingress_present = bool(spec.get("ingress")) or bool(spec.get("ingressDeny"))
     egress_present = bool(spec.get("egress")) or bool(spec.get("egressDeny"))
@@ -512,8 +476,9 @@ def _cilium_peer_rule(
     if requirements:
         ctx.warnings.append(f"{path}.{p}Requires: deprecated in Cilium, applied to endpoint peers")
 
-    if item.get("authentication"):
-        ctx.unsupported_feature(f"{path}.authentication", "authentication; enforced without it")
+    for f in ("authentication", "auth"):
+        if item.get(f):
+            ctx.unsupported_feature(f"{path}.{f}", "authentication; enforced without it")
 
     ports = _cilium_ports(ctx, item, path, verdict)
     if ports is None:
@@ -598,7 +563,7 @@ def _cilium_ports(ctx: _Ctx, item: Mapping[str, Any], path: str, verdict: Verdic
 
 
 def _cilium_port(ctx: _Ctx, pp: Mapping[str, Any], path: str) -> list[PortSpec] | None:
-    proto_text = str(pp.get("protocol") or "ANY").upper()
+    proto_text = str(pp.get("protocol") or "ANY")
     if proto_text in _EXTENDED_PROTOCOLS:
         ctx.unsupported_feature(f"{path}.protocol", f"extended protocol {proto_text}; port not enforced")
         return None
@@ -630,7 +595,7 @@ def _icmp_field(ctx: _Ctx, fld: Mapping[str, Any], path: str) -> PortSpec:
     family = str(fld.get("family") or "IPv4")
     if family not in ("IPv4", "IPv6"):
         raise ctx.error(f"{path}.family", f"unknown family {family!r}")
-    table = _ICMP4_TYPES if family == "IPv4" else _ICMP6_TYPES
+    table = ICMP4_TYPES if family == "IPv4" else ICMP6_TYPES
     proto = Protocol.ICMP if family == "IPv4" else Protocol.ICMPV6
     raw = fld.get("type")
     if raw is None:
