@@ -35,6 +35,7 @@ def log(message: str) -> None:
 
 
 def soak(nodes: int, seconds: float, rate: float) -> dict[str, Any]:
+    """One run's counts, the drops the datapath counted at both ends, and the failures in bursts."""
     from tests.system import tuplereuse
     from tests.system.stack import running_stack, wait_for  # needs root: the stack makes namespaces
 
@@ -73,18 +74,51 @@ def soak(nodes: int, seconds: float, rate: float) -> dict[str, Any]:
                 "denied_blocked": 0,
                 "denied_admitted": 0,
             }
+            failures: list[list[Any]] = []
             for proc in procs:
                 out, _ = proc.communicate(timeout=seconds + 120)
                 if proc.returncode != 0:
                     raise RuntimeError(f"load exited {proc.returncode}")
-                counts.update(json.loads(out))
+                result = json.loads(out)
+                failures += result.pop("failures")
+                counts.update(result)
             counts["seconds"] = round(time.monotonic() - started)
+            counts["allowed_failed"] = counts["direct_failed"] + counts["service_failed"] + counts["long_failed"]
             # How often the collision happened: connections the client's node gave a port of their
             # own (the LRU keeps them all at this rate).
             pins = stack.bpffs if nodes == 1 else f"{stack.bpffs}-{names[0]}"
             counts["given_ports"] = len(SnatMap(PinnedMap.open_any(pins, snatmap.NAME)).entries())
-    counts["allowed_failed"] = counts["direct_failed"] + counts["service_failed"] + counts["long_failed"]
-    return counts
+            # What the datapath counted at both ends: a failure no drop explains was not the policy's.
+            drops = {}
+            for pod in ("reuse/client", "reuse/backend"):
+                got = stack.palisade("endpoint", "get", pod, "-o", "json")
+                ep = json.loads(got.stdout)
+                drops[pod] = {k: v for k, v in ep.get("counters", {}).items() if not k.endswith(ALLOWED)}
+    bursts = _bursts(failures)
+    counts["failure_bursts"] = len(bursts)
+    return {**counts, "drops_counted": drops, "bursts": bursts, "failures": failures[:100]}
+
+
+#: Counter reasons that are no drop.
+ALLOWED = ("/policy-allow", "/established", "/not-enforced")
+
+
+def _bursts(failures: list[list[Any]], gap: float = 1.0) -> list[dict[str, Any]]:
+    """Failures grouped into bursts (less than ``gap`` seconds apart): when, how long, how many, what."""
+    out: list[dict[str, Any]] = []
+    for at, path, error in sorted(failures):
+        if out and at - out[-1]["last"] < gap:
+            burst = out[-1]
+        else:
+            burst = {"at_s": at, "last": at, "count": 0, "errors": {}}
+            out.append(burst)
+        burst["last"] = at
+        burst["count"] += 1
+        key = f"{path}: {error}"
+        burst["errors"][key] = burst["errors"].get(key, 0) + 1
+    for burst in out:
+        burst["seconds"] = round(burst.pop("last") - burst["at_s"], 3)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
              "value": f"{c['long_ok']} / {c['long_failed']}"},
             {"metric": f"{where}: connections given a source port of their own (tuple held by another flow)",
              "value": c["given_ports"]},
+            {"metric": f"{where}: bursts the failures came in", "value": c["failure_bursts"]},
             {"metric": f"{where}: denied blocked / admitted",
              "value": f"{c['denied_blocked']} / {c['denied_admitted']}"},
         ]  # fmt: skip

@@ -28,19 +28,29 @@ def _split(target: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def _greeted(target: tuple[str, int], timeout: float) -> bool:
-    """A connection opened and the server's greeting line came back (the handshake and data both ways)."""
+async def _greeted(target: tuple[str, int], timeout: float) -> str:
+    """ "" when a connection opened and the server's greeting line came back (the handshake and data
+    both ways), else what went wrong: "connect timeout", "greeting timeout", or the error's name."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(*target), timeout)
-    except (OSError, TimeoutError):
-        return False
+    except TimeoutError:
+        return "connect timeout"
+    except OSError as exc:
+        return f"connect {type(exc).__name__}"
     try:
         line = await asyncio.wait_for(reader.readline(), timeout)
-        return line.endswith(b"\n")
-    except (OSError, TimeoutError):
-        return False
+        return "" if line.endswith(b"\n") else "closed before the greeting"
+    except TimeoutError:
+        return "greeting timeout"
+    except OSError as exc:
+        return f"greeting {type(exc).__name__}"
     finally:
         writer.close()
+
+
+#: When (seconds into the run) each allowed connection failed, its path and what went wrong.
+FAILURES: list[tuple[float, str, str]] = []
+STARTED = time.monotonic()
 
 
 async def _paced(
@@ -50,7 +60,11 @@ async def _paced(
     pending: set[asyncio.Task[None]] = set()
 
     async def one() -> None:
-        counts[f"{name}_ok" if await _greeted(target, timeout) else f"{name}_failed"] += 1
+        opened = time.monotonic()
+        error = await _greeted(target, timeout)
+        counts[f"{name}_failed" if error else f"{name}_ok"] += 1
+        if error:
+            FAILURES.append((round(opened - STARTED, 3), name, error))
 
     start = time.monotonic()
     n = 0
@@ -66,7 +80,7 @@ async def _paced(
 
 async def _denied(target: tuple[str, int], until: float, counts: Counter[str]) -> None:
     while time.monotonic() < until:
-        admitted = await _greeted(target, 0.3)
+        admitted = not await _greeted(target, 0.3)
         counts["denied_admitted" if admitted else "denied_blocked"] += 1
         await asyncio.sleep(0.02)
 
@@ -122,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1.0, help="seconds an allowed connection may take")
     args = p.parse_args(argv)
     enter(args.netns)
-    print(json.dumps(dict(asyncio.run(run(args)))), flush=True)
+    counts = dict(asyncio.run(run(args)))
+    print(json.dumps({**counts, "failures": FAILURES[:500]}), flush=True)
     return 0
 
 
