@@ -27,7 +27,7 @@ GOOD = NodeFacts(
 
 def _with(**changes: object) -> NodeFacts:
     values = {**GOOD.__dict__, **changes}
-    return NodeFacts(**values)  # type: ignore[arg-type]
+    return NodeFacts(**values)
 
 
 def test_a_good_node_has_no_problems() -> None:
