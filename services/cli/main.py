@@ -9,7 +9,19 @@ import sys
 
 # Subcommand modules, in the order `palisade --help` lists them. A module missing here
 # (not yet built) is skipped so the rest of the CLI keeps working.
-COMMANDS = ("status", "policy", "identity", "endpoint", "service", "bpf", "observe", "analyze", "connectivity", "tls")
+COMMANDS = (
+    "status",
+    "policy",
+    "identity",
+    "endpoint",
+    "service",
+    "bpf",
+    "observe",
+    "analyze",
+    "connectivity",
+    "tls",
+    "install",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
