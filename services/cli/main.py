@@ -21,6 +21,8 @@ COMMANDS = (
     "connectivity",
     "tls",
     "install",
+    "version",
+    "sysdump",
 )
 
 
@@ -28,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="palisade",
         description="Palisade: identity-based network policy for Kubernetes pods, enforced with eBPF.",
+    )
+    parser.add_argument(
+        "--version", action="store_true", help="print the CLI's version and every component's (as `palisade version`)"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
@@ -44,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.version and not getattr(args, "func", None):
+        args = parser.parse_args(["version"])
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
