@@ -364,14 +364,22 @@ def test_nats_runs_the_generated_configuration() -> None:
     assert nats["args"] == ["--config", "/etc/nats/nats.conf"]
     text = _named("ConfigMap", "palisade-nats-config")["data"]["nats.conf"]
     wanted = natsconfig.render(
-        listen="0.0.0.0:4222",
+        listen="$NATS_LISTEN",
         store_dir="/data",
         tls=Credentials("nats", Path("/etc/palisade/tls")),
         http="127.0.0.1:8222",
         cluster=natsconfig.KUBERNETES_CLUSTER,
     )
     assert text == wanted, "regenerate deploy/kubernetes/nats-config.yaml (see its header)"
-    config = json.loads(text.replace("$POD_NAME", '"$POD_NAME"'))
+    for variable in ("$POD_NAME", "$NATS_LISTEN", "$NATS_CLUSTER_LISTEN"):
+        text = text.replace(variable, f'"{variable}"')
+    config = json.loads(text)
+    # On the node's network: the node's address, given by the pod's environment, not every interface.
+    env = {e["name"]: e.get("value", "") for e in nats["env"]}
+    assert config["listen"] == "$NATS_LISTEN" and env["NATS_LISTEN"] == "$(POD_IP):4222"
+    assert config["cluster"]["listen"] == "$NATS_CLUSTER_LISTEN" and env["NATS_CLUSTER_LISTEN"] == "$(POD_IP):6222"
+    assert list(env).index("POD_IP") < list(env).index("NATS_LISTEN")
+    assert config["http"].startswith("127.0.0.1:"), "monitoring on the node's loopback only"
     assert config["server_name"] == "$POD_NAME" and len(config["cluster"]["routes"]) == 3
     assert config["jetstream"]["store_dir"] == "/data"
     assert config["tls"]["verify_and_map"] is True
