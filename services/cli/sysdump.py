@@ -14,6 +14,11 @@ It holds, each as its own file under ``palisade-sysdump-<time>/``:
   settings, and on a cluster the Palisade objects (never Secrets);
 - ``errors.json``: every part that could not be collected, and why.
 
+Run with kubectl reaching the cluster, it also runs ``palisade sysdump --json`` in every
+datapath pod (``kubectl exec``, as `cilium sysdump` does): each pod's CLI reaches its node's
+datapath on the node socket and the control plane through the Services, so every node's parts
+are collected, and the cluster-wide ones this machine could not reach itself.
+
 No private key goes in: Secrets are never read, settings whose names say key, secret, token
 or password are replaced by ``[redacted]``, and any PEM private key block found in any file
 is replaced before it is written.
@@ -253,6 +258,42 @@ def _cluster(args: argparse.Namespace, archive: Archive) -> None:
         for pod in pods:
             logs = ("-n", NAMESPACE, "logs", pod, "--all-containers", "--prefix", f"--tail={LOG_LINES}")
             archive.part(f"logs/{pod.rpartition('/')[2]}.log", functools.partial(_kubectl, args, *logs))
+        datapaths = [p for p in pods if p.rpartition("/")[2].startswith("palisade-datapath-")]
+        for pod in datapaths:
+            _from_datapath_pod(args, archive, pod)
+
+
+def _better(local: bytes | None, theirs: str) -> bool:
+    """Whether a datapath pod's copy of a cluster-wide part should replace this machine's: when
+    this machine has none, or reached fewer components (the pod reaches them all)."""
+    if local is None:
+        return True
+    gaps = (b"unreachable", b"not asked")
+    return any(g in local for g in gaps) and not any(g.decode() in theirs for g in gaps)
+
+
+def _from_datapath_pod(args: argparse.Namespace, archive: Archive, pod: str) -> None:
+    """What the CLI in one datapath pod collects (its node through the node socket, the control
+    plane through the Services), merged in: every node's parts, and the cluster-wide ones this
+    machine could not reach itself."""
+    name = pod.rpartition("/")[2]
+    command = ("-n", NAMESPACE, "exec", pod, "-c", "datapath", "--", "palisade", "sysdump", "--no-cluster", "--json")
+    try:
+        found = json.loads(_kubectl(args, *command))
+    except (CLIError, ValueError, subprocess.SubprocessError) as exc:
+        archive.errors[f"pods/{name}"] = f"palisade sysdump in the pod: {exc}"
+        return
+    for part, text in found["files"].items():
+        if part.startswith("nodes/") or ("/" not in part and _better(archive.files.get(part), text)):
+            archive.add(part, text)
+            archive.errors.pop(part, None)
+        elif part == "config/processes.json":
+            archive.add(f"config/processes-{name}.json", text)
+    if any(part.startswith("nodes/") for part in archive.files):
+        archive.errors.pop("nodes", None)  # this machine could not reach the nodes; the pods did
+    for part, error in found["errors"].items():
+        if part not in archive.files:
+            archive.errors.setdefault(f"pods/{name}/{part}", error)
 
 
 def collect(args: argparse.Namespace) -> Archive:
@@ -285,6 +326,10 @@ def collect(args: argparse.Namespace) -> Archive:
 @run
 def cmd_sysdump(args: argparse.Namespace) -> int:
     archive = collect(args)
+    if args.json:
+        files = {name: data.decode() for name, data in archive.files.items() if name != "README.txt"}
+        print(json.dumps({"files": files, "errors": archive.errors}))
+        return 0
     path = Path(args.output_file or f"{archive.root}.tar.gz")
     archive.write(path)
     print(f"wrote {path} ({len(archive.files)} files)")
@@ -299,5 +344,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--logs-dir", default="", help="the services' log folder (default: `make run`'s, if any)")
     p.add_argument("--kubectl", default="kubectl", help="for a cluster's objects and pod logs")
     p.add_argument("--no-cluster", action="store_true", help="do not ask kubectl (not on a cluster)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the collected files as one JSON object instead (what a sysdump run with kubectl asks of the "
+        "CLI in every datapath pod, for every node's parts)",
+    )
     add_address_flags(p)
     p.set_defaults(func=cmd_sysdump)

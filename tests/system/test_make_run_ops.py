@@ -160,3 +160,48 @@ def test_the_cli_in_the_datapaths_container_needs_no_set_up(stack: Stack, tmp_pa
     (tmp_path / "p.yaml").write_text(POLICY.replace("client-in", "from-node"))
     imported = _cli(env, "policy", "import", str(tmp_path / "p.yaml"))
     assert imported.returncode != 0 and "PERMISSION_DENIED" in imported.stderr
+
+
+FAKE_KUBECTL = """#!/bin/sh
+# kubectl for a cluster of one node whose datapath pod is this stack's dev node.
+case "$*" in
+  *" exec "*) exec {python} -m services.cli.main sysdump --no-cluster --json ;;
+  *"get pods -o name"*) echo pod/palisade-datapath-x7k2p ;;
+  *" logs "*) echo "a line of $5's log" ;;
+  *" get "*) echo "items: []" ;;
+  *) echo "unexpected: $*" >&2; exit 1 ;;
+esac
+"""
+
+
+def test_sysdump_with_kubectl_collects_every_node_from_its_datapath_pod(stack: Stack, tmp_path: Path) -> None:
+    """From an operator's machine that reaches only the API server: every node's parts come from
+    `palisade sysdump --json` run in its datapath pod (its node socket, its certificate)."""
+    node_tls = tmp_path / "node-tls"
+    node_tls.mkdir(mode=0o700)
+    for name in ("ca.crt", "datapath.crt", "datapath.key"):
+        shutil.copy2(stack.tls_dir / name, node_tls / name)
+    socket = stack.run_dir / "datapath" / "cni.sock"
+    # In the pod: its own certificate, its node socket, the addresses its manifest gives it.
+    pod_env = _env(stack, PALISADE_TLS_DIR=str(node_tls), PALISADE_DATAPATH_ADDRESS=f"unix:{socket}")
+    settings = " ".join(f"{k}={v}" for k, v in pod_env.items() if k.startswith("PALISADE_"))
+    kubectl = tmp_path / "kubectl"
+    kubectl.write_text(FAKE_KUBECTL.format(python=f"env {settings} {sys.executable}"))
+    kubectl.chmod(0o755)
+    # This machine reaches no component and holds no certificate.
+    outer_env = {k: v for k, v in os.environ.items() if not k.startswith("PALISADE_")}
+    for service in SERVICES:
+        outer_env[f"PALISADE_{service.upper()}_ADDRESS"] = "127.0.0.1:1"
+    outer_env["PALISADE_TLS_DIR"] = str(tmp_path / "none")
+    path = tmp_path / "dump.tar.gz"
+    out = _cli(outer_env, "sysdump", "--kubectl", str(kubectl), "--output-file", str(path))
+    assert out.returncode == 0, out.stderr
+    with tarfile.open(path) as tar:
+        files = {m.name.partition("/")[2]: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]
+    for part in ("nodes/dev-node/endpoints.json", "nodes/dev-node/maps.json", "logs/palisade-datapath-x7k2p.log",
+                 "config/cluster-objects.yaml", "config/processes-palisade-datapath-x7k2p.json"):  # fmt: skip
+        assert part in files, f"no {part} in {sorted(files)}"
+    # The cluster-wide parts this machine could not reach came from the pod, complete.
+    assert {v["version"] for v in json.loads(files["versions.json"])} == {__version__}
+    assert "policies.json" in files and "identities.json" in files
+    assert "nodes" not in json.loads(files["errors.json"])
