@@ -276,7 +276,7 @@ def _run_steps(args: argparse.Namespace, steps: Sequence[Step]) -> None:
     for step in steps:
         print(f"palisade: {step.what}: kubectl {' '.join(step.args)}", file=sys.stderr)
         result = subprocess.run(
-            [*kubectl, *step.args], input=to_yaml(step.objects) if step.objects else None, text=True, check=False
+            [*kubectl, *step.args], input=to_yaml(step.objects) if step.objects else "", text=True, check=False
         )
         if result.returncode != 0:
             raise CLIError(f"kubectl {' '.join(step.args)} failed ({step.what}); see its message above")

@@ -216,3 +216,74 @@ def test_the_node_uninstall_removes_the_datapaths_pins_and_state(tmp_path: Path)
     assert out.returncode == 0, out.stderr
     assert not os.path.exists(bpffs) and not state.exists()
     assert "datapath programs detached and maps removed" in out.stdout
+
+
+RECORDING_KUBECTL = """#!/bin/sh
+# Stands for the cluster: records each call and the objects it was given.
+n=$(ls {log} | grep -c args)
+echo "$*" > {log}/$n.args
+cat > {log}/$n.stdin
+"""
+
+
+def _calls(log: Path) -> list[tuple[str, list[Obj]]]:
+    out = []
+    for n in range(len(list(log.glob("*.args")))):
+        objects = [doc for doc in yaml.safe_load_all((log / f"{n}.stdin").read_text()) if doc]
+        out.append(((log / f"{n}.args").read_text().strip(), objects))
+    return out
+
+
+def _recording_kubectl(tmp_path: Path) -> tuple[Path, Path]:
+    log = tmp_path / "calls"
+    log.mkdir()
+    kubectl = tmp_path / "kubectl"
+    kubectl.write_text(RECORDING_KUBECTL.format(log=log))
+    kubectl.chmod(0o755)
+    return kubectl, log
+
+
+def test_install_applies_the_crds_then_waits_then_the_rest(tmp_path: Path) -> None:
+    kubectl, log = _recording_kubectl(tmp_path)
+    out = palisade("install", "--tls-dir", str(tmp_path / "tls"), "--kubectl", str(kubectl), "--context", "kind-x",
+                   "--mode", "chained", "--wait")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    calls = _calls(log)
+    assert [args.split()[1] for args, _ in calls] == ["apply", "wait", "apply", "-n"]
+    assert all(args.startswith("--context=kind-x ") for args, _ in calls)
+    first, second = calls[0][1], calls[2][1]
+    assert [o["kind"] for o in first] == ["Namespace", "CustomResourceDefinition", "CustomResourceDefinition"]
+    assert "crd/ciliumnetworkpolicies.cilium.io" in calls[1][0]
+    kinds = {o["kind"] for o in second}
+    assert {
+        "Secret",
+        "DaemonSet",
+        "CiliumClusterwideNetworkPolicy",
+    } <= kinds and "CustomResourceDefinition" not in kinds
+    assert "rollout status daemonset/palisade-datapath" in calls[3][0]
+    assert "chained" in out.stdout
+
+
+def test_uninstall_stops_the_datapaths_cleans_the_nodes_then_deletes_the_rest(tmp_path: Path) -> None:
+    kubectl, log = _recording_kubectl(tmp_path)
+    out = palisade("uninstall", "--kubectl", str(kubectl))
+    assert out.returncode == 0, out.stderr
+    calls = _calls(log)
+    assert "delete daemonset/palisade-datapath" in calls[0][0]
+    assert calls[1][0].startswith("apply") and [o["metadata"]["name"] for o in calls[1][1]] == ["palisade-node-cleanup"]
+    assert "rollout status daemonset/palisade-node-cleanup" in calls[2][0]
+    assert calls[3][0].startswith("delete")
+    deleted = calls[3][1]
+    assert deleted[-1]["kind"] == "Namespace", "the namespace last: it takes the cleanup DaemonSet with it"
+    assert "CustomResourceDefinition" not in {o["kind"] for o in deleted} and len(calls) == 4
+    assert "CRDs and your CiliumNetworkPolicies are kept" in out.stdout
+
+
+def test_a_failing_kubectl_step_stops_the_install_naming_it(tmp_path: Path) -> None:
+    kubectl = tmp_path / "kubectl"
+    kubectl.write_text("#!/bin/sh\necho 'error: the server could not be reached' >&2\nexit 1\n")
+    kubectl.chmod(0o755)
+    out = palisade("install", "--tls-dir", str(tmp_path / "tls"), "--kubectl", str(kubectl))
+    assert out.returncode == 1
+    assert "the server could not be reached" in out.stderr
+    assert "failed (the namespace and the CRDs)" in out.stderr and "components" not in out.stderr.split("failed")[1]
