@@ -2,11 +2,15 @@
 
 Addresses come from flags (`--policy-address`...), else PALISADE_<SERVICE>_ADDRESS,
 else the addresses `make run` wrote to its run directory (several replicas with --ha),
-else the default local ports that `make run` uses. Several comma-separated addresses
+else, on a node or in a pod of the cluster (`kubectl exec ds/palisade-datapath -- palisade
+status`), the node's datapath socket and the Services of palisade-system, else the default
+local ports that `make run` uses. Several comma-separated addresses
 of one service make one channel that moves to the next replica when one goes away. A `unix:` address (the datapath's
 root-only node socket) needs no certificate; TCP addresses are mutual TLS with the CLI's
 certificate, found with --tls-dir, else PALISADE_TLS_DIR, else `make run`'s run
-directory, else /etc/palisade/tls.
+directory, else /etc/palisade/tls; where that holds no CLI certificate but the datapath's (in
+the datapath's container), the CLI speaks with the datapath's, which may read (status, policy
+get) but change nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,6 +41,10 @@ RUN_TLS_DIR = Path(__file__).resolve().parents[2] / ".run" / "tls"
 #: The addresses of the services `make run` started (service -> "host:port[,host:port]").
 RUN_ADDRESSES = RUN_TLS_DIR.parent / "addresses.json"
 SYSTEM_TLS_DIR = Path("/etc/palisade/tls")
+#: The datapath's root-only socket on a node (the datapath's container shares it with the node).
+NODE_SOCKET = Path("/var/run/palisade/datapath/cni.sock")
+#: Where the Kubernetes manifests run Palisade.
+CLUSTER_NAMESPACE = "palisade-system"
 T = TypeVar("T")
 
 
@@ -83,17 +91,21 @@ def credentials(args: argparse.Namespace) -> Credentials | None:
     if explicit:
         directory = Path(explicit)
     else:
-        found = [d for d in (RUN_TLS_DIR, SYSTEM_TLS_DIR) if (d / "cli.crt").is_file()]
+        mine = ("cli.crt", "datapath.crt")
+        found = [d for d in (RUN_TLS_DIR, SYSTEM_TLS_DIR) if any((d / f).is_file() for f in mine)]
         if not found:
             raise CLIError(
                 f"no certificate for the CLI: on a `make run` machine it is in {RUN_TLS_DIR} once the stack "
-                "has started (run `make run`, as the same user); elsewhere point --tls-dir or PALISADE_TLS_DIR "
-                "at a directory with ca.crt, cli.crt and cli.key (`palisade tls init --dir DIR` makes an "
-                "installation's)"
+                "has started (run `make run`, as the same user); on a cluster run it in the datapath's container "
+                "(`kubectl -n palisade-system exec ds/palisade-datapath -- palisade status`); elsewhere point "
+                "--tls-dir or PALISADE_TLS_DIR at a directory with ca.crt, cli.crt and cli.key (`palisade install` "
+                "and `palisade tls init --dir DIR` make an installation's)"
             )
         directory = found[0]
+    # A node's directory (the datapath's container) holds the datapath's certificate only: reads.
+    name = "datapath" if not (directory / "cli.crt").exists() and (directory / "datapath.crt").is_file() else "cli"
     try:
-        return Credentials.load(directory, "cli")
+        return Credentials.load(directory, name)
     except TrustError as exc:
         raise CLIError(str(exc)) from None
 
@@ -108,8 +120,19 @@ def address(args: argparse.Namespace, service: str) -> str:
         flag
         or os.environ.get(f"PALISADE_{service.upper()}_ADDRESS")
         or _run_addresses().get(service)
+        or cluster_default(service, os.environ, NODE_SOCKET)
         or f"127.0.0.1:{DEFAULT_GRPC_PORTS[service]}"
     )
+
+
+def cluster_default(service: str, env: Mapping[str, str], node_socket: Path) -> str:
+    """On a node, or in a pod of the cluster: the datapath on its node socket (when it is there
+    and ours to use: root's), the others at their Services in palisade-system; else ""."""
+    if service == "datapath" and node_socket.exists() and os.access(node_socket, os.R_OK | os.W_OK):
+        return f"unix:{node_socket}"
+    if env.get("KUBERNETES_SERVICE_HOST"):
+        return f"palisade-{service}.{CLUSTER_NAMESPACE}.svc:{DEFAULT_GRPC_PORTS[service]}"
+    return ""
 
 
 def manifest_folder(args: argparse.Namespace) -> Path:

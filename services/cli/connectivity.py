@@ -366,9 +366,16 @@ def cmd_probe(args: argparse.Namespace) -> int:
     try:
         probes = [Probe.parse(p) for p in args.probes]
         docs = load_documents(args.paths)
-        build_model(docs)  # refuses what analyze refuses, before anything is created
+        model = build_model(docs)  # refuses what analyze refuses, before anything is created
     except AnalyzeError as err:
         raise CLIError(str(err), 2) from None
+    host_network = sorted(key for key, pod in model.pods.items() if pod.host_network)
+    if host_network:
+        raise CLIError(
+            f"pods {', '.join(host_network)}: spec.hostNetwork: a probe makes every pod an endpoint of its own, "
+            "which a host-network pod is not; leave them out (`palisade analyze` models them as their node)",
+            2,
+        )
     pods, _ = _pods(docs)
     policy_docs = [d.body for d in docs if d.body.get("kind") in POLICY_KINDS]
     started = time.monotonic()

@@ -9,13 +9,30 @@ import sys
 
 # Subcommand modules, in the order `palisade --help` lists them. A module missing here
 # (not yet built) is skipped so the rest of the CLI keeps working.
-COMMANDS = ("status", "policy", "identity", "endpoint", "service", "bpf", "observe", "analyze", "connectivity", "tls")
+COMMANDS = (
+    "status",
+    "policy",
+    "identity",
+    "endpoint",
+    "service",
+    "bpf",
+    "observe",
+    "analyze",
+    "connectivity",
+    "tls",
+    "install",
+    "version",
+    "sysdump",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="palisade",
         description="Palisade: identity-based network policy for Kubernetes pods, enforced with eBPF.",
+    )
+    parser.add_argument(
+        "--version", action="store_true", help="print the CLI's version and every component's (as `palisade version`)"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
@@ -32,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.version and not getattr(args, "func", None):
+        args = parser.parse_args(["version"])
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -23,7 +23,7 @@ from services.common.grpcserver import open_sync_channel
 from services.common.trust import Credentials
 
 
-def _probe(target: str, service: str, creds: Credentials | None) -> tuple[str, common_pb2.ServiceStatus | None]:
+def probe(target: str, service: str, creds: Credentials | None) -> tuple[str, common_pb2.ServiceStatus | None]:
     ch = open_sync_channel(target, service, creds)
     try:
         try:
@@ -69,7 +69,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name in SERVICES:
         # Each replica on its own: a list of addresses is a service's replicas.
         for target in address(args, name).split(","):
-            state, status = _probe(target.strip(), name, creds)
+            state, status = probe(target.strip(), name, creds)
             results.append((name, target.strip(), state, status))
     members = _members(results)
     # Policies whose latest version was refused (a typo, a wrong type): asked of one replica.

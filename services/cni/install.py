@@ -13,7 +13,10 @@ Standalone (the default) writes ``05-palisade.conflist`` with Palisade as the on
 ``--chain`` puts Palisade after the plugins of the node's existing configuration (the first
 other ``*.conflist``/``*.conf`` file, e.g. kindnet's or flannel's): the same network name,
 written as ``05-palisade.conflist`` so the runtime picks it first. ``--uninstall`` removes the
-configuration, the launcher and the runtime.
+configuration, the launcher and the runtime (a chained node is left with its own plugin's
+configuration, as before the install), and with ``--bpffs``/``--state-dir`` also detaches the
+datapath's programs from the pods' veths, removes its pinned maps and its endpoint state: what
+``palisade uninstall`` runs on every node (deploy/kubernetes/uninstall).
 """
 
 from __future__ import annotations
@@ -122,6 +125,18 @@ def uninstall(args: argparse.Namespace) -> None:
         path.unlink(missing_ok=True)
     shutil.rmtree(args.runtime_dir, ignore_errors=True)
     print("palisade-cni removed")
+    if args.bpffs:
+        # The datapath's programs off every pod veth and its pinned maps gone (its own teardown).
+        from services.datapath.datapath import teardown_all
+
+        found = teardown_all(args.bpffs)
+        if os.path.isdir(args.bpffs):
+            shutil.rmtree(args.bpffs, ignore_errors=True)
+        done = "datapath programs detached and maps removed" if found else "no datapath"
+        print(f"{done} ({args.bpffs})")
+    if args.state_dir:
+        shutil.rmtree(args.state_dir, ignore_errors=True)
+        print(f"endpoint state removed ({args.state_dir})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         help="after the node's existing plugins, instead of standalone (env PALISADE_CNI_MODE=chained)",
     )
     p.add_argument("--uninstall", action="store_true", help="remove what an install put on the node")
+    p.add_argument("--bpffs", default="", help="with --uninstall: the datapath's pin directory, to detach and remove")
+    p.add_argument("--state-dir", default="", help="with --uninstall: the datapath's state directory, to remove")
     p.add_argument("--no-runtime", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:

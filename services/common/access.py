@@ -33,8 +33,10 @@ RULES: dict[str, frozenset[str]] = {
     # A follower replica forwards every call to the leader under its own name ("policy").
     "palisade.v1.PolicyService/ImportPolicies": _CLI | _POLICY,
     "palisade.v1.PolicyService/DeletePolicy": _CLI | _POLICY,
-    "palisade.v1.PolicyService/GetPolicy": _CLI | _POLICY,
-    "palisade.v1.PolicyService/ListPolicies": _CLI | _POLICY,
+    # Reads also by a node's datapath certificate: `palisade policy get` run in the datapath's
+    # container (kubectl exec) speaks with it; the node enforces those policies anyway.
+    "palisade.v1.PolicyService/GetPolicy": _CLI | _DATAPATH | _POLICY,
+    "palisade.v1.PolicyService/ListPolicies": _CLI | _DATAPATH | _POLICY,
     "palisade.v1.PolicyService/Trace": _CLI | _POLICY,
     "palisade.v1.PolicyService/WaitForRevision": _CLI | _DATAPATH | _POLICY,
     "palisade.v1.PolicyService/Resync": _DATAPATH | _POLICY,

@@ -74,15 +74,18 @@ def render(
             ]
         }
     text = json.dumps(config, indent=2) + "\n"
-    if cluster is not None and cluster.server_name.startswith("$"):
-        text = text.replace(json.dumps(cluster.server_name), cluster.server_name)  # a variable, unquoted
+    variables = [listen] + ([cluster.server_name, cluster.listen] if cluster is not None else [])
+    for value in variables:
+        if value.startswith("$"):  # an environment variable of the server's, unquoted
+            text = text.replace(json.dumps(value), value)
     return text
 
 
 #: The cluster of deploy/kubernetes/nats.yaml: three members of a StatefulSet behind its headless Service.
 KUBERNETES_CLUSTER = Cluster(
     server_name="$POD_NAME",
-    listen="0.0.0.0:6222",
+    # On the node's network: the node's own address (the pod's environment sets it), not every interface.
+    listen="$NATS_CLUSTER_LISTEN",
     routes=tuple(f"palisade-nats-{i}.palisade-nats-headless.palisade-system.svc:6222" for i in range(3)),
 )
 

@@ -29,7 +29,7 @@ from services.common.bus import IPCACHE_STREAM, K8S_STREAM, REGEN_STREAM, Bus
 from services.common.grpcserver import grpc_target, open_channel, parse_addresses
 from services.common.log import get_logger
 from services.common.runner import ServiceContext, run_service
-from services.datapath import deletequeue
+from services.datapath import deletequeue, requirements
 from services.datapath.config import DatapathConfig
 from services.datapath.datapath import Datapath, DatapathAPI
 from services.datapath.flows import FlowHub
@@ -165,6 +165,8 @@ async def start_agent(
 
 async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
     cfg = ctx.config
+    # What the node must give (BPF file system, kernel, headers): one line naming what is missing.
+    await asyncio.to_thread(requirements.check_node, cfg.bpffs, Path(cfg.state_dir))
     bus = await ctx.bus()
     try:
         program = ProgramConfig(local_delivery=cfg.local_delivery)

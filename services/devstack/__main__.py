@@ -119,9 +119,14 @@ def nats_urls(args: argparse.Namespace) -> list[str]:
 
 
 def watcher_nodes(args: argparse.Namespace) -> list[str]:
-    """In a dev cluster the watcher plays the scheduler and lists the nodes' Node objects."""
+    """In a dev cluster the watcher plays the scheduler and lists the nodes' Node objects.
+
+    With one node too: a Pod written without ``spec.nodeName`` is bound to the dev node (whose
+    address is the host's, where the single node's datapath runs), as kube-scheduler would;
+    unbound, ipam would never give it an identity and it would never be created.
+    """
     if args.network is None:
-        return []
+        return ["--dev-nodes", f"{args.node}={args.host}"]
     return ["--dev-nodes", ",".join(f"{n.name}={n.address}" for n in args.network.nodes)]
 
 

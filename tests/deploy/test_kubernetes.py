@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import ipaddress
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +63,16 @@ Obj = dict[str, Any]
 # loading
 
 
+UNINSTALL_DIR = KUBERNETES_DIR / "uninstall"
+
+
 def _manifest_files() -> list[Path]:
-    return sorted(p for p in KUBERNETES_DIR.rglob("*.yaml") if p.name != "kustomization.yaml")
+    """What an installation holds: deploy/kubernetes and its CRDs (not the uninstall's cleanup)."""
+    return sorted(
+        p
+        for p in KUBERNETES_DIR.rglob("*.yaml")
+        if p.name != "kustomization.yaml" and not p.is_relative_to(UNINSTALL_DIR)
+    )
 
 
 @functools.cache
@@ -136,12 +146,16 @@ def _check(workload: Obj, container: Obj) -> tuple[str, Any]:
 # schemas
 
 
-def test_kustomization_lists_every_manifest() -> None:
+def test_kustomizations_list_every_manifest_and_the_crds_apart() -> None:
     kustomization = load_yaml(KUBERNETES_DIR / "kustomization.yaml")
     listed = [KUBERNETES_DIR / r for r in kustomization["resources"]]
-    assert sorted(listed) == _manifest_files()
+    crds = [KUBERNETES_DIR / "crds" / r for r in load_yaml(KUBERNETES_DIR / "crds" / "kustomization.yaml")["resources"]]
+    # The CRDs are a kustomization of their own: deleting Palisade's keeps users' policies.
+    assert not any(p.is_relative_to(KUBERNETES_DIR / "crds") for p in listed)
+    assert sorted(listed + crds) == _manifest_files()
     assert len(set(listed)) == len(listed)
-    assert kustomization["namespace"] == NAMESPACE
+    # No namespace transformer: it would give the cluster-wide policies a namespace.
+    assert "namespace" not in kustomization
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -150,6 +164,9 @@ def test_objects_match_the_kubernetes_schemas_strictly(version: str) -> None:
     assert version.rpartition(".")[0] in supported, f"kubernetes-validate ships no schemas for {version}"
     problems = []
     for obj in _objects():
+        if obj["kind"] in CILIUM_KINDS:  # against the CRDs these manifests install
+            problems += [f"{obj['kind']}/{obj['metadata']['name']}: {e}" for e in _errors(obj)]
+            continue
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -172,9 +189,11 @@ def test_kustomize_renders_the_same_objects() -> None:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed; the files were still validated one by one")
-    result = subprocess.run([kubectl, "kustomize", str(KUBERNETES_DIR)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    rendered = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    rendered = []
+    for directory in (KUBERNETES_DIR, KUBERNETES_DIR / "crds"):
+        result = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        rendered += [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
     def key(o: Obj) -> tuple[str, str, str]:
         return (o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"])
@@ -182,10 +201,14 @@ def test_kustomize_renders_the_same_objects() -> None:
     assert sorted(map(key, rendered)) == sorted(map(key, _objects()))
     images = {c["image"] for o in rendered if o["kind"] in WORKLOAD_KINDS for c in _pod_spec(o)["containers"]}
     assert "palisade:0.1.0" in images
+    for obj in rendered:
+        if obj["kind"] in ("CiliumClusterwideNetworkPolicy", "CustomResourceDefinition", "ClusterRole"):
+            assert "namespace" not in obj["metadata"], obj["metadata"]["name"]
 
 
 def test_namespaced_objects_live_in_palisade_system() -> None:
-    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+    cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                      "CiliumClusterwideNetworkPolicy"}  # fmt: skip
     for obj in _objects():
         if obj["kind"] not in cluster_scoped:
             assert obj["metadata"].get("namespace") == NAMESPACE, f"{obj['kind']} {obj['metadata']['name']}"
@@ -341,63 +364,226 @@ def test_nats_runs_the_generated_configuration() -> None:
     assert nats["args"] == ["--config", "/etc/nats/nats.conf"]
     text = _named("ConfigMap", "palisade-nats-config")["data"]["nats.conf"]
     wanted = natsconfig.render(
-        listen="0.0.0.0:4222",
+        listen="$NATS_LISTEN",
         store_dir="/data",
         tls=Credentials("nats", Path("/etc/palisade/tls")),
-        http="0.0.0.0:8222",
+        http="127.0.0.1:8222",
         cluster=natsconfig.KUBERNETES_CLUSTER,
     )
     assert text == wanted, "regenerate deploy/kubernetes/nats-config.yaml (see its header)"
-    config = json.loads(text.replace("$POD_NAME", '"$POD_NAME"'))
+    for variable in ("$POD_NAME", "$NATS_LISTEN", "$NATS_CLUSTER_LISTEN"):
+        text = text.replace(variable, f'"{variable}"')
+    config = json.loads(text)
+    # On the node's network: the node's address, given by the pod's environment, not every interface.
+    env = {e["name"]: e.get("value", "") for e in nats["env"]}
+    assert config["listen"] == "$NATS_LISTEN" and env["NATS_LISTEN"] == "$(POD_IP):4222"
+    assert config["cluster"]["listen"] == "$NATS_CLUSTER_LISTEN" and env["NATS_CLUSTER_LISTEN"] == "$(POD_IP):6222"
+    assert list(env).index("POD_IP") < list(env).index("NATS_LISTEN")
+    assert config["http"].startswith("127.0.0.1:"), "monitoring on the node's loopback only"
     assert config["server_name"] == "$POD_NAME" and len(config["cluster"]["routes"]) == 3
     assert config["jetstream"]["store_dir"] == "/data"
     assert config["tls"]["verify_and_map"] is True
     assert {u["user"] for u in config["authorization"]["users"]} == set(BUS_ROLES)
 
 
-def _policies() -> list[Obj]:
-    return _of_kind("NetworkPolicy")
+# ---------------------------------------------------------------------------
+# bootstrap: the control plane needs no pod network
 
 
-def _sources(rule: Obj) -> list[Obj]:
-    return list(rule.get("from", []))
+CONTROL_PLANE = ("palisade-watcher", "palisade-policy", "palisade-ipam", "palisade-nats", "palisade-etcd")
+NOT_READY = {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoSchedule"}
 
 
-def _policy_named(name: str) -> Obj:
-    return next(p for p in _policies() if p["metadata"]["name"] == name)
+def _aliases(workload: Obj) -> dict[str, str]:
+    """Host name -> address, from the pod's hostAliases."""
+    return {h: a["ip"] for a in _pod_spec(workload).get("hostAliases", []) for h in a["hostnames"]}
 
 
-def test_palisade_system_denies_ingress_except_what_the_components_need() -> None:
-    policies = _policies()
-    deny = [p for p in policies if p["spec"]["podSelector"] == {} and not p["spec"].get("ingress")]
-    assert deny and deny[0]["spec"]["policyTypes"] == ["Ingress"], "no default deny for palisade-system"
-    scrape = {"namespaceSelector": {"matchLabels": {"palisade.io/scrape-metrics": "true"}}}
+def _dialled_hosts(name: str, workload: Obj, container: Obj) -> set[str]:
+    """Every host name a Palisade container dials (its upstreams)."""
+    _, config = _check(workload, container)
+    return {up.host for up in upstreams(name, config)}
+
+
+def _fixed_service(host: str) -> Obj:
+    """The Service whose fixed ClusterIP ``host`` should resolve to: a StatefulSet member's own
+    (``palisade-nats-0.palisade-nats-headless.palisade-system.svc`` -> ``palisade-nats-0``), else
+    the Service the name is (``palisade-policy.palisade-system.svc``)."""
+    labels = host.split(".")
+    return _named("Service", labels[0]) if len(labels) >= 4 and labels[3] == "svc" else _service_port(host, 0)
+
+
+def _url_host(url: str) -> str:
+    return url.partition("://")[2].rpartition(":")[0]
+
+
+def test_the_control_plane_runs_on_the_node_network_and_needs_no_cluster_dns() -> None:
+    """A cluster with no pod network yet: the control plane must come up without a CNI and
+    without CoreDNS (itself a pod waiting for one). Each component is on the host network,
+    schedulable on NotReady nodes, and every name it dials is in its hostAliases at the fixed
+    ClusterIP of the Service that name designates (kube-proxy serves ClusterIPs on nodes)."""
+    dialled: dict[str, set[str]] = {}
+    for name, (workload, container) in _palisade_containers().items():
+        dialled[workload["metadata"]["name"]] = _dialled_hosts(name, workload, container)
+    etcd = _named("StatefulSet", "palisade-etcd")
+    args = _pod_spec(etcd)["containers"][0]["args"]
+    flags = dict(a.removeprefix("--").partition("=")[::2] for a in args)
+    peers = [_url_host(u.partition("=")[2]) for u in flags["initial-cluster"].split(",")]
+    advertise = _url_host(flags["advertise-client-urls"])
+    advertised = {advertise.replace("$(POD_NAME)", f"palisade-etcd-{i}") for i in range(3)}
+    dialled["palisade-etcd"] = set(peers) | advertised
+    dialled["palisade-nats"] = {r.rpartition(":")[0] for r in natsconfig.KUBERNETES_CLUSTER.routes}
+    assert all(dialled.values()), dialled
+
+    for workload_name in (*CONTROL_PLANE, "palisade-datapath"):
+        (workload,) = [w for w in _of_kind(*WORKLOAD_KINDS) if w["metadata"]["name"] == workload_name]
+        pod = _pod_spec(workload)
+        assert pod.get("hostNetwork") is True, workload_name
+        assert pod["dnsPolicy"] == "ClusterFirstWithHostNet", workload_name
+        tolerations = pod.get("tolerations", [])
+        assert NOT_READY in tolerations or {"operator": "Exists"} in tolerations, workload_name
+        aliases = _aliases(workload)
+        for host in dialled[workload_name]:
+            assert host in aliases, f"{workload_name} dials {host}, which only the cluster's DNS would resolve"
+            fixed = _fixed_service(host)["spec"].get("clusterIP")
+            assert aliases[host] == fixed, f"{workload_name}: {host} -> {aliases[host]}, Service has {fixed}"
+
+
+def test_fixed_cluster_ips_are_distinct_and_in_the_static_band() -> None:
+    from services.cli import install
+
+    fixed = {s["metadata"]["name"]: s["spec"]["clusterIP"] for s in _of_kind("Service") if "clusterIP" in s["spec"]}
+    fixed = {n: ip for n, ip in fixed.items() if ip != "None"}
+    assert len(set(fixed.values())) == len(fixed), fixed
+    assert fixed == install.static_cluster_ips(install.DEFAULT_SERVICE_CIDR)
+    network = ipaddress.ip_network(install.DEFAULT_SERVICE_CIDR)
+    for name, ip in fixed.items():
+        # Kubernetes keeps the low band of the range (up to 256 addresses) for static ClusterIPs.
+        assert int(ipaddress.ip_address(ip)) - int(network.network_address) < 256, name
+
+
+# Ports the node's own processes hold: kubelet, kube-proxy, the API server, and a control-plane
+# node's etcd (2379-2381), which a host-network Palisade etcd would otherwise collide with.
+NODE_PORTS = {2379, 2380, 2381, 6443, 10248, 10249, 10250, 10256, 10257, 10259}
+
+
+def test_host_network_ports_do_not_collide_on_a_node() -> None:
+    seen: dict[int, str] = {}
     for workload in _of_kind(*WORKLOAD_KINDS):
-        labels = workload["spec"]["template"]["metadata"]["labels"]
+        for container in _pod_spec(workload)["containers"]:
+            for port in container.get("ports", []):
+                number = port["containerPort"]
+                where = f"{workload['metadata']['name']}/{port.get('name', number)}"
+                assert number not in NODE_PORTS, f"{where} takes the node's port {number}"
+                assert number not in seen, f"{where} and {seen[number]} share port {number} on a node"
+                seen[number] = where
+
+
+# ---------------------------------------------------------------------------
+# Palisade's own network policy, as Palisade's semantics answer it
+
+
+GRPC_PORTS = {"palisade-watcher": 9401, "palisade-policy": 9402, "palisade-ipam": 9403, "palisade-datapath": 9404}
+METRICS_PORTS = {"palisade-watcher": 9501, "palisade-policy": 9502, "palisade-ipam": 9503, "palisade-datapath": 9504}
+BUS_PORTS = {"palisade-nats": (4222, 6222), "palisade-etcd": (9379, 9380)}
+
+EXTRA = """
+apiVersion: v1
+kind: Namespace
+metadata: {name: rogue}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: monitoring, labels: {palisade.io/scrape-metrics: "true"}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: rogue, namespace: rogue, labels: {app: rogue}}
+spec:
+  nodeName: node-1
+  containers: [{name: c, image: busybox, ports: [{containerPort: 80}]}]
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: prometheus, namespace: monitoring, labels: {app: prometheus}}
+spec:
+  nodeName: node-2
+  containers: [{name: c, image: prometheus, ports: [{containerPort: 80}]}]
+"""
+
+
+def _pods_of_workloads() -> list[Obj]:
+    """The Pods the workloads make, two nodes apart: one member of each on node-1, node-2, node-3."""
+    pods = []
+    for workload in _of_kind(*WORKLOAD_KINDS):
         name = workload["metadata"]["name"]
-        if _pod_spec(workload).get("hostNetwork"):
-            continue  # the datapath: NetworkPolicy does not apply to host-network pods
-        mine = [
-            p
-            for p in policies
-            if p["spec"]["podSelector"] and p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
-        ]
-        assert len(mine) == 1, f"{name} is selected by {len(mine)} policies"
-        rules = mine[0]["spec"]["ingress"]
-        ports = {p["name"] for c in _pod_spec(workload)["containers"] for p in c.get("ports", [])}
-        for rule in rules:
-            assert rule["ports"], f"{name}: a rule admits every port"
-            for port in rule["ports"]:
-                assert port["port"] in ports, f"{name}: no port {port['port']}"
-            metrics = {p["port"] for p in rule["ports"]} & {"metrics", "monitor"}
-            if metrics:
-                assert _sources(rule) == [scrape], f"{name}: metrics open beyond the scraper"
-            else:
-                assert _sources(rule), f"{name}: a port open to everyone"
-                assert all("namespaceSelector" not in src for src in _sources(rule)), name
-    etcd = _policy_named("palisade-etcd")
-    client = next(r for r in etcd["spec"]["ingress"] if r["ports"] == [{"port": "client"}])
-    assert _sources(client) == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "palisade-ipam"}}}]
+        replicas = 3 if workload["kind"] == "DaemonSet" else workload["spec"].get("replicas", 1)
+        for i in range(replicas):
+            spec = {**_pod_spec(workload), "nodeName": f"node-{i + 1}"}
+            pods.append({
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": f"{name}-{i}", "namespace": NAMESPACE,
+                             "labels": workload["spec"]["template"]["metadata"]["labels"]},
+                "spec": spec,
+            })  # fmt: skip
+    return pods
+
+
+@functools.cache
+def _analyzed(tmp: Path) -> dict[tuple[int, str], dict[str, dict[str, bool]]]:
+    (tmp / "pods.yaml").write_text(yaml.safe_dump_all(_pods_of_workloads()) + "---\n" + EXTRA)
+    ports = sorted({*GRPC_PORTS.values(), *METRICS_PORTS.values(), *(p for v in BUS_PORTS.values() for p in v), 80})
+    cmd = [sys.executable, "-m", "services.cli.main", "analyze", "-f", str(KUBERNETES_DIR)]
+    cmd += ["-f", str(tmp / "pods.yaml")]
+    cmd += [a for p in ports for a in ("--probe", f"{p}/TCP")]
+    out = subprocess.run([*cmd, "-o", "json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return {(p["port"], p["protocol"]): p["matrix"] for p in json.loads(out.stdout)["probes"]}
+
+
+def test_palisade_analyze_says_only_the_components_reach_palisades_ports(tmp_path: Path) -> None:
+    matrices = _analyzed(tmp_path)
+    rogue, scraper = "rogue/rogue", "monitoring/prometheus"
+    cp = f"{NAMESPACE}/"
+    datapaths = [f"{cp}palisade-datapath-{i}" for i in range(3)]
+
+    def reach(src: str, dst: str, port: int) -> bool:
+        return matrices[(port, "TCP")][src][dst]
+
+    for target, (client, peer) in BUS_PORTS.items():
+        for i in range(3):
+            member = f"{cp}{target}-{i}"
+            for port in (client, peer):
+                # A pod of any namespace is denied, on its own node (host) and on another (remote-node).
+                assert not reach(rogue, member, port), f"rogue pod reaches {member}:{port}"
+                assert not reach(scraper, member, port), f"scraper reaches {member}:{port}"
+    for target, port in GRPC_PORTS.items():
+        for member in [p for p in matrices[(port, "TCP")][rogue] if p.startswith(f"{cp}{target}-")]:
+            assert not reach(rogue, member, port) and not reach(scraper, member, port), f"{member}:{port}"
+    for target, port in METRICS_PORTS.items():
+        for member in [p for p in matrices[(port, "TCP")][rogue] if p.startswith(f"{cp}{target}-")]:
+            assert reach(scraper, member, port), f"the scraper cannot reach {member}:{port}"
+            assert not reach(rogue, member, port), f"rogue pod reaches {member}:{port}"
+    # The components themselves: host-network callers, which no pod policy judges (mutual TLS does).
+    for datapath in datapaths:
+        assert reach(datapath, f"{cp}palisade-nats-1", 4222)
+        assert reach(datapath, f"{cp}palisade-policy-1", 9402)
+        assert reach(datapath, f"{cp}palisade-ipam-0", 9403)
+    assert reach(f"{cp}palisade-ipam-0", f"{cp}palisade-etcd-2", 9379)
+    assert reach(f"{cp}palisade-etcd-0", f"{cp}palisade-etcd-1", 9380)
+    assert reach(f"{cp}palisade-nats-0", f"{cp}palisade-nats-2", 6222)
+    # And nothing else changes: pods still reach each other, and their own node reaches them.
+    assert reach(rogue, scraper, 80) and reach(scraper, rogue, 80)
+    assert reach(datapaths[0], rogue, 80)
+
+
+def test_the_network_policy_puts_no_pod_into_default_deny() -> None:
+    policies = _of_kind("NetworkPolicy", "CiliumNetworkPolicy", "CiliumClusterwideNetworkPolicy")
+    assert policies
+    for policy in policies:
+        spec = policy["spec"]
+        assert set(spec) - {"description"} <= {"endpointSelector", "enableDefaultDeny", "egressDeny"}, spec
+        assert spec["enableDefaultDeny"] == {"ingress": False, "egress": False}
 
 
 def test_unprivileged_services_are_locked_down() -> None:
@@ -406,7 +592,8 @@ def test_unprivileged_services_are_locked_down() -> None:
         name = workload["metadata"]["name"]
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["securityContext"]["runAsUser"] != 0, name
-        assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC"), name
+        # The node's network (see the bootstrap tests), none of its other namespaces.
+        assert pod.get("hostNetwork") is True and not pod.get("hostPID") and not pod.get("hostIPC"), name
         for container in pod["containers"]:
             sc = container["securityContext"]
             assert sc["readOnlyRootFilesystem"] is True, name
@@ -472,8 +659,6 @@ def test_nats_and_etcd_run_three_members_policy_and_ipam_two_spread_over_nodes()
     assert "strategy" not in policy["spec"], "replicas roll one at a time (the default), not Recreate"
     _, config = _check(policy, _pod_spec(policy)["containers"][0])
     assert config.member == "$(POD_NAME)" and config.advertise_address == "$(POD_IP):9402"
-    grpc_rule = next(r for r in _policy_named("palisade-policy")["spec"]["ingress"] if r["ports"] == [{"port": "grpc"}])
-    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "palisade-policy"}}} in _sources(grpc_rule)
 
 
 def test_etcd_is_3_5() -> None:
@@ -487,6 +672,11 @@ def test_etcd_is_3_5() -> None:
 
 def _selected(service: Obj) -> list[Obj]:
     selector = service["spec"]["selector"]
+    member = selector.get("statefulset.kubernetes.io/pod-name")
+    if member is not None:  # one member of a StatefulSet, by the label its controller sets
+        workload = _named("StatefulSet", member.rpartition("-")[0])
+        assert int(member.rpartition("-")[2]) < workload["spec"]["replicas"], member
+        return [workload]
     return [
         w for w in _of_kind(*WORKLOAD_KINDS) if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
     ]
@@ -517,7 +707,8 @@ def _service_port(host: str, port: int) -> Obj:
     assert rest in (["svc"], ["svc", "cluster", "local"]), f"{host} is not a Service DNS name"
     service = _named("Service", service_name)
     assert service["metadata"]["namespace"] == namespace
-    assert any(p["port"] == port for p in service["spec"]["ports"]), f"Service {service_name} has no port {port}"
+    if port:
+        assert any(p["port"] == port for p in service["spec"]["ports"]), f"Service {service_name} has no port {port}"
     return service
 
 

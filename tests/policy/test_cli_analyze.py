@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import pytest
 import yaml
 
 from services.cli import analyze as cli
+from tests.harness import ROOT
 from tests.policy.typo_cases import CASES, doc_of
 
 MODEL = """\
@@ -196,3 +199,69 @@ def test_every_typo_stops_analyze_naming_its_path(
     assert run(["-f", str(f), "--probe", "80/TCP", "-o", "json"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and f"{path}: " in err and words in err, err
+
+
+HOST_NETWORK = """
+apiVersion: v1
+kind: Namespace
+metadata: {name: x}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: agent, namespace: x, labels: {app: agent}}
+spec: {nodeName: n1, hostNetwork: true, containers: [{name: c, image: i}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: local, namespace: x, labels: {app: a}}
+spec: {nodeName: n1, containers: [{name: c, image: i}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: remote, namespace: x, labels: {app: a}}
+spec: {nodeName: n2, containers: [{name: c, image: i}]}
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: deny-all, namespace: x}
+spec: {podSelector: {}, policyTypes: [Ingress, Egress]}
+"""
+
+TO_HOST_ONLY = """
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: to-own-node, namespace: x}
+spec:
+  endpointSelector: {matchLabels: {app: a}}
+  egress: [{toEntities: [host]}]
+"""
+
+
+# A host-network pod is its node: `host` to pods of its node, `remote-node` to the others; no
+# policy judges its own traffic, and host traffic to a pod of its own node is always allowed.
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ("", {("agent", "local"): True, ("agent", "remote"): False, ("local", "agent"): False,
+              ("remote", "agent"): False, ("local", "remote"): False}),
+        (TO_HOST_ONLY, {("agent", "local"): True, ("agent", "remote"): False, ("local", "agent"): True,
+                        ("remote", "agent"): False, ("local", "remote"): False}),
+    ],
+)  # fmt: skip
+def test_a_host_network_pod_is_seen_as_its_node(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: str, expected: dict[tuple[str, str], bool]
+) -> None:
+    (tmp_path / "m.yaml").write_text(HOST_NETWORK + ("---\n" + extra if extra else ""))
+    assert run(["-f", str(tmp_path), "--probe", "80/TCP", "-o", "json"]) == 0
+    matrix = json.loads(capsys.readouterr().out)["probes"][0]["matrix"]
+    assert {pair: matrix[f"x/{pair[0]}"][f"x/{pair[1]}"] for pair in expected} == expected
+
+
+def test_connectivity_probe_refuses_host_network_pods_it_cannot_make(tmp_path: Path) -> None:
+    (tmp_path / "m.yaml").write_text(HOST_NETWORK)
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "connectivity", "probe", "-f", str(tmp_path), "--probe", "80/TCP"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "x/agent" in out.stderr and "spec.hostNetwork" in out.stderr

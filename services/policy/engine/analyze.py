@@ -11,6 +11,13 @@ cannot block access to itself (its upstream conformance tests expect loopback
 to work under any policy), and such traffic never leaves the pod's network
 namespace, so it never reaches the enforcement point. Pass
 ``self_traffic_allowed=False`` to evaluate it through policy instead.
+
+A pod with ``spec.hostNetwork: true`` is not an endpoint: it has its node's address, no
+veth and no identity of its own. Others see it as its node, ``host`` (1) from its own
+node and ``remote-node`` (6) from any other (a pod without ``nodeName`` is taken to be on
+another node); no policy judges its own traffic, and traffic from it to a pod of its own
+node is host traffic, allowed whatever the policy (Kubernetes semantics; Cilium's
+``allow-localhost``).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.labels import pod_identity_labels
+from services.common.labels import ReservedIdentity, pod_identity_labels
 from services.common.manifests import Document
 from services.policy.engine.identity import LocalAllocator
 from services.policy.engine.model import (
@@ -70,6 +77,15 @@ class PodModel:
     ips: tuple[IPAddress, ...]
     node: str
     named_ports: Mapping[str, frozenset[tuple[Protocol, int]]]
+    #: On its node's network: seen as the node (``host``/``remote-node``), judged by no policy.
+    host_network: bool = False
+
+    def seen_from(self, other: PodModel) -> int:
+        """The identity ``other`` sees this pod's packets carry."""
+        if not self.host_network:
+            return self.identity
+        same_node = bool(self.node) and self.node == other.node
+        return int(ReservedIdentity.HOST if same_node else ReservedIdentity.REMOTE_NODE)
 
 
 @dataclass
@@ -166,6 +182,13 @@ def build_model(documents: Iterable[Document], *, keep_going: bool = False) -> M
         if key in seen:
             raise AnalyzeError(doc.source, f"Pod {key}: duplicate pod")
         seen.add(key)
+        spec = doc.body.get("spec") or {}
+        node = str(spec.get("nodeName") or "")
+        if spec.get("hostNetwork") is True:
+            # The node's address and no identity of its own (ipam gives none to host-network pods).
+            no_ports: dict[str, frozenset[tuple[Protocol, int]]] = {}
+            models[key] = PodModel(key, int(ReservedIdentity.REMOTE_NODE), (), node, no_ports, host_network=True)
+            continue
         labels = pod_identity_labels(doc.body, namespaces.get(ns))
         ident = allocator.allocate(labels)
         if engine.identity(ident.id) is None:
@@ -175,7 +198,6 @@ def build_model(documents: Iterable[Document], *, keep_going: bool = False) -> M
         for n, v in ports.items():
             by_identity_ports.setdefault(ident.id, {}).setdefault(n, set()).update(v)
         by_identity_ips.setdefault(ident.id, set()).update(ips)
-        node = str((doc.body.get("spec") or {}).get("nodeName") or "")
         models[key] = PodModel(key, ident.id, tuple(ips), node, {k: frozenset(v) for k, v in ports.items()})
     for ident_id, ip_set in by_identity_ips.items():
         engine.set_identity_ips(ident_id, ip_set)
@@ -242,9 +264,22 @@ def connectivity(model: Model, probe: Probe, *, self_traffic_allowed: bool = Tru
             if s == d and self_traffic_allowed:
                 row[d] = True
                 continue
-            out = lookup(egress_policy, Direction.EGRESS, dst.identity, probe.protocol, probe.port)
-            inn = lookup(engine.policy_for(dst.identity), Direction.INGRESS, src.identity, probe.protocol, probe.port)
-            row[d] = out.allowed and inn.allowed
+            if src.host_network and (dst.host_network or (src.node and src.node == dst.node)):
+                row[d] = True  # nothing judges it, or host traffic to a pod of its own node
+                continue
+            out = (
+                lookup(egress_policy, Direction.EGRESS, dst.seen_from(src), probe.protocol, probe.port).allowed
+                if not src.host_network
+                else True
+            )
+            inn = (
+                lookup(
+                    engine.policy_for(dst.identity), Direction.INGRESS, src.seen_from(dst), probe.protocol, probe.port
+                ).allowed
+                if not dst.host_network
+                else True
+            )
+            row[d] = out and inn
         matrix[s] = row
     return matrix
 
