@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import ROOT
-from tests.system.stack import Stack, running_stack
+from tests.system.stack import Stack, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -73,6 +73,40 @@ def test_a_broken_policy_file_leaves_everything_else_enforced(stack: Stack) -> N
         assert watcher["details"].get("errors") not in (None, "0")
     finally:
         bad.unlink()
+
+
+def test_a_typo_in_an_enforced_policy_keeps_its_valid_version_enforced(stack: Stack) -> None:
+    """`fromEndpoints` misspelled in the backend's policy would leave its rule only `toPorts`: port
+    8080 open to every pod. The edit is refused instead: the valid version stays enforced (real
+    packets), `palisade status` and `policy get` show the error with the field's path, and
+    fixing the file clears it."""
+    path = stack.manifests / "40-backend.yaml"
+    valid = path.read_text()
+    typo = valid.replace(
+        "    - fromEndpoints:\n        - matchLabels:", "    - fromEndpoint:\n        - matchLabels:", 1
+    )
+    assert typo != valid
+    revision = stack.policy_revision()
+
+    def invalid() -> list[dict[str, object]]:
+        out = stack.palisade("status", "-o", "json")
+        assert out.returncode == 0, out.stderr
+        return list(json.loads(out.stdout).get("invalid_policies", []))
+
+    path.write_text(typo)
+    try:
+        assert wait_for(lambda: any("fromEndpoint" in str(p["error"]) for p in invalid()), 30), invalid()
+        (shown,) = invalid()
+        assert "spec.ingress[0].fromEndpoint" in str(shown["error"]) and "fromEndpoints" in str(shown["error"])
+        got = stack.palisade("policy", "get", "-o", "json")
+        assert got.returncode == 0 and "spec.ingress[0].fromEndpoint" in got.stdout, got.stdout
+        assert stack.policy_revision() == revision  # nothing changed in the repository
+        assert not stack.reach("tools/debug", "shop/backend", 8080)  # the typo would have let it in
+        assert stack.reach("shop/frontend", "shop/backend", 8080)
+    finally:
+        path.write_text(valid)
+    assert wait_for(lambda: not invalid(), 30), invalid()
+    assert not stack.reach("tools/debug", "shop/backend", 8080)
 
 
 def test_connectivity_probe_matches_analyze(stack: Stack) -> None:
