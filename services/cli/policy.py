@@ -296,8 +296,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(to_dict(resp))
     else:
+        # The explanation ends with the final verdict, in the words of its per-direction lines.
         print(resp.explanation.rstrip())
-        print(f"\nFinal verdict: {common_pb2.Verdict.Name(resp.verdict).removeprefix('VERDICT_')}")
     return 0 if resp.verdict == common_pb2.VERDICT_ALLOW else 1
 
 

@@ -8,6 +8,7 @@ import yaml
 
 from palisade.v1 import common_pb2, policy_pb2
 from tests.policy_service import builders
+from tests.policy_service.cluster import palisade
 from tests.policy_service.scenario import DB, WEB, Env
 
 NP = "NetworkPolicy"
@@ -104,6 +105,17 @@ async def test_trace_explains_verdicts_between_pods_and_labels(env: Env) -> None
         )
     )
     assert by_labels.verdict == common_pb2.VERDICT_DENY
+
+
+@pytest.mark.parametrize(("port", "verdict", "code"), [(5432, "ALLOWED", 0), (22, "DENIED", 1)])
+async def test_trace_prints_its_final_verdict_once(env: Env, port: int, verdict: str, code: int) -> None:
+    address = f"--policy-address={env.policy.address}"
+    traced = await palisade(
+        "policy", "trace", "--src", "default/web-1", "--dst", "default/db-1", "--port", str(port), address
+    )
+    assert traced.returncode == code, traced.stderr
+    finals = [line for line in traced.stdout.splitlines() if "verdict" in line.lower() and "final" in line.lower()]
+    assert finals == [f"Final verdict: {verdict}"], traced.stdout
 
 
 # (method, request, status code, part of the message)
