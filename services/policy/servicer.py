@@ -300,7 +300,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 metrics.REJECTED.labels(Source.API.value).inc()
 
         def answer(core: PolicyCore, now: float) -> policy_pb2.ImportPoliciesResponse:
-            response = policy_pb2.ImportPoliciesResponse(revision=core.revision)
+            revision = core.revision
+            if request.dry_run and any(outcome.changed for outcome in outcomes):
+                revision += 1  # what applying it would make: one commit, one step
+            response = policy_pb2.ImportPoliciesResponse(revision=revision)
             for outcome, doc in zip(outcomes, docs, strict=True):
                 if outcome.accepted and not request.dry_run:
                     record = core.registry.get(Source.API, outcome.key)

@@ -59,13 +59,14 @@ async def test_import_mixed_documents_accepts_the_good_and_rejects_the_bad(env: 
     assert only_bad.revision == answer.revision
     assert [p.state for p in only_bad.policies] == [policy_pb2.POLICY_STATE_REJECTED]
 
-    # Dry run validates without changing anything.
+    # Dry run validates without changing anything; its revision is the one the import would make.
     dry = await env.api.ImportPolicies(
         policy_pb2.ImportPoliciesRequest(
             documents=yaml.safe_dump(builders.netpol("dry", {"app": "db"}, {}, 1)), dry_run=True
         )
     )
-    assert dry.revision == answer.revision and dry.policies[0].state == policy_pb2.POLICY_STATE_UNSPECIFIED
+    assert dry.revision == answer.revision + 1 and dry.policies[0].state == policy_pb2.POLICY_STATE_UNSPECIFIED
+    assert (await env.api.ListPolicies(policy_pb2.ListPoliciesRequest())).revision == answer.revision
     assert (await rpc_error(env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref("dry"))))).code() == (
         grpc.StatusCode.NOT_FOUND
     )

@@ -10,6 +10,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,7 +20,7 @@ from palisade.v1 import common_pb2, common_pb2_grpc, policy_pb2, policy_pb2_grpc
 from tests.harness import NatsServer, ServiceProcess
 from tests.harness import channel as open_channel
 from tests.policy_service import builders
-from tests.policy_service.cluster import Datapath, Feed, OrderLog, eventually, start_policy
+from tests.policy_service.cluster import Datapath, Feed, OrderLog, eventually, palisade, start_policy
 from tests.policy_service.scenario import DB, PODS, WEB, publish_world, seeded
 
 
@@ -132,6 +133,34 @@ async def test_a_follower_forwards_and_takes_over_without_losing_anything(replic
     )
     assert waited.realized, waited
     assert _denies(r.datapaths["n2"], 6379)
+
+
+async def test_a_dry_run_reports_the_revision_the_import_would_make(replicas: Replicas, tmp_path: Path) -> None:
+    """Asked through the follower, whose own counter means nothing: the answer is the leader's revision,
+    one more when the import would change something, and says that nothing was applied."""
+    r = replicas
+    current = (await _status(r.first.address)).revision
+    path = tmp_path / "deny.yaml"
+    path.write_text(_deny(5432))
+    address = f"--policy-address={r.second.address}"
+    dry = await palisade("policy", "import", "--dry-run", str(path), address)
+    assert dry.returncode == 0, dry.stderr
+    assert (
+        dry.stdout.rstrip().splitlines()[-1]
+        == f"dry run: nothing applied; the import would make revision {current + 1}"
+    )
+    assert (await _status(r.first.address)).revision == current
+    as_json = await palisade("policy", "import", "--dry-run", str(path), address, "-o", "json")
+    assert json.loads(as_json.stdout)["revision"] == current + 1 and json.loads(as_json.stdout)["dry_run"] is True
+    # Once imported, the same file changes nothing: a dry run of it keeps the revision.
+    imported = await palisade("policy", "import", str(path), address, "-o", "json")
+    assert imported.returncode == 0, imported.stderr
+    assert json.loads(imported.stdout)["revision"] == current + 1
+    again = await palisade("policy", "import", "--dry-run", str(path), address)
+    assert (
+        again.stdout.rstrip().splitlines()[-1]
+        == f"dry run: nothing applied; the import would make revision {current + 1}"
+    )
 
 
 async def test_the_old_leader_back_is_a_follower(replicas: Replicas) -> None:

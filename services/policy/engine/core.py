@@ -68,6 +68,8 @@ class Outcome:
     error: str = ""
     document: str = ""
     policy: Policy | None = None
+    #: The policy differs from the one in force (or is new): applying it makes a new revision.
+    changed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,10 +365,10 @@ class PolicyCore:
                 return Outcome(source, rk, False, error, document)
             return self._reject(source, rk, error, document, provenance, conflict)
         key = key or parsed.key
-        if dry_run:
-            return Outcome(source, key, True, "", document, parsed)
         policy = dataclasses.replace(parsed, key=engine_key(source, key))
         changed = self.engine.declared_policy(policy.key) != policy
+        if dry_run:
+            return Outcome(source, key, True, "", document, parsed, changed)
         if changed:
             self._change(now)
             self.engine.upsert_policy(policy)
@@ -382,7 +384,7 @@ class PolicyCore:
             log.info("policy accepted", source=source.value, policy=str(key), unsupported=len(policy.unsupported))
         else:
             log.debug("policy unchanged", source=source.value, policy=str(key))
-        return Outcome(source, key, True, "", document, policy)
+        return Outcome(source, key, True, "", document, policy, changed)
 
     def restore_imported(self, stored: StoredPolicy, document: str, now: float) -> Outcome:
         """An API policy loaded from the store at startup (a rejected one stays visible with its error)."""
