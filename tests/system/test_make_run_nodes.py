@@ -310,4 +310,6 @@ def test_zz_ctrl_c_removes_the_hosts_and_leaves_nothing_behind(stack: Stack) -> 
     assert not [n for n in NODES if os.path.exists(f"{stack.bpffs}-{n}")]
     pods = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
     assert not [n for n in pods if n.startswith(("pal_shop_", "pal_tools_"))]
-    assert not stack.run_dir.exists()
+    # Only the logs stay, to read after a crash; the next start removes them.
+    assert [p.name for p in stack.run_dir.iterdir()] == ["logs"]
+    assert '"service started"' in (stack.run_dir / "logs" / "policy.log").read_text()
