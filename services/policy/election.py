@@ -14,7 +14,9 @@ anything, and exits. Losing the lease (a renewal refused) also exits: the superv
 restarts the process as a follower, with clean state.
 
 Each replica also keeps ``member.<name>`` fresh in the same bucket (address and role),
-which is how ``palisade status`` lists the replicas and how followers find the leader.
+which is how ``palisade status`` lists the replicas and how followers find the leader. A
+replica whose heartbeat expired (frozen, killed, cut off) stays listed as silent for a
+while (:data:`FORGET_AFTER_LEASES`); one that resigned (its heartbeat deleted) goes at once.
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.js import api as jsapi
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NoKeysError,
+)
 from nats.js.kv import KeyValue
 
 from services.common.bus import Bus
@@ -38,6 +45,9 @@ log = get_logger("election")
 
 LEADER_KEY = "leader"
 MEMBER_PREFIX = "member."
+#: A replica silent for this many leases is no longer listed (one restarted under another name
+#: would otherwise stay forever); until then it is shown with how long it has been silent.
+FORGET_AFTER_LEASES = 20
 
 
 class LeadershipLost(RuntimeError):
@@ -205,7 +215,7 @@ class Election:
         await self._kv.put(MEMBER_PREFIX + self.member, json.dumps(record).encode())
 
     async def _refresh(self) -> None:
-        """Who leads, and which replicas sent a heartbeat within a lease (expired ones are gone)."""
+        """Who leads, and every replica: those with a heartbeat, and those whose heartbeat expired."""
         try:
             entry = await self._kv.get(LEADER_KEY)
             raw = _decode(entry.value)
@@ -222,7 +232,19 @@ class Election:
                     members[name] = Member(
                         name, str(raw.get("address", "")), str(raw.get("role", "")), float(raw.get("at", 0.0))
                     )
+        forget = time.time() - FORGET_AFTER_LEASES * self.lease
+        for name, member in self.members.items():
+            if name not in members and member.seen > forget and not await self._resigned_member(name):
+                members[name] = member  # silent: status shows for how long
         self.members = members
+
+    async def _resigned_member(self, name: str) -> bool:
+        """Whether the replica deleted its heartbeat (a clean stop) rather than letting it expire."""
+        try:
+            await self._kv.get(MEMBER_PREFIX + name)
+        except KeyNotFoundError as err:
+            return err.op is not None  # a delete marker (the client's KeyDeletedError, re-raised)
+        return False
 
     async def resign(self) -> None:
         """On a clean shutdown: give the lease up at once, so a follower need not wait for it to expire."""

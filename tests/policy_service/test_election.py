@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
+from nats.js.errors import KeyNotFoundError
 
 from services.common.bus import Bus
 from services.policy.election import LEADER_KEY, Election, LeadershipLost
@@ -31,6 +32,14 @@ async def replica(server: NatsServer, name: str, address: str) -> AsyncIterator[
         await bus.close()
 
 
+async def _expired(election: Election, key: str) -> bool:
+    try:
+        await election._kv.get(key)
+    except KeyNotFoundError as err:
+        return err.op is None  # gone, not deleted
+    return False
+
+
 def _leads(election: Election, name: str) -> bool:
     return election.leader is not None and election.leader.name == name
 
@@ -52,6 +61,10 @@ async def test_one_leader_and_a_follower_that_takes_over_when_it_dies(nats_serve
             stopped = loop.time()
             await asyncio.wait_for(b.leading.wait(), 5 * LEASE)
             assert loop.time() - stopped <= 2 * LEASE + 0.5
+            # Its heartbeat expired with it; it stays listed, silent, for status to show.
+            await eventually(lambda: _expired(b, "member.a"), "a's heartbeat to expire", 5)
+            await b._refresh()  # a read of the bucket that no longer holds a's heartbeat
+            assert "a" in b.members and b.members["a"].role == "leader"
 
 
 async def test_a_clean_stop_hands_over_at_once(nats_server: NatsServer) -> None:
@@ -67,6 +80,8 @@ async def test_a_clean_stop_hands_over_at_once(nats_server: NatsServer) -> None:
             await asyncio.wait_for(b.leading.wait(), 5)
             # Well before the lease would have expired: b campaigns every quarter lease.
             assert loop.time() - stopped < LEASE
+            # A replica that resigned is no longer listed (it is not silent: it left).
+            await eventually(lambda: "a" not in b.members, "a to leave the member list", 5)
 
 
 async def test_a_replica_restarted_in_place_takes_its_predecessors_lease(nats_server: NatsServer) -> None:

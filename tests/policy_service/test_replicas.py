@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,9 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from nats.js.errors import KeyNotFoundError
 
 from palisade.v1 import common_pb2, common_pb2_grpc, policy_pb2, policy_pb2_grpc
-from tests.harness import NatsServer, ServiceProcess
+from tests.harness import NatsServer, ServiceProcess, free_port
 from tests.harness import channel as open_channel
 from tests.policy_service import builders
 from tests.policy_service.cluster import Datapath, Feed, OrderLog, eventually, palisade, start_policy
@@ -161,6 +164,41 @@ async def test_a_dry_run_reports_the_revision_the_import_would_make(replicas: Re
         again.stdout.rstrip().splitlines()[-1]
         == f"dry run: nothing applied; the import would make revision {current + 1}"
     )
+
+
+async def test_status_shows_a_frozen_leader_unreachable_and_not_a_stopped_system(replicas: Replicas) -> None:
+    """SIGSTOP: the leader's port still accepts, nothing answers, its heartbeat expires. It stays in
+    the member table, unhealthy, and the CLI does not tell to start a system that runs."""
+    r = replicas
+    assert r.first.proc is not None
+    os.kill(r.first.proc.pid, signal.SIGSTOP)
+    try:
+        await eventually(lambda: _role(r.second.address, "leader"), "the follower to lead", 20)
+        await eventually(lambda: _heartbeat_expired(r.feed, "one"), "one's heartbeat to expire", 20)
+        others = [f"--{name}-address=127.0.0.1:{free_port()}" for name in ("watcher", "ipam", "datapath")]
+        policy = f"--policy-address={r.first.address},{r.second.address}"
+        as_json = await palisade("status", policy, *others, "-o", "json")
+        assert as_json.returncode == 1, as_json.stderr
+        members = {m["name"]: m for m in json.loads(as_json.stdout)["members"] if m["group"] == "policy"}
+        assert set(members) == {"one", "two"}, members
+        assert members["one"]["health"].startswith("unreachable: no answer within 1.5s"), members
+        assert members["two"]["health"] == "ok" and members["two"]["role"] == "leader"
+        text = await palisade("status", policy, *others)
+        assert "start the system" not in text.stdout, text.stdout
+        (hint,) = [line for line in text.stdout.splitlines() if line.startswith("no answer within 1.5s from")]
+        assert f"policy at {r.first.address}" in hint and f"policy at {r.second.address}" not in hint
+    finally:
+        os.kill(r.first.proc.pid, signal.SIGCONT)
+
+
+async def _heartbeat_expired(feed: Feed, name: str) -> bool:
+    """Whether ``name``'s heartbeat is gone from the lease bucket (expired: it wrote none for a lease)."""
+    kv = await feed.bus.js.key_value("PALISADE_POLICY_LEADER")
+    try:
+        await kv.get(f"member.{name}")
+    except KeyNotFoundError:
+        return True
+    return False
 
 
 async def test_the_old_leader_back_is_a_follower(replicas: Replicas) -> None:
