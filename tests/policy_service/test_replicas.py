@@ -225,6 +225,37 @@ async def _role(address: str, role: str) -> bool:
     return status.details.get("role") == role and (role != "leader" or status.synced)
 
 
+async def test_a_leader_that_loses_its_lease_steps_down_without_exiting(
+    nats_server: NatsServer, service: Callable[..., ServiceProcess]
+) -> None:
+    """Its lease taken (a NATS outage that outlived it, a partition): it follows, then leads again
+    once the lease is free, in the same process, and what it plans then is published."""
+    feed, log = await seeded(nats_server)
+    try:
+        leader = await start_policy(service, nats_server, "--member", "one", "--leader-lease", "1.5")
+        await eventually(lambda: _role(leader.address, "leader"), "one to lead")
+        before = (await _status(leader.address)).revision
+        kv = await feed.bus.js.key_value("PALISADE_POLICY_LEADER")
+        await kv.put("leader", json.dumps({"member": "ghost", "address": "127.0.0.1:1"}).encode())
+        await eventually(lambda: "stepped down to follower" in leader.logs(), "one to step down")
+        # The ghost never renews: its lease expires and one takes it again, still the same process.
+        await eventually(lambda: _role(leader.address, "leader"), "one to lead again", 30)
+        assert leader.proc is not None and leader.proc.poll() is None
+        again = await _status(leader.address)
+        assert again.revision > before
+        channel = open_channel(leader.address, "policy")
+        try:
+            api = policy_pb2_grpc.PolicyServiceStub(channel)
+            imported = await api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=_deny(5432)), timeout=30)
+        finally:
+            await channel.close()
+        assert imported.revision > again.revision
+        await eventually(lambda: log.at_revision(imported.revision), "the import's orders")
+        assert leader.proc.poll() is None
+    finally:
+        await feed.close()
+
+
 async def test_a_deposed_leader_cannot_publish(nats_server: NatsServer, service: Callable[..., ServiceProcess]) -> None:
     """The state's compare-and-set is the fence: once another writer saved the state, the old
     leader's next change fails before any order is published, and the process exits."""

@@ -222,6 +222,18 @@ class PolicyCore:
         self.engine.repository.bump()
         self.mark_synced(now)
 
+    def follow(self) -> None:
+        """Step down to follower: drop what only a leader keeps (the realized table, the nodes' resync
+        requests, planned but unsent work); inputs stay, so the engine stays warm. A later
+        :meth:`lead` starts over from the store, as a replica that never led would."""
+        self.synced = False
+        self._replace_pending = False
+        self.realized = RealizedTable()
+        self._requested.clear()
+        self._seen.clear()
+        self._dirty.clear()
+        self._api_changes.clear()
+
     def mark_synced(self, now: float) -> None:
         """Upstreams delivered their state: the next commit sends every node its whole state."""
         if self.synced:
