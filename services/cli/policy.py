@@ -186,10 +186,13 @@ def cmd_import(args: argparse.Namespace) -> int:
                 _wait(stub, revision, args.timeout)
     rejected = [s for s in statuses if s.state == policy_pb2.POLICY_STATE_REJECTED]
     if args.output == "json":
-        print_json({"revision": revision, "policies": [to_dict(s) for s in statuses]})
+        print_json({"revision": revision, "dry_run": args.dry_run, "policies": [to_dict(s) for s in statuses]})
     else:
         _print_statuses(statuses)
-        print(f"\nrevision {revision}")
+        if args.dry_run:
+            print(f"\ndry run: nothing applied; the import would make revision {revision}")
+        else:
+            print(f"\nrevision {revision}")
     return 2 if rejected else 0
 
 
@@ -296,8 +299,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.output == "json":
         print_json(to_dict(resp))
     else:
+        # The explanation ends with the final verdict, in the words of its per-direction lines.
         print(resp.explanation.rstrip())
-        print(f"\nFinal verdict: {common_pb2.Verdict.Name(resp.verdict).removeprefix('VERDICT_')}")
     return 0 if resp.verdict == common_pb2.VERDICT_ALLOW else 1
 
 
@@ -309,7 +312,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "import", help="import policies from YAML/JSON files or folders (like `cilium policy import`)"
     )
     imp.add_argument("file", nargs="+", help="file, folder or - for stdin")
-    imp.add_argument("--dry-run", action="store_true", help="validate only")
+    imp.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate only, and tell the revision the import would make (the current one if it changes nothing)",
+    )
     imp.add_argument("--wait", action="store_true", help="wait until the new revision is realized")
     imp.add_argument("--timeout", type=float, default=60.0, help="seconds to wait with --wait")
     imp.add_argument(

@@ -22,14 +22,18 @@ from services.cli.client import (
 from services.common.grpcserver import open_sync_channel
 from services.common.trust import Credentials
 
+#: How long a service has to complete the connection (TCP and TLS) before it is shown unreachable.
+CONNECT_TIMEOUT = 1.5
+UNREACHABLE = "unreachable"
+
 
 def probe(target: str, service: str, creds: Credentials | None) -> tuple[str, common_pb2.ServiceStatus | None]:
     ch = open_sync_channel(target, service, creds)
     try:
         try:
-            grpc.channel_ready_future(ch).result(timeout=1.5)
+            grpc.channel_ready_future(ch).result(timeout=CONNECT_TIMEOUT)
         except grpc.FutureTimeoutError:
-            return "unreachable", None
+            return UNREACHABLE, None
         try:
             health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3)
             state = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
@@ -121,9 +125,14 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"\n{len(invalid)} invalid policies (their latest version is refused):")
             for p in invalid:
                 print(f"  {_invalid_text(p)}")
-        down = [f"{n} at {t}" for n, t, s, _ in results if s == "unreachable"]
-        if down:
+        down = [f"{n} at {t}" for n, t, s, _ in results if s == UNREACHABLE]
+        if down and len(down) == len(results):
             print(f"\n{', '.join(down)} unreachable: start the system with `make run`, or pass --<service>-address.")
+        elif down:
+            print(
+                f"\nno answer within {CONNECT_TIMEOUT:g}s from {', '.join(down)}, while other parts answer: "
+                "stopped, frozen or overloaded (see their logs)?"
+            )
         for name, _, _, status in results:
             for dependency, problem in sorted(_dependencies_down(status).items()):
                 print(
@@ -137,7 +146,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 def _members(results: list[tuple[str, str, str, common_pb2.ServiceStatus | None]]) -> list[common_pb2.Member]:
     """Every member the services report (policy replicas, NATS servers, etcd members), once each.
 
-    Where services disagree (one saw a member go), the worse health is shown.
+    Where services disagree (one saw a member go), the worse health is shown. A replica that did
+    not answer here is shown unreachable, whatever the others last heard from it; if none of them
+    lists it, it gets a row of its own (named by its address) in its service's group.
     """
     seen: dict[tuple[str, str], common_pb2.Member] = {}
     for *_, status in results:
@@ -145,6 +156,17 @@ def _members(results: list[tuple[str, str, str, common_pb2.ServiceStatus | None]
             key = (member.group, member.name)
             if key not in seen or (seen[key].health == "ok" and member.health != "ok"):
                 seen[key] = member
+    groups = {group for group, _ in seen}
+    for service, target, state, _ in results:
+        if state != UNREACHABLE or service not in groups:
+            continue
+        health = f"{UNREACHABLE}: no answer within {CONNECT_TIMEOUT:g}s"
+        listed = [m for m in seen.values() if m.group == service and m.address == target]
+        for member in listed:
+            detail = "" if member.health == "ok" else f" ({member.health})"
+            member.health = health + detail
+        if not listed:
+            seen[(service, target)] = common_pb2.Member(group=service, name=target, address=target, health=health)
     return [seen[k] for k in sorted(seen)]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -25,10 +26,15 @@ import nats
 from google.protobuf.message import Message
 from nats.aio.client import Client as NATSClient
 from nats.aio.msg import Msg
-from nats.errors import MaxPayloadError
+from nats.errors import (
+    ConnectionReconnectingError,
+    MaxPayloadError,
+    NoRespondersError,
+    StaleConnectionError,
+)
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 from nats.js.object_store import ObjectStore
 
 from services.common.access import INBOX_PREFIX
@@ -47,6 +53,18 @@ from services.common.subjects import token as token
 from services.common.trust import Credentials
 
 log = get_logger("bus")
+
+#: Errors of a NATS call that time cures: a clustered stream electing a new leader after losing
+#: its server (the call times out or finds no responder meanwhile), the client moving to another
+#: server. Startup calls retry on these alone; any other error is a real one and is raised.
+TRANSIENT: tuple[type[Exception], ...] = (
+    asyncio.TimeoutError,
+    NoRespondersError,
+    NoStreamResponseError,
+    ServiceUnavailableError,
+    ConnectionReconnectingError,
+    StaleConnectionError,
+)
 
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
@@ -164,8 +182,10 @@ class Follower:
         )
 
     async def start(self) -> None:
-        self._sub = await self._subscribe()
-        info = await self._sub.consumer_info()
+        # A stream that lost its leader with a server answers again once the cluster elects another.
+        self._sub = await self._bus.retry("create consumer", self._subscribe, only=TRANSIENT, subject=self.subject)
+        sub = self._sub
+        info = await self._bus.retry("read consumer", sub.consumer_info, only=TRANSIENT, subject=self.subject)
         delivered = info.delivered
         if self._deliver_new:
             # Restarting from here loses nothing: the consumer starts after this stream position.
@@ -272,11 +292,13 @@ class Bus:
         initial: float = 0.05,
         maximum: float = 2.0,
         final: tuple[type[Exception], ...] = (),
+        only: tuple[type[Exception], ...] = (Exception,),
         **fields: object,
     ) -> T:
         """Await ``call()`` until it succeeds (or ``attempts`` failed), backing off between attempts.
 
-        Exceptions of the ``final`` types are raised at once: retrying cannot help them.
+        Exceptions of the ``final`` types, or of none of the ``only`` types (:data:`TRANSIENT`
+        for the calls a service makes to start), are raised at once: retrying cannot help them.
 
         The wait ends early when the connection comes back, and the backoff starts over, so a
         bus outage costs no more than the outage itself.
@@ -291,7 +313,7 @@ class Bus:
             except final:
                 raise
             except Exception as exc:
-                if attempts and n >= attempts:
+                if (attempts and n >= attempts) or not isinstance(exc, only):
                     raise
                 if n == 1 or n % 20 == 0:
                     log.warning("bus call failed, retrying", what=what, attempt=n, error=str(exc), **fields)
@@ -432,11 +454,20 @@ class Bus:
         await self.js.update_stream(config)
 
     async def ensure_streams(self, *specs: StreamSpec) -> None:
+        """Each stream as :meth:`ensure_stream`, waiting out a cluster that is electing its leader."""
         for spec in specs or ALL_STREAMS:
-            await self.ensure_stream(spec)
+            await self.retry(
+                "ensure stream", functools.partial(self.ensure_stream, spec), only=TRANSIENT, stream=spec.name
+            )
 
     async def object_store(self, bucket: str, description: str) -> ObjectStore:
-        """Bind to a JetStream object store bucket (which chunks what it stores), creating it on first use."""
+        """Bind to a JetStream object store bucket (which chunks what it stores), creating it on first use;
+        waits out a cluster that is electing the bucket's leader."""
+        return await self.retry(
+            "open object store", lambda: self._object_store(bucket, description), only=TRANSIENT, bucket=bucket
+        )
+
+    async def _object_store(self, bucket: str, description: str) -> ObjectStore:
         try:
             return await self.js.object_store(bucket)
         except BucketNotFoundError:

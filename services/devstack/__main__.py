@@ -5,7 +5,7 @@ Pod objects assigned to it into network namespaces running small servers on thei
 container ports. Editing a policy file changes who can reach whom within a moment.
 A part that exits (a crash, a kill -9) is restarted, with a backoff, as a kubelet would.
 Ctrl-C stops everything and removes namespaces, links, pinned maps and state, unless
-``--keep-state`` is given.
+``--keep-state`` is given; the logs of the run stay in the run directory until the next start.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from services.devstack.processes import Child, StackError, binary, port_free
 
 ROOT = Path(__file__).resolve().parents[2]
 log = get_logger("devstack")
+#: The run directory's folder of logs, one file per child: kept after a stop, removed at the next start.
+LOGS = "logs"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -134,8 +136,22 @@ def node_names(args: argparse.Namespace) -> list[str]:
     return [n.name for n in args.network.nodes] if args.network else [args.node]
 
 
+def clear_run_dir(run_dir: Path) -> None:
+    """Remove a stopped run's data, certificates and sockets, but not its logs: a crash can be read
+    after Ctrl-C. The next start removes them (it starts from an empty run directory)."""
+    if not run_dir.is_dir():
+        return
+    for path in run_dir.iterdir():
+        if path.name == LOGS and path.is_dir():
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
-    logs = run_dir / "logs"
+    logs = run_dir / LOGS
     logs.mkdir(parents=True, exist_ok=True)
     # One CA per installation, made on first start; every part proves its name with it.
     tls_dir = ensure_pki(run_dir / "tls")
@@ -268,7 +284,7 @@ def dev_nodes(args: argparse.Namespace, run_dir: Path) -> list[DevNodeSpec]:
 
 
 def banner(args: argparse.Namespace, children: list[Child], nodes: list[DevNode], started: float) -> str:
-    lines = [f"Palisade is running ({time.monotonic() - started:.1f}s to start). Logs: {args.run_dir}/logs", ""]
+    lines = [f"Palisade is running ({time.monotonic() - started:.1f}s to start). Logs: {args.run_dir}/{LOGS}", ""]
     for c in children:
         where = c.grpc_address or f"{c.tcp_host}:{c.tcp_port}"
         lines.append(f"  {c.name:9} {where:18} pid {c.proc.pid if c.proc else '-'}")
@@ -286,7 +302,7 @@ def banner(args: argparse.Namespace, children: list[Child], nodes: list[DevNode]
         "  .venv/bin/palisade observe --verdict dropped",
         f"  edit a policy in {args.manifests}/ and watch the verdicts change",
         "",
-        "Ctrl-C stops everything and cleans up.",
+        f"Ctrl-C stops everything and cleans up (the logs stay in {args.run_dir}/{LOGS} until the next start).",
     ]
     return "\n".join(lines)
 
@@ -382,12 +398,13 @@ async def main_async(args: argparse.Namespace) -> int:
                 left += await asyncio.to_thread(hosts.remove, args.network)
             for spec in dev_nodes(args, run_dir):
                 left += await asyncio.to_thread(clean, spec.bpffs, spec.state_dir, pod_netns.get(spec.name, []))
-            shutil.rmtree(run_dir, ignore_errors=True)
+            clear_run_dir(run_dir)
+            kept = f"the logs of this run are kept in {run_dir / LOGS} until the next start"
             if left:
-                print("stopped; could not remove, do it by hand:\n  " + "\n  ".join(left), flush=True)
+                print("stopped; could not remove, do it by hand:\n  " + "\n  ".join(left) + f"\n{kept}", flush=True)
                 code = 1
             else:
-                print("stopped; nothing left behind", flush=True)
+                print(f"stopped; nothing left behind ({kept})", flush=True)
     return code
 
 

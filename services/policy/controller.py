@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from palisade.v1 import policy_pb2
+from services.common.errors import Code, PalisadeError
 from services.common.log import get_logger
 from services.policy import metrics
 from services.policy.engine.core import Commit, PolicyCore
@@ -32,6 +33,12 @@ log = get_logger("controller")
 
 T = TypeVar("T")
 Op = Callable[[PolicyCore, float], T]
+
+
+class NotLeading(PalisadeError):
+    """This replica stopped leading before the change was persisted and published: it was not applied."""
+
+    code = Code.UNAVAILABLE
 
 
 class JobKind(enum.StrEnum):
@@ -94,8 +101,11 @@ class Controller:
         encoding: Encoding,
         max_batch: int = 512,
         clock: Callable[[], float] = time.time,
+        leading: Callable[[], bool] = lambda: True,
     ) -> None:
         self._core = core
+        #: Whether this replica leads: only a leader persists and publishes what it planned.
+        self._leading = leading
         self._sink = sink
         self._encoding = encoding
         self._max_batch = max_batch
@@ -217,31 +227,48 @@ class Controller:
             boxes = [await self._outboxes.get()]
             while not self._outboxes.empty():
                 boxes.append(self._outboxes.get_nowait())
-            started = time.perf_counter()
-            api = [change for b in boxes for change in b.api]
-            if api:
-                await self._sink.save_policies(api)
-            state = next((b.state for b in reversed(boxes) if b.state is not None), None)
-            if state is not None:
-                await self._sink.save_state(state)
-            per_node: dict[str, list[policy_pb2.RegenerationOrder]] = {}
-            for box in boxes:
-                for order in box.orders:
-                    messages = encode(
-                        order,
-                        max_bytes=self._encoding.max_order_bytes,
-                        max_chunks=self._encoding.max_order_chunks,
-                    )
-                    _count(order, messages)
-                    per_node.setdefault(order.node, []).extend(messages)
-            # Nodes are independent; within a node the order of messages is the sequence order.
-            await asyncio.gather(*(self._sink.publish_orders(node, msgs) for node, msgs in per_node.items()))
-            if per_node:
-                metrics.PUBLISH_SECONDS.observe(time.perf_counter() - started)
-            for box in boxes:
-                for future, result in box.answers:
-                    if not future.done():
-                        future.set_result(result)
+            try:
+                await self._publish(boxes)
+            except NotLeading as exc:
+                # Planned by a leader that has since stepped down: never sent. The new leader
+                # sends every node its whole state; callers waiting on this work get an error.
+                log.warning("planned orders dropped: no longer the leader", boxes=len(boxes), reason=str(exc))
+                for box in boxes:
+                    for future, _ in box.answers:
+                        if not future.done():
+                            future.set_exception(NotLeading(str(exc)))
+
+    async def _publish(self, boxes: list[_Outbox]) -> None:
+        if not self._leading() and any(box.orders or box.state is not None or box.api for box in boxes):
+            raise NotLeading(
+                "policy replica stepped down from leader before this change was applied; retry: it goes to the "
+                "new leader"
+            )
+        started = time.perf_counter()
+        api = [change for b in boxes for change in b.api]
+        if api:
+            await self._sink.save_policies(api)
+        state = next((b.state for b in reversed(boxes) if b.state is not None), None)
+        if state is not None:
+            await self._sink.save_state(state)
+        per_node: dict[str, list[policy_pb2.RegenerationOrder]] = {}
+        for box in boxes:
+            for order in box.orders:
+                messages = encode(
+                    order,
+                    max_bytes=self._encoding.max_order_bytes,
+                    max_chunks=self._encoding.max_order_chunks,
+                )
+                _count(order, messages)
+                per_node.setdefault(order.node, []).extend(messages)
+        # Nodes are independent; within a node the order of messages is the sequence order.
+        await asyncio.gather(*(self._sink.publish_orders(node, msgs) for node, msgs in per_node.items()))
+        if per_node:
+            metrics.PUBLISH_SECONDS.observe(time.perf_counter() - started)
+        for box in boxes:
+            for future, result in box.answers:
+                if not future.done():
+                    future.set_result(result)
 
 
 def _settled(behind: list[Lag]) -> bool:

@@ -10,11 +10,16 @@ leader that dies stops renewing; its key expires and a follower creates it.
 The lease decides who *tries* to lead; the state bucket's compare-and-set decides who
 *can*: a new leader writes the revision and sequences first, so a deposed leader that
 has not noticed yet fails its next write (StateConflictError) before it publishes
-anything, and exits. Losing the lease (a renewal refused) also exits: the supervisor
-restarts the process as a follower, with clean state.
+anything. Either way (a renewal refused, or that write failing while the lease names
+another replica) the replica steps down: ``stepped_down`` is set, it stops leading, and it
+campaigns again only once the service has put its state back to a follower's
+(:meth:`Election.resume`). The process never exits over it: losing the leader's seat to a
+NATS server's loss, or to a partition, is an ordinary event.
 
 Each replica also keeps ``member.<name>`` fresh in the same bucket (address and role),
-which is how ``palisade status`` lists the replicas and how followers find the leader.
+which is how ``palisade status`` lists the replicas and how followers find the leader. A
+replica whose heartbeat expired (frozen, killed, cut off) stays listed as silent for a
+while (:data:`FORGET_AFTER_LEASES`); one that resigned (its heartbeat deleted) goes at once.
 """
 
 from __future__ import annotations
@@ -28,7 +33,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.js import api as jsapi
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NoKeysError,
+)
 from nats.js.kv import KeyValue
 
 from services.common.bus import Bus
@@ -38,10 +48,9 @@ log = get_logger("election")
 
 LEADER_KEY = "leader"
 MEMBER_PREFIX = "member."
-
-
-class LeadershipLost(RuntimeError):
-    """Another replica holds the lease this one held: it must stop acting as leader."""
+#: A replica silent for this many leases is no longer listed (one restarted under another name
+#: would otherwise stay forever); until then it is shown with how long it has been silent.
+FORGET_AFTER_LEASES = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +71,8 @@ def _decode(data: bytes | None) -> dict[str, Any]:
 
 
 class Election:
-    """Run with :meth:`run`; ``leading`` is set once this replica holds the lease (it never clears:
-    losing the lease raises :class:`LeadershipLost` and the process exits)."""
+    """Run with :meth:`run`; ``leading`` is set while this replica holds the lease. Losing it clears
+    ``leading`` and sets ``stepped_down`` until :meth:`resume`."""
 
     def __init__(
         self,
@@ -78,6 +87,8 @@ class Election:
         self.address = address
         self.lease = lease
         self.leading = asyncio.Event()
+        #: Set when this replica lost the lease it held; cleared by :meth:`resume`.
+        self.stepped_down = asyncio.Event()
         self._ready = False
         self._resigned = False
         self._wake = asyncio.Event()
@@ -139,12 +150,10 @@ class Election:
             try:
                 if self.leading.is_set():
                     await self._renew()
-                elif self._ready:
+                elif self._ready and not self.stepped_down.is_set():
                     await self._campaign()
                 await self._heartbeat()
                 await self._refresh()
-            except LeadershipLost:
-                raise
             except Exception as exc:  # NATS away: keep trying; the lease decides
                 log.warning("election step failed, retrying", error=str(exc))
             with contextlib.suppress(TimeoutError):
@@ -195,17 +204,44 @@ class Election:
             self._revision = await self._kv.create(LEADER_KEY, self._value())
             log.warning("leader lease expired and was taken again", member=self.member)
         except KeyWrongLastSequenceError:
-            raise LeadershipLost(
-                f"policy replica {self.member} lost its leader lease (it could not renew it within "
-                f"{self.lease:g}s, and another replica took it); exiting to restart as a follower"
-            ) from None
+            self._step_down(f"it could not renew its lease within {self.lease:g}s, and another replica took it")
+
+    def _step_down(self, why: str) -> None:
+        if not self.leading.is_set():
+            return
+        self.leading.clear()
+        self.leader = None
+        self.stepped_down.set()
+        log.warning("policy leader stepped down to follower", member=self.member, reason=why)
+
+    def resume(self) -> None:
+        """The service dropped its leader's state after a step-down: this replica may lead again."""
+        self.stepped_down.clear()
+        self._wake.set()
+
+    async def confirm(self) -> bool:
+        """Whether this leader still holds its lease, read now; if another replica holds it, step down.
+
+        For a leader whose state write was refused: a new leader took over (step down), or, while
+        the lease is still its own, somebody else writes the state bucket (a real conflict).
+        """
+        if not self.leading.is_set():
+            return False
+        try:
+            raw = _decode((await self._kv.get(LEADER_KEY)).value)
+        except KeyNotFoundError:
+            return True  # expired, nobody took it: the next renewal takes it again
+        if raw.get("member") == self.member and raw.get("address") == self.address():
+            return True
+        self._step_down(f"{raw.get('member')} holds the lease and wrote the policy state")
+        return False
 
     async def _heartbeat(self) -> None:
         record = {"address": self.address(), "role": self.role, "at": time.time()}
         await self._kv.put(MEMBER_PREFIX + self.member, json.dumps(record).encode())
 
     async def _refresh(self) -> None:
-        """Who leads, and which replicas sent a heartbeat within a lease (expired ones are gone)."""
+        """Who leads, and every replica: those with a heartbeat, and those whose heartbeat expired."""
         try:
             entry = await self._kv.get(LEADER_KEY)
             raw = _decode(entry.value)
@@ -222,11 +258,24 @@ class Election:
                     members[name] = Member(
                         name, str(raw.get("address", "")), str(raw.get("role", "")), float(raw.get("at", 0.0))
                     )
+        forget = time.time() - FORGET_AFTER_LEASES * self.lease
+        for name, member in self.members.items():
+            if name not in members and member.seen > forget and not await self._resigned_member(name):
+                members[name] = member  # silent: status shows for how long
         self.members = members
+
+    async def _resigned_member(self, name: str) -> bool:
+        """Whether the replica deleted its heartbeat (a clean stop) rather than letting it expire."""
+        try:
+            await self._kv.get(MEMBER_PREFIX + name)
+        except KeyNotFoundError as err:
+            return err.op is not None  # a delete marker (the client's KeyDeletedError, re-raised)
+        return False
 
     async def resign(self) -> None:
         """On a clean shutdown: give the lease up at once, so a follower need not wait for it to expire."""
         self._resigned = True
+        self._wake.set()  # run() ends after the step under way
         with contextlib.suppress(Exception):
             await self._kv.delete(MEMBER_PREFIX + self.member)
         if self.leading.is_set():

@@ -4,8 +4,8 @@ Revisions, realized reports, resyncs and imported policies live with the leader,
 follower answering from its own engine could contradict it (a revision it never
 handed out, a policy it has not seen imported). A follower therefore forwards each
 call, with the caller's deadline, and returns the leader's answer or error as its own
-(like etcd followers serving linearizable reads through the leader); only a dry-run
-import, which reads nothing the leader owns, is answered locally. Clients and
+(like etcd followers serving linearizable reads through the leader); a dry-run import
+too, as it answers with the revision the import would make, which is the leader's. Clients and
 datapaths may thus use any replica, and keep working across a failover once the new
 leader is in place.
 """
@@ -36,11 +36,6 @@ Handler = Callable[..., Awaitable[Any]]
 #: Reads that need nothing only the leader has: answered from this replica's engine while no
 #: leader is known (a lone replica starting, an election under way), as a single service would.
 _READS = frozenset({"GetPolicy", "ListPolicies", "Trace"})
-
-
-def _local(method: str, request: Message) -> bool:
-    """Calls a follower always answers itself."""
-    return method == "ImportPolicies" and isinstance(request, policy_pb2.ImportPoliciesRequest) and request.dry_run
 
 
 class Forwarder:
@@ -103,7 +98,7 @@ def routed(servicer: policy_pb2_grpc.PolicyServiceServicer, election: Election, 
         local: Handler = getattr(servicer, name)
 
         async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if election.leading.is_set() or _local(name, request):
+            if election.leading.is_set():
                 return await local(request, context)
             if name in _READS and election.leader is None:
                 return await local(request, context)

@@ -5,7 +5,8 @@ A thin shell. Startup: load the policies imported over the API, follow the input
 run for leader (:mod:`services.policy.election`). The leader loads the persisted
 revision and sequences, sends every node its whole state and reports SERVING; a
 follower reports SERVING once a leader is known and forwards every call to it
-(:mod:`services.policy.forward`) until it leads itself.
+(:mod:`services.policy.forward`) until it leads itself. A leader that loses the lease steps
+down in place: its state goes back to a follower's and it forwards again.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
-from services.common.bus import ALL_STREAMS, Bus
+from services.common.bus import ALL_STREAMS, TRANSIENT, Bus
 from services.common.gctuning import freeze_loaded, tune_gc
 from services.common.grpcserver import GrpcServer, StatusProvider
 from services.common.members import MemberView, nats_members
@@ -27,7 +28,7 @@ from services.common.runner import ServiceContext, run_service
 from services.common.subjects import regen_subject
 from services.policy.apistore import ApiPolicyStore
 from services.policy.config import PolicyConfig
-from services.policy.controller import Controller, Encoding, JobKind
+from services.policy.controller import Controller, Encoding, JobKind, NotLeading
 from services.policy.documents import dump_document
 from services.policy.election import Election
 from services.policy.engine.core import PolicyCore
@@ -35,7 +36,7 @@ from services.policy.engine.orders import PersistedState
 from services.policy.engine.registry import ApiChange
 from services.policy.forward import Forwarder, routed
 from services.policy.inputs import Inputs
-from services.policy.revision import RevisionStore
+from services.policy.revision import RevisionStore, StateConflictError
 from services.policy.servicer import PolicyServicer
 
 # Room left under the server's max payload for NATS/JetStream headers.
@@ -45,16 +46,24 @@ _PAYLOAD_HEADROOM = 4096
 class BusSink:
     """Persists imported policies and counters, and publishes orders on ``palisade.regen.<node>``."""
 
-    def __init__(self, bus: Bus, store: RevisionStore, imported: ApiPolicyStore) -> None:
+    def __init__(self, bus: Bus, store: RevisionStore, imported: ApiPolicyStore, election: Election) -> None:
         self._bus = bus
         self._store = store
         self._imported = imported
+        self._election = election
 
     async def save_policies(self, changes: Sequence[ApiChange]) -> None:
         await self._imported.save(changes)
 
     async def save_state(self, state: PersistedState) -> None:
-        await self._store.save(state)
+        try:
+            await self._store.save(state)
+        except StateConflictError as exc:
+            # A new leader wrote it first (the fence): step down. With the lease still this
+            # replica's, somebody else writes the bucket: that is a real conflict, and fatal.
+            if await self._election.confirm():
+                raise
+            raise NotLeading(f"policy replica stepped down: another one leads now ({exc})") from None
 
     async def publish_orders(self, node: str, messages: Sequence[policy_pb2.RegenerationOrder]) -> None:
         subject = regen_subject(node)
@@ -120,6 +129,7 @@ def members_to_proto(election: Election) -> list[common_pb2.Member]:
 
 async def _go_live(
     ctx: ServiceContext[PolicyConfig],
+    bus: Bus,
     inputs: Inputs,
     controller: Controller,
     election: Election,
@@ -136,12 +146,33 @@ async def _go_live(
     await election.leader_known.wait()
     if not election.leading.is_set():
         await ctx.server.set_serving(True)
-    await election.leading.wait()
+    while True:
+        await election.leading.wait()
+        try:
+            await _take_over(ctx, bus, controller, election, store, imported)
+        except NotLeading as exc:
+            ctx.log.warning("policy takeover abandoned: no longer the leader", member=election.member, reason=str(exc))
+        await election.stepped_down.wait()
+        # Back to a follower's state, as a replica that never led (warm inputs kept), then campaign again.
+        await controller.call(lambda core, now: core.follow(), JobKind.CHANGE)
+        election.resume()
+        ctx.log.info("policy replica following again", member=election.member)
+
+
+async def _take_over(
+    ctx: ServiceContext[PolicyConfig],
+    bus: Bus,
+    controller: Controller,
+    election: Election,
+    store: RevisionStore,
+    imported: ApiPolicyStore,
+) -> None:
     started = time.perf_counter()
     # Read after winning the lease: whatever the previous leader persisted is final by now,
     # or its next write fails against ours (the state's compare-and-set).
-    persisted = await store.load()
-    stored = await imported.load()
+    # The state's stream may have lost its leader with a NATS server: the takeover waits for another.
+    persisted = await bus.retry("load policy state", store.load, only=TRANSIENT)
+    stored = await bus.retry("load imported policies", imported.load, only=TRANSIENT)
     documents = await asyncio.to_thread(lambda: [(p, dump_document(p.object)) for p in stored])
     await controller.call(lambda core, now: core.lead(persisted, documents, now), JobKind.CHANGE, durable=True)
     await ctx.server.set_serving(True)
@@ -181,30 +212,41 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
     cfg = ctx.config
     bus = await ctx.bus()
     await bus.ensure_streams(*ALL_STREAMS)
-    store = await RevisionStore.open(bus.js, cfg.state_bucket, pause=bus.pause, replicas=bus.replicas)
+    # Every JetStream call below waits out a cluster that lost a server (a stream electing its
+    # leader answers nothing for seconds) rather than exiting: a replica restarted meanwhile comes up.
+    store = await bus.retry(
+        "open policy state",
+        lambda: RevisionStore.open(bus.js, cfg.state_bucket, pause=bus.pause, replicas=bus.replicas),
+        only=TRANSIENT,
+    )
     core = PolicyCore(persisted=PersistedState(), cluster=cfg.cluster_name)
     imported = await ApiPolicyStore.open(bus, f"{cfg.state_bucket}_API")
     now = time.time()
     # Imported policies count like any input for a warm engine; the leader reloads them when it takes over.
-    restored = await imported.load()
+    restored = await bus.retry("load imported policies", imported.load, only=TRANSIENT)
     for stored in restored:
         outcome = core.restore_imported(stored, dump_document(stored.object), now)
         if not outcome.accepted:
             ctx.log.error("imported policy no longer valid", policy=str(stored.key), error=outcome.error)
+    member = cfg.member or re.sub(r"[^A-Za-z0-9_-]", "-", f"{socket.gethostname()}-{os.getpid()}")
+    election = await bus.retry(
+        "open leader lease",
+        lambda: Election.open(
+            bus,
+            f"{cfg.state_bucket}_LEADER",
+            member=member,
+            address=lambda: advertised(cfg, ctx.server),
+            lease=cfg.leader_lease,
+        ),
+        only=TRANSIENT,
+    )
     max_bytes = min(cfg.max_order_bytes, max(1024, bus.max_payload - _PAYLOAD_HEADROOM))
     controller = Controller(
         core,
-        BusSink(bus, store, imported),
+        BusSink(bus, store, imported, election),
         encoding=Encoding(max_order_bytes=max_bytes, max_order_chunks=cfg.max_order_chunks),
         max_batch=cfg.max_batch,
-    )
-    member = cfg.member or re.sub(r"[^A-Za-z0-9_-]", "-", f"{socket.gethostname()}-{os.getpid()}")
-    election = await Election.open(
-        bus,
-        f"{cfg.state_bucket}_LEADER",
-        member=member,
-        address=lambda: advertised(cfg, ctx.server),
-        lease=cfg.leader_lease,
+        leading=election.leading.is_set,
     )
     ctx.stack.push_async_callback(election.resign)
     forwarder = Forwarder(election, ctx.credentials)
@@ -221,7 +263,7 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
     inputs = Inputs(bus, controller)
     await inputs.start()
     ctx.stack.push_async_callback(inputs.stop)
-    ctx.spawn(_go_live(ctx, inputs, controller, election, store, imported), name="policy-sync")
+    ctx.spawn(_go_live(ctx, bus, inputs, controller, election, store, imported), name="policy-sync")
     ctx.spawn(expire_nodes(controller, cfg.node_grace), name="node-grace")
     ctx.log.info("policy replica started", member=member, imported=len(restored), max_order_bytes=max_bytes)
 

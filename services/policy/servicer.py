@@ -20,7 +20,7 @@ from services.common.labels import LabelSource, parse_label
 from services.common.manifests import Document, DocumentError, split_documents
 from services.common.validation import validate_identity_label, validate_name, validate_namespace
 from services.policy import metrics
-from services.policy.controller import Controller, JobKind
+from services.policy.controller import Controller, JobKind, NotLeading
 from services.policy.documents import dump_document, validate_document
 from services.policy.engine.core import Outcome, PolicyCore, PolicyView, RequestError, TraceAnswer
 from services.policy.engine.model import PolicyKind, PolicyRef, Protocol
@@ -301,6 +301,8 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 outcomes = await self._controller.call(apply, JobKind.CHANGE, durable=True)
         except CallerGone as exc:
             await abort(context, Code.DEADLINE_EXCEEDED, str(exc))
+        except NotLeading as exc:
+            await abort_with(context, exc)
         invalid = [o for o in outcomes if not o.accepted]
         if invalid:
             metrics.REJECTED.labels(Source.API.value).inc(len(invalid))
@@ -313,7 +315,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             )
 
         def answer(core: PolicyCore, now: float) -> policy_pb2.ImportPoliciesResponse:
-            response = policy_pb2.ImportPoliciesResponse(revision=core.revision)
+            revision = core.revision
+            if request.dry_run and any(outcome.changed for outcome in outcomes):
+                revision += 1  # what applying it would make: one commit, one step
+            response = policy_pb2.ImportPoliciesResponse(revision=revision)
             for outcome, doc in zip(outcomes, docs, strict=True):
                 if outcome.accepted and not request.dry_run:
                     record = core.registry.get(Source.API, outcome.key)
@@ -350,6 +355,8 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             existed = await self._controller.call(apply, JobKind.CHANGE, durable=True)
         except CallerGone as exc:
             await abort(context, Code.DEADLINE_EXCEEDED, str(exc))
+        except NotLeading as exc:
+            await abort_with(context, exc)
         if not existed:
             await abort(
                 context,
@@ -418,9 +425,12 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             await abort_with(context, exc)
         await self._require_synced(context)
         # Durable: the sequence returned is persisted and its order published before we answer.
-        answer = await self._controller.call(
-            lambda core, now: core.resync(request.node, request.identities), JobKind.READ, durable=True
-        )
+        try:
+            answer = await self._controller.call(
+                lambda core, now: core.resync(request.node, request.identities), JobKind.READ, durable=True
+            )
+        except NotLeading as exc:
+            await abort_with(context, exc)
         return policy_pb2.ResyncResponse(revision=answer.revision, sequence=answer.sequence, policies=answer.policies)
 
     # --- realized revisions ----------------------------------------------------------------

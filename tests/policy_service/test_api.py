@@ -8,6 +8,7 @@ import yaml
 
 from palisade.v1 import common_pb2, policy_pb2
 from tests.policy_service import builders
+from tests.policy_service.cluster import palisade
 from tests.policy_service.scenario import DB, WEB, Env
 
 NP = "NetworkPolicy"
@@ -76,13 +77,14 @@ async def test_an_import_with_an_invalid_document_fails_whole_and_changes_nothin
     kept = await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref("web-in"), source=policy_pb2.POLICY_SOURCE_API))
     assert "port: 80" in kept.document and not kept.error
 
-    # Dry run validates without changing anything.
+    # Dry run validates without changing anything; its revision is the one the import would make.
     dry = await env.api.ImportPolicies(
         policy_pb2.ImportPoliciesRequest(
             documents=yaml.safe_dump(builders.netpol("dry", {"app": "db"}, {}, 1)), dry_run=True
         )
     )
-    assert dry.revision == answer.revision and dry.policies[0].state == policy_pb2.POLICY_STATE_UNSPECIFIED
+    assert dry.revision == answer.revision + 1 and dry.policies[0].state == policy_pb2.POLICY_STATE_UNSPECIFIED
+    assert (await env.api.ListPolicies(policy_pb2.ListPoliciesRequest())).revision == answer.revision
     assert (await rpc_error(env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref("dry"))))).code() == (
         grpc.StatusCode.NOT_FOUND
     )
@@ -122,6 +124,17 @@ async def test_trace_explains_verdicts_between_pods_and_labels(env: Env) -> None
         )
     )
     assert by_labels.verdict == common_pb2.VERDICT_DENY
+
+
+@pytest.mark.parametrize(("port", "verdict", "code"), [(5432, "ALLOWED", 0), (22, "DENIED", 1)])
+async def test_trace_prints_its_final_verdict_once(env: Env, port: int, verdict: str, code: int) -> None:
+    address = f"--policy-address={env.policy.address}"
+    traced = await palisade(
+        "policy", "trace", "--src", "default/web-1", "--dst", "default/db-1", "--port", str(port), address
+    )
+    assert traced.returncode == code, traced.stderr
+    finals = [line for line in traced.stdout.splitlines() if "verdict" in line.lower() and "final" in line.lower()]
+    assert finals == [f"Final verdict: {verdict}"], traced.stdout
 
 
 # (method, request, status code, part of the message)

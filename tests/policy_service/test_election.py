@@ -6,10 +6,10 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-import pytest
+from nats.js.errors import KeyNotFoundError
 
 from services.common.bus import Bus
-from services.policy.election import LEADER_KEY, Election, LeadershipLost
+from services.policy.election import LEADER_KEY, Election
 from tests.harness import NatsServer, creds
 from tests.policy_service.cluster import eventually
 
@@ -25,10 +25,20 @@ async def replica(server: NatsServer, name: str, address: str) -> AsyncIterator[
     try:
         yield election, task
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, LeadershipLost):
-            await task
+        # Resigned, run() ends after its step (cancelling it inside a read of the bucket's keys
+        # would leave the client's watcher tasks behind).
+        await election.resign()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
         await bus.close()
+
+
+async def _expired(election: Election, key: str) -> bool:
+    try:
+        await election._kv.get(key)
+    except KeyNotFoundError as err:
+        return err.op is None  # gone, not deleted
+    return False
 
 
 def _leads(election: Election, name: str) -> bool:
@@ -52,6 +62,10 @@ async def test_one_leader_and_a_follower_that_takes_over_when_it_dies(nats_serve
             stopped = loop.time()
             await asyncio.wait_for(b.leading.wait(), 5 * LEASE)
             assert loop.time() - stopped <= 2 * LEASE + 0.5
+            # Its heartbeat expired with it; it stays listed, silent, for status to show.
+            await eventually(lambda: _expired(b, "member.a"), "a's heartbeat to expire", 5)
+            await b._refresh()  # a read of the bucket that no longer holds a's heartbeat
+            assert "a" in b.members and b.members["a"].role == "leader"
 
 
 async def test_a_clean_stop_hands_over_at_once(nats_server: NatsServer) -> None:
@@ -67,6 +81,8 @@ async def test_a_clean_stop_hands_over_at_once(nats_server: NatsServer) -> None:
             await asyncio.wait_for(b.leading.wait(), 5)
             # Well before the lease would have expired: b campaigns every quarter lease.
             assert loop.time() - stopped < LEASE
+            # A replica that resigned is no longer listed (it is not silent: it left).
+            await eventually(lambda: "a" not in b.members, "a to leave the member list", 5)
 
 
 async def test_a_replica_restarted_in_place_takes_its_predecessors_lease(nats_server: NatsServer) -> None:
@@ -80,16 +96,38 @@ async def test_a_replica_restarted_in_place_takes_its_predecessors_lease(nats_se
         await asyncio.wait_for(new.leading.wait(), LEASE / 2)
 
 
-async def test_a_leader_whose_lease_was_taken_stops(nats_server: NatsServer) -> None:
+async def test_a_leader_whose_lease_was_taken_steps_down_and_can_lead_again(nats_server: NatsServer) -> None:
     async with replica(nats_server, "a", "10.0.0.1:1") as (a, a_task):
         a.run_for_leader()
         await asyncio.wait_for(a.leading.wait(), 5)
-        # Another replica takes the lease (as after a partition that outlived it).
+        # Another replica takes the lease (as after a partition, or a NATS outage, that outlived it).
         bus = await Bus.connect([nats_server.url], name="thief", tls=creds("policy"))
         try:
             kv = await bus.js.key_value(BUCKET)
             await kv.put(LEADER_KEY, b'{"member": "b", "address": "10.0.0.2:1"}')
-            with pytest.raises(LeadershipLost, match="lost its leader lease"):
-                await asyncio.wait_for(a_task, 5)
+            await asyncio.wait_for(a.stepped_down.wait(), 5)
+            assert not a.leading.is_set() and not a_task.done()  # a follower now, still running
+            await eventually(lambda: _leads(a, "b"), "a to see b lead", 5)
+            # Until the service has put its state back to a follower's, it does not campaign.
+            await kv.delete(LEADER_KEY)
+            await eventually(lambda: a.leader is None, "a to see the lease free", 5)
+            assert not a.leading.is_set()
+            a.resume()
+            await asyncio.wait_for(a.leading.wait(), 5)
+        finally:
+            await bus.close()
+
+
+async def test_a_leader_confirms_its_lease_or_steps_down(nats_server: NatsServer) -> None:
+    """On a refused state write: still its lease (a real conflict), or another's (step down)."""
+    async with replica(nats_server, "a", "10.0.0.1:1") as (a, _):
+        a.run_for_leader()
+        await asyncio.wait_for(a.leading.wait(), 5)
+        assert await a.confirm()
+        bus = await Bus.connect([nats_server.url], name="thief", tls=creds("policy"))
+        try:
+            await (await bus.js.key_value(BUCKET)).put(LEADER_KEY, b'{"member": "b", "address": "10.0.0.2:1"}')
+            assert not await a.confirm()
+            assert a.stepped_down.is_set() and not a.leading.is_set()
         finally:
             await bus.close()

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
 import yaml
+from nats.js.errors import KeyNotFoundError
 
 from palisade.v1 import common_pb2, common_pb2_grpc, policy_pb2, policy_pb2_grpc
-from tests.harness import NatsServer, ServiceProcess
+from tests.harness import NatsServer, ServiceProcess, free_port
 from tests.harness import channel as open_channel
 from tests.policy_service import builders
-from tests.policy_service.cluster import Datapath, Feed, OrderLog, eventually, start_policy
+from tests.policy_service.cluster import Datapath, Feed, OrderLog, eventually, palisade, start_policy
 from tests.policy_service.scenario import DB, PODS, WEB, publish_world, seeded
 
 
@@ -134,6 +138,69 @@ async def test_a_follower_forwards_and_takes_over_without_losing_anything(replic
     assert _denies(r.datapaths["n2"], 6379)
 
 
+async def test_a_dry_run_reports_the_revision_the_import_would_make(replicas: Replicas, tmp_path: Path) -> None:
+    """Asked through the follower, whose own counter means nothing: the answer is the leader's revision,
+    one more when the import would change something, and says that nothing was applied."""
+    r = replicas
+    current = (await _status(r.first.address)).revision
+    path = tmp_path / "deny.yaml"
+    path.write_text(_deny(5432))
+    address = f"--policy-address={r.second.address}"
+    dry = await palisade("policy", "import", "--dry-run", str(path), address)
+    assert dry.returncode == 0, dry.stderr
+    assert (
+        dry.stdout.rstrip().splitlines()[-1]
+        == f"dry run: nothing applied; the import would make revision {current + 1}"
+    )
+    assert (await _status(r.first.address)).revision == current
+    as_json = await palisade("policy", "import", "--dry-run", str(path), address, "-o", "json")
+    assert json.loads(as_json.stdout)["revision"] == current + 1 and json.loads(as_json.stdout)["dry_run"] is True
+    # Once imported, the same file changes nothing: a dry run of it keeps the revision.
+    imported = await palisade("policy", "import", str(path), address, "-o", "json")
+    assert imported.returncode == 0, imported.stderr
+    assert json.loads(imported.stdout)["revision"] == current + 1
+    again = await palisade("policy", "import", "--dry-run", str(path), address)
+    assert (
+        again.stdout.rstrip().splitlines()[-1]
+        == f"dry run: nothing applied; the import would make revision {current + 1}"
+    )
+
+
+async def test_status_shows_a_frozen_leader_unreachable_and_not_a_stopped_system(replicas: Replicas) -> None:
+    """SIGSTOP: the leader's port still accepts, nothing answers, its heartbeat expires. It stays in
+    the member table, unhealthy, and the CLI does not tell to start a system that runs."""
+    r = replicas
+    assert r.first.proc is not None
+    os.kill(r.first.proc.pid, signal.SIGSTOP)
+    try:
+        await eventually(lambda: _role(r.second.address, "leader"), "the follower to lead", 20)
+        await eventually(lambda: _heartbeat_expired(r.feed, "one"), "one's heartbeat to expire", 20)
+        others = [f"--{name}-address=127.0.0.1:{free_port()}" for name in ("watcher", "ipam", "datapath")]
+        policy = f"--policy-address={r.first.address},{r.second.address}"
+        as_json = await palisade("status", policy, *others, "-o", "json")
+        assert as_json.returncode == 1, as_json.stderr
+        members = {m["name"]: m for m in json.loads(as_json.stdout)["members"] if m["group"] == "policy"}
+        assert set(members) == {"one", "two"}, members
+        assert members["one"]["health"].startswith("unreachable: no answer within 1.5s"), members
+        assert members["two"]["health"] == "ok" and members["two"]["role"] == "leader"
+        text = await palisade("status", policy, *others)
+        assert "start the system" not in text.stdout, text.stdout
+        (hint,) = [line for line in text.stdout.splitlines() if line.startswith("no answer within 1.5s from")]
+        assert f"policy at {r.first.address}" in hint and f"policy at {r.second.address}" not in hint
+    finally:
+        os.kill(r.first.proc.pid, signal.SIGCONT)
+
+
+async def _heartbeat_expired(feed: Feed, name: str) -> bool:
+    """Whether ``name``'s heartbeat is gone from the lease bucket (expired: it wrote none for a lease)."""
+    kv = await feed.bus.js.key_value("PALISADE_POLICY_LEADER")
+    try:
+        await kv.get(f"member.{name}")
+    except KeyNotFoundError:
+        return True
+    return False
+
+
 async def test_the_old_leader_back_is_a_follower(replicas: Replicas) -> None:
     r = replicas
     r.first.kill()
@@ -156,6 +223,37 @@ async def _role(address: str, role: str) -> bool:
     except grpc.aio.AioRpcError:
         return False
     return status.details.get("role") == role and (role != "leader" or status.synced)
+
+
+async def test_a_leader_that_loses_its_lease_steps_down_without_exiting(
+    nats_server: NatsServer, service: Callable[..., ServiceProcess]
+) -> None:
+    """Its lease taken (a NATS outage that outlived it, a partition): it follows, then leads again
+    once the lease is free, in the same process, and what it plans then is published."""
+    feed, log = await seeded(nats_server)
+    try:
+        leader = await start_policy(service, nats_server, "--member", "one", "--leader-lease", "1.5")
+        await eventually(lambda: _role(leader.address, "leader"), "one to lead")
+        before = (await _status(leader.address)).revision
+        kv = await feed.bus.js.key_value("PALISADE_POLICY_LEADER")
+        await kv.put("leader", json.dumps({"member": "ghost", "address": "127.0.0.1:1"}).encode())
+        await eventually(lambda: "stepped down to follower" in leader.logs(), "one to step down")
+        # The ghost never renews: its lease expires and one takes it again, still the same process.
+        await eventually(lambda: _role(leader.address, "leader"), "one to lead again", 30)
+        assert leader.proc is not None and leader.proc.poll() is None
+        again = await _status(leader.address)
+        assert again.revision > before
+        channel = open_channel(leader.address, "policy")
+        try:
+            api = policy_pb2_grpc.PolicyServiceStub(channel)
+            imported = await api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=_deny(5432)), timeout=30)
+        finally:
+            await channel.close()
+        assert imported.revision > again.revision
+        await eventually(lambda: log.at_revision(imported.revision), "the import's orders")
+        assert leader.proc.poll() is None
+    finally:
+        await feed.close()
 
 
 async def test_a_deposed_leader_cannot_publish(nats_server: NatsServer, service: Callable[..., ServiceProcess]) -> None:

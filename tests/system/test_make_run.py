@@ -144,7 +144,9 @@ def test_zz_ctrl_c_stops_everything_and_leaves_nothing_behind(stack: Stack) -> N
     assert stack.proc.returncode == 0, rest
     assert "nothing left behind" in rest
     assert not os.path.exists(stack.bpffs)
-    assert not stack.run_dir.exists()
+    # Only the logs stay, to read after a crash; the next start removes them.
+    assert [p.name for p in stack.run_dir.iterdir()] == ["logs"]
+    assert '"service started"' in (stack.run_dir / "logs" / "policy.log").read_text()
     netns = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
     # This stack's pods (the examples' namespaces and the probe's), not other stacks' on the machine.
     assert not [n for n in netns if n.startswith(("pal_shop_", "pal_tools_", "pal_px_", "pal_py_"))]

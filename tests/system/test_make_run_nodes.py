@@ -301,19 +301,6 @@ def test_node_addresses_are_remote_node_elsewhere_and_host_at_home(stack: Stack)
     assert wait_for(lambda: not probe(netns[other], ip, 8080))
 
 
-def test_zz_ctrl_c_removes_the_hosts_and_leaves_nothing_behind(stack: Stack) -> None:
-    netns = _node_netns(stack)
-    stack.proc.send_signal(signal.SIGINT)
-    rest, _ = stack.proc.communicate(timeout=90)
-    assert stack.proc.returncode == 0, rest
-    assert "nothing left behind" in rest
-    assert not [n for n in netns.values() if os.path.exists(f"/run/netns/{n}")]
-    assert not [n for n in NODES if os.path.exists(f"{stack.bpffs}-{n}")]
-    pods = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
-    assert not [n for n in pods if n.startswith(("pal_shop_", "pal_tools_"))]
-    assert not stack.run_dir.exists()
-
-
 def test_one_client_port_reaches_a_backend_on_another_node_by_cluster_ip_and_by_pod_address(stack: Stack) -> None:
     """A client on one node, its backend on another: the two paths from one bound client port, one
     after the other and side by side, TCP and UDP, lose no exchange."""
@@ -327,3 +314,18 @@ def test_one_client_port_reaches_a_backend_on_another_node_by_cluster_ip_and_by_
     finally:
         stack.manifests.joinpath("80-reuse.yaml").unlink()
     assert wait_for(lambda: "reuse/client" not in _endpoints(stack), 60)
+
+
+def test_zz_ctrl_c_removes_the_hosts_and_leaves_nothing_behind(stack: Stack) -> None:
+    netns = _node_netns(stack)
+    stack.proc.send_signal(signal.SIGINT)
+    rest, _ = stack.proc.communicate(timeout=90)
+    assert stack.proc.returncode == 0, rest
+    assert "nothing left behind" in rest
+    assert not [n for n in netns.values() if os.path.exists(f"/run/netns/{n}")]
+    assert not [n for n in NODES if os.path.exists(f"{stack.bpffs}-{n}")]
+    pods = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+    assert not [n for n in pods if n.startswith(("pal_shop_", "pal_tools_"))]
+    # Only the logs stay, to read after a crash; the next start removes them.
+    assert [p.name for p in stack.run_dir.iterdir()] == ["logs"]
+    assert '"service started"' in (stack.run_dir / "logs" / "policy.log").read_text()

@@ -68,6 +68,8 @@ class Outcome:
     error: str = ""
     document: str = ""
     policy: Policy | None = None
+    #: The policy differs from the one in force (or is new): applying it makes a new revision.
+    changed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +222,18 @@ class PolicyCore:
         self.engine.repository.bump()
         self.mark_synced(now)
 
+    def follow(self) -> None:
+        """Step down to follower: drop what only a leader keeps (the realized table, the nodes' resync
+        requests, planned but unsent work); inputs stay, so the engine stays warm. A later
+        :meth:`lead` starts over from the store, as a replica that never led would."""
+        self.synced = False
+        self._replace_pending = False
+        self.realized = RealizedTable()
+        self._requested.clear()
+        self._seen.clear()
+        self._dirty.clear()
+        self._api_changes.clear()
+
     def mark_synced(self, now: float) -> None:
         """Upstreams delivered their state: the next commit sends every node its whole state."""
         if self.synced:
@@ -366,10 +380,10 @@ class PolicyCore:
                 return Outcome(source, rk, False, error, document)
             return self._reject(source, rk, error, document, provenance, conflict)
         key = key or parsed.key
-        if dry_run:
-            return Outcome(source, key, True, "", document, parsed)
         policy = dataclasses.replace(parsed, key=engine_key(source, key))
         changed = self.engine.declared_policy(policy.key) != policy
+        if dry_run:
+            return Outcome(source, key, True, "", document, parsed, changed)
         if changed:
             self._change(now)
             self.engine.upsert_policy(policy)
@@ -385,7 +399,7 @@ class PolicyCore:
             log.info("policy accepted", source=source.value, policy=str(key), unsupported=len(policy.unsupported))
         else:
             log.debug("policy unchanged", source=source.value, policy=str(key))
-        return Outcome(source, key, True, "", document, policy)
+        return Outcome(source, key, True, "", document, policy, changed)
 
     def restore_imported(self, stored: StoredPolicy, document: str, now: float) -> Outcome:
         """An API policy loaded from the store at startup (a rejected one stays visible with its error)."""
