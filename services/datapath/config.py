@@ -10,6 +10,10 @@ from services.common.grpcserver import parse_addresses
 from services.datapath.loader import ATTACH_MODES
 
 
+#: --allow-localhost values: host traffic always allowed, or judged by policy.
+ALLOW_LOCALHOST = ("always", "policy")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DatapathConfig(CommonConfig):
     """Realize policy entries in BPF on this node."""
@@ -31,6 +35,12 @@ class DatapathConfig(CommonConfig):
         "judged on the way, as in Cilium's BPF host routing); off, they go through the host's routing and "
         "netfilter (for host firewall rules that must see pod-to-pod traffic).",
         default=True,
+    )
+    allow_localhost: str = setting(
+        "Traffic into a pod from its own node (its host namespace: kubelet's probes): always (allowed "
+        "whatever the policy, as Kubernetes specifies and Cilium's default) or policy (judged like any "
+        "other peer, as the reserved identity host).",
+        default="always",
     )
     rpc_timeout: float = setting("Seconds one call to PolicyService or IPAMService may take.", default=10.0)
     repair_interval: float = setting(
@@ -75,6 +85,10 @@ class DatapathConfig(CommonConfig):
             raise ConfigError("--bpffs is empty; give a directory under /sys/fs/bpf")
         if self.attach not in ATTACH_MODES:
             raise ConfigError(f"--attach {self.attach!r}: give one of {', '.join(ATTACH_MODES)}")
+        if self.allow_localhost not in ALLOW_LOCALHOST:
+            raise ConfigError(
+                f"--allow-localhost {self.allow_localhost!r}: give one of {', '.join(ALLOW_LOCALHOST)}"
+            )
         if self.rpc_timeout <= 0:
             raise ConfigError(f"--rpc-timeout must be positive, got {self.rpc_timeout}")
         if self.repair_interval < 0:

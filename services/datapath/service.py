@@ -167,7 +167,7 @@ async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
     cfg = ctx.config
     bus = await ctx.bus()
     try:
-        program = ProgramConfig(local_delivery=cfg.local_delivery)
+        program = ProgramConfig(local_delivery=cfg.local_delivery, allow_host=cfg.allow_localhost == "always")
         datapath = await asyncio.to_thread(
             functools.partial(Datapath.open, cfg.bpffs, config=program, attach=cfg.attach)
         )

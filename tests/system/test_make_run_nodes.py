@@ -266,39 +266,35 @@ def _node_netns(stack: Stack) -> dict[str, str]:
 
 
 def test_node_addresses_are_remote_node_elsewhere_and_host_at_home(stack: Stack) -> None:
-    """A CCNP admitting `remote-node` lets other nodes' hosts in, not the pod's own host; adding `host`
-    lets that in too (node addresses come from the Node objects, judged per node)."""
+    """Behind the shop's default deny, the pod's own node (its host: kubelet's probes) reaches it
+    (allow-localhost=always); another node's host is `remote-node`, admitted only by a policy
+    naming it (node addresses come from the Node objects, judged per node)."""
     backend = str(_endpoints(stack)["shop/backend"]["node"])
     other = next(n for n in NODES if n != backend)
     netns = _node_netns(stack)
     ip = stack.ip("shop/backend")
     path = stack.manifests / "80-backend-from-nodes.yaml"
-
-    def admit(*entities: str) -> None:
-        path.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "cilium.io/v2",
-                    "kind": "CiliumClusterwideNetworkPolicy",
-                    "metadata": {"name": "backend-from-nodes"},
-                    "spec": {
-                        "endpointSelector": {"matchLabels": {"app": "backend"}},
-                        "ingress": [{"fromEntities": list(entities), "toPorts": [{"ports": [{"port": "8080"}]}]}],
-                    },
-                }
-            )
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "cilium.io/v2",
+                "kind": "CiliumClusterwideNetworkPolicy",
+                "metadata": {"name": "backend-from-nodes"},
+                "spec": {
+                    "endpointSelector": {"matchLabels": {"app": "backend"}},
+                    "ingress": [{"fromEntities": ["remote-node"], "toPorts": [{"ports": [{"port": "8080"}]}]}],
+                },
+            }
         )
-
+    )
     try:
-        assert not probe(netns[other], ip, 8080) and not probe(netns[backend], ip, 8080), "hosts need a policy"
-        admit("remote-node")
+        assert probe(netns[backend], ip, 8080), "its own node's host, whatever the policy"
         assert wait_for(lambda: probe(netns[other], ip, 8080)), "another node's host is remote-node"
-        assert not probe(netns[backend], ip, 8080), "the pod's own node is host, not remote-node"
-        admit("remote-node", "host")
-        assert wait_for(lambda: probe(netns[backend], ip, 8080)), "its own node's host"
+        assert not stack.reach("tools/debug", "shop/backend", 8080), "pods stay denied"
     finally:
         path.unlink(missing_ok=True)
     assert wait_for(lambda: not probe(netns[other], ip, 8080))
+    assert probe(netns[backend], ip, 8080)
 
 
 def test_zz_ctrl_c_removes_the_hosts_and_leaves_nothing_behind(stack: Stack) -> None:

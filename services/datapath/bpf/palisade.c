@@ -43,6 +43,8 @@
  *      Lookups the endpoint's hints (enforcement map) say cannot match are skipped.
  *      ICMP/ICMPv6 echo follows policy with port 0 (matched by L3-only and
  *      all-ports ICMP entries); the echo id stands in for ports in conntrack.
+ *      Into a pod from its own node (remote identity host) is allowed as not enforced, before
+ *      any lookup, unless ALLOW_HOST is 0 (allow-localhost=policy).
  *   5. A new allowed flow gets a conntrack entry and one flow event; every
  *      drop gets a flow event (the reader is woken only past a backlog mark,
  *      it polls otherwise). Counters by endpoint/reason/direction. An
@@ -154,6 +156,13 @@
 #ifndef LOCAL_DELIVERY
 #define LOCAL_DELIVERY 1
 #endif
+/* New flows into a pod from its own node (the reserved host identity: kubelet's probes) are allowed
+ * whatever the policy, as Kubernetes specifies and Cilium's allow-localhost=always does; 0 judges
+ * them by policy like any other peer (allow-localhost=policy). */
+#ifndef ALLOW_HOST
+#define ALLOW_HOST 1
+#endif
+#define HOST_ID 1
 #define CALL_DELIVER 0
 #define IPCACHE_HEADER_BITS 32
 #define POLICY_FULL_PREFIX 112
@@ -1333,8 +1342,10 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
         u8 judged_dir = ct ? (v4 ? origin->v4.direction : origin->v6.direction) : dir;
         __be16 opened_port = v4 ? origin->v4.dport : origin->v6.dport;
         u16 judged_port = ct ? (has_ports(f.protocol) ? bpf_ntohs(opened_port) : 0) : f.policy_port;
-        u8 reason = 0;
-        u8 verdict = policy_verdict(ep_id, judged_dir, remote_id, f.protocol, judged_port, &reason);
+        u8 reason = REASON_NOT_ENFORCED;
+        u8 verdict = VERDICT_ALLOW;
+        if (!(ALLOW_HOST && judged_dir == DIR_INGRESS && remote_id == HOST_ID))
+            verdict = policy_verdict(ep_id, judged_dir, remote_id, f.protocol, judged_port, &reason);
         if (verdict != VERDICT_ALLOW || !ct) {
             emit(ifindex, &f, ep_id, local_id, remote_id, dir, verdict, reason);
             count(ep_id, reason, dir, skb->len);
