@@ -20,7 +20,7 @@ from services.common.labels import ReservedIdentity
 from services.datapath import netns
 from services.datapath.datapath import Datapath
 from services.datapath.loader import ProgramConfig
-from services.datapath.types import Direction, Enforcement, EndpointSpec, Reason, Verdict
+from services.datapath.types import Direction, EndpointSpec, Enforcement, Reason, Verdict
 from tests.datapath.node import Node
 from tests.datapath.traffic import DENY_TIMEOUT, EchoServer, tcp_exchange, udp_exchange
 
