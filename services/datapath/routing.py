@@ -118,7 +118,7 @@ class KernelRouting:
                     why = (
                         "is not on a network this node shares: run the datapaths with --routing tunnel "
                         "(PALISADE_ROUTING=tunnel)"
-                        if exc.code == errno.ENETUNREACH
+                        if exc.code in (errno.ENETUNREACH, errno.EINVAL)  # "invalid gateway": not on a link
                         else f"the kernel said: {exc}"
                     )
                     failed.append(f"pod CIDR {route.prefix} of node {route.node} via {route.gateway}: {why}")
@@ -208,14 +208,21 @@ class KernelRouting:
     def _prune_peers(ipr: Any, index: int, peers: set[str]) -> None:
         """Neighbour and forwarding entries for exactly ``peers`` on the tunnel device."""
         for peer in sorted(peers):
-            mac = tunnel_mac(peer)
-            ipr.neigh("replace", dst=peer, lladdr=mac, ifindex=index, state=_NUD_PERMANENT)
-            ipr.fdb("replace", ifindex=index, lladdr=mac, dst=peer)
+            ipr.neigh("replace", dst=peer, lladdr=tunnel_mac(peer), ifindex=index, state=_NUD_PERMANENT)
         for neigh in ipr.neigh("dump", ifindex=index):
             dst = neigh.get_attr("NDA_DST")
-            if dst and dst not in peers and neigh["state"] == _NUD_PERMANENT:
-                ipr.neigh("del", dst=dst, lladdr=neigh.get_attr("NDA_LLADDR"), ifindex=index)
+            if dst and dst not in peers:
+                ipr.neigh("del", dst=dst, ifindex=index)
+        held: set[tuple[str, str]] = set()
         for entry in ipr.fdb("dump", ifindex=index):
-            dst = entry.get_attr("NDA_DST")
-            if entry["ifindex"] == index and dst and dst not in peers:
-                ipr.fdb("del", ifindex=index, lladdr=entry.get_attr("NDA_LLADDR"), dst=dst)
+            dst, mac = entry.get_attr("NDA_DST"), entry.get_attr("NDA_LLADDR")
+            if entry["ifindex"] != index or not dst:
+                continue
+            if dst in peers and mac == tunnel_mac(dst):
+                held.add((mac, dst))
+            else:
+                ipr.fdb("del", ifindex=index, lladdr=mac, dst=dst)
+        for peer in sorted(peers):
+            if (tunnel_mac(peer), peer) not in held:
+                # "append": a VXLAN device's forwarding entries are per destination (replace is refused).
+                ipr.fdb("append", ifindex=index, lladdr=tunnel_mac(peer), dst=peer)

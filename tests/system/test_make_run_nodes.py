@@ -15,6 +15,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -335,30 +336,28 @@ def test_pods_reach_a_server_outside_the_cluster_with_their_nodes_address(stack:
             ["-n", internet, "link", "set", "eth0", "up"],
         ):
             subprocess.run(["ip", *args], check=True, capture_output=True)
+        peers: list[str] = []
         with in_netns(internet, socket.socket, socket.AF_INET, socket.SOCK_STREAM) as server:
             server.bind(("198.51.100.10", 8443))
             server.listen(8)
-            server.settimeout(10)
+            server.settimeout(15)
+
+            def answer() -> None:
+                # As a pod server does: the prober counts a connection once it reads a line.
+                conn, (peer, _) = server.accept()
+                with conn:
+                    peers.append(peer)
+                    conn.sendall(b"hello from the internet\n")
+
+            thread = threading.Thread(target=answer)
+            thread.start()
             reached = probe(stack.netns("tools/debug"), "198.51.100.10", 8443)
-            assert reached, "the handshake completed: replies found the pod"
-            conn, (peer, _) = server.accept()
-            conn.close()
+            thread.join(20)
+            assert reached, "the handshake and the answer came back: replies found the pod"
+        (peer,) = peers
         assert peer == "198.51.100.1", "the node's address, not the pod's"
     finally:
         delete_netns(internet)
-
-
-def test_zz_ctrl_c_removes_the_hosts_and_leaves_nothing_behind(stack: Stack) -> None:
-    netns = _node_netns(stack)
-    stack.proc.send_signal(signal.SIGINT)
-    rest, _ = stack.proc.communicate(timeout=90)
-    assert stack.proc.returncode == 0, rest
-    assert "nothing left behind" in rest
-    assert not [n for n in netns.values() if os.path.exists(f"/run/netns/{n}")]
-    assert not [n for n in NODES if os.path.exists(f"{stack.bpffs}-{n}")]
-    pods = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
-    assert not [n for n in pods if n.startswith(("pal_shop_", "pal_tools_"))]
-    assert not stack.run_dir.exists()
 
 
 def test_one_client_port_reaches_a_backend_on_another_node_by_cluster_ip_and_by_pod_address(stack: Stack) -> None:
@@ -374,3 +373,16 @@ def test_one_client_port_reaches_a_backend_on_another_node_by_cluster_ip_and_by_
     finally:
         stack.manifests.joinpath("80-reuse.yaml").unlink()
     assert wait_for(lambda: "reuse/client" not in _endpoints(stack), 60)
+
+
+def test_zz_ctrl_c_removes_the_hosts_and_leaves_nothing_behind(stack: Stack) -> None:
+    netns = _node_netns(stack)
+    stack.proc.send_signal(signal.SIGINT)
+    rest, _ = stack.proc.communicate(timeout=90)
+    assert stack.proc.returncode == 0, rest
+    assert "nothing left behind" in rest
+    assert not [n for n in netns.values() if os.path.exists(f"/run/netns/{n}")]
+    assert not [n for n in NODES if os.path.exists(f"{stack.bpffs}-{n}")]
+    pods = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+    assert not [n for n in pods if n.startswith(("pal_shop_", "pal_tools_"))]
+    assert not stack.run_dir.exists()
