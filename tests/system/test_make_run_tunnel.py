@@ -96,8 +96,8 @@ def test_the_example_story_holds_across_nodes_through_the_tunnel(stack: Stack) -
     assert not stack.reach_service("tools/debug", "shop/backend", 80)
 
 
-def test_connectivity_probe_through_the_tunnel_equals_analyze(stack: Stack, tmp_path: Path) -> None:
-    case = sorted(MATRIX_CASES)[0]
+@pytest.mark.parametrize("case", sorted(MATRIX_CASES))
+def test_connectivity_probe_through_the_tunnel_equals_analyze(stack: Stack, tmp_path: Path, case: str) -> None:
     _probe_equals_analyze(stack, _matrix_files(tmp_path, MATRIX_CASES[case]))
 
 
