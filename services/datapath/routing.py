@@ -27,6 +27,7 @@ import dataclasses
 import errno
 import hashlib
 import ipaddress
+import socket
 from typing import Any
 
 from services.common.log import get_logger
@@ -81,8 +82,6 @@ def tunnel_mac(address: str) -> str:
 
 
 def _family(prefix: str) -> int:
-    import socket
-
     return socket.AF_INET6 if ipaddress.ip_network(prefix).version == 6 else socket.AF_INET
 
 
@@ -193,8 +192,6 @@ class KernelRouting:
 
     @staticmethod
     def _prune(ipr: Any, wanted: set[tuple[str, int]]) -> int:
-        import socket
-
         removed = 0
         for family in (socket.AF_INET, socket.AF_INET6):
             for route in ipr.route("dump", family=family, proto=RTPROT_PALISADE):
