@@ -78,6 +78,8 @@ def apply(plan: MasqueradePlan) -> None:
     try:
         done = subprocess.run(["nft", "-f", "-"], input=ruleset(plan), capture_output=True, text=True, check=False)
     except FileNotFoundError:
+        if not plan.enabled:
+            return  # without nft there is no table of ours to remove
         raise MasqueradeError(
             "masquerade needs the nft command (Debian: apt-get install nftables); or run with --masquerade false"
         ) from None
