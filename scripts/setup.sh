@@ -30,7 +30,7 @@ apt_install() {
 # 1. System packages: bcc, the tools the datapath and its tests use, a container runtime for the
 #    CNI tests, and a venv-capable Python.
 if command -v dpkg-query >/dev/null; then
-    apt_install python3-bpfcc bpfcc-tools iproute2 iptables iperf3 kmod procps
+    apt_install python3-bpfcc bpfcc-tools iproute2 iptables nftables iperf3 kmod procps
     # A real runtime in kubelet's place for the CNI tests: containerd (CRI), runc, the reference
     # CNI plugins to chain after, and gcc to build the sandbox ("pause") image locally.
     apt_install containerd runc containernetworking-plugins gcc libc6-dev

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 
 from services.common.config import CommonConfig, ConfigError, setting
 from services.common.grpcserver import parse_addresses
 from services.datapath.loader import ATTACH_MODES
+from services.datapath.routing import MODES as ROUTING_MODES
+
+#: --allow-localhost values: host traffic always allowed, or judged by policy.
+ALLOW_LOCALHOST = ("always", "policy")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,6 +36,33 @@ class DatapathConfig(CommonConfig):
         "judged on the way, as in Cilium's BPF host routing); off, they go through the host's routing and "
         "netfilter (for host firewall rules that must see pod-to-pod traffic).",
         default=True,
+    )
+    allow_localhost: str = setting(
+        "Traffic into a pod from its own node (its host namespace: kubelet's probes): always (allowed "
+        "whatever the policy, as Kubernetes specifies and Cilium's default) or policy (judged like any "
+        "other peer, as the reserved identity host).",
+        default="always",
+    )
+    routing: str = setting(
+        "How pods reach the other nodes' pods: tunnel (a VXLAN device, for nodes that share no network; "
+        "Cilium's default), direct (routes to each node's pod CIDRs via its address, for nodes on one "
+        "network, as Cilium's auto-direct-node-routes), or none (another plugin or the cloud routes pods).",
+        default="tunnel",
+    )
+    tunnel_port: int = setting("UDP port of the VXLAN tunnel (--routing tunnel), the same on every node.", default=8472)
+    node_resync_interval: float = setting(
+        "Seconds between full re-applications of the routes to other nodes (ipam asked again; repairs drift).",
+        default=30.0,
+    )
+    masquerade: bool = setting(
+        "Pod traffic to addresses outside the cluster's pod CIDRs, its node addresses and "
+        "--non-masquerade-cidrs leaves with the node's address (nftables; replies find their pod).",
+        default=True,
+    )
+    non_masquerade_cidrs: str = setting(
+        "Comma-separated CIDRs pods reach with their own address, besides the cluster's pod CIDRs and "
+        "node addresses (ip-masq-agent's nonMasqueradeCIDRs: a VPC range, a peered network).",
+        default="",
     )
     rpc_timeout: float = setting("Seconds one call to PolicyService or IPAMService may take.", default=10.0)
     repair_interval: float = setting(
@@ -58,6 +90,10 @@ class DatapathConfig(CommonConfig):
     )
 
     @property
+    def non_masquerade(self) -> tuple[str, ...]:
+        return tuple(c.strip() for c in self.non_masquerade_cidrs.split(",") if c.strip())
+
+    @property
     def cni_socket_path(self) -> str:
         return self.cni_socket or os.path.join(self.state_dir, "cni.sock")
 
@@ -75,6 +111,21 @@ class DatapathConfig(CommonConfig):
             raise ConfigError("--bpffs is empty; give a directory under /sys/fs/bpf")
         if self.attach not in ATTACH_MODES:
             raise ConfigError(f"--attach {self.attach!r}: give one of {', '.join(ATTACH_MODES)}")
+        if self.allow_localhost not in ALLOW_LOCALHOST:
+            raise ConfigError(f"--allow-localhost {self.allow_localhost!r}: give one of {', '.join(ALLOW_LOCALHOST)}")
+        if self.routing not in ROUTING_MODES:
+            raise ConfigError(f"--routing {self.routing!r}: give one of {', '.join(ROUTING_MODES)}")
+        if not 0 < self.tunnel_port < 65536:
+            raise ConfigError(f"--tunnel-port {self.tunnel_port} is not a UDP port (1-65535)")
+        if self.node_resync_interval <= 0:
+            raise ConfigError(f"--node-resync-interval must be positive, got {self.node_resync_interval}")
+        for cidr in self.non_masquerade:
+            try:
+                ipaddress.ip_network(cidr)
+            except ValueError as exc:
+                raise ConfigError(
+                    f"--non-masquerade-cidrs: {cidr!r} is not a CIDR ({exc}); give prefixes such as 10.0.0.0/8"
+                ) from None
         if self.rpc_timeout <= 0:
             raise ConfigError(f"--rpc-timeout must be positive, got {self.rpc_timeout}")
         if self.repair_interval < 0:

@@ -120,6 +120,12 @@ class GrpcIpam:
         request = ipam_pb2.ReleaseIPRequest(node=node, ip=ip, owner=owner)
         await _call("IPAMService", self._ipam.ReleaseIP(request, timeout=self._timeout))
 
+    async def node_cidrs(self, node: str) -> list[str]:
+        """The node's pod CIDRs, IPv4 first (ipam assigns them if the node has none yet)."""
+        request = ipam_pb2.GetNodeCIDRRequest(node=node)
+        response = await _call("IPAMService", self._ipam.GetNodeCIDR(request, timeout=self._timeout))
+        return list(response.cidrs)
+
     async def allocations(self, node: str) -> list[dt.Allocation]:
         request = ipam_pb2.ListAllocationsRequest(node=node)
         response = await _call("IPAMService", self._ipam.ListAllocations(request, timeout=self._timeout))

@@ -119,6 +119,8 @@ class ProgramConfig:
     #: Deliver packets between local endpoints straight into the destination's namespace (its
     #: ingress policy judged on the way) instead of through the host's routing and netfilter.
     local_delivery: bool = True
+    #: Allow new flows into a pod from its own node (the host identity) whatever the policy.
+    allow_host: bool = True
     sizes: MapSizes = dataclasses.field(default_factory=MapSizes)
 
     def cflags(self, pin_dir: str) -> list[str]:
@@ -126,6 +128,7 @@ class ProgramConfig:
         return [
             f'-DPIN_DIR="{pin_dir}"',
             f"-DLOCAL_DELIVERY={int(self.local_delivery)}",
+            f"-DALLOW_HOST={int(self.allow_host)}",
             f"-DEP_GENERATION={maps.deliverymap.GENERATION}",
             f"-DWORLD_ID={self.world_identity}",
             f"-DCT_TCP_LIFETIME_S={self.ct_tcp_lifetime_s}",

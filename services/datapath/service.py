@@ -37,9 +37,12 @@ from services.datapath.ipamclient import GrpcIpam, IpamPort
 from services.datapath.ipcache import IpcacheSync
 from services.datapath.loader import ProgramConfig
 from services.datapath.manager import EndpointManager, PodNetwork
+from services.datapath.masquerade import NftMasquerade
 from services.datapath.metrics import AgentParts, DatapathMetrics
 from services.datapath.netns import NetnsPodNetwork
+from services.datapath.nodes import MasqueradePort, NodeCidrs, NodeRoutes, RoutingPort
 from services.datapath.orders import GrpcPolicyClient, OrderConsumer, PolicyPort, Reporter
+from services.datapath.routing import KernelRouting
 from services.datapath.servicer import DatapathServicer
 from services.datapath.servicesync import ServiceSync
 from services.datapath.state import EndpointStore
@@ -81,6 +84,8 @@ class Agent:
     reporter: Reporter
     flows: FlowHub
     servicer: DatapathServicer
+    #: Routes to the other nodes' pod CIDRs (None: this agent routes nothing).
+    nodes: NodeRoutes | None = None
 
     def status(self, out: common_pb2.ServiceStatus) -> None:
         """The status provider: endpoints, realized revision (min over endpoints), synced."""
@@ -96,6 +101,15 @@ class Agent:
         out.details["reports_delivered"] = str(self.reporter.delivered)
         out.details["flow_events"] = str(self.flows.events)
         out.details["observers"] = str(self.flows.subscribers)
+        if self.nodes is not None:
+            out.details["routing"] = self.nodes.mode
+            out.details["node_routes"] = str(self.nodes.result.installed)
+            if self.nodes.masqueraded is not None:
+                out.details["masquerade"] = "on" if self.nodes.masqueraded.enabled else "off"
+            if self.nodes.masquerade_error:
+                out.details["masquerade_error"] = self.nodes.masquerade_error
+            if self.nodes.result.failed or self.nodes.skipped:
+                out.details["routes_not_installed"] = "; ".join([*self.nodes.result.failed, *self.nodes.skipped])
         failed = [ep.id for ep in self.manager.endpoints.values() if ep.state is EndpointState.FAILED]
         if failed:
             out.details["failed_endpoints"] = ",".join(str(i) for i in sorted(failed))
@@ -114,6 +128,9 @@ async def start_agent(
     ipam: IpamPort,
     spawn: Spawn,
     stack: contextlib.AsyncExitStack,
+    routing: RoutingPort | None = None,
+    node_cidrs: NodeCidrs | None = None,
+    masquerade: MasqueradePort | None = None,
 ) -> Agent:
     """Restore endpoints, load the ipcache and start following orders; returns once ready to serve."""
     node = cfg.node_name
@@ -159,8 +176,24 @@ async def start_agent(
     if cfg.cni_sweep_interval > 0:
         queue = deletequeue.queue_dir(cfg.cni_socket_path)
         spawn(_sweep_loop(manager, queue, cfg.cni_sweep_interval), "sweep")
+    nodes = None
+    if routing is not None and node_cidrs is not None:
+        nodes = NodeRoutes(
+            node,
+            cfg.routing,
+            routing,
+            node_cidrs,
+            interval=cfg.node_resync_interval,
+            tunnel_port=cfg.tunnel_port,
+            masquerade=masquerade,
+            masquerade_enabled=cfg.masquerade,
+            non_masquerade=cfg.non_masquerade,
+        )
+        await nodes.start(bus)
+        stack.push_async_callback(nodes.stop)
+        spawn(nodes.run(), "node-routes")
     servicer = DatapathServicer(manager, flows, datapath, services)
-    return Agent(node, manager, consumer, ipcache, services, reporter, flows, servicer)
+    return Agent(node, manager, consumer, ipcache, services, reporter, flows, servicer, nodes)
 
 
 async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
@@ -169,7 +202,7 @@ async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
     await asyncio.to_thread(requirements.check_node, cfg.bpffs, Path(cfg.state_dir))
     bus = await ctx.bus()
     try:
-        program = ProgramConfig(local_delivery=cfg.local_delivery)
+        program = ProgramConfig(local_delivery=cfg.local_delivery, allow_host=cfg.allow_localhost == "always")
         datapath = await asyncio.to_thread(
             functools.partial(Datapath.open, cfg.bpffs, config=program, attach=cfg.attach)
         )
@@ -190,15 +223,19 @@ async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
     ipam_channel = open_channel(grpc_target(parse_addresses(cfg.ipam_address)), "ipam", ctx.credentials)
     ctx.stack.push_async_callback(ipam_channel.close)
 
+    ipam = GrpcIpam(ipam_channel, cfg.rpc_timeout)
     agent = await start_agent(
         cfg,
         bus=bus,
         datapath=datapath,
         network=NetnsPodNetwork(),
         policy=GrpcPolicyClient(policy_channel, cfg.rpc_timeout),
-        ipam=GrpcIpam(ipam_channel, cfg.rpc_timeout),
+        ipam=ipam,
         spawn=ctx.spawn,
         stack=ctx.stack,
+        routing=KernelRouting(),
+        node_cidrs=ipam,
+        masquerade=NftMasquerade(),
     )
     DatapathMetrics(AgentParts(agent.manager, agent.consumer, agent.reporter, agent.flows, datapath))
     datapath_pb2_grpc.add_DatapathServiceServicer_to_server(agent.servicer, ctx.server.server)

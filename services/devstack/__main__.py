@@ -23,11 +23,9 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from palisade.v1 import ipam_pb2, ipam_pb2_grpc
 from services.common import etcdconfig, natsconfig
 from services.common.bus import Bus
 from services.common.config import DEFAULT_GRPC_PORTS
-from services.common.grpcserver import open_channel
 from services.common.log import get_logger, setup_logging
 from services.common.trust import Credentials, ensure_pki
 from services.devstack import hosts
@@ -72,14 +70,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=1,
         help="dev nodes: with more than one, each (dev-node-1..N) is a network namespace standing for a host, "
-        "on a bridge, with its own datapath and pod CIDR, routed natively to the others; pods go to the node "
-        "their spec.nodeName names, the others are spread",
+        "with its own datapath and pod CIDR, which routes to the others' pods itself (--routing); pods go to "
+        "the node their spec.nodeName names, the others are spread",
+    )
+    p.add_argument(
+        "--routing",
+        choices=("direct", "tunnel"),
+        default="direct",
+        help="with --nodes: direct puts the hosts on one bridge and the datapaths route each pod CIDR via its "
+        "node's address; tunnel puts each host on a bridge of its own behind a router, and the datapaths "
+        "tunnel (VXLAN) between the nodes' addresses",
     )
     p.add_argument(
         "--node-subnet",
         default="172.31.255.0/24",
-        help="with --nodes: the hosts' network (the bridge takes its first address, where the control plane "
-        "listens; node i the 10+i-th)",
+        help="with --nodes: the hosts' network (direct: the bridge takes its first address, where the control "
+        "plane listens, node i the 10+i-th; tunnel: a /28 of it per node)",
     )
     p.add_argument(
         "--service-cidr",
@@ -104,7 +110,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         # The stack's run directory names its hosts, so stacks side by side do not collide.
         tag = format(zlib.crc32(str(Path(args.run_dir).resolve()).encode()), "08x")
         try:
-            args.network = hosts.plan([f"dev-node-{i + 1}" for i in range(args.nodes)], args.node_subnet, tag)
+            names = [f"dev-node-{i + 1}" for i in range(args.nodes)]
+            args.network = hosts.plan(names, args.node_subnet, tag, args.routing)
         except (HostsError, ValueError) as exc:
             p.error(str(exc))
         args.host = args.network.gateway  # reachable from the root namespace and from every node
@@ -218,7 +225,8 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
             node.child,
             [sys.executable, "-m", *node.launcher, "services.datapath", "--grpc-listen", node.address, *common,
              "--node-name", node.name, "--policy-address", policy_addresses, "--ipam-address", ipam_addresses,
-             "--state-dir", str(node.state_dir), "--bpffs", node.bpffs],
+             "--state-dir", str(node.state_dir), "--bpffs", node.bpffs, "--routing", node.routing,
+             "--masquerade", str(node.masquerade).lower()],
             logs / f"{node.child}.log",
             grpc_address=node.address,
             env=env,
@@ -268,6 +276,10 @@ class DevNodeSpec:
     bpffs: str
     #: What runs the datapath's module (``-m`` this, then the module): it enters the node's namespace.
     launcher: tuple[str, ...]
+    #: The datapath's --routing: none for the single dev node (the machine itself, no other node).
+    routing: str = "none"
+    #: The datapath's --masquerade: off for the single dev node (the machine's own netfilter is left alone).
+    masquerade: bool = False
 
 
 def dev_nodes(args: argparse.Namespace, run_dir: Path) -> list[DevNodeSpec]:
@@ -278,7 +290,7 @@ def dev_nodes(args: argparse.Namespace, run_dir: Path) -> list[DevNodeSpec]:
     port = args.grpc_port_base + DEFAULT_GRPC_PORTS["datapath"] - DEFAULT_GRPC_PORTS["watcher"]
     return [
         DevNodeSpec(host.name, f"datapath-{i + 1}", f"{host.address}:{port}", run_dir / f"datapath-{host.name}",
-                    f"{args.bpffs}-{host.name}", ("services.devstack.innetns", host.netns))
+                    f"{args.bpffs}-{host.name}", ("services.devstack.innetns", host.netns), args.routing, True)
         for i, host in enumerate(args.network.nodes)
     ]  # fmt: skip
 
@@ -305,21 +317,6 @@ def banner(args: argparse.Namespace, children: list[Child], nodes: list[DevNode]
         f"Ctrl-C stops everything and cleans up (the logs stay in {args.run_dir}/{LOGS} until the next start).",
     ]
     return "\n".join(lines)
-
-
-async def route_nodes(args: argparse.Namespace, tls_dir: Path) -> None:
-    """Route every node's pod CIDR (as ipam assigns it) to that node, from the others and the root."""
-    if args.network is None:
-        return
-    address = grpc_address(args, "ipam")
-    cidrs: dict[str, list[str]] = {}
-    async with open_channel(address, "ipam", Credentials.load(tls_dir, "cli")) as channel:
-        stub = ipam_pb2_grpc.IPAMServiceStub(channel)
-        for name in node_names(args):
-            answer = await stub.GetNodeCIDR(ipam_pb2.GetNodeCIDRRequest(node=name), timeout=30)
-            cidrs[name] = list(answer.cidrs)
-    await asyncio.to_thread(hosts.route_pod_cidrs, args.network, cidrs)
-    log.info("pod CIDRs routed", cidrs=json.dumps(cidrs))
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -354,7 +351,6 @@ async def main_async(args: argparse.Namespace) -> int:
                 continue
             for member in [m for m in children[: i + 1] if m.group and m.group == c.group] or [c]:
                 await asyncio.to_thread(member.wait_ready, 60.0)
-        await route_nodes(args, run_dir / "tls")
         if not args.no_pods:
             devnode = Credentials.load(run_dir / "tls", "devnode")
             bus = await Bus.connect(nats_urls(args), name="palisade-devnode", tls=devnode)

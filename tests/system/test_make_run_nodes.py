@@ -11,7 +11,11 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import secrets
 import signal
+import socket
+import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +25,8 @@ import pytest
 import yaml
 
 from palisade.v1 import ipam_pb2, ipam_pb2_grpc
+from services.datapath.netns import create_netns, delete_netns, in_netns
+from services.datapath.routing import RTPROT_PALISADE
 from services.devstack import __main__ as devstack
 from tests.harness import ROOT
 from tests.system import tuplereuse
@@ -266,39 +272,92 @@ def _node_netns(stack: Stack) -> dict[str, str]:
 
 
 def test_node_addresses_are_remote_node_elsewhere_and_host_at_home(stack: Stack) -> None:
-    """A CCNP admitting `remote-node` lets other nodes' hosts in, not the pod's own host; adding `host`
-    lets that in too (node addresses come from the Node objects, judged per node)."""
+    """Behind the shop's default deny, the pod's own node (its host: kubelet's probes) reaches it
+    (allow-localhost=always); another node's host is `remote-node`, admitted only by a policy
+    naming it (node addresses come from the Node objects, judged per node)."""
     backend = str(_endpoints(stack)["shop/backend"]["node"])
     other = next(n for n in NODES if n != backend)
     netns = _node_netns(stack)
     ip = stack.ip("shop/backend")
     path = stack.manifests / "80-backend-from-nodes.yaml"
-
-    def admit(*entities: str) -> None:
-        path.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "cilium.io/v2",
-                    "kind": "CiliumClusterwideNetworkPolicy",
-                    "metadata": {"name": "backend-from-nodes"},
-                    "spec": {
-                        "endpointSelector": {"matchLabels": {"app": "backend"}},
-                        "ingress": [{"fromEntities": list(entities), "toPorts": [{"ports": [{"port": "8080"}]}]}],
-                    },
-                }
-            )
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "cilium.io/v2",
+                "kind": "CiliumClusterwideNetworkPolicy",
+                "metadata": {"name": "backend-from-nodes"},
+                "spec": {
+                    "endpointSelector": {"matchLabels": {"app": "backend"}},
+                    "ingress": [{"fromEntities": ["remote-node"], "toPorts": [{"ports": [{"port": "8080"}]}]}],
+                },
+            }
         )
-
+    )
     try:
-        assert not probe(netns[other], ip, 8080) and not probe(netns[backend], ip, 8080), "hosts need a policy"
-        admit("remote-node")
+        assert probe(netns[backend], ip, 8080), "its own node's host, whatever the policy"
         assert wait_for(lambda: probe(netns[other], ip, 8080)), "another node's host is remote-node"
-        assert not probe(netns[backend], ip, 8080), "the pod's own node is host, not remote-node"
-        admit("remote-node", "host")
-        assert wait_for(lambda: probe(netns[backend], ip, 8080)), "its own node's host"
+        assert not stack.reach("tools/debug", "shop/backend", 8080), "pods stay denied"
     finally:
         path.unlink(missing_ok=True)
     assert wait_for(lambda: not probe(netns[other], ip, 8080))
+    assert probe(netns[backend], ip, 8080)
+
+
+def test_each_node_routes_the_others_pod_cidrs_itself(stack: Stack) -> None:
+    """The routes come from the datapaths (proto 199, via each node's address); the dev cluster
+    routes nothing: the root namespace has no route to any pod CIDR."""
+    args = devstack.parse(["--nodes", "3", "--node-subnet", SUBNET, "--run-dir", str(stack.run_dir)])
+    with stack.channel("ipam") as ch:
+        stub = ipam_pb2_grpc.IPAMServiceStub(ch)
+        cidrs = {n: stub.GetNodeCIDR(ipam_pb2.GetNodeCIDRRequest(node=n), timeout=10).cidrs[0] for n in NODES}
+    for host in args.network.nodes:
+        out = subprocess.run(["ip", "-n", host.netns, "-j", "route", "show", "proto", str(RTPROT_PALISADE)],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        routes = {r["dst"]: r["gateway"] for r in json.loads(out.stdout)}
+        assert routes == {cidrs[n.name]: n.address for n in args.network.nodes if n.name != host.name}
+    root = subprocess.run(["ip", "-j", "route", "show"], capture_output=True, text=True, check=True)
+    assert not {r["dst"] for r in json.loads(root.stdout)} & set(cidrs.values())
+
+
+def test_pods_reach_a_server_outside_the_cluster_with_their_nodes_address(stack: Stack) -> None:
+    """ "The internet": a namespace made here at 198.51.100.10, joined to a node by a link of its own
+    (the node at 198.51.100.1) and knowing no way back to any pod CIDR. A pod's connection is
+    masqueraded by its node's datapath (the server sees the node's address) and its replies find it."""
+    node = str(_endpoints(stack)["tools/debug"]["node"])
+    host = _node_netns(stack)[node]
+    internet = f"pal-inet-{secrets.token_hex(3)}"
+    create_netns(internet)
+    try:
+        for args in (
+            ["-n", host, "link", "add", "inet0", "type", "veth", "peer", "name", "eth0", "netns", internet],
+            ["-n", host, "addr", "add", "198.51.100.1/24", "dev", "inet0"],
+            ["-n", host, "link", "set", "inet0", "up"],
+            ["-n", internet, "addr", "add", "198.51.100.10/24", "dev", "eth0"],
+            ["-n", internet, "link", "set", "eth0", "up"],
+        ):
+            subprocess.run(["ip", *args], check=True, capture_output=True)
+        peers: list[str] = []
+        with in_netns(internet, socket.socket, socket.AF_INET, socket.SOCK_STREAM) as server:
+            server.bind(("198.51.100.10", 8443))
+            server.listen(8)
+            server.settimeout(15)
+
+            def answer() -> None:
+                # As a pod server does: the prober counts a connection once it reads a line.
+                conn, (peer, _) = server.accept()
+                with conn:
+                    peers.append(peer)
+                    conn.sendall(b"hello from the internet\n")
+
+            thread = threading.Thread(target=answer)
+            thread.start()
+            reached = probe(stack.netns("tools/debug"), "198.51.100.10", 8443)
+            thread.join(20)
+            assert reached, "the handshake and the answer came back: replies found the pod"
+        (peer,) = peers
+        assert peer == "198.51.100.1", "the node's address, not the pod's"
+    finally:
+        delete_netns(internet)
 
 
 def test_one_client_port_reaches_a_backend_on_another_node_by_cluster_ip_and_by_pod_address(stack: Stack) -> None:

@@ -18,8 +18,10 @@
  *   0. Leaving a pod (egress), TCP/UDP to a service frontend (ClusterIP, port): the
  *      connection's backend (lb_conntrack), else one chosen (ClientIP affinity, else at
  *      random), is written into the packet (DNAT) before anything else, so policy
- *      judges the backend's identity and port. A frontend with no backend answers with
- *      ICMP port unreachable, as kube-proxy does. Replies entering the client are
+ *      judges the backend's identity and port. A pod whose chosen backend is itself (hairpin)
+ *      gets the connection from the hairpin address (169.254.42.1, 100::42), allowed as any
+ *      connection of a pod to itself, both ways put straight back into the pod (CT_F_HAIRPIN).
+ *      A frontend with no backend answers with ICMP port unreachable, as kube-proxy does. Replies entering the client are
  *      reverse-NATed (the conntrack entry names the service) so it sees the ClusterIP.
  *   1. Not an endpoint's veth, or not IPv4/IPv6 (ARP...): pass.
  *      IPv6 neighbour discovery / MLD and ICMP error messages: pass.
@@ -43,6 +45,8 @@
  *      Lookups the endpoint's hints (enforcement map) say cannot match are skipped.
  *      ICMP/ICMPv6 echo follows policy with port 0 (matched by L3-only and
  *      all-ports ICMP entries); the echo id stands in for ports in conntrack.
+ *      Into a pod from its own node (remote identity host) is allowed as not enforced, before
+ *      any lookup, unless ALLOW_HOST is 0 (allow-localhost=policy).
  *   5. A new allowed flow gets a conntrack entry and one flow event; every
  *      drop gets a flow event (the reader is woken only past a backlog mark,
  *      it polls otherwise). Counters by endpoint/reason/direction. An
@@ -154,6 +158,13 @@
 #ifndef LOCAL_DELIVERY
 #define LOCAL_DELIVERY 1
 #endif
+/* New flows into a pod from its own node (the reserved host identity: kubelet's probes) are allowed
+ * whatever the policy, as Kubernetes specifies and Cilium's allow-localhost=always does; 0 judges
+ * them by policy like any other peer (allow-localhost=policy). */
+#ifndef ALLOW_HOST
+#define ALLOW_HOST 1
+#endif
+#define HOST_ID 1
 #define CALL_DELIVER 0
 #define IPCACHE_HEADER_BITS 32
 #define POLICY_FULL_PREFIX 112
@@ -161,6 +172,15 @@
 #define CT_REFRESH_NS NSEC
 
 #define SVC_FLAG_AFFINITY 1
+
+/* The source a pod sees on a connection it made to itself through a ClusterIP (hairpin_snat):
+ * Cilium's service loopback address 169.254.42.1 (IPv4 link-local) and, for IPv6, 100::42 of the
+ * discard-only prefix (RFC 6666). Both leave the pod by its default route, so its replies come back
+ * to from_container. */
+
+/* What handle() tells its caller, in *out. */
+#define OUT_VIA_HOST 1  /* the flow entered the endpoint through the host */
+#define OUT_HAIRPIN 2   /* a hairpin packet: back into the pod it came from */
 
 /* Branch hints: clang lays the unlikely blocks out after the hot path, so an established
  * packet runs through fewer instruction cache lines. */
@@ -291,6 +311,10 @@ struct ct_value {
  * live flow of the endpoint held its tuple as translated. A packet whose own port finds this entry
  * belongs to another flow; the flow's replies get the client's port back. */
 #define CT_F_SNAT 2
+/* A pod reaching itself through a ClusterIP (hairpin): the connection's source is the hairpin address
+ * (the pod would drop a packet from its own address arriving from outside), the entry is keyed as
+ * the pod receives it (direction ingress) and both ways are put straight back into the pod. */
+#define CT_F_HAIRPIN 4
 
 /* Service frontends, Cilium's layout: slot 0 is the service, slots 1..count its backends. */
 struct lb_service_key {
@@ -1037,6 +1061,30 @@ static __always_inline int lb_egress(struct __sk_buff *skb, struct flow *f, u32 
     return LB_DNAT;
 }
 
+static __always_inline int addr_equal(const struct flow *f, const u8 *a, const u8 *b)
+{
+    if (f->family == FAMILY_V4)
+        return *(const u32 *)a == *(const u32 *)b;
+    const u64 *x = (const u64 *)a, *y = (const u64 *)b;
+    return x[0] == y[0] && x[1] == y[1];
+}
+
+/* The source of a hairpin connection's packets becomes the hairpin address (its port stays). */
+static __always_inline int hairpin_snat(struct __sk_buff *skb, struct flow *f)
+{
+    u8 addr[16] = {};
+    if (f->family == FAMILY_V4) {
+        addr[0] = 169;  /* 169.254.42.1 */
+        addr[1] = 254;
+        addr[2] = 42;
+        addr[3] = 1;
+    } else {
+        addr[0] = 0x01;  /* 100::42 */
+        addr[15] = 0x42;
+    }
+    return lb_rewrite(skb, f, addr, f->sport, 0);
+}
+
 /* A reply entering the client: the backend's address and port become the frontend's. */
 static __always_inline int lb_reverse(struct __sk_buff *skb, struct flow *f, u16 rev_nat)
 {
@@ -1281,6 +1329,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
     u16 rev_nat = 0;
     u32 remote_id = 0;      /* the remote identity, once looked up */
     int remote_local = 1;   /* whether it may be a local endpoint's address still to look up */
+    u8 hairpin = 0;         /* a pod's connection to itself through a ClusterIP (CT_F_HAIRPIN) */
     if (unlikely(!ct && dir == DIR_EGRESS)) {
         /* Not established either way: a connection to a service frontend is translated first
          * (established service flows are keyed by their backend, so they come here too). A local
@@ -1297,12 +1346,24 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
         }
         if (lb == LB_DNAT) {
             remote_local = 1;  /* the backend's address is another one */
-            ct_key_of(&f, ep_id, dir, 0, &key);
+            u8 ct_dir = dir;
+            if (unlikely(addr_equal(&f, f.saddr, f.daddr))) {
+                /* The pod's own backend: it sees the connection come from the hairpin address. */
+                if (hairpin_snat(skb, &f) < 0) {
+                    emit(ifindex, &f, ep_id, local_id, local_id, dir, VERDICT_DENY, REASON_NO_BACKEND);
+                    count(ep_id, REASON_NO_BACKEND, dir, skb->len);
+                    return TC_ACT_SHOT;
+                }
+                hairpin = 1;
+                ct_dir = DIR_INGRESS;
+                *host_flow |= OUT_HAIRPIN;
+            }
+            ct_key_of(&f, ep_id, ct_dir, 0, &key);
             ct = ct_lookup(f.family, &key, now);
         }
     }
     u8 given_port = 0;
-    if (dir == DIR_EGRESS && !reply && lb_l4(&f) &&
+    if (dir == DIR_EGRESS && !reply && !hairpin && lb_l4(&f) &&
         unlikely(ct ? ct->rev_nat != rev_nat || (ct->flags & CT_F_SNAT) || (syn == TCP_FLAG_SYN && ct->closing)
                     : syn != TCP_FLAG_SYN)) {
         /* Not this flow's entry, or none where a connection may have been given a port. */
@@ -1333,8 +1394,12 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
         u8 judged_dir = ct ? (v4 ? origin->v4.direction : origin->v6.direction) : dir;
         __be16 opened_port = v4 ? origin->v4.dport : origin->v6.dport;
         u16 judged_port = ct ? (has_ports(f.protocol) ? bpf_ntohs(opened_port) : 0) : f.policy_port;
-        u8 reason = 0;
-        u8 verdict = policy_verdict(ep_id, judged_dir, remote_id, f.protocol, judged_port, &reason);
+        u8 reason = REASON_NOT_ENFORCED;
+        u8 verdict = VERDICT_ALLOW;
+        /* A pod reaching itself (hairpin) is always allowed, as when it connects to its own address. */
+        u8 self = hairpin || (ct && (ct->flags & CT_F_HAIRPIN));
+        if (!self && !(ALLOW_HOST && judged_dir == DIR_INGRESS && remote_id == HOST_ID))
+            verdict = policy_verdict(ep_id, judged_dir, remote_id, f.protocol, judged_port, &reason);
         if (verdict != VERDICT_ALLOW || !ct) {
             emit(ifindex, &f, ep_id, local_id, remote_id, dir, verdict, reason);
             count(ep_id, reason, dir, skb->len);
@@ -1351,8 +1416,8 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
             nv.epoch = epoch;
             nv.remote_identity = remote_id;
             nv.rev_nat = rev_nat;
-            nv.flags = (via_host ? CT_F_VIA_HOST : 0) | (given_port ? CT_F_SNAT : 0);
-            ct_key_of(&f, ep_id, dir, 0, &key);
+            nv.flags = (via_host ? CT_F_VIA_HOST : 0) | (given_port ? CT_F_SNAT : 0) | (hairpin ? CT_F_HAIRPIN : 0);
+            ct_key_of(&f, ep_id, hairpin ? DIR_INGRESS : dir, 0, &key);
             ct_store(f.family, &key, &nv);
             return TC_ACT_OK;
         }
@@ -1360,7 +1425,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
         ct->remote_identity = remote_id;
     }
 
-    *host_flow = ct->flags & CT_F_VIA_HOST;
+    *host_flow |= ct->flags & CT_F_VIA_HOST;
     if (unlikely((f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) && !ct->closing)) {
         ct->closing = 1;
         ct->expires_ns = now + ct_lifetime(f.protocol, 1);
@@ -1378,6 +1443,11 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
             snat_key_of(&f, ep_id, ct->rev_nat, SNAT_REVERSE, 1, &rk);
             struct snat_value *back = snat.lookup(&rk);
             undone = back ? lb_rewrite(skb, &f, f.daddr, back->port, 1) : -1;
+        }
+        if (undone == 0 && (ct->flags & CT_F_HAIRPIN)) {
+            /* The pod answering itself: back to its own address, then from the frontend. */
+            undone = lb_rewrite(skb, &f, f.saddr, f.dport, 1);
+            *host_flow |= OUT_HAIRPIN;
         }
         if (undone == 0 && ct->rev_nat)
             undone = lb_reverse(skb, &f, ct->rev_nat);
@@ -1475,10 +1545,28 @@ static __always_inline int forward_rewrite(struct __sk_buff *skb, const struct d
     return 0;
 }
 
+/* A hairpin packet goes back into the pod it left: the Ethernet addresses swapped, as the host's
+ * forwarding would give it (the pod's address as destination, the host veth's as source). */
+static __always_inline int hairpin_back(struct __sk_buff *skb)
+{
+    void *data = (void *)(long)skb->data;
+    void *data_end = (void *)(long)skb->data_end;
+    struct ethhdr *eth = data;
+    if ((void *)(eth + 1) > data_end)
+        return TC_ACT_SHOT;
+    u8 mac[ETH_ALEN];
+    __builtin_memcpy(mac, eth->h_dest, ETH_ALEN);
+    __builtin_memcpy(eth->h_dest, eth->h_source, ETH_ALEN);
+    __builtin_memcpy(eth->h_source, mac, ETH_ALEN);
+    return bpf_redirect_peer(skb->ifindex, 0);
+}
+
 int from_container(struct __sk_buff *skb)
 {
     u8 host_flow = 0;
     int verdict = handle(skb, DIR_EGRESS, skb->ifindex, 0, &host_flow);
+    if (unlikely(verdict == TC_ACT_OK && (host_flow & OUT_HAIRPIN)))
+        return hairpin_back(skb);
 #if LOCAL_DELIVERY
     if (verdict == TC_ACT_OK && !host_flow && delivery_of(skb))
         calls.call(skb, CALL_DELIVER);  /* returns only if the slot is empty */

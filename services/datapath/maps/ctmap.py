@@ -31,6 +31,8 @@ FAMILY_V4 = 4
 #: ct_value.flags (CT_F_* in bpf/palisade.c)
 FLAG_VIA_HOST = 1
 FLAG_SNAT = 2
+#: A pod's connection to itself through a ClusterIP (CT_F_HAIRPIN): keyed as the pod receives it.
+FLAG_HAIRPIN = 4
 
 
 class CtKey(ctypes.Structure):
