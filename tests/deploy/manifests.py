@@ -154,3 +154,11 @@ def upstreams(name: str, config: CommonConfig) -> Iterator[Upstream]:
         address = getattr(config, setting, None)
         if address is not None:
             yield Upstream(setting, host_of(address), port_of(address))
+
+
+_VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def image_of(svc: Mapping[str, Any]) -> str:
+    """A compose service's image with ``${VAR:-default}`` resolved to its default (what runs unset)."""
+    return _VARIABLE.sub(lambda m: m.group(2) or "", str(svc.get("image", "")))

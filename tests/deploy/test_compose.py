@@ -26,6 +26,7 @@ from tests.deploy.manifests import (
     Upstream,
     check_container_config,
     disagreements,
+    image_of,
     load_yaml,
     port_of,
     upstreams,
@@ -50,7 +51,7 @@ def _palisade(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {
         name: svc
         for name, svc in services.items()
-        if str(svc.get("image", "")).startswith("palisade:") and svc["command"][:2] == ["python", "-m"]
+        if image_of(svc).startswith("palisade:") and svc["command"][:2] == ["python", "-m"]
     }
 
 
@@ -84,13 +85,12 @@ def test_the_schema_check_rejects_a_broken_file(tmp_path: Path) -> None:
 def test_runs_nats_with_jetstream_etcd_3_5_and_the_four_services(services: dict[str, dict[str, Any]]) -> None:
     assert set(_palisade(services)) == SERVICES
     nats = services["nats"]
-    assert str(nats["image"]).startswith("nats:")
-    assert nats["command"] == ["--config", "/etc/nats/nats.conf"]
+    assert image_of(nats).startswith("nats:")
+    # The public image's entrypoint runs a command as given; the local image has no entrypoint.
+    assert nats["command"] == ["nats-server", "--config", "/etc/nats/nats.conf"]
     assert _mounts(nats)["/etc/nats/nats.conf"]["source"] == "./nats.conf"
     assert "jetstream" in json.loads((COMPOSE_FILE.parent / "nats.conf").read_text())
-    assert str(services["etcd"]["image"]).startswith(
-        ("quay.io/coreos/etcd:v3.5.", "gcr.io/etcd-development/etcd:v3.5.")
-    )
+    assert image_of(services["etcd"]).startswith(("quay.io/coreos/etcd:v3.5.", "gcr.io/etcd-development/etcd:v3.5."))
 
 
 def test_every_palisade_container_runs_its_service_with_known_settings(services: dict[str, dict[str, Any]]) -> None:
@@ -224,9 +224,10 @@ def test_certificates_are_made_once_and_mounted_read_only_everywhere(services: d
     init = services["tls-init"]
     assert "palisade tls init --dir /tls" in " ".join(init["command"])
     assert _mounts(init)["/tls"]["source"] == "./tls"
+    # Each container its own bundle (what is in them: test_compose_tls.py).
     for name in (*SERVICES, "nats", "etcd"):
         mount = _mounts(services[name])["/etc/palisade/tls"]
-        assert mount["source"] == "./tls" and mount["read_only"] is True, name
+        assert mount["source"] == f"./tls/{name}" and mount["read_only"] is True, name
     # Nothing starts before the certificates exist (the services wait on nats, which waits on them).
     for name in ("nats", "etcd"):
         assert services[name]["depends_on"]["tls-init"] == {"condition": "service_completed_successfully"}
