@@ -25,6 +25,7 @@ from tests.deploy.manifests import (
     SERVICES,
     Upstream,
     check_container_config,
+    compose_mounts,
     disagreements,
     image_of,
     load_yaml,
@@ -51,7 +52,9 @@ def _palisade(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {
         name: svc
         for name, svc in services.items()
-        if image_of(svc).startswith("palisade:") and svc["command"][:2] == ["python", "-m"]
+        if image_of(svc).startswith("palisade:")
+        and svc["command"][:2] == ["python", "-m"]
+        and svc["command"][2].removeprefix("services.") in SERVICES
     }
 
 
@@ -168,12 +171,7 @@ def test_palisade_healthchecks_ask_grpc_health_on_the_service_port(services: dic
 
 
 def _mounts(svc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Bind mounts by target, in long syntax."""
-    out = {}
-    for vol in svc.get("volumes", []):
-        if isinstance(vol, dict) and vol.get("type") == "bind":
-            out[vol["target"]] = vol
-    return out
+    return compose_mounts(svc)
 
 
 def test_datapath_is_privileged_on_the_host_network_with_bpffs_and_kernel_headers(

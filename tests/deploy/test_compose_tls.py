@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from services.common.trust import Owner
-from tests.deploy.manifests import COMPOSE_FILE, DOCKERFILE, image_of, load_yaml
+from tests.deploy.manifests import COMPOSE_FILE, DOCKERFILE, compose_mounts, image_of, load_yaml
 from tests.harness import BIN
 
 TRUST_TARGET = "/etc/palisade/tls"
@@ -59,8 +59,7 @@ def tls_dir(services: dict[str, dict[str, Any]]) -> Iterator[Path]:
     """The directory compose mounts at tls-init's /tls, after tls-init's script ran."""
     init = services["tls-init"]
     assert init["command"][:2] == ["sh", "-c"], init["command"]
-    (mount,) = [v for v in init["volumes"] if isinstance(v, dict) and v["target"] == "/tls"]
-    assert mount["source"] == "./tls"
+    assert compose_mounts(init)["/tls"]["source"] == "./tls"
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "tls"
         script = re.sub(r"(?<![\w/])/tls\b", str(root), init["command"][2])
@@ -73,10 +72,9 @@ def tls_dir(services: dict[str, dict[str, Any]]) -> Iterator[Path]:
 def _containers(services: dict[str, dict[str, Any]], tls_dir: Path) -> list[Container]:
     out = []
     for name, svc in services.items():
-        mounts = [v for v in svc.get("volumes", []) if isinstance(v, dict) and v.get("target") == TRUST_TARGET]
-        if not mounts:
+        mount = compose_mounts(svc).get(TRUST_TARGET)
+        if mount is None:
             continue
-        (mount,) = mounts
         source = str(mount["source"])
         assert source.startswith("./tls"), f"{name} mounts {source} as its trust directory"
         if "user" in svc:
@@ -114,7 +112,7 @@ def _readable_as(owner: Owner, directory: Path, files: list[str]) -> dict[str, b
 
 def test_every_service_that_speaks_tls_has_a_bundle(services: dict[str, dict[str, Any]], tls_dir: Path) -> None:
     names = {c.service for c in _containers(services, tls_dir)}
-    assert names == {"watcher", "policy", "ipam", "datapath", "nats", "etcd"}
+    assert names == {"watcher", "policy", "ipam", "datapath", "nats", "etcd", "devnode"}
 
 
 def test_each_container_reads_the_ca_and_its_own_pair_as_its_user(
