@@ -159,9 +159,14 @@ def upstreams(name: str, config: CommonConfig) -> Iterator[Upstream]:
 _VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
 
+def resolve_default(value: str) -> str:
+    """A compose value with ``${VAR:-default}`` resolved to its default (what runs with VAR unset)."""
+    return _VARIABLE.sub(lambda m: m.group(2) or "", value)
+
+
 def image_of(svc: Mapping[str, Any]) -> str:
-    """A compose service's image with ``${VAR:-default}`` resolved to its default (what runs unset)."""
-    return _VARIABLE.sub(lambda m: m.group(2) or "", str(svc.get("image", "")))
+    """A compose service's image as it runs with nothing set on the host."""
+    return resolve_default(str(svc.get("image", "")))
 
 
 def compose_mounts(svc: Mapping[str, Any]) -> dict[str, dict[str, Any]]:

@@ -30,6 +30,7 @@ from tests.deploy.manifests import (
     image_of,
     load_yaml,
     port_of,
+    resolve_default,
     upstreams,
 )
 from tests.harness import ROOT
@@ -59,7 +60,8 @@ def _palisade(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def _env(svc: dict[str, Any]) -> dict[str, str]:
-    return {str(k): str(v) for k, v in (svc.get("environment") or {}).items()}
+    """The service's environment as it runs with nothing set on the host (``${VAR:-default}`` resolved)."""
+    return {str(k): resolve_default(str(v)) for k, v in (svc.get("environment") or {}).items()}
 
 
 def _check_schema(path: Path) -> subprocess.CompletedProcess[str]:
@@ -214,7 +216,7 @@ def test_watcher_reads_the_repository_examples_read_only(services: dict[str, dic
     env = watcher["environment"]
     assert env["PALISADE_SOURCE"] == "manifests"
     mount = _mounts(watcher)[env["PALISADE_MANIFESTS"]]
-    assert (COMPOSE_FILE.parent / mount["source"]).resolve() == ROOT / "examples"
+    assert (COMPOSE_FILE.parent / resolve_default(mount["source"])).resolve() == ROOT / "examples"
     assert mount["read_only"] is True
 
 

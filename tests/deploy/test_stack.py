@@ -13,11 +13,13 @@ answers; skipped otherwise, saying which.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -198,11 +200,33 @@ def compose_files() -> list[str]:
 def _compose(engine: Engine, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
     command = ["docker-compose", "-p", PROJECT, *compose_files(), *args]
     missing = missing_capabilities()
-    env = {**engine.env(), "PALISADE_MISSING_CAPS": missing[0]} if missing else engine.env()
+    env = {**engine.env(), **isolation(), **({"PALISADE_MISSING_CAPS": missing[0]} if missing else {})}
     result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if check:
         assert result.returncode == 0, f"{' '.join(command)}: {result.stdout[-3000:]}{result.stderr[-3000:]}"
     return result
+
+
+def _isolated_examples() -> Path:
+    """The examples with namespaces of their own (cshop, ctools), for the stack's watcher.
+
+    A dev-node pod's network namespace and host veth are named after its namespace and name,
+    and its address is routed on the host: another Palisade on this machine (a `make run`, a
+    test's stack) serving the examples would share them. Same files otherwise.
+    """
+    folder = Path(tempfile.mkdtemp(prefix="palisade-compose-examples-"))
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        text = re.sub(r"\b(shop|tools)\b", r"c\1", path.read_text())
+        (folder / path.name).write_text(text)
+        (folder / path.name).chmod(0o644)
+    folder.chmod(0o755)  # the watcher reads it as uid 10001
+    return folder
+
+
+@functools.cache
+def isolation() -> dict[str, str]:
+    """What the test's stack runs with besides the defaults: its own examples and pod range."""
+    return {"PALISADE_MANIFESTS_DIR": str(_isolated_examples()), "PALISADE_CLUSTER_CIDRS": "10.250.0.0/16"}
 
 
 def _bpffs_shared() -> None:
@@ -272,9 +296,6 @@ def _leftovers(engine: Engine, pods: set[str]) -> list[str]:
 class Stack:
     engine: Engine
     started_in: float
-    #: Example pods another Palisade on this host already held at start (same names: same
-    #: namespace and veth), which the stack's devnode therefore cannot make.
-    taken: frozenset[str]
     #: Every pod the stack's datapath was seen to hold (what teardown must remove).
     made: set[str]
 
@@ -309,7 +330,6 @@ def stack(engine: Engine, image: str) -> Iterator[Stack]:
         pytest.fail(f"this machine cannot give containers {', '.join(missing)}: the override drops only one")
     _bpffs_shared()
     _compose(engine, "down", "-v", "--remove-orphans")
-    taken = frozenset(key for key in EXAMPLE_PODS if _pod_objects(key))
     started = time.monotonic()
     _compose(engine, "up", "-d", "--no-build")
     services = set(load_yaml(COMPOSE_FILE)["services"]) - {"tls-init"}
@@ -326,12 +346,13 @@ def stack(engine: Engine, image: str) -> Iterator[Stack]:
             time.sleep(2)
         elapsed = time.monotonic() - started
         print(f"compose stack healthy {elapsed:.1f} s after up")
-        yield Stack(engine, elapsed, taken, set())
+        yield Stack(engine, elapsed, set())
     finally:  # the teardown test's steps again: no-ops when it ran
         _compose(engine, "stop", "devnode", check=False)
         _compose(engine, "stop", "datapath", check=False)
         _compose(engine, *TEARDOWN, check=False)
         _compose(engine, "down", "-v", "--remove-orphans", check=False)
+        shutil.rmtree(isolation()["PALISADE_MANIFESTS_DIR"], ignore_errors=True)
 
 
 def test_every_service_becomes_healthy(stack: Stack) -> None:
@@ -342,8 +363,8 @@ def test_every_service_becomes_healthy(stack: Stack) -> None:
     assert health.get("tls-init") == "exited"
 
 
-#: The Pods of examples/ (the compose watcher's folder), all placed on dev-node.
-EXAMPLE_PODS = {"shop/frontend", "shop/backend", "shop/db", "tools/debug"}
+#: The Pods of examples/ (in the stack's copy, see manifests()), all placed on dev-node.
+EXAMPLE_PODS = {"cshop/frontend", "cshop/backend", "cshop/db", "ctools/debug"}
 
 
 def _endpoints(stack: Stack) -> set[str]:
@@ -354,23 +375,14 @@ def _endpoints(stack: Stack) -> set[str]:
     return found
 
 
-def _skip_if_taken(stack: Stack) -> None:
-    if stack.taken:
-        pytest.skip(
-            f"another Palisade on this host holds the pods {', '.join(sorted(stack.taken))} (their network "
-            "namespaces and veths have the same names), so the compose devnode cannot make them"
-        )
-
-
 def test_the_devnode_makes_the_walkthrough_pods(stack: Stack) -> None:
-    _skip_if_taken(stack)
     deadline = time.monotonic() + 120
     while not _endpoints(stack) >= EXAMPLE_PODS:
         if time.monotonic() > deadline:
             logs = _compose(stack.engine, "logs", "--no-color", "--tail", "60", "devnode", "datapath", check=False)
             pytest.fail(f"the devnode made {sorted(_endpoints(stack))} of {sorted(EXAMPLE_PODS)}\n{logs.stdout}")
         time.sleep(1)
-    policy = stack.palisade("bpf", "policy", "get", "shop/db")
+    policy = stack.palisade("bpf", "policy", "get", "cshop/db")
     assert policy.returncode == 0, policy.stdout + policy.stderr
 
 
@@ -384,14 +396,13 @@ def test_status_from_the_host_shows_every_service(stack: Stack) -> None:
 def test_policy_get_and_trace_from_the_host(stack: Stack) -> None:
     got = stack.palisade("policy", "get")
     assert got.returncode == 0, got.stdout + got.stderr
-    assert "shop" in got.stdout
-    _skip_if_taken(stack)
-    trace = stack.palisade("policy", "trace", "--src", "tools/debug", "--dst", "shop/db", "--port", "5432")
+    assert "cshop" in got.stdout
+    trace = stack.palisade("policy", "trace", "--src", "ctools/debug", "--dst", "cshop/db", "--port", "5432")
     # As in the walkthrough: denied by the clusterwide ingressDeny (a denied trace exits 1).
     assert trace.returncode == 1, trace.stdout + trace.stderr
     assert "Final verdict: DENIED" in trace.stdout
-    assert "no-tools-to-data: spec.ingressDeny[0] (DENY)" in trace.stdout
-    allowed = stack.palisade("policy", "trace", "--src", "shop/backend", "--dst", "shop/db", "--port", "5432")
+    assert "CiliumClusterwideNetworkPolicy no-ctools-to-data: spec.ingressDeny[0] (DENY)" in trace.stdout
+    allowed = stack.palisade("policy", "trace", "--src", "cshop/backend", "--dst", "cshop/db", "--port", "5432")
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
 
 
