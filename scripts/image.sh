@@ -173,6 +173,9 @@ else
         -f deploy/docker/Dockerfile -t "$IMAGE" "$ROOT"
     size=$(docker image inspect -f '{{.Size}}' "$IMAGE" | numfmt --to=iec)
     say "built $IMAGE in $(($(date +%s) - start)) s, $size"
+    # Images of earlier builds (vfs keeps a full copy of every layer); the layers the new
+    # image and this build's first stage share stay, as the build cache.
+    docker image prune -f --filter "until=$start" >/dev/null
 fi
 
 cat >"$ENV_FILE" <<EOF
@@ -183,3 +186,6 @@ PALISADE_NATS_IMAGE=$nats_image
 PALISADE_ETCD_IMAGE=$etcd_image
 EOF
 say "compose images in $ENV_FILE"
+[ "$DOCKER_HOST" = "$(scripts/engine.sh host)" ] &&
+    say "the project's own engine: export DOCKER_HOST=$DOCKER_HOST for docker and docker-compose (scripts/engine.sh stop ends it)"
+exit 0
