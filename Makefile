@@ -5,7 +5,7 @@ PROTOS := $(wildcard proto/palisade/v1/*.proto)
 PROTO_OUT := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
 PYTEST_ARGS ?=
 
-.PHONY: setup proto run test lint fmt bench clean
+.PHONY: setup proto run test lint fmt bench image clean
 
 setup:
 	@bash scripts/setup.sh
@@ -33,6 +33,11 @@ lint: setup
 fmt: setup
 	@$(VENV)/bin/ruff format .
 	@$(VENV)/bin/ruff check --fix .
+
+# The container image palisade:dev (deploy/docker/Dockerfile), on the public base where it can be
+# pulled and on a local Debian base otherwise; see deploy/README.md. IMAGE_ARGS: scripts/image.sh's.
+image: setup
+	@bash scripts/image.sh $(IMAGE_ARGS)
 
 bench: setup
 	@$(PY) -m bench $(BENCH_ARGS)

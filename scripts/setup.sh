@@ -34,6 +34,10 @@ if command -v dpkg-query >/dev/null; then
     # A real runtime in kubelet's place for the CNI tests: containerd (CRI), runc, the reference
     # CNI plugins to chain after, and gcc to build the sandbox ("pause") image locally.
     apt_install containerd runc containernetworking-plugins gcc libc6-dev
+    # The image and the compose stack (make image, tests/deploy/test_stack.py): Debian's Docker
+    # engine (started by scripts/engine.sh, not as a system service), Compose 1.29 (no Compose v2
+    # plugin is packaged) and debootstrap for the local base image of offline machines.
+    apt_install docker.io docker-compose debootstrap
     command -v "$PYTHON" >/dev/null || apt_install python3
     "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || apt_install python3-venv python3-pip
 fi

@@ -15,7 +15,9 @@ dial; servers learn the caller's name from its certificate and decide with
 :mod:`services.common.access`. NATS maps the same certificates to its users, etcd
 accepts only ipam's.
 
-Keys are written owner-only (0600) in an owner-only directory (0700).
+Keys are written owner-only (0600) in an owner-only directory (0700). A container gets a
+bundle of its own (:func:`write_bundle`, ``palisade tls bundle``): a directory holding the CA
+certificate and its component's pair only, owned by the user it runs as.
 """
 
 from __future__ import annotations
@@ -208,3 +210,58 @@ def ensure_pki(
         _write(key_path, key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
         _write(crt, cert.public_bytes(pem))
     return root
+
+
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """Who a bundle belongs to: the uid and gid its component runs as."""
+
+    uid: int
+    gid: int
+
+    @classmethod
+    def parse(cls, text: str) -> Owner:
+        """``UID[:GID]`` (numbers; GID defaults to UID); ValueError saying what is wrong."""
+        uid, _, gid = text.partition(":")
+        try:
+            owner = cls(int(uid), int(gid or uid))
+        except ValueError:
+            raise ValueError(f"owner {text!r}: expected numeric UID[:GID], e.g. 10001:10001") from None
+        if owner.uid < 0 or owner.gid < 0:
+            raise ValueError(f"owner {text!r}: ids cannot be negative")
+        return owner
+
+
+def write_bundle(
+    directory: str | Path,
+    name: str,
+    destination: str | Path,
+    owner: Owner,
+    *,
+    extra: Sequence[str] = (),
+) -> Path:
+    """Copy ``name``'s credentials (and the CA certificate) from ``directory`` into ``destination``.
+
+    What one container mounts as its trust directory: ``ca.crt``, ``<name>.crt`` and
+    ``<name>.key`` (plus the pairs of ``extra`` components, e.g. a certificate a health
+    check presents), owned by ``owner`` and readable by it only; no other key. Files left
+    from an earlier bundle are removed, so a bundle never keeps a key it no longer names.
+    """
+    source = Path(directory)
+    names = (name, *extra)
+    wanted = [f"{CA_NAME}.crt", *(f"{n}.{ext}" for n in names for ext in ("crt", "key"))]
+    for file in wanted:
+        if not (source / file).is_file():
+            raise TrustError(f"no {file} in {source} for the {name} bundle: {_hint(source)}")
+    dest = Path(destination)
+    dest.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for stale in dest.iterdir():
+        if stale.name not in wanted:
+            stale.unlink()
+    for file in wanted:
+        _write(dest / file, (source / file).read_bytes())
+        os.chown(dest / file, owner.uid, owner.gid)
+        os.chmod(dest / file, 0o400 if file.endswith(".key") else 0o444)
+    os.chown(dest, owner.uid, owner.gid)
+    os.chmod(dest, 0o500)
+    return dest

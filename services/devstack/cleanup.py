@@ -59,3 +59,33 @@ def left_behind(bpffs: str, netns_paths: Iterable[str], host_ifnames: Iterable[s
     if os.path.exists(bpffs):
         left.append(f"pinned maps under {bpffs} (rm -r {bpffs})")
     return left
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.devstack.cleanup``: clean up after a stopped datapath (compose's teardown).
+
+    Run where the datapath ran, after it stopped (deploy/compose: ``run --rm --no-deps datapath
+    python -m services.devstack.cleanup``); the locations default to the datapath's own settings.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m services.devstack.cleanup", description=main.__doc__)
+    parser.add_argument(
+        "--bpffs", default=os.environ.get("PALISADE_BPFFS", "/sys/fs/bpf/palisade"), help="the datapath's pin directory"
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(os.environ.get("PALISADE_STATE_DIR", "/var/run/palisade/datapath")),
+        help="the datapath's state directory (its endpoint records)",
+    )
+    args = parser.parse_args(argv)
+    left = clean(args.bpffs, args.state_dir)
+    for item in left:
+        print(f"left behind: {item}")
+    print("nothing left behind" if not left else f"{len(left)} left behind")
+    return 1 if left else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,8 +9,12 @@ a sandbox namespace joined by exec'ing palisade-cni (the path kubelet's pods tak
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -23,7 +27,7 @@ from services.common.backoff import Backoff
 from services.common.bus import Bus
 from services.common.grpcserver import open_channel
 from services.common.largeobjects import follow_deltas
-from services.common.log import get_logger
+from services.common.log import get_logger, setup_logging
 from services.common.subjects import k8s_filter
 from services.common.trust import Credentials
 from services.devstack.cniexec import CniError, CniRuntime
@@ -217,3 +221,55 @@ class DevNode:
             stub = datapath_pb2_grpc.DatapathServiceStub(channel)
             for pod in list(self.pods.values()):
                 await self._remove(stub, pod)
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    credentials = None if args.insecure else Credentials.load(args.tls_dir, "devnode")
+    bus = await Bus.connect(args.nats_url.split(","), name="palisade-devnode", tls=credentials)
+    node = DevNode(bus, args.datapath_address, args.node, None, credentials)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    task = asyncio.create_task(node.run(), name=f"devnode-{args.node}")
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()  # a failure of the node is the process's
+            return 1
+        log.info("dev node stopping: removing its pods", node=args.node, pods=len(node.pods))
+    finally:
+        stopped.cancel()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await node.shutdown()
+        await bus.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.devstack.node``: one dev node against a running stack (deploy/compose's devnode).
+
+    Makes the pods the bus assigns to the node (the manifests' Pods) through the node's datapath,
+    runs their servers, and removes them again when stopped. `make run` runs its nodes itself.
+    """
+    parser = argparse.ArgumentParser(prog="python -m services.devstack.node", description=main.__doc__)
+    env = os.environ.get
+    parser.add_argument("--node", default=env("PALISADE_NODE_NAME", "dev-node"), help="the node's name")
+    parser.add_argument("--nats-url", default=env("PALISADE_NATS_URL", "nats://127.0.0.1:4222"), help="NATS URL(s)")
+    parser.add_argument(
+        "--datapath-address", default=env("PALISADE_DATAPATH_ADDRESS", "127.0.0.1:9404"), help="the node's datapath"
+    )
+    parser.add_argument(
+        "--tls-dir", default=env("PALISADE_TLS_DIR", "/etc/palisade/tls"), help="holds ca.crt, devnode.crt/.key"
+    )
+    parser.add_argument("--insecure", action="store_true", help="a stack started with --insecure")
+    args = parser.parse_args(argv)
+    setup_logging(env("PALISADE_LOG_LEVEL", "info"), env("PALISADE_LOG_FORMAT", "json"))
+    return asyncio.run(_serve(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

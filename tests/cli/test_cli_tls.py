@@ -84,3 +84,21 @@ def test_tls_init_makes_owner_only_files_and_keeps_them(tmp_path: Path) -> None:
     assert (target / "ca.crt").read_bytes() == ca and (target / "cli.crt").read_bytes() == cli
     bad = palisade("tls", "init", "--dir", str(target), "--component", "kubelet", env=dict(os.environ))
     assert bad.returncode == 2 and "kubelet" in bad.stdout + bad.stderr
+
+
+def test_tls_bundle_rejects_what_it_cannot_do_and_names_it(tmp_path: Path) -> None:
+    env = {**os.environ}
+    init = palisade("tls", "init", "--dir", str(tmp_path / "tls"), "--component", "watcher", env=env)
+    assert init.returncode == 0, init.stderr
+    bad_owner = palisade(
+        "tls", "bundle", "--dir", str(tmp_path / "tls"), "--component", "watcher", "--owner", "palisade", env=env
+    )
+    assert bad_owner.returncode == 2 and "--owner" in bad_owner.stderr and "UID[:GID]" in bad_owner.stderr
+    unknown = palisade("tls", "bundle", "--dir", str(tmp_path / "tls"), "--component", "web", "--owner", "1", env=env)
+    assert unknown.returncode == 2 and "unknown component(s) web" in unknown.stderr
+    missing = palisade("tls", "bundle", "--dir", str(tmp_path / "tls"), "--component", "ipam", "--owner", "1", env=env)
+    assert missing.returncode == 1 and "no ipam.crt" in missing.stderr
+    assert not (tmp_path / "tls" / "ipam").exists()
+    made = palisade("tls", "bundle", "--dir", str(tmp_path / "tls"), "--component", "watcher", "--owner", "0", env=env)
+    assert made.returncode == 0, made.stderr
+    assert sorted(p.name for p in (tmp_path / "tls" / "watcher").iterdir()) == ["ca.crt", "watcher.crt", "watcher.key"]

@@ -154,3 +154,33 @@ def upstreams(name: str, config: CommonConfig) -> Iterator[Upstream]:
         address = getattr(config, setting, None)
         if address is not None:
             yield Upstream(setting, host_of(address), port_of(address))
+
+
+_VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def resolve_default(value: str) -> str:
+    """A compose value with ``${VAR:-default}`` resolved to its default (what runs with VAR unset)."""
+    return _VARIABLE.sub(lambda m: m.group(2) or "", value)
+
+
+def image_of(svc: Mapping[str, Any]) -> str:
+    """A compose service's image as it runs with nothing set on the host."""
+    return resolve_default(str(svc.get("image", "")))
+
+
+def compose_mounts(svc: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Bind mounts by target, in long syntax (short ``SOURCE:TARGET[:OPTIONS]`` ones translated)."""
+    out = {}
+    for vol in svc.get("volumes", []):
+        if isinstance(vol, dict) and vol.get("type") == "bind":
+            out[vol["target"]] = vol
+        elif isinstance(vol, str) and vol.startswith(("/", "./", "../")):
+            source, target, *options = vol.split(":")
+            opts = ",".join(options).split(",")
+            mount: dict[str, Any] = {"type": "bind", "source": source, "target": target, "read_only": "ro" in opts}
+            propagation = [o for o in opts if o in ("rshared", "shared", "rslave", "slave", "rprivate", "private")]
+            if propagation:
+                mount["bind"] = {"propagation": propagation[0]}
+            out[target] = mount
+    return out

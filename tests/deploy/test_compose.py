@@ -25,9 +25,12 @@ from tests.deploy.manifests import (
     SERVICES,
     Upstream,
     check_container_config,
+    compose_mounts,
     disagreements,
+    image_of,
     load_yaml,
     port_of,
+    resolve_default,
     upstreams,
 )
 from tests.harness import ROOT
@@ -50,12 +53,15 @@ def _palisade(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {
         name: svc
         for name, svc in services.items()
-        if str(svc.get("image", "")).startswith("palisade:") and svc["command"][:2] == ["python", "-m"]
+        if image_of(svc).startswith("palisade:")
+        and svc["command"][:2] == ["python", "-m"]
+        and svc["command"][2].removeprefix("services.") in SERVICES
     }
 
 
 def _env(svc: dict[str, Any]) -> dict[str, str]:
-    return {str(k): str(v) for k, v in (svc.get("environment") or {}).items()}
+    """The service's environment as it runs with nothing set on the host (``${VAR:-default}`` resolved)."""
+    return {str(k): resolve_default(str(v)) for k, v in (svc.get("environment") or {}).items()}
 
 
 def _check_schema(path: Path) -> subprocess.CompletedProcess[str]:
@@ -84,13 +90,12 @@ def test_the_schema_check_rejects_a_broken_file(tmp_path: Path) -> None:
 def test_runs_nats_with_jetstream_etcd_3_5_and_the_four_services(services: dict[str, dict[str, Any]]) -> None:
     assert set(_palisade(services)) == SERVICES
     nats = services["nats"]
-    assert str(nats["image"]).startswith("nats:")
-    assert nats["command"] == ["--config", "/etc/nats/nats.conf"]
+    assert image_of(nats).startswith("nats:")
+    # The public image's entrypoint runs a command as given; the local image has no entrypoint.
+    assert nats["command"] == ["nats-server", "--config", "/etc/nats/nats.conf"]
     assert _mounts(nats)["/etc/nats/nats.conf"]["source"] == "./nats.conf"
     assert "jetstream" in json.loads((COMPOSE_FILE.parent / "nats.conf").read_text())
-    assert str(services["etcd"]["image"]).startswith(
-        ("quay.io/coreos/etcd:v3.5.", "gcr.io/etcd-development/etcd:v3.5.")
-    )
+    assert image_of(services["etcd"]).startswith(("quay.io/coreos/etcd:v3.5.", "gcr.io/etcd-development/etcd:v3.5."))
 
 
 def test_every_palisade_container_runs_its_service_with_known_settings(services: dict[str, dict[str, Any]]) -> None:
@@ -168,12 +173,7 @@ def test_palisade_healthchecks_ask_grpc_health_on_the_service_port(services: dic
 
 
 def _mounts(svc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Bind mounts by target, in long syntax."""
-    out = {}
-    for vol in svc.get("volumes", []):
-        if isinstance(vol, dict) and vol.get("type") == "bind":
-            out[vol["target"]] = vol
-    return out
+    return compose_mounts(svc)
 
 
 def test_datapath_is_privileged_on_the_host_network_with_bpffs_and_kernel_headers(
@@ -216,7 +216,7 @@ def test_watcher_reads_the_repository_examples_read_only(services: dict[str, dic
     env = watcher["environment"]
     assert env["PALISADE_SOURCE"] == "manifests"
     mount = _mounts(watcher)[env["PALISADE_MANIFESTS"]]
-    assert (COMPOSE_FILE.parent / mount["source"]).resolve() == ROOT / "examples"
+    assert (COMPOSE_FILE.parent / resolve_default(mount["source"])).resolve() == ROOT / "examples"
     assert mount["read_only"] is True
 
 
@@ -224,9 +224,10 @@ def test_certificates_are_made_once_and_mounted_read_only_everywhere(services: d
     init = services["tls-init"]
     assert "palisade tls init --dir /tls" in " ".join(init["command"])
     assert _mounts(init)["/tls"]["source"] == "./tls"
+    # Each container its own bundle (what is in them: test_compose_tls.py).
     for name in (*SERVICES, "nats", "etcd"):
         mount = _mounts(services[name])["/etc/palisade/tls"]
-        assert mount["source"] == "./tls" and mount["read_only"] is True, name
+        assert mount["source"] == f"./tls/{name}" and mount["read_only"] is True, name
     # Nothing starts before the certificates exist (the services wait on nats, which waits on them).
     for name in ("nats", "etcd"):
         assert services[name]["depends_on"]["tls-init"] == {"condition": "service_completed_successfully"}

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tests.deploy.manifests import COMPOSE_FILE, DOCKERFILE, HEALTHCHECK, load_yaml
+from tests.deploy.manifests import COMPOSE_FILE, DOCKERFILE, HEALTHCHECK, image_of, load_yaml
 from tests.harness import BIN, ROOT, NatsServer, ServiceProcess, free_port
 
 HEALTHCHECK_COMMAND = "/usr/local/bin/palisade-healthcheck"
@@ -79,7 +79,7 @@ def test_the_compose_healthcheck_command_is_installed(commands: list[dockerfile.
     used = {
         svc["healthcheck"]["test"][1]
         for svc in services.values()
-        if "healthcheck" in svc and svc.get("image", "").startswith("palisade:")
+        if "healthcheck" in svc and image_of(svc).startswith("palisade:")
     }
     assert used == {Path(HEALTHCHECK_COMMAND).name}
 
