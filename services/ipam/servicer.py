@@ -16,6 +16,7 @@ import grpc
 
 from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc
 from services.common.errors import Code, PalisadeError, abort, abort_with, clip
+from services.common.labels import labels_from_wire
 from services.common.log import get_logger
 from services.common.validation import validate_identity_label, validate_name, validate_namespace
 from services.ipam import metrics
@@ -23,7 +24,7 @@ from services.ipam.errors import IpamError
 from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocation, IPAllocator
 from services.ipam.kv import StoreError, StoreUnavailable
-from services.ipam.model import RESERVED, carries, labels_from_proto, reserved_identity
+from services.ipam.model import RESERVED, carries, reserved_identity
 from services.ipam.nodecidr import CIDRSource, NodeRecord
 from services.ipam.pods import OwnerChanged, PodManager, ReferenceChanged
 from services.ipam.podwatch import named_ports_from_proto
@@ -115,7 +116,7 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
                 check_node(request.node)
             if request.owner:
                 check_owner(request.owner)
-            result = await self._allocator.allocate(labels_from_proto(request.labels), request.node, request.owner)
+            result = await self._allocator.allocate(labels_from_wire(request.labels), request.node, request.owner)
             if result.revision:
                 await self._publisher.seen(result.identity, result.revision)
                 self._pods.submit(ReferenceChanged(request.node, request.owner, held=True))
@@ -160,7 +161,7 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
     ) -> identity_pb2.ListIdentitiesResponse:
         async def body() -> identity_pb2.ListIdentitiesResponse:
             check_labels(request.selector, "selector")
-            selector = labels_from_proto(request.selector)
+            selector = labels_from_wire(request.selector)
             identities = await self._allocator.list_all()
             if request.include_reserved:
                 identities = [reserved_identity(r) for r in RESERVED] + identities

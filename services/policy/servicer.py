@@ -25,9 +25,16 @@ from services.policy.documents import dump_document, validate_document
 from services.policy.engine.core import Outcome, PolicyCore, PolicyView, RequestError, TraceAnswer
 from services.policy.engine.model import PolicyKind, PolicyRef, Protocol
 from services.policy.engine.realized import Lag, Report
-from services.policy.engine.sources import Source, object_key, parse_kind, source_from_proto, split_engine_key
+from services.policy.engine.sources import Source, object_key, parse_kind, split_engine_key
 from services.policy.engine.trace import TraceSide
-from services.policy.engine.wire import direction_to_proto, ref_to_proto, verdict_to_proto
+from services.policy.wire import (
+    direction_to_proto,
+    policy_to_proto,
+    ref_to_proto,
+    source_from_proto,
+    source_to_proto,
+    verdict_to_proto,
+)
 
 NOT_SYNCED = (
     "the policy service is still loading its initial state (waiting for the watcher's synced marker "
@@ -104,7 +111,7 @@ def status_to_proto(view: PolicyView) -> policy_pb2.PolicyStatus:
         error = f"{error}; {r.conflict}" if error else r.conflict
     status = policy_pb2.PolicyStatus(
         ref=ref_to_proto(r.key),
-        source=r.source.to_proto(),
+        source=source_to_proto(r.source),
         state=_state(view),
         error=clip(error),
         revision=r.revision,
@@ -151,7 +158,7 @@ def _outcome_status(outcome: Outcome, doc: Mapping[str, Any]) -> policy_pb2.Poli
         )
     status = policy_pb2.PolicyStatus(
         ref=ref,
-        source=outcome.source.to_proto(),
+        source=source_to_proto(outcome.source),
         state=policy_pb2.POLICY_STATE_UNSPECIFIED if outcome.accepted else policy_pb2.POLICY_STATE_REJECTED,
         error=clip(outcome.error),
         document=outcome.document,
@@ -431,7 +438,9 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             )
         except NotLeading as exc:
             await abort_with(context, exc)
-        return policy_pb2.ResyncResponse(revision=answer.revision, sequence=answer.sequence, policies=answer.policies)
+        return policy_pb2.ResyncResponse(
+            revision=answer.revision, sequence=answer.sequence, policies=[policy_to_proto(p) for p in answer.policies]
+        )
 
     # --- realized revisions ----------------------------------------------------------------
 
