@@ -119,15 +119,19 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None:
-            return handler
         method = details.method
-        for field in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
-            behavior = getattr(handler, field)
-            if behavior is not None:
-                return handler._replace(**{field: _guard(method, behavior)})
+        return wrap_handler(await continuation(details), lambda behavior: _guard(method, behavior))
+
+
+def wrap_handler(handler: grpc.RpcMethodHandler | None, wrap: Callable[[Behavior], Behavior]) -> Any:
+    """``handler`` with its behavior (unary or streaming, whichever it has) passed through ``wrap``."""
+    if handler is None:
         return handler
+    for field in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+        behavior = getattr(handler, field)
+        if behavior is not None:
+            return handler._replace(**{field: wrap(behavior)})
+    return handler
 
 
 # --- The bus -----------------------------------------------------------------------------

@@ -1,9 +1,8 @@
 """Exponential backoff: the one way every Palisade loop waits between attempts.
 
 ``Backoff`` computes delays (doubling up to a maximum, optionally with jitter so many
-clients do not retry in lockstep); :func:`retry_forever` runs an async call until it
-succeeds, logging each failure. Both are small on purpose: callers keep their own
-notion of what counts as success.
+clients do not retry in lockstep). Retrying a call is :func:`services.common.retry.retry`;
+:func:`retry_forever` is a thin binding of it kept for the datapath.
 """
 
 from __future__ import annotations
@@ -13,11 +12,7 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from services.common.log import get_logger
-
 T = TypeVar("T")
-
-log = get_logger("backoff")
 
 
 class Backoff:
@@ -59,11 +54,10 @@ async def retry_forever(
     describe: Callable[[BaseException], str] = str,
     **fields: object,
 ) -> T:
-    """Await ``call()`` until it returns, waiting with backoff after each failure (logged with ``fields``)."""
-    backoff = Backoff(initial, maximum)
-    while True:
-        try:
-            return await call()
-        except Exception as exc:
-            log.warning("retrying", what=what, error=describe(exc), **fields)
-            await backoff.sleep()
+    """:func:`services.common.retry.retry` without end, every failure logged.
+
+    Kept for the datapath's manager, which is to call ``retry`` itself.
+    """
+    from services.common.retry import retry  # retry builds on Backoff: imported when called
+
+    return await retry(what, call, initial=initial, maximum=maximum, describe=describe, fields=fields)

@@ -38,9 +38,8 @@ from nats.js.errors import BucketNotFoundError, NoStreamResponseError, NotFoundE
 from nats.js.object_store import ObjectStore
 
 from services.common.access import INBOX_PREFIX
-from services.common.backoff import Backoff
 from services.common.log import get_logger
-from services.common.retry import tcp_probe, with_retries
+from services.common.retry import reach, retry, tcp_probe
 
 # Subject names live in services.common.subjects; these stay importable from here.
 from services.common.subjects import IDENTITY_ALL, IPCACHE_ALL, REGEN_ALL, k8s_filter
@@ -289,38 +288,40 @@ class Bus:
         call: Callable[[], Awaitable[T]],
         *,
         attempts: int = 0,
-        initial: float = 0.05,
-        maximum: float = 2.0,
         final: tuple[type[Exception], ...] = (),
         only: tuple[type[Exception], ...] = (Exception,),
         **fields: object,
     ) -> T:
-        """Await ``call()`` until it succeeds (or ``attempts`` failed), backing off between attempts.
+        """:func:`services.common.retry.retry` with the bus's settings, for calls over the bus.
 
         Exceptions of the ``final`` types, or of none of the ``only`` types (:data:`TRANSIENT`
         for the calls a service makes to start), are raised at once: retrying cannot help them.
-
         The wait ends early when the connection comes back, and the backoff starts over, so a
         bus outage costs no more than the outage itself.
         """
-        backoff = Backoff(initial, maximum)
-        n = 0
-        while True:
-            n += 1
-            reconnects = self.reconnects
-            try:
-                return await call()
-            except final:
-                raise
-            except Exception as exc:
-                if (attempts and n >= attempts) or not isinstance(exc, only):
-                    raise
-                if n == 1 or n % 20 == 0:
-                    log.warning("bus call failed, retrying", what=what, attempt=n, error=str(exc), **fields)
-                if self.reconnects == reconnects:
-                    await self.pause(backoff.next())
-                if self.reconnects != reconnects:
-                    backoff.reset()
+        seen = self.reconnects
+
+        async def wait(delay: float) -> bool:
+            nonlocal seen
+            if self.reconnects == seen:
+                await self.pause(delay)
+            restart, seen = self.reconnects != seen, self.reconnects
+            return restart
+
+        return await retry(
+            what,
+            call,
+            attempts=attempts,
+            initial=0.05,
+            maximum=2.0,
+            final=final,
+            only=only,
+            log_every=20,
+            message="bus call failed, retrying",
+            logger=log,
+            wait=wait,
+            fields=fields,
+        )
 
     @classmethod
     async def connect(
@@ -351,7 +352,7 @@ class Bus:
                     errors.append(exc)
             raise errors[-1] if errors else OSError("no NATS servers configured")
 
-        await with_retries(
+        await reach(
             "NATS",
             address,
             probe,

@@ -1,8 +1,10 @@
-"""One error type with a status code for every service, and the one gRPC abort helper.
+"""One error type with a status code for every service.
 
-Logic raises :class:`PalisadeError` with a :class:`Code` (it never imports grpc);
-servicers turn it into a gRPC status with :func:`abort`. Messages say what is wrong
-and what to do about it.
+Logic and servicers raise :class:`PalisadeError` with a :class:`Code` (this module
+never imports grpc at import time); the error interceptor of every server
+(``services.common.grpcserver.ErrorInterceptor``) turns it into the gRPC status.
+Messages say what is wrong and what to do about it. :func:`abort` and
+:func:`abort_with` remain for the datapath's servicer until it raises as well.
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import ipaddress
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -18,8 +19,8 @@ from grpc_reflection.v1alpha import reflection
 
 from palisade.v1 import common_pb2, common_pb2_grpc
 from services import __version__
-from services.common.access import AccessInterceptor
-from services.common.errors import Code, abort
+from services.common.access import AccessInterceptor, wrap_handler
+from services.common.errors import Code, PalisadeError, clip
 from services.common.log import get_logger
 from services.common.trust import Credentials
 
@@ -84,6 +85,115 @@ class StatusServicer(common_pb2_grpc.StatusServiceServicer):
         return self.snapshot()
 
 
+#: A gRPC status: the code and the message the caller reads.
+Status = tuple[grpc.StatusCode, str]
+#: Turns an exception a servicer raised into a status, given the method's name; None: not this mapping's.
+ErrorMapping = Callable[[Exception, str], Status | None]
+#: Told of every call answered: the method's name, the status code's name ("OK", ...), and the seconds taken.
+CallObserver = Callable[[str, str, float], None]
+
+
+def palisade_status(exc: Exception, method: str) -> Status | None:
+    """A :class:`PalisadeError` answers with its own code and message."""
+    if isinstance(exc, PalisadeError):
+        return getattr(grpc.StatusCode, exc.code.value), exc.message
+    return None
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """The one place where what a servicer raises becomes a gRPC status.
+
+    Servicers raise :class:`PalisadeError` (or an exception a service-specific mapping
+    knows, added with :meth:`add_mapping`); the interceptor aborts the call with the
+    mapped code and the message, clipped to what gRPC carries. Anything no mapping
+    knows propagates, and gRPC answers UNKNOWN. Observers (:meth:`add_observer`) see
+    each call's method name, final code and duration.
+    """
+
+    def __init__(self) -> None:
+        self._mappings: list[ErrorMapping] = [palisade_status]
+        self._observers: list[CallObserver] = []
+
+    def add_mapping(self, mapping: ErrorMapping) -> None:
+        """Consulted, in the order added, for exceptions that are not a PalisadeError."""
+        self._mappings.append(mapping)
+
+    def add_observer(self, observer: CallObserver) -> None:
+        self._observers.append(observer)
+
+    def status(self, exc: Exception, method: str) -> Status | None:
+        for mapping in self._mappings:
+            status = mapping(exc, method)
+            if status is not None:
+                return status
+        return None
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = details.method.rpartition("/")[2]
+        return wrap_handler(await continuation(details), lambda behavior: self._wrap(method, behavior))
+
+    def _wrap(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.isasyncgenfunction(behavior):
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                async with self._answering(method, context):
+                    async for item in behavior(request, context):
+                        yield item
+
+            return stream
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async with self._answering(method, context):
+                result = behavior(request, context)
+                return await result if inspect.isawaitable(result) else result
+
+        return unary
+
+    @contextlib.asynccontextmanager
+    async def _answering(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Around one call: abort with the mapped status of what it raises, tell the observers."""
+        started, code = time.perf_counter(), "UNKNOWN"
+        try:
+            yield
+            code = "OK"
+        except BaseException as exc:
+            code, status = self._classify(exc, method, context)
+            if status is None:
+                raise
+            await _abort(context, status)
+        finally:
+            self._observe(method, code, started)
+
+    def _classify(
+        self, exc: BaseException, method: str, context: grpc.aio.ServicerContext
+    ) -> tuple[str, Status | None]:
+        """The code a failed call ends with, and the status to abort with (None: let ``exc`` go on)."""
+        if isinstance(exc, asyncio.CancelledError):
+            return "CANCELLED", None
+        if isinstance(exc, grpc.aio.AbortError):  # the servicer aborted by itself (the datapath's still does)
+            aborted = context.code()
+            return (aborted.name if isinstance(aborted, grpc.StatusCode) else "UNKNOWN"), None
+        status = self.status(exc, method) if isinstance(exc, Exception) else None
+        return (status[0].name if status is not None else "UNKNOWN"), status
+
+    def _observe(self, method: str, code: str, started: float) -> None:
+        if not self._observers:
+            return
+        seconds = time.perf_counter() - started
+        for observer in self._observers:
+            observer(method, code, seconds)
+
+
+async def _abort(context: grpc.aio.ServicerContext, status: Status) -> None:
+    code, message = status
+    await context.abort(code, clip(message))
+    raise AssertionError("grpc abort returned")  # abort always raises
+
+
 class GrpcServer:
     """One grpc.aio server with the standard Palisade extras.
 
@@ -97,7 +207,10 @@ class GrpcServer:
         self.listen = listen
         self.credentials = credentials
         # Without credentials (--insecure) there is no caller name to judge: every call is let in.
-        interceptors = [AccessInterceptor()] if credentials is not None else []
+        #: Maps what servicers raise to a gRPC status; services add their own mappings and observers.
+        self.errors = ErrorInterceptor()
+        interceptors: list[grpc.aio.ServerInterceptor] = [AccessInterceptor()] if credentials is not None else []
+        interceptors.append(self.errors)
         self.server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS, interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -248,7 +361,7 @@ def unimplemented(servicer: type[T]) -> T:
 
     def make(method: str) -> Callable[..., Any]:
         async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await abort(context, Code.UNIMPLEMENTED, f"{servicer.__name__}.{method} is not implemented yet")
+            raise PalisadeError(f"{servicer.__name__}.{method} is not implemented yet", Code.UNIMPLEMENTED)
 
         return handler
 

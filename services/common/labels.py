@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = [
     "CLUSTER_NAME_DEFAULT",
@@ -36,6 +36,7 @@ __all__ = [
     "cidr_label",
     "filter_identity_labels",
     "is_identity_label",
+    "labels_from_wire",
     "parse_label",
     "pod_identity_labels",
     "reserved_labels",
@@ -216,6 +217,23 @@ class LabelSet:
 
     def to_strings(self) -> list[str]:
         return [str(label) for label in self.labels]
+
+
+class WireLabel(Protocol):
+    """A label as the wire carries it (``palisade.v1.Label``), without importing the generated code."""
+
+    @property
+    def source(self) -> str: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def value(self) -> str: ...
+
+
+def labels_from_wire(labels: Iterable[WireLabel]) -> LabelSet:
+    """Labels received from another service. A label sent without a source is ``unspec``, as
+    :func:`parse_label` makes a label written without one: the source is never left empty."""
+    return LabelSet(tuple(Label(x.source or LabelSource.UNSPEC, x.key, x.value) for x in labels))
 
 
 # --- identity-relevant label filter -------------------------------------------------

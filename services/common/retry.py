@@ -1,13 +1,22 @@
-"""Startup retries with exponential backoff, shared by the NATS and etcd helpers."""
+"""The one way Palisade retries: attempts, a deadline, a final action, and throttled logs.
+
+:func:`retry` awaits a call until it returns, waiting with :class:`Backoff` between
+attempts. It stops at the first of ``attempts`` failures or the ``deadline`` (seconds
+from the first attempt, checked before each wait), and then takes its final action:
+``give_up`` names the exception to raise (the last error by default). Exceptions of
+the ``final`` types, or of none of the ``only`` types, are raised at once: retrying
+cannot help them. Failures are logged on the first attempt and every ``log_every``-th.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
 from services.common.backoff import Backoff
-from services.common.log import get_logger
+from services.common.log import Logger, get_logger
 
 T = TypeVar("T")
 
@@ -16,32 +25,70 @@ MAX_STARTUP_BACKOFF = 5.0
 
 log = get_logger("retry")
 
+#: Waits ``delay`` seconds between attempts; returns True when the backoff should start over
+#: (what failed has come back, as a reconnected bus).
+Wait = Callable[[float], Awaitable[bool]]
+
 
 class StartupError(RuntimeError):
     """A dependency could not be reached; the message says which and what to do."""
 
 
-async def with_retries(
+def should_log(attempt: int, every: int) -> bool:
+    """The throttle of repeated failures: the first attempt, then every ``every``-th."""
+    return attempt == 1 or (every > 0 and attempt % every == 0)
+
+
+async def _sleep(delay: float) -> bool:
+    await asyncio.sleep(delay)
+    return False
+
+
+async def retry(
     what: str,
-    address: str,
-    attempt: Callable[[], Awaitable[T]],
+    call: Callable[[], Awaitable[T]],
     *,
-    retries: int,
-    backoff: float,
-    hint: str,
+    attempts: int = 0,
+    deadline: float | None = None,
+    initial: float = 0.2,
+    maximum: float = 5.0,
+    final: tuple[type[BaseException], ...] = (),
+    only: tuple[type[BaseException], ...] = (Exception,),
+    give_up: Callable[[Exception, int], BaseException] | None = None,
+    log_every: int = 1,
+    message: str = "retrying",
+    logger: Logger | None = None,
+    describe: Callable[[BaseException], str] = str,
+    wait: Wait = _sleep,
+    fields: Mapping[str, object] | None = None,
 ) -> T:
-    """Call ``attempt`` until it succeeds, ``retries`` times at most, doubling the wait from ``backoff`` up to 5 s."""
-    delays = Backoff(backoff, max(backoff, MAX_STARTUP_BACKOFF))
-    last: BaseException | None = None
-    for n in range(1, max(1, retries) + 1):
+    """Await ``call()`` until it returns; see the module's docstring for when it stops.
+
+    ``attempts`` 0 and ``deadline`` None retry without end. ``give_up(error, attempt)``
+    is the final action when either runs out. ``wait`` replaces the plain sleep
+    between attempts. Logged failures carry ``what``, ``attempt``, ``error`` and ``fields``.
+    """
+    backoff = Backoff(initial, maximum)
+    ends = None if deadline is None else time.monotonic() + deadline
+    n = 0
+    while True:
+        n += 1
         try:
-            return await attempt()
-        except Exception as exc:  # client libraries wrap socket errors in their own types
-            last = exc
-        log.warning("dependency not reachable yet", what=what, address=address, attempt=n, error=str(last))
-        if n < retries:
-            await delays.sleep()
-    raise StartupError(f"cannot reach {what} at {address} after {retries} attempts ({last}); {hint}")
+            return await call()
+        except final:
+            raise
+        except Exception as exc:
+            if not isinstance(exc, only):
+                raise
+            delay = backoff.next()
+            if (attempts and n >= attempts) or (ends is not None and time.monotonic() + delay > ends):
+                if give_up is None:
+                    raise
+                raise give_up(exc, n) from None
+            if should_log(n, log_every):
+                (logger or log).warning(message, what=what, attempt=n, error=describe(exc), **(fields or {}))
+            if await wait(delay):
+                backoff.reset()
 
 
 async def tcp_probe(host: str, port: int, timeout: float = 2.0) -> None:
@@ -52,3 +99,26 @@ async def tcp_probe(host: str, port: int, timeout: float = 2.0) -> None:
         await writer.wait_closed()
     except OSError:
         pass
+
+
+async def reach(
+    what: str, address: str, attempt: Callable[[], Awaitable[T]], *, retries: int, backoff: float, hint: str
+) -> T:
+    """Reach a dependency at startup: ``retries`` attempts, doubling the wait from ``backoff`` up to 5 s,
+    then a :class:`StartupError` that names it and says what to do."""
+    retries = max(1, retries)
+
+    def unreachable(exc: Exception, n: int) -> StartupError:
+        log.warning("dependency not reachable yet", what=what, address=address, attempt=n, error=str(exc))
+        return StartupError(f"cannot reach {what} at {address} after {retries} attempts ({exc}); {hint}")
+
+    return await retry(
+        what,
+        attempt,
+        attempts=retries,
+        initial=backoff,
+        maximum=max(backoff, MAX_STARTUP_BACKOFF),
+        give_up=unreachable,
+        message="dependency not reachable yet",
+        fields={"address": address},
+    )

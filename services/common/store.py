@@ -10,7 +10,7 @@ from aetcd.watcher import Watcher
 
 from services.common.grpcserver import grpc_target, open_channel
 from services.common.log import get_logger
-from services.common.retry import with_retries
+from services.common.retry import reach
 from services.common.trust import Credentials
 
 log = get_logger("store")
@@ -65,7 +65,7 @@ async def connect_etcd(
             raise
         return client
 
-    client = await with_retries(
+    client = await reach(
         "etcd",
         address,
         attempt,

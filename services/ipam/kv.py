@@ -15,11 +15,9 @@ doing the work twice, and callers re-read to find out.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import enum
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -27,8 +25,8 @@ import aetcd
 import grpc
 from aetcd import rpc
 
-from services.common.backoff import Backoff
 from services.common.log import get_logger
+from services.common.retry import retry
 
 log = get_logger("etcd")
 
@@ -51,6 +49,10 @@ class StoreError(Exception):
 
 class StoreUnavailable(StoreError):
     """etcd did not answer within the patience window."""
+
+
+class _Transient(Exception):
+    """An etcd failure worth retrying (unreachable, or a transient status); says what happened."""
 
 
 class LeaseNotFound(StoreError):
@@ -252,11 +254,7 @@ class Store:
         self._timeout = call_timeout
 
     async def _call(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
-        deadline = time.monotonic() + self.patience
-        backoff = Backoff(0.05, 1.0)
-        n = 0
-        while True:
-            n += 1
+        async def once() -> T:
             try:
                 await self._client.connect()
                 return await attempt()
@@ -266,19 +264,29 @@ class Store:
                     raise LeaseNotFound(exc.details()) from None
                 if code not in _TRANSIENT:
                     raise StoreError(f"etcd refused {what}: {code.name} {exc.details()}") from None
-                error = f"{code.name} {exc.details()}"
+                raise _Transient(f"{code.name} {exc.details()}") from None
             except (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError) as exc:
-                error = str(exc)
+                raise _Transient(str(exc)) from None
             except TimeoutError:
-                error = "connect timed out"
-            delay = backoff.next()
-            if time.monotonic() + delay > deadline:
-                raise StoreUnavailable(
-                    f"etcd did not answer {what} for {self.patience:.0f}s ({error}); check that etcd is up"
-                )
-            if n == 1 or n % 20 == 0:
-                log.warning("etcd call failed, retrying", call=what, attempt=n, error=error)
-            await asyncio.sleep(delay)
+                raise _Transient("connect timed out") from None
+
+        def unavailable(exc: Exception, attempts: int) -> StoreUnavailable:
+            return StoreUnavailable(
+                f"etcd did not answer {what} for {self.patience:.0f}s ({exc}); check that etcd is up"
+            )
+
+        return await retry(
+            what,
+            once,
+            deadline=self.patience,
+            initial=0.05,
+            maximum=1.0,
+            only=(_Transient,),
+            give_up=unavailable,
+            log_every=20,
+            message="etcd call failed, retrying",
+            logger=log,
+        )
 
     @property
     def _meta(self) -> Any:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import ipaddress
-from collections.abc import Iterable
 
 from palisade.v1 import common_pb2, identity_pb2
 from services.common.errors import Code
@@ -114,10 +113,6 @@ def cidr_of(label: Label) -> str:
 
 def reserved_identity(identity: ReservedIdentity) -> Identity:
     return Identity(int(identity), LabelSet((Label(LabelSource.RESERVED, identity.label_key),)))
-
-
-def labels_from_proto(labels: Iterable[common_pb2.Label]) -> LabelSet:
-    return LabelSet(tuple(Label(x.source or LabelSource.UNSPEC, x.key, x.value) for x in labels))
 
 
 def classify(raw: LabelSet) -> tuple[Kind, LabelSet, Identity | None]:

@@ -33,7 +33,7 @@ from services.ipam.mirror import Mirror
 from services.ipam.pods import K8sChanged, NodeResync, PodManager
 from services.ipam.podwatch import BadObject, decode
 from services.ipam.publish import IdentityPublisher, IpcacheWriter
-from services.ipam.servicer import IdentityServicer, IPAMServicer
+from services.ipam.servicer import IdentityServicer, IPAMServicer, store_status
 
 log = get_logger("ipam")
 
@@ -204,6 +204,8 @@ async def setup(ctx: ServiceContext[IPAMConfig]) -> None:
     loaded_at = await load_and_republish(ipam)
     mirror = Mirror(store, ipam.allocator, ipam.ipalloc, ipam.ipcache, ipam.identities, reload=lambda: _reload(ipam))
 
+    ctx.server.errors.add_mapping(store_status)
+    ctx.server.errors.add_observer(metrics.served)
     identity_pb2_grpc.add_IdentityServiceServicer_to_server(
         IdentityServicer(ipam.allocator, ipam.identities, ipam.pods), ctx.server.server
     )

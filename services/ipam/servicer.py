@@ -6,24 +6,22 @@ an etcd outage longer than the store's patience is UNAVAILABLE.
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
-from collections.abc import Awaitable, Callable, Iterable
-from typing import TypeVar
+from collections.abc import Iterable
 
 import grpc
 
 from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc
-from services.common.errors import Code, PalisadeError, abort, abort_with, clip
+from services.common.errors import Code, PalisadeError, clip
+from services.common.grpcserver import Status
+from services.common.labels import labels_from_wire
 from services.common.log import get_logger
 from services.common.validation import validate_identity_label, validate_name, validate_namespace
-from services.ipam import metrics
 from services.ipam.errors import IpamError
 from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocation, IPAllocator
 from services.ipam.kv import StoreError, StoreUnavailable
-from services.ipam.model import RESERVED, carries, labels_from_proto, reserved_identity
+from services.ipam.model import RESERVED, carries, reserved_identity
 from services.ipam.nodecidr import CIDRSource, NodeRecord
 from services.ipam.pods import OwnerChanged, PodManager, ReferenceChanged
 from services.ipam.podwatch import named_ports_from_proto
@@ -31,7 +29,6 @@ from services.ipam.publish import IdentityPublisher
 
 log = get_logger("grpc")
 
-T = TypeVar("T")
 
 _FAMILY = {4: ipam_pb2.FAMILY_IPV4, 6: ipam_pb2.FAMILY_IPV6}
 _FAMILY_IN = {ipam_pb2.FAMILY_IPV4: 4, ipam_pb2.FAMILY_IPV6: 6}
@@ -65,28 +62,14 @@ def check_labels(labels: Iterable[common_pb2.Label], field: str) -> None:
         validate_identity_label(label.source, label.key, label.value, f"{field}[{i}]")
 
 
-async def _call(context: grpc.aio.ServicerContext, method: str, body: Callable[[], Awaitable[T]]) -> T:
-    started = time.perf_counter()
-    code = "UNKNOWN"  # what grpc answers for an unexpected exception
-    try:
-        result = await body()
-        code = "OK"
-        return result
-    except PalisadeError as exc:  # IpamError and validation errors
-        code = exc.code.value
-        await abort_with(context, exc)
-    except StoreUnavailable as exc:
-        code = Code.UNAVAILABLE.value
-        await abort(context, Code.UNAVAILABLE, str(exc))
-    except StoreError as exc:
-        code = Code.INTERNAL.value
+def store_status(exc: Exception, method: str) -> Status | None:
+    """etcd's failures as the API answers them (the interceptor of ``services.common.grpcserver`` asks)."""
+    if isinstance(exc, StoreUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, StoreError):
         log.error("etcd refused a request", method=method, error=str(exc))
-        await abort(context, Code.INTERNAL, f"{exc}; this is a bug or a misconfigured etcd, see ipam logs")
-    except asyncio.CancelledError:
-        code = "CANCELLED"
-        raise
-    finally:
-        metrics.served(method, code, time.perf_counter() - started)
+        return grpc.StatusCode.INTERNAL, f"{exc}; this is a bug or a misconfigured etcd, see ipam logs"
+    return None
 
 
 def allocation_proto(a: IPAllocation) -> ipam_pb2.IPAllocation:
@@ -108,95 +91,80 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
     async def AllocateIdentity(
         self, request: identity_pb2.AllocateIdentityRequest, context: grpc.aio.ServicerContext
     ) -> identity_pb2.AllocateIdentityResponse:
-        async def body() -> identity_pb2.AllocateIdentityResponse:
-            check_labels(request.labels, "labels")
-            # Empty node and owner are fine for reserved label sets (no reference); the allocator says when not.
-            if request.node:
-                check_node(request.node)
-            if request.owner:
-                check_owner(request.owner)
-            result = await self._allocator.allocate(labels_from_proto(request.labels), request.node, request.owner)
-            if result.revision:
-                await self._publisher.seen(result.identity, result.revision)
-                self._pods.submit(ReferenceChanged(request.node, request.owner, held=True))
-            refs = await self._allocator.references(result.identity.id) if result.revision else 0
-            return identity_pb2.AllocateIdentityResponse(identity=result.identity.to_proto(refs), new=result.new)
-
-        return await _call(context, "AllocateIdentity", body)
+        check_labels(request.labels, "labels")
+        # Empty node and owner are fine for reserved label sets (no reference); the allocator says when not.
+        if request.node:
+            check_node(request.node)
+        if request.owner:
+            check_owner(request.owner)
+        result = await self._allocator.allocate(labels_from_wire(request.labels), request.node, request.owner)
+        if result.revision:
+            await self._publisher.seen(result.identity, result.revision)
+            self._pods.submit(ReferenceChanged(request.node, request.owner, held=True))
+        refs = await self._allocator.references(result.identity.id) if result.revision else 0
+        return identity_pb2.AllocateIdentityResponse(identity=result.identity.to_proto(refs), new=result.new)
 
     async def ReleaseIdentity(
         self, request: identity_pb2.ReleaseIdentityRequest, context: grpc.aio.ServicerContext
     ) -> identity_pb2.ReleaseIdentityResponse:
-        async def body() -> identity_pb2.ReleaseIdentityResponse:
-            if request.node:
-                check_node(request.node)
-            if request.owner:
-                check_owner(request.owner)
-            if any(int(r) == request.id for r in RESERVED):
-                raise IpamError(f"identity {request.id} is reserved and holds no references", Code.INVALID_ARGUMENT)
-            last = await self._allocator.release(request.id, request.node, request.owner)
-            self._pods.submit(ReferenceChanged(request.node, request.owner, held=False))
-            return identity_pb2.ReleaseIdentityResponse(last_reference=last)
-
-        return await _call(context, "ReleaseIdentity", body)
+        if request.node:
+            check_node(request.node)
+        if request.owner:
+            check_owner(request.owner)
+        if any(int(r) == request.id for r in RESERVED):
+            raise IpamError(f"identity {request.id} is reserved and holds no references", Code.INVALID_ARGUMENT)
+        last = await self._allocator.release(request.id, request.node, request.owner)
+        self._pods.submit(ReferenceChanged(request.node, request.owner, held=False))
+        return identity_pb2.ReleaseIdentityResponse(last_reference=last)
 
     async def GetIdentity(
         self, request: identity_pb2.GetIdentityRequest, context: grpc.aio.ServicerContext
     ) -> identity_pb2.Identity:
-        async def body() -> identity_pb2.Identity:
-            found = await self._allocator.get(request.id)
-            if found is None:
-                raise IpamError(
-                    f"identity {request.id} does not exist; ListIdentities shows the allocated ones",
-                    Code.NOT_FOUND,
-                )
-            refs = 0 if request.id < 256 else await self._allocator.references(request.id)
-            return found.to_proto(refs)
-
-        return await _call(context, "GetIdentity", body)
+        found = await self._allocator.get(request.id)
+        if found is None:
+            raise IpamError(
+                f"identity {request.id} does not exist; ListIdentities shows the allocated ones",
+                Code.NOT_FOUND,
+            )
+        refs = 0 if request.id < 256 else await self._allocator.references(request.id)
+        return found.to_proto(refs)
 
     async def ListIdentities(
         self, request: identity_pb2.ListIdentitiesRequest, context: grpc.aio.ServicerContext
     ) -> identity_pb2.ListIdentitiesResponse:
-        async def body() -> identity_pb2.ListIdentitiesResponse:
-            check_labels(request.selector, "selector")
-            selector = labels_from_proto(request.selector)
-            identities = await self._allocator.list_all()
-            if request.include_reserved:
-                identities = [reserved_identity(r) for r in RESERVED] + identities
-            counts = await self._allocator.reference_counts()
-            out = [
-                ident.to_proto(counts.get(ident.id, 0))
-                for ident in identities
-                if all(carries(ident.labels, wanted) for wanted in selector)
-            ]
-            return identity_pb2.ListIdentitiesResponse(identities=out)
-
-        return await _call(context, "ListIdentities", body)
+        check_labels(request.selector, "selector")
+        selector = labels_from_wire(request.selector)
+        identities = await self._allocator.list_all()
+        if request.include_reserved:
+            identities = [reserved_identity(r) for r in RESERVED] + identities
+        counts = await self._allocator.reference_counts()
+        out = [
+            ident.to_proto(counts.get(ident.id, 0))
+            for ident in identities
+            if all(carries(ident.labels, wanted) for wanted in selector)
+        ]
+        return identity_pb2.ListIdentitiesResponse(identities=out)
 
     async def ResolvePod(
         self, request: identity_pb2.ResolvePodRequest, context: grpc.aio.ServicerContext
     ) -> identity_pb2.ResolvePodResponse:
-        async def body() -> identity_pb2.ResolvePodResponse:
-            validate_namespace(request.namespace, "namespace")
-            validate_name(request.name, "name")
-            found = self._pods.resolve(request.namespace, request.name)
-            if found is None:
-                raise IpamError(
-                    f"pod {request.namespace}/{request.name} is unknown; is it created and is the watcher running?",
-                    Code.NOT_FOUND,
-                )
-            if found.identity is None:
-                raise IpamError(
-                    f"pod {request.namespace}/{request.name} has no identity: {found.reason}",
-                    Code.FAILED_PRECONDITION,
-                )
-            refs = await self._allocator.references(found.identity.id)
-            return identity_pb2.ResolvePodResponse(
-                identity=found.identity.to_proto(refs), ips=list(found.ips), node=found.node
+        validate_namespace(request.namespace, "namespace")
+        validate_name(request.name, "name")
+        found = self._pods.resolve(request.namespace, request.name)
+        if found is None:
+            raise IpamError(
+                f"pod {request.namespace}/{request.name} is unknown; is it created and is the watcher running?",
+                Code.NOT_FOUND,
             )
-
-        return await _call(context, "ResolvePod", body)
+        if found.identity is None:
+            raise IpamError(
+                f"pod {request.namespace}/{request.name} has no identity: {found.reason}",
+                Code.FAILED_PRECONDITION,
+            )
+        refs = await self._allocator.references(found.identity.id)
+        return identity_pb2.ResolvePodResponse(
+            identity=found.identity.to_proto(refs), ips=list(found.ips), node=found.node
+        )
 
 
 class IPAMServicer(ipam_pb2_grpc.IPAMServiceServicer):
@@ -207,50 +175,38 @@ class IPAMServicer(ipam_pb2_grpc.IPAMServiceServicer):
     async def AllocateIP(
         self, request: ipam_pb2.AllocateIPRequest, context: grpc.aio.ServicerContext
     ) -> ipam_pb2.IPAllocation:
-        async def body() -> ipam_pb2.IPAllocation:
-            check_node(request.node)
-            check_owner(request.owner)
-            family = _FAMILY_IN.get(request.family)
-            ports = named_ports_from_proto(request.named_ports)
-            result = await self._ipalloc.allocate(
-                request.node, request.owner, family, request.ip, outside_pool=request.outside_pool
-            )
-            self._pods.submit(OwnerChanged(result.node, result.owner, ports))
-            return allocation_proto(result)
-
-        return await _call(context, "AllocateIP", body)
+        check_node(request.node)
+        check_owner(request.owner)
+        family = _FAMILY_IN.get(request.family)
+        ports = named_ports_from_proto(request.named_ports)
+        result = await self._ipalloc.allocate(
+            request.node, request.owner, family, request.ip, outside_pool=request.outside_pool
+        )
+        self._pods.submit(OwnerChanged(result.node, result.owner, ports))
+        return allocation_proto(result)
 
     async def ReleaseIP(
         self, request: ipam_pb2.ReleaseIPRequest, context: grpc.aio.ServicerContext
     ) -> ipam_pb2.ReleaseIPResponse:
-        async def body() -> ipam_pb2.ReleaseIPResponse:
-            check_node(request.node)
-            if request.owner:
-                check_owner(request.owner)
-            result = await self._ipalloc.release(request.node, request.ip, request.owner)
-            self._pods.submit(OwnerChanged(result.node, result.owner))
-            return ipam_pb2.ReleaseIPResponse()
-
-        return await _call(context, "ReleaseIP", body)
+        check_node(request.node)
+        if request.owner:
+            check_owner(request.owner)
+        result = await self._ipalloc.release(request.node, request.ip, request.owner)
+        self._pods.submit(OwnerChanged(result.node, result.owner))
+        return ipam_pb2.ReleaseIPResponse()
 
     async def GetNodeCIDR(
         self, request: ipam_pb2.GetNodeCIDRRequest, context: grpc.aio.ServicerContext
     ) -> ipam_pb2.NodeCIDR:
-        async def body() -> ipam_pb2.NodeCIDR:
-            check_node(request.node)
-            return node_proto(await self._ipalloc.node_cidrs(request.node))
-
-        return await _call(context, "GetNodeCIDR", body)
+        check_node(request.node)
+        return node_proto(await self._ipalloc.node_cidrs(request.node))
 
     async def ListAllocations(
         self, request: ipam_pb2.ListAllocationsRequest, context: grpc.aio.ServicerContext
     ) -> ipam_pb2.ListAllocationsResponse:
-        async def body() -> ipam_pb2.ListAllocationsResponse:
-            if request.node:
-                check_node(request.node)
-            allocations, nodes = self._ipalloc.list(request.node)
-            return ipam_pb2.ListAllocationsResponse(
-                allocations=[allocation_proto(a) for a in allocations], nodes=[node_proto(n) for n in nodes]
-            )
-
-        return await _call(context, "ListAllocations", body)
+        if request.node:
+            check_node(request.node)
+        allocations, nodes = self._ipalloc.list(request.node)
+        return ipam_pb2.ListAllocationsResponse(
+            allocations=[allocation_proto(a) for a in allocations], nodes=[node_proto(n) for n in nodes]
+        )

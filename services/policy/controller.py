@@ -19,15 +19,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from palisade.v1 import policy_pb2
+from palisade.v1 import common_pb2, policy_pb2
 from services.common.errors import Code, PalisadeError
 from services.common.log import get_logger
 from services.policy import metrics
 from services.policy.engine.core import Commit, PolicyCore
-from services.policy.engine.orders import PersistedState, PlannedOrder, encode
+from services.policy.engine.orders import OrderDiff, PersistedState, PlannedOrder
 from services.policy.engine.realized import Lag
 from services.policy.engine.registry import ApiChange
 from services.policy.engine.sources import Source
+from services.policy.wire import encode
 
 log = get_logger("controller")
 
@@ -252,12 +253,14 @@ class Controller:
         if state is not None:
             await self._sink.save_state(state)
         per_node: dict[str, list[policy_pb2.RegenerationOrder]] = {}
+        converted: dict[int, tuple[OrderDiff, common_pb2.IdentityPolicyDiff]] = {}
         for box in boxes:
             for order in box.orders:
                 messages = encode(
                     order,
                     max_bytes=self._encoding.max_order_bytes,
                     max_chunks=self._encoding.max_order_chunks,
+                    converted=converted,
                 )
                 _count(order, messages)
                 per_node.setdefault(order.node, []).extend(messages)

@@ -20,8 +20,8 @@ from google.protobuf import symbol_database
 from google.protobuf.message import Message
 
 from palisade.v1 import policy_pb2, policy_pb2_grpc
-from services.common.errors import Code, abort
-from services.common.grpcserver import open_channel
+from services.common.errors import Code, PalisadeError
+from services.common.grpcserver import Status, open_channel
 from services.common.trust import Credentials
 from services.policy.election import Election
 from services.policy.servicer import NOT_SYNCED
@@ -58,12 +58,12 @@ class Forwarder:
             "leader's loss"
         )
         if any(key == FORWARDED for key, _ in context.invocation_metadata() or ()):
-            await abort(context, Code.UNAVAILABLE, f"policy replica {self._election.member} no longer leads; {wait}")
+            raise PalisadeError(f"policy replica {self._election.member} no longer leads; {wait}", Code.UNAVAILABLE)
         leader = self._election.leader
         if leader is None or not leader.address or leader.address == self._election.address():
             if not self._election.candidate:
-                await abort(context, Code.UNAVAILABLE, NOT_SYNCED)
-            await abort(context, Code.UNAVAILABLE, f"no policy leader right now (an election is under way); {wait}")
+                raise PalisadeError(NOT_SYNCED, Code.UNAVAILABLE)
+            raise PalisadeError(f"no policy leader right now (an election is under way); {wait}", Code.UNAVAILABLE)
         output = symbol_database.Default().GetSymbol(SERVICE.methods_by_name[method].output_type.full_name)
         stub = self._channel(leader.address).unary_unary(
             f"/{SERVICE.full_name}/{method}",
@@ -78,17 +78,23 @@ class Forwarder:
             )
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.UNAVAILABLE and not err.details().startswith(("policy", "no policy")):
-                await abort(
-                    context,
-                    Code.UNAVAILABLE,
+                raise PalisadeError(
                     f"the policy leader {leader.name} at {leader.address} is unreachable ({err.details()}); {wait}",
-                )
-            await context.abort(err.code(), err.details())
+                    Code.UNAVAILABLE,
+                ) from None
+            raise  # the leader's answer, relayed as it is (see relayed_status)
 
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+
+
+def relayed_status(exc: Exception, method: str) -> Status | None:
+    """The leader's answer to a forwarded call reaches the caller unchanged."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), exc.details() or ""
+    return None
 
 
 def routed(servicer: policy_pb2_grpc.PolicyServiceServicer, election: Election, forwarder: Forwarder) -> Any:

@@ -18,7 +18,9 @@ from services.common.subjects import IDENTITY_ALL, IPCACHE_ALL, SYNCED_SUBJECT, 
 from services.policy import metrics
 from services.policy.controller import Controller, JobKind
 from services.policy.engine.core import PolicyCore
+from services.policy.engine.ipcache import IpcacheRecord
 from services.policy.engine.sources import KIND_TOKENS
+from services.policy.wire import IpcacheError, delta_from_proto, identity_from_proto, record_from_proto
 
 log = get_logger("inputs")
 
@@ -81,12 +83,13 @@ class Inputs:
             log.error("undecodable message skipped", subject=subject, error=str(exc))
             return
         if parsed.kind == k8s_pb2.K8S_KIND_NODE:
-            node_delta = parsed
-            self._controller.post(lambda core, now: core.apply_node_delta(node_delta), JobKind.REALIZED)
+            name, deleted = parsed.name, parsed.op == k8s_pb2.DELTA_OP_DELETE
+            self._controller.post(lambda core, now: core.apply_node_delta(name, deleted=deleted), JobKind.REALIZED)
             return
-        delta = await self._large.resolved(parsed)
-        if delta is None:
+        resolved = await self._large.resolved(parsed)
+        if resolved is None:
             return
+        delta = delta_from_proto(resolved)
 
         def apply(core: PolicyCore, now: float) -> None:
             outcome = core.apply_policy_delta(delta, now)
@@ -96,13 +99,26 @@ class Inputs:
         self._controller.post(apply)
 
     async def _on_identity(self, subject: str, update: identity_pb2.IdentityUpdate) -> None:
+        change = identity_from_proto(subject, update)
+        if change is None:
+            log.warning("identity update without id", subject=subject)
+            return
+
         def apply(core: PolicyCore, now: float) -> None:
-            core.apply_identity(subject, update, now)
+            core.apply_identity(change, now)
 
         self._controller.post(apply)
 
     async def _on_ipcache(self, subject: str, entry: identity_pb2.IpcacheEntry) -> None:
+        record: IpcacheRecord | None = None
+        if not entry.deleted:
+            try:
+                record = record_from_proto(entry)
+            except IpcacheError as exc:
+                log.warning("ipcache entry ignored", subject=subject, error=str(exc))
+                return
+
         def apply(core: PolicyCore, now: float) -> None:
-            core.apply_ipcache(subject, entry, now)
+            core.apply_ipcache(subject, record, now)
 
         self._controller.post(apply)

@@ -19,8 +19,8 @@ from nats.js import api as jsapi
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from services.common.backoff import Backoff
 from services.common.log import get_logger
+from services.common.retry import retry
 from services.policy.engine.orders import PersistedState
 
 log = get_logger("revision")
@@ -115,26 +115,33 @@ class RevisionStore:
         if state == self._saved:
             return
         data = encode_state(state)
-        backoff = Backoff(0.05, 2.0)
-        attempt = 0
-        while True:
-            attempt += 1
+
+        async def once() -> None:
             try:
                 self._last = await self._kv.update(STATE_KEY, data, last=self._last)
-                self._saved = state
-                return
             except KeyWrongLastSequenceError:
-                if await self._written_by_us(data):
-                    self._saved = state
-                    return
-                raise StateConflictError(
-                    f"{self.where} was changed by another writer; run one policy service per state "
-                    "bucket (set --state-bucket) and restart this one"
-                ) from None
-            except Exception as exc:
-                if attempt == 1 or attempt % 20 == 0:
-                    log.warning("state save failed, retrying", attempt=attempt, error=str(exc))
-                await self._pause(backoff.next())
+                if not await self._written_by_us(data):
+                    raise StateConflictError(
+                        f"{self.where} was changed by another writer; run one policy service per state "
+                        "bucket (set --state-bucket) and restart this one"
+                    ) from None
+            self._saved = state
+
+        async def wait(delay: float) -> bool:
+            await self._pause(delay)
+            return False
+
+        await retry(
+            "save policy state",
+            once,
+            initial=0.05,
+            maximum=2.0,
+            final=(StateConflictError,),
+            log_every=20,
+            message="state save failed, retrying",
+            logger=log,
+            wait=wait,
+        )
 
     async def _written_by_us(self, data: bytes) -> bool:
         """A retried write whose first attempt landed (its ack got lost) is not a conflict."""

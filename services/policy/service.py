@@ -34,7 +34,7 @@ from services.policy.election import Election
 from services.policy.engine.core import PolicyCore
 from services.policy.engine.orders import PersistedState
 from services.policy.engine.registry import ApiChange
-from services.policy.forward import Forwarder, routed
+from services.policy.forward import Forwarder, relayed_status, routed
 from services.policy.inputs import Inputs
 from services.policy.revision import RevisionStore, StateConflictError
 from services.policy.servicer import PolicyServicer
@@ -193,6 +193,7 @@ async def expire_nodes(controller: Controller, grace: float) -> None:
 
 
 def register(server: GrpcServer, servicer: Any) -> None:
+    server.errors.add_mapping(relayed_status)
     policy_pb2_grpc.add_PolicyServiceServicer_to_server(servicer, server.server)
     server.add_service(policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name)
 

@@ -1,5 +1,8 @@
 """gRPC PolicyService: validates requests, runs them as controller jobs, converts answers.
 
+Errors are raised as :class:`PalisadeError`; the server's error interceptor
+(``services.common.grpcserver``) turns them into the status the caller reads.
+
 Every error tells what is wrong and what to do: INVALID_ARGUMENT for bad input,
 NOT_FOUND for unknown objects, FAILED_PRECONDITION for requests that cannot be
 right (deleting a Kubernetes policy over the API), UNAVAILABLE while the service
@@ -15,19 +18,26 @@ from typing import Any
 import grpc
 
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
-from services.common.errors import Code, PalisadeError, abort, abort_with, clip
+from services.common.errors import Code, PalisadeError, clip
 from services.common.labels import LabelSource, parse_label
 from services.common.manifests import Document, DocumentError, split_documents
 from services.common.validation import validate_identity_label, validate_name, validate_namespace
 from services.policy import metrics
-from services.policy.controller import Controller, JobKind, NotLeading
+from services.policy.controller import Controller, JobKind
 from services.policy.documents import dump_document, validate_document
-from services.policy.engine.core import Outcome, PolicyCore, PolicyView, RequestError, TraceAnswer
+from services.policy.engine.core import Outcome, PolicyCore, PolicyView, TraceAnswer
 from services.policy.engine.model import PolicyKind, PolicyRef, Protocol
 from services.policy.engine.realized import Lag, Report
-from services.policy.engine.sources import Source, object_key, parse_kind, source_from_proto, split_engine_key
+from services.policy.engine.sources import Source, object_key, parse_kind, split_engine_key
 from services.policy.engine.trace import TraceSide
-from services.policy.engine.wire import direction_to_proto, ref_to_proto, verdict_to_proto
+from services.policy.wire import (
+    direction_to_proto,
+    policy_to_proto,
+    ref_to_proto,
+    source_from_proto,
+    source_to_proto,
+    verdict_to_proto,
+)
 
 NOT_SYNCED = (
     "the policy service is still loading its initial state (waiting for the watcher's synced marker "
@@ -75,8 +85,10 @@ def validate_peer(peer: policy_pb2.TracePeer, which: str) -> None:
         validate_identity_label(label.source, label.key, label.value, f"{which}.labels[{i}]")
 
 
-class CallerGone(Exception):
+class CallerGone(PalisadeError):
     """The caller's deadline passed (or it cancelled) before its change was applied; nothing changed."""
+
+    code = Code.DEADLINE_EXCEEDED
 
 
 def still_wanted(context: grpc.aio.ServicerContext) -> Callable[[], None]:
@@ -104,7 +116,7 @@ def status_to_proto(view: PolicyView) -> policy_pb2.PolicyStatus:
         error = f"{error}; {r.conflict}" if error else r.conflict
     status = policy_pb2.PolicyStatus(
         ref=ref_to_proto(r.key),
-        source=r.source.to_proto(),
+        source=source_to_proto(r.source),
         state=_state(view),
         error=clip(error),
         revision=r.revision,
@@ -151,7 +163,7 @@ def _outcome_status(outcome: Outcome, doc: Mapping[str, Any]) -> policy_pb2.Poli
         )
     status = policy_pb2.PolicyStatus(
         ref=ref,
-        source=outcome.source.to_proto(),
+        source=source_to_proto(outcome.source),
         state=policy_pb2.POLICY_STATE_UNSPECIFIED if outcome.accepted else policy_pb2.POLICY_STATE_REJECTED,
         error=clip(outcome.error),
         document=outcome.document,
@@ -214,41 +226,33 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
 
     # --- helpers ---------------------------------------------------------------------------
 
-    async def _require_synced(self, context: grpc.aio.ServicerContext) -> None:
+    def _require_synced(self) -> None:
         if not self._controller.core.synced:
-            await abort(context, Code.UNAVAILABLE, NOT_SYNCED)
+            raise PalisadeError(NOT_SYNCED, Code.UNAVAILABLE)
 
-    async def _ref(
-        self, ref: common_pb2.ObjectRef, context: grpc.aio.ServicerContext, *, field: str = "ref"
-    ) -> PolicyRef:
+    def _ref(self, ref: common_pb2.ObjectRef, *, field: str = "ref") -> PolicyRef:
         if not ref.kind:
-            await abort(
-                context,
-                Code.INVALID_ARGUMENT,
+            raise PalisadeError(
                 f"{field}.kind is required: NetworkPolicy, CiliumNetworkPolicy or CiliumClusterwideNetworkPolicy",
+                Code.INVALID_ARGUMENT,
             )
         kind = parse_kind(ref.kind)
         if kind is None:
-            await abort(
-                context,
-                Code.INVALID_ARGUMENT,
+            raise PalisadeError(
                 f"{field}.kind {ref.kind!r} is not a policy kind; use NetworkPolicy, CiliumNetworkPolicy or "
                 "CiliumClusterwideNetworkPolicy",
+                Code.INVALID_ARGUMENT,
             )
         if not ref.name:
-            await abort(context, Code.INVALID_ARGUMENT, f"{field}.name is required")
+            raise PalisadeError(f"{field}.name is required", Code.INVALID_ARGUMENT)
         if kind is PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY and ref.namespace:
-            await abort(
-                context,
-                Code.INVALID_ARGUMENT,
+            raise PalisadeError(
                 f"{field}.namespace must be empty: CiliumClusterwideNetworkPolicy is cluster-scoped",
+                Code.INVALID_ARGUMENT,
             )
-        try:
-            validate_name(ref.name, f"{field}.name")
-            if ref.namespace:
-                validate_namespace(ref.namespace, f"{field}.namespace")
-        except PalisadeError as exc:
-            await abort_with(context, exc)
+        validate_name(ref.name, f"{field}.name")
+        if ref.namespace:
+            validate_namespace(ref.namespace, f"{field}.namespace")
         return object_key(kind, ref.namespace, ref.name)
 
     async def _revision(self) -> int:
@@ -260,20 +264,14 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         self, request: policy_pb2.ImportPoliciesRequest, context: grpc.aio.ServicerContext
     ) -> policy_pb2.ImportPoliciesResponse:
         if not request.documents.strip():
-            await abort(
-                context,
-                Code.INVALID_ARGUMENT,
+            raise PalisadeError(
                 "documents is empty; pass the YAML or JSON of one or more policies",
+                Code.INVALID_ARGUMENT,
             )
-        try:
-            # Large files take seconds to read: off the event loop, which keeps serving meanwhile.
-            docs = await asyncio.to_thread(read_documents, request.documents, request.origin)
-        except DocumentError as exc:
-            await abort(context, Code.INVALID_ARGUMENT, str(exc))
-        except PalisadeError as exc:
-            await abort_with(context, exc)
+        # Large files take seconds to read: off the event loop, which keeps serving meanwhile.
+        docs = await asyncio.to_thread(read_documents, request.documents, request.origin)
         if not request.dry_run:
-            await self._require_synced(context)
+            self._require_synced()
         texts = await asyncio.to_thread(lambda: [dump_document(doc.body) for doc in docs])
         provenance = f"api {request.origin}" if request.origin else "api"
         check = still_wanted(context)
@@ -294,24 +292,18 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 for doc, text, o in zip(docs, texts, checked, strict=True)
             ]
 
-        try:
-            if request.dry_run:
-                outcomes = await self._controller.call(apply, JobKind.READ)
-            else:
-                outcomes = await self._controller.call(apply, JobKind.CHANGE, durable=True)
-        except CallerGone as exc:
-            await abort(context, Code.DEADLINE_EXCEEDED, str(exc))
-        except NotLeading as exc:
-            await abort_with(context, exc)
+        if request.dry_run:
+            outcomes = await self._controller.call(apply, JobKind.READ)
+        else:
+            outcomes = await self._controller.call(apply, JobKind.CHANGE, durable=True)
         invalid = [o for o in outcomes if not o.accepted]
         if invalid:
             metrics.REJECTED.labels(Source.API.value).inc(len(invalid))
             nothing = "nothing was imported" if not request.dry_run else "dry run: nothing would be imported"
-            await abort(
-                context,
-                Code.INVALID_ARGUMENT,
+            raise PalisadeError(
                 f"{len(invalid)} of {len(outcomes)} documents invalid, {nothing}; fix them and import again:\n"
                 + "\n".join(o.error for o in invalid),
+                Code.INVALID_ARGUMENT,
             )
 
         def answer(core: PolicyCore, now: float) -> policy_pb2.ImportPoliciesResponse:
@@ -336,48 +328,38 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     async def DeletePolicy(
         self, request: policy_pb2.DeletePolicyRequest, context: grpc.aio.ServicerContext
     ) -> policy_pb2.DeletePolicyResponse:
-        key = await self._ref(request.ref, context)
+        key = self._ref(request.ref)
         source = source_from_proto(request.source, default=Source.API)
         if source is Source.KUBERNETES:
-            await abort(
-                context,
-                Code.FAILED_PRECONDITION,
+            raise PalisadeError(
                 f"{key} comes from Kubernetes; delete it there (kubectl delete) or from the manifest folder",
+                Code.FAILED_PRECONDITION,
             )
-        await self._require_synced(context)
+        self._require_synced()
         check = still_wanted(context)
 
         def apply(core: PolicyCore, now: float) -> bool:
             check()
             return core.delete(source, key, now)
 
-        try:
-            existed = await self._controller.call(apply, JobKind.CHANGE, durable=True)
-        except CallerGone as exc:
-            await abort(context, Code.DEADLINE_EXCEEDED, str(exc))
-        except NotLeading as exc:
-            await abort_with(context, exc)
+        existed = await self._controller.call(apply, JobKind.CHANGE, durable=True)
         if not existed:
-            await abort(
-                context,
-                Code.NOT_FOUND,
+            raise PalisadeError(
                 f"no policy {key} imported over the API; list them with `palisade policy get`",
+                Code.NOT_FOUND,
             )
         return policy_pb2.DeletePolicyResponse(revision=await self._revision())
 
     async def GetPolicy(
         self, request: policy_pb2.GetPolicyRequest, context: grpc.aio.ServicerContext
     ) -> policy_pb2.PolicyStatus:
-        key = await self._ref(request.ref, context)
+        key = self._ref(request.ref)
         source = (
             source_from_proto(request.source, default=Source.API)
             if request.source != policy_pb2.POLICY_SOURCE_UNSPECIFIED
             else None
         )
-        try:
-            view = await self._controller.call(lambda core, now: core.get_policy(source, key))
-        except RequestError as exc:
-            await abort_with(context, exc)
+        view = await self._controller.call(lambda core, now: core.get_policy(source, key))
         return status_to_proto(view)
 
     async def ListPolicies(
@@ -398,40 +380,30 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     ) -> policy_pb2.TraceResponse:
         protocol = _PROTOCOLS.get(request.protocol or Protocol.TCP)
         if protocol is None:
-            await abort(context, Code.INVALID_ARGUMENT, "protocol must be TCP, UDP, SCTP, ICMP or ICMPv6")
+            raise PalisadeError("protocol must be TCP, UDP, SCTP, ICMP or ICMPv6", Code.INVALID_ARGUMENT)
         if protocol in (Protocol.TCP, Protocol.UDP, Protocol.SCTP) and not 1 <= request.port <= 65535:
-            await abort(context, Code.INVALID_ARGUMENT, f"port {request.port} must be 1-65535 for {protocol.name}")
-        try:
-            for which, peer in (("source", request.source), ("destination", request.destination)):
-                validate_peer(peer, which)
-        except PalisadeError as exc:
-            await abort_with(context, exc)
+            raise PalisadeError(f"port {request.port} must be 1-65535 for {protocol.name}", Code.INVALID_ARGUMENT)
+        for which, peer in (("source", request.source), ("destination", request.destination)):
+            validate_peer(peer, which)
         src = (request.source.pod, tuple(request.source.labels))
         dst = (request.destination.pod, tuple(request.destination.labels))
-        try:
-            answer = await self._controller.call(lambda core, now: core.trace(src, dst, request.port, protocol))
-        except RequestError as exc:
-            await abort_with(context, exc)
+        answer = await self._controller.call(lambda core, now: core.trace(src, dst, request.port, protocol))
         return trace_to_proto(answer)
 
     async def Resync(
         self, request: policy_pb2.ResyncRequest, context: grpc.aio.ServicerContext
     ) -> policy_pb2.ResyncResponse:
         if not request.node:
-            await abort(context, Code.INVALID_ARGUMENT, "node is required: the node to resync")
-        try:
-            validate_name(request.node, "node")
-        except PalisadeError as exc:
-            await abort_with(context, exc)
-        await self._require_synced(context)
+            raise PalisadeError("node is required: the node to resync", Code.INVALID_ARGUMENT)
+        validate_name(request.node, "node")
+        self._require_synced()
         # Durable: the sequence returned is persisted and its order published before we answer.
-        try:
-            answer = await self._controller.call(
-                lambda core, now: core.resync(request.node, request.identities), JobKind.READ, durable=True
-            )
-        except NotLeading as exc:
-            await abort_with(context, exc)
-        return policy_pb2.ResyncResponse(revision=answer.revision, sequence=answer.sequence, policies=answer.policies)
+        answer = await self._controller.call(
+            lambda core, now: core.resync(request.node, request.identities), JobKind.READ, durable=True
+        )
+        return policy_pb2.ResyncResponse(
+            revision=answer.revision, sequence=answer.sequence, policies=[policy_to_proto(p) for p in answer.policies]
+        )
 
     # --- realized revisions ----------------------------------------------------------------
 
@@ -439,26 +411,23 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         self, request: policy_pb2.WaitForRevisionRequest, context: grpc.aio.ServicerContext
     ) -> policy_pb2.WaitForRevisionResponse:
         if request.revision == 0:
-            await abort(
-                context,
-                Code.INVALID_ARGUMENT,
+            raise PalisadeError(
                 "revision is required: the revision printed by `palisade policy import`, or the current one "
                 "from `palisade status`",
+                Code.INVALID_ARGUMENT,
             )
         if request.timeout_seconds < 0:
-            await abort(
-                context,
-                Code.INVALID_ARGUMENT,
+            raise PalisadeError(
                 "timeout_seconds must be positive (0 uses the server default)",
+                Code.INVALID_ARGUMENT,
             )
-        await self._require_synced(context)
+        self._require_synced()
         current = await self._revision()
         if request.revision > current:
-            await abort(
-                context,
-                Code.INVALID_ARGUMENT,
+            raise PalisadeError(
                 f"revision {request.revision} has not been handed out yet (current is {current}); "
                 "wait for a revision returned by an import or delete",
+                Code.INVALID_ARGUMENT,
             )
         timeout = min(request.timeout_seconds or self._wait_timeout, self._max_wait_timeout)
         behind = await self._controller.wait_for_revision(request.revision, timeout)
@@ -486,20 +455,14 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             elif r.pod and "/" not in r.pod:
                 problem = f"pod {r.pod!r} must be namespace/name"
             if problem:
-                await abort(context, Code.INVALID_ARGUMENT, f"reports[{i}]: {problem}")
-            try:
-                validate_name(r.node, f"reports[{i}].node")
-                if r.pod:
-                    validate_peer(policy_pb2.TracePeer(pod=r.pod), f"reports[{i}]")
-            except PalisadeError as exc:
-                await abort_with(context, exc)
+                raise PalisadeError(f"reports[{i}]: {problem}", Code.INVALID_ARGUMENT)
+            validate_name(r.node, f"reports[{i}].node")
+            if r.pod:
+                validate_peer(policy_pb2.TracePeer(pod=r.pod), f"reports[{i}]")
             reports.append(Report(r.node, r.endpoint_id, r.identity, r.revision, r.pod, r.deleted, clip(r.error)))
 
         if request.node:
-            try:
-                validate_name(request.node, "node")
-            except PalisadeError as exc:
-                await abort_with(context, exc)
+            validate_name(request.node, "node")
 
         def apply(core: PolicyCore, now: float) -> None:
             if request.node:
@@ -508,8 +471,5 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 metrics.IMPLEMENTATION_DELAY.observe(max(0.0, now - caused_at))
             metrics.REALIZED_REPORTS.inc(len(reports))
 
-        try:
-            await self._controller.call(apply, JobKind.REALIZED)
-        except RequestError as exc:
-            await abort_with(context, exc)
+        await self._controller.call(apply, JobKind.REALIZED)
         return policy_pb2.ReportRealizedResponse()

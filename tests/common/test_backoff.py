@@ -1,13 +1,15 @@
-"""The one backoff: doubling delays up to a maximum, reset, jitter bounds, and retry_forever."""
+"""The one backoff and the one retry: delays, attempts, deadline, final action, throttled logs."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
 from services.common.backoff import Backoff, retry_forever
-from services.common.retry import StartupError, with_retries
+from services.common.log import Logger
+from services.common.retry import StartupError, reach, retry, should_log
 
 
 def test_delays_double_up_to_the_maximum_and_reset() -> None:
@@ -44,7 +46,7 @@ async def test_retry_forever_returns_once_the_call_succeeds() -> None:
     assert calls == 3
 
 
-async def test_with_retries_gives_up_after_its_attempts_naming_the_dependency() -> None:
+async def test_reach_gives_up_after_its_attempts_naming_the_dependency() -> None:
     calls = 0
 
     async def down() -> None:
@@ -53,5 +55,97 @@ async def test_with_retries_gives_up_after_its_attempts_naming_the_dependency() 
         raise OSError("connection refused")
 
     with pytest.raises(StartupError, match=r"cannot reach etcd at h:1 after 3 attempts \(connection refused\); run it"):
-        await with_retries("etcd", "h:1", down, retries=3, backoff=0.001, hint="run it")
+        await reach("etcd", "h:1", down, retries=3, backoff=0.001, hint="run it")
     assert calls == 3
+
+
+class Recorder(Logger):
+    def __init__(self) -> None:
+        super().__init__("test")
+        self.warnings: list[dict[str, Any]] = []
+
+    def warning(self, msg: str, **fields: Any) -> None:
+        self.warnings.append({"msg": msg, **fields})
+
+
+class Failing:
+    """A call that fails ``times`` times with ``error``, then returns its call count."""
+
+    def __init__(self, times: int, error: Exception | None = None) -> None:
+        self.times = times
+        self.error = error or OSError("down")
+        self.calls = 0
+
+    async def __call__(self) -> int:
+        self.calls += 1
+        if self.calls <= self.times:
+            raise self.error
+        return self.calls
+
+
+class Waits:
+    """Records the waits instead of sleeping; restarts the backoff on the waits listed."""
+
+    def __init__(self, restart_at: tuple[int, ...] = ()) -> None:
+        self.delays: list[float] = []
+        self.restart_at = restart_at
+
+    async def __call__(self, delay: float) -> bool:
+        self.delays.append(delay)
+        return len(self.delays) in self.restart_at
+
+
+async def test_retry_waits_with_backoff_until_the_call_returns() -> None:
+    call, waits = Failing(4), Waits()
+    assert await retry("x", call, initial=0.1, maximum=0.4, wait=waits) == 5
+    assert waits.delays == pytest.approx([0.1, 0.2, 0.4, 0.4])
+
+
+async def test_a_restarting_wait_starts_the_backoff_over() -> None:
+    call, waits = Failing(4), Waits(restart_at=(2,))
+    await retry("x", call, initial=0.1, maximum=1.0, wait=waits)
+    assert waits.delays == pytest.approx([0.1, 0.2, 0.1, 0.2])
+
+
+async def test_attempts_run_out_into_the_last_error_or_the_final_action() -> None:
+    call = Failing(10)
+    with pytest.raises(OSError, match="down"):
+        await retry("x", call, attempts=3, wait=Waits())
+    assert call.calls == 3
+
+    def give_up(exc: Exception, attempts: int) -> Exception:
+        return RuntimeError(f"gave up after {attempts}: {exc}")
+
+    with pytest.raises(RuntimeError, match="gave up after 2: down"):
+        await retry("x", Failing(10), attempts=2, give_up=give_up, wait=Waits())
+
+
+async def test_a_deadline_stops_before_a_wait_that_would_pass_it() -> None:
+    call, waits = Failing(10), Waits()
+    with pytest.raises(OSError):
+        await retry("x", call, deadline=0.0, wait=waits)
+    assert (call.calls, waits.delays) == (1, [])
+    assert await retry("x", Failing(3), deadline=3600.0, wait=Waits()) == 4
+
+
+async def test_final_errors_and_errors_outside_only_are_raised_at_once() -> None:
+    call = Failing(5, ValueError("bad"))
+    with pytest.raises(ValueError):
+        await retry("x", call, final=(ValueError,), wait=Waits())
+    assert call.calls == 1
+    call = Failing(5, KeyError("k"))
+    with pytest.raises(KeyError):
+        await retry("x", call, only=(OSError,), wait=Waits())
+    assert call.calls == 1
+
+
+async def test_failures_are_logged_on_the_first_attempt_and_every_nth() -> None:
+    logger = Recorder()
+    await retry("x", Failing(45), log_every=20, logger=logger, message="failed", wait=Waits(), fields={"node": "n1"})
+    assert [w["attempt"] for w in logger.warnings] == [1, 20, 40]
+    assert logger.warnings[0] == {"msg": "failed", "what": "x", "attempt": 1, "error": "down", "node": "n1"}
+
+
+@pytest.mark.parametrize(("attempt", "every", "logged"), [(1, 20, True), (2, 20, False), (40, 20, True), (3, 0, False)])
+def test_the_log_throttle(attempt: int, every: int, logged: bool) -> None:
+    assert should_log(attempt, every) is logged

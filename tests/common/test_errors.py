@@ -1,4 +1,4 @@
-"""The one error type and the one abort helper, over a real gRPC server."""
+"""The one error type and the one error interceptor, over a real gRPC server."""
 
 from __future__ import annotations
 
@@ -10,22 +10,50 @@ import pytest
 
 from palisade.v1 import common_pb2, common_pb2_grpc
 from services.common.errors import MAX_MESSAGE, Code, PalisadeError, abort_with, clip
-from services.common.grpcserver import unimplemented
+from services.common.grpcserver import ErrorInterceptor, Status, unimplemented
 
 
 class Failing(common_pb2_grpc.StatusServiceServicer):
-    def __init__(self, error: PalisadeError) -> None:
+    def __init__(self, error: Exception) -> None:
         self.error = error
 
     async def GetStatus(
         self, request: common_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ServiceStatus:
-        await abort_with(context, self.error)
+        raise self.error
+
+
+class Answering(common_pb2_grpc.StatusServiceServicer):
+    async def GetStatus(
+        self, request: common_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ServiceStatus:
+        return common_pb2.ServiceStatus(service="ok")
+
+
+class Aborting(common_pb2_grpc.StatusServiceServicer):
+    """A servicer that still aborts by itself (the datapath's, until it raises)."""
+
+    async def GetStatus(
+        self, request: common_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ServiceStatus:
+        await abort_with(context, PalisadeError("gone", Code.NOT_FOUND))
+
+
+class Outage(Exception):
+    pass
+
+
+def outage_status(exc: Exception, method: str) -> Status | None:
+    if isinstance(exc, Outage):
+        return grpc.StatusCode.UNAVAILABLE, f"{method}: {exc}; retry later"
+    return None
 
 
 @asynccontextmanager
-async def _serve(servicer: common_pb2_grpc.StatusServiceServicer) -> AsyncIterator[common_pb2_grpc.StatusServiceStub]:
-    server = grpc.aio.server()
+async def _serve(
+    servicer: common_pb2_grpc.StatusServiceServicer, errors: ErrorInterceptor | None = None
+) -> AsyncIterator[common_pb2_grpc.StatusServiceStub]:
+    server = grpc.aio.server(interceptors=[errors or ErrorInterceptor()])
     common_pb2_grpc.add_StatusServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -36,8 +64,10 @@ async def _serve(servicer: common_pb2_grpc.StatusServiceServicer) -> AsyncIterat
         await server.stop(None)
 
 
-async def _status_of(servicer: common_pb2_grpc.StatusServiceServicer) -> grpc.aio.AioRpcError:
-    async with _serve(servicer) as stub:
+async def _status_of(
+    servicer: common_pb2_grpc.StatusServiceServicer, errors: ErrorInterceptor | None = None
+) -> grpc.aio.AioRpcError:
+    async with _serve(servicer, errors) as stub:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.GetStatus(common_pb2.GetStatusRequest(), timeout=5)
     return err.value
@@ -53,10 +83,35 @@ def test_clip_says_how_much_was_cut() -> None:
     assert clip("x" * 15, limit=10) == "x" * 10 + "… (5 more characters)"
 
 
-async def test_abort_with_answers_the_errors_code_and_clipped_message() -> None:
+async def test_a_raised_error_answers_its_code_and_clipped_message() -> None:
     err = await _status_of(Failing(PalisadeError("y" * (3 * MAX_MESSAGE), Code.FAILED_PRECONDITION)))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert err.details() == clip("y" * (3 * MAX_MESSAGE))
+
+
+async def test_a_service_mapping_answers_for_its_own_exceptions() -> None:
+    errors = ErrorInterceptor()
+    errors.add_mapping(outage_status)
+    err = await _status_of(Failing(Outage("etcd is down")), errors)
+    assert (err.code(), err.details()) == (grpc.StatusCode.UNAVAILABLE, "GetStatus: etcd is down; retry later")
+
+
+async def test_an_exception_no_mapping_knows_is_unknown() -> None:
+    err = await _status_of(Failing(Outage("etcd is down")))
+    assert err.code() == grpc.StatusCode.UNKNOWN
+
+
+async def test_observers_see_each_calls_method_and_code() -> None:
+    seen: list[tuple[str, str]] = []
+    for servicer in (Answering(), Failing(PalisadeError("no", Code.INVALID_ARGUMENT)), Aborting()):
+        errors = ErrorInterceptor()
+        errors.add_observer(lambda method, code, seconds: seen.append((method, code)))
+        async with _serve(servicer, errors) as stub:
+            try:
+                await stub.GetStatus(common_pb2.GetStatusRequest(), timeout=5)
+            except grpc.aio.AioRpcError:
+                pass
+    assert seen == [("GetStatus", "OK"), ("GetStatus", "INVALID_ARGUMENT"), ("GetStatus", "NOT_FOUND")]
 
 
 async def test_unimplemented_servicer_answers_unimplemented() -> None:

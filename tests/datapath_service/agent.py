@@ -1,7 +1,8 @@
 """The datapath agent run in the test process over the in-memory BPF fake, for tests without root.
 
 Everything else is real: NATS, gRPC to the control plane, gRPC to the agent's own
-DatapathService, the state directory.
+DatapathService, the state directory. The ``cp`` and ``agent`` fixtures, shared by the
+agent's tests and the CNI plugin's, start both on node :data:`NODE`.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import asyncio
 import contextlib
 import errno
 import itertools
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from palisade.v1 import datapath_pb2_grpc
 from services.common.bus import Bus
@@ -26,7 +28,41 @@ from services.datapath.orders import GrpcPolicyClient
 from services.datapath.service import Agent, start_agent
 from services.datapath.types import Address
 from tests.datapath_service.controlplane import ControlPlane
-from tests.harness import channel, creds
+from tests.harness import NatsServer, channel, creds
+
+#: The node the fixtures' control plane and agent are on.
+NODE = "node-a"
+
+
+@contextlib.asynccontextmanager
+async def control_plane(nats_url: str, node: str = NODE, **options: Any) -> AsyncIterator[ControlPlane]:
+    """A started control plane (policy, identity and IPAM services) for ``node``, on its own bus connection."""
+    bus = await Bus.connect([nats_url], name="control-plane", tls=creds())
+    plane = ControlPlane(bus, node, **options)  # type: ignore[abstract]
+    await plane.start()
+    try:
+        yield plane
+    finally:
+        await plane.stop()
+        await bus.close()
+
+
+@pytest.fixture
+async def cp(nats_server: NatsServer) -> AsyncIterator[ControlPlane]:
+    async with control_plane(nats_server.url) as plane:
+        yield plane
+
+
+@pytest.fixture
+async def agent(nats_server: NatsServer, cp: ControlPlane, tmp_path: Path) -> AsyncIterator[InProcessAgent]:
+    """An agent synced with ``cp``; torn down with its BPF fake unless the test stopped it."""
+    runner = InProcessAgent(nats_server.url, cp, tmp_path, NODE)
+    await runner.start()
+    await runner.wait_synced()
+    yield runner
+    if runner.agent is not None:
+        await runner.stop()
+    FakeDatapath.open(runner.config.bpffs).teardown()
 
 
 class FakeNetwork:

@@ -2,42 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from palisade.v1 import common_pb2, datapath_pb2, ipam_pb2, policy_pb2
-from services.common.bus import Bus
 from services.datapath import types as dt
 from services.datapath.fake import FakeDatapath
-from tests.datapath_service.agent import InProcessAgent
+from tests.datapath_service.agent import NODE, InProcessAgent
 from tests.datapath_service.controlplane import ALLOW, DENY, ING, TCP, ControlPlane, entry
 from tests.datapath_service.helpers import create, eventually, labels
-from tests.harness import NatsServer, creds
-
-NODE = "node-a"
-
-
-@pytest.fixture
-async def cp(nats_server: NatsServer) -> AsyncIterator[ControlPlane]:
-    bus = await Bus.connect([nats_server.url], name="control-plane", tls=creds())
-    plane = ControlPlane(bus, NODE)  # type: ignore[abstract]
-    await plane.start()
-    yield plane
-    await plane.stop()
-    await bus.close()
-
-
-@pytest.fixture
-async def agent(nats_server: NatsServer, cp: ControlPlane, tmp_path: Path) -> AsyncIterator[InProcessAgent]:
-    runner = InProcessAgent(nats_server.url, cp, tmp_path, NODE)
-    await runner.start()
-    await runner.wait_synced()
-    yield runner
-    await runner.stop()
-    FakeDatapath.open(runner.config.bpffs).teardown()
 
 
 def verdict(agent: InProcessAgent, ep_id: int, remote_ip: str, port: int) -> dt.Verdict:

@@ -22,7 +22,7 @@ from services.datapath import types as dt
 from services.datapath.fake import FakeDatapath
 from services.datapath.flows import FlowFilter
 from services.datapath.metrics import AgentParts, DatapathMetrics, KernelTotals
-from tests.datapath_service.agent import InProcessAgent
+from tests.datapath_service.agent import InProcessAgent, control_plane
 from tests.datapath_service.controlplane import ING, ControlPlane, entry
 from tests.datapath_service.helpers import create as create_fake
 from tests.datapath_service.helpers import create_endpoint, eventually, in_thread, started
@@ -34,12 +34,8 @@ NODE = "node-a"
 
 @pytest.fixture
 async def cp(nats_server: NatsServer) -> AsyncIterator[ControlPlane]:
-    bus = await Bus.connect([nats_server.url], name="control-plane", tls=creds())
-    plane = ControlPlane(bus, NODE, cidr="10.251.4.0/24")  # type: ignore[abstract]
-    await plane.start()
-    yield plane
-    await plane.stop()
-    await bus.close()
+    async with control_plane(nats_server.url, NODE, cidr="10.251.4.0/24") as plane:
+        yield plane
 
 
 async def until(proc: ServiceProcess, check: Callable[[Metrics], bool], timeout: float = 10.0) -> Metrics:

@@ -14,11 +14,11 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from palisade.v1 import common_pb2, datapath_pb2
-from services.common.bus import Bus
+from tests.datapath_service.agent import control_plane
 from tests.datapath_service.controlplane import ALLOW, ING, ControlPlane, entry
 from tests.datapath_service.helpers import create_endpoint, in_thread, started
 from tests.datapath_service.pods import Pods
-from tests.harness import NatsServer, ServiceProcess, creds, health_status
+from tests.harness import NatsServer, ServiceProcess, health_status
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -27,12 +27,8 @@ NODE = "node-a"
 
 @pytest.fixture
 async def cp(nats_server: NatsServer) -> AsyncIterator[ControlPlane]:
-    bus = await Bus.connect([nats_server.url], name="control-plane", tls=creds())
-    plane = ControlPlane(bus, NODE, cidr="10.251.3.0/24")  # type: ignore[abstract]
-    await plane.start()
-    yield plane
-    await plane.stop()
-    await bus.close()
+    async with control_plane(nats_server.url, NODE, cidr="10.251.3.0/24") as plane:
+        yield plane
 
 
 @pytest.fixture

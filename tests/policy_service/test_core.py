@@ -8,13 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from palisade.v1 import common_pb2, k8s_pb2, policy_pb2
+from palisade.v1 import common_pb2, policy_pb2
 from services.policy.engine.core import RequestError
 from services.policy.engine.entries import MAX_IDENTITY
 from services.policy.engine.orders import PersistedState
 from services.policy.engine.realized import Report
 from services.policy.engine.sources import Source
 from services.policy.servicer import status_to_proto
+from services.policy.wire import diff_to_proto
 from tests.policy_service import builders
 from tests.policy_service.world import World, ingress_key
 
@@ -84,7 +85,8 @@ def test_replacing_a_policy_sends_the_exact_diff(world: World) -> None:
 
     world.policy(builders.netpol("p", {"app": "db"}, {"app": "web"}, 6432))
     order = world.orders_by_node(world.commit())["n2"]
-    (diff,) = order.diffs
+    (planned,) = order.diffs
+    diff = diff_to_proto(planned)
     assert not diff.full
     assert [builders_key(e) for e in diff.add] == [ingress_key(WEB, 6432)]
     assert [builders_key(e) for e in diff.remove] == [ingress_key(WEB, 5432)]
@@ -130,7 +132,7 @@ def test_rejected_policy_changes_nothing_and_keeps_its_error(world: World) -> No
 def test_a_definition_conflict_from_the_watcher_is_an_error_on_the_enforced_policy(world: World) -> None:
     d = builders.delta(builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432))
     d.conflict = "networkpolicy/default/p is also defined in b.yaml"
-    outcome = world.core.apply_policy_delta(d, world.tick())
+    outcome = world.delta(d)
     assert outcome is not None and outcome.accepted
     world.commit()
     status = status_to_proto(world.core.get_policy(Source.KUBERNETES, outcome.key))
@@ -138,14 +140,14 @@ def test_a_definition_conflict_from_the_watcher_is_an_error_on_the_enforced_poli
     assert "also defined in b.yaml" in status.error
     # Resolved: the next delta carries no conflict, and the error is gone.
     d.conflict = ""
-    world.core.apply_policy_delta(d, world.tick())
+    world.delta(d)
     assert status_to_proto(world.core.get_policy(Source.KUBERNETES, outcome.key)).error == ""
 
 
 def test_invalid_json_from_the_watcher_is_a_rejection(world: World) -> None:
     d = builders.delta(builders.netpol("p", {"app": "db"}, {"app": "web"}, 1))
     d.object_json = b"{not json"
-    outcome = world.core.apply_policy_delta(d, world.tick())
+    outcome = world.delta(d)
     assert outcome is not None and not outcome.accepted
     assert "NetworkPolicy default/p" in outcome.error
     assert world.commit().orders == ()
@@ -341,7 +343,7 @@ def test_a_node_that_leaves_stops_counting_until_it_is_back(world: World) -> Non
     assert counted() == ["n1", "n3"]
     assert {lag.node for lag in world.core.wait_state(rev)} == {"n2", "n3"}
     # n3's Node object is deleted: it no longer counts, nor holds the wait.
-    world.core.apply_node_delta(k8s_pb2.K8sDelta(kind=k8s_pb2.K8S_KIND_NODE, op=k8s_pb2.DELTA_OP_DELETE, name="n3"))
+    world.core.apply_node_delta("n3", deleted=True)
     assert counted() == ["n1"]
     assert world.core.get_policy(Source.KUBERNETES, outcome.key).rollup.realized
     assert {lag.node for lag in world.core.wait_state(rev)} == {"n2"}
@@ -356,7 +358,7 @@ def test_a_node_that_leaves_stops_counting_until_it_is_back(world: World) -> Non
     world.core.node_seen("n2", start + 62)
     assert {lag.node for lag in world.core.wait_state(rev)} == {"n2"}
     # n3 comes back as a Node and reports.
-    world.core.apply_node_delta(k8s_pb2.K8sDelta(kind=k8s_pb2.K8S_KIND_NODE, op=k8s_pb2.DELTA_OP_UPSERT, name="n3"))
+    world.core.apply_node_delta("n3", deleted=False)
     world.report("n3", "default/web-2", WEB, rev)
     assert counted() == ["n1", "n3"] and world.core.status().nodes_gone == 0
 

@@ -5,28 +5,20 @@ from __future__ import annotations
 import pytest
 
 from palisade.v1 import common_pb2
-from services.policy.engine.orders import PlannedOrder, encode
+from services.policy.engine.model import Direction, EntryKey, Protocol, Verdict
+from services.policy.engine.orders import OrderDiff, PlannedOrder
+from services.policy.wire import diff_to_proto, encode
 
 
-def diff(identity: int, entries: int) -> common_pb2.IdentityPolicyDiff:
-    d = common_pb2.IdentityPolicyDiff(identity=identity, enforcement=common_pb2.Enforcement(ingress=True))
-    for port in range(1, entries + 1):
-        d.add.append(
-            common_pb2.PolicyEntry(
-                key=common_pb2.PolicyKey(
-                    direction=common_pb2.DIRECTION_INGRESS,
-                    remote_identity=70000 + port,
-                    protocol=common_pb2.PROTOCOL_TCP,
-                    port_low=port,
-                    port_high=port,
-                ),
-                verdict=common_pb2.VERDICT_ALLOW,
-            )
-        )
-    return d
+def diff(identity: int, entries: int) -> OrderDiff:
+    added = {
+        EntryKey(Direction.INGRESS, 70000 + port, Protocol.TCP, port, port): Verdict.ALLOW
+        for port in range(1, entries + 1)
+    }
+    return OrderDiff(identity, ingress_enforced=True, egress_enforced=False, add=added)
 
 
-def order(*diffs: common_pb2.IdentityPolicyDiff, removed: tuple[int, ...] = ()) -> PlannedOrder:
+def order(*diffs: OrderDiff, removed: tuple[int, ...] = ()) -> PlannedOrder:
     return PlannedOrder("n1", sequence=9, revision=33, diffs=diffs, removed=removed, caused_at=12.5)
 
 
@@ -46,7 +38,7 @@ def test_large_order_is_chunked_within_the_limit_without_splitting_an_identity(m
     assert all(m.ByteSize() <= max_bytes for m in messages)
     assert [m.chunk for m in messages] == list(range(len(messages)))
     assert {(m.sequence, m.revision, m.chunks) for m in messages} == {(9, 33, len(messages))}
-    assert [d for m in messages for d in m.diffs] == list(diffs)
+    assert [d for m in messages for d in m.diffs] == [diff_to_proto(d) for d in diffs]
     assert [list(m.removed_identities) for m in messages] == [[999]] + [[]] * (len(messages) - 1)
 
 
@@ -59,3 +51,13 @@ def test_too_many_chunks_means_fetch() -> None:
 def test_one_identity_larger_than_the_limit_means_fetch() -> None:
     (msg,) = encode(order(diff(256, 2), diff(257, 400)), max_bytes=2048, max_chunks=100)
     assert msg.fetch and not msg.diffs
+
+
+def test_a_diff_is_encoded_as_its_entries_sorted_with_its_enforcement() -> None:
+    (msg,) = encode(order(diff(256, 2)), max_bytes=4096, max_chunks=4)
+    (encoded,) = msg.diffs
+    assert encoded.enforcement == common_pb2.Enforcement(ingress=True, egress=False) and not encoded.full
+    assert [(e.key.remote_identity, e.key.protocol, e.key.port_low, e.verdict) for e in encoded.add] == [
+        (70001, common_pb2.PROTOCOL_TCP, 1, common_pb2.VERDICT_ALLOW),
+        (70002, common_pb2.PROTOCOL_TCP, 2, common_pb2.VERDICT_ALLOW),
+    ]

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from palisade.v1 import common_pb2, policy_pb2
+from palisade.v1 import common_pb2, identity_pb2, k8s_pb2, policy_pb2
 from services.common.subjects import identity_subject, ipcache_subject
 from services.policy.engine.core import Commit, Outcome, PolicyCore
-from services.policy.engine.orders import PersistedState, PlannedOrder, encode
+from services.policy.engine.orders import PersistedState, PlannedOrder
 from services.policy.engine.realized import Report
 from services.policy.engine.sources import Source
+from services.policy.wire import delta_from_proto, encode, identity_from_proto, policy_to_proto, record_from_proto
 from tests.policy_service import builders
 from tests.policy_service.nodestate import IdentityState, NodeState, from_policies
 
@@ -33,27 +34,33 @@ class World:
     # --- inputs ---------------------------------------------------------------------------
 
     def identity(self, number: int, namespace: str = "default", **labels: str) -> None:
-        self.core.apply_identity(
-            identity_subject(number), builders.identity_update(number, labels, namespace), self.tick()
-        )
+        self.apply_identity(builders.identity_update(number, labels, namespace))
 
     def forget_identity(self, number: int) -> None:
-        update = builders.identity_update(number, {}, deleted=True)
-        self.core.apply_identity(identity_subject(number), update, self.tick())
+        self.apply_identity(builders.identity_update(number, {}, deleted=True))
+
+    def apply_identity(self, update: identity_pb2.IdentityUpdate) -> None:
+        """An identity update as the service's edge decodes it."""
+        change = identity_from_proto(identity_subject(update.identity.id), update)
+        assert change is not None
+        self.core.apply_identity(change, self.tick())
 
     def pod(self, ip: str, identity: int, node: str, name: str, **kw: Any) -> None:
         entry = builders.ipcache_entry(ip, identity, node, name, **kw)
-        self.core.apply_ipcache(ipcache_subject(ip), entry, self.tick())
+        self.core.apply_ipcache(ipcache_subject(ip), record_from_proto(entry), self.tick())
 
     def unpod(self, ip: str) -> None:
-        entry = builders.ipcache_entry(ip, 0, "", "", deleted=True)
-        self.core.apply_ipcache(ipcache_subject(ip), entry, self.tick())
+        self.core.apply_ipcache(ipcache_subject(ip), None, self.tick())
 
     def policy(self, doc: Mapping[str, Any]) -> Outcome | None:
-        return self.core.apply_policy_delta(builders.delta(doc), self.tick())
+        return self.delta(builders.delta(doc))
 
     def delete_policy(self, doc: Mapping[str, Any]) -> None:
-        self.core.apply_policy_delta(builders.delta(doc, delete=True), self.tick())
+        self.delta(builders.delta(doc, delete=True))
+
+    def delta(self, delta: k8s_pb2.K8sDelta) -> Outcome | None:
+        """A watcher's delta as the service's edge decodes it."""
+        return self.core.apply_policy_delta(delta_from_proto(delta), self.tick())
 
     def import_policy(self, doc: Mapping[str, Any]) -> Outcome:
         return self.core.upsert(Source.API, doc, "", self.tick())
@@ -90,21 +97,23 @@ class World:
         """A datapath fetching one identity's policy by name (a pod the ipcache does not know)."""
         answer = self.core.resync(node, [identity])
         state = self.nodes.setdefault(node, NodeState())
-        state.policies.update(from_policies(answer.policies))
+        state.policies.update(from_policies(map(policy_to_proto, answer.policies)))
 
     def resync(self, node: str) -> dict[int, IdentityState]:
         answer = self.core.resync(node)
-        return from_policies(answer.policies)
+        return from_policies(map(policy_to_proto, answer.policies))
 
     def resync_response(self, node: str) -> policy_pb2.ResyncResponse:
         answer = self.core.resync(node)
-        return policy_pb2.ResyncResponse(revision=answer.revision, sequence=answer.sequence, policies=answer.policies)
+        return policy_pb2.ResyncResponse(
+            revision=answer.revision, sequence=answer.sequence, policies=list(map(policy_to_proto, answer.policies))
+        )
 
     def assert_nodes_match_resync(self) -> None:
         for node, state in self.nodes.items():
             answer = self.core.resync(node)
             assert state.sequence == answer.sequence, node
-            assert state.policies == from_policies(answer.policies), node
+            assert state.policies == from_policies(map(policy_to_proto, answer.policies)), node
 
 
 def ingress_key(remote: int, port: int) -> tuple[int, int, int, int, int]:

@@ -14,18 +14,17 @@ it names in a Resync, and those of endpoints it reports.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from palisade.v1 import common_pb2, identity_pb2, k8s_pb2
 from services.common.errors import Code, PalisadeError
 from services.common.labels import CLUSTER_NAME_DEFAULT, LabelSet, LabelSource, parse_label
 from services.common.log import get_logger
+from services.policy.engine.changes import IdentityChange, ObjectDelta, ObjectKind
 from services.policy.engine.entries import MAX_IDENTITY
 from services.policy.engine.identity import Identity
-from services.policy.engine.ipcache import IpcacheError, IpcacheTable, is_endpoint_identity, record_from_proto
+from services.policy.engine.ipcache import IpcacheRecord, IpcacheTable, is_endpoint_identity
 from services.policy.engine.model import Policy, PolicyKind, PolicyRef, PolicyValidationError, Protocol
 from services.policy.engine.orders import OrderPlanner, PersistedState, PlannedOrder
 from services.policy.engine.parse import parse_policy
@@ -35,15 +34,9 @@ from services.policy.engine.registry import ApiChange, PolicyRecord, Registry, S
 from services.policy.engine.resolve import ResolvedPolicy
 from services.policy.engine.sources import Source, engine_key, object_key
 from services.policy.engine.trace import TraceEndpoint, TraceResult, trace
-from services.policy.engine.wire import labels_from_proto, policy_to_proto
 
 log = get_logger("policy")
 
-_DELTA_KINDS = {
-    k8s_pb2.K8S_KIND_NETWORK_POLICY: PolicyKind.NETWORK_POLICY,
-    k8s_pb2.K8S_KIND_CILIUM_NETWORK_POLICY: PolicyKind.CILIUM_NETWORK_POLICY,
-    k8s_pb2.K8S_KIND_CILIUM_CLUSTERWIDE_NETWORK_POLICY: PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY,
-}
 _API_VERSIONS = {
     PolicyKind.NETWORK_POLICY: "networking.k8s.io/v1",
     PolicyKind.CILIUM_NETWORK_POLICY: "cilium.io/v2",
@@ -103,7 +96,7 @@ class TraceAnswer:
 class ResyncAnswer:
     revision: int
     sequence: int
-    policies: tuple[common_pb2.IdentityPolicy, ...]
+    policies: tuple[ResolvedPolicy, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,19 +287,19 @@ class PolicyCore:
 
     # --- policies -------------------------------------------------------------------------
 
-    def apply_service_delta(self, delta: k8s_pb2.K8sDelta, now: float) -> None:
+    def apply_service_delta(self, delta: ObjectDelta, now: float) -> None:
         """A Service or EndpointSlice: the policies whose ``toServices`` name it follow."""
         obj: dict[str, Any] | None = None
-        if delta.op != k8s_pb2.DELTA_OP_DELETE:
-            try:
-                parsed = json.loads(delta.object_json)
-            except (ValueError, RecursionError) as exc:
-                log.warning("service object ignored: not JSON", name=f"{delta.namespace}/{delta.name}", error=str(exc))
+        if not delta.deleted:
+            if delta.error:
+                log.warning(
+                    "service object ignored: not JSON", name=f"{delta.namespace}/{delta.name}", error=delta.error
+                )
                 return
-            obj = parsed if isinstance(parsed, dict) else None
+            obj = delta.body if isinstance(delta.body, dict) else None
             if obj is None:
                 return
-        service = delta.kind == k8s_pb2.K8S_KIND_SERVICE
+        service = delta.kind is ObjectKind.SERVICE
         if self.engine.names_services() and (
             service or self.engine.services.slice_matters(delta.namespace, delta.name, obj)
         ):
@@ -316,25 +309,24 @@ class PolicyCore:
         else:
             self.engine.set_endpoint_slice(delta.namespace, delta.name, obj)
 
-    def apply_policy_delta(self, delta: k8s_pb2.K8sDelta, now: float) -> Outcome | None:
+    def apply_policy_delta(self, delta: ObjectDelta, now: float) -> Outcome | None:
         """A NetworkPolicy/CNP/CCNP from the watcher; None for kinds that are not policies."""
-        if delta.kind in (k8s_pb2.K8S_KIND_SERVICE, k8s_pb2.K8S_KIND_ENDPOINT_SLICE):
+        if delta.kind in (ObjectKind.SERVICE, ObjectKind.ENDPOINT_SLICE):
             self.apply_service_delta(delta, now)
             return None
-        kind = _DELTA_KINDS.get(delta.kind)
+        kind = delta.kind.policy_kind
         if kind is None:
             return None
         key = object_key(kind, delta.namespace, delta.name)
         provenance = " ".join(part for part in (delta.source or "kubernetes", delta.origin) if part)
-        if delta.op == k8s_pb2.DELTA_OP_DELETE:
+        if delta.deleted:
             self.delete(Source.KUBERNETES, key, now)
             return Outcome(Source.KUBERNETES, key, True)
-        text = delta.object_json.decode("utf-8", errors="replace")
-        try:
-            doc = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            error = f"{kind.value} {key.namespace}/{key.name}: {exc}"
+        text = delta.text
+        if delta.error:
+            error = f"{kind.value} {key.namespace}/{key.name}: {delta.error}"
             return self._reject(Source.KUBERNETES, key, error, text, provenance, delta.conflict)
+        doc = delta.body
         if not isinstance(doc, dict):
             error = f"{kind.value} {key.name}: object_json is not a JSON object"
             return self._reject(Source.KUBERNETES, key, error, text, provenance, delta.conflict)
@@ -429,11 +421,8 @@ class PolicyCore:
 
     # --- identities and ipcache -------------------------------------------------------------
 
-    def apply_identity(self, subject: str, update: identity_pb2.IdentityUpdate, now: float) -> None:
-        number = update.identity.id or _subject_number(subject)
-        if number is None:
-            log.warning("identity update without id", subject=subject)
-            return
+    def apply_identity(self, update: IdentityChange, now: float) -> None:
+        number = update.number
         if update.deleted:
             for requested in self._requested.values():
                 requested.discard(number)
@@ -444,27 +433,19 @@ class PolicyCore:
         if not 0 < number <= MAX_IDENTITY:
             log.warning(
                 "identity ignored: outside the identities the engine holds; allocate identities in ipam's ranges",
-                subject=subject,
                 identity=number,
                 limit=MAX_IDENTITY,
             )
             return
-        identity = Identity(number, labels_from_proto(update.identity.labels))
+        identity = Identity(number, update.labels)
         if self.engine.identity(number) == identity:
             return
         self._change(now)
         self.engine.upsert_identity(identity)
 
-    def apply_ipcache(self, subject: str, entry: identity_pb2.IpcacheEntry, now: float) -> None:
-        if entry.deleted:
-            delta = self.ipcache.delete(subject)
-        else:
-            try:
-                record = record_from_proto(entry)
-            except IpcacheError as exc:
-                log.warning("ipcache entry ignored", subject=subject, error=str(exc))
-                return
-            delta = self.ipcache.upsert(subject, record)
+    def apply_ipcache(self, key: str, record: IpcacheRecord | None, now: float) -> None:
+        """The ipcache entry under ``key`` (one per prefix) is now ``record``; None: deleted."""
+        delta = self.ipcache.delete(key) if record is None else self.ipcache.upsert(key, record)
         old, new = delta.old, delta.new
         if old == new:
             return
@@ -501,14 +482,14 @@ class PolicyCore:
         if node not in self._deleted_nodes and self.realized.set_gone(node, False):
             log.info("node back", node=node)
 
-    def apply_node_delta(self, delta: k8s_pb2.K8sDelta) -> None:
+    def apply_node_delta(self, name: str, *, deleted: bool) -> None:
         """A Node object: deleting it takes the node out of every count until it is back."""
-        if delta.op == k8s_pb2.DELTA_OP_DELETE:
-            self._deleted_nodes.add(delta.name)
-            if self.realized.set_gone(delta.name, True):
-                log.info("node gone: its Node object was deleted", node=delta.name)
+        if deleted:
+            self._deleted_nodes.add(name)
+            if self.realized.set_gone(name, True):
+                log.info("node gone: its Node object was deleted", node=name)
         else:
-            self._deleted_nodes.discard(delta.name)
+            self._deleted_nodes.discard(name)
 
     def expire_nodes(self, now: float, grace: float) -> None:
         """Nodes whose datapath has been silent for over ``grace`` seconds stop counting."""
@@ -587,7 +568,7 @@ class PolicyCore:
         for identity in chosen:
             policy = self.engine.policy_for(identity)
             if policy is not None:
-                policies.append(policy_to_proto(policy))
+                policies.append(policy)
         return ResyncAnswer(self.revision, self.planner.sequence(node), tuple(policies))
 
     def policy_of(self, identity: int) -> ResolvedPolicy | None:
@@ -687,11 +668,6 @@ def _key_of(doc: Mapping[str, Any]) -> PolicyRef:
     except ValueError:
         kind = PolicyKind.NETWORK_POLICY
     return object_key(kind, str(meta.get("namespace") or ""), str(meta.get("name") or ""))
-
-
-def _subject_number(subject: str) -> int | None:
-    last = subject.rpartition(".")[2]
-    return int(last) if last.isdigit() else None
 
 
 def _port_tuples(ports: Mapping[str, frozenset[tuple[Protocol, int]]]) -> dict[str, list[tuple[Protocol, int]]]:

@@ -7,13 +7,11 @@ endpoints (pods) per node, and each identity's named ports (union over its pods)
 
 from __future__ import annotations
 
-import ipaddress
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from palisade.v1 import identity_pb2
 from services.common.labels import ReservedIdentity
 from services.policy.engine.identity import MAX_CLUSTER_IDENTITY, MIN_CLUSTER_IDENTITY
 from services.policy.engine.model import IPAddress, Protocol
@@ -50,30 +48,6 @@ class IpcacheRecord:
         if self.node and self.pod and is_endpoint_identity(self.identity):
             return (self.node, self.pod)
         return None
-
-
-class IpcacheError(ValueError):
-    """An ipcache entry that cannot be used; says which and why."""
-
-
-def record_from_proto(entry: identity_pb2.IpcacheEntry) -> IpcacheRecord:
-    try:
-        net = ipaddress.ip_network(entry.prefix, strict=False)
-    except ValueError:
-        raise IpcacheError(f"ipcache prefix {entry.prefix!r} is not an address or CIDR; fix the publisher") from None
-    ip = net.network_address if net.prefixlen == net.max_prefixlen else None
-    pod = f"{entry.namespace}/{entry.pod}" if entry.pod else ""
-    ports: set[tuple[str, Protocol, int]] = set()
-    for name, np in entry.named_ports.items():
-        try:
-            proto = Protocol(np.protocol) if np.protocol else Protocol.TCP
-        except ValueError:
-            continue
-        if 0 < np.port <= 65535:
-            ports.add((name, proto, np.port))
-    return IpcacheRecord(
-        prefix=str(net), ip=ip, identity=entry.identity, node=entry.node, pod=pod, named_ports=frozenset(ports)
-    )
 
 
 @dataclass(frozen=True, slots=True)

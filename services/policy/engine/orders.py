@@ -14,15 +14,12 @@ a restart continues it); a datapath that sees a gap asks for a resync.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
-from palisade.v1 import common_pb2, policy_pb2
+from services.policy.engine.model import EntryKey, Verdict
 from services.policy.engine.policyengine import PolicyDiff
 from services.policy.engine.resolve import ResolvedPolicy
-from services.policy.engine.wire import diff_to_proto, full_diff_to_proto
 
 PolicyOf = Callable[[int], ResolvedPolicy | None]
 
@@ -35,6 +32,31 @@ class PersistedState:
     sequences: Mapping[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class OrderDiff:
+    """One identity's part of an order: drop ``remove``, then set ``add``; ``full`` replaces all.
+
+    One object per identity and plan, shared by every node's order, so the edge encodes it once.
+    """
+
+    identity: int
+    ingress_enforced: bool
+    egress_enforced: bool
+    add: Mapping[EntryKey, Verdict] = field(default_factory=dict)
+    remove: Set[EntryKey] = frozenset()
+    full: bool = False
+
+    @classmethod
+    def of(cls, diff: PolicyDiff) -> OrderDiff:
+        """An incremental diff (a key whose verdict changed is in both ``remove`` and ``add``)."""
+        return cls(diff.identity, diff.ingress_enforced, diff.egress_enforced, diff.added, diff.removed)
+
+    @classmethod
+    def whole(cls, policy: ResolvedPolicy) -> OrderDiff:
+        """The whole policy of an identity, replacing whatever the receiver had."""
+        return cls(policy.identity, policy.ingress_enforced, policy.egress_enforced, policy.entries, full=True)
+
+
 @dataclass(frozen=True, slots=True)
 class PlannedOrder:
     """One node's order before encoding."""
@@ -42,7 +64,7 @@ class PlannedOrder:
     node: str
     sequence: int
     revision: int
-    diffs: tuple[common_pb2.IdentityPolicyDiff, ...] = ()
+    diffs: tuple[OrderDiff, ...] = ()
     removed: tuple[int, ...] = ()
     replace: bool = False
     caused_at: float = 0.0
@@ -92,7 +114,7 @@ class OrderPlanner:
     ) -> list[PlannedOrder]:
         """The whole state of every node (first orders after a start): every diff full."""
         orders = []
-        full: dict[int, common_pb2.IdentityPolicyDiff] = {}
+        full: dict[int, OrderDiff] = {}
         for node in sorted(set(nodes) | set(self._seq)):
             for identity in self._delivered.pop(node, set()):
                 self._unhold(identity, node)
@@ -102,7 +124,7 @@ class OrderPlanner:
                 if policy is None:
                     continue
                 if identity not in full:
-                    full[identity] = full_diff_to_proto(policy)
+                    full[identity] = OrderDiff.whole(policy)
                 diffs.append(full[identity])
                 self._hold(identity, node)
             orders.append(self._order(node, revision, tuple(diffs), (), True, caused_at))
@@ -131,15 +153,15 @@ class OrderPlanner:
         for identity in diffs:
             for node in local_nodes(identity) | self._holders.get(identity, set()):
                 candidates.setdefault(node, set()).add(identity)
-        converted: dict[int, common_pb2.IdentityPolicyDiff] = {}
+        converted: dict[int, OrderDiff] = {}
         # Full and incremental forms of one identity can both be needed in one plan.
-        full_forms: dict[int, common_pb2.IdentityPolicyDiff] = {}
+        full_forms: dict[int, OrderDiff] = {}
         orders = []
         # Nodes holding nothing (their pods are gone) need no revision bumps; their sequence is kept.
         holding = {node for node, held in self._delivered.items() if held}
         for node in sorted(set(nodes) | holding | set(candidates)):
             held = self._delivered.setdefault(node, set())
-            out: list[common_pb2.IdentityPolicyDiff] = []
+            out: list[OrderDiff] = []
             removed: list[int] = []
             for identity in sorted(candidates.get(node, ())):
                 want = is_local(node, identity) and policy_of(identity) is not None
@@ -148,7 +170,7 @@ class OrderPlanner:
                     if identity not in full_forms:
                         policy = policy_of(identity)
                         assert policy is not None
-                        full_forms[identity] = full_diff_to_proto(policy)
+                        full_forms[identity] = OrderDiff.whole(policy)
                     out.append(full_forms[identity])
                     self._hold(identity, node)
                 elif had and not want:
@@ -156,7 +178,7 @@ class OrderPlanner:
                     self._unhold(identity, node)
                 elif want and identity in diffs:
                     if identity not in converted:
-                        converted[identity] = diff_to_proto(diffs[identity])
+                        converted[identity] = OrderDiff.of(diffs[identity])
                     out.append(converted[identity])
             if not held:
                 self._delivered.pop(node, None)
@@ -168,7 +190,7 @@ class OrderPlanner:
         self,
         node: str,
         revision: int,
-        diffs: tuple[common_pb2.IdentityPolicyDiff, ...],
+        diffs: tuple[OrderDiff, ...],
         removed: tuple[int, ...],
         replace: bool,
         caused_at: float,
@@ -194,67 +216,3 @@ class OrderPlanner:
             holders.discard(node)
             if not holders:
                 del self._holders[identity]
-
-
-# --- encoding -------------------------------------------------------------------------------
-
-# Bytes a repeated message field adds around each element: tag plus length varint.
-_FIELD_OVERHEAD = 6
-
-
-def _timestamp(seconds: float) -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(int(seconds * 1e9))
-    return ts
-
-
-def encode(order: PlannedOrder, *, max_bytes: int, max_chunks: int) -> list[policy_pb2.RegenerationOrder]:
-    """The message(s) to publish for one order.
-
-    Whole if it fits in ``max_bytes``; else split into at most ``max_chunks`` chunks
-    (one identity's diff is never split); else one ``fetch=true`` order telling
-    the datapath to call Resync.
-    """
-
-    def header() -> policy_pb2.RegenerationOrder:
-        msg = policy_pb2.RegenerationOrder(
-            node=order.node, sequence=order.sequence, revision=order.revision, replace=order.replace
-        )
-        if order.caused_at:
-            msg.caused_at.CopyFrom(_timestamp(order.caused_at))
-        return msg
-
-    whole = header()
-    whole.removed_identities.extend(order.removed)
-    whole.diffs.extend(order.diffs)
-    if whole.ByteSize() <= max_bytes:
-        return [whole]
-    base = header().ByteSize() + 8  # + chunk/chunks fields
-    chunks: list[list[common_pb2.IdentityPolicyDiff]] = [[]]
-    size = base + len(order.removed) * 6
-    for diff in order.diffs:
-        cost = diff.ByteSize() + _FIELD_OVERHEAD
-        if base + cost > max_bytes:
-            return [_fetch(header())]
-        if size + cost > max_bytes and chunks[-1]:
-            chunks.append([])
-            size = base
-        chunks[-1].append(diff)
-        size += cost
-    if len(chunks) > max_chunks:
-        return [_fetch(header())]
-    out = []
-    for i, part in enumerate(chunks):
-        msg = header()
-        if i == 0:
-            msg.removed_identities.extend(order.removed)
-        msg.diffs.extend(part)
-        msg.chunk = i
-        msg.chunks = len(chunks)
-        out.append(msg)
-    return out
-
-
-def _fetch(msg: policy_pb2.RegenerationOrder) -> policy_pb2.RegenerationOrder:
-    msg.fetch = True
-    return msg

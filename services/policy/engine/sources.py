@@ -10,26 +10,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from palisade.v1 import policy_pb2
 from services.policy.engine.model import PolicyKind, PolicyRef
 
 
 class Source(enum.StrEnum):
     KUBERNETES = "kubernetes"
     API = "api"
-
-    def to_proto(self) -> policy_pb2.PolicySource.ValueType:
-        if self is Source.KUBERNETES:
-            return policy_pb2.POLICY_SOURCE_KUBERNETES
-        return policy_pb2.POLICY_SOURCE_API
-
-
-def source_from_proto(value: int, *, default: Source) -> Source:
-    if value == policy_pb2.POLICY_SOURCE_KUBERNETES:
-        return Source.KUBERNETES
-    if value == policy_pb2.POLICY_SOURCE_API:
-        return Source.API
-    return default
 
 
 def engine_key(source: Source, key: PolicyRef) -> PolicyRef:

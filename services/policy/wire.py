@@ -1,0 +1,248 @@
+"""The policy service's edge: protobufs and subjects in, the engine's own types out, and back.
+
+The only module of the service that knows both shapes (as ``services.datapath.wire``
+is for the datapath): messages from the bus are decoded here before the engine sees
+them, and byte-for-byte what the datapath receives is decided here.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import Iterable, Mapping
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from palisade.v1 import common_pb2, identity_pb2, k8s_pb2, policy_pb2
+from services.common.labels import labels_from_wire
+from services.policy.engine.changes import IdentityChange, ObjectDelta, ObjectKind
+from services.policy.engine.ipcache import IpcacheRecord
+from services.policy.engine.model import Direction, EntryKey, PolicyRef, Protocol, Verdict
+from services.policy.engine.orders import OrderDiff, PlannedOrder
+from services.policy.engine.resolve import ResolvedPolicy
+from services.policy.engine.sources import Source
+
+_DIRECTIONS = {Direction.INGRESS: common_pb2.DIRECTION_INGRESS, Direction.EGRESS: common_pb2.DIRECTION_EGRESS}
+_VERDICTS = {Verdict.ALLOW: common_pb2.VERDICT_ALLOW, Verdict.DENY: common_pb2.VERDICT_DENY}
+
+
+def direction_to_proto(direction: Direction) -> common_pb2.Direction.ValueType:
+    return _DIRECTIONS[direction]
+
+
+def verdict_to_proto(verdict: Verdict) -> common_pb2.Verdict.ValueType:
+    return _VERDICTS[verdict]
+
+
+def key_to_proto(key: EntryKey) -> common_pb2.PolicyKey:
+    return common_pb2.PolicyKey(
+        direction=_DIRECTIONS[key.direction],
+        remote_identity=key.identity,
+        protocol=int(key.protocol),  # type: ignore[arg-type]  # IP protocol numbers are the enum values
+        port_low=key.port_low,
+        port_high=key.port_high,
+    )
+
+
+def entries_to_proto(entries: Mapping[EntryKey, Verdict]) -> list[common_pb2.PolicyEntry]:
+    """Entries sorted by key, so equal policies serialize identically."""
+    return [common_pb2.PolicyEntry(key=key_to_proto(k), verdict=_VERDICTS[v]) for k, v in sorted(entries.items())]
+
+
+def removals_to_proto(keys: Iterable[EntryKey]) -> list[common_pb2.PolicyEntry]:
+    return [common_pb2.PolicyEntry(key=key_to_proto(k)) for k in sorted(keys)]
+
+
+def enforcement(ingress: bool, egress: bool) -> common_pb2.Enforcement:
+    return common_pb2.Enforcement(ingress=ingress, egress=egress)
+
+
+def diff_to_proto(diff: OrderDiff) -> common_pb2.IdentityPolicyDiff:
+    """An incremental diff (remove first, then add), or with ``full`` the whole policy."""
+    return common_pb2.IdentityPolicyDiff(
+        identity=diff.identity,
+        enforcement=enforcement(diff.ingress_enforced, diff.egress_enforced),
+        add=entries_to_proto(diff.add),
+        remove=removals_to_proto(diff.remove),
+        full=diff.full,
+    )
+
+
+def policy_to_proto(policy: ResolvedPolicy) -> common_pb2.IdentityPolicy:
+    return common_pb2.IdentityPolicy(
+        identity=policy.identity,
+        enforcement=enforcement(policy.ingress_enforced, policy.egress_enforced),
+        entries=entries_to_proto(policy.entries),
+    )
+
+
+def ref_to_proto(key: PolicyRef) -> common_pb2.ObjectRef:
+    return common_pb2.ObjectRef(kind=key.kind.value, namespace=key.namespace, name=key.name)
+
+
+def source_to_proto(source: Source) -> policy_pb2.PolicySource.ValueType:
+    if source is Source.KUBERNETES:
+        return policy_pb2.POLICY_SOURCE_KUBERNETES
+    return policy_pb2.POLICY_SOURCE_API
+
+
+def source_from_proto(value: int, *, default: Source) -> Source:
+    if value == policy_pb2.POLICY_SOURCE_KUBERNETES:
+        return Source.KUBERNETES
+    if value == policy_pb2.POLICY_SOURCE_API:
+        return Source.API
+    return default
+
+
+# --- decoding what arrives on the bus -------------------------------------------------------
+
+_OBJECT_KINDS = {
+    k8s_pb2.K8S_KIND_NETWORK_POLICY: ObjectKind.NETWORK_POLICY,
+    k8s_pb2.K8S_KIND_CILIUM_NETWORK_POLICY: ObjectKind.CILIUM_NETWORK_POLICY,
+    k8s_pb2.K8S_KIND_CILIUM_CLUSTERWIDE_NETWORK_POLICY: ObjectKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY,
+    k8s_pb2.K8S_KIND_SERVICE: ObjectKind.SERVICE,
+    k8s_pb2.K8S_KIND_ENDPOINT_SLICE: ObjectKind.ENDPOINT_SLICE,
+    k8s_pb2.K8S_KIND_NODE: ObjectKind.NODE,
+}
+
+
+def delta_from_proto(delta: k8s_pb2.K8sDelta) -> ObjectDelta:
+    """A watcher's delta with its body decoded; a body that is not JSON keeps its text and the reason."""
+    kind = _OBJECT_KINDS.get(delta.kind, ObjectKind.OTHER)
+    deleted = delta.op == k8s_pb2.DELTA_OP_DELETE
+    text, body, error = "", None, ""
+    if not deleted and kind is not ObjectKind.NODE and kind is not ObjectKind.OTHER:
+        text = delta.object_json.decode("utf-8", errors="replace")
+        try:
+            # Services and slices are parsed from their bytes, policies from their text (what a rejection shows).
+            body = json.loads(text if kind.policy_kind is not None else delta.object_json)
+        except (ValueError, RecursionError) as exc:
+            error = str(exc)
+    return ObjectDelta(
+        kind=kind,
+        namespace=delta.namespace,
+        name=delta.name,
+        deleted=deleted,
+        text=text,
+        body=body,
+        error=error,
+        source=delta.source,
+        origin=delta.origin,
+        conflict=delta.conflict,
+    )
+
+
+def subject_number(subject: str) -> int | None:
+    """The number that ends an identity subject (``palisade.identity.<n>``), None if it does not."""
+    last = subject.rpartition(".")[2]
+    return int(last) if last.isdigit() else None
+
+
+def identity_from_proto(subject: str, update: identity_pb2.IdentityUpdate) -> IdentityChange | None:
+    """An identity update; None when neither the message nor its subject names the identity."""
+    number = update.identity.id or subject_number(subject)
+    if number is None:
+        return None
+    return IdentityChange(number, labels_from_wire(update.identity.labels), update.deleted)
+
+
+class IpcacheError(ValueError):
+    """An ipcache entry that cannot be used; says which and why."""
+
+
+def record_from_proto(entry: identity_pb2.IpcacheEntry) -> IpcacheRecord:
+    try:
+        net = ipaddress.ip_network(entry.prefix, strict=False)
+    except ValueError:
+        raise IpcacheError(f"ipcache prefix {entry.prefix!r} is not an address or CIDR; fix the publisher") from None
+    ip = net.network_address if net.prefixlen == net.max_prefixlen else None
+    pod = f"{entry.namespace}/{entry.pod}" if entry.pod else ""
+    ports: set[tuple[str, Protocol, int]] = set()
+    for name, np in entry.named_ports.items():
+        try:
+            proto = Protocol(np.protocol) if np.protocol else Protocol.TCP
+        except ValueError:
+            continue
+        if 0 < np.port <= 65535:
+            ports.add((name, proto, np.port))
+    return IpcacheRecord(
+        prefix=str(net), ip=ip, identity=entry.identity, node=entry.node, pod=pod, named_ports=frozenset(ports)
+    )
+
+
+# --- encoding orders -------------------------------------------------------------------------------
+
+# Bytes a repeated message field adds around each element: tag plus length varint.
+_FIELD_OVERHEAD = 6
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def encode(
+    order: PlannedOrder,
+    *,
+    max_bytes: int,
+    max_chunks: int,
+    converted: dict[int, tuple[OrderDiff, common_pb2.IdentityPolicyDiff]] | None = None,
+) -> list[policy_pb2.RegenerationOrder]:
+    """The message(s) to publish for one order.
+
+    Whole if it fits in ``max_bytes``; else split into at most ``max_chunks`` chunks
+    (one identity's diff is never split); else one ``fetch=true`` order telling
+    the datapath to call Resync. ``converted`` keeps the protobuf of every diff across
+    the orders of one commit (they share diff objects), so each is converted once.
+    """
+    memo = {} if converted is None else converted
+    diffs = []
+    for diff in order.diffs:
+        held = memo.get(id(diff))
+        if held is None or held[0] is not diff:
+            held = memo[id(diff)] = (diff, diff_to_proto(diff))
+        diffs.append(held[1])
+
+    def header() -> policy_pb2.RegenerationOrder:
+        msg = policy_pb2.RegenerationOrder(
+            node=order.node, sequence=order.sequence, revision=order.revision, replace=order.replace
+        )
+        if order.caused_at:
+            msg.caused_at.CopyFrom(_timestamp(order.caused_at))
+        return msg
+
+    whole = header()
+    whole.removed_identities.extend(order.removed)
+    whole.diffs.extend(diffs)
+    if whole.ByteSize() <= max_bytes:
+        return [whole]
+    base = header().ByteSize() + 8  # + chunk/chunks fields
+    chunks: list[list[common_pb2.IdentityPolicyDiff]] = [[]]
+    size = base + len(order.removed) * 6
+    for diff_pb in diffs:
+        cost = diff_pb.ByteSize() + _FIELD_OVERHEAD
+        if base + cost > max_bytes:
+            return [_fetch(header())]
+        if size + cost > max_bytes and chunks[-1]:
+            chunks.append([])
+            size = base
+        chunks[-1].append(diff_pb)
+        size += cost
+    if len(chunks) > max_chunks:
+        return [_fetch(header())]
+    out = []
+    for i, part in enumerate(chunks):
+        msg = header()
+        if i == 0:
+            msg.removed_identities.extend(order.removed)
+        msg.diffs.extend(part)
+        msg.chunk = i
+        msg.chunks = len(chunks)
+        out.append(msg)
+    return out
+
+
+def _fetch(msg: policy_pb2.RegenerationOrder) -> policy_pb2.RegenerationOrder:
+    msg.fetch = True
+    return msg
