@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="make bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("names", nargs="*", help="only these benchmarks (e.g. engine ipam)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per benchmark")
+    # The tuple-reuse soak runs ten minutes per cluster size, twice.
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per benchmark")
     p.add_argument("--out", default=str(HERE / "results"))
     args = p.parse_args(argv)
     scripts = sorted(HERE.glob("bench_*.py"))

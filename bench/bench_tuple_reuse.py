@@ -134,19 +134,23 @@ def main(argv: list[str] | None = None) -> int:
     summary: list[dict[str, Any]] = []
     for label, c in runs.items():
         where = label.replace("_", " ")
-        summary += [
+        summary.append(
             {"metric": f"{where}: allowed connections failed in {c['seconds']} s", "value": c["allowed_failed"],
-             "unit": "", "target": {"op": "<=", "value": 0}},
-            {"metric": f"{where}: by pod address ok / failed", "value": f"{c['direct_ok']} / {c['direct_failed']}"},
-            {"metric": f"{where}: by ClusterIP ok / failed", "value": f"{c['service_ok']} / {c['service_failed']}"},
-            {"metric": f"{where}: long-lived connection echoes ok / failed",
-             "value": f"{c['long_ok']} / {c['long_failed']}"},
-            {"metric": f"{where}: connections given a source port of their own (tuple held by another flow)",
-             "value": c["given_ports"]},
-            {"metric": f"{where}: bursts the failures came in", "value": c["failure_bursts"]},
-            {"metric": f"{where}: denied blocked / admitted",
-             "value": f"{c['denied_blocked']} / {c['denied_admitted']}"},
-        ]  # fmt: skip
+             "unit": "", "target": {"op": "<=", "value": 0.0}}
+        )  # fmt: skip
+        for key, what in (
+            ("direct_ok", "connections by pod address, ok"),
+            ("direct_failed", "connections by pod address, failed"),
+            ("service_ok", "connections by ClusterIP, ok"),
+            ("service_failed", "connections by ClusterIP, failed"),
+            ("long_ok", "long-lived connection's echoes, ok"),
+            ("long_failed", "long-lived connection's echoes, failed"),
+            ("given_ports", "connections given a source port of their own (tuple held by another flow)"),
+            ("failure_bursts", "bursts the failures came in"),
+            ("denied_blocked", "denied connections blocked"),
+            ("denied_admitted", "denied connections admitted"),
+        ):
+            summary.append({"metric": f"{where}: {what}", "value": c[key], "unit": ""})
     print(json.dumps({"runs": runs, "rate_per_path": args.rate, "summary": summary}, indent=2))
     return 0
 
