@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 from nats.js import api as jsapi
 
 from palisade.v1 import k8s_pb2, policy_pb2, policy_pb2_grpc
-from services.common.bus import ALL_STREAMS, Bus
+from services.common.bus import ALL_STREAMS, HEARTBEAT, Bus
 from services.common.grpcserver import wait_for_channel
 from services.common.subjects import REGEN_ALL, SYNCED_SUBJECT, identity_subject, ipcache_subject, regen_subject
 from tests.harness import ROOT, NatsServer, ServiceProcess, creds
@@ -128,11 +128,15 @@ class Datapath:
             order.ParseFromString(msg.data)
             self._queue.put_nowait(order)
 
+        # Idle heartbeats, as the datapath's own follower has them (services.common.bus): the client
+        # re-creates the ordered consumer from its last message once the server holding it is lost
+        # (an R1 consumer dies with its server; without heartbeats it is never noticed, and a
+        # test that kills that server waited in vain for the orders after it).
         self._sub = await self.bus.js.subscribe(
             regen_subject(self.node),
             cb=on_msg,
             ordered_consumer=True,
-            config=jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.NEW),
+            config=jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.NEW, idle_heartbeat=HEARTBEAT),
         )
 
     async def pause(self) -> None:
