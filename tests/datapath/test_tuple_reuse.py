@@ -33,6 +33,7 @@ from tests.datapath.traffic import (
     TC_ACT_OK,
     TC_ACT_REDIRECT,
     TC_ACT_SHOT,
+    close_to_time_wait,
     family_of,
     recv_exact,
     socket_in,
@@ -106,19 +107,6 @@ def tcp_open(ns: str, ip: str, port: int, src_port: int) -> socket.socket:
     return s
 
 
-def close(s: socket.socket) -> None:
-    """Close a TCP connection and wait for the server's FIN: the client's end is then in TIME_WAIT, so
-    the same 4-tuple can be connected again at once (never while it is still closing)."""
-    if s.type == socket.SOCK_STREAM:
-        try:
-            s.shutdown(socket.SHUT_WR)
-            while s.recv(256):
-                pass
-        except OSError:
-            pass
-    s.close()
-
-
 def echoes(s: socket.socket) -> bool:
     msg = os.urandom(8)
     try:
@@ -158,7 +146,7 @@ def test_tcp_one_after_the_other_on_one_port(paths: Paths, net: Node, order: tup
             try:
                 assert echoes(s), f"round {round_}: {path} connection from port {port} got no echo"
             finally:
-                close(s)
+                close_to_time_wait(s)
     # Every connection was judged as a new flow at the client, none inherited the one before: one
     # allow event each (a connection that follows one of the other path while that one's entry is
     # still closing leaves with a port of Palisade's, the others with the client's).
@@ -184,10 +172,10 @@ def test_tcp_at_the_same_time_on_one_port(paths: Paths, net: Node, order: tuple[
                 assert echoes(second), f"{order[1]} connection beside a live {order[0]} one"
                 assert echoes(first), f"{order[0]} connection once a {order[1]} one shares its port"
         finally:
-            second.close()
+            close_to_time_wait(second)
         assert echoes(first)
     finally:
-        first.close()
+        close_to_time_wait(first)
     # The backend saw two tuples: the second connection left with a port of Palisade's choosing.
     at_backend = {
         e.source_port
@@ -227,11 +215,16 @@ def test_a_clashing_connection_survives_a_datapath_restart(net: Node) -> None:
     dp.lb_upsert(LbService(Frontend(VIP, TCP_FRONT, Protocol.TCP), (Backend(b.v4, TCP_BACK),)))
     port = client_port()
     try:
-        with tcp_open(a.name, VIP, TCP_FRONT, port) as via_service, tcp_open(a.name, b.v4, TCP_BACK, port) as direct:
+        via_service, direct = tcp_open(a.name, VIP, TCP_FRONT, port), tcp_open(a.name, b.v4, TCP_BACK, port)
+        try:
             assert echoes(via_service) and echoes(direct)
             reopened = Datapath.open(dp.base_dir)
             reopened.close()
             assert echoes(via_service) and echoes(direct)
+        finally:
+            # Closed before the service goes: a FIN retransmitted later would reach no backend.
+            close_to_time_wait(via_service)
+            close_to_time_wait(direct)
     finally:
         for state in dp.lb_services():
             dp.lb_delete(state.frontend)

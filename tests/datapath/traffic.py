@@ -151,6 +151,19 @@ def recv_exact(s: socket.socket, size: int) -> bytes:
     return buf
 
 
+def close_to_time_wait(s: socket.socket) -> None:
+    """Close a TCP connection and wait for the server's FIN: the client's end is then in TIME_WAIT, so
+    the same 4-tuple can be connected again at once (never while it is still closing)."""
+    if s.type == socket.SOCK_STREAM:
+        try:
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(256):
+                pass
+        except OSError:
+            pass
+    s.close()
+
+
 class Stream:
     """A long-lived TCP connection whose liveness is probed with echoed messages."""
 

@@ -17,6 +17,7 @@ from collections import Counter
 import yaml
 
 from services.datapath.netns import in_netns
+from tests.datapath.traffic import close_to_time_wait
 
 NAMESPACE = "reuse"
 TCP_PORT, UDP_PORT = 7000, 7001
@@ -93,19 +94,6 @@ def _works(s: socket.socket) -> bool:
         return False
 
 
-def _close(s: socket.socket) -> None:
-    """Close a TCP connection and wait for the server's FIN: the client's end is then in TIME_WAIT, so
-    connecting the same 4-tuple again (two connections later) cannot meet it still closing."""
-    if s.type == socket.SOCK_STREAM:
-        try:
-            s.shutdown(socket.SHUT_WR)
-            while s.recv(256):
-                pass
-        except OSError:
-            pass
-    s.close()
-
-
 def _open(netns: str, kind: int, port: int, target: tuple[str, int]) -> socket.socket | None:
     s = _bound(netns, kind, port)
     try:
@@ -140,12 +128,12 @@ def alternate(netns: str, pod_ip: str, cluster_ip: str, rounds: int = 4) -> Coun
             count(s is not None and _works(s), f"{proto} from port {port}, #{i} {path}")
             if held is not None:
                 count(_works(held), f"{proto} from port {port}, #{i - 1} kept open beside #{i}")
-                _close(held)
+                close_to_time_wait(held)
                 held = None
             if s is not None and i >= rounds:
                 held = s
             elif s is not None:
-                _close(s)
+                close_to_time_wait(s)
         if held is not None:
-            _close(held)
+            close_to_time_wait(held)
     return counts
