@@ -312,6 +312,14 @@ async def test_observe_streams_filtered_flow_events(agent: InProcessAgent, cp: C
         async for _ in agent.stub.Observe(bad):
             pass
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("unknown verdict(s) 7; filter by VERDICT_ALLOW")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in agent.stub.Observe(datapath_pb2.ObserveRequest(pod="db")):
+            pass
+    assert (err.value.code(), err.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "pod 'db' is not namespace/name",
+    )
 
 
 async def test_periodic_repair_rewrites_a_drifted_map(agent: InProcessAgent, cp: ControlPlane) -> None:
