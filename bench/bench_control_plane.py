@@ -557,7 +557,7 @@ def engine_part(policies: int, identities: int, namespaces: int, samples: int) -
     from services.common.gctuning import freeze_loaded, tune_gc
     from services.common.labels import pod_identity_labels
     from services.policy.engine.identity import Identity
-    from services.policy.engine.model import Protocol
+    from services.policy.engine.model import IpProto
     from services.policy.engine.parse import parse_policy
     from services.policy.engine.policyengine import PolicyEngine
 
@@ -574,7 +574,7 @@ def engine_part(policies: int, identities: int, namespaces: int, samples: int) -
     for ident in idents:
         eng.upsert_identity(ident)
     for n, ident in enumerate(idents):
-        eng.set_named_ports(ident.id, {"http": [(Protocol.TCP, 8080 + n % 3)]})
+        eng.set_named_ports(ident.id, {"http": [(IpProto.TCP, 8080 + n % 3)]})
     for p in docs:
         eng.upsert_policy(p)
     eng.end_batch()

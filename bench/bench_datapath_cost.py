@@ -105,9 +105,9 @@ from services.datapath.types import (
     Direction,
     EndpointSpec,
     Enforcement,
+    L4Proto,
     PolicyEntry,
     PolicyKey,
-    Protocol,
     Reason,
 )
 from tests.datapath.traffic import tc_frame as frame
@@ -201,7 +201,7 @@ class Other:
 
     addr: str
     identity: int
-    protocol: Protocol
+    protocol: L4Proto
     port: int
 
 
@@ -210,7 +210,7 @@ def other(i: int) -> Other:
     return Other(
         addr=str(ipaddress.IPv4Address(OTHER_ADDR_BASE + 1 + i)),
         identity=OTHER_IDENTITY_BASE + i,
-        protocol=Protocol.TCP if i % 2 == 0 else Protocol.UDP,
+        protocol=L4Proto.TCP if i % 2 == 0 else L4Proto.UDP,
         port=1024 + (i * 7) % 4000,
     )
 
@@ -219,10 +219,10 @@ def other(i: int) -> Other:
 
 #: (protocol, port_low, port_high) the source may send to the destination.
 EGRESS_ALLOWED = (
-    (Protocol.TCP, IPERF_PORT, IPERF_PORT),
-    (Protocol.UDP, IPERF_PORT, IPERF_PORT),
-    (Protocol.TCP, CONN_PORT, CONN_PORT + CONN_PORTS - 1),
-    (Protocol.TCP, PROBE_INGRESS_PORT, PROBE_INGRESS_PORT),
+    (L4Proto.TCP, IPERF_PORT, IPERF_PORT),
+    (L4Proto.UDP, IPERF_PORT, IPERF_PORT),
+    (L4Proto.TCP, CONN_PORT, CONN_PORT + CONN_PORTS - 1),
+    (L4Proto.TCP, PROBE_INGRESS_PORT, PROBE_INGRESS_PORT),
 )
 #: What the destination accepts from the source.
 INGRESS_ALLOWED = EGRESS_ALLOWED[:3]

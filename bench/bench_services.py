@@ -61,7 +61,7 @@ from bench.bench_datapath_cost import (
 )
 from services.datapath.datapath import Datapath
 from services.datapath.netns import PodLink
-from services.datapath.types import Backend, EndpointSpec, Frontend, LbService, Protocol
+from services.datapath.types import Backend, EndpointSpec, Frontend, L4Proto, LbService
 from tests.datapath.traffic import tcp_connects
 
 DEFAULT_LEVELS = (100, 1000, 10000)
@@ -74,11 +74,11 @@ SRC_EP, DST_EP = 1, 2
 def measured_services(dst_ip: str) -> list[LbService]:
     """The frontends the client uses: iperf3's control (TCP) and data (UDP) port, and the connection ports."""
     out = [
-        LbService(Frontend(VIP, IPERF_PORT, Protocol.TCP), (Backend(dst_ip, IPERF_PORT),)),
-        LbService(Frontend(VIP, IPERF_PORT, Protocol.UDP), (Backend(dst_ip, IPERF_PORT),)),
+        LbService(Frontend(VIP, IPERF_PORT, L4Proto.TCP), (Backend(dst_ip, IPERF_PORT),)),
+        LbService(Frontend(VIP, IPERF_PORT, L4Proto.UDP), (Backend(dst_ip, IPERF_PORT),)),
     ]
     out += [
-        LbService(Frontend(VIP, port, Protocol.TCP), (Backend(dst_ip, port),))
+        LbService(Frontend(VIP, port, L4Proto.TCP), (Backend(dst_ip, port),))
         for port in range(CONN_PORT, CONN_PORT + CONN_PORTS)
     ]
     return out
@@ -86,7 +86,7 @@ def measured_services(dst_ip: str) -> list[LbService]:
 
 def filler_services(count: int, dst_ip: str) -> list[LbService]:
     return [
-        LbService(Frontend(str(ipaddress.IPv4Address(FILLER_BASE + i)), 80, Protocol.TCP), (Backend(dst_ip, 80),))
+        LbService(Frontend(str(ipaddress.IPv4Address(FILLER_BASE + i)), 80, L4Proto.TCP), (Backend(dst_ip, 80),))
         for i in range(max(0, count))
     ]
 

@@ -26,7 +26,7 @@ def key_from_proto(key: common_pb2.PolicyKey) -> dt.PolicyKey:
         return dt.PolicyKey(
             direction=dt.Direction.from_wire(key.direction),
             remote_identity=key.remote_identity,
-            protocol=dt.Protocol.from_number(key.protocol),
+            protocol=dt.L4Proto.from_number(key.protocol),
             port_low=key.port_low,
             port_high=key.port_high,
         )

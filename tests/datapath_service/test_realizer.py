@@ -65,7 +65,7 @@ class Sink:
 
 
 def allow(remote: int, low: int, high: int = 0) -> dt.PolicyEntry:
-    return dt.PolicyEntry(dt.PolicyKey(dt.Direction.INGRESS, remote, dt.Protocol.TCP, low, high))
+    return dt.PolicyEntry(dt.PolicyKey(dt.Direction.INGRESS, remote, dt.L4Proto.TCP, low, high))
 
 
 def record(ep_id: int, identity: int) -> EndpointRecord:

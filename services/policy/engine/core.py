@@ -25,7 +25,7 @@ from services.policy.engine.changes import IdentityChange, ObjectDelta, ObjectKi
 from services.policy.engine.entries import MAX_IDENTITY
 from services.policy.engine.identity import Identity
 from services.policy.engine.ipcache import IpcacheRecord, IpcacheTable, is_endpoint_identity
-from services.policy.engine.model import Policy, PolicyKind, PolicyRef, PolicyValidationError, Protocol
+from services.policy.engine.model import IpProto, Policy, PolicyKind, PolicyRef, PolicyValidationError
 from services.policy.engine.orders import OrderPlanner, PersistedState, PlannedOrder
 from services.policy.engine.parse import parse_policy
 from services.policy.engine.policyengine import PolicyEngine
@@ -601,7 +601,7 @@ class PolicyCore:
         source: tuple[str, tuple[str, ...]],
         destination: tuple[str, tuple[str, ...]],
         port: int,
-        protocol: Protocol,
+        protocol: IpProto,
     ) -> TraceAnswer:
         """Trace a connection between two peers, each (pod "ns/name", labels)."""
         src = self._trace_peer("source", *source)
@@ -670,5 +670,5 @@ def _key_of(doc: Mapping[str, Any]) -> PolicyRef:
     return object_key(kind, str(meta.get("namespace") or ""), str(meta.get("name") or ""))
 
 
-def _port_tuples(ports: Mapping[str, frozenset[tuple[Protocol, int]]]) -> dict[str, list[tuple[Protocol, int]]]:
+def _port_tuples(ports: Mapping[str, frozenset[tuple[IpProto, int]]]) -> dict[str, list[tuple[IpProto, int]]]:
     return {name: sorted(values) for name, values in ports.items()}
