@@ -338,7 +338,7 @@ class Address:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Allocation:
+class IpAllocation:
     """An address IPAMService holds for an owner on this node."""
 
     owner: str

@@ -210,5 +210,5 @@ def address_from_proto(alloc: ipam_pb2.IPAllocation) -> dt.Address:
     return dt.Address(ip=alloc.ip, cidr=alloc.cidr, gateway=alloc.gateway, family=family)
 
 
-def allocation_from_proto(alloc: ipam_pb2.IPAllocation) -> dt.Allocation:
-    return dt.Allocation(owner=alloc.owner, address=address_from_proto(alloc))
+def allocation_from_proto(alloc: ipam_pb2.IPAllocation) -> dt.IpAllocation:
+    return dt.IpAllocation(owner=alloc.owner, address=address_from_proto(alloc))
