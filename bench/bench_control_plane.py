@@ -54,6 +54,7 @@ from typing import Any
 import grpc
 import yaml
 
+from bench.output import logger
 from bench.stats import rss_mib, stats_ms, target
 from palisade.v1 import (
     common_pb2,
@@ -78,8 +79,7 @@ APPS = 4
 TIERS = 2
 
 
-def log(message: str) -> None:
-    print(f"[control_plane {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+log = logger("control_plane")
 
 
 class Cleanup:
@@ -840,7 +840,7 @@ def main() -> int:
         )
         return 0
     if os.geteuid() != 0:
-        print("bench_control_plane: needs root (the datapath loads BPF programs, creates namespaces)", file=sys.stderr)
+        log("needs root (the datapath loads BPF programs, creates namespaces)")
         return 2
     if not 0 < args.alloc_ips < 254:
         p.error("--alloc-ips must be between 1 and 253 (one node's /24)")
@@ -851,7 +851,7 @@ def main() -> int:
         with terminate_cleanly():
             out = run(args)
     except KeyboardInterrupt as exc:
-        print(f"bench_control_plane: interrupted ({exc}); cleaned up", file=sys.stderr)
+        log(f"interrupted ({exc}); cleaned up")
         return 130
     out["total_s"] = round(time.perf_counter() - wall, 1)
     print(json.dumps(out, indent=2))

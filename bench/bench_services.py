@@ -44,7 +44,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.bench_datapath_cost import (
+from bench.output import logger, run_as_json
+from bench.roles import (
     CONN_PORT,
     CONN_PORTS,
     IPERF_PORT,
@@ -53,16 +54,17 @@ from bench.bench_datapath_cost import (
     connection_rate,
     create_pod_pair,
     iperf,
-    log,
-    round_to,
-    run_as_json,
+    missing_prerequisites,
     run_cmd,
     start_servers,
 )
+from bench.stats import round_to
 from services.datapath.datapath import Datapath
 from services.datapath.netns import PodLink
 from services.datapath.types import Backend, EndpointSpec, Frontend, L4Proto, LbService
 from tests.datapath.traffic import tcp_connects
+
+log = logger("services")
 
 DEFAULT_LEVELS = (100, 1000, 10000)
 METRICS = ("conn_rate", "udp_pps")
@@ -315,7 +317,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_as_json(run_bench, parse_args(argv))
+    return run_as_json(run_bench, parse_args(argv), missing=missing_prerequisites)
 
 
 if __name__ == "__main__":

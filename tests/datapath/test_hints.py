@@ -15,16 +15,11 @@ from services.datapath.types import (
     Direction,
     Enforcement,
     L4Proto,
-    PolicyEntry,
-    PolicyKey,
     Verdict,
 )
+from tests.datapath.entries import entry
 from tests.datapath.node import Node
 from tests.datapath.traffic import DENY_TIMEOUT, tcp_exchange
-
-
-def entry(direction: Direction, identity: int, proto: L4Proto, port: int = 0, deny: bool = False) -> PolicyEntry:
-    return PolicyEntry(PolicyKey(direction, identity, proto, port, port), Verdict.DENY if deny else Verdict.ALLOW)
 
 
 @pytest.mark.parametrize(

@@ -29,16 +29,13 @@ from services.datapath.types import (
     Reason,
     Verdict,
 )
+from tests.datapath.entries import entry
 from tests.datapath.node import TCP_PORTS, UDP_PORTS, Node, Pod, drops
 from tests.datapath.traffic import DENY_TIMEOUT, EchoServer, host_sent, streams, tcp_exchange
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def entry(direction: Direction, identity: int, proto: L4Proto, low: int = 0, high: int = 0, deny: bool = False):
-    return PolicyEntry(PolicyKey(direction, identity, proto, low, high), Verdict.DENY if deny else Verdict.ALLOW)
 
 
 POLICY = [
