@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from bench.output import logger
 from bench.stats import stats_ms
 from services.cni import install
 from tests.cni.runtime import Containerd, missing
@@ -41,8 +42,7 @@ exit $status
 """
 
 
-def log(message: str) -> None:
-    print(f"bench_cni: {message}", file=sys.stderr, flush=True)
+log = logger("cni")
 
 
 def pods(count: int) -> list[dict[str, Any]]:

@@ -54,6 +54,7 @@ from typing import Any
 import grpc
 import yaml
 
+from bench.output import logger
 from bench.stats import rss_mib, stats_ms, target
 from palisade.v1 import (
     common_pb2,
@@ -78,8 +79,7 @@ APPS = 4
 TIERS = 2
 
 
-def log(message: str) -> None:
-    print(f"[control_plane {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+log = logger("control_plane")
 
 
 class Cleanup:
@@ -557,7 +557,7 @@ def engine_part(policies: int, identities: int, namespaces: int, samples: int) -
     from services.common.gctuning import freeze_loaded, tune_gc
     from services.common.labels import pod_identity_labels
     from services.policy.engine.identity import Identity
-    from services.policy.engine.model import Protocol
+    from services.policy.engine.model import IpProto
     from services.policy.engine.parse import parse_policy
     from services.policy.engine.policyengine import PolicyEngine
 
@@ -574,7 +574,7 @@ def engine_part(policies: int, identities: int, namespaces: int, samples: int) -
     for ident in idents:
         eng.upsert_identity(ident)
     for n, ident in enumerate(idents):
-        eng.set_named_ports(ident.id, {"http": [(Protocol.TCP, 8080 + n % 3)]})
+        eng.set_named_ports(ident.id, {"http": [(IpProto.TCP, 8080 + n % 3)]})
     for p in docs:
         eng.upsert_policy(p)
     eng.end_batch()
@@ -840,7 +840,7 @@ def main() -> int:
         )
         return 0
     if os.geteuid() != 0:
-        print("bench_control_plane: needs root (the datapath loads BPF programs, creates namespaces)", file=sys.stderr)
+        log("needs root (the datapath loads BPF programs, creates namespaces)")
         return 2
     if not 0 < args.alloc_ips < 254:
         p.error("--alloc-ips must be between 1 and 253 (one node's /24)")
@@ -851,7 +851,7 @@ def main() -> int:
         with terminate_cleanly():
             out = run(args)
     except KeyboardInterrupt as exc:
-        print(f"bench_control_plane: interrupted ({exc}); cleaned up", file=sys.stderr)
+        log(f"interrupted ({exc}); cleaned up")
         return 130
     out["total_s"] = round(time.perf_counter() - wall, 1)
     print(json.dumps(out, indent=2))

@@ -79,24 +79,31 @@ import functools
 import ipaddress
 import json
 import os
-import re
 import secrets
-import selectors
-import shutil
 import signal
 import socket
-import statistics
-import struct
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
-from bench.stats import target
-from services.datapath import netns
+from bench.iptables import Iptables, forward_chain, forward_policy
+from bench.output import logger, run_as_json
+from bench.roles import (
+    CONN_PORT,
+    CONN_PORTS,
+    IPERF_PORT,
+    Server,
+    clean_up,
+    connection_rate,
+    create_pod_pair,
+    iperf,
+    missing_prerequisites,
+    start_servers,
+)
+from bench.stats import median, quartiles, round_to, summarize_bpf, target
 from services.datapath.datapath import Datapath, teardown_all
 from services.datapath.loader import ProgramConfig
 from services.datapath.maps.bpf import check, libbpf, prog_info, prog_test_run
@@ -105,34 +112,20 @@ from services.datapath.types import (
     Direction,
     EndpointSpec,
     Enforcement,
+    L4Proto,
     PolicyEntry,
     PolicyKey,
-    Protocol,
     Reason,
 )
 from tests.datapath.traffic import tc_frame as frame
 from tests.datapath.traffic import tcp_connects
 
-#: How this module runs itself in a namespace (from the project root, as `make bench` runs it).
-SELF = ["-m", "bench.bench_datapath_cost"]
 #: How long the flow reader waits between two takes: the datapath service's default (flow_poll_ms).
 FLOW_READ_POLL_MS = 200
-ROOT = Path(__file__).resolve().parents[1]
-
-IPERF_PORT = 5201
-#: The connection-rate server listens on CONN_PORT .. CONN_PORT + CONN_PORTS - 1: an aligned
-#: block, so it is one policy-map prefix and one iptables rule.
-CONN_PORT = 6144
-CONN_PORTS = 32
 #: Allowed by the source's egress policy, not by the destination's ingress policy.
 PROBE_INGRESS_PORT = 7998
 #: Allowed by neither.
 PROBE_EGRESS_PORT = 7999
-#: Client source ports for the connection-rate test, below the default ephemeral range (32768+)
-#: so they never meet iperf3's. With CONN_PORTS destination ports: 704,000 distinct 4-tuples, about
-#: as many connections as a default run makes.
-CLIENT_PORT_LOW = 10000
-CLIENT_PORTS = 22000
 
 SRC_EP, DST_EP = 1, 2
 OTHER_EPS = tuple(range(11, 19))
@@ -154,15 +147,13 @@ RATIO_TARGET = 0.95
 PACKET_NS_TARGET = 295.0
 FLAT_TARGET = 1.1
 
+log = logger("datapath_cost")
+
 METRICS: dict[str, dict[str, str]] = {
     "tcp_throughput": {"label": "TCP throughput", "unit": "Gbit/s"},
     "udp_64b_rate": {"label": "64-byte UDP rate", "unit": "packets/s"},
     "connection_rate": {"label": "New-connection rate", "unit": "connections/s"},
 }
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def human(n: int) -> str:
@@ -201,7 +192,7 @@ class Other:
 
     addr: str
     identity: int
-    protocol: Protocol
+    protocol: L4Proto
     port: int
 
 
@@ -210,7 +201,7 @@ def other(i: int) -> Other:
     return Other(
         addr=str(ipaddress.IPv4Address(OTHER_ADDR_BASE + 1 + i)),
         identity=OTHER_IDENTITY_BASE + i,
-        protocol=Protocol.TCP if i % 2 == 0 else Protocol.UDP,
+        protocol=L4Proto.TCP if i % 2 == 0 else L4Proto.UDP,
         port=1024 + (i * 7) % 4000,
     )
 
@@ -219,10 +210,10 @@ def other(i: int) -> Other:
 
 #: (protocol, port_low, port_high) the source may send to the destination.
 EGRESS_ALLOWED = (
-    (Protocol.TCP, IPERF_PORT, IPERF_PORT),
-    (Protocol.UDP, IPERF_PORT, IPERF_PORT),
-    (Protocol.TCP, CONN_PORT, CONN_PORT + CONN_PORTS - 1),
-    (Protocol.TCP, PROBE_INGRESS_PORT, PROBE_INGRESS_PORT),
+    (L4Proto.TCP, IPERF_PORT, IPERF_PORT),
+    (L4Proto.UDP, IPERF_PORT, IPERF_PORT),
+    (L4Proto.TCP, CONN_PORT, CONN_PORT + CONN_PORTS - 1),
+    (L4Proto.TCP, PROBE_INGRESS_PORT, PROBE_INGRESS_PORT),
 )
 #: What the destination accepts from the source.
 INGRESS_ALLOWED = EGRESS_ALLOWED[:3]
@@ -247,244 +238,6 @@ def palisade_policy(n: int) -> dict[int, list[PolicyEntry]]:
     return policy
 
 
-# -- helper processes --------------------------------------------------------------------
-
-#: Where the connection client and the accept server run (indexes into the allowed CPUs).
-CLIENT_CPU = 0
-SERVER_CPU = 1
-
-
-def pin_to_cpu(index: int) -> None:
-    """Run this process on CPU ``index`` (modulo the CPUs it may use): the connection client and the
-    accept server each on their own, so every variant is measured with the same placement (left to
-    the scheduler, it changes between samples and moves a sample's rate by up to 15 %)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[index % len(cpus)]})
-
-
-def role_accept(ports: Sequence[int]) -> int:
-    """Accept-and-close server (runs inside the destination namespace, on the second CPU)."""
-    pin_to_cpu(SERVER_CPU)
-    sel = selectors.DefaultSelector()
-    listeners = []
-    for port in ports:
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", port))
-        s.listen(4096)
-        s.setblocking(False)
-        sel.register(s, selectors.EVENT_READ)
-        listeners.append(s)
-    print("ready", flush=True)
-    while True:
-        for key, _ in sel.select():
-            sock = key.fileobj
-            assert isinstance(sock, socket.socket)
-            while True:
-                try:
-                    conn, _ = sock.accept()
-                except OSError:  # BlockingIOError: nothing more to accept now
-                    break
-                conn.close()
-
-
-def role_connect(src: str, dst: str, seconds: float, start: int) -> int:
-    """Connect / wait for the server's close / close, for ``seconds`` (runs in the source namespace,
-    on the first CPU).
-
-    Connection ``n`` uses destination port ``CONN_PORT + n % CONN_PORTS`` and source port
-    ``CLIENT_PORT_LOW + (n // CONN_PORTS) % CLIENT_PORTS`` (``n`` counts on across samples): a
-    4-tuple comes back only after 704,000 connections, minutes later, long after both conntracks
-    forgot the closed flow (10 s), so every connection is a new flow. The client closes with a reset
-    (SO_LINGER 0) after the server's FIN, so neither side keeps TIME_WAIT sockets.
-    """
-    pin_to_cpu(CLIENT_CPU)
-    linger = struct.pack("ii", 1, 0)
-    n = start
-    ok = errors = 0
-    began = time.perf_counter()
-    deadline = began + seconds
-    while time.perf_counter() < deadline:
-        dport = CONN_PORT + n % CONN_PORTS
-        sport = CLIENT_PORT_LOW + (n // CONN_PORTS) % CLIENT_PORTS
-        n += 1
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
-            s.settimeout(2.0)
-            s.bind((src, sport))
-            s.connect((dst, dport))
-            if s.recv(1) == b"":
-                ok += 1
-            else:
-                errors += 1
-        except OSError:
-            errors += 1
-        finally:
-            s.close()
-    elapsed = time.perf_counter() - began
-    print(json.dumps({"connections": ok, "errors": errors, "seconds": elapsed, "next": n}))
-    return 0
-
-
-class Server:
-    """A long-running process in a namespace, ended by its pid."""
-
-    def __init__(self, name: str, ns: str, argv: list[str], ready_line: str | None = None) -> None:
-        self.name, self.ns, self.argv, self.ready_line = name, ns, argv, ready_line
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.ns, *self.argv],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE if self.ready_line else subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
-            cwd=ROOT,
-        )
-        if self.ready_line:
-            assert self.proc.stdout is not None
-            sel = selectors.DefaultSelector()
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            if not sel.select(15) or self.proc.stdout.readline().strip() != self.ready_line:
-                raise RuntimeError(f"{self.name} did not start in {self.ns}")
-            sel.close()
-        else:
-            time.sleep(0.3)
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name} exited at start ({self.proc.returncode})")
-
-    def ensure(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            self.stop()
-            self.start()
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(3)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(3)
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
-def create_pod_pair(prefix: str, pods: list[PodLink]) -> tuple[PodLink, PodLink]:
-    """Two pods (``<prefix>s`` and ``<prefix>d``) routed through the host, added to ``pods`` as made."""
-    netns.enable_forwarding()
-    o2 = 150 + secrets.randbelow(50)
-    o3 = 64 + secrets.randbelow(190)
-    src = netns.create_pod(f"{prefix}s", f"{prefix}s", [f"10.{o2}.{o3}.1"])
-    pods.append(src)
-    dst = netns.create_pod(f"{prefix}d", f"{prefix}d", [f"10.{o2}.{o3}.2"])
-    pods.append(dst)
-    return src, dst
-
-
-def start_servers(dst: PodLink, extra_ports: Sequence[int], servers: list[Server]) -> tuple[Server, Server]:
-    """iperf3 and the accept server (the connection ports and ``extra_ports``) in ``dst``, both added to ``servers``."""
-    iperf_server = Server("iperf3 server", dst.name, ["iperf3", "-s", "-p", str(IPERF_PORT)])
-    ports = [*range(CONN_PORT, CONN_PORT + CONN_PORTS), *extra_ports]
-    accept_argv = [sys.executable, *SELF, "--role", "accept", "--ports", ",".join(map(str, ports))]
-    accept_server = Server("accept server", dst.name, accept_argv, ready_line="ready")
-    for server in (iperf_server, accept_server):
-        servers.append(server)
-        server.start()
-    return iperf_server, accept_server
-
-
-def clean_up(
-    prefix: str, base: str, servers: Sequence[Server], pods: Sequence[PodLink], steps: Sequence[tuple[str, Any]]
-) -> dict[str, Any]:
-    """Stop the servers, run ``steps`` (name, callable), remove the pins and pods; what could not be undone."""
-    problems: list[str] = []
-
-    def attempt(what: str, fn: Any, *a: Any) -> None:
-        try:
-            fn(*a)
-        except Exception as exc:
-            problems.append(f"{what}: {exc}")
-
-    for server in servers:
-        attempt(f"stop {server.name}", server.stop)
-    for what, fn in steps:
-        attempt(what, fn)
-    attempt("teardown_all", teardown_all, base)
-    for pod in pods:
-        attempt(f"delete {pod.name}", netns.delete_pod, pod)
-    return {"problems": problems, "netns_left": netns.list_netns(prefix), "bpf_dir_left": os.path.exists(base)}
-
-
-# -- measurements ------------------------------------------------------------------------
-
-
-def iperf(ns: str, ip: str, seconds: float, *, udp: bool, server: Server) -> dict[str, float]:
-    cmd = ["ip", "netns", "exec", ns, "iperf3", "-c", ip, "-p", str(IPERF_PORT), "-t", f"{seconds:g}", "-J"]
-    cmd += ["--connect-timeout", "3000"]
-    if udp:
-        cmd += ["-u", "-l", "64", "-b", "0"]
-    last = ""
-    for _ in range(3):
-        server.ensure()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 30)
-        try:
-            data = json.loads(proc.stdout)
-        except json.JSONDecodeError:
-            data = {"error": proc.stdout[-300:] + proc.stderr[-300:]}
-        if "error" not in data and proc.returncode == 0:
-            end = data["end"]
-            if udp:
-                recv = end.get("sum_received") or end["sum"]
-                sent = end.get("sum_sent") or end["sum"]
-                got = recv["packets"] - recv["lost_packets"]
-                return {
-                    "value": got / recv["seconds"],
-                    "sent_pps": sent["packets"] / sent["seconds"],
-                    "lost_percent": float(recv["lost_percent"]),
-                }
-            recv = end["sum_received"]
-            return {"value": recv["bits_per_second"] / 1e9, "retransmits": float(end["sum_sent"].get("retransmits", 0))}
-        last = str(data.get("error"))
-        time.sleep(0.5)
-    raise RuntimeError(f"iperf3 {'UDP' if udp else 'TCP'} failed: {last}")
-
-
-def conntrack_count() -> int | None:
-    try:
-        return int(Path("/proc/sys/net/netfilter/nf_conntrack_count").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def connection_rate(src: PodLink, dst_ip: str, seconds: float, start: int) -> dict[str, float]:
-    cmd = ["ip", "netns", "exec", src.name, sys.executable, *SELF, "--role", "connect"]
-    cmd += ["--src", src.ips[0], "--dst", dst_ip, "--seconds", f"{seconds:g}", "--start", str(start)]
-    before = conntrack_count()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, cwd=ROOT)
-    after = conntrack_count()
-    if proc.returncode != 0:
-        raise RuntimeError(f"connection client failed: {proc.stderr[-500:]}")
-    out = json.loads(proc.stdout)
-    result = {
-        "value": out["connections"] / out["seconds"],
-        "connections": float(out["connections"]),
-        "errors": float(out["errors"]),
-        "next": float(out["next"]),
-    }
-    if before is not None and after is not None:
-        # Netfilter's conntrack is only active while the iptables variants' rules exist.
-        result["nf_conntrack_count_change"] = float(after - before)
-    return result
-
-
 BPF_STATS_RUN_TIME = 0
 
 
@@ -505,102 +258,6 @@ def bpf_run_stats() -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-
-
-# -- iptables ------------------------------------------------------------------------------
-
-
-def run_cmd(argv: list[str], stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=120)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv[:3])} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
-    return proc
-
-
-class Iptables:
-    """The iptables baseline: per-pod chains dispatched from FORWARD, built with iptables-restore."""
-
-    def __init__(self, run: str, src: PodLink, dst: PodLink) -> None:
-        self.prefix = f"PALB-{run}"
-        self.src, self.dst = src, dst
-        self.fwd = f"{self.prefix}-FWD"
-        self.eg_src = f"{self.prefix}-EG-S"
-        self.in_dst = f"{self.prefix}-IN-D"
-        self.eg_dst = f"{self.prefix}-EG-D"
-        self.in_src = f"{self.prefix}-IN-S"
-        self.chains = (self.fwd, self.eg_src, self.in_dst, self.eg_dst, self.in_src)
-
-    def ruleset(self, n: int) -> str:
-        src_ip, dst_ip = self.src.ips[0], self.dst.ips[0]
-        lines = ["*filter", *(f":{c} - [0:0]" for c in self.chains)]
-        add = lines.append
-        add(f"-A {self.fwd} -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT")
-        add(f"-A {self.fwd} -m conntrack --ctstate INVALID -j DROP")
-        add(f"-A {self.fwd} -i {self.src.host_ifname} -j {self.eg_src}")
-        add(f"-A {self.fwd} -i {self.dst.host_ifname} -j {self.eg_dst}")
-        add(f"-A {self.fwd} -o {self.src.host_ifname} -j {self.in_src}")
-        add(f"-A {self.fwd} -o {self.dst.host_ifname} -j {self.in_dst}")
-        # Every other rule sits in a chain a new src->dst flow walks; the allowing rules come last.
-        for i in range(n):
-            o = other(i)
-            match = f"-p {o.protocol} -m {o.protocol} --dport {o.port}"
-            if i % 2 == 0:
-                add(f"-A {self.eg_src} -d {o.addr}/32 {match} -j RETURN")
-            else:
-                add(f"-A {self.in_dst} -s {o.addr}/32 {match} -j ACCEPT")
-        for proto, low, high in EGRESS_ALLOWED:
-            ports = str(low) if low == high else f"{low}:{high}"
-            add(f"-A {self.eg_src} -d {dst_ip}/32 -p {proto} -m {proto} --dport {ports} -j RETURN")
-        add(f"-A {self.eg_src} -j DROP")
-        for proto, low, high in INGRESS_ALLOWED:
-            ports = str(low) if low == high else f"{low}:{high}"
-            add(f"-A {self.in_dst} -s {src_ip}/32 -p {proto} -m {proto} --dport {ports} -j ACCEPT")
-        add(f"-A {self.in_dst} -j DROP")
-        # The destination only answers and the source only is answered: ESTABLISHED covers both.
-        add(f"-A {self.eg_dst} -j DROP")
-        add(f"-A {self.in_src} -j DROP")
-        add(f"-I FORWARD 1 -j {self.fwd}")
-        add("COMMIT")
-        return "\n".join(lines) + "\n"
-
-    def install(self, n: int) -> None:
-        self.uninstall()
-        run_cmd(["iptables-restore", "-w", "10", "--noflush"], stdin=self.ruleset(n))
-
-    def uninstall(self) -> None:
-        while run_cmd(["iptables", "-w", "10", "-D", "FORWARD", "-j", self.fwd], check=False).returncode == 0:
-            pass
-        existing = self.our_chains()
-        for chain in self.chains:
-            if chain in existing:
-                run_cmd(["iptables", "-w", "10", "-F", chain], check=False)
-        for chain in self.chains:
-            if chain in existing:
-                run_cmd(["iptables", "-w", "10", "-X", chain], check=False)
-
-    def our_chains(self) -> set[str]:
-        out = run_cmd(["iptables-save", "-t", "filter"], check=False).stdout
-        return set(re.findall(rf"^:({re.escape(self.prefix)}-\S+)", out, re.M))
-
-    def rule_count(self) -> int:
-        out = run_cmd(["iptables-save", "-t", "filter"]).stdout
-        return sum(1 for line in out.splitlines() if line.startswith(f"-A {self.prefix}-"))
-
-    def drop_packets(self, chain: str) -> int:
-        """Packets the final DROP rule of ``chain`` has counted."""
-        out = run_cmd(["iptables", "-w", "10", "-t", "filter", "-L", chain, "-n", "-v", "-x"]).stdout
-        rows = [line.split() for line in out.splitlines()[2:] if line.strip()]
-        if not rows or rows[-1][2] != "DROP":
-            raise RuntimeError(f"{chain} does not end in DROP")
-        return int(rows[-1][0])
-
-
-def forward_chain() -> list[str]:
-    return run_cmd(["iptables", "-w", "10", "-S", "FORWARD"]).stdout.splitlines()
-
-
-def forward_policy(lines: list[str]) -> str:
-    return next((line for line in lines if line.startswith("-P FORWARD")), "")
 
 
 # -- the bench -------------------------------------------------------------------------------
@@ -637,7 +294,14 @@ class Bench:
         self.dp_host = Datapath.open(self.host_base, config=ProgramConfig(local_delivery=False))
         self._reader = threading.Thread(target=self._read_flows, name="flow-reader", daemon=True)
         self._reader.start()
-        self.ipt = Iptables(self.run, self.src, self.dst)
+        self.ipt = Iptables(
+            self.run,
+            self.src,
+            self.dst,
+            other=other,
+            egress_allowed=EGRESS_ALLOWED,
+            ingress_allowed=INGRESS_ALLOWED,
+        )
         self.src_spec = EndpointSpec(SRC_EP, self.src.host_ifindex, self.src.host_ifname, self.src.ips, SRC_IDENTITY)
         self.dst_spec = EndpointSpec(DST_EP, self.dst.host_ifindex, self.dst.host_ifname, self.dst.ips, DST_IDENTITY)
 
@@ -904,32 +568,6 @@ TC_ACT_OK = 0
 TC_ACT_REDIRECT = 7
 
 
-def median(values: Sequence[float]) -> float:
-    return float(statistics.median(values)) if values else 0.0
-
-
-def round_to(value: float, digits: int = 4) -> float:
-    return float(f"{value:.{digits}g}")
-
-
-def summarize_bpf(samples: dict[str, list[dict[str, dict[str, float]]]]) -> dict[str, dict[str, dict[str, float]]]:
-    """Per variant and workload, the median of every field over the repetitions."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for name, reps in samples.items():
-        out[name] = {
-            workload: {key: round_to(median([r[workload][key] for r in reps])) for key in reps[0][workload]}
-            for workload in reps[0]
-        }
-    return out
-
-
-def quartiles(values: Sequence[float]) -> list[float]:
-    if len(values) < 2:
-        return [round_to(v) for v in (*values, *values)][:2]
-    q = statistics.quantiles(values, n=4)
-    return [round_to(q[0]), round_to(q[2])]
-
-
 def analyse(
     variants: list[Variant],
     samples: dict[str, dict[str, list[float]]],
@@ -1188,15 +826,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def missing_prerequisites() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, BPF, iptables)"
-    for tool in ("ip", "iperf3", "iptables", "iptables-restore", "iptables-save"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed"
-    return None
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of 1-second samples (about 1 minute)")
@@ -1220,12 +849,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="repetitions of the final kernel BPF run-time measurement of Palisade's programs "
         "(default 5, --quick 1; 0 skips it)",
     )
-    # Helper processes started by the bench itself inside the pods' namespaces.
-    p.add_argument("--role", choices=("accept", "connect"), help=argparse.SUPPRESS)
-    p.add_argument("--ports", help=argparse.SUPPRESS)
-    p.add_argument("--src", help=argparse.SUPPRESS)
-    p.add_argument("--dst", help=argparse.SUPPRESS)
-    p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rounds is None:
         args.rounds = 2 if args.quick else 12
@@ -1233,52 +856,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.bpf_stats_rounds = 1 if args.quick else 5
     if args.seconds is None:
         args.seconds = 1 if args.quick else 2
-    if args.role is None and (args.rounds < 1 or args.seconds < 1 or not args.levels or min(args.levels) < 1):
+    if args.rounds < 1 or args.seconds < 1 or not args.levels or min(args.levels) < 1:
         p.error("--rounds, --seconds and --levels must be positive")
     return args
 
 
-@contextlib.contextmanager
-def stdout_reserved_for_json() -> Iterator[int]:
-    """Send everything else written to fd 1 (libraries, compilers) to stderr; yield the real stdout."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield saved
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def _terminate(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.role == "accept":
-        return role_accept([int(p) for p in args.ports.split(",")])
-    if args.role == "connect":
-        return role_connect(args.src, args.dst, args.seconds, args.start)
-    return run_as_json(run_bench, args)
-
-
-def run_as_json(bench: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace) -> int:
-    """Run a namespace-and-iptables benchmark and print its result as JSON on stdout (only that goes there);
-    SIGTERM and SIGHUP unwind it, so it cleans up."""
-    problem = missing_prerequisites()
-    if problem:
-        print(json.dumps({"error": problem}))
-        return 2
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGHUP, _terminate)
-    with stdout_reserved_for_json() as out_fd:
-        result = bench(args)
-        with os.fdopen(os.dup(out_fd), "w") as out:
-            out.write(json.dumps(result, indent=2) + "\n")
-    return 0
+    return run_as_json(run_bench, parse_args(argv), missing=missing_prerequisites)
 
 
 if __name__ == "__main__":

@@ -30,9 +30,9 @@ from services.datapath.types import (
     Direction,
     EndpointSpec,
     Enforcement,
+    L4Proto,
     PolicyEntry,
     PolicyKey,
-    Protocol,
     Verdict,
 )
 from tests.datapath.traffic import tcp_connects
@@ -52,11 +52,11 @@ def summary(samples: list[float]) -> dict[str, float]:
 
 def policy_for(identity_base: int) -> list[PolicyEntry]:
     return [
-        PolicyEntry(PolicyKey(Direction.INGRESS, identity_base, Protocol.TCP, 8080)),
-        PolicyEntry(PolicyKey(Direction.INGRESS, identity_base, Protocol.TCP, 9000, 9999)),
-        PolicyEntry(PolicyKey(Direction.INGRESS, 0, Protocol.UDP, 53)),
-        PolicyEntry(PolicyKey(Direction.INGRESS, 0, Protocol.TCP, 22), Verdict.DENY),
-        PolicyEntry(PolicyKey(Direction.EGRESS, 0, Protocol.ANY)),
+        PolicyEntry(PolicyKey(Direction.INGRESS, identity_base, L4Proto.TCP, 8080)),
+        PolicyEntry(PolicyKey(Direction.INGRESS, identity_base, L4Proto.TCP, 9000, 9999)),
+        PolicyEntry(PolicyKey(Direction.INGRESS, 0, L4Proto.UDP, 53)),
+        PolicyEntry(PolicyKey(Direction.INGRESS, 0, L4Proto.TCP, 22), Verdict.DENY),
+        PolicyEntry(PolicyKey(Direction.EGRESS, 0, L4Proto.ANY)),
     ]
 
 
@@ -117,7 +117,7 @@ def main() -> int:
 
         delta = []
         for i in range(len(pods)):
-            extra = PolicyEntry(PolicyKey(Direction.INGRESS, 1000, Protocol.TCP, 7070))
+            extra = PolicyEntry(PolicyKey(Direction.INGRESS, 1000, L4Proto.TCP, 7070))
             start = time.perf_counter()
             dp.apply_policy(i + 1, Enforcement(ingress=True), add=[extra])
             delta.append(time.perf_counter() - start)

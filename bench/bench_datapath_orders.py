@@ -118,7 +118,7 @@ class Ipam:
     async def release_ip(self, node: str, ip: str, owner: str) -> None:
         return None
 
-    async def allocations(self, node: str) -> list[dt.Allocation]:
+    async def allocations(self, node: str) -> list[dt.IpAllocation]:
         return []
 
 

@@ -30,7 +30,7 @@ from bench.stats import percentile, rss_mib
 from services.common.gctuning import freeze_loaded, tune_gc
 from services.common.labels import pod_identity_labels
 from services.policy.engine.identity import Identity, LocalAllocator
-from services.policy.engine.model import Protocol
+from services.policy.engine.model import IpProto
 from services.policy.engine.parse import parse_policy
 from services.policy.engine.policyengine import ChangeResult, PolicyEngine
 
@@ -161,7 +161,7 @@ def identity_changes(eng: PolicyEngine, args: argparse.Namespace, rng: random.Ra
         relabeled = Identity(number, pod_labels(i, args.namespaces, other_tier))
         record("identity_relabel", eng.upsert_identity, relabeled)
         record("ipcache_upsert", eng.upsert_ipcache, ip, number)
-        record("named_ports", eng.set_named_ports, number, {"http": [(Protocol.TCP, 9000 + n)]})
+        record("named_ports", eng.set_named_ports, number, {"http": [(IpProto.TCP, 9000 + n)]})
         record("ipcache_delete", eng.delete_ipcache, ip)
         record("identity_remove", eng.remove_identity, number)
     out: dict[str, Any] = {}
@@ -193,7 +193,7 @@ def main() -> int:
     for ident in idents:
         eng.upsert_identity(ident)
     for n, ident in enumerate(idents):
-        eng.set_named_ports(ident.id, {"http": [(Protocol.TCP, 8080 + n % 3)]})
+        eng.set_named_ports(ident.id, {"http": [(IpProto.TCP, 8080 + n % 3)]})
     for p in policies:
         eng.upsert_policy(p)
     full = eng.end_batch()

@@ -44,6 +44,7 @@ from typing import Any
 import grpc
 import yaml
 
+from bench.output import logger
 from bench.stats import stats_ms
 from palisade.v1 import common_pb2, common_pb2_grpc, policy_pb2, policy_pb2_grpc
 from services.common.grpcserver import grpc_target, parse_addresses
@@ -53,9 +54,7 @@ from tests.policy_service import builders
 from tests.policy_service.cluster import Datapath, Feed
 from tests.policy_service.scenario import PODS, publish_world
 
-
-def log(message: str) -> None:
-    print(f"[ha {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+log = logger("ha")
 
 
 def _edit(port: int) -> str:

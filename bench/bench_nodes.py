@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 from nats.js import api as jsapi
 
+from bench.output import logger
 from bench.stats import stats_ms
 from palisade.v1 import policy_pb2, policy_pb2_grpc
 from services.common.bus import Bus
@@ -39,8 +40,7 @@ from services.common.trust import Credentials
 NODES = ["dev-node-1", "dev-node-2", "dev-node-3"]
 
 
-def log(message: str) -> None:
-    print(f"[nodes {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+log = logger("nodes")
 
 
 def manifests(folder: Path) -> None:

@@ -44,25 +44,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.bench_datapath_cost import (
-    CONN_PORT,
-    CONN_PORTS,
-    IPERF_PORT,
-    Server,
-    clean_up,
-    connection_rate,
-    create_pod_pair,
-    iperf,
-    log,
-    round_to,
-    run_as_json,
-    run_cmd,
-    start_servers,
-)
+from bench import roles
+from bench.output import logger, run_as_json
+from bench.stats import round_to
 from services.datapath.datapath import Datapath
 from services.datapath.netns import PodLink
-from services.datapath.types import Backend, EndpointSpec, Frontend, LbService, Protocol
+from services.datapath.types import Backend, EndpointSpec, Frontend, L4Proto, LbService
 from tests.datapath.traffic import tcp_connects
+
+log = logger("services")
 
 DEFAULT_LEVELS = (100, 1000, 10000)
 METRICS = ("conn_rate", "udp_pps")
@@ -74,19 +64,19 @@ SRC_EP, DST_EP = 1, 2
 def measured_services(dst_ip: str) -> list[LbService]:
     """The frontends the client uses: iperf3's control (TCP) and data (UDP) port, and the connection ports."""
     out = [
-        LbService(Frontend(VIP, IPERF_PORT, Protocol.TCP), (Backend(dst_ip, IPERF_PORT),)),
-        LbService(Frontend(VIP, IPERF_PORT, Protocol.UDP), (Backend(dst_ip, IPERF_PORT),)),
+        LbService(Frontend(VIP, roles.IPERF_PORT, L4Proto.TCP), (Backend(dst_ip, roles.IPERF_PORT),)),
+        LbService(Frontend(VIP, roles.IPERF_PORT, L4Proto.UDP), (Backend(dst_ip, roles.IPERF_PORT),)),
     ]
     out += [
-        LbService(Frontend(VIP, port, Protocol.TCP), (Backend(dst_ip, port),))
-        for port in range(CONN_PORT, CONN_PORT + CONN_PORTS)
+        LbService(Frontend(VIP, port, L4Proto.TCP), (Backend(dst_ip, port),))
+        for port in range(roles.CONN_PORT, roles.CONN_PORT + roles.CONN_PORTS)
     ]
     return out
 
 
 def filler_services(count: int, dst_ip: str) -> list[LbService]:
     return [
-        LbService(Frontend(str(ipaddress.IPv4Address(FILLER_BASE + i)), 80, Protocol.TCP), (Backend(dst_ip, 80),))
+        LbService(Frontend(str(ipaddress.IPv4Address(FILLER_BASE + i)), 80, L4Proto.TCP), (Backend(dst_ip, 80),))
         for i in range(max(0, count))
     ]
 
@@ -116,11 +106,11 @@ class KubeProxy:
 
     def install(self, services: Sequence[LbService]) -> None:
         self.uninstall()
-        run_cmd(["iptables-restore", "-w", "30", "--noflush"], stdin=self.ruleset(services))
+        roles.run_cmd(["iptables-restore", "-w", "30", "--noflush"], stdin=self.ruleset(services))
 
     def uninstall(self) -> None:
         while (
-            run_cmd(
+            roles.run_cmd(
                 ["iptables", "-w", "30", "-t", "nat", "-D", "PREROUTING", "-j", self.services], check=False
             ).returncode
             == 0
@@ -130,14 +120,14 @@ class KubeProxy:
         if not chains:
             return
         lines = ["*nat", *(f":{c} - [0:0]" for c in sorted(chains)), *(f"-X {c}" for c in sorted(chains)), "COMMIT"]
-        run_cmd(["iptables-restore", "-w", "30", "--noflush"], stdin="\n".join(lines) + "\n")
+        roles.run_cmd(["iptables-restore", "-w", "30", "--noflush"], stdin="\n".join(lines) + "\n")
 
     def our_chains(self) -> set[str]:
-        out = run_cmd(["iptables-save", "-t", "nat"], check=False).stdout
+        out = roles.run_cmd(["iptables-save", "-t", "nat"], check=False).stdout
         return set(re.findall(rf"^:({re.escape(self.prefix)}-\S+)", out, re.M))
 
     def dnat_packets(self, chain: str) -> int:
-        out = run_cmd(["iptables", "-w", "30", "-t", "nat", "-L", chain, "-n", "-v", "-x"]).stdout
+        out = roles.run_cmd(["iptables", "-w", "30", "-t", "nat", "-L", chain, "-n", "-v", "-x"]).stdout
         rows = [line.split() for line in out.splitlines()[2:] if line.strip()]
         return int(rows[0][0]) if rows else 0
 
@@ -149,7 +139,7 @@ class Bench:
         self.prefix = f"pbs{self.run}"
         self.base = f"/sys/fs/bpf/palisade-bench-{self.run}"
         self.pods: list[PodLink] = []
-        self.servers: list[Server] = []
+        self.servers: list[roles.Server] = []
         self.dp: Datapath | None = None
         self.kp = KubeProxy(self.run)
         self.current = ""
@@ -157,9 +147,9 @@ class Bench:
         self.checks: list[dict[str, Any]] = []
 
     def setup(self) -> None:
-        self.src, self.dst = create_pod_pair(self.prefix, self.pods)
+        self.src, self.dst = roles.create_pod_pair(self.prefix, self.pods)
         self.dst_ip = self.dst.ips[0]
-        self.iperf_server, _ = start_servers(self.dst, (), self.servers)
+        self.iperf_server, _ = roles.start_servers(self.dst, (), self.servers)
         self.dp = Datapath.open(self.base)
         for ep, pod in ((SRC_EP, self.src), (DST_EP, self.dst)):
             self.dp.attach_endpoint(EndpointSpec(ep, pod.host_ifindex, pod.host_ifname, pod.ips, 1000 + ep))
@@ -169,7 +159,7 @@ class Bench:
         steps: list[tuple[str, Callable[[], object]]] = [("iptables", self.kp.uninstall)]
         if self.dp is not None:
             steps.append(("datapath teardown", self.dp.teardown))
-        out = clean_up(self.prefix, self.base, self.servers, self.pods, steps)
+        out = roles.clean_up(self.prefix, self.base, self.servers, self.pods, steps)
         out["iptables_chains_left"] = sorted(self.kp.our_chains())
         return out
 
@@ -205,7 +195,7 @@ class Bench:
     def check(self, variant: str) -> None:
         assert self.dp is not None
         self.dp.flush_conntrack()  # only this check's connection counts
-        ok = tcp_connects(self.src.name, self.target(variant), CONN_PORT, 3.0)
+        ok = tcp_connects(self.src.name, self.target(variant), roles.CONN_PORT, 3.0)
         bpf = sum(1 for e in self.dp.conntrack(SRC_EP) if e.service_id)
         if variant.startswith("iptables"):
             i = len(filler_services(int(variant.partition("-")[2]) - len(self.measured), self.dst_ip)) + 2
@@ -222,9 +212,9 @@ class Bench:
     def measure(self, variant: str) -> dict[str, float]:
         assert self.dp is not None
         self.dp.flush_conntrack()
-        conn = connection_rate(self.src, self.target(variant), self.args.seconds, self.next_conn)
+        conn = roles.connection_rate(self.src, self.target(variant), self.args.seconds, self.next_conn)
         self.next_conn = int(conn["next"])
-        udp = iperf(self.src.name, self.target(variant), self.args.seconds, udp=True, server=self.iperf_server)
+        udp = roles.iperf(self.src.name, self.target(variant), self.args.seconds, udp=True, server=self.iperf_server)
         self.dp.read_flows(0)
         return {"conn_rate": conn["value"], "udp_pps": udp["value"]}
 
@@ -315,7 +305,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_as_json(run_bench, parse_args(argv))
+    return run_as_json(run_bench, parse_args(argv), missing=roles.missing_prerequisites)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.output import logger
 from bench.stats import percentile, stats_ms, target
 from services.common.access import INBOX_PREFIX
 from services.common.grpcserver import open_channel
@@ -51,8 +52,7 @@ PORT = 8080
 CLUSTER_CIDR = "10.214.0.0/16"  # apart from other stacks' pod addresses on this machine
 
 
-def log(message: str) -> None:
-    print(f"[system {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+log = logger("system")
 
 
 # -- the probe agent (a child process inside the source pod's namespace) -------------------
@@ -586,7 +586,7 @@ def main() -> int:
     if args.pods < 3 or args.changes < 1:
         p.error("--pods must be at least 3 and --changes at least 1")
     if os.geteuid() != 0:
-        print("bench_system: needs root (the stack creates namespaces and loads BPF programs)", file=sys.stderr)
+        log("needs root (the stack creates namespaces and loads BPF programs)")
         return 2
 
     def on_term(signum: int, frame: object) -> None:
@@ -597,7 +597,7 @@ def main() -> int:
     try:
         out = run(args)
     except KeyboardInterrupt as exc:
-        print(f"bench_system: interrupted ({exc}); cleaned up", file=sys.stderr)
+        log(f"interrupted ({exc}); cleaned up")
         return 130
     out["total_s"] = round(time.monotonic() - started, 1)
     print(json.dumps(out, indent=2))

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.output import logger
 from services.datapath.maps import snatmap
 from services.datapath.maps.bpf import PinnedMap
 from services.datapath.maps.snatmap import SnatMap
@@ -30,8 +31,7 @@ from services.datapath.maps.snatmap import SnatMap
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def log(message: str) -> None:
-    print(f"[bench_tuple_reuse] {message}", file=sys.stderr, flush=True)
+log = logger("tuple_reuse")
 
 
 def soak(nodes: int, seconds: float, rate: float) -> dict[str, Any]:

@@ -48,3 +48,29 @@ def rss_mib(pid: int) -> float:
     except FileNotFoundError:
         pass
     return 0.0
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def round_to(value: float, digits: int = 4) -> float:
+    return float(f"{value:.{digits}g}")
+
+
+def summarize_bpf(samples: dict[str, list[dict[str, dict[str, float]]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per variant and workload, the median of every field over the repetitions."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, reps in samples.items():
+        out[name] = {
+            workload: {key: round_to(median([r[workload][key] for r in reps])) for key in reps[0][workload]}
+            for workload in reps[0]
+        }
+    return out
+
+
+def quartiles(values: Sequence[float]) -> list[float]:
+    if len(values) < 2:
+        return [round_to(v) for v in (*values, *values)][:2]
+    q = statistics.quantiles(values, n=4)
+    return [round_to(q[0]), round_to(q[2])]

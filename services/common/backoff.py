@@ -1,18 +1,13 @@
 """Exponential backoff: the one way every Palisade loop waits between attempts.
 
 ``Backoff`` computes delays (doubling up to a maximum, optionally with jitter so many
-clients do not retry in lockstep). Retrying a call is :func:`services.common.retry.retry`;
-:func:`retry_forever` is a thin binding of it kept for the datapath.
+clients do not retry in lockstep). Retrying a call is :func:`services.common.retry.retry`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
-
-T = TypeVar("T")
 
 
 class Backoff:
@@ -43,21 +38,3 @@ class Backoff:
 
     async def sleep(self) -> None:
         await asyncio.sleep(self.next())
-
-
-async def retry_forever(
-    what: str,
-    call: Callable[[], Awaitable[T]],
-    *,
-    initial: float = 0.2,
-    maximum: float = 5.0,
-    describe: Callable[[BaseException], str] = str,
-    **fields: object,
-) -> T:
-    """:func:`services.common.retry.retry` without end, every failure logged.
-
-    Kept for the datapath's manager, which is to call ``retry`` itself.
-    """
-    from services.common.retry import retry  # retry builds on Backoff: imported when called
-
-    return await retry(what, call, initial=initial, maximum=maximum, describe=describe, fields=fields)

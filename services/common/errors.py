@@ -1,16 +1,14 @@
 """One error type with a status code for every service.
 
 Logic and servicers raise :class:`PalisadeError` with a :class:`Code` (this module
-never imports grpc at import time); the error interceptor of every server
+never imports grpc); the error interceptor of every server
 (``services.common.grpcserver.ErrorInterceptor``) turns it into the gRPC status.
-Messages say what is wrong and what to do about it. :func:`abort` and
-:func:`abort_with` remain for the datapath's servicer until it raises as well.
+Messages say what is wrong and what to do about it.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, NoReturn, cast
 
 
 class Code(enum.StrEnum):
@@ -52,16 +50,3 @@ def clip(text: str, limit: int = MAX_MESSAGE) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}… ({len(text) - limit} more characters)"
-
-
-async def abort(context: object, code: Code | str, message: str) -> NoReturn:
-    """End an RPC with ``code`` and ``message`` (clipped to what gRPC carries)."""
-    import grpc  # here, so that modules raising PalisadeError stay free of grpc
-
-    servicer_context = cast("grpc.aio.ServicerContext[Any, Any]", context)
-    await servicer_context.abort(getattr(grpc.StatusCode, str(code)), clip(message))
-    raise AssertionError("grpc abort returned")  # abort always raises
-
-
-async def abort_with(context: object, exc: PalisadeError) -> NoReturn:
-    await abort(context, exc.code, exc.message)

@@ -174,7 +174,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         """The code a failed call ends with, and the status to abort with (None: let ``exc`` go on)."""
         if isinstance(exc, asyncio.CancelledError):
             return "CANCELLED", None
-        if isinstance(exc, grpc.aio.AbortError):  # the servicer aborted by itself (the datapath's still does)
+        if isinstance(exc, grpc.aio.AbortError):  # aborted by itself (no Palisade servicer does)
             aborted = context.code()
             return (aborted.name if isinstance(aborted, grpc.StatusCode) else "UNKNOWN"), None
         status = self.status(exc, method) if isinstance(exc, Exception) else None

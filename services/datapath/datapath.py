@@ -179,7 +179,7 @@ class Datapath:
         # First, so a failed compile leaves nothing half-built behind.
         self.template: Template = loader.template(config)
         self.ipcache = IPCacheMap(maps[ipcachemap.NAME])
-        self.endpoints = EndpointMap(maps[endpointmap.NAME])
+        self.endpoint_map = EndpointMap(maps[endpointmap.NAME])
         self.delivery = DeliveryMap(maps[deliverymap.NAME])
         self.policy = PolicyMap(maps[policymap.NAME])
         self.enforcement = EnforcementMap(maps[enforcementmap.NAME])
@@ -198,8 +198,8 @@ class Datapath:
         self._lock = threading.RLock()
         self._events_lock = threading.Lock()
         self._closed = False
-        # The endpoints the kernel holds (policy is not cached: the realizer owns it).
-        self._endpoints: dict[int, EndpointEntry] = {r.id: r for r in self.endpoints.records()}
+        # The endpoints the kernel holds, as written to endpoint_map (policy is not cached: the realizer owns it).
+        self._endpoints: dict[int, EndpointEntry] = {r.id: r for r in self.endpoint_map.records()}
         self._sync_hints()
         self.migrate_conntrack(release=False)
 
@@ -276,10 +276,10 @@ class Datapath:
             old = self._endpoints.get(spec.id)
             if old is not None and (old.ifindex != record.ifindex or set(old.ips) - set(record.ips)):
                 self._forget_delivery(old)
-                self.endpoints.remove(old)
+                self.endpoint_map.remove(old)
                 if old.ifindex != record.ifindex:
                     self._loader.detach(old.ifindex)
-            self.endpoints.write(record)
+            self.endpoint_map.write(record)
             self._endpoints[spec.id] = record
             try:
                 self._loader.attach(self.template, spec.ifindex)
@@ -287,7 +287,7 @@ class Datapath:
                 # Leave no record claiming an endpoint whose programs never ran (and no program's
                 # endpoint cache holding it: the epoch moves on every endpoint write).
                 self._forget_delivery(record)
-                self.endpoints.remove(record)
+                self.endpoint_map.remove(record)
                 del self._endpoints[spec.id]
                 self.state.bump_epoch()
                 raise
@@ -324,7 +324,7 @@ class Datapath:
                 return False
             self._forget_delivery(record)
             self._loader.detach(record.ifindex)
-            self.endpoints.remove(record)
+            self.endpoint_map.remove(record)
             self.policy.delete(self.policy.read(ep_id).get(ep_id, {}))
             self.enforcement.delete(ep_id)
             self.metrics.delete_endpoint(ep_id)
@@ -342,7 +342,7 @@ class Datapath:
             if record.identity == identity:
                 return
             record = dataclasses.replace(record, identity=identity)
-            self.endpoints.write(record)
+            self.endpoint_map.write(record)
             self._endpoints[ep_id] = record
             self.state.bump_epoch()
             log.info("endpoint relabelled", endpoint=ep_id, identity=identity)
@@ -353,7 +353,7 @@ class Datapath:
             self._check_open()
             enforcement = self.enforcement.dump()
             out = []
-            for record in self.endpoints.records():
+            for record in self.endpoint_map.records():
                 attachment = self._loader.attachment(record.ifindex)
                 out.append(
                     PinnedEndpoint(
@@ -567,7 +567,7 @@ class Datapath:
         """Detach every endpoint's programs and remove every pin under ``base_dir``."""
         with self._lock:
             self._check_open()
-            ifindexes = {r.ifindex for r in self.endpoints.records()} | {r.ifindex for r in self._endpoints.values()}
+            ifindexes = {r.ifindex for r in self.endpoint_map.records()} | {r.ifindex for r in self._endpoints.values()}
             for ifindex in sorted(ifindexes):
                 self._loader.detach(ifindex)
         self.close()

@@ -1,7 +1,7 @@
 """The datapath's errors: each carries the gRPC status code the servicer answers with.
 
-Built on :class:`services.common.errors.PalisadeError`, so the servicer maps every one
-of them with ``abort_with`` and nothing below the servicer imports grpc. Messages say
+Built on :class:`services.common.errors.PalisadeError`, so the server's error interceptor
+maps every one of them and nothing below the servicer imports grpc. Messages say
 what is wrong and what to do about it.
 """
 

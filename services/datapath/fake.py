@@ -33,6 +33,7 @@ from services.datapath.types import (
     Enforcement,
     FlowEvent,
     Frontend,
+    L4Proto,
     LbService,
     LbState,
     PinnedEndpoint,
@@ -40,9 +41,6 @@ from services.datapath.types import (
     PolicyEntry,
     Reason,
     Verdict,
-)
-from services.datapath.types import (
-    Protocol as L4Protocol,
 )
 
 
@@ -270,10 +268,10 @@ class FakeDatapath:
             return self._world if best is None else best[1]
 
     def evaluate(
-        self, ep_id: int, direction: Direction, remote_ip: str, protocol: L4Protocol | int, port: int = 0
+        self, ep_id: int, direction: Direction, remote_ip: str, protocol: L4Proto | int, port: int = 0
     ) -> tuple[Verdict, Reason]:
         """The verdict the real program would give a new flow of this endpoint."""
-        number = protocol.number if isinstance(protocol, L4Protocol) else protocol
+        number = protocol.number if isinstance(protocol, L4Proto) else protocol
         with self._lock:
             return policymap.evaluate(
                 self._k.policy.get(ep_id, {}),
@@ -290,14 +288,14 @@ class FakeDatapath:
         ep_id: int,
         direction: Direction,
         remote_ip: str,
-        protocol: L4Protocol | int,
+        protocol: L4Proto | int,
         port: int = 0,
         *,
         remote_port: int = 40000,
     ) -> FlowEvent:
         """Judge a new flow like the program, count it and queue its flow event."""
         verdict, reason = self.evaluate(ep_id, direction, remote_ip, protocol, port)
-        number = protocol.number if isinstance(protocol, L4Protocol) else protocol
+        number = protocol.number if isinstance(protocol, L4Proto) else protocol
         with self._flow_ready:
             record = self._k.endpoints.get(ep_id)
             if record is None:

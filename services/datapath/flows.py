@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from palisade.v1 import common_pb2, datapath_pb2
 from services.common.log import get_logger
+from services.common.retry import retry
 from services.datapath import types as dt
 
 log = get_logger("flows")
@@ -115,31 +116,32 @@ class FlowHub:
         self.dropped = 0
 
     async def run(self) -> None:
-        errors = 0
         while True:
-            try:
-                self._joined.clear()
-                if not self._subs:
-                    # Nobody observing: the events are consumed (so a client that comes gets new
-                    # ones, not a backlog) and counted, never decoded; then the hub waits for a
-                    # client or the next poll, whichever comes first.
-                    self._reading = False
-                    self.events += await asyncio.to_thread(self._source.skip_flows, 0)
-                    errors = 0
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._joined.wait(), self._poll_ms / 1000)
-                    continue
-                self._reading = True
-                batch = await asyncio.to_thread(self._source.read_flows, self._poll_ms)
-                errors = 0
-            except Exception as exc:
-                errors += 1
-                if errors == 1 or errors % 100 == 0:
-                    log.error("reading flow events failed", error=str(exc), attempts=errors)
-                await asyncio.sleep(min(0.1 * errors, 5.0))
-                continue
+            batch = await retry(
+                "read flow events",
+                self._read,
+                initial=0.1,
+                maximum=5.0,
+                log_every=100,
+                message="reading flow events failed, retrying",
+            )
             for event in batch:
                 self.publish(flow_to_proto(event, self._node, self._pod_of(event.endpoint_id)))
+
+    async def _read(self) -> Sequence[dt.FlowEvent]:
+        """The next batch for the subscribers; none while nobody observes."""
+        self._joined.clear()
+        if not self._subs:
+            # Nobody observing: the events are consumed (so a client that comes gets new
+            # ones, not a backlog) and counted, never decoded; then the hub waits for a
+            # client or the next poll, whichever comes first.
+            self._reading = False
+            self.events += await asyncio.to_thread(self._source.skip_flows, 0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._joined.wait(), self._poll_ms / 1000)
+            return ()
+        self._reading = True
+        return await asyncio.to_thread(self._source.read_flows, self._poll_ms)
 
     def publish(self, event: datapath_pb2.FlowEvent) -> None:
         self.events += 1
@@ -147,7 +149,7 @@ class FlowHub:
             if sub.offer(event):
                 self.dropped += 1
 
-    async def stream(self, flt: FlowFilter, limit: int = 0) -> AsyncIterator[datapath_pb2.FlowEvent]:
+    async def stream(self, flt: FlowFilter, limit: int = 0) -> AsyncGenerator[datapath_pb2.FlowEvent, None]:
         """Events matching ``flt`` from the hub's next read on (it stops skipping at once for the
         first client); stops after ``limit`` (0: until the caller stops)."""
         sub = Subscription(flt, self._buffer)

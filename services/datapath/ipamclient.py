@@ -57,7 +57,7 @@ class IpamPort(Protocol):
 
     async def release_ip(self, node: str, ip: str, owner: str) -> None: ...
 
-    async def allocations(self, node: str) -> list[dt.Allocation]: ...
+    async def allocations(self, node: str) -> list[dt.IpAllocation]: ...
 
 
 def upstream_code(code: grpc.StatusCode) -> Code:
@@ -126,7 +126,7 @@ class GrpcIpam:
         response = await _call("IPAMService", self._ipam.GetNodeCIDR(request, timeout=self._timeout))
         return list(response.cidrs)
 
-    async def allocations(self, node: str) -> list[dt.Allocation]:
+    async def allocations(self, node: str) -> list[dt.IpAllocation]:
         request = ipam_pb2.ListAllocationsRequest(node=node)
         response = await _call("IPAMService", self._ipam.ListAllocations(request, timeout=self._timeout))
         return [wire.allocation_from_proto(a) for a in response.allocations]

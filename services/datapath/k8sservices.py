@@ -26,10 +26,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from services.common.k8sobjects import as_list, as_map, endpoint_serves, slice_service
-from services.datapath.types import Backend, Frontend, LbService, Protocol
+from services.datapath.types import Backend, Frontend, L4Proto, LbService
 
 DEFAULT_AFFINITY_TIMEOUT = 10800
-_PROTOCOLS = {"TCP": Protocol.TCP, "UDP": Protocol.UDP}
+_PROTOCOLS = {"TCP": L4Proto.TCP, "UDP": L4Proto.UDP}
 
 
 @dataclasses.dataclass(frozen=True)

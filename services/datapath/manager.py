@@ -21,10 +21,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from services.common.backoff import retry_forever
 from services.common.errors import Code
 from services.common.labels import LABEL_POD_NAMESPACE
 from services.common.log import get_logger
+from services.common.retry import retry
 from services.datapath import deletequeue
 from services.datapath import netns as netns_mod
 from services.datapath import types as dt
@@ -159,7 +159,7 @@ class EndpointManager:
         """Release addresses and identity references of removed endpoints, retrying until IPAM answers."""
         while True:
             release = await self._releases.get()
-            await retry_forever("release to IPAM", release, maximum=self._backoff_max)
+            await retry("release to IPAM", release, maximum=self._backoff_max)
 
     # --- policy, through the owning task -----------------------------------------------------------
 
@@ -608,7 +608,7 @@ class EndpointManager:
                     error = str(exc)
                     await self._do(lambda: self._fail(record.id, error))
 
-            await retry_forever("reclaim endpoint", attempt, maximum=self._backoff_max, endpoint=record.id)
+            await retry("reclaim endpoint", attempt, maximum=self._backoff_max, fields={"endpoint": record.id})
 
     async def _reclaim_one(self, record: EndpointRecord) -> None:
         for address in record.addresses:

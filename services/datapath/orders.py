@@ -28,10 +28,10 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from palisade.v1 import policy_pb2, policy_pb2_grpc
-from services.common.backoff import Backoff
 from services.common.bus import Bus, Follower, regen_subject
 from services.common.errors import clip
 from services.common.log import get_logger
+from services.common.retry import retry
 from services.datapath import types as dt
 from services.datapath import wire
 from services.datapath.errors import OrderError
@@ -265,45 +265,54 @@ class Reporter:
         await self._idle.wait()
 
     async def run(self) -> None:
-        backoff = Backoff(0.05, self._backoff_max)
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), self._heartbeat)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancellation that
+                # comes as the wake does, and the reporter would outlive its service.
+                async with asyncio.timeout(self._heartbeat):
+                    await self._wake.wait()
             except TimeoutError:
                 await self._beat()
                 continue
             self._wake.clear()
-            if not self._pending and not self._gone:
-                self._idle.set()
-                continue
-            gone, self._gone = self._gone, {}
-            batch, self._pending = self._pending, {}
-            orders, self._orders = self._orders, []
-            live = sorted(batch.values(), key=lambda r: r.endpoint_id)
-            reports = [gone[k] for k in sorted(gone)] + live
-            try:
-                await self._policy.report(reports, self._node)
-            except Exception as exc:
-                for key, report in gone.items():
-                    self._gone.setdefault(key, report)
-                for report in live:  # put back unless a newer one arrived meanwhile
-                    self._pending.setdefault(report.endpoint_id, report)
-                self._orders = orders + self._orders
-                log.warning("report realized failed, retrying", reports=len(reports), error=rpc_error(exc))
-                self._wake.set()
-                await backoff.sleep()
-                continue
-            backoff.reset()
-            self.delivered += len(reports)
-            log.debug("realized reported", reports=len(reports), revision=max(r.revision for r in reports))
-            if self.on_delivered is not None:
-                self.on_delivered(reports)
-            if self.on_order_realized is not None:
-                done = time.monotonic()
-                for arrived in orders:
-                    self.on_order_realized(max(0.0, done - arrived))
-            if not self._pending and not self._gone:
-                self._idle.set()
+            await retry(
+                "report realized",
+                self._deliver,
+                initial=0.05,
+                maximum=self._backoff_max,
+                message="report realized failed, retrying",
+                describe=rpc_error,
+            )
+
+    async def _deliver(self) -> None:
+        """Send everything pending as one batch; on failure put it back (behind anything newer) and raise."""
+        if not self._pending and not self._gone:
+            self._idle.set()
+            return
+        gone, self._gone = self._gone, {}
+        batch, self._pending = self._pending, {}
+        orders, self._orders = self._orders, []
+        live = sorted(batch.values(), key=lambda r: r.endpoint_id)
+        reports = [gone[k] for k in sorted(gone)] + live
+        try:
+            await self._policy.report(reports, self._node)
+        except Exception:
+            for key, report in gone.items():
+                self._gone.setdefault(key, report)
+            for report in live:  # put back unless a newer one arrived meanwhile
+                self._pending.setdefault(report.endpoint_id, report)
+            self._orders = orders + self._orders
+            raise
+        self.delivered += len(reports)
+        log.debug("realized reported", reports=len(reports), revision=max(r.revision for r in reports))
+        if self.on_delivered is not None:
+            self.on_delivered(reports)
+        if self.on_order_realized is not None:
+            done = time.monotonic()
+            for arrived in orders:
+                self.on_order_realized(max(0.0, done - arrived))
+        if not self._pending and not self._gone:
+            self._idle.set()
 
     async def _beat(self) -> None:
         try:
@@ -413,17 +422,12 @@ class OrderConsumer:
             log.info("resync applied", sequence=state.sequence, revision=state.revision, identities=len(state.policies))
 
     async def _fetch(self) -> dt.ResyncState:
-        backoff = Backoff(0.1, self._backoff_max)
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await self._policy.resync(self._node)
-            except Exception as exc:
-                if attempt == 1 or attempt % 10 == 0:
-                    log.warning(
-                        "resync failed, retrying; pinned maps keep enforcing meanwhile",
-                        attempt=attempt,
-                        error=rpc_error(exc),
-                    )
-            await backoff.sleep()
+        return await retry(
+            "resync",
+            lambda: self._policy.resync(self._node),
+            initial=0.1,
+            maximum=self._backoff_max,
+            log_every=10,
+            message="resync failed, retrying; pinned maps keep enforcing meanwhile",
+            describe=rpc_error,
+        )

@@ -34,7 +34,7 @@ from services.datapath.config import DatapathConfig
 from services.datapath.datapath import Datapath, DatapathAPI
 from services.datapath.flows import FlowHub
 from services.datapath.ipamclient import GrpcIpam, IpamPort
-from services.datapath.ipcache import IpcacheSync
+from services.datapath.ipcachesync import IpcacheSync
 from services.datapath.loader import ProgramConfig
 from services.datapath.manager import EndpointManager, PodNetwork
 from services.datapath.masquerade import NftMasquerade

@@ -1,21 +1,21 @@
 """DatapathService over gRPC: endpoints, policy maps read back from the kernel, flow events.
 
 The service edge: requests are translated into the datapath's own types (``wire``)
-before they reach the endpoint manager, answers back into protobuf, and every
-:class:`~services.common.errors.PalisadeError` the layers below raise becomes its
-gRPC status with ``abort_with``.
+before they reach the endpoint manager, answers back into protobuf. Every
+:class:`~services.common.errors.PalisadeError` raised here or below becomes its gRPC
+status in the server's error interceptor (``services.common.grpcserver``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
-from services.common.errors import PalisadeError, abort_with
+from services.common.errors import Code, PalisadeError
 from services.common.log import get_logger
 from services.datapath import wire
 from services.datapath.datapath import CounterSource
@@ -26,8 +26,6 @@ from services.datapath.servicesync import ServiceSync
 
 log = get_logger("servicer")
 
-T = TypeVar("T")
-
 
 class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
     def __init__(
@@ -37,12 +35,6 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
         self._flows = flows
         self._counters = counters
         self._services = services
-
-    async def _guard(self, context: grpc.aio.ServicerContext, call: Awaitable[T]) -> T:
-        try:
-            return await call
-        except PalisadeError as exc:
-            await abort_with(context, exc)
 
     async def _endpoint_proto(self, ep: Endpoint) -> datapath_pb2.Endpoint:
         out = wire.endpoint_to_proto(ep, self._manager.node)
@@ -59,38 +51,26 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
     async def CreateEndpoint(
         self, request: datapath_pb2.CreateEndpointRequest, context: grpc.aio.ServicerContext
     ) -> datapath_pb2.Endpoint:
-        async def create() -> Endpoint:
-            return await self._manager.create(wire.request_from_proto(request))
-
-        ep = await self._guard(context, create())
+        ep = await self._manager.create(wire.request_from_proto(request))
         return await self._endpoint_proto(ep)
 
     async def DeleteEndpoint(
         self, request: datapath_pb2.DeleteEndpointRequest, context: grpc.aio.ServicerContext
     ) -> datapath_pb2.DeleteEndpointResponse:
-        async def delete() -> None:
-            await self._manager.delete(wire.ref_from_proto(request))
-
-        await self._guard(context, delete())
+        await self._manager.delete(wire.ref_from_proto(request))
         return datapath_pb2.DeleteEndpointResponse()
 
     async def GetEndpoint(
         self, request: datapath_pb2.GetEndpointRequest, context: grpc.aio.ServicerContext
     ) -> datapath_pb2.Endpoint:
-        async def get() -> Endpoint:
-            return self._manager.find(wire.ref_from_proto(request))
-
-        ep = await self._guard(context, get())
+        ep = self._manager.find(wire.ref_from_proto(request))
         return await self._endpoint_proto(ep)
 
     async def UpdateEndpoint(
         self, request: datapath_pb2.UpdateEndpointRequest, context: grpc.aio.ServicerContext
     ) -> datapath_pb2.Endpoint:
-        async def update() -> Endpoint:
-            ref = wire.ref_from_proto(request.endpoint)
-            return await self._manager.relabel(ref, [wire.label_from_proto(x) for x in request.labels])
-
-        ep = await self._guard(context, update())
+        ref = wire.ref_from_proto(request.endpoint)
+        ep = await self._manager.relabel(ref, [wire.label_from_proto(x) for x in request.labels])
         return await self._endpoint_proto(ep)
 
     async def ListEndpoints(
@@ -131,18 +111,15 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
     async def GetPolicyMap(
         self, request: datapath_pb2.GetPolicyMapRequest, context: grpc.aio.ServicerContext
     ) -> datapath_pb2.GetPolicyMapResponse:
-        async def read() -> datapath_pb2.GetPolicyMapResponse:
-            ref = wire.ref_from_proto(request.endpoint)
-            ep, enforcement, entries = await self._manager.read_policy_map(ref)
-            return datapath_pb2.GetPolicyMapResponse(
-                endpoint_id=ep.id,
-                identity=ep.identity,
-                revision=ep.realized_revision,
-                enforcement=wire.enforcement_to_proto(enforcement),
-                entries=[wire.entry_to_proto(e) for e in sorted(entries)],
-            )
-
-        return await self._guard(context, read())
+        ref = wire.ref_from_proto(request.endpoint)
+        ep, enforcement, entries = await self._manager.read_policy_map(ref)
+        return datapath_pb2.GetPolicyMapResponse(
+            endpoint_id=ep.id,
+            identity=ep.identity,
+            revision=ep.realized_revision,
+            enforcement=wire.enforcement_to_proto(enforcement),
+            entries=[wire.entry_to_proto(e) for e in sorted(entries)],
+        )
 
     async def Observe(
         self, request: datapath_pb2.ObserveRequest, context: grpc.aio.ServicerContext
@@ -150,13 +127,13 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
         unknown = [v for v in request.verdicts if v not in VERDICTS]
         if unknown:
             names = ", ".join(str(v) for v in unknown)
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise PalisadeError(
                 f"unknown verdict(s) {names}; filter by VERDICT_ALLOW ({common_pb2.VERDICT_ALLOW}) "
                 f"or VERDICT_DENY ({common_pb2.VERDICT_DENY})",
+                Code.INVALID_ARGUMENT,
             )
         if request.pod and request.pod.count("/") != 1:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pod {request.pod!r} is not namespace/name")
+            raise PalisadeError(f"pod {request.pod!r} is not namespace/name", Code.INVALID_ARGUMENT)
         stream: AsyncIterator[Any] = self._flows.stream(FlowFilter.from_request(request), request.limit)
         async for event in stream:
             yield event

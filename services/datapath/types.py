@@ -47,7 +47,7 @@ class Direction(StrEnum):
         raise ValueError(f"unknown direction {value}")
 
 
-class Protocol(StrEnum):
+class L4Proto(StrEnum):
     """L4 protocol; ``ANY`` matches every protocol."""
 
     ANY = "any"
@@ -64,10 +64,10 @@ class Protocol(StrEnum):
 
     @property
     def has_ports(self) -> bool:
-        return self in (Protocol.TCP, Protocol.UDP, Protocol.SCTP, Protocol.ANY)
+        return self in (L4Proto.TCP, L4Proto.UDP, L4Proto.SCTP, L4Proto.ANY)
 
     @classmethod
-    def from_number(cls, number: int) -> Protocol:
+    def from_number(cls, number: int) -> L4Proto:
         for proto, num in _PROTO_NUMBERS.items():
             if num == number:
                 return proto
@@ -75,12 +75,12 @@ class Protocol(StrEnum):
 
 
 _PROTO_NUMBERS = {
-    Protocol.ANY: 0,
-    Protocol.ICMP: 1,
-    Protocol.TCP: 6,
-    Protocol.UDP: 17,
-    Protocol.ICMPV6: 58,
-    Protocol.SCTP: 132,
+    L4Proto.ANY: 0,
+    L4Proto.ICMP: 1,
+    L4Proto.TCP: 6,
+    L4Proto.UDP: 17,
+    L4Proto.ICMPV6: 58,
+    L4Proto.SCTP: 132,
 }
 
 
@@ -158,13 +158,13 @@ class PolicyKey:
 
     direction: Direction
     remote_identity: int = IDENTITY_ANY
-    protocol: Protocol = Protocol.ANY
+    protocol: L4Proto = L4Proto.ANY
     port_low: int = 0
     port_high: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "direction", Direction(self.direction))
-        object.__setattr__(self, "protocol", Protocol(self.protocol))
+        object.__setattr__(self, "protocol", L4Proto(self.protocol))
         if not 0 <= self.remote_identity <= MAX_IDENTITY:
             raise ValueError(f"remote identity {self.remote_identity} out of range")
         if not (0 <= self.port_low <= MAX_PORT and 0 <= self.port_high <= MAX_PORT):
@@ -262,7 +262,7 @@ class FlowEvent:
     destination_ip: str
     source_port: int
     destination_port: int
-    #: IP protocol number (not every protocol seen on the wire has a ``Protocol`` member).
+    #: IP protocol number (not every protocol seen on the wire has an ``L4Proto`` member).
     protocol: int
 
 
@@ -337,7 +337,7 @@ class Address:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Allocation:
+class IpAllocation:
     """An address IPAMService holds for an owner on this node."""
 
     owner: str
@@ -494,7 +494,7 @@ class Frontend:
 
     address: str
     port: int
-    protocol: Protocol
+    protocol: L4Proto
 
     def __str__(self) -> str:
         host = f"[{self.address}]" if ":" in self.address else self.address

@@ -26,7 +26,7 @@ def key_from_proto(key: common_pb2.PolicyKey) -> dt.PolicyKey:
         return dt.PolicyKey(
             direction=dt.Direction.from_wire(key.direction),
             remote_identity=key.remote_identity,
-            protocol=dt.Protocol.from_number(key.protocol),
+            protocol=dt.L4Proto.from_number(key.protocol),
             port_low=key.port_low,
             port_high=key.port_high,
         )
@@ -210,5 +210,5 @@ def address_from_proto(alloc: ipam_pb2.IPAllocation) -> dt.Address:
     return dt.Address(ip=alloc.ip, cidr=alloc.cidr, gateway=alloc.gateway, family=family)
 
 
-def allocation_from_proto(alloc: ipam_pb2.IPAllocation) -> dt.Allocation:
-    return dt.Allocation(owner=alloc.owner, address=address_from_proto(alloc))
+def allocation_from_proto(alloc: ipam_pb2.IPAllocation) -> dt.IpAllocation:
+    return dt.IpAllocation(owner=alloc.owner, address=address_from_proto(alloc))

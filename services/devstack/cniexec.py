@@ -15,16 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from services.cni.spec import CniError
 from services.common.log import get_logger
 
 log = get_logger("devnode")
 
 PLUGIN = str(Path(sys.executable).parent / "palisade-cni")
 NETNS_DIR = "/run/netns"
-
-
-class CniError(RuntimeError):
-    """The plugin answered with the specification's error object; the message carries it."""
 
 
 class CniRuntime:
@@ -57,8 +54,10 @@ class CniRuntime:
         text = out.decode().strip()
         result: dict[str, Any] = json.loads(text) if text else {}
         if proc.returncode != 0:
+            # The plugin's error object, with the call it answered named in the message.
             detail = result.get("details") or err.decode().strip()[-500:]
-            raise CniError(f"palisade-cni {command} for {namespace}/{pod}: {result.get('msg', 'failed')} ({detail})")
+            message = f"palisade-cni {command} for {namespace}/{pod}: {result.get('msg', 'failed')} ({detail})"
+            raise CniError(int(result.get("code", 0)), message, detail)
         return result
 
     async def add(self, namespace: str, pod: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc, k8s_pb2
+from services.cni.spec import CniError
 from services.common.backoff import Backoff
 from services.common.bus import Bus
 from services.common.grpcserver import open_channel
@@ -30,7 +31,7 @@ from services.common.largeobjects import follow_deltas
 from services.common.log import get_logger, setup_logging
 from services.common.subjects import k8s_filter
 from services.common.trust import Credentials
-from services.devstack.cniexec import CniError, CniRuntime
+from services.devstack.cniexec import CniRuntime
 
 log = get_logger("devnode")
 

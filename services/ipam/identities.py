@@ -55,7 +55,9 @@ QUARANTINE = 1024
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Allocation:
+class IdentityAllocation:
+    """An identity allocated (or found) for one owner on one node: the answer of ``allocate``."""
+
     identity: Identity
     #: This call created the identity.
     new: bool
@@ -229,7 +231,7 @@ class IdentityAllocator:
             )
         return candidate
 
-    async def allocate(self, labels: LabelSet, node: str, owner: str) -> Allocation:
+    async def allocate(self, labels: LabelSet, node: str, owner: str) -> IdentityAllocation:
         """Find or create the identity of ``labels`` and let ``owner`` on ``node`` hold it.
 
         An owner holds at most one identity per node: holding a new one drops the old
@@ -238,7 +240,7 @@ class IdentityAllocator:
         """
         kind, labels, reserved = classify(labels)
         if reserved is not None:
-            return Allocation(reserved, new=False)
+            return IdentityAllocation(reserved, new=False)
         _check_holder(node, owner)
         canonical = str(labels)
         label_key = keys.identity_labels(canonical)
@@ -280,7 +282,9 @@ class IdentityAllocator:
                 if creating:
                     log.info("identity allocated", id=ident, labels=canonical, node=node, owner=owner)
                 metrics.IDENTITY_ALLOCATIONS.labels(kind.value, "created" if creating else "existing").inc()
-                return Allocation(Identity(ident, labels), new=creating, previous=previous, revision=res.revision)
+                return IdentityAllocation(
+                    Identity(ident, labels), new=creating, previous=previous, revision=res.revision
+                )
             found_labels, found_owner, found_id = res.first(0), res.first(1), res.first(2)
             if found_owner is not None:
                 owner_id, owner_mod = int(found_owner.value), found_owner.mod_revision

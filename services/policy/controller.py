@@ -24,7 +24,7 @@ from services.common.errors import Code, PalisadeError
 from services.common.log import get_logger
 from services.policy import metrics
 from services.policy.engine.core import Commit, PolicyCore
-from services.policy.engine.orders import OrderDiff, PersistedState, PlannedOrder
+from services.policy.engine.orders import OrderDiff, PlannedOrder, PolicyEpoch
 from services.policy.engine.realized import Lag
 from services.policy.engine.registry import ApiChange
 from services.policy.engine.sources import Source
@@ -52,11 +52,11 @@ class JobKind(enum.StrEnum):
 
 
 class OrderSink(Protocol):
-    """Where committed state goes: imported policies and the persisted counters first, then the orders."""
+    """Where committed state goes: imported policies and the epoch (revision, sequences) first, then the orders."""
 
     async def save_policies(self, changes: Sequence[ApiChange]) -> None: ...
 
-    async def save_state(self, state: PersistedState) -> None: ...
+    async def save_epoch(self, epoch: PolicyEpoch) -> None: ...
 
     async def publish_orders(self, node: str, messages: Sequence[policy_pb2.RegenerationOrder]) -> None: ...
 
@@ -73,12 +73,12 @@ class _Job(Generic[T]):
 @dataclass(slots=True)
 class _Outbox:
     orders: list[PlannedOrder] = field(default_factory=list)
-    state: PersistedState | None = None
+    epoch: PolicyEpoch | None = None
     api: list[ApiChange] = field(default_factory=list)
     answers: list[tuple[asyncio.Future[Any], Any]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.orders or self.state is not None or self.api or self.answers)
+        return bool(self.orders or self.epoch is not None or self.api or self.answers)
 
 
 @dataclass(slots=True)
@@ -204,8 +204,8 @@ class Controller:
         commit: Commit = self._core.commit(self._clock())
         outbox.orders.extend(commit.orders)
         outbox.api.extend(commit.api)
-        if commit.state is not None:
-            outbox.state = commit.state
+        if commit.epoch is not None:
+            outbox.epoch = commit.epoch
         metrics.REVISION.set(commit.revision)
 
     def _check_waiters(self) -> None:
@@ -240,7 +240,7 @@ class Controller:
                             future.set_exception(NotLeading(str(exc)))
 
     async def _publish(self, boxes: list[_Outbox]) -> None:
-        if not self._leading() and any(box.orders or box.state is not None or box.api for box in boxes):
+        if not self._leading() and any(box.orders or box.epoch is not None or box.api for box in boxes):
             raise NotLeading(
                 "policy replica stepped down from leader before this change was applied; retry: it goes to the "
                 "new leader"
@@ -249,9 +249,9 @@ class Controller:
         api = [change for b in boxes for change in b.api]
         if api:
             await self._sink.save_policies(api)
-        state = next((b.state for b in reversed(boxes) if b.state is not None), None)
-        if state is not None:
-            await self._sink.save_state(state)
+        epoch = next((b.epoch for b in reversed(boxes) if b.epoch is not None), None)
+        if epoch is not None:
+            await self._sink.save_epoch(epoch)
         per_node: dict[str, list[policy_pb2.RegenerationOrder]] = {}
         converted: dict[int, tuple[OrderDiff, common_pb2.IdentityPolicyDiff]] = {}
         for box in boxes:

@@ -9,7 +9,7 @@ leader that dies stops renewing; its key expires and a follower creates it.
 
 The lease decides who *tries* to lead; the state bucket's compare-and-set decides who
 *can*: a new leader writes the revision and sequences first, so a deposed leader that
-has not noticed yet fails its next write (StateConflictError) before it publishes
+has not noticed yet fails its next write (EpochConflictError) before it publishes
 anything. Either way (a renewal refused, or that write failing while the lease names
 another replica) the replica steps down: ``stepped_down`` is set, it stops leading, and it
 campaigns again only once the service has put its state back to a follower's

@@ -21,26 +21,27 @@ from nats.js.kv import KeyValue
 
 from services.common.log import get_logger
 from services.common.retry import retry
-from services.policy.engine.orders import PersistedState
+from services.policy.engine.orders import PolicyEpoch
 
 log = get_logger("revision")
 
-STATE_KEY = "state"
+#: The bucket key of the epoch (named "state" in buckets written before the rename: kept).
+EPOCH_KEY = "state"
 
 
-class StateConflictError(RuntimeError):
+class EpochConflictError(RuntimeError):
     """Someone else wrote the state bucket: two policy services share it."""
 
 
-class StateCorruptError(RuntimeError):
+class EpochCorruptError(RuntimeError):
     """The stored state cannot be read."""
 
 
-def encode_state(state: PersistedState) -> bytes:
-    return json.dumps({"revision": state.revision, "sequences": dict(sorted(state.sequences.items()))}).encode()
+def encode_epoch(epoch: PolicyEpoch) -> bytes:
+    return json.dumps({"revision": epoch.revision, "sequences": dict(sorted(epoch.sequences.items()))}).encode()
 
 
-def decode_state(data: bytes, *, where: str) -> PersistedState:
+def decode_epoch(data: bytes, *, where: str) -> PolicyEpoch:
     try:
         raw: Any = json.loads(data)
         revision = raw["revision"]
@@ -51,15 +52,15 @@ def decode_state(data: bytes, *, where: str) -> PersistedState:
             if not isinstance(seq, int) or seq < 0:
                 raise ValueError(f"sequence of node {node!r} must be a non-negative integer")
     except (ValueError, KeyError, TypeError) as exc:
-        raise StateCorruptError(
+        raise EpochCorruptError(
             f"{where} holds no valid policy state ({exc}); restore it from a backup, or delete it "
             "knowing that revisions then restart from 0 and every datapath must resync"
         ) from None
-    return PersistedState(revision, {str(k): int(v) for k, v in sequences.items()})
+    return PolicyEpoch(revision, {str(k): int(v) for k, v in sequences.items()})
 
 
 class RevisionStore:
-    """The policy revision and per-node order sequences (:class:`PersistedState`), under one key of a KV bucket."""
+    """The policy revision and per-node order sequences (:class:`PolicyEpoch`), under one key of a KV bucket."""
 
     def __init__(self, kv: KeyValue, bucket: str, *, pause: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self._kv = kv
@@ -67,7 +68,7 @@ class RevisionStore:
         #: Waits between retries; the bus's pause ends early when NATS comes back.
         self._pause = pause
         self._last = 0
-        self._saved: PersistedState | None = None
+        self._saved: PolicyEpoch | None = None
 
     @classmethod
     async def open(
@@ -96,36 +97,36 @@ class RevisionStore:
 
     @property
     def where(self) -> str:
-        return f"key {STATE_KEY!r} of bucket {self._bucket}"
+        return f"key {EPOCH_KEY!r} of bucket {self._bucket}"
 
-    async def load(self) -> PersistedState:
+    async def load(self) -> PolicyEpoch:
         try:
-            entry = await self._kv.get(STATE_KEY)
+            entry = await self._kv.get(EPOCH_KEY)
         except KeyNotFoundError:
             self._last = 0
-            self._saved = PersistedState()
+            self._saved = PolicyEpoch()
             return self._saved
         self._last = int(entry.revision or 0)
-        self._saved = decode_state(entry.value or b"", where=self.where)
+        self._saved = decode_epoch(entry.value or b"", where=self.where)
         log.info("state loaded", revision=self._saved.revision, nodes=len(self._saved.sequences))
         return self._saved
 
-    async def save(self, state: PersistedState) -> None:
-        """Write ``state``; retries until NATS answers, raises StateConflictError on a foreign write."""
-        if state == self._saved:
+    async def save(self, epoch: PolicyEpoch) -> None:
+        """Write ``epoch``; retries until NATS answers, raises EpochConflictError on a foreign write."""
+        if epoch == self._saved:
             return
-        data = encode_state(state)
+        data = encode_epoch(epoch)
 
         async def once() -> None:
             try:
-                self._last = await self._kv.update(STATE_KEY, data, last=self._last)
+                self._last = await self._kv.update(EPOCH_KEY, data, last=self._last)
             except KeyWrongLastSequenceError:
                 if not await self._written_by_us(data):
-                    raise StateConflictError(
+                    raise EpochConflictError(
                         f"{self.where} was changed by another writer; run one policy service per state "
                         "bucket (set --state-bucket) and restart this one"
                     ) from None
-            self._saved = state
+            self._saved = epoch
 
         async def wait(delay: float) -> bool:
             await self._pause(delay)
@@ -136,7 +137,7 @@ class RevisionStore:
             once,
             initial=0.05,
             maximum=2.0,
-            final=(StateConflictError,),
+            final=(EpochConflictError,),
             log_every=20,
             message="state save failed, retrying",
             logger=log,
@@ -146,7 +147,7 @@ class RevisionStore:
     async def _written_by_us(self, data: bytes) -> bool:
         """A retried write whose first attempt landed (its ack got lost) is not a conflict."""
         try:
-            entry = await self._kv.get(STATE_KEY)
+            entry = await self._kv.get(EPOCH_KEY)
         except KeyNotFoundError:
             return False
         if entry.value == data:

@@ -32,11 +32,11 @@ from services.policy.controller import Controller, Encoding, JobKind, NotLeading
 from services.policy.documents import dump_document
 from services.policy.election import Election
 from services.policy.engine.core import PolicyCore
-from services.policy.engine.orders import PersistedState
+from services.policy.engine.orders import PolicyEpoch
 from services.policy.engine.registry import ApiChange
 from services.policy.forward import Forwarder, relayed_status, routed
 from services.policy.inputs import Inputs
-from services.policy.revision import RevisionStore, StateConflictError
+from services.policy.revision import EpochConflictError, RevisionStore
 from services.policy.servicer import PolicyServicer
 
 # Room left under the server's max payload for NATS/JetStream headers.
@@ -55,10 +55,10 @@ class BusSink:
     async def save_policies(self, changes: Sequence[ApiChange]) -> None:
         await self._imported.save(changes)
 
-    async def save_state(self, state: PersistedState) -> None:
+    async def save_epoch(self, epoch: PolicyEpoch) -> None:
         try:
-            await self._store.save(state)
-        except StateConflictError as exc:
+            await self._store.save(epoch)
+        except EpochConflictError as exc:
             # A new leader wrote it first (the fence): step down. With the lease still this
             # replica's, somebody else writes the bucket: that is a real conflict, and fatal.
             if await self._election.confirm():
@@ -220,7 +220,7 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
         lambda: RevisionStore.open(bus.js, cfg.state_bucket, pause=bus.pause, replicas=bus.replicas),
         only=TRANSIENT,
     )
-    core = PolicyCore(persisted=PersistedState(), cluster=cfg.cluster_name)
+    core = PolicyCore(persisted=PolicyEpoch(), cluster=cfg.cluster_name)
     imported = await ApiPolicyStore.open(bus, f"{cfg.state_bucket}_API")
     now = time.time()
     # Imported policies count like any input for a warm engine; the leader reloads them when it takes over.

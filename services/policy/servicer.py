@@ -26,7 +26,7 @@ from services.policy import metrics
 from services.policy.controller import Controller, JobKind
 from services.policy.documents import dump_document, validate_document
 from services.policy.engine.core import Outcome, PolicyCore, PolicyView, TraceAnswer
-from services.policy.engine.model import PolicyKind, PolicyRef, Protocol
+from services.policy.engine.model import IpProto, PolicyKind, PolicyRef
 from services.policy.engine.realized import Lag, Report
 from services.policy.engine.sources import Source, object_key, parse_kind, split_engine_key
 from services.policy.engine.trace import TraceSide
@@ -45,7 +45,7 @@ NOT_SYNCED = (
 )
 #: A change whose caller has less time left than this is not applied: the answer would come too late.
 _MIN_TIME_LEFT = 1.0
-_PROTOCOLS = {int(p): p for p in (Protocol.TCP, Protocol.UDP, Protocol.SCTP, Protocol.ICMP, Protocol.ICMPV6)}
+_PROTOCOLS = {int(p): p for p in (IpProto.TCP, IpProto.UDP, IpProto.SCTP, IpProto.ICMP, IpProto.ICMPV6)}
 
 
 def _state(view: PolicyView) -> policy_pb2.PolicyState.ValueType:
@@ -378,10 +378,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     async def Trace(
         self, request: policy_pb2.TraceRequest, context: grpc.aio.ServicerContext
     ) -> policy_pb2.TraceResponse:
-        protocol = _PROTOCOLS.get(request.protocol or Protocol.TCP)
+        protocol = _PROTOCOLS.get(request.protocol or IpProto.TCP)
         if protocol is None:
             raise PalisadeError("protocol must be TCP, UDP, SCTP, ICMP or ICMPv6", Code.INVALID_ARGUMENT)
-        if protocol in (Protocol.TCP, Protocol.UDP, Protocol.SCTP) and not 1 <= request.port <= 65535:
+        if protocol in (IpProto.TCP, IpProto.UDP, IpProto.SCTP) and not 1 <= request.port <= 65535:
             raise PalisadeError(f"port {request.port} must be 1-65535 for {protocol.name}", Code.INVALID_ARGUMENT)
         for which, peer in (("source", request.source), ("destination", request.destination)):
             validate_peer(peer, which)

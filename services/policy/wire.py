@@ -17,7 +17,7 @@ from palisade.v1 import common_pb2, identity_pb2, k8s_pb2, policy_pb2
 from services.common.labels import labels_from_wire
 from services.policy.engine.changes import IdentityChange, ObjectDelta, ObjectKind
 from services.policy.engine.ipcache import IpcacheRecord
-from services.policy.engine.model import Direction, EntryKey, PolicyRef, Protocol, Verdict
+from services.policy.engine.model import Direction, EntryKey, IpProto, PolicyRef, Verdict
 from services.policy.engine.orders import OrderDiff, PlannedOrder
 from services.policy.engine.resolve import ResolvedPolicy
 from services.policy.engine.sources import Source
@@ -157,10 +157,10 @@ def record_from_proto(entry: identity_pb2.IpcacheEntry) -> IpcacheRecord:
         raise IpcacheError(f"ipcache prefix {entry.prefix!r} is not an address or CIDR; fix the publisher") from None
     ip = net.network_address if net.prefixlen == net.max_prefixlen else None
     pod = f"{entry.namespace}/{entry.pod}" if entry.pod else ""
-    ports: set[tuple[str, Protocol, int]] = set()
+    ports: set[tuple[str, IpProto, int]] = set()
     for name, np in entry.named_ports.items():
         try:
-            proto = Protocol(np.protocol) if np.protocol else Protocol.TCP
+            proto = IpProto(np.protocol) if np.protocol else IpProto.TCP
         except ValueError:
             continue
         if 0 < np.port <= 65535:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from services.common.backoff import Backoff, retry_forever
+from services.common.backoff import Backoff
 from services.common.log import Logger
 from services.common.retry import StartupError, reach, retry, should_log
 
@@ -32,7 +32,7 @@ def test_bad_bounds_are_refused(initial: float, maximum: float) -> None:
         Backoff(initial, maximum)
 
 
-async def test_retry_forever_returns_once_the_call_succeeds() -> None:
+async def test_retry_without_limits_returns_once_the_call_succeeds() -> None:
     calls = 0
 
     async def flaky() -> str:
@@ -42,7 +42,7 @@ async def test_retry_forever_returns_once_the_call_succeeds() -> None:
             raise OSError("not yet")
         return "ok"
 
-    assert await retry_forever("flaky", flaky, initial=0.001, maximum=0.002) == "ok"
+    assert await retry("flaky", flaky, initial=0.001, maximum=0.002) == "ok"
     assert calls == 3
 
 

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from palisade.v1 import common_pb2, common_pb2_grpc
-from services.common.errors import MAX_MESSAGE, Code, PalisadeError, abort_with, clip
+from services.common.errors import MAX_MESSAGE, Code, PalisadeError, clip
 from services.common.grpcserver import ErrorInterceptor, Status, unimplemented
 
 
@@ -31,12 +31,13 @@ class Answering(common_pb2_grpc.StatusServiceServicer):
 
 
 class Aborting(common_pb2_grpc.StatusServiceServicer):
-    """A servicer that still aborts by itself (the datapath's, until it raises)."""
+    """A servicer that aborts by itself (as a library's may): the interceptor passes its status on."""
 
     async def GetStatus(
         self, request: common_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.ServiceStatus:
-        await abort_with(context, PalisadeError("gone", Code.NOT_FOUND))
+        await context.abort(grpc.StatusCode.NOT_FOUND, "gone")
+        raise AssertionError("grpc abort returned")
 
 
 class Outage(Exception):

@@ -12,7 +12,7 @@ import socket
 
 from services.datapath.maps.bpf import prog_test_run
 from services.datapath.maps.ctmap import CtKey, CtValue
-from services.datapath.types import Direction, Enforcement, PolicyEntry, PolicyKey, Protocol, Verdict
+from services.datapath.types import Direction, Enforcement, L4Proto, PolicyEntry, PolicyKey, Verdict
 from tests.datapath.node import Node
 from tests.datapath.traffic import ACK, FIN, SYN, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT
 from tests.datapath.traffic import tc_frame as frame
@@ -43,7 +43,7 @@ def test_a_syn_on_a_closing_entry_opens_it_again(net: Node) -> None:
     dp.sync_policy(
         b.ep_id,
         Enforcement(ingress=True),
-        [PolicyEntry(PolicyKey(Direction.INGRESS, a.identity, Protocol.TCP, 8080, 8080), Verdict.ALLOW)],
+        [PolicyEntry(PolicyKey(Direction.INGRESS, a.identity, L4Proto.TCP, 8080, 8080), Verdict.ALLOW)],
     )
     to_b, b_if = dp.template.to_container_fd, b.net.host_ifindex
     tcp = socket.IPPROTO_TCP

@@ -13,9 +13,9 @@ from services.datapath.types import (
     Direction,
     EndpointSpec,
     Enforcement,
+    L4Proto,
     PolicyEntry,
     PolicyKey,
-    Protocol,
     Reason,
     Verdict,
 )
@@ -25,7 +25,7 @@ B = EndpointSpec(2, 12, "lxcb", ("10.0.0.2",), 1002)
 
 
 def _implements_api(dp: Datapath) -> DatapathAPI:
-    return dp  # mypy checks the real facade against the Protocol here
+    return dp  # mypy checks the real facade against the L4Proto here
 
 
 @pytest.fixture
@@ -47,18 +47,18 @@ def test_verdicts_follow_identity_port_and_deny(fake: FakeDatapath) -> None:
         B.id,
         Enforcement(ingress=True),
         [
-            PolicyEntry(PolicyKey(Direction.INGRESS, A.identity, Protocol.TCP, 8000, 8100)),
-            PolicyEntry(PolicyKey(Direction.INGRESS, 0, Protocol.TCP, 8080), Verdict.DENY),
+            PolicyEntry(PolicyKey(Direction.INGRESS, A.identity, L4Proto.TCP, 8000, 8100)),
+            PolicyEntry(PolicyKey(Direction.INGRESS, 0, L4Proto.TCP, 8080), Verdict.DENY),
         ],
     )
-    assert fake.evaluate(B.id, Direction.INGRESS, "10.0.0.1", Protocol.TCP, 8000) == (
+    assert fake.evaluate(B.id, Direction.INGRESS, "10.0.0.1", L4Proto.TCP, 8000) == (
         Verdict.ALLOW,
         Reason.POLICY_ALLOW,
     )
-    assert fake.evaluate(B.id, Direction.INGRESS, "10.0.0.1", Protocol.TCP, 8080)[1] is Reason.POLICY_DENY
-    assert fake.evaluate(B.id, Direction.INGRESS, "10.0.0.1", Protocol.UDP, 8000)[1] is Reason.DEFAULT_DENY
-    assert fake.evaluate(B.id, Direction.EGRESS, "10.0.0.1", Protocol.UDP, 1)[1] is Reason.NOT_ENFORCED
-    assert fake.evaluate(B.id, Direction.INGRESS, "192.0.2.9", Protocol.TCP, 8000)[1] is Reason.DEFAULT_DENY
+    assert fake.evaluate(B.id, Direction.INGRESS, "10.0.0.1", L4Proto.TCP, 8080)[1] is Reason.POLICY_DENY
+    assert fake.evaluate(B.id, Direction.INGRESS, "10.0.0.1", L4Proto.UDP, 8000)[1] is Reason.DEFAULT_DENY
+    assert fake.evaluate(B.id, Direction.EGRESS, "10.0.0.1", L4Proto.UDP, 1)[1] is Reason.NOT_ENFORCED
+    assert fake.evaluate(B.id, Direction.INGRESS, "192.0.2.9", L4Proto.TCP, 8000)[1] is Reason.DEFAULT_DENY
 
 
 def test_relabel_and_ipcache_resolution(fake: FakeDatapath) -> None:
@@ -78,13 +78,13 @@ def test_relabel_and_ipcache_resolution(fake: FakeDatapath) -> None:
 
 
 def test_incremental_and_full_policy_with_dump(fake: FakeDatapath) -> None:
-    k80 = PolicyKey(Direction.INGRESS, 1001, Protocol.TCP, 80)
-    k53 = PolicyKey(Direction.INGRESS, 1001, Protocol.UDP, 53)
+    k80 = PolicyKey(Direction.INGRESS, 1001, L4Proto.TCP, 80)
+    k53 = PolicyKey(Direction.INGRESS, 1001, L4Proto.UDP, 53)
     change = fake.apply_policy(B.id, Enforcement(ingress=True), add=[PolicyEntry(k80), PolicyEntry(k53)])
     assert change.added == 2 and change.enforcement_changed
     fake.apply_policy(B.id, Enforcement(ingress=True), remove=[PolicyEntry(k53)])
     assert fake.dump_policy(B.id) == (Enforcement(ingress=True), [PolicyEntry(k80)])
-    ranged = PolicyEntry(PolicyKey(Direction.INGRESS, 0, Protocol.TCP, 1, 65535))
+    ranged = PolicyEntry(PolicyKey(Direction.INGRESS, 0, L4Proto.TCP, 1, 65535))
     change = fake.sync_policy(B.id, Enforcement(ingress=True), [ranged])
     assert (change.added, change.removed) == (16, 1)
     assert fake.dump_policy(B.id)[1] == [ranged]
@@ -108,7 +108,7 @@ def test_state_survives_close_and_reopen_until_teardown(fake: FakeDatapath) -> N
 
 def test_simulated_flows_are_read_and_counted(fake: FakeDatapath) -> None:
     fake.sync_policy(B.id, Enforcement(ingress=True), [])
-    event = fake.simulate_flow(B.id, Direction.INGRESS, "10.0.0.1", Protocol.TCP, 8080)
+    event = fake.simulate_flow(B.id, Direction.INGRESS, "10.0.0.1", L4Proto.TCP, 8080)
     assert (event.verdict, event.reason, event.source_identity, event.destination_identity) == (
         Verdict.DENY,
         Reason.DEFAULT_DENY,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.datapath.types import Backend, Enforcement, Frontend, LbService, Protocol
+from services.datapath.types import Backend, Enforcement, Frontend, L4Proto, LbService
 from tests.datapath.node import Node
 from tests.datapath.traffic import (
     ALLOW_TIMEOUT,
@@ -30,8 +30,8 @@ pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
 VIP = {"v4": "10.96.79.10", "v6": "fd00:96::79:10"}
 HAIRPIN = {"v4": "169.254.42.1", "v6": "100::42"}
-FRONT = {Protocol.TCP: 80, Protocol.UDP: 53}
-BACK = {Protocol.TCP: 8080, Protocol.UDP: 5353}
+FRONT = {L4Proto.TCP: 80, L4Proto.UDP: 53}
+BACK = {L4Proto.TCP: 8080, L4Proto.UDP: 5353}
 
 
 @pytest.fixture
@@ -48,16 +48,16 @@ def _serve(svc: Node, family: str) -> str:
     a = svc.a
     vip = VIP[family]
     own = a.v4 if family == "v4" else a.v6
-    for proto in (Protocol.TCP, Protocol.UDP):
+    for proto in (L4Proto.TCP, L4Proto.UDP):
         svc.dp.lb_upsert(LbService(Frontend(vip, FRONT[proto], proto), (Backend(own, BACK[proto]),)))
     return vip
 
 
 @pytest.mark.parametrize("family", ["v4", "v6"])
-@pytest.mark.parametrize("proto", [Protocol.TCP, Protocol.UDP])
-def test_a_pod_reaches_itself_through_its_own_service(svc: Node, family: str, proto: Protocol) -> None:
+@pytest.mark.parametrize("proto", [L4Proto.TCP, L4Proto.UDP])
+def test_a_pod_reaches_itself_through_its_own_service(svc: Node, family: str, proto: L4Proto) -> None:
     vip = _serve(svc, family)
-    exchange = tcp_exchange if proto is Protocol.TCP else udp_exchange
+    exchange = tcp_exchange if proto is L4Proto.TCP else udp_exchange
     assert exchange(svc.a.name, vip, FRONT[proto])
     # Behind default deny both ways: a pod reaching itself is never stopped by policy.
     svc.dp.sync_policy(svc.a.ep_id, Enforcement(ingress=True, egress=True), [])
@@ -76,7 +76,7 @@ def test_the_client_sees_the_cluster_ip_and_the_server_the_hairpin_address(svc: 
         server.bind((own, 9123))
         server.listen(1)
         server.settimeout(ALLOW_TIMEOUT)
-        svc.dp.lb_upsert(LbService(Frontend(vip, 91, Protocol.TCP), (Backend(own, 9123),)))
+        svc.dp.lb_upsert(LbService(Frontend(vip, 91, L4Proto.TCP), (Backend(own, 9123),)))
         with socket_in(a.name, family_of(vip), socket.SOCK_STREAM) as client:
             client.settimeout(ALLOW_TIMEOUT)
             client.connect((vip, 91))

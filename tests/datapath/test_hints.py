@@ -14,43 +14,38 @@ from services.datapath.types import (
     IDENTITY_ANY,
     Direction,
     Enforcement,
-    PolicyEntry,
-    PolicyKey,
-    Protocol,
+    L4Proto,
     Verdict,
 )
+from tests.datapath.entries import entry
 from tests.datapath.node import Node
 from tests.datapath.traffic import DENY_TIMEOUT, tcp_exchange
-
-
-def entry(direction: Direction, identity: int, proto: Protocol, port: int = 0, deny: bool = False) -> PolicyEntry:
-    return PolicyEntry(PolicyKey(direction, identity, proto, port, port), Verdict.DENY if deny else Verdict.ALLOW)
 
 
 @pytest.mark.parametrize(
     ("direction", "verdict", "identity", "protocol", "bit"),
     [
-        (Direction.INGRESS, Verdict.DENY, 1001, Protocol.TCP, 0),
-        (Direction.INGRESS, Verdict.DENY, 1001, Protocol.ANY, 1),
-        (Direction.INGRESS, Verdict.DENY, IDENTITY_ANY, Protocol.UDP, 2),
-        (Direction.INGRESS, Verdict.DENY, IDENTITY_ANY, Protocol.ANY, 3),
-        (Direction.INGRESS, Verdict.ALLOW, 1001, Protocol.TCP, 4),
-        (Direction.EGRESS, Verdict.DENY, 7, Protocol.ICMP, 8),
-        (Direction.EGRESS, Verdict.ALLOW, IDENTITY_ANY, Protocol.ANY, 15),
+        (Direction.INGRESS, Verdict.DENY, 1001, L4Proto.TCP, 0),
+        (Direction.INGRESS, Verdict.DENY, 1001, L4Proto.ANY, 1),
+        (Direction.INGRESS, Verdict.DENY, IDENTITY_ANY, L4Proto.UDP, 2),
+        (Direction.INGRESS, Verdict.DENY, IDENTITY_ANY, L4Proto.ANY, 3),
+        (Direction.INGRESS, Verdict.ALLOW, 1001, L4Proto.TCP, 4),
+        (Direction.EGRESS, Verdict.DENY, 7, L4Proto.ICMP, 8),
+        (Direction.EGRESS, Verdict.ALLOW, IDENTITY_ANY, L4Proto.ANY, 15),
     ],
 )
-def test_hint_bits(direction: Direction, verdict: Verdict, identity: int, protocol: Protocol, bit: int) -> None:
+def test_hint_bits(direction: Direction, verdict: Verdict, identity: int, protocol: L4Proto, bit: int) -> None:
     assert hint_bit(direction, verdict, identity, protocol) == 1 << (HINTS_SHIFT + bit)
 
 
 def test_hints_are_the_union_and_never_touch_the_enforcement_bits() -> None:
-    groups = [(Direction.INGRESS, Verdict.ALLOW, 5, Protocol.TCP)] * 3 + [
-        (Direction.EGRESS, Verdict.DENY, 0, Protocol.ANY)
+    groups = [(Direction.INGRESS, Verdict.ALLOW, 5, L4Proto.TCP)] * 3 + [
+        (Direction.EGRESS, Verdict.DENY, 0, L4Proto.ANY)
     ]
     assert hints(groups) == (1 << (HINTS_SHIFT + 4)) | (1 << (HINTS_SHIFT + 11))
     assert hints([]) == 0
     everything = hints(
-        (d, v, i, p) for d in Direction for v in Verdict for i in (0, 1) for p in (Protocol.ANY, Protocol.TCP)
+        (d, v, i, p) for d in Direction for v in Verdict for i in (0, 1) for p in (L4Proto.ANY, L4Proto.TCP)
     )
     assert everything & (enforcementmap.ENFORCE_MASK | HINTS_VALID) == 0
     assert bin(everything).count("1") == 16
@@ -73,7 +68,7 @@ def test_an_entry_of_a_shape_the_hints_lacked_decides_at_once(
     enforcement = Enforcement(ingress=True) if direction == Direction.INGRESS else Enforcement(egress=True)
     # The hints start without the bit: no entry at all (default deny) for the allow cases, an
     # allow-all (no deny entry) for the deny cases.
-    base = [entry(direction, IDENTITY_ANY, Protocol.ANY)] if verdict == Verdict.DENY else []
+    base = [entry(direction, IDENTITY_ANY, L4Proto.ANY)] if verdict == Verdict.DENY else []
     other = a if subject is b else b
     dp.sync_policy(other.ep_id, Enforcement(), [])
     try:
@@ -87,7 +82,7 @@ def test_an_entry_of_a_shape_the_hints_lacked_decides_at_once(
         added = entry(
             direction,
             IDENTITY_ANY if identity_any else peer.identity,
-            Protocol.ANY if any_proto else Protocol.TCP,
+            L4Proto.ANY if any_proto else L4Proto.TCP,
             0 if any_proto else 8080,
             deny=verdict == Verdict.DENY,
         )
@@ -111,11 +106,11 @@ def test_open_makes_hints_exact(net: Node) -> None:
     """Hints left wide (an agent stopped between widening and narrowing) or missing (an agent before
     hints) are recomputed from the policy map."""
     dp, a, b = net.dp, net.a, net.b
-    policy = [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)]
+    policy = [entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)]
     dp.sync_policy(b.ep_id, Enforcement(ingress=True), policy)
     exact = dp.enforcement.raw()[b.ep_id]
     assert exact == enforcementmap.ENFORCE_INGRESS | HINTS_VALID | hint_bit(
-        Direction.INGRESS, Verdict.ALLOW, a.identity, Protocol.TCP
+        Direction.INGRESS, Verdict.ALLOW, a.identity, L4Proto.TCP
     )
     for left in (enforcementmap.ENFORCE_INGRESS, exact | (0xFFFF << HINTS_SHIFT)):
         dp.enforcement.map.update(
@@ -136,17 +131,15 @@ def test_an_incremental_write_keeps_hints_another_writer_added(net: Node, bpf_ba
     from services.datapath.datapath import Datapath
 
     dp, a, b = net.dp, net.a, net.b
-    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)])
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)])
     other = Datapath.open(bpf_base)
     try:
-        deny = entry(Direction.INGRESS, IDENTITY_ANY, Protocol.ANY, deny=True)
+        deny = entry(Direction.INGRESS, IDENTITY_ANY, L4Proto.ANY, deny=True)
         other.apply_policy(b.ep_id, Enforcement(ingress=True), add=[deny])
     finally:
         other.close()
     # An entry of a shape the hints lack, so this write sets them.
-    dp.apply_policy(
-        b.ep_id, Enforcement(ingress=True), add=[entry(Direction.INGRESS, IDENTITY_ANY, Protocol.TCP, 8081)]
-    )
-    assert dp.enforcement.raw()[b.ep_id] & hint_bit(Direction.INGRESS, Verdict.DENY, IDENTITY_ANY, Protocol.ANY)
+    dp.apply_policy(b.ep_id, Enforcement(ingress=True), add=[entry(Direction.INGRESS, IDENTITY_ANY, L4Proto.TCP, 8081)])
+    assert dp.enforcement.raw()[b.ep_id] & hint_bit(Direction.INGRESS, Verdict.DENY, IDENTITY_ANY, L4Proto.ANY)
     assert not tcp_exchange(a.name, b.v4, 8081, timeout=DENY_TIMEOUT), "the other writer's deny holds"
     dp.sync_policy(b.ep_id, Enforcement(), [])

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from palisade.v1 import identity_pb2
 from services.common.labels import ReservedIdentity
-from services.datapath.ipcache import IpcacheSync
+from services.datapath.ipcachesync import IpcacheSync
 
 
 class RecordingMap:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from services.datapath.netns import in_netns
-from services.datapath.types import Direction, Enforcement, PolicyEntry, PolicyKey, Protocol, Reason, Verdict
+from services.datapath.types import Direction, Enforcement, L4Proto, PolicyEntry, PolicyKey, Reason, Verdict
 from tests.datapath.node import Node, drops
 from tests.datapath.traffic import DENY_TIMEOUT, sctp_init_crosses, socket_in, tcp_exchange, udp_exchange
 
@@ -21,7 +21,7 @@ def test_ipv6_tcp_allowed_and_denied(net: Node) -> None:
     dp.sync_policy(
         b.ep_id,
         Enforcement(ingress=True),
-        [PolicyEntry(PolicyKey(Direction.INGRESS, a.identity, Protocol.TCP, 8080), Verdict.ALLOW)],
+        [PolicyEntry(PolicyKey(Direction.INGRESS, a.identity, L4Proto.TCP, 8080), Verdict.ALLOW)],
     )
     assert tcp_exchange(a.name, b.v6, 8080)
     before = drops(dp, b.ep_id, Direction.INGRESS)
@@ -43,8 +43,8 @@ def test_ipv6_udp_and_sctp(net: Node) -> None:
         b.ep_id,
         Enforcement(ingress=True),
         [
-            PolicyEntry(PolicyKey(Direction.INGRESS, a.identity, Protocol.UDP, 5353), Verdict.ALLOW),
-            PolicyEntry(PolicyKey(Direction.INGRESS, a.identity, Protocol.SCTP, 3868), Verdict.ALLOW),
+            PolicyEntry(PolicyKey(Direction.INGRESS, a.identity, L4Proto.UDP, 5353), Verdict.ALLOW),
+            PolicyEntry(PolicyKey(Direction.INGRESS, a.identity, L4Proto.SCTP, 3868), Verdict.ALLOW),
         ],
     )
     assert udp_exchange(a.name, b.v6, 5353)
@@ -60,7 +60,7 @@ def test_ipv6_egress_deny_entry(net: Node) -> None:
         Enforcement(egress=True),
         [
             PolicyEntry(PolicyKey(Direction.EGRESS, b.identity), Verdict.ALLOW),
-            PolicyEntry(PolicyKey(Direction.EGRESS, b.identity, Protocol.TCP, 9000, 9010), Verdict.DENY),
+            PolicyEntry(PolicyKey(Direction.EGRESS, b.identity, L4Proto.TCP, 9000, 9010), Verdict.DENY),
         ],
     )
     assert tcp_exchange(a.name, b.v6, 8080)

@@ -24,12 +24,13 @@ from services.datapath.types import (
     Direction,
     EndpointSpec,
     Enforcement,
+    L4Proto,
     PolicyEntry,
     PolicyKey,
-    Protocol,
     Reason,
     Verdict,
 )
+from tests.datapath.entries import entry
 from tests.datapath.node import TCP_PORTS, UDP_PORTS, Node, Pod, drops
 from tests.datapath.traffic import DENY_TIMEOUT, EchoServer, host_sent, streams, tcp_exchange
 
@@ -38,21 +39,17 @@ pytestmark = [pytest.mark.root, pytest.mark.bcc]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def entry(direction: Direction, identity: int, proto: Protocol, low: int = 0, high: int = 0, deny: bool = False):
-    return PolicyEntry(PolicyKey(direction, identity, proto, low, high), Verdict.DENY if deny else Verdict.ALLOW)
-
-
 POLICY = [
-    entry(Direction.INGRESS, 1001, Protocol.TCP, 8080),
-    entry(Direction.INGRESS, 1001, Protocol.TCP, 1000, 1999),
-    entry(Direction.INGRESS, 1001, Protocol.TCP, 2000, 2999),  # adjacent to the range above
-    entry(Direction.INGRESS, 1001, Protocol.UDP, 1, 65535),
-    entry(Direction.INGRESS, 0, Protocol.SCTP, 3868),
-    entry(Direction.INGRESS, 1003, Protocol.ANY),
-    entry(Direction.INGRESS, 1003, Protocol.TCP, 22, deny=True),
-    entry(Direction.EGRESS, 0, Protocol.ANY),
-    entry(Direction.EGRESS, 2, Protocol.TCP, 0, deny=True),
-    entry(Direction.EGRESS, 1002, Protocol.ICMP),
+    entry(Direction.INGRESS, 1001, L4Proto.TCP, 8080),
+    entry(Direction.INGRESS, 1001, L4Proto.TCP, 1000, 1999),
+    entry(Direction.INGRESS, 1001, L4Proto.TCP, 2000, 2999),  # adjacent to the range above
+    entry(Direction.INGRESS, 1001, L4Proto.UDP, 1, 65535),
+    entry(Direction.INGRESS, 0, L4Proto.SCTP, 3868),
+    entry(Direction.INGRESS, 1003, L4Proto.ANY),
+    entry(Direction.INGRESS, 1003, L4Proto.TCP, 22, deny=True),
+    entry(Direction.EGRESS, 0, L4Proto.ANY),
+    entry(Direction.EGRESS, 2, L4Proto.TCP, 0, deny=True),
+    entry(Direction.EGRESS, 1002, L4Proto.ICMP),
 ]
 
 
@@ -71,7 +68,7 @@ def test_policy_dump_matches_applied_entries(net: Node) -> None:
     # Incremental: remove one, overwrite one's verdict, add one (the others of their groups are kept).
     removed = POLICY[1]
     flipped = PolicyEntry(POLICY[0].key, Verdict.DENY)
-    added = entry(Direction.INGRESS, 1002, Protocol.UDP, 5353)
+    added = entry(Direction.INGRESS, 1002, L4Proto.UDP, 5353)
     change = dp.apply_policy(b.ep_id, enforcement, add=[flipped, added], remove=[removed, POLICY[0]], keep=POLICY[2:])
     assert change.removed == len(policymap.prefixes_of(b.ep_id, removed)) + 1
     assert change.added == 2
@@ -89,7 +86,7 @@ def test_sync_policy_repairs_drift(net: Node) -> None:
     prefixes = dp.policy.read(b.ep_id)[b.ep_id]
     lost = next(iter(prefixes))
     dp.policy.delete([lost])  # behind the facade's back
-    foreign = {policymap.Prefix(b.ep_id, Direction.INGRESS, 7777, Protocol.TCP, Verdict.ALLOW, 443, 16): (443, 443)}
+    foreign = {policymap.Prefix(b.ep_id, Direction.INGRESS, 7777, L4Proto.TCP, Verdict.ALLOW, 443, 16): (443, 443)}
     dp.policy.write(foreign)
     assert dp.dump_policy(b.ep_id)[1] != sorted(POLICY)
 
@@ -101,7 +98,7 @@ def test_sync_policy_repairs_drift(net: Node) -> None:
 def test_policy_writes_add_before_enforce_before_remove(net: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     """No window denies traffic both policies allow: adds land before removals."""
     dp, b = net.dp, net.b
-    dp.sync_policy(b.ep_id, Enforcement(), [entry(Direction.INGRESS, 1001, Protocol.TCP, 8080)])
+    dp.sync_policy(b.ep_id, Enforcement(), [entry(Direction.INGRESS, 1001, L4Proto.TCP, 8080)])
     calls: list[str] = []
     real_write, real_delete, real_set = dp.policy.write, dp.policy.delete, dp.enforcement.set
 
@@ -121,7 +118,7 @@ def test_policy_writes_add_before_enforce_before_remove(net: Node, monkeypatch: 
     monkeypatch.setattr(dp.policy, "write", write)
     monkeypatch.setattr(dp.policy, "delete", delete)
     monkeypatch.setattr(dp.enforcement, "set", set_enforcement)
-    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, 1001, Protocol.TCP, 9000, 9010)])
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, 1001, L4Proto.TCP, 9000, 9010)])
     assert calls and "remove" in calls and "enforce" in calls
     assert calls == sorted(calls, key=["add", "enforce", "remove"].index)
 
@@ -143,7 +140,7 @@ def test_one_template_serves_every_endpoint(net: Node, bpf_base: str) -> None:
 
 def test_reattach_swaps_the_program_in_place(net: Node, bpf_base: str) -> None:
     dp, a, b = net.dp, net.a, net.b
-    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)])
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)])
     other = Loader(bpf_base)
     try:
         variant = other.template(ProgramConfig(ct_other_lifetime_s=61))
@@ -297,7 +294,7 @@ RESTORE_SCRIPT = textwrap.dedent(
     """
     import json, sys
     from services.datapath.datapath import Datapath
-    from services.datapath.types import Direction, Enforcement, PolicyEntry, PolicyKey, Protocol, Reason
+    from services.datapath.types import Direction, Enforcement, PolicyEntry, PolicyKey, L4Proto, Reason
 
     base, ep, identity = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     dp = Datapath.open(base)
@@ -310,7 +307,7 @@ RESTORE_SCRIPT = textwrap.dedent(
         "entries": [[e.key.remote_identity, e.key.port_low, e.verdict.value] for e in entries],
         "default_deny": dp.counters().packets(endpoint_id=ep, reason=Reason.DEFAULT_DENY),
     }
-    dp.apply_policy(ep, enforcement, add=[PolicyEntry(PolicyKey(Direction.INGRESS, identity, Protocol.TCP, 8081))])
+    dp.apply_policy(ep, enforcement, add=[PolicyEntry(PolicyKey(Direction.INGRESS, identity, L4Proto.TCP, 8081))])
     dp.close()
     print(json.dumps(report))
     """
@@ -320,7 +317,7 @@ SETUP_SCRIPT = textwrap.dedent(
     """
     import sys, time
     from services.datapath.datapath import Datapath
-    from services.datapath.types import Direction, EndpointSpec, Enforcement, PolicyEntry, PolicyKey, Protocol
+    from services.datapath.types import Direction, EndpointSpec, Enforcement, PolicyEntry, PolicyKey, L4Proto
 
     base = sys.argv[1]
     p, q = [a.split(",") for a in sys.argv[2:4]]
@@ -328,7 +325,7 @@ SETUP_SCRIPT = textwrap.dedent(
     for ep, ifindex, name, identity, *ips in (p, q):
         dp.attach_endpoint(EndpointSpec(int(ep), int(ifindex), name, tuple(ips), int(identity)))
     dp.sync_policy(int(q[0]), Enforcement(ingress=True),
-                   [PolicyEntry(PolicyKey(Direction.INGRESS, int(p[3]), Protocol.TCP, 8080))])
+                   [PolicyEntry(PolicyKey(Direction.INGRESS, int(p[3]), L4Proto.TCP, 8080))])
     print("ready", flush=True)
     time.sleep(600)  # killed by the test: nothing is closed or cleaned up
     """
@@ -398,7 +395,7 @@ def test_enforcement_outlives_the_process_and_a_new_one_restores(
             dp.apply_policy(
                 q.ep_id,
                 Enforcement(ingress=True),
-                remove=[PolicyEntry(PolicyKey(Direction.INGRESS, p.identity, Protocol.TCP, 8081))],
+                remove=[PolicyEntry(PolicyKey(Direction.INGRESS, p.identity, L4Proto.TCP, 8081))],
             )
         finally:
             dp.close()
@@ -422,12 +419,12 @@ def test_enforcement_outlives_the_process_and_a_new_one_restores(
 def test_policy_before_attach_is_enforced_from_the_first_packet(net: Node, extra_pods: list[Pod]) -> None:
     dp, a = net.dp, net.a
     p = extra_pods[0]
-    dp.sync_policy(p.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)])
+    dp.sync_policy(p.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)])
     dp.attach_endpoint(EndpointSpec(p.ep_id, p.net.host_ifindex, p.net.host_ifname, p.net.ips, p.identity))
     try:
         assert tcp_exchange(a.name, p.v4, 8080)
         assert not tcp_exchange(a.name, p.v4, 8081, timeout=DENY_TIMEOUT)
-        assert dp.dump_policy(p.ep_id)[1] == [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)]
+        assert dp.dump_policy(p.ep_id)[1] == [entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)]
     finally:
         dp.detach_endpoint(p.ep_id)
 
@@ -439,7 +436,7 @@ def test_tc_and_tcx_attachments_enforce_alike_and_replace_each_other(
     dp, a = net.dp, net.a
     p = extra_pods[0]
     ifindex = p.net.host_ifindex
-    dp.sync_policy(p.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)])
+    dp.sync_policy(p.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)])
     dp.attach_endpoint(p.spec)
     tc = Loader(bpf_base, "tc")
     try:
@@ -512,7 +509,7 @@ def test_auto_falls_back_to_tc_where_the_kernel_has_no_tcx(
     dp, a = net.dp, net.a
     p = extra_pods[0]
     ifindex = p.net.host_ifindex
-    dp.sync_policy(p.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, a.identity, Protocol.TCP, 8080)])
+    dp.sync_policy(p.ep_id, Enforcement(ingress=True), [entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)])
     dp.attach_endpoint(p.spec)
     assert dp._loader.detach(ifindex)  # registered in the maps, no program on the veth
     monkeypatch.setattr(loader_module, "link_create", no_tcx)

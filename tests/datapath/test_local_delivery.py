@@ -21,7 +21,7 @@ from services.datapath.loader import CALL_DELIVER, CALLS
 from services.datapath.maps import deliverymap
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
 from services.datapath.maps.deliverymap import DeliveryTarget
-from services.datapath.types import Direction, Enforcement, PolicyEntry, PolicyKey, Protocol, Reason, Verdict
+from services.datapath.types import Direction, Enforcement, L4Proto, PolicyEntry, PolicyKey, Reason, Verdict
 from tests.datapath.node import Node, Pod, drops
 from tests.datapath.traffic import DENY_TIMEOUT, family_of, host_sent, socket_in, tcp_exchange, udp_exchange
 
@@ -33,7 +33,7 @@ SENT_TTL = 64
 IP_RECVTTL = 12
 
 
-def allow_from(source: Pod, proto: Protocol = Protocol.ANY, port: int = 0) -> PolicyEntry:
+def allow_from(source: Pod, proto: L4Proto = L4Proto.ANY, port: int = 0) -> PolicyEntry:
     return PolicyEntry(PolicyKey(Direction.INGRESS, source.identity, proto, port, port), Verdict.ALLOW)
 
 
@@ -42,7 +42,7 @@ def test_traffic_between_local_pods_skips_the_host(net: Node, family: str) -> No
     """Both directions of an allowed exchange are delivered directly: neither pod's host veth
     transmits anything, and both ingress halves judged and counted as to_container would."""
     dp, a, b = net.dp, net.a, net.b
-    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, Protocol.TCP, 8080)])
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, L4Proto.TCP, 8080)])
     target = b.v4 if family == "v4" else b.v6
     with host_sent(net.pods, a, b) as forwarded:
         assert tcp_exchange(a.name, target, 8080)
@@ -58,7 +58,7 @@ def test_traffic_between_local_pods_skips_the_host(net: Node, family: str) -> No
 
 def test_the_destinations_ingress_policy_drops_on_the_way(net: Node) -> None:
     dp, a, b, c = net.dp, net.a, net.b, net.c
-    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(c, Protocol.TCP, 8080)])
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(c, L4Proto.TCP, 8080)])
     dp.read_flows(0)
     before_drops = drops(dp, b.ep_id, Direction.INGRESS)
     with host_sent(net.pods, b) as forwarded:
@@ -137,7 +137,7 @@ def test_an_endpoint_on_older_programs_is_reached_through_the_host(b_on_older_pr
     """Delivering directly would run b's ingress half with this program's state, where b's own
     (older) program would not find it: until b runs these programs, the host forwards to it."""
     dp, a, b = b_on_older_programs.dp, b_on_older_programs.a, b_on_older_programs.b
-    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, Protocol.UDP, 5353)])
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, L4Proto.UDP, 5353)])
     with host_sent(b_on_older_programs.pods, b) as forwarded:
         assert udp_exchange(a.name, b.v4, 5353)
         assert forwarded() == 1
@@ -192,12 +192,12 @@ def test_without_local_delivery_the_host_forwards_and_to_container_judges(withou
     net = without_local_delivery
     dp, a, b, c = net.dp, net.a, net.b, net.c
     assert received_ttl(a, b, b.v4, 47002) == SENT_TTL - 1
-    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, Protocol.UDP, 5353)])
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, L4Proto.UDP, 5353)])
     before_drops = drops(dp, b.ep_id, Direction.INGRESS)
     with host_sent(without_local_delivery.pods, a, b) as forwarded:
         assert udp_exchange(a.name, b.v4, 5353)
         assert forwarded() == 2  # the datagram and its echo
-    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(c, Protocol.UDP, 5353)])
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(c, L4Proto.UDP, 5353)])
     assert not udp_exchange(a.name, b.v4, 5353, timeout=DENY_TIMEOUT)
     assert drops(dp, b.ep_id, Direction.INGRESS) > before_drops
 
@@ -262,7 +262,7 @@ def empty_deliver_slot(net: Node) -> Iterator[Node]:
 def test_a_failed_tail_call_leaves_the_packet_on_the_hosts_path(empty_deliver_slot: Node) -> None:
     net = empty_deliver_slot
     dp, a, b, c = net.dp, net.a, net.b, net.c
-    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, Protocol.UDP, 5353)])
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [allow_from(a, L4Proto.UDP, 5353)])
     with host_sent(net.pods, a, b) as forwarded:
         assert udp_exchange(a.name, b.v4, 5353)
         assert forwarded() == 2  # the datagram and its echo, through the host; to_container judged

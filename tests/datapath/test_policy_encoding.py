@@ -23,9 +23,9 @@ from services.datapath.maps.policymap import (
 from services.datapath.types import (
     Direction,
     Enforcement,
+    L4Proto,
     PolicyEntry,
     PolicyKey,
-    Protocol,
     Reason,
     Verdict,
 )
@@ -62,7 +62,7 @@ def test_block_counts(low: int, high: int, count: int) -> None:
 
 @st.composite
 def entries(draw: st.DrawFn) -> PolicyEntry:
-    proto = draw(st.sampled_from(list(Protocol)))
+    proto = draw(st.sampled_from(list(L4Proto)))
     low, high = draw(port_ranges()) if proto.has_ports else (0, 0)
     key = PolicyKey(
         direction=draw(st.sampled_from(list(Direction))),
@@ -97,8 +97,8 @@ def test_decode_inverts_encode_for_non_overlapping_entries(items: list[PolicyEnt
 
 
 def test_adjacent_ranges_stay_separate_entries() -> None:
-    a = PolicyEntry(PolicyKey(Direction.INGRESS, 5, Protocol.TCP, 1000, 1999))
-    b = PolicyEntry(PolicyKey(Direction.INGRESS, 5, Protocol.TCP, 2000, 2999))
+    a = PolicyEntry(PolicyKey(Direction.INGRESS, 5, L4Proto.TCP, 1000, 1999))
+    b = PolicyEntry(PolicyKey(Direction.INGRESS, 5, L4Proto.TCP, 2000, 2999))
     assert decode(encode(1, [a, b])) == [a, b]
 
 
@@ -157,7 +157,7 @@ def test_lookup_order_matches_the_reference(
 
 
 def test_key_bytes_round_trip_and_port_is_network_order() -> None:
-    prefix = Prefix(9, Direction.EGRESS, 1001, Protocol.UDP, Verdict.DENY, 0x1F00, 8)
+    prefix = Prefix(9, Direction.EGRESS, 1001, L4Proto.UDP, Verdict.DENY, 0x1F00, 8)
     key = to_key(prefix)
     assert key.prefixlen == policymap.FIXED_BITS + 8
     assert bytes(key)[16:18] == b"\x1f\x00"
@@ -165,7 +165,7 @@ def test_key_bytes_round_trip_and_port_is_network_order() -> None:
 
 
 def test_normalize_keeps_one_verdict_per_key_deny_winning() -> None:
-    k1 = PolicyKey(Direction.INGRESS, 5, Protocol.TCP, 80)
+    k1 = PolicyKey(Direction.INGRESS, 5, L4Proto.TCP, 80)
     # Both verdicts for one key collapse to deny, which is what the datapath would do anyway.
     assert normalize([PolicyEntry(k1, Verdict.DENY), PolicyEntry(k1, Verdict.ALLOW)]) == [PolicyEntry(k1, Verdict.DENY)]
 
@@ -196,9 +196,9 @@ def test_a_delta_leaves_the_map_as_a_full_encode_would(before: list[PolicyEntry]
 
 
 def test_removing_one_of_two_entries_sharing_a_block_keeps_the_block() -> None:
-    wide = PolicyEntry(PolicyKey(Direction.INGRESS, 5, Protocol.TCP, 1000, 2047))
-    narrow = PolicyEntry(PolicyKey(Direction.INGRESS, 5, Protocol.TCP, 1024, 2047))
-    shared = Prefix(1, Direction.INGRESS, 5, Protocol.TCP, Verdict.ALLOW, 1024, 6)
+    wide = PolicyEntry(PolicyKey(Direction.INGRESS, 5, L4Proto.TCP, 1000, 2047))
+    narrow = PolicyEntry(PolicyKey(Direction.INGRESS, 5, L4Proto.TCP, 1024, 2047))
+    shared = Prefix(1, Direction.INGRESS, 5, L4Proto.TCP, Verdict.ALLOW, 1024, 6)
     both = encode(1, [wide, narrow])
     assert both[shared] == (1000, 2047)  # the first in sort order owns it
 
@@ -211,8 +211,8 @@ def test_removing_one_of_two_entries_sharing_a_block_keeps_the_block() -> None:
 
 
 def test_a_one_entry_delta_encodes_that_entry_only() -> None:
-    big = [PolicyEntry(PolicyKey(Direction.INGRESS, 1000 + i, Protocol.TCP, 1, 65535)) for i in range(500)]
-    extra = PolicyEntry(PolicyKey(Direction.INGRESS, 77, Protocol.UDP, 53))
+    big = [PolicyEntry(PolicyKey(Direction.INGRESS, 1000 + i, L4Proto.TCP, 1, 65535)) for i in range(500)]
+    extra = PolicyEntry(PolicyKey(Direction.INGRESS, 77, L4Proto.UDP, 53))
     writes, deletes = encode_delta(2, [extra], [], keep=big)  # other groups: ignored
     assert writes == encode(2, [extra]) and deletes == []
 
@@ -222,16 +222,16 @@ def test_a_one_entry_delta_encodes_that_entry_only() -> None:
     [(0, 0, (0, 0)), (0, 80, (0, 0)), (80, 0, (80, 80)), (80, 90, (80, 90))],
 )
 def test_policy_key_normalizes_ports(low: int, high: int, expected: tuple[int, int]) -> None:
-    key = PolicyKey(Direction.INGRESS, 1, Protocol.TCP, low, high)
+    key = PolicyKey(Direction.INGRESS, 1, L4Proto.TCP, low, high)
     assert (key.port_low, key.port_high) == expected
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"protocol": Protocol.ICMP, "port_low": 8},
-        {"protocol": Protocol.TCP, "port_low": 90, "port_high": 80},
-        {"protocol": Protocol.TCP, "port_low": 70000},
+        {"protocol": L4Proto.ICMP, "port_low": 8},
+        {"protocol": L4Proto.TCP, "port_low": 90, "port_high": 80},
+        {"protocol": L4Proto.TCP, "port_low": 70000},
         {"remote_identity": -1},
     ],
 )
@@ -262,7 +262,7 @@ def test_template_hash_follows_source_and_config() -> None:
 
 
 def test_every_protocol_number_round_trips() -> None:
-    for proto in Protocol:
-        assert Protocol.from_number(proto.number) is proto
+    for proto in L4Proto:
+        assert L4Proto.from_number(proto.number) is proto
     with pytest.raises(ValueError):
-        Protocol.from_number(47)
+        L4Proto.from_number(47)

@@ -14,10 +14,10 @@ from services.datapath.types import (
     Direction,
     Enforcement,
     Frontend,
+    L4Proto,
     LbService,
     PolicyEntry,
     PolicyKey,
-    Protocol,
     Reason,
     Verdict,
 )
@@ -31,7 +31,7 @@ VIP6 = "fd00:96::77:10"
 EGRESS_ONLY = Enforcement(egress=True)
 
 
-def allow_egress(identity: int, proto: Protocol, port: int) -> PolicyEntry:
+def allow_egress(identity: int, proto: L4Proto, port: int) -> PolicyEntry:
     return PolicyEntry(PolicyKey(Direction.EGRESS, identity, proto, port, port), Verdict.ALLOW)
 
 
@@ -45,7 +45,7 @@ def svc(net: Node) -> Iterator[Node]:
 
 
 def tcp(address: str, port: int) -> Frontend:
-    return Frontend(address, port, Protocol.TCP)
+    return Frontend(address, port, L4Proto.TCP)
 
 
 def backends_used(dp: Datapath, ep_id: int, frontend_port: int) -> set[str]:
@@ -56,7 +56,7 @@ def backends_used(dp: Datapath, ep_id: int, frontend_port: int) -> set[str]:
 def test_clusterip_tcp_and_udp_reach_the_backend_and_replies_come_from_the_clusterip(svc: Node) -> None:
     dp, a, b = svc.dp, svc.a, svc.b
     state = dp.lb_upsert(LbService(tcp(VIP, 80), (Backend(b.v4, 8080),)))
-    dp.lb_upsert(LbService(Frontend(VIP, 53, Protocol.UDP), (Backend(b.v4, 5353),)))
+    dp.lb_upsert(LbService(Frontend(VIP, 53, L4Proto.UDP), (Backend(b.v4, 5353),)))
     assert tcp_exchange(a.name, VIP, 80)
     assert udp_exchange(a.name, VIP, 53)  # the reply's source is the ClusterIP, or recvfrom never matches
     with socket_in(a.name, socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -78,11 +78,11 @@ def test_egress_policy_judges_the_backend_identity_and_port(svc: Node) -> None:
     dp, a, b, c = svc.dp, svc.a, svc.b, svc.c
     dp.lb_upsert(LbService(tcp(VIP, 80), (Backend(b.v4, 8080),)))
     dp.lb_upsert(LbService(tcp(VIP, 81), (Backend(c.v4, 8080),)))
-    dp.sync_policy(a.ep_id, EGRESS_ONLY, [allow_egress(b.identity, Protocol.TCP, 8080)])
+    dp.sync_policy(a.ep_id, EGRESS_ONLY, [allow_egress(b.identity, L4Proto.TCP, 8080)])
     assert tcp_exchange(a.name, VIP, 80)
     assert not tcp_exchange(a.name, VIP, 81, timeout=DENY_TIMEOUT)  # c is not allowed
     # Allowing the frontend's port, not the backend's, allows nothing (policy applies after DNAT).
-    dp.sync_policy(a.ep_id, EGRESS_ONLY, [allow_egress(b.identity, Protocol.TCP, 80)])
+    dp.sync_policy(a.ep_id, EGRESS_ONLY, [allow_egress(b.identity, L4Proto.TCP, 80)])
     dp.flush_conntrack()
     assert not tcp_exchange(a.name, VIP, 80, timeout=DENY_TIMEOUT)
     flows = [f for f in dp.read_flows(0) if f.source_ip == a.v4 and f.verdict is Verdict.DENY]
@@ -107,7 +107,7 @@ def refused(ns: str, ip: str, port: int, kind: int) -> int:
 def test_a_service_without_backends_is_refused_at_once(svc: Node, vip: str) -> None:
     dp, a = svc.dp, svc.a
     dp.lb_upsert(LbService(tcp(vip, 80)))
-    dp.lb_upsert(LbService(Frontend(vip, 53, Protocol.UDP)))
+    dp.lb_upsert(LbService(Frontend(vip, 53, L4Proto.UDP)))
     assert refused(a.name, vip, 80, socket.SOCK_STREAM) == errno.ECONNREFUSED
     assert refused(a.name, vip, 53, socket.SOCK_DGRAM) == errno.ECONNREFUSED
     assert dp.counters().packets(endpoint_id=a.ep_id, reason=Reason.NO_BACKEND) >= 2

@@ -24,7 +24,7 @@ import pytest
 
 from services.datapath.maps import snatmap
 from services.datapath.maps.bpf import prog_test_run
-from services.datapath.types import Backend, Direction, Frontend, LbService, Protocol, Reason, Verdict
+from services.datapath.types import Backend, Direction, Frontend, L4Proto, LbService, Reason, Verdict
 from tests.datapath.node import Node
 from tests.datapath.traffic import (
     ACK,
@@ -76,8 +76,8 @@ def paths(request: pytest.FixtureRequest, net: Node) -> Iterator[Paths]:
     pod_or_host = {"local": (net.b.v4, net.b.v6), "remote": (net.ext_in, net.ext_v6)}[case.where]
     backend = pod_or_host[v6]
     vip = VIP6 if v6 else VIP
-    net.dp.lb_upsert(LbService(Frontend(vip, TCP_FRONT, Protocol.TCP), (Backend(backend, TCP_BACK),)))
-    net.dp.lb_upsert(LbService(Frontend(vip, UDP_FRONT, Protocol.UDP), (Backend(backend, UDP_BACK),)))
+    net.dp.lb_upsert(LbService(Frontend(vip, TCP_FRONT, L4Proto.TCP), (Backend(backend, TCP_BACK),)))
+    net.dp.lb_upsert(LbService(Frontend(vip, UDP_FRONT, L4Proto.UDP), (Backend(backend, UDP_BACK),)))
     yield Paths(net.a.name, vip, backend)
     for state in net.dp.lb_services():
         net.dp.lb_delete(state.frontend)
@@ -212,7 +212,7 @@ def test_a_clashing_connection_survives_a_datapath_restart(net: Node) -> None:
     from services.datapath.datapath import Datapath
 
     dp, a, b = net.dp, net.a, net.b
-    dp.lb_upsert(LbService(Frontend(VIP, TCP_FRONT, Protocol.TCP), (Backend(b.v4, TCP_BACK),)))
+    dp.lb_upsert(LbService(Frontend(VIP, TCP_FRONT, L4Proto.TCP), (Backend(b.v4, TCP_BACK),)))
     port = client_port()
     try:
         via_service, direct = tcp_open(a.name, VIP, TCP_FRONT, port), tcp_open(a.name, b.v4, TCP_BACK, port)
@@ -237,7 +237,7 @@ def test_a_reply_that_cannot_be_translated_back_is_dropped_and_reported(net: Nod
     flow event at the client, never lost unseen. Frames go through the programs with
     BPF_PROG_TEST_RUN, as if they arrived on a's host veth."""
     dp, a, b = net.dp, net.a, net.b
-    dp.lb_upsert(LbService(Frontend(VIP, TCP_FRONT, Protocol.TCP), (Backend(b.v4, TCP_BACK),)))
+    dp.lb_upsert(LbService(Frontend(VIP, TCP_FRONT, L4Proto.TCP), (Backend(b.v4, TCP_BACK),)))
     from_a, to_a, a_if = dp.template.from_container_fd, dp.template.to_container_fd, a.net.host_ifindex
     tcp, port = socket.IPPROTO_TCP, client_port()
     try:

@@ -20,6 +20,7 @@ import pytest
 
 from palisade.v1 import datapath_pb2_grpc
 from services.common.bus import Bus
+from services.common.grpcserver import ErrorInterceptor
 from services.datapath.config import DatapathConfig
 from services.datapath.fake import FakeDatapath
 from services.datapath.ipamclient import GrpcIpam
@@ -179,7 +180,7 @@ class InProcessAgent:
             spawn=spawn,
             stack=stack,
         )
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()])  # the service's error mapping
         datapath_pb2_grpc.add_DatapathServiceServicer_to_server(self.agent.servicer, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         # The CNI plugin's door, as the service opens it.

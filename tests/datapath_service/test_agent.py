@@ -21,7 +21,7 @@ from tests.harness import NatsServer
 
 def verdict(agent: InProcessAgent, ep_id: int, remote_ip: str, port: int) -> dt.Verdict:
     assert agent.datapath is not None
-    return agent.datapath.evaluate(ep_id, dt.Direction.INGRESS, remote_ip, dt.Protocol.TCP, port)[0]
+    return agent.datapath.evaluate(ep_id, dt.Direction.INGRESS, remote_ip, dt.L4Proto.TCP, port)[0]
 
 
 async def test_endpoints_realize_ordered_policy_and_report_it(agent: InProcessAgent, cp: ControlPlane) -> None:
@@ -234,7 +234,7 @@ async def test_restart_restores_endpoints_cleans_stale_ones_and_catches_up(
     # While the agent is down: the pinned maps keep enforcing, policy changes, a pod's namespace goes.
     assert agent.datapath is not None
     down = FakeDatapath.open(agent.config.bpffs)
-    assert down.evaluate(db.id, dt.Direction.INGRESS, web.ips[0], dt.Protocol.TCP, 5432)[0] is dt.Verdict.ALLOW
+    assert down.evaluate(db.id, dt.Direction.INGRESS, web.ips[0], dt.L4Proto.TCP, 5432)[0] is dt.Verdict.ALLOW
     rev2 = await cp.set_policy(db.identity, [entry(ING, web.identity, 6000)])
     agent.network.namespaces.discard("/run/netns/pal_x_gone")
     cp.realized.clear()
@@ -298,9 +298,9 @@ async def test_observe_streams_filtered_flow_events(agent: InProcessAgent, cp: C
     await cp.wait_realized(rev, [db.id])
     call = agent.stub.Observe(datapath_pb2.ObserveRequest(verdicts=[common_pb2.VERDICT_DENY], pod="x/db", limit=1))
     await eventually(lambda: agent.agent is not None and agent.agent.flows.subscribers == 1)
-    agent.datapath.simulate_flow(db.id, dt.Direction.INGRESS, web.ips[0], dt.Protocol.TCP, 80)  # allowed
-    agent.datapath.simulate_flow(web.id, dt.Direction.EGRESS, db.ips[0], dt.Protocol.TCP, 99)  # other pod
-    agent.datapath.simulate_flow(db.id, dt.Direction.INGRESS, web.ips[0], dt.Protocol.TCP, 99)  # the one
+    agent.datapath.simulate_flow(db.id, dt.Direction.INGRESS, web.ips[0], dt.L4Proto.TCP, 80)  # allowed
+    agent.datapath.simulate_flow(web.id, dt.Direction.EGRESS, db.ips[0], dt.L4Proto.TCP, 99)  # other pod
+    agent.datapath.simulate_flow(db.id, dt.Direction.INGRESS, web.ips[0], dt.L4Proto.TCP, 99)  # the one
     events = [e async for e in call]
     assert len(events) == 1
     (ev,) = events
@@ -316,6 +316,14 @@ async def test_observe_streams_filtered_flow_events(agent: InProcessAgent, cp: C
         async for _ in agent.stub.Observe(bad):
             pass
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("unknown verdict(s) 7; filter by VERDICT_ALLOW")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in agent.stub.Observe(datapath_pb2.ObserveRequest(pod="db")):
+            pass
+    assert (err.value.code(), err.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "pod 'db' is not namespace/name",
+    )
 
 
 async def test_periodic_repair_rewrites_a_drifted_map(agent: InProcessAgent, cp: ControlPlane) -> None:

@@ -167,7 +167,7 @@ async def test_agent_metrics_keep_deleted_endpoints_counts_and_count_lost_events
         await eventually(lambda: registry.get_sample_value("palisade_datapath_order_realized_seconds_count") == 1)
 
         for port in (80, 80, 81, 81, 81):
-            runner.datapath.simulate_flow(db.id, dt.Direction.INGRESS, web.ips[0], dt.Protocol.TCP, port)
+            runner.datapath.simulate_flow(db.id, dt.Direction.INGRESS, web.ips[0], dt.L4Proto.TCP, port)
         await eventually(lambda: a.flows.events == 5)
         # A slow Observe client: 5 events at once into a buffer of 2 lose 3.
         stream = a.flows.stream(FlowFilter(), limit=1)
@@ -189,7 +189,7 @@ async def test_agent_metrics_keep_deleted_endpoints_counts_and_count_lost_events
         await runner.stub.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=db.id))
         again = await create_fake(runner, "db2", app="db")
         assert again.id == db.id
-        runner.datapath.simulate_flow(again.id, dt.Direction.INGRESS, web.ips[0], dt.Protocol.TCP, 80)
+        runner.datapath.simulate_flow(again.id, dt.Direction.INGRESS, web.ips[0], dt.L4Proto.TCP, 80)
         assert runner.datapath.counters().packets() == 1
         m = await asyncio.to_thread(scrape, server.server_port)
         assert m.get("palisade_datapath_forwarded_packets_total", reason="policy-allow") == 3

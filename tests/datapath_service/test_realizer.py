@@ -65,7 +65,7 @@ class Sink:
 
 
 def allow(remote: int, low: int, high: int = 0) -> dt.PolicyEntry:
-    return dt.PolicyEntry(dt.PolicyKey(dt.Direction.INGRESS, remote, dt.Protocol.TCP, low, high))
+    return dt.PolicyEntry(dt.PolicyKey(dt.Direction.INGRESS, remote, dt.L4Proto.TCP, low, high))
 
 
 def record(ep_id: int, identity: int) -> EndpointRecord:
@@ -218,3 +218,38 @@ async def test_an_idle_reporter_beats_with_its_node_name() -> None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert policy.reports == [] and policy.nodes[0] == "n1"
+
+
+class Refusing(Capture):
+    """Refuses the first report; while that call is in flight a newer revision of endpoint 1 arrives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reporter: Reporter | None = None
+        self.refused = 0
+
+    async def report(self, reports: Sequence[policy_pb2.RealizedReport], node: str = "") -> None:
+        if reports and not self.refused:
+            self.refused += 1
+            assert self.reporter is not None
+            self.reporter.add([dt.Realized(1, DB, 12, "x/a")], arrived=0.0)
+            raise ConnectionError("policy service away")
+        await super().report(reports, node)
+
+
+async def test_a_refused_report_is_sent_again_behind_what_arrived_meanwhile() -> None:
+    """A failed delivery puts its reports back unless newer ones came; the retry sends the merge."""
+    policy = Refusing()
+    reporter = policy.reporter = Reporter("n1", policy, backoff_max=0.05)
+    realized: list[float] = []
+    reporter.on_order_realized = realized.append
+    task = asyncio.create_task(reporter.run())
+    try:
+        reporter.add([dt.Realized(1, DB, 11, "x/a"), dt.Realized(2, DB, 11, "x/b")], arrived=0.0)
+        await asyncio.wait_for(reporter.flushed(), 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert policy.refused == 1
+    assert [(r.endpoint_id, r.revision) for r in policy.reports] == [(1, 12), (2, 11)]
+    assert len(realized) == 2 and reporter.delivered == 2

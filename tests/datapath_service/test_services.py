@@ -12,7 +12,7 @@ from services.common.bus import K8S_STREAM, Bus
 from services.datapath.fake import FakeDatapath
 from services.datapath.k8sservices import frontends, parse_service, parse_slice
 from services.datapath.servicesync import ServiceSync
-from services.datapath.types import Backend, Frontend, LbService, Protocol
+from services.datapath.types import Backend, Frontend, L4Proto, LbService
 from tests.harness import NatsServer, creds
 from tests.ipam.helpers import K8s
 
@@ -50,7 +50,7 @@ def lb(svc: dict[str, Any], slices: list[dict[str, Any]], node: str = NODE) -> d
     return {s.frontend: s.backends for s in result.services}
 
 
-WEB = Frontend("10.96.0.10", 80, Protocol.TCP)
+WEB = Frontend("10.96.0.10", 80, L4Proto.TCP)
 
 
 @pytest.mark.parametrize(
@@ -92,9 +92,9 @@ def test_frontends_per_cluster_ip_family_and_port() -> None:
     got = lb(svc, [v4, v6])
     assert got == {
         WEB: (Backend("10.0.0.1", 8080),),
-        Frontend("10.96.0.10", 53, Protocol.UDP): (Backend("10.0.0.1", 5353),),
-        Frontend("fd00::10", 80, Protocol.TCP): (Backend("fd10::1", 8080),),
-        Frontend("fd00::10", 53, Protocol.UDP): (),
+        Frontend("10.96.0.10", 53, L4Proto.UDP): (Backend("10.0.0.1", 5353),),
+        Frontend("fd00::10", 80, L4Proto.TCP): (Backend("fd10::1", 8080),),
+        Frontend("fd00::10", 53, L4Proto.UDP): (),
     }
     assert frontends(parse_service(svc), [], NODE).skipped == ("prod/web port 2905/SCTP: SCTP is not load-balanced",)
 
@@ -152,7 +152,7 @@ async def test_a_restart_keeps_ids_removes_what_disappeared_and_follows_changes(
     dp = FakeDatapath.open(str(tmp_path / "bpf"))
     # What the previous run left pinned: web (still a Service) and gone (deleted while down).
     kept = dp.lb_upsert(LbService(WEB, (Backend("10.0.0.1", 8080),)))
-    stale = Frontend("10.96.0.99", 80, Protocol.TCP)
+    stale = Frontend("10.96.0.99", 80, L4Proto.TCP)
     dp.lb_upsert(LbService(stale, (Backend("10.0.0.5", 80),)))
     k8s = K8s(bus)
     await k8s.apply(service())
@@ -171,7 +171,7 @@ async def test_a_restart_keeps_ids_removes_what_disappeared_and_follows_changes(
         await eventually(lambda: held(dp)[WEB][1] == [Backend("10.0.0.1", 8080)], "backend removed")
         # A second Service, then the first deleted: its frontend goes, the other stays.
         await k8s.apply(service("db", clusterIP="10.96.0.20"))
-        await eventually(lambda: Frontend("10.96.0.20", 80, Protocol.TCP) in held(dp), "db frontend")
+        await eventually(lambda: Frontend("10.96.0.20", 80, L4Proto.TCP) in held(dp), "db frontend")
         await k8s.delete(service())
         # What is served is recorded once the Service's writes are done (after the maps change).
         await eventually(lambda: [(s.namespace, s.name) for s in sync.served()] == [("prod", "db")], "web gone")

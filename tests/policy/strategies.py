@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from services.common.labels import LabelSet, cidr_identity_labels, pod_identity_labels
 from services.policy.engine.identity import LOCAL_IDENTITY_FLAG, Identity
-from services.policy.engine.model import Protocol
+from services.policy.engine.model import IpProto
 
 NAMESPACES = ["x", "y"]
 APPS = ["a", "b", "c"]
@@ -23,24 +23,24 @@ IDS = list(range(256, 264))
 CIDR_PREFIXES = ["10.0.0.0/24", "10.0.1.0/24", "10.0.0.0/16", "192.0.2.0/24"]
 CIDR_IDS = [LOCAL_IDENTITY_FLAG + 1 + n for n in range(len(CIDR_PREFIXES))]
 IPS = [f"10.0.{n}.{h}" for n in (0, 1) for h in (1, 2, 130)] + ["192.0.2.7", "172.16.0.1"]
-NAMED_PORTS: list[dict[str, list[tuple[Protocol, int]]]] = [
+NAMED_PORTS: list[dict[str, list[tuple[IpProto, int]]]] = [
     {},
-    {"http": [(Protocol.TCP, 80)]},
-    {"http": [(Protocol.TCP, 8080), (Protocol.UDP, 81)]},
-    {"http": [(Protocol.SCTP, 85)], "dns": [(Protocol.UDP, 53)]},
+    {"http": [(IpProto.TCP, 80)]},
+    {"http": [(IpProto.TCP, 8080), (IpProto.UDP, 81)]},
+    {"http": [(IpProto.SCTP, 85)], "dns": [(IpProto.UDP, 53)]},
 ]
 #: (port or ICMP type, protocol) probes that hit the ports the policies use.
 PROBES = [
-    (80, Protocol.TCP),
-    (81, Protocol.UDP),
-    (85, Protocol.SCTP),
-    (85, Protocol.TCP),
-    (90, Protocol.UDP),
-    (8080, Protocol.TCP),
-    (53, Protocol.UDP),
-    (443, Protocol.TCP),
-    (8, Protocol.ICMP),
-    (0, Protocol.ICMP),
+    (80, IpProto.TCP),
+    (81, IpProto.UDP),
+    (85, IpProto.SCTP),
+    (85, IpProto.TCP),
+    (90, IpProto.UDP),
+    (8080, IpProto.TCP),
+    (53, IpProto.UDP),
+    (443, IpProto.TCP),
+    (8, IpProto.ICMP),
+    (0, IpProto.ICMP),
 ]
 
 app_sel = st.sampled_from(

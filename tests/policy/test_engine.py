@@ -28,10 +28,10 @@ from services.policy.engine.identity import Identity, LocalAllocator
 from services.policy.engine.model import (
     Direction,
     EntryKey,
+    IpProto,
     PolicyKind,
     PolicyRef,
     PolicyValidationError,
-    Protocol,
     Verdict,
 )
 from services.policy.engine.parse import parse_policy
@@ -94,7 +94,7 @@ def test_entities_map_to_identities(world: Any, entity: str, expected: set[Any],
     d = ING if direction == "ingress" else EGR
     want = {ids[x] if isinstance(x, str) else x for x in expected}
     assert {k.identity for k in pol.entries if k.direction is d} == want
-    assert all(k.protocol is Protocol.ANY and (k.port_low, k.port_high) == (0, 0) for k in pol.entries)
+    assert all(k.protocol is IpProto.ANY and (k.port_low, k.port_high) == (0, 0) for k in pol.entries)
     assert pol.enforced(d) and not pol.enforced(EGR if d is ING else ING)
 
 
@@ -110,18 +110,18 @@ def test_entries_and_enforcement_flags(world: Any) -> None:
     )
     pol = eng.policy_for(ids["x/a"])
     assert dict(pol.entries) == {
-        EntryKey(ING, ids["x/b"], Protocol.TCP, 80, 90): Verdict.ALLOW,
-        EntryKey(EGR, ids["cidr"], Protocol.ANY, 0, 0): Verdict.DENY,
-        EntryKey(EGR, 0, Protocol.ICMP, 8, 8): Verdict.ALLOW,
-        EntryKey(EGR, 0, Protocol.ICMPV6, 128, 128): Verdict.ALLOW,
+        EntryKey(ING, ids["x/b"], IpProto.TCP, 80, 90): Verdict.ALLOW,
+        EntryKey(EGR, ids["cidr"], IpProto.ANY, 0, 0): Verdict.DENY,
+        EntryKey(EGR, 0, IpProto.ICMP, 8, 8): Verdict.ALLOW,
+        EntryKey(EGR, 0, IpProto.ICMPV6, 128, 128): Verdict.ALLOW,
     }
     assert pol.ingress_enforced and pol.egress_enforced
     assert eng.policy_for(ids["x/b"]).entries == {}
     assert not eng.policy_for(ids["x/b"]).ingress_enforced
-    assert lookup(pol, EGR, ids["cidr"], Protocol.ICMP, 8).allowed is False
-    assert lookup(pol, EGR, ids["x/b"], Protocol.ICMP, 8).allowed is True
-    assert lookup(pol, EGR, ids["x/b"], Protocol.ICMP, 0).reason == "default-deny"
-    assert lookup(pol, ING, ids["x/b"], Protocol.TCP, 85).reason == "allow-entry"
+    assert lookup(pol, EGR, ids["cidr"], IpProto.ICMP, 8).allowed is False
+    assert lookup(pol, EGR, ids["x/b"], IpProto.ICMP, 8).allowed is True
+    assert lookup(pol, EGR, ids["x/b"], IpProto.ICMP, 0).reason == "default-deny"
+    assert lookup(pol, ING, ids["x/b"], IpProto.TCP, 85).reason == "allow-entry"
 
 
 def test_revisions_and_rejection(world: Any) -> None:
@@ -152,10 +152,10 @@ def test_identity_changes_produce_diffs(world: Any) -> None:
     assert eng.policy_for(ids["x/a"]).entries == {}
     new = Identity(300, pod_labels("x", app="c"))
     res = eng.upsert_identity(new)
-    assert res.diffs[ids["x/a"]].added == {EntryKey(ING, 300, Protocol.ANY, 0, 0): Verdict.ALLOW}
+    assert res.diffs[ids["x/a"]].added == {EntryKey(ING, 300, IpProto.ANY, 0, 0): Verdict.ALLOW}
     assert 300 in res.diffs  # the new subject itself appears
     res = eng.remove_identity(300)
-    assert res.diffs[ids["x/a"]].removed == {EntryKey(ING, 300, Protocol.ANY, 0, 0)}
+    assert res.diffs[ids["x/a"]].removed == {EntryKey(ING, 300, IpProto.ANY, 0, 0)}
     assert res.diffs[300].deleted
 
 
@@ -164,9 +164,9 @@ def test_ipcache_moves_identity_in_and_out_of_cidr(world: Any) -> None:
     eng.upsert_policy_document(doc(CNP_A + "  egress:\n  - toCIDRSet: [{cidr: 10.0.0.0/8, except: [10.1.0.0/16]}]\n"))
     assert eng.policy_for(ids["x/a"]).entries == {}
     res = eng.upsert_ipcache(ipaddress.ip_address("10.2.0.5"), ids["y/a"])
-    assert res.diffs[ids["x/a"]].added == {EntryKey(EGR, ids["y/a"], Protocol.ANY, 0, 0): Verdict.ALLOW}
+    assert res.diffs[ids["x/a"]].added == {EntryKey(EGR, ids["y/a"], IpProto.ANY, 0, 0): Verdict.ALLOW}
     res = eng.upsert_ipcache(ipaddress.ip_address("10.1.0.7"), ids["y/a"])  # partly excepted: conservative
-    assert res.diffs[ids["x/a"]].removed == {EntryKey(EGR, ids["y/a"], Protocol.ANY, 0, 0)}
+    assert res.diffs[ids["x/a"]].removed == {EntryKey(EGR, ids["y/a"], IpProto.ANY, 0, 0)}
     res = eng.delete_ipcache(ipaddress.ip_address("10.1.0.7"))
     assert ids["x/a"] in res.diffs
     assert ipaddress.ip_network("10.1.0.0/16") in eng.referenced_cidrs()
@@ -174,15 +174,15 @@ def test_ipcache_moves_identity_in_and_out_of_cidr(world: Any) -> None:
 
 def test_named_ports_per_identity(world: Any) -> None:
     eng, ids = world
-    eng.set_named_ports(ids["x/b"], {"http": [(Protocol.TCP, 8080)]})
-    eng.set_named_ports(ids["y/a"], {"http": [(Protocol.TCP, 9090)]})
+    eng.set_named_ports(ids["x/b"], {"http": [(IpProto.TCP, 8080)]})
+    eng.set_named_ports(ids["y/a"], {"http": [(IpProto.TCP, 9090)]})
     eng.upsert_policy_document(doc(CNP_A + "  egress:\n  - toPorts: [{ports: [{port: http, protocol: TCP}]}]\n"))
     assert set(eng.policy_for(ids["x/a"]).entries) == {
-        EntryKey(EGR, ids["x/b"], Protocol.TCP, 8080, 8080),
-        EntryKey(EGR, ids["y/a"], Protocol.TCP, 9090, 9090),
+        EntryKey(EGR, ids["x/b"], IpProto.TCP, 8080, 8080),
+        EntryKey(EGR, ids["y/a"], IpProto.TCP, 9090, 9090),
     }
-    res = eng.set_named_ports(ids["y/a"], {"http": [(Protocol.TCP, 9191)]})
-    assert res.diffs[ids["x/a"]].added == {EntryKey(EGR, ids["y/a"], Protocol.TCP, 9191, 9191): Verdict.ALLOW}
+    res = eng.set_named_ports(ids["y/a"], {"http": [(IpProto.TCP, 9191)]})
+    assert res.diffs[ids["x/a"]].added == {EntryKey(EGR, ids["y/a"], IpProto.TCP, 9191, 9191): Verdict.ALLOW}
 
 
 def test_trace_names_deciding_rules(world: Any) -> None:
@@ -193,11 +193,11 @@ def test_trace_names_deciding_rules(world: Any) -> None:
             + "  ingress:\n  - fromEntities: [all]\n  ingressDeny:\n  - fromEndpoints: [{matchLabels: {app: b}}]\n"
         )
     )
-    t = trace(eng, src=ids["x/b"], dst=ids["x/a"], port=80, protocol=Protocol.TCP)
+    t = trace(eng, src=ids["x/b"], dst=ids["x/a"], port=80, protocol=IpProto.TCP)
     assert not t.allowed and t.ingress.reason == "deny-rule"
     assert [r.peer_rule for r in t.ingress.matched] == ["spec.ingressDeny[0]"]
     assert t.egress.reason == "default-allow"
-    t2 = trace(eng, src=ids["y/a"], dst=ids["x/a"], port=80, protocol=Protocol.TCP)
+    t2 = trace(eng, src=ids["y/a"], dst=ids["x/a"], port=80, protocol=IpProto.TCP)
     assert t2.allowed and t2.ingress.reason == "allow-rule" and "Final verdict: ALLOWED" in t2.render()
 
 

@@ -17,14 +17,14 @@ from services.policy.engine.entries import (
     verdict_of,
 )
 from services.policy.engine.identity import Identity
-from services.policy.engine.model import Direction, EntryKey, Protocol, Verdict
+from services.policy.engine.model import Direction, EntryKey, IpProto, Verdict
 from services.policy.engine.policyengine import PolicyEngine
 
 keys = st.builds(
     EntryKey,
     st.sampled_from(list(Direction)),
     st.integers(0, MAX_IDENTITY),
-    st.sampled_from(list(Protocol)),
+    st.sampled_from(list(IpProto)),
     st.integers(0, 65535),
     st.integers(0, 65535),
 )
@@ -54,7 +54,7 @@ def test_an_entry_set_reads_like_the_dict_it_packs(entries: dict[EntryKey, Verdi
     assert packed == entries and entries == packed
     for key, verdict in entries.items():
         assert key in packed and packed[key] is verdict
-    absent = EntryKey(Direction.INGRESS, 1, Protocol.TCP, 1, 1)
+    absent = EntryKey(Direction.INGRESS, 1, IpProto.TCP, 1, 1)
     if absent not in entries:
         assert absent not in packed and packed.get(absent) is None
         with pytest.raises(KeyError):
@@ -76,24 +76,22 @@ def test_with_runs_replaces_one_remotes_entries_and_keeps_the_rest(
 
 def test_remote_lists_one_directions_entries_of_one_identity() -> None:
     entries = {
-        EntryKey(Direction.INGRESS, 7, Protocol.TCP, 80, 80): Verdict.ALLOW,
-        EntryKey(Direction.EGRESS, 7, Protocol.UDP, 53, 53): Verdict.DENY,
-        EntryKey(Direction.INGRESS, 8, Protocol.ANY, 0, 0): Verdict.ALLOW,
+        EntryKey(Direction.INGRESS, 7, IpProto.TCP, 80, 80): Verdict.ALLOW,
+        EntryKey(Direction.EGRESS, 7, IpProto.UDP, 53, 53): Verdict.DENY,
+        EntryKey(Direction.INGRESS, 8, IpProto.ANY, 0, 0): Verdict.ALLOW,
     }
     packed = EntrySet.of(entries)
-    assert packed.remote(Direction.INGRESS, 7) == [
-        (EntryKey(Direction.INGRESS, 7, Protocol.TCP, 80, 80), Verdict.ALLOW)
-    ]
-    assert packed.remote(Direction.EGRESS, 7) == [(EntryKey(Direction.EGRESS, 7, Protocol.UDP, 53, 53), Verdict.DENY)]
+    assert packed.remote(Direction.INGRESS, 7) == [(EntryKey(Direction.INGRESS, 7, IpProto.TCP, 80, 80), Verdict.ALLOW)]
+    assert packed.remote(Direction.EGRESS, 7) == [(EntryKey(Direction.EGRESS, 7, IpProto.UDP, 53, 53), Verdict.DENY)]
     assert packed.remote(Direction.EGRESS, 8) == []
 
 
 def test_a_key_set_holds_exactly_its_keys() -> None:
-    a = EntryKey(Direction.INGRESS, 3, Protocol.TCP, 443, 443)
-    b = EntryKey(Direction.EGRESS, 2, Protocol.ANY, 0, 0)
+    a = EntryKey(Direction.INGRESS, 3, IpProto.TCP, 443, 443)
+    b = EntryKey(Direction.EGRESS, 2, IpProto.ANY, 0, 0)
     removed = KeySet([key_code(a), key_code(b)])
     assert set(removed) == {a, b} and a in removed and b in removed
-    assert EntryKey(Direction.INGRESS, 3, Protocol.TCP, 80, 80) not in removed
+    assert EntryKey(Direction.INGRESS, 3, IpProto.TCP, 80, 80) not in removed
     assert len(removed) == 2
 
 

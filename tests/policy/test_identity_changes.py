@@ -14,7 +14,7 @@ import yaml
 
 from services.common.labels import LabelSet, cidr_identity_labels, pod_identity_labels
 from services.policy.engine.identity import Identity
-from services.policy.engine.model import Direction, EntryKey, Protocol, Verdict
+from services.policy.engine.model import Direction, EntryKey, IpProto, Verdict
 from services.policy.engine.policyengine import ChangeResult, PolicyEngine
 
 ING, EGR = Direction.INGRESS, Direction.EGRESS
@@ -41,7 +41,7 @@ def engine(*specs: str) -> PolicyEngine:
     return eng
 
 
-def key(direction: Direction, remote: int = X, proto: Protocol = Protocol.ANY, lo: int = 0, hi: int = 0) -> EntryKey:
+def key(direction: Direction, remote: int = X, proto: IpProto = IpProto.ANY, lo: int = 0, hi: int = 0) -> EntryKey:
     return EntryKey(direction, remote, proto, lo, hi)
 
 
@@ -70,7 +70,7 @@ def test_broad_peer_add_and_remove_touch_only_that_identity(peer: str) -> None:
     if "all" in peer:  # the wildcard entry already covers X: nothing but X's own (empty) policy
         assert set(res.diffs) == {X}
     else:
-        assert res.diffs[S].added == {key(ING, X, Protocol.TCP, 80, 80): Verdict.ALLOW}
+        assert res.diffs[S].added == {key(ING, X, IpProto.TCP, 80, 80): Verdict.ALLOW}
         assert not res.diffs[S].removed
         assert set(res.diffs) == {S, T, X}
     assert_consistent(eng)
@@ -162,14 +162,14 @@ def test_ipcache_moves_between_identities_touch_only_them() -> None:
 @pytest.mark.parametrize("peer", ["", "    toEndpoints: [{matchLabels: {app: web}}]\n"])
 def test_egress_named_ports_follow_the_remote(peer: str) -> None:
     eng = engine(f"  egress:\n  - toPorts: [{{ports: [{{port: http}}]}}]\n{peer}")
-    eng.set_named_ports(X, {"http": [(Protocol.TCP, 8080)]})  # ports known before the identity
+    eng.set_named_ports(X, {"http": [(IpProto.TCP, 8080)]})  # ports known before the identity
     res = eng.upsert_identity(Identity(X, pod("x", app="web")))
-    assert res.diffs[S].added == {key(EGR, X, Protocol.TCP, 8080, 8080): Verdict.ALLOW}
-    res = eng.set_named_ports(X, {"http": [(Protocol.UDP, 53)]})
-    assert res.diffs[S].removed == {key(EGR, X, Protocol.TCP, 8080, 8080)}
-    assert res.diffs[S].added == {key(EGR, X, Protocol.UDP, 53, 53): Verdict.ALLOW}
+    assert res.diffs[S].added == {key(EGR, X, IpProto.TCP, 8080, 8080): Verdict.ALLOW}
+    res = eng.set_named_ports(X, {"http": [(IpProto.UDP, 53)]})
+    assert res.diffs[S].removed == {key(EGR, X, IpProto.TCP, 8080, 8080)}
+    assert res.diffs[S].added == {key(EGR, X, IpProto.UDP, 53, 53): Verdict.ALLOW}
     res = eng.remove_identity(X)
-    assert res.diffs[S].removed == {key(EGR, X, Protocol.UDP, 53, 53)}
+    assert res.diffs[S].removed == {key(EGR, X, IpProto.UDP, 53, 53)}
     assert_consistent(eng)
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from palisade.v1 import common_pb2, policy_pb2
 from services.policy.engine.core import RequestError
 from services.policy.engine.entries import MAX_IDENTITY
-from services.policy.engine.orders import PersistedState
+from services.policy.engine.orders import PolicyEpoch
 from services.policy.engine.realized import Report
 from services.policy.engine.sources import Source
 from services.policy.servicer import status_to_proto
@@ -210,7 +210,7 @@ def test_named_ports_come_from_the_ipcache() -> None:
 
 
 def test_restart_continues_revision_and_sequences_with_a_replace_order() -> None:
-    w = World(PersistedState(revision=40, sequences={"n1": 7, "gone": 3}))
+    w = World(PolicyEpoch(revision=40, sequences={"n1": 7, "gone": 3}))
     three_nodes(w)
     first = w.sync()
     assert first.revision > 40
@@ -219,7 +219,7 @@ def test_restart_continues_revision_and_sequences_with_a_replace_order() -> None
     assert by_node["n2"].sequence == 1
     # A node that had identities before the restart and has none now is told to drop them.
     assert by_node["gone"].replace and by_node["gone"].diffs == () and by_node["gone"].sequence == 4
-    assert first.state == PersistedState(first.revision, {"gone": 4, "n1": 8, "n2": 1, "n3": 1})
+    assert first.epoch == PolicyEpoch(first.revision, {"gone": 4, "n1": 8, "n2": 1, "n3": 1})
     # Afterwards an empty node hears nothing more, but keeps its sequence for when pods come back.
     w.policy(builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432))
     assert set(w.orders_by_node(w.commit())) == {"n1", "n2", "n3"}

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from palisade.v1 import common_pb2
-from services.policy.engine.model import Direction, EntryKey, Protocol, Verdict
+from services.policy.engine.model import Direction, EntryKey, IpProto, Verdict
 from services.policy.engine.orders import OrderDiff, PlannedOrder
 from services.policy.wire import diff_to_proto, encode
 
 
 def diff(identity: int, entries: int) -> OrderDiff:
     added = {
-        EntryKey(Direction.INGRESS, 70000 + port, Protocol.TCP, port, port): Verdict.ALLOW
+        EntryKey(Direction.INGRESS, 70000 + port, IpProto.TCP, port, port): Verdict.ALLOW
         for port in range(1, entries + 1)
     }
     return OrderDiff(identity, ingress_enforced=True, egress_enforced=False, add=added)

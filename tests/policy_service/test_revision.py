@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.common.bus import Bus
-from services.policy.engine.orders import PersistedState
-from services.policy.revision import STATE_KEY, RevisionStore, StateConflictError, StateCorruptError
+from services.policy.engine.orders import PolicyEpoch
+from services.policy.revision import EPOCH_KEY, EpochConflictError, EpochCorruptError, RevisionStore
 from tests.harness import NatsServer, creds
 
 
@@ -17,13 +17,13 @@ async def connect(nats: NatsServer) -> Bus:
 async def test_state_round_trips_and_survives_a_nats_restart(nats_server: NatsServer) -> None:
     async with await connect(nats_server) as bus:
         store = await RevisionStore.open(bus.js, "POLICY_T")
-        assert await store.load() == PersistedState()
-        await store.save(PersistedState(7, {"n1": 3}))
-        await store.save(PersistedState(9, {"n1": 4, "n2": 1}))
+        assert await store.load() == PolicyEpoch()
+        await store.save(PolicyEpoch(7, {"n1": 3}))
+        await store.save(PolicyEpoch(9, {"n1": 4, "n2": 1}))
     nats_server.restart()
     async with await connect(nats_server) as bus:
         store = await RevisionStore.open(bus.js, "POLICY_T")
-        assert await store.load() == PersistedState(9, {"n1": 4, "n2": 1})
+        assert await store.load() == PolicyEpoch(9, {"n1": 4, "n2": 1})
 
 
 async def test_a_second_writer_is_detected(nats_server: NatsServer) -> None:
@@ -32,15 +32,15 @@ async def test_a_second_writer_is_detected(nats_server: NatsServer) -> None:
         second = await RevisionStore.open(bus.js, "POLICY_T")
         await first.load()
         await second.load()
-        await first.save(PersistedState(1, {"n1": 1}))
-        with pytest.raises(StateConflictError, match="another writer"):
-            await second.save(PersistedState(1, {"n1": 2}))
+        await first.save(PolicyEpoch(1, {"n1": 1}))
+        with pytest.raises(EpochConflictError, match="another writer"):
+            await second.save(PolicyEpoch(1, {"n1": 2}))
 
 
 async def test_corrupt_state_names_the_bucket(nats_server: NatsServer) -> None:
     async with await connect(nats_server) as bus:
         store = await RevisionStore.open(bus.js, "POLICY_T")
         kv = await bus.js.key_value("POLICY_T")
-        await kv.put(STATE_KEY, b'{"revision": -1}')
-        with pytest.raises(StateCorruptError, match="bucket POLICY_T"):
+        await kv.put(EPOCH_KEY, b'{"revision": -1}')
+        with pytest.raises(EpochCorruptError, match="bucket POLICY_T"):
             await store.load()

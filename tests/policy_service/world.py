@@ -8,7 +8,7 @@ from typing import Any
 from palisade.v1 import common_pb2, identity_pb2, k8s_pb2, policy_pb2
 from services.common.subjects import identity_subject, ipcache_subject
 from services.policy.engine.core import Commit, Outcome, PolicyCore
-from services.policy.engine.orders import PersistedState, PlannedOrder
+from services.policy.engine.orders import PlannedOrder, PolicyEpoch
 from services.policy.engine.realized import Report
 from services.policy.engine.sources import Source
 from services.policy.wire import delta_from_proto, encode, identity_from_proto, policy_to_proto, record_from_proto
@@ -17,8 +17,8 @@ from tests.policy_service.nodestate import IdentityState, NodeState, from_polici
 
 
 class World:
-    def __init__(self, persisted: PersistedState | None = None, *, max_bytes: int = 1 << 20) -> None:
-        self.core = PolicyCore(persisted=persisted or PersistedState())
+    def __init__(self, persisted: PolicyEpoch | None = None, *, max_bytes: int = 1 << 20) -> None:
+        self.core = PolicyCore(persisted=persisted or PolicyEpoch())
         self.now = 100.0
         self.max_bytes = max_bytes
         # Datapaths that applied everything up to the persisted sequences.

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
 from services.datapath.maps.sizes import MapSizes
-from services.datapath.types import IDENTITY_ANY, Direction, Enforcement, Protocol, Verdict
+from services.datapath.types import IDENTITY_ANY, Direction, Enforcement, L4Proto, Verdict
 
 NAME = "enforcement"
 #: Enforced directions (ENFORCE_* in the program).
@@ -71,18 +71,18 @@ def hints_held(flags: int | None) -> int:
     return flags & HINTS_MASK if flags is not None and flags & HINTS_VALID else 0
 
 
-def hint_bit(direction: Direction, verdict: Verdict, identity: int, protocol: Protocol) -> int:
+def hint_bit(direction: Direction, verdict: Verdict, identity: int, protocol: L4Proto) -> int:
     """The hint bit of one policy entry (or trie prefix) of an endpoint (``HINTS_SHIFT`` applied)."""
     group = (HINTS_GROUP_EGRESS if direction == Direction.EGRESS else 0) + (
         HINTS_GROUP_ALLOW if verdict == Verdict.ALLOW else 0
     )
     shape = (HINTS_SHAPE_ANY_IDENTITY if identity == IDENTITY_ANY else 0) + (
-        HINTS_SHAPE_ANY_PROTOCOL if protocol == Protocol.ANY else 0
+        HINTS_SHAPE_ANY_PROTOCOL if protocol == L4Proto.ANY else 0
     )
     return 1 << (HINTS_SHIFT + group * HINTS_GROUP_BITS + shape)
 
 
-def hints(entries: Iterable[tuple[Direction, Verdict, int, Protocol]]) -> int:
+def hints(entries: Iterable[tuple[Direction, Verdict, int, L4Proto]]) -> int:
     """The hint bits of (direction, verdict, identity, protocol) groups: what lookups may match."""
     bits = 0
     for group in set(entries):

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from services.datapath.maps import addresses
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
 from services.datapath.maps.sizes import MapSizes
-from services.datapath.types import Frontend, Protocol
+from services.datapath.types import Frontend, L4Proto
 
 NAME = "lb_services"
 FLAG_AFFINITY = 1
@@ -92,6 +92,6 @@ class LbServiceMap:
             frontend = Frontend(
                 addresses.get(key.addr, int(key.family)),
                 socket.ntohs(int(key.port)),
-                Protocol.from_number(int(key.protocol)),
+                L4Proto.from_number(int(key.protocol)),
             )
             yield frontend, int(key.slot), value

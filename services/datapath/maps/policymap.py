@@ -37,9 +37,9 @@ from services.datapath.types import (
     MAX_PORT,
     Direction,
     Enforcement,
+    L4Proto,
     PolicyEntry,
     PolicyKey,
-    Protocol,
     Reason,
     Verdict,
 )
@@ -95,7 +95,7 @@ class Prefix:
     ep_id: int
     direction: Direction
     identity: int
-    protocol: Protocol
+    protocol: L4Proto
     verdict: Verdict
     port: int
     #: Leading port bits that must match (0 = any port, 16 = exactly ``port``).
@@ -134,7 +134,7 @@ def normalize(entries: Iterable[PolicyEntry]) -> list[PolicyEntry]:
 
 
 #: Entries whose prefixes can coincide: same direction, remote identity, protocol and verdict.
-Group = tuple[Direction, int, Protocol, Verdict]
+Group = tuple[Direction, int, L4Proto, Verdict]
 
 
 def group_of(entry: PolicyEntry) -> Group:
@@ -263,7 +263,7 @@ def from_key(key: PolicyMapKey) -> Prefix:
         ep_id=int(key.ep_id),
         direction=Direction.from_wire(int(key.direction)),
         identity=int(key.identity),
-        protocol=Protocol.from_number(int(key.protocol)),
+        protocol=L4Proto.from_number(int(key.protocol)),
         verdict=Verdict.from_wire(int(key.verdict)),
         port=socket.ntohs(int(key.dport)) & mask,
         port_bits=bits,

@@ -33,16 +33,16 @@ from services.policy.engine.identity import LocalAllocator
 from services.policy.engine.model import (
     Direction,
     IPAddress,
+    IpProto,
     Policy,
     PolicyValidationError,
-    Protocol,
 )
 from services.policy.engine.parse import POLICY_KINDS, parse_policy
 from services.policy.engine.policyengine import PolicyEngine
 from services.policy.engine.resolve import lookup
 
 POD_CIDR = ipaddress.ip_network("10.244.0.0/16")
-_PROBE_PROTOCOLS = {p.name: p for p in (Protocol.TCP, Protocol.UDP, Protocol.SCTP)}
+_PROBE_PROTOCOLS = {p.name: p for p in (IpProto.TCP, IpProto.UDP, IpProto.SCTP)}
 
 
 class AnalyzeError(ValueError):
@@ -56,7 +56,7 @@ class AnalyzeError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Probe:
     port: int
-    protocol: Protocol
+    protocol: IpProto
 
     @classmethod
     def parse(cls, text: str) -> Probe:
@@ -76,7 +76,7 @@ class PodModel:
     identity: int
     ips: tuple[IPAddress, ...]
     node: str
-    named_ports: Mapping[str, frozenset[tuple[Protocol, int]]]
+    named_ports: Mapping[str, frozenset[tuple[IpProto, int]]]
     #: On its node's network: seen as the node (``host``/``remote-node``), judged by no policy.
     host_network: bool = False
 
@@ -116,8 +116,8 @@ def _meta(doc: Mapping[str, Any]) -> Mapping[str, Any]:
     return m if isinstance(m, Mapping) else {}
 
 
-def _container_ports(pod: Mapping[str, Any], where: str) -> dict[str, set[tuple[Protocol, int]]]:
-    out: dict[str, set[tuple[Protocol, int]]] = {}
+def _container_ports(pod: Mapping[str, Any], where: str) -> dict[str, set[tuple[IpProto, int]]]:
+    out: dict[str, set[tuple[IpProto, int]]] = {}
     spec = pod.get("spec") or {}
     for ci, c in enumerate(spec.get("containers") or []):
         for pi, p in enumerate((c or {}).get("ports") or []):
@@ -173,7 +173,7 @@ def build_model(documents: Iterable[Document], *, keep_going: bool = False) -> M
         for ip in _pod_ips(doc):
             given.add(ip)
     hosts = (h for h in POD_CIDR.hosts() if h not in given and int(h) & 0xFF not in (0, 1))
-    by_identity_ports: dict[int, dict[str, set[tuple[Protocol, int]]]] = {}
+    by_identity_ports: dict[int, dict[str, set[tuple[IpProto, int]]]] = {}
     by_identity_ips: dict[int, set[IPAddress]] = {}
     models: dict[str, PodModel] = {}
     seen: set[str] = set()
@@ -186,7 +186,7 @@ def build_model(documents: Iterable[Document], *, keep_going: bool = False) -> M
         node = str(spec.get("nodeName") or "")
         if spec.get("hostNetwork") is True:
             # The node's address and no identity of its own (ipam gives none to host-network pods).
-            no_ports: dict[str, frozenset[tuple[Protocol, int]]] = {}
+            no_ports: dict[str, frozenset[tuple[IpProto, int]]] = {}
             models[key] = PodModel(key, int(ReservedIdentity.REMOTE_NODE), (), node, no_ports, host_network=True)
             continue
         labels = pod_identity_labels(doc.body, namespaces.get(ns))

@@ -25,8 +25,8 @@ from services.policy.engine.changes import IdentityChange, ObjectDelta, ObjectKi
 from services.policy.engine.entries import MAX_IDENTITY
 from services.policy.engine.identity import Identity
 from services.policy.engine.ipcache import IpcacheRecord, IpcacheTable, is_endpoint_identity
-from services.policy.engine.model import Policy, PolicyKind, PolicyRef, PolicyValidationError, Protocol
-from services.policy.engine.orders import OrderPlanner, PersistedState, PlannedOrder
+from services.policy.engine.model import IpProto, Policy, PolicyKind, PolicyRef, PolicyValidationError
+from services.policy.engine.orders import OrderPlanner, PlannedOrder, PolicyEpoch
 from services.policy.engine.parse import parse_policy
 from services.policy.engine.policyengine import PolicyEngine
 from services.policy.engine.realized import Lag, RealizedTable, Report, Rollup
@@ -67,11 +67,11 @@ class Outcome:
 
 @dataclass(frozen=True, slots=True)
 class Commit:
-    """The result of closing a batch: orders to publish, in order, and the state to persist first."""
+    """The result of closing a batch: orders to publish, in order, and the epoch to persist first."""
 
     revision: int
     orders: tuple[PlannedOrder, ...] = ()
-    state: PersistedState | None = None
+    epoch: PolicyEpoch | None = None
     #: Imported policies to persist (or forget), in order, before the orders go out.
     api: tuple[ApiChange, ...] = ()
 
@@ -115,7 +115,7 @@ class StatusSnapshot:
 
 
 class PolicyCore:
-    def __init__(self, *, persisted: PersistedState, cluster: str = CLUSTER_NAME_DEFAULT) -> None:
+    def __init__(self, *, persisted: PolicyEpoch, cluster: str = CLUSTER_NAME_DEFAULT) -> None:
         self.cluster = cluster
         self.engine = PolicyEngine(cluster=cluster)
         self.engine.seed_revision(persisted.revision)
@@ -194,7 +194,7 @@ class PolicyCore:
         """
         self._warm = True
 
-    def lead(self, persisted: PersistedState, imported: Iterable[tuple[StoredPolicy, str]], now: float) -> None:
+    def lead(self, persisted: PolicyEpoch, imported: Iterable[tuple[StoredPolicy, str]], now: float) -> None:
         """Take over as leader: continue the stored counters, adopt the stored imported policies.
 
         The revision continues above both this engine's and the stored one, and takes one more
@@ -278,12 +278,12 @@ class PolicyCore:
             )
         self._dirty.clear()
         self.realized.record_changes(revision, ((o.node, i) for o in orders for i in o.changed_identities()), caused_at)
-        state = PersistedState(revision, self.planner.sequences())
+        epoch = PolicyEpoch(revision, self.planner.sequences())
         api = self._take_api_changes()
-        if state == self._persisted:
+        if epoch == self._persisted:
             return Commit(revision, tuple(orders), api=api)
-        self._persisted = state
-        return Commit(revision, tuple(orders), state, api)
+        self._persisted = epoch
+        return Commit(revision, tuple(orders), epoch, api)
 
     # --- policies -------------------------------------------------------------------------
 
@@ -601,7 +601,7 @@ class PolicyCore:
         source: tuple[str, tuple[str, ...]],
         destination: tuple[str, tuple[str, ...]],
         port: int,
-        protocol: Protocol,
+        protocol: IpProto,
     ) -> TraceAnswer:
         """Trace a connection between two peers, each (pod "ns/name", labels)."""
         src = self._trace_peer("source", *source)
@@ -670,5 +670,5 @@ def _key_of(doc: Mapping[str, Any]) -> PolicyRef:
     return object_key(kind, str(meta.get("namespace") or ""), str(meta.get("name") or ""))
 
 
-def _port_tuples(ports: Mapping[str, frozenset[tuple[Protocol, int]]]) -> dict[str, list[tuple[Protocol, int]]]:
+def _port_tuples(ports: Mapping[str, frozenset[tuple[IpProto, int]]]) -> dict[str, list[tuple[IpProto, int]]]:
     return {name: sorted(values) for name, values in ports.items()}

@@ -25,7 +25,7 @@ from collections.abc import ItemsView, Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-from services.policy.engine.model import Direction, EntryKey, Protocol, Verdict
+from services.policy.engine.model import Direction, EntryKey, IpProto, Verdict
 
 IDENTITY_BITS = 27
 #: The largest remote identity a code holds (ipam's ranges end at ``(1 << 25) - 1``).
@@ -38,13 +38,13 @@ _LOW_SHIFT = 17
 _HIGH_SHIFT = 1
 DENY_BIT = 1
 
-_PROTOCOLS = (Protocol.ANY, Protocol.ICMP, Protocol.TCP, Protocol.UDP, Protocol.ICMPV6, Protocol.SCTP)
+_PROTOCOLS = (IpProto.ANY, IpProto.ICMP, IpProto.TCP, IpProto.UDP, IpProto.ICMPV6, IpProto.SCTP)
 _PROTO_CODE = {p: n for n, p in enumerate(_PROTOCOLS)}
 _DIRECTIONS = (Direction.INGRESS, Direction.EGRESS)
 _DIR_BIT = {Direction.INGRESS: 0, Direction.EGRESS: 1}
 
 
-def rule_part(direction: Direction, protocol: Protocol, port_low: int, port_high: int) -> int:
+def rule_part(direction: Direction, protocol: IpProto, port_low: int, port_high: int) -> int:
     """A key code without its identity: OR it with :func:`identity_part` of each remote."""
     return (
         _DIR_BIT[direction] << _DIR_SHIFT

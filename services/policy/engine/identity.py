@@ -23,7 +23,7 @@ from services.common.labels import (
     cidr_identity_labels,
     reserved_labels,
 )
-from services.policy.engine.model import IPAddress, IPNetwork, Protocol
+from services.policy.engine.model import IPAddress, IPNetwork, IpProto
 from services.policy.engine.selector import EndpointSelector, Operator, Requirement, Selector
 
 MIN_CLUSTER_IDENTITY = 256
@@ -89,7 +89,7 @@ class IdentityState:
 
     identity: Identity
     ips: frozenset[IPAddress] = frozenset()
-    named_ports: Mapping[str, frozenset[tuple[Protocol, int]]] = field(default_factory=dict)
+    named_ports: Mapping[str, frozenset[tuple[IpProto, int]]] = field(default_factory=dict)
 
     @property
     def id(self) -> int:

@@ -14,9 +14,9 @@ from typing import TypeVar
 
 from services.common.labels import ReservedIdentity
 from services.policy.engine.identity import MAX_CLUSTER_IDENTITY, MIN_CLUSTER_IDENTITY
-from services.policy.engine.model import IPAddress, Protocol
+from services.policy.engine.model import IPAddress, IpProto
 
-NamedPortSet = frozenset[tuple[str, Protocol, int]]
+NamedPortSet = frozenset[tuple[str, IpProto, int]]
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -67,7 +67,7 @@ class IpcacheTable:
         self._entries: dict[str, IpcacheRecord] = {}
         self._local: dict[str, Counter[int]] = {}
         self._nodes_of: dict[int, Counter[str]] = {}
-        self._ports: dict[int, Counter[tuple[str, Protocol, int]]] = {}
+        self._ports: dict[int, Counter[tuple[str, IpProto, int]]] = {}
         self._endpoints: dict[tuple[str, str], dict[str, int]] = {}
 
     def __len__(self) -> int:
@@ -105,8 +105,8 @@ class IpcacheTable:
     def nodes_of(self, identity: int) -> set[str]:
         return set(self._nodes_of.get(identity, ()))
 
-    def named_ports(self, identity: int) -> Mapping[str, frozenset[tuple[Protocol, int]]]:
-        out: dict[str, set[tuple[Protocol, int]]] = {}
+    def named_ports(self, identity: int) -> Mapping[str, frozenset[tuple[IpProto, int]]]:
+        out: dict[str, set[tuple[IpProto, int]]] = {}
         for name, proto, port in self._ports.get(identity, ()):
             out.setdefault(name, set()).add((proto, port))
         return {k: frozenset(v) for k, v in out.items()}

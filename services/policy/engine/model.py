@@ -28,7 +28,7 @@ class Direction(enum.StrEnum):
     EGRESS = "EGRESS"
 
 
-class Protocol(enum.IntEnum):
+class IpProto(enum.IntEnum):
     """IP protocol numbers; ANY (0) matches every protocol."""
 
     ANY = 0
@@ -87,7 +87,7 @@ class PortSpec:
     and ICMPv6, ``port_low``/``port_high`` carry the ICMP type.
     """
 
-    protocol: Protocol
+    protocol: IpProto
     port_low: int = 0
     port_high: int = 0
     name: str = ""
@@ -99,10 +99,10 @@ class PortSpec:
         return f"{port}/{self.protocol.name}"
 
 
-_ICMP_PROTOCOLS = frozenset((Protocol.ICMP, Protocol.ICMPV6))
+_ICMP_PROTOCOLS = frozenset((IpProto.ICMP, IpProto.ICMPV6))
 
 #: The single port spec of a rule without ports: every protocol, every port.
-ALL_PORTS = PortSpec(Protocol.ANY, 0, 0)
+ALL_PORTS = PortSpec(IpProto.ANY, 0, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,13 +197,13 @@ class EntryKey:
 
     direction: Direction
     identity: int
-    protocol: Protocol
+    protocol: IpProto
     port_low: int
     port_high: int
 
     def covers(self, *, protocol: int, port: int) -> bool:
         """Whether this key matches a packet of ``protocol`` to ``port`` (ICMP: type)."""
-        if self.protocol == Protocol.ANY:
+        if self.protocol == IpProto.ANY:
             return self.port_low == self.port_high == 0 or (
                 protocol not in _ICMP_PROTOCOLS and self.port_low <= port <= self.port_high
             )

@@ -25,8 +25,8 @@ PolicyOf = Callable[[int], ResolvedPolicy | None]
 
 
 @dataclass(frozen=True, slots=True)
-class PersistedState:
-    """What must survive a restart: the last revision and every node's last order sequence."""
+class PolicyEpoch:
+    """The policy epoch: what must survive a restart, the last revision and every node's last order sequence."""
 
     revision: int = 0
     sequences: Mapping[str, int] = field(default_factory=dict)

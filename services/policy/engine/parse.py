@@ -53,13 +53,13 @@ from services.policy.engine.model import (
     ALL_PORTS,
     Direction,
     IPNetwork,
+    IpProto,
     PeerRule,
     Policy,
     PolicyKind,
     PolicyRef,
     PolicyValidationError,
     PortSpec,
-    Protocol,
     Rule,
     ServiceRef,
     Verdict,
@@ -80,7 +80,7 @@ __all__ = ["POLICY_KINDS", "is_policy_document", "parse_policy"]
 POLICY_KINDS = frozenset(k.value for k in PolicyKind)
 _KNP_API_GROUPS = ("networking.k8s.io/", "extensions/")
 _CILIUM_API_GROUPS = ("cilium.io/",)
-_PROTOCOLS = {"TCP": Protocol.TCP, "UDP": Protocol.UDP, "SCTP": Protocol.SCTP, "ANY": Protocol.ANY}
+_PROTOCOLS = {"TCP": IpProto.TCP, "UDP": IpProto.UDP, "SCTP": IpProto.SCTP, "ANY": IpProto.ANY}
 _EXTENDED_PROTOCOLS = {"VRRP", "IGMP"}
 _L7_FIELDS = ("rules", "serverNames", "terminatingTLS", "originatingTLS", "listener")
 
@@ -585,9 +585,9 @@ def _cilium_port(ctx: _Ctx, pp: Mapping[str, Any], path: str) -> list[PortSpec] 
             raise ctx.error(f"{path}.endPort", f"endPort {high} is smaller than port {low}")
         if low == 0:
             raise ctx.error(f"{path}.endPort", "endPort needs a port")
-    if proto is Protocol.ANY:
+    if proto is IpProto.ANY:
         # Cilium expands ANY to the port-carrying protocols (not ICMP).
-        return [PortSpec(p, low, high) for p in (Protocol.TCP, Protocol.UDP, Protocol.SCTP)]
+        return [PortSpec(p, low, high) for p in (IpProto.TCP, IpProto.UDP, IpProto.SCTP)]
     return [PortSpec(proto, low, high)]
 
 
@@ -596,7 +596,7 @@ def _icmp_field(ctx: _Ctx, fld: Mapping[str, Any], path: str) -> PortSpec:
     if family not in ("IPv4", "IPv6"):
         raise ctx.error(f"{path}.family", f"unknown family {family!r}")
     table = ICMP4_TYPES if family == "IPv4" else ICMP6_TYPES
-    proto = Protocol.ICMP if family == "IPv4" else Protocol.ICMPV6
+    proto = IpProto.ICMP if family == "IPv4" else IpProto.ICMPV6
     raw = fld.get("type")
     if raw is None:
         raise ctx.error(f"{path}.type", "required")

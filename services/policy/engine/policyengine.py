@@ -55,9 +55,9 @@ from services.policy.engine.model import (
     EntryKey,
     IPAddress,
     IPNetwork,
+    IpProto,
     Policy,
     PolicyRef,
-    Protocol,
     Rule,
     Verdict,
 )
@@ -412,7 +412,7 @@ class PolicyEngine:
             return ChangeResult(self.revision)
         return self.set_identity_ips(old, self._ips.get(old, frozenset()) - {ip})
 
-    def set_named_ports(self, identity: int, ports: Mapping[str, Iterable[tuple[Protocol, int]]]) -> ChangeResult:
+    def set_named_ports(self, identity: int, ports: Mapping[str, Iterable[tuple[IpProto, int]]]) -> ChangeResult:
         """Replace an identity's named ports (union over its pods of name -> (proto, port))."""
         new = {name: frozenset(v) for name, v in ports.items() if v}
         old = self._ports.get(identity, {})

@@ -33,8 +33,7 @@ from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any
-from typing import Protocol as TypingProtocol
+from typing import Any, Protocol
 
 from services.policy.engine.entries import EntrySet, decode_key, identity_part, merge, rule_part
 from services.policy.engine.model import (
@@ -42,19 +41,19 @@ from services.policy.engine.model import (
     WILDCARD_IDENTITY,
     Direction,
     EntryKey,
+    IpProto,
     PeerRule,
     PolicyRef,
     PortSpec,
-    Protocol,
     Rule,
     Verdict,
 )
 from services.policy.engine.selector import EndpointSelector, Selector
 
-NamedPorts = Mapping[str, frozenset[tuple[Protocol, int]]]
+NamedPorts = Mapping[str, frozenset[tuple[IpProto, int]]]
 
 
-class ResolveContext(TypingProtocol):
+class ResolveContext(Protocol):
     """What resolution needs from the engine's state."""
 
     def selection_set(self, selector: Selector) -> set[int]: ...
@@ -133,7 +132,7 @@ def lookup(policy: ResolvedPolicy | None, direction: Direction, remote: int, pro
     return Decision(True, "default-allow")
 
 
-_PORT_PROTOCOLS = (Protocol.TCP, Protocol.UDP, Protocol.SCTP)
+_PORT_PROTOCOLS = (IpProto.TCP, IpProto.UDP, IpProto.SCTP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,9 +181,9 @@ class SubjectRules:
         }
 
 
-def _named(ports: NamedPorts, spec: PortSpec) -> list[tuple[Protocol, int]]:
+def _named(ports: NamedPorts, spec: PortSpec) -> list[tuple[IpProto, int]]:
     found = ports.get(spec.name, frozenset())
-    if spec.protocol is Protocol.ANY:
+    if spec.protocol is IpProto.ANY:
         return sorted(found)
     return sorted(pp for pp in found if pp[0] == spec.protocol)
 
@@ -255,7 +254,7 @@ def _signature(pr: PeerRule) -> _Signature:
     return (pr.direction, pr.verdict, pr.peers, pr.ports)
 
 
-def _frozen_ports(ports: NamedPorts) -> tuple[tuple[str, frozenset[tuple[Protocol, int]]], ...]:
+def _frozen_ports(ports: NamedPorts) -> tuple[tuple[str, frozenset[tuple[IpProto, int]]], ...]:
     return tuple(sorted(ports.items()))
 
 
@@ -282,7 +281,7 @@ def resolve_subject(
     srules = rules if isinstance(rules, SubjectRules) else SubjectRules.of(rules)
     reqs = srules.requirement_sets(ctx)
     own_ports = ctx.named_ports(subject)
-    frozen_ports: tuple[tuple[str, frozenset[tuple[Protocol, int]]], ...] | None = None
+    frozen_ports: tuple[tuple[str, frozenset[tuple[IpProto, int]]], ...] | None = None
     allow: set[int] = set()
     deny: set[int] = set()
     # Policies repeat peer rules: an equal one adds nothing, so it is skipped, unless the
@@ -340,8 +339,8 @@ class _Peer:
 def _port_parts(direction: Direction, spec: PortSpec) -> list[int]:
     """The key codes (without identity) of a numbered port spec."""
     if spec == ALL_PORTS:
-        return [rule_part(direction, Protocol.ANY, 0, 0)]
-    protos = _PORT_PROTOCOLS if spec.protocol is Protocol.ANY else (spec.protocol,)
+        return [rule_part(direction, IpProto.ANY, 0, 0)]
+    protos = _PORT_PROTOCOLS if spec.protocol is IpProto.ANY else (spec.protocol,)
     return [rule_part(direction, proto, spec.port_low, spec.port_high) for proto in protos]
 
 

@@ -18,10 +18,10 @@ from services.policy.engine.model import (
     ALL_PORTS,
     Direction,
     IPAddress,
+    IpProto,
     PeerRule,
     PolicyRef,
     PortSpec,
-    Protocol,
     Rule,
     Verdict,
 )
@@ -29,8 +29,8 @@ from services.policy.engine.policyengine import PolicyEngine
 from services.policy.engine.resolve import NamedPorts, RuleRef
 from services.policy.engine.selector import EndpointSelector, IdentityView
 
-_ICMP = (Protocol.ICMP, Protocol.ICMPV6)
-_PORT_PROTOCOLS = (Protocol.TCP, Protocol.UDP, Protocol.SCTP)
+_ICMP = (IpProto.ICMP, IpProto.ICMPV6)
+_PORT_PROTOCOLS = (IpProto.TCP, IpProto.UDP, IpProto.SCTP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +40,7 @@ class TraceEndpoint:
     labels: LabelSet
     identity: int = 0
     ips: frozenset[IPAddress] = frozenset()
-    named_ports: Mapping[str, frozenset[tuple[Protocol, int]]] = field(default_factory=dict)
+    named_ports: Mapping[str, frozenset[tuple[IpProto, int]]] = field(default_factory=dict)
 
     @property
     def is_endpoint(self) -> bool:
@@ -93,10 +93,10 @@ def endpoint_of(engine: PolicyEngine, identity: int) -> TraceEndpoint:
 def _port_matches(spec: PortSpec, protocol: int, port: int, named: NamedPorts) -> bool:
     if spec.name:
         found = named.get(spec.name, frozenset())
-        return any(p == protocol and n == port and (spec.protocol in (Protocol.ANY, p)) for p, n in found)
+        return any(p == protocol and n == port and (spec.protocol in (IpProto.ANY, p)) for p, n in found)
     if spec == ALL_PORTS:
         return True
-    protos = _PORT_PROTOCOLS if spec.protocol is Protocol.ANY else (spec.protocol,)
+    protos = _PORT_PROTOCOLS if spec.protocol is IpProto.ANY else (spec.protocol,)
     if protocol not in protos:
         return False
     if spec.port_low == spec.port_high == 0 and protocol not in _ICMP:
@@ -174,7 +174,7 @@ def trace(
     src: TraceEndpoint | int,
     dst: TraceEndpoint | int,
     port: int,
-    protocol: Protocol = Protocol.TCP,
+    protocol: IpProto = IpProto.TCP,
 ) -> TraceResult:
     """Trace a new connection from ``src`` to ``dst`` on ``port``/``protocol``."""
     s = endpoint_of(engine, src) if isinstance(src, int) else src
