@@ -788,25 +788,41 @@ static __always_inline u64 current_epoch(void)
 
 /* -- services: DNAT before policy, reverse NAT for replies, reject without backends -- */
 
+/* SCTP: the CRC32c of translated packets, and the tail-call slots of the SCTP programs. */
+#include "lb_sctp.h"
+
+/* The template's tail-call targets, a program array filled and pinned by the loader beside the
+ * programs: "deliver" (local delivery) and the SCTP programs. An empty slot makes the tail call fail:
+ * the packet then goes on where it was (the host's path; an SCTP packet untranslated). */
+BPF_PROG_ARRAY(calls, CALL_SLOTS);
+
 #define IPV4_CSUM_OFF (ETH_HLEN + 10)
 #define IPV4_SADDR_OFF (ETH_HLEN + 12)
 #define IPV4_DADDR_OFF (ETH_HLEN + 16)
 #define IPV6_SADDR_OFF (ETH_HLEN + 8)
 #define IPV6_DADDR_OFF (ETH_HLEN + 24)
 
+/* Whether the packet's protocol is load-balanced: TCP, UDP and SCTP (whose checksum sctp_csum fixes
+ * once the packet is final). */
 static __always_inline int lb_l4(const struct flow *f)
 {
-    return f->has_l4 && (f->protocol == IPPROTO_TCP || f->protocol == IPPROTO_UDP);
+    return f->has_l4 && (f->protocol == IPPROTO_TCP || f->protocol == IPPROTO_UDP || f->protocol == IPPROTO_SCTP);
 }
 
-/* Rewrite the destination (dst) or source address and port, keeping checksums right. */
+/* Rewrite the destination (dst) or source address and port, keeping checksums right. SCTP's
+ * checksum covers no address, and its port changes are accounted for once the packet is final
+ * (sctp_fix_csum). */
 static __always_inline int lb_rewrite(struct __sk_buff *skb, struct flow *f, const u8 *addr, __be16 port, int dst)
 {
     u32 l4 = f->l4_off;
     u32 csum_off = l4 + (f->protocol == IPPROTO_TCP ? 16 : 6);
     u64 mangled = 0;
     int l4_csum = 1;
-    if (f->protocol == IPPROTO_UDP) {
+    u64 store_flags = 0;
+    if (unlikely(f->protocol == IPPROTO_SCTP)) {
+        l4_csum = 0;
+        store_flags = BPF_F_RECOMPUTE_CSUM;
+    } else if (f->protocol == IPPROTO_UDP) {
         __sum16 udp_csum = 0;
         if (bpf_skb_load_bytes(skb, csum_off, &udp_csum, sizeof(udp_csum)) < 0)
             return -1;
@@ -832,7 +848,7 @@ static __always_inline int lb_rewrite(struct __sk_buff *skb, struct flow *f, con
         __builtin_memcpy(from, cur, 16);
         __builtin_memcpy(to, addr, 16);
         s64 diff = bpf_csum_diff(from, 16, to, 16, 0);
-        if (bpf_l4_csum_replace(skb, csum_off, 0, diff, BPF_F_PSEUDO_HDR | mangled) < 0)
+        if (l4_csum && bpf_l4_csum_replace(skb, csum_off, 0, diff, BPF_F_PSEUDO_HDR | mangled) < 0)
             return -1;
         if (bpf_skb_store_bytes(skb, dst ? IPV6_DADDR_OFF : IPV6_SADDR_OFF, to, 16, 0) < 0)
             return -1;
@@ -841,7 +857,7 @@ static __always_inline int lb_rewrite(struct __sk_buff *skb, struct flow *f, con
     if (old_port != port) {
         if (l4_csum && bpf_l4_csum_replace(skb, csum_off, old_port, port, mangled | 2) < 0)
             return -1;
-        if (bpf_skb_store_bytes(skb, l4 + (dst ? 2 : 0), &port, 2, 0) < 0)
+        if (bpf_skb_store_bytes(skb, l4 + (dst ? 2 : 0), &port, 2, store_flags) < 0)
             return -1;
     }
     __builtin_memcpy(cur, addr, 16);
@@ -1267,7 +1283,8 @@ static __always_inline u64 coarse_now(struct ep_cache_value *cached)
 
 /* The policy of endpoint veth ``ifindex`` (skb->ifindex, or the destination's in "deliver") for
  * the packet in direction ``dir``. ``via_host``: the packet came through the host (to_container);
- * ``*host_flow`` is set when its conntrack entry says the flow did. */
+ * ``*host_flow`` is set when its conntrack entry says the flow did. An SCTP packet's header offset
+ * and ports before any translation are noted in sctp_scratch (OUT_SCTP; see sctp_hand_off). */
 static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8 via_host, u8 *host_flow)
 {
     u64 epoch = current_epoch();
@@ -1303,6 +1320,8 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
         count(ep_id, REASON_INVALID, dir, skb->len);
         return TC_ACT_SHOT;
     }
+    if (unlikely(f.protocol == IPPROTO_SCTP && f.has_l4) && sctp_note(&f, ep_id, dir) == 0)
+        *host_flow |= OUT_SCTP;
 
     /* Lifetimes are seconds: the coarse clock (CLOCK_MONOTONIC_COARSE, a tick or two behind at
      * most) is precise enough and costs a fraction of the precise one on every packet. */
@@ -1464,11 +1483,6 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
 
 /* -- local delivery ------------------------------------------------------------------------- */
 
-/* Where "deliver" is: a program array of one, filled and pinned by the loader beside the template
- * (an empty slot makes the tail call fail: the packet then takes the host's path, as without local
- * delivery). */
-BPF_PROG_ARRAY(calls, 1);
-
 /* What from_container found for "deliver", in skb->cb (kept across a tail call): the destination
  * veth, then the Ethernet addresses the host's forwarding would give the packet. */
 struct delivery {
@@ -1561,14 +1575,41 @@ static __always_inline int hairpin_back(struct __sk_buff *skb)
     return bpf_redirect_peer(skb->ifindex, 0);
 }
 
+/* An SCTP packet whose ports changed goes to sctp_csum for its checksum, then on as ``next`` says;
+ * -1 if its ports did not change (the caller goes on). It never leaves with a checksum its receiver
+ * would reject: if sctp_csum cannot run, it is dropped. */
+static __always_inline int sctp_hand_off(struct __sk_buff *skb, u8 next, u32 ifindex)
+{
+    struct sctp_fix *fix = sctp_pending(skb, next, ifindex);
+    if (!fix)
+        return -1;
+    u32 ep_id = fix->ep_id;
+    u8 dir = fix->dir;
+    calls.call(skb, CALL_SCTP_CSUM);  /* returns only if the slot is empty */
+    count(ep_id, REASON_INVALID, dir, skb->len);
+    return TC_ACT_SHOT;
+}
+
 int from_container(struct __sk_buff *skb)
 {
     u8 host_flow = 0;
     int verdict = handle(skb, DIR_EGRESS, skb->ifindex, 0, &host_flow);
+    u8 next = SCTP_NEXT_PASS;
     if (unlikely(verdict == TC_ACT_OK && (host_flow & OUT_HAIRPIN)))
+        next = SCTP_NEXT_HAIRPIN;
+#if LOCAL_DELIVERY
+    else if (verdict == TC_ACT_OK && !(host_flow & (OUT_VIA_HOST | OUT_HAIRPIN)) && delivery_of(skb))
+        next = SCTP_NEXT_DELIVER;
+#endif
+    if (unlikely(host_flow & OUT_SCTP) && verdict == TC_ACT_OK) {
+        int sent = sctp_hand_off(skb, next, 0);  /* sctp_csum goes on as below */
+        if (sent >= 0)
+            return sent;
+    }
+    if (unlikely(next == SCTP_NEXT_HAIRPIN))
         return hairpin_back(skb);
 #if LOCAL_DELIVERY
-    if (verdict == TC_ACT_OK && !host_flow && delivery_of(skb))
+    if (next == SCTP_NEXT_DELIVER)
         calls.call(skb, CALL_DELIVER);  /* returns only if the slot is empty */
 #endif
     return verdict;
@@ -1577,7 +1618,13 @@ int from_container(struct __sk_buff *skb)
 int to_container(struct __sk_buff *skb)
 {
     u8 host_flow = 0;
-    return handle(skb, DIR_INGRESS, skb->ifindex, 1, &host_flow);
+    int verdict = handle(skb, DIR_INGRESS, skb->ifindex, 1, &host_flow);
+    if (unlikely(host_flow & OUT_SCTP) && verdict == TC_ACT_OK) {
+        int sent = sctp_hand_off(skb, SCTP_NEXT_PASS, 0);
+        if (sent >= 0)
+            return sent;
+    }
+    return verdict;
 }
 
 /* The destination's ingress policy for a packet from_container passed, then into its namespace. */
@@ -1592,5 +1639,32 @@ int deliver(struct __sk_buff *skb)
         return verdict;
     if (forward_rewrite(skb, &d) < 0)
         return TC_ACT_SHOT;  /* judged already: the host must not judge it again */
+    if (unlikely(host_flow & OUT_SCTP)) {
+        int sent = sctp_hand_off(skb, SCTP_NEXT_REDIRECT, d.ifindex);
+        if (sent >= 0)
+            return sent;
+    }
     return bpf_redirect_peer(d.ifindex, 0);
+}
+
+/* A translated SCTP packet's checksum (tail-called, slot CALL_SCTP_CSUM, with what to do next in
+ * sctp_scratch), then where its caller would have sent it. Its own program: the CRC arithmetic is a
+ * few thousand instructions, which the verifier would walk once for every path through handle(). */
+int sctp_csum(struct __sk_buff *skb)
+{
+    u32 zero = 0;
+    struct sctp_fix *fix = sctp_scratch.lookup(&zero);
+    if (!fix)
+        return TC_ACT_SHOT;
+    if (sctp_fix_csum(skb, fix) < 0) {
+        count(fix->ep_id, REASON_INVALID, fix->dir, skb->len);
+        return TC_ACT_SHOT;
+    }
+    if (fix->next == SCTP_NEXT_HAIRPIN)
+        return hairpin_back(skb);
+    if (fix->next == SCTP_NEXT_REDIRECT)
+        return bpf_redirect_peer(fix->ifindex, 0);
+    if (fix->next == SCTP_NEXT_DELIVER)
+        calls.call(skb, CALL_DELIVER);  /* returns only if the slot is empty: the host's path */
+    return TC_ACT_OK;
 }
