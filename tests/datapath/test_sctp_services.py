@@ -202,3 +202,23 @@ def test_egress_policy_judges_the_sctp_backend_identity_and_port(lb: Node) -> No
     flows = [f for f in dp.read_flows(0) if f.source_ip == a.v4 and f.verdict is Verdict.DENY]
     assert flows and all(f.destination_ip in (b.v4, c.v4) and f.destination_port == BACK for f in flows)
     assert dp.counters().packets(endpoint_id=a.ep_id, reason=Reason.INVALID) == 0
+
+
+@pytest.mark.root
+@pytest.mark.bcc
+def test_sctp_associations_spread_over_backends_unless_client_ip_affinity(lb: Node) -> None:
+    dp, a, b, c = lb.dp, lb.a, lb.b, lb.c
+    both = (Backend(b.v4, BACK), Backend(c.v4, BACK))
+
+    def used() -> set[str]:
+        return {e.destination_ip for e in dp.conntrack(a.ep_id) if e.service_id and e.direction is Direction.EGRESS}
+
+    dp.lb_upsert(LbService(sctp(VIP), both))
+    for _ in range(24):
+        assert sctp_exchange(a.name, VIP, FRONT)  # each from another source port: a new association
+    assert used() == {b.v4, c.v4}
+    dp.flush_conntrack()
+    dp.lb_upsert(LbService(sctp(VIP), both, affinity_timeout=600))
+    for _ in range(24):
+        assert sctp_exchange(a.name, VIP, FRONT)
+    assert len(used()) == 1
