@@ -175,9 +175,8 @@ static __always_inline int sctp_note(const struct flow *f, u32 ep_id, u8 dir)
     return 0;
 }
 
-/* The noted packet, if its ports changed since (its checksum then needs sctp_csum), with what to do
- * after; NULL if they did not. */
-static __always_inline struct sctp_fix *sctp_pending(struct __sk_buff *skb, u8 next, u32 ifindex)
+/* The noted packet, if its ports changed since (its checksum then needs sctp_csum); NULL if not. */
+static __always_inline struct sctp_fix *sctp_changed(struct __sk_buff *skb)
 {
     u32 zero = 0;
     struct sctp_fix *fix = sctp_scratch.lookup(&zero);
@@ -186,8 +185,6 @@ static __always_inline struct sctp_fix *sctp_pending(struct __sk_buff *skb, u8 n
     u32 ports;
     if (bpf_skb_load_bytes(skb, fix->l4_off, &ports, sizeof(ports)) == 0 && ports == fix->ports)
         return NULL;  /* unchanged (or unreadable: sctp_csum finds out, and drops it) */
-    fix->next = next;
-    fix->ifindex = ifindex;
     return fix;
 }
 

@@ -1575,14 +1575,13 @@ static __always_inline int hairpin_back(struct __sk_buff *skb)
     return bpf_redirect_peer(skb->ifindex, 0);
 }
 
-/* An SCTP packet whose ports changed goes to sctp_csum for its checksum, then on as ``next`` says;
- * -1 if its ports did not change (the caller goes on). It never leaves with a checksum its receiver
- * would reject: if sctp_csum cannot run, it is dropped. */
-static __always_inline int sctp_hand_off(struct __sk_buff *skb, u8 next, u32 ifindex)
+/* An SCTP packet whose ports changed (``fix``, from sctp_changed) goes to sctp_csum for its
+ * checksum, then on as ``next`` says. It never leaves with a checksum its receiver would reject: if
+ * sctp_csum cannot run, it is dropped. */
+static __always_inline int sctp_hand_off(struct __sk_buff *skb, struct sctp_fix *fix, u8 next, u32 ifindex)
 {
-    struct sctp_fix *fix = sctp_pending(skb, next, ifindex);
-    if (!fix)
-        return -1;
+    fix->next = next;
+    fix->ifindex = ifindex;
     u32 ep_id = fix->ep_id;
     u8 dir = fix->dir;
     calls.call(skb, CALL_SCTP_CSUM);  /* returns only if the slot is empty */
@@ -1594,22 +1593,25 @@ int from_container(struct __sk_buff *skb)
 {
     u8 host_flow = 0;
     int verdict = handle(skb, DIR_EGRESS, skb->ifindex, 0, &host_flow);
-    u8 next = SCTP_NEXT_PASS;
-    if (unlikely(verdict == TC_ACT_OK && (host_flow & OUT_HAIRPIN)))
-        next = SCTP_NEXT_HAIRPIN;
-#if LOCAL_DELIVERY
-    else if (verdict == TC_ACT_OK && !(host_flow & (OUT_VIA_HOST | OUT_HAIRPIN)) && delivery_of(skb))
-        next = SCTP_NEXT_DELIVER;
-#endif
     if (unlikely(host_flow & OUT_SCTP) && verdict == TC_ACT_OK) {
-        int sent = sctp_hand_off(skb, next, 0);  /* sctp_csum goes on as below */
-        if (sent >= 0)
-            return sent;
+        /* SCTP with rewritten ports: sctp_csum goes on as below once its checksum is right. */
+        struct sctp_fix *fix = sctp_changed(skb);
+        if (fix) {
+            u8 next = SCTP_NEXT_PASS;
+            if (host_flow & OUT_HAIRPIN)
+                next = SCTP_NEXT_HAIRPIN;
+#if LOCAL_DELIVERY
+            else if (!(host_flow & OUT_VIA_HOST) && delivery_of(skb))
+                next = SCTP_NEXT_DELIVER;
+#endif
+            return sctp_hand_off(skb, fix, next, 0);
+        }
+        host_flow &= ~OUT_SCTP;
     }
-    if (unlikely(next == SCTP_NEXT_HAIRPIN))
+    if (unlikely(verdict == TC_ACT_OK && (host_flow & OUT_HAIRPIN)))
         return hairpin_back(skb);
 #if LOCAL_DELIVERY
-    if (next == SCTP_NEXT_DELIVER)
+    if (verdict == TC_ACT_OK && !host_flow && delivery_of(skb))
         calls.call(skb, CALL_DELIVER);  /* returns only if the slot is empty */
 #endif
     return verdict;
@@ -1620,9 +1622,9 @@ int to_container(struct __sk_buff *skb)
     u8 host_flow = 0;
     int verdict = handle(skb, DIR_INGRESS, skb->ifindex, 1, &host_flow);
     if (unlikely(host_flow & OUT_SCTP) && verdict == TC_ACT_OK) {
-        int sent = sctp_hand_off(skb, SCTP_NEXT_PASS, 0);
-        if (sent >= 0)
-            return sent;
+        struct sctp_fix *fix = sctp_changed(skb);
+        if (fix)
+            return sctp_hand_off(skb, fix, SCTP_NEXT_PASS, 0);
     }
     return verdict;
 }
@@ -1640,9 +1642,9 @@ int deliver(struct __sk_buff *skb)
     if (forward_rewrite(skb, &d) < 0)
         return TC_ACT_SHOT;  /* judged already: the host must not judge it again */
     if (unlikely(host_flow & OUT_SCTP)) {
-        int sent = sctp_hand_off(skb, SCTP_NEXT_REDIRECT, d.ifindex);
-        if (sent >= 0)
-            return sent;
+        struct sctp_fix *fix = sctp_changed(skb);
+        if (fix)
+            return sctp_hand_off(skb, fix, SCTP_NEXT_REDIRECT, d.ifindex);
     }
     return bpf_redirect_peer(d.ifindex, 0);
 }
