@@ -78,6 +78,7 @@ from services.datapath.maps.lbrevnatmap import LbRevNatMap
 from services.datapath.maps.lbservicemap import LbServiceMap
 from services.datapath.maps.metricsmap import MetricsMap
 from services.datapath.maps.policymap import PolicyMap, Prefix, PrefixMap
+from services.datapath.maps.sizes import MapSizes
 from services.datapath.maps.snatmap import SnatEntry, SnatMap
 from services.datapath.maps.statemap import StateMap
 from services.datapath.types import (
@@ -114,6 +115,9 @@ class CounterSource(Protocol):
 class DatapathAPI(Protocol):
     """What the datapath service needs; :class:`Datapath` and ``fake.FakeDatapath`` implement it."""
 
+    #: The highest endpoint id the maps hold (``metricsmap.max_endpoint_id`` of the map sizes).
+    max_endpoint_id: int
+
     def attach_endpoint(self, spec: EndpointSpec) -> None: ...
     def detach_endpoint(self, ep_id: int) -> bool: ...
     def set_identity(self, ep_id: int, identity: int) -> None: ...
@@ -147,6 +151,17 @@ def check_identity(identity: int) -> None:
         raise ValueError(f"identity {identity} out of range")
 
 
+def check_endpoint_id(ep_id: int, sizes: MapSizes) -> None:
+    """Refuse an endpoint id past the metrics map's slots (its packets would go uncounted)."""
+    most = metricsmap.max_endpoint_id(sizes)
+    if ep_id > most:
+        raise ValueError(
+            f"endpoint id {ep_id} is past {most}, the highest the metrics map counts "
+            f"({sizes.metrics} slots, {metricsmap.SLOTS} an endpoint); give an id in 1..{most} or a larger "
+            "MapSizes.metrics"
+        )
+
+
 #: Maps holding nothing that must survive an upgrade which changes their layout: recreated
 #: instead of refusing to open (every other map keeps state a restart must find).
 _RECREATED_ON_LAYOUT_CHANGE = frozenset({metricsmap.NAME})
@@ -158,6 +173,7 @@ class Datapath:
     def __init__(self, base_dir: str, config: ProgramConfig, maps: dict[str, PinnedMap], loader: Loader) -> None:
         self.base_dir = base_dir
         self.config = config
+        self.max_endpoint_id = metricsmap.max_endpoint_id(config.sizes)
         self._maps = maps
         self._loader = loader
         # First, so a failed compile leaves nothing half-built behind.
@@ -252,6 +268,7 @@ class Datapath:
         """Register the endpoint in the maps, then attach (or re-attach) both programs to its veth."""
         with self._lock:
             self._check_open()
+            check_endpoint_id(spec.id, self.config.sizes)
             for other in self._endpoints.values():
                 if other.ifindex == spec.ifindex and other.id != spec.id:
                     raise ValueError(f"ifindex {spec.ifindex} already belongs to endpoint {other.id}")

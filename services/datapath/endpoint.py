@@ -16,9 +16,6 @@ from services.datapath.netns import PodLink
 from services.datapath.state import EndpointRecord
 from services.datapath.types import EndpointSpec, EndpointState, Enforcement, PolicyEntry, PolicyKey
 
-#: Endpoint ids handed out (the BPF keys hold 32 bits; a node never needs more than this).
-MAX_ENDPOINT_ID = 4095
-
 
 @dataclasses.dataclass(frozen=True)
 class RealizedPolicy:

@@ -17,10 +17,11 @@ from collections.abc import Iterable
 from services.datapath.datapath import (
     DEFAULT_BASE_DIR,
     UnknownEndpoint,
+    check_endpoint_id,
     check_identity,
 )
 from services.datapath.loader import ProgramConfig
-from services.datapath.maps import ipcachemap, policymap
+from services.datapath.maps import ipcachemap, metricsmap, policymap
 from services.datapath.maps.endpointmap import EndpointEntry
 from services.datapath.maps.policymap import Prefix, PrefixMap
 from services.datapath.types import (
@@ -66,10 +67,12 @@ class FakeDatapath:
     _pinned: dict[str, _FakeKernel] = {}
     _pinned_lock = threading.Lock()
 
-    def __init__(self, base_dir: str, kernel: _FakeKernel, world_identity: int) -> None:
+    def __init__(self, base_dir: str, kernel: _FakeKernel, config: ProgramConfig) -> None:
         self.base_dir = base_dir
+        self.config = config
+        self.max_endpoint_id = metricsmap.max_endpoint_id(config.sizes)
         self._k = kernel
-        self._world = world_identity
+        self._world = config.world_identity
         self._lock = threading.RLock()
         self._closed = False
         self._flow_ready = threading.Condition(self._lock)
@@ -83,7 +86,7 @@ class FakeDatapath:
     ) -> FakeDatapath:
         with cls._pinned_lock:
             kernel = cls._pinned.setdefault(base_dir, _FakeKernel())
-        return cls(base_dir, kernel, (config or ProgramConfig()).world_identity)
+        return cls(base_dir, kernel, config or ProgramConfig())
 
     def _check_open(self) -> None:
         if self._closed:
@@ -92,6 +95,7 @@ class FakeDatapath:
     def attach_endpoint(self, spec: EndpointSpec) -> None:
         with self._lock:
             self._check_open()
+            check_endpoint_id(spec.id, self.config.sizes)
             for other in self._k.endpoints.values():
                 if other.ifindex == spec.ifindex and other.id != spec.id:
                     raise ValueError(f"ifindex {spec.ifindex} already belongs to endpoint {other.id}")

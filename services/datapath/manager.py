@@ -30,7 +30,6 @@ from services.datapath import netns as netns_mod
 from services.datapath import types as dt
 from services.datapath.datapath import DatapathAPI
 from services.datapath.endpoint import (
-    MAX_ENDPOINT_ID,
     Endpoint,
     EndpointRef,
     host_ifname,
@@ -369,13 +368,15 @@ class EndpointManager:
                 "delete that endpoint first or give the pod its own namespace"
             )
         used = set(self.endpoints) | self._busy_ids
-        for ep_id in range(1, MAX_ENDPOINT_ID + 1):
+        most = self._dp.max_endpoint_id
+        for ep_id in range(1, most + 1):
             if ep_id not in used:
                 self._busy_ids.add(ep_id)
                 self._busy_pods.add(key)
                 return ep_id
         raise EndpointError(
-            f"node {self.node} has {MAX_ENDPOINT_ID} endpoints, the most it can hold", Code.RESOURCE_EXHAUSTED
+            f"node {self.node} has {most} endpoints, the most its metrics map counts; delete one first",
+            Code.RESOURCE_EXHAUSTED,
         )
 
     async def _unreserve(self, ep_id: int, key: str) -> None:

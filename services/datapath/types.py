@@ -22,8 +22,6 @@ IDENTITY_WORLD = 2
 IDENTITY_INIT = 5
 
 MAX_PORT = 0xFFFF
-#: Endpoint ids live in 32-bit fields of the BPF keys.
-MAX_ENDPOINT_ID = 0xFFFF_FFFF
 MAX_IDENTITY = 0xFFFF_FFFF
 
 
@@ -221,8 +219,9 @@ class EndpointSpec:
     identity: int
 
     def __post_init__(self) -> None:
-        if not 0 < self.id <= MAX_ENDPOINT_ID:
-            raise ValueError(f"endpoint id {self.id} must be in 1..{MAX_ENDPOINT_ID}")
+        # The highest id depends on the map sizes: the datapath checks it (``max_endpoint_id``).
+        if self.id <= 0:
+            raise ValueError(f"endpoint id {self.id} must be positive")
         if self.ifindex <= 0:
             raise ValueError(f"ifindex {self.ifindex} must be positive")
         if not 0 < self.identity <= MAX_IDENTITY:

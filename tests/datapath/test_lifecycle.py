@@ -19,6 +19,7 @@ from services.datapath.datapath import Datapath, teardown_all
 from services.datapath.loader import Loader, ProgramConfig, program_ids
 from services.datapath.maps import metricsmap, policymap
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap, ensure_bpffs
+from services.datapath.maps.sizes import MapSizes
 from services.datapath.types import (
     Direction,
     EndpointSpec,
@@ -265,6 +266,28 @@ def test_a_counters_map_of_an_older_layout_is_recreated_and_the_rest_kept(bpf_ba
         assert pinned.spec.type is MapType.PERCPU_ARRAY
         pinned.close()
         assert dp.counters().events_lost == 0
+    finally:
+        dp.teardown()
+    assert not os.path.exists(base)
+
+
+def test_the_highest_endpoint_id_the_metrics_map_holds_is_counted_and_the_next_refused(
+    node: Node, extra_pods: list[Pod], bpf_base: str
+) -> None:
+    p, q = extra_pods  # endpoint ids 61 and 62
+    base = bpf_base + "-bound"
+    dp = Datapath.open(base, config=ProgramConfig(sizes=MapSizes(metrics=(p.ep_id + 1) * metricsmap.SLOTS)))
+    try:
+        assert dp.max_endpoint_id == p.ep_id
+        with pytest.raises(ValueError, match=f"endpoint id {q.ep_id} is past {p.ep_id}, the highest the metrics map"):
+            dp.attach_endpoint(q.spec)
+        assert dp.pinned_endpoints() == []
+
+        dp.attach_endpoint(p.spec)
+        dp.sync_policy(p.ep_id, Enforcement(ingress=True), [])
+        assert not tcp_exchange(node.a.name, p.v4, 8080, timeout=DENY_TIMEOUT)
+        counters = dp.counters()
+        assert counters.packets(endpoint_id=p.ep_id, reason=Reason.DEFAULT_DENY, direction=Direction.INGRESS) >= 1
     finally:
         dp.teardown()
     assert not os.path.exists(base)

@@ -23,6 +23,7 @@ from services.common.bus import Bus
 from services.datapath.config import DatapathConfig
 from services.datapath.fake import FakeDatapath
 from services.datapath.ipamclient import GrpcIpam
+from services.datapath.loader import ProgramConfig
 from services.datapath.netns import PodLink
 from services.datapath.orders import GrpcPolicyClient
 from services.datapath.service import Agent, start_agent
@@ -122,7 +123,16 @@ class FakeNetwork:
 class InProcessAgent:
     """Start, stop (as a crash would leave things: pinned maps and state stay) and restart the agent."""
 
-    def __init__(self, nats_url: str, control_plane: ControlPlane, tmp: Path, node: str = "node-a") -> None:
+    def __init__(
+        self,
+        nats_url: str,
+        control_plane: ControlPlane,
+        tmp: Path,
+        node: str = "node-a",
+        program: ProgramConfig | None = None,
+    ) -> None:
+        #: What the BPF fake is opened with (its map sizes bound the endpoint ids).
+        self.program = program or ProgramConfig()
         self.config = DatapathConfig(
             nats_url=nats_url,
             node_name=node,
@@ -152,7 +162,7 @@ class InProcessAgent:
         stack.push_async_callback(policy.close)
         ipam = channel(self.config.ipam_address, "ipam", "datapath")
         stack.push_async_callback(ipam.close)
-        self.datapath = FakeDatapath.open(self.config.bpffs)
+        self.datapath = FakeDatapath.open(self.config.bpffs, config=self.program)
 
         def spawn(coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
             task = asyncio.create_task(coro, name=name)

@@ -10,9 +10,13 @@ import pytest
 from palisade.v1 import common_pb2, datapath_pb2, ipam_pb2, policy_pb2
 from services.datapath import types as dt
 from services.datapath.fake import FakeDatapath
+from services.datapath.loader import ProgramConfig
+from services.datapath.maps import metricsmap
+from services.datapath.maps.sizes import MapSizes
 from tests.datapath_service.agent import NODE, InProcessAgent
 from tests.datapath_service.controlplane import ALLOW, DENY, ING, TCP, ControlPlane, entry
 from tests.datapath_service.helpers import create, eventually, labels
+from tests.harness import NatsServer
 
 
 def verdict(agent: InProcessAgent, ep_id: int, remote_ip: str, port: int) -> dt.Verdict:
@@ -431,3 +435,36 @@ async def test_create_honours_the_addresses_asked_for_or_refuses_them_by_field(
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value.details())
         assert (err.value.details() or "").startswith(field), err.value.details()
     assert sorted(cp.ips) == ["10.0.1.1", "10.244.7.42"]
+
+
+async def test_no_endpoint_id_past_what_the_metrics_map_counts_is_handed_out(
+    nats_server: NatsServer, cp: ControlPlane, tmp_path: Path
+) -> None:
+    # Room for the counters of endpoints 1 and 2 only (slot group 0 is the lost-events counter's).
+    program = ProgramConfig(sizes=MapSizes(metrics=3 * metricsmap.SLOTS))
+    runner = InProcessAgent(nats_server.url, cp, tmp_path, NODE, program=program)
+    await runner.start()
+    try:
+        await runner.wait_synced()
+        assert runner.stub is not None
+        one = await create(runner, "one", app="one")
+        two = await create(runner, "two", app="two")
+        assert (one.id, two.id) == (1, 2)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await runner.stub.CreateEndpoint(create_request("three", labels=labels(app="three")))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details() == f"node {NODE} has 2 endpoints, the most its metrics map counts; delete one first"
+        # The refusal took nothing, and the two endpoints keep working.
+        assert set(cp.ips.values()) == {"pod/x/one", "pod/x/two"}
+        listed = await runner.stub.ListEndpoints(datapath_pb2.ListEndpointsRequest())
+        assert [(e.id, e.state) for e in listed.endpoints] == [
+            (1, datapath_pb2.ENDPOINT_STATE_READY),
+            (2, datapath_pb2.ENDPOINT_STATE_READY),
+        ]
+
+        await runner.stub.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(namespace="x", pod="one"))
+        three = await create(runner, "three", app="three")
+        assert three.id == 1
+    finally:
+        await runner.stop()
+        FakeDatapath.open(runner.config.bpffs).teardown()

@@ -36,9 +36,8 @@
 #ifndef PALISADE_LB_SCTP_H
 #define PALISADE_LB_SCTP_H
 
-/* The calls slot of sctp_csum (0 is "deliver"), and the array's size. */
-#define CALL_SCTP_CSUM 1
-#define CALL_SLOTS 2
+/* CALL_SCTP_CSUM, sctp_csum's slot in "calls", and CALL_SLOTS, the array's size, come from the
+ * loader (loader.CALL_SCTP_CSUM, loader.CALL_SLOTS) with the other shared numbers. */
 
 /* Where sctp_csum sends the packet once its checksum is right: what its caller would have done. */
 #define SCTP_NEXT_PASS 0      /* TC_ACT_OK: on through the host */

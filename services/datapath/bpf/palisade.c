@@ -68,110 +68,28 @@
 #include <uapi/linux/ipv6.h>
 #include <uapi/linux/pkt_cls.h>
 
-#ifndef PIN_DIR
-#error "PIN_DIR (the maps' pin directory) must be defined"
-#endif
-#ifndef WORLD_ID
-#define WORLD_ID 2
-#endif
-#ifndef CT_TCP_LIFETIME_S
-#define CT_TCP_LIFETIME_S 21600
-#endif
-#ifndef CT_CLOSING_LIFETIME_S
-#define CT_CLOSING_LIFETIME_S 10
-#endif
-#ifndef CT_OTHER_LIFETIME_S
-#define CT_OTHER_LIFETIME_S 60
-#endif
-#ifndef IPCACHE_MAX
-#define IPCACHE_MAX 65536
-#endif
-#ifndef ENDPOINTS_MAX
-#define ENDPOINTS_MAX 4096
-#endif
-#ifndef POLICY_MAX
-#define POLICY_MAX 262144
-#endif
-#ifndef CT_MAX
-#define CT_MAX 262144
-#endif
-#ifndef METRICS_MAX
-#define METRICS_MAX 65536
-#endif
-#ifndef LB_SERVICES_MAX
-#define LB_SERVICES_MAX 65536
-#endif
-#ifndef LB_BACKENDS_MAX
-#define LB_BACKENDS_MAX 65536
-#endif
-#ifndef LB_REVNAT_MAX
-#define LB_REVNAT_MAX 65536
-#endif
-#ifndef LB_AFFINITY_MAX
-#define LB_AFFINITY_MAX 65536
-#endif
-#ifndef LB_CT_MAX
-#define LB_CT_MAX 262144
-#endif
-#ifndef SNAT_MAX
-#define SNAT_MAX 65536
-#endif
-/* Source ports given to a connection whose translated tuple another live flow of its client holds:
- * above the kernel's default ephemeral range, so the client's own connections seldom pick them. */
-#ifndef SNAT_PORT_MIN
-#define SNAT_PORT_MIN 61000
-#endif
-#ifndef SNAT_PORT_MAX
-#define SNAT_PORT_MAX 65535
+/* The loader (services/datapath/loader.py) defines, and this file never does:
+ *   - the configuration (ProgramConfig.cflags): PIN_DIR, WORLD_ID, LOCAL_DELIVERY, ALLOW_HOST,
+ *     CT_TCP_LIFETIME_S, CT_CLOSING_LIFETIME_S, CT_OTHER_LIFETIME_S, the map sizes (*_MAX),
+ *     EVENTS_BYTES and EVENTS_WAKEUP_BYTES;
+ *   - the numbers shared with the agent, generated from Python (maps/constants.py) and each asserted
+ *     at the end of the source, so a definition here or in a header that says otherwise fails the
+ *     build: DIR_*, VERDICT_*, REASON_*, METRICS_SLOTS, METRICS_DIR_SLOTS, METRICS_LOST_SLOT,
+ *     ENFORCE_*, HINTS_*, FAMILY_V4 / FAMILY_V6, CT_F_*, SNAT_FORWARD / SNAT_REVERSE,
+ *     SNAT_PORT_MIN / SNAT_PORT_MAX, SVC_FLAG_AFFINITY, IPCACHE_HEADER_BITS, POLICY_FULL_PREFIX,
+ *     EP_GENERATION, HOST_ID, CALL_DELIVER, CALL_SCTP_CSUM and CALL_SLOTS. */
+#if !defined(PIN_DIR) || !defined(WORLD_ID) || !defined(DIR_INGRESS)
+#error "compile through services/datapath/loader.py: it defines the configuration and the shared numbers"
 #endif
 #define SNAT_TRIES 6
-#ifndef EVENTS_BYTES
-#define EVENTS_BYTES (1 << 22)
-#endif
-#ifndef EVENTS_WAKEUP_BYTES
-#define EVENTS_WAKEUP_BYTES (EVENTS_BYTES / 8)  /* the loader passes eventsmap.wakeup_bytes */
-#endif
 
-#define DIR_INGRESS 1
-#define DIR_EGRESS 2
-#define VERDICT_ALLOW 1
-#define VERDICT_DENY 2
-#define REASON_POLICY_ALLOW 1
-#define REASON_POLICY_DENY 2
-#define REASON_DEFAULT_DENY 3
-#define REASON_ESTABLISHED 4
-#define REASON_NOT_ENFORCED 5
-#define REASON_INVALID 6
-#define REASON_NO_BACKEND 7
-#define REASON_NO_PORT 8  /* a clashing connection found no free port (counted in its direction's slot 0) */
-#define REASON_EVENT_LOST 255
-#define ENFORCE_INGRESS 1
-#define ENFORCE_EGRESS 2
-#define HINTS_SHIFT 8
-#define HINTS_VALID (1u << 31)
-#define FAMILY_V4 4
-#define FAMILY_V6 6
-/* The generation of these programs (delivery_value.generation): see the delivery map. */
-#ifndef EP_GENERATION
-#define EP_GENERATION 1  /* the loader passes deliverymap.GENERATION */
-#endif
-#ifndef LOCAL_DELIVERY
-#define LOCAL_DELIVERY 1
-#endif
-/* New flows into a pod from its own node (the reserved host identity: kubelet's probes) are allowed
- * whatever the policy, as Kubernetes specifies and Cilium's allow-localhost=always does; 0 judges
- * them by policy like any other peer (allow-localhost=policy). */
-#ifndef ALLOW_HOST
-#define ALLOW_HOST 1
-#endif
-#define HOST_ID 1
-#define CALL_DELIVER 0
-#define IPCACHE_HEADER_BITS 32
-#define POLICY_FULL_PREFIX 112
+/* REASON_NO_PORT: a clashing connection found no free port (counted in its direction's slot 0).
+ * EP_GENERATION: the generation of these programs (delivery_value.generation), see the delivery map.
+ * ALLOW_HOST: new flows into a pod from its own node (the reserved host identity HOST_ID: kubelet's
+ * probes) are allowed whatever the policy, as Kubernetes specifies and Cilium's allow-localhost=always
+ * does; 0 judges them by policy like any other peer (allow-localhost=policy). */
 #define NSEC 1000000000ULL
 #define CT_REFRESH_NS NSEC
-
-#define SVC_FLAG_AFFINITY 1
 
 /* The source a pod sees on a connection it made to itself through a ClusterIP (hairpin_snat):
  * Cilium's service loopback address 169.254.42.1 (IPv4 link-local) and, for IPv6, 100::42 of the
@@ -303,18 +221,17 @@ struct ct_value {
     u8 flags;      /* CT_F_*; a byte older programs left zero */
     u16 rev_nat;   /* the service a connection was opened to (0: none), for reverse NAT */
 };
-/* The flow entered the endpoint through the host (to_container opened it): its replies go back
- * through the host too, never by local delivery, so whatever the host did to it (a kube-proxy
- * DNAT to a NodePort or an external IP, netfilter conntrack) sees them and can undo it. */
-#define CT_F_VIA_HOST 1
-/* The flow left with a source port Palisade gave it (the snat map holds the client's own): another
- * live flow of the endpoint held its tuple as translated. A packet whose own port finds this entry
- * belongs to another flow; the flow's replies get the client's port back. */
-#define CT_F_SNAT 2
-/* A pod reaching itself through a ClusterIP (hairpin): the connection's source is the hairpin address
- * (the pod would drop a packet from its own address arriving from outside), the entry is keyed as
- * the pod receives it (direction ingress) and both ways are put straight back into the pod. */
-#define CT_F_HAIRPIN 4
+/* ct_value.flags:
+ * CT_F_VIA_HOST: the flow entered the endpoint through the host (to_container opened it): its replies
+ *   go back through the host too, never by local delivery, so whatever the host did to it (a
+ *   kube-proxy DNAT to a NodePort or an external IP, netfilter conntrack) sees them and can undo it.
+ * CT_F_SNAT: the flow left with a source port Palisade gave it (the snat map holds the client's own):
+ *   another live flow of the endpoint held its tuple as translated. A packet whose own port finds
+ *   this entry belongs to another flow; the flow's replies get the client's port back.
+ * CT_F_HAIRPIN: a pod reaching itself through a ClusterIP (hairpin): the connection's source is the
+ *   hairpin address (the pod would drop a packet from its own address arriving from outside), the
+ *   entry is keyed as the pod receives it (direction ingress) and both ways are put straight back
+ *   into the pod. */
 
 /* Service frontends, Cilium's layout: slot 0 is the service, slots 1..count its backends. */
 struct lb_service_key {
@@ -388,8 +305,6 @@ struct lb_ct_value {
  * of the key: a connection through a ClusterIP and a direct one from one port are two connections.
  * An entry is trusted only while both directions agree and the given tuple's conntrack entry lives,
  * so stale entries are harmless and the LRU reclaims them. */
-#define SNAT_FORWARD 1
-#define SNAT_REVERSE 2
 struct snat_key {
     u8 saddr[16];
     u8 daddr[16];
@@ -408,9 +323,9 @@ struct snat_value {
 };
 
 /* Counters are a per-CPU array: endpoint ep_id owns slots ep_id * METRICS_SLOTS + (direction
- * egress ? 8 : 0) + reason; slot 0 (endpoint 0 is never an endpoint) counts lost flow events.
+ * egress ? METRICS_DIR_SLOTS : 0) + reason; slot METRICS_LOST_SLOT (endpoint 0 is never an endpoint)
+ * counts lost flow events. The agent hands out no endpoint id past the slots METRICS_MAX holds.
  * An array slot is an index, not a hashed key: the cheapest map access there is. */
-#define METRICS_SLOTS 16
 struct metrics_value {
     u64 packets;
     u64 bytes;
@@ -662,15 +577,17 @@ static __always_inline u32 cidr_identity(u8 family, const u8 *addr)
 
 /* Which of the four lookups below can match: the agent keeps, in the enforcement value, one bit
  * per (direction, verdict, shape) for which the endpoint has entries (a superset: set before
- * entries are written, cleared after they are removed). Shapes: 0 (identity, protocol),
- * 1 (identity, any protocol), 2 (any identity, protocol), 3 (any identity, any protocol).
- * Most endpoints have no deny entries and few wildcards: a new flow walks the trie once. */
+ * entries are written, cleared after they are removed). A shape is 0 (identity, protocol) plus
+ * HINTS_SHAPE_ANY_PROTOCOL and HINTS_SHAPE_ANY_IDENTITY for the wildcards it has; a group is
+ * HINTS_GROUP_BITS bits, one per shape. Most endpoints have no deny entries and few wildcards: a new
+ * flow walks the trie once. */
+#define SHAPE_BIT(shape) (1u << (shape))
 static __always_inline u32 lookup_shapes(const struct enforcement_value *en, u8 dir, u8 verdict)
 {
     if (!en || !(en->flags & HINTS_VALID))
         return 0xf;
-    u32 index = (dir == DIR_EGRESS ? 2 : 0) + (verdict == VERDICT_ALLOW ? 1 : 0);
-    return (en->flags >> (HINTS_SHIFT + index * 4)) & 0xf;
+    u32 group = (dir == DIR_EGRESS ? HINTS_GROUP_EGRESS : 0) + (verdict == VERDICT_ALLOW ? HINTS_GROUP_ALLOW : 0);
+    return (en->flags >> (HINTS_SHIFT + group * HINTS_GROUP_BITS)) & ((1u << HINTS_GROUP_BITS) - 1);
 }
 
 static __always_inline int policy_match(u32 ep_id, u8 dir, u32 remote, u8 proto, u16 port, u8 verdict, u32 shapes)
@@ -686,17 +603,17 @@ static __always_inline int policy_match(u32 ep_id, u8 dir, u32 remote, u8 proto,
 
     k.identity = remote;
     k.protocol = proto;
-    if ((shapes & 1) && policy.lookup(&k))
+    if ((shapes & SHAPE_BIT(0)) && policy.lookup(&k))
         return 1;
     k.protocol = 0;
-    if ((shapes & 2) && policy.lookup(&k))
+    if ((shapes & SHAPE_BIT(HINTS_SHAPE_ANY_PROTOCOL)) && policy.lookup(&k))
         return 1;
     k.identity = 0;
     k.protocol = proto;
-    if ((shapes & 4) && policy.lookup(&k))
+    if ((shapes & SHAPE_BIT(HINTS_SHAPE_ANY_IDENTITY)) && policy.lookup(&k))
         return 1;
     k.protocol = 0;
-    if ((shapes & 8) && policy.lookup(&k))
+    if ((shapes & SHAPE_BIT(HINTS_SHAPE_ANY_IDENTITY | HINTS_SHAPE_ANY_PROTOCOL)) && policy.lookup(&k))
         return 1;
     return 0;
 }
@@ -726,7 +643,9 @@ static __always_inline u8 policy_verdict(u32 ep_id, u8 dir, u32 remote, u8 proto
 
 static __always_inline void count(u32 ep_id, u8 reason, u8 dir, u32 bytes)
 {
-    u32 slot = reason == REASON_EVENT_LOST ? 0 : ep_id * METRICS_SLOTS + (dir == DIR_EGRESS ? 8 : 0) + (reason & 7);
+    u32 slot = reason == REASON_EVENT_LOST
+                   ? METRICS_LOST_SLOT
+                   : ep_id * METRICS_SLOTS + (dir == DIR_EGRESS ? METRICS_DIR_SLOTS : 0) + (reason & (METRICS_DIR_SLOTS - 1));
     struct metrics_value *mv = metrics.lookup(&slot);
     if (mv) {
         /* per-CPU slot: no other CPU writes it */

@@ -1,12 +1,20 @@
-"""Addresses in BPF keys and values: 16 bytes in network order (IPv4 in the first 4) and a family byte."""
+"""Addresses in BPF keys and values: 16 bytes in network order (IPv4 in the first 4) and a family byte.
+
+The only place the family numbers (FAMILY_V4 / FAMILY_V6 in the program, generated from here by
+``maps.constants``) and the address layout are spelled.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import ipaddress
 
+#: The family byte of an IPv4 address.
 FAMILY_V4 = 4
+#: The family byte of an IPv6 address.
 FAMILY_V6 = 6
+#: Bytes of the 16-byte field an address of each family uses.
+_LENGTHS = {FAMILY_V4: 4, FAMILY_V6: 16}
 
 
 def family_of(ip: str) -> int:
@@ -21,4 +29,5 @@ def put(field: ctypes.Array[ctypes.c_uint8], ip: str) -> int:
 
 
 def get(field: ctypes.Array[ctypes.c_uint8], family: int) -> str:
-    return str(ipaddress.ip_address(bytes(field[: 4 if family == FAMILY_V4 else 16])))
+    """The address of ``family`` in ``field`` (any family but IPv4 reads all 16 bytes)."""
+    return str(ipaddress.ip_address(bytes(field[: _LENGTHS.get(family, 16)])))

@@ -17,19 +17,19 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
-import ipaddress
 import socket
 import time
 from collections.abc import Iterator
 
+from services.datapath.maps import addresses
 from services.datapath.maps.bpf import BPF_NOEXIST, BpfError, MapSpec, MapType, PinnedMap
 from services.datapath.maps.sizes import MapSizes
 from services.datapath.types import Direction
 
 NAME = "conntrack"
-FAMILY_V4 = 4
-#: ct_value.flags (CT_F_* in bpf/palisade.c)
+#: ct_value.flags (CT_F_* in the program): opened through the host (its replies go back that way).
 FLAG_VIA_HOST = 1
+#: Left with a source port Palisade gave it (see snatmap).
 FLAG_SNAT = 2
 #: A pod's connection to itself through a ClusterIP (CT_F_HAIRPIN): keyed as the pod receives it.
 FLAG_HAIRPIN = 4
@@ -71,8 +71,7 @@ class CtValue(ctypes.Structure):
         ("epoch", ctypes.c_uint64),
         ("remote_identity", ctypes.c_uint32),
         ("closing", ctypes.c_uint8),
-        # CT_F_*: 1 = opened through the host (its replies go back that way), 2 = left with a source
-        # port Palisade gave it (see snatmap)
+        # FLAG_* (CT_F_* in the program)
         ("flags", ctypes.c_uint8),
         ("rev_nat", ctypes.c_uint16),
     ]
@@ -105,18 +104,14 @@ class CtEntry:
     given_port: bool = False
 
 
-def _addr(raw: ctypes.Array[ctypes.c_uint8], family: int) -> str:
-    return str(ipaddress.ip_address(bytes(raw[: 4 if family == FAMILY_V4 else 16])))
-
-
 def to_entry(key: CtKey | Ct4Key, value: CtValue) -> CtEntry:
-    family = FAMILY_V4 if isinstance(key, Ct4Key) else int(key.family)
+    family = addresses.FAMILY_V4 if isinstance(key, Ct4Key) else int(key.family)
     return CtEntry(
         ep_id=int(key.ep_id),
         direction=Direction.from_wire(int(key.direction)),
         protocol=int(key.protocol),
-        source_ip=_addr(key.saddr, family),
-        destination_ip=_addr(key.daddr, family),
+        source_ip=addresses.get(key.saddr, family),
+        destination_ip=addresses.get(key.daddr, family),
         source_port=socket.ntohs(int(key.sport)),
         destination_port=socket.ntohs(int(key.dport)),
         expires_ns=int(value.expires_ns),
@@ -181,7 +176,7 @@ class CtMap:
         IPv6 map: only once no older program, which reads them there, is attached."""
         copied = 0
         for key, value in list(self.v6.items(CtKey, CtValue)):
-            if int(key.family) != FAMILY_V4:
+            if int(key.family) != addresses.FAMILY_V4:
                 continue
             try:
                 self.v4.update(to_v4_key(key), value, BPF_NOEXIST)

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import ipaddress
 
+from services.datapath.maps import addresses
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
 from services.datapath.maps.sizes import MapSizes
 
 NAME = "endpoints"
-FAMILY_V4 = 4
-FAMILY_V6 = 6
 
 
 class EndpointKey(ctypes.Structure):
@@ -52,15 +50,13 @@ def ifindex_key(ifindex: int) -> EndpointKey:
 
 
 def address_key(ip: str) -> EndpointKey:
-    addr = ipaddress.ip_address(ip)
-    key = EndpointKey(family=FAMILY_V4 if addr.version == 4 else FAMILY_V6)
-    ctypes.memmove(key.addr, addr.packed, len(addr.packed))
+    key = EndpointKey()
+    key.family = addresses.put(key.addr, ip)
     return key
 
 
 def key_address(key: EndpointKey) -> str:
-    size = 4 if key.family == FAMILY_V4 else 16
-    return str(ipaddress.ip_address(bytes(key.addr[:size])))
+    return addresses.get(key.addr, int(key.family))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,11 +21,22 @@ from services.datapath.maps.sizes import MapSizes
 from services.datapath.types import IDENTITY_ANY, Direction, Enforcement, Protocol, Verdict
 
 NAME = "enforcement"
+#: Enforced directions (ENFORCE_* in the program).
 ENFORCE_INGRESS = 1
 ENFORCE_EGRESS = 2
 ENFORCE_MASK = ENFORCE_INGRESS | ENFORCE_EGRESS
+#: Where the hint bits start (HINTS_* in the program).
 HINTS_SHIFT = 8
-HINTS_MASK = 0xFFFF << HINTS_SHIFT
+#: Hint bits per (direction, verdict) group: one per shape.
+HINTS_GROUP_BITS = 4
+#: A group's index: this added for egress, this for allow (ingress deny is group 0).
+HINTS_GROUP_EGRESS = 2
+HINTS_GROUP_ALLOW = 1
+#: A shape's index: this added for any identity, this for any protocol.
+HINTS_SHAPE_ANY_IDENTITY = 2
+HINTS_SHAPE_ANY_PROTOCOL = 1
+HINTS_MASK = ((1 << (4 * HINTS_GROUP_BITS)) - 1) << HINTS_SHIFT
+#: The hint bits are set (an agent before hints left none: every lookup runs).
 HINTS_VALID = 1 << 31
 
 
@@ -62,9 +73,13 @@ def hints_held(flags: int | None) -> int:
 
 def hint_bit(direction: Direction, verdict: Verdict, identity: int, protocol: Protocol) -> int:
     """The hint bit of one policy entry (or trie prefix) of an endpoint (``HINTS_SHIFT`` applied)."""
-    index = (2 if direction == Direction.EGRESS else 0) + (1 if verdict == Verdict.ALLOW else 0)
-    shape = (2 if identity == IDENTITY_ANY else 0) + (1 if protocol == Protocol.ANY else 0)
-    return 1 << (HINTS_SHIFT + index * 4 + shape)
+    group = (HINTS_GROUP_EGRESS if direction == Direction.EGRESS else 0) + (
+        HINTS_GROUP_ALLOW if verdict == Verdict.ALLOW else 0
+    )
+    shape = (HINTS_SHAPE_ANY_IDENTITY if identity == IDENTITY_ANY else 0) + (
+        HINTS_SHAPE_ANY_PROTOCOL if protocol == Protocol.ANY else 0
+    )
+    return 1 << (HINTS_SHIFT + group * HINTS_GROUP_BITS + shape)
 
 
 def hints(entries: Iterable[tuple[Direction, Verdict, int, Protocol]]) -> int:

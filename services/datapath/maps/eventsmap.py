@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import ipaddress
 import time
 
+from services.datapath.maps import addresses
 from services.datapath.maps.bpf import BpfError, MapSpec, MapType, PinnedMap, RingBufferCallback, check, libbpf
 from services.datapath.maps.sizes import MapSizes
 from services.datapath.types import Direction, FlowEvent, Reason, Verdict
 
 NAME = "events"
-FAMILY_V4 = 4
 #: Longest wait between two looks at the ring while a read waits for events.
 POLL_SLICE_MS = 50
 #: The program wakes the reader once this part of the ring is unread (1/8).
@@ -67,10 +66,6 @@ def wakeup_bytes(sizes: MapSizes) -> int:
     return sizes.events_bytes // WAKEUP_FRACTION
 
 
-def _addr(raw: ctypes.Array[ctypes.c_uint8], family: int) -> str:
-    return str(ipaddress.ip_address(bytes(raw[: 4 if family == FAMILY_V4 else 16])))
-
-
 def to_event(rec: FlowEventRecord, mono_to_wall: float) -> FlowEvent:
     return FlowEvent(
         time=mono_to_wall + int(rec.ts_ns) / 1e9,
@@ -81,8 +76,8 @@ def to_event(rec: FlowEventRecord, mono_to_wall: float) -> FlowEvent:
         reason=Reason.from_wire(int(rec.reason)),
         source_identity=int(rec.src_identity),
         destination_identity=int(rec.dst_identity),
-        source_ip=_addr(rec.saddr, int(rec.family)),
-        destination_ip=_addr(rec.daddr, int(rec.family)),
+        source_ip=addresses.get(rec.saddr, int(rec.family)),
+        destination_ip=addresses.get(rec.daddr, int(rec.family)),
         source_port=int(rec.sport),
         destination_port=int(rec.dport),
         protocol=int(rec.protocol),

@@ -11,14 +11,13 @@ from __future__ import annotations
 import ctypes
 import ipaddress
 
+from services.datapath.maps import addresses
 from services.datapath.maps.bpf import BPF_F_NO_PREALLOC, MapSpec, MapType, PinnedMap
 from services.datapath.maps.sizes import MapSizes
 
 NAME = "ipcache"
 #: Bits of the key before the address (family + padding).
 HEADER_BITS = 32
-FAMILY_V4 = 4
-FAMILY_V6 = 6
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -63,15 +62,12 @@ def parse_prefix(prefix: str) -> Network:
 def make_key(network: Network) -> IPCacheKey:
     key = IPCacheKey()
     key.prefixlen = HEADER_BITS + network.prefixlen
-    key.family = FAMILY_V4 if network.version == 4 else FAMILY_V6
-    packed = network.network_address.packed
-    ctypes.memmove(key.addr, packed, len(packed))
+    key.family = addresses.put(key.addr, str(network.network_address))
     return key
 
 
 def parse_key(key: IPCacheKey) -> Network:
-    size = 4 if key.family == FAMILY_V4 else 16
-    addr = ipaddress.ip_address(bytes(key.addr[:size]))
+    addr = addresses.get(key.addr, int(key.family))
     return ipaddress.ip_network(f"{addr}/{key.prefixlen - HEADER_BITS}")
 
 

@@ -1,10 +1,12 @@
 """Per-endpoint, per-reason, per-direction packet and byte counters (a per-CPU array).
 
-Endpoint ``ep_id`` owns slots ``ep_id * SLOTS`` onwards: ``(egress ? 8 : 0) + reason``.
-Slot 0 (endpoint 0 is never an endpoint) counts the flow events the ring buffer
-could not take. The program adds to its CPU's slot without atomics; reading sums
-the slots. An array index costs the program less than a hashed key, so the reader
-walks the endpoints it knows instead of the map's keys.
+Endpoint ``ep_id`` owns slots ``ep_id * SLOTS`` onwards: ``(egress ? DIRECTION_SLOTS : 0) +
+reason``. Slot 0 (endpoint 0 is never an endpoint) counts the flow events the ring buffer
+could not take. The map's size therefore bounds endpoint ids (:func:`max_endpoint_id`): an
+endpoint beyond it would have no slots and its packets would go uncounted. The program
+adds to its CPU's slot without atomics; reading sums the slots. An array index costs the
+program less than a hashed key, so the reader walks the endpoints it knows instead of the
+map's keys.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from services.datapath.types import CounterKey, Counters, CounterValue, Directio
 NAME = "metrics"
 #: Reason number reserved for lost flow events (not a packet verdict).
 EVENT_LOST = 255
-#: Slots per endpoint (METRICS_SLOTS in bpf/palisade.c): 8 reasons per direction.
-SLOTS = 16
+#: Slots per direction of an endpoint (METRICS_DIR_SLOTS in the program): a power of two, so a
+#: reason numbered past it wraps with a mask.
+DIRECTION_SLOTS = 8
+#: Slots per endpoint (METRICS_SLOTS in the program): one run of DIRECTION_SLOTS per direction.
+SLOTS = 2 * DIRECTION_SLOTS
 #: Slot of the lost-events counter.
 LOST_SLOT = 0
 
@@ -42,14 +47,22 @@ C_STRUCTS = ((MetricsValue, "metrics_value"),)
 
 
 def spec(sizes: MapSizes) -> MapSpec:
+    if max_endpoint_id(sizes) < 1:
+        raise ValueError(f"metrics map size {sizes.metrics}: give at least {2 * SLOTS} ({SLOTS} slots an endpoint)")
     return MapSpec(NAME, MapType.PERCPU_ARRAY, ctypes.sizeof(MetricsKey), ctypes.sizeof(MetricsValue), sizes.metrics)
+
+
+def max_endpoint_id(sizes: MapSizes) -> int:
+    """The highest endpoint id whose slots all fit in a metrics map of ``sizes`` (ids start at 1)."""
+    return sizes.metrics // SLOTS - 1
 
 
 def slot(ep_id: int, reason: Reason, direction: Direction) -> int:
     """The array index the program counts ``ep_id``'s packets of ``reason`` in ``direction`` at."""
-    # Eight slots a direction: a reason numbered 8 or more counts in slot ``wire % 8`` (slot 0 has
-    # no reason of its own), as the program's ``reason & 7`` does.
-    return ep_id * SLOTS + (8 if direction is Direction.EGRESS else 0) + reason.wire % 8
+    # A reason numbered DIRECTION_SLOTS or more counts in slot ``wire % DIRECTION_SLOTS`` (slot 0
+    # has no reason of its own), as the program's ``reason & (METRICS_DIR_SLOTS - 1)`` does.
+    base = DIRECTION_SLOTS if direction is Direction.EGRESS else 0
+    return ep_id * SLOTS + base + reason.wire % DIRECTION_SLOTS
 
 
 class MetricsMap:
