@@ -275,7 +275,8 @@ def test_program_source_holds_its_local_headers_in_place(tmp_path: Path) -> None
     (tmp_path / "b.h").write_text("int b;\n")
     before = expand_includes(main)
     assert before == (
-        '#include <linux/bpf.h>\n#line 1 "a.h"\n#line 1 "b.h"\nint b;\n#line 2 "a.h"\nint a;\n#line 3 "main.c"\nint x;\n'
+        '#include <linux/bpf.h>\n#line 1 "a.h"\n#line 1 "b.h"\nint b;\n'
+        '#line 2 "a.h"\nint a;\n#line 3 "main.c"\nint x;\n'
     )
     (tmp_path / "b.h").write_text("int b2;\n")
     flags = ProgramConfig().cflags("/sys/fs/bpf/x")
