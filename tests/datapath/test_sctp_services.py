@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from services.datapath.maps.bpf import prog_test_run
 from services.datapath.types import (
     Backend,
     Direction,
@@ -27,6 +29,8 @@ from services.devstack.sctp import crc32c
 from tests.datapath.node import Node
 from tests.datapath.traffic import (
     DENY_TIMEOUT,
+    TC_ACT_REDIRECT,
+    TC_ACT_SHOT,
     SctpListener,
     sctp_arrival,
     sctp_crc_ok,
@@ -192,6 +196,7 @@ def test_egress_policy_judges_the_sctp_backend_identity_and_port(lb: Node) -> No
     dp, a, b, c = lb.dp, lb.a, lb.b, lb.c
     dp.lb_upsert(LbService(sctp(VIP), (Backend(b.v4, BACK),)))
     dp.lb_upsert(LbService(sctp(VIP, FRONT + 1), (Backend(c.v4, BACK),)))
+    invalid = dp.counters().packets(endpoint_id=a.ep_id, reason=Reason.INVALID)
     dp.sync_policy(a.ep_id, Enforcement(egress=True), [allow_egress(b.identity, BACK)])
     assert sctp_exchange(a.name, VIP, FRONT)
     assert not sctp_exchange(a.name, VIP, FRONT + 1, timeout=DENY_TIMEOUT)  # c is not allowed
@@ -201,7 +206,7 @@ def test_egress_policy_judges_the_sctp_backend_identity_and_port(lb: Node) -> No
     assert not sctp_exchange(a.name, VIP, FRONT, timeout=DENY_TIMEOUT)
     flows = [f for f in dp.read_flows(0) if f.source_ip == a.v4 and f.verdict is Verdict.DENY]
     assert flows and all(f.destination_ip in (b.v4, c.v4) and f.destination_port == BACK for f in flows)
-    assert dp.counters().packets(endpoint_id=a.ep_id, reason=Reason.INVALID) == 0
+    assert dp.counters().packets(endpoint_id=a.ep_id, reason=Reason.INVALID) == invalid  # no checksum trouble
 
 
 @pytest.mark.root
@@ -222,3 +227,32 @@ def test_sctp_associations_spread_over_backends_unless_client_ip_affinity(lb: No
     for _ in range(24):
         assert sctp_exchange(a.name, VIP, FRONT)
     assert len(used()) == 1
+
+
+def _sctp_frame(src: str, dst: str, packet: bytes, frag_off: int) -> bytes:
+    """An IPv4 Ethernet frame around an SCTP packet, with the given flags/fragment offset field."""
+    ip = struct.pack(
+        "!BBHHHBBH4s4s", 0x45, 0, 20 + len(packet), 1, frag_off, 64, 132, 0, *(socket.inet_aton(a) for a in (src, dst))
+    )
+    return b"\x02" * 6 + b"\x04" * 6 + struct.pack("!H", 0x0800) + ip + packet
+
+
+@pytest.mark.root
+@pytest.mark.bcc
+def test_a_first_fragment_to_an_sctp_clusterip_is_dropped_as_invalid_not_sent_with_a_wrong_crc(lb: Node) -> None:
+    # The CRC32c covers the whole SCTP packet; from its first fragment its length is unknown.
+    dp, a, b = lb.dp, lb.a, lb.b
+    dp.lb_upsert(LbService(sctp(VIP), (Backend(b.v4, BACK),)))
+    from_a, a_if = dp.template.from_container_fd, a.net.host_ifindex
+    whole = sctp_packet(41000, FRONT, 5, 64)
+    more_fragments = 0x2000
+
+    def invalid() -> int:
+        return dp.counters().packets(endpoint_id=a.ep_id, reason=Reason.INVALID, direction=Direction.EGRESS)
+
+    before = invalid()
+    assert prog_test_run(from_a, _sctp_frame(a.v4, VIP, whole, more_fragments), a_if, 1)[0] == TC_ACT_SHOT
+    assert invalid() == before + 1
+    # The same packet unfragmented is translated, with its CRC32c right (local delivery to b).
+    code = prog_test_run(from_a, _sctp_frame(a.v4, VIP, sctp_packet(41001, FRONT, 5, 64), 0), a_if, 1)[0]
+    assert code == TC_ACT_REDIRECT
