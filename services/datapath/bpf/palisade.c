@@ -7,6 +7,8 @@
  *   deliver         tail-called by from_container for a packet to another local endpoint:
  *                   that endpoint's ingress policy, then straight into its namespace
  *                   (bpf_redirect_peer), past the host's routing and the veth pair
+ *   sctp_csum       tail-called by the three above for an SCTP packet whose ports they rewrote:
+ *                   its CRC32c (lb_sctp.h), then on where the caller would have sent it
  *
  * One compiled object serves every endpoint: the program finds its endpoint
  * from skb->ifindex in the endpoints map, so nothing per endpoint is compiled in.
@@ -15,14 +17,15 @@
  * each struct below to its ctypes mirror.
  *
  * Per packet:
- *   0. Leaving a pod (egress), TCP/UDP to a service frontend (ClusterIP, port): the
+ *   0. Leaving a pod (egress), TCP/UDP/SCTP to a service frontend (ClusterIP, port): the
  *      connection's backend (lb_conntrack), else one chosen (ClientIP affinity, else at
  *      random), is written into the packet (DNAT) before anything else, so policy
  *      judges the backend's identity and port. A pod whose chosen backend is itself (hairpin)
  *      gets the connection from the hairpin address (169.254.42.1, 100::42), allowed as any
  *      connection of a pod to itself, both ways put straight back into the pod (CT_F_HAIRPIN).
  *      A frontend with no backend answers with ICMP port unreachable, as kube-proxy does. Replies entering the client are
- *      reverse-NATed (the conntrack entry names the service) so it sees the ClusterIP.
+ *      reverse-NATed (the conntrack entry names the service) so it sees the ClusterIP. An SCTP
+ *      packet whose ports were rewritten gets its CRC32c updated in sctp_csum.
  *   1. Not an endpoint's veth, or not IPv4/IPv6 (ARP...): pass.
  *      IPv6 neighbour discovery / MLD and ICMP error messages: pass.
  *   2. Conntrack: the packet's own tuple (an established flow), else the
@@ -707,12 +710,13 @@ static __always_inline u64 current_epoch(void)
 
 /* -- services: DNAT before policy, reverse NAT for replies, reject without backends -- */
 
-/* SCTP: the CRC32c of translated packets, and the tail-call slots of the SCTP programs. */
+/* SCTP: the CRC32c of translated packets (sctp_csum's arithmetic and its scratch slot). */
 #include "lb_sctp.h"
 
 /* The template's tail-call targets, a program array filled and pinned by the loader beside the
- * programs: "deliver" (local delivery) and the SCTP programs. An empty slot makes the tail call fail:
- * the packet then goes on where it was (the host's path; an SCTP packet untranslated). */
+ * programs: "deliver" (local delivery, slot CALL_DELIVER) and "sctp_csum" (CALL_SCTP_CSUM). An empty
+ * slot makes the tail call fail: a packet for "deliver" then takes the host's path; one for
+ * "sctp_csum" is dropped (it would leave with a checksum its receiver rejects). */
 BPF_PROG_ARRAY(calls, CALL_SLOTS);
 
 #define IPV4_CSUM_OFF (ETH_HLEN + 10)
