@@ -20,7 +20,8 @@
  * whose ports they changed (translated through a Service, reverse-translated, or given a port of its
  * own), telling it in a per-CPU scratch slot what to do next. Inlined where the ports change, the
  * few thousand instructions below would be walked by the verifier once for every path through
- * handle(), past its 1 M instruction budget; TCP and UDP packets pay one comparison.
+ * handle(), past its 1 M instruction budget. Other packets pay one flag test where the programs
+ * exit; SCTP's ports are noted (sctp_note_once) only on the paths that may translate.
  *
  * A checksum field of zero is left alone: that is how the kernel's SCTP hands a packet to a device
  * with CRC offload (CHECKSUM_PARTIAL with csum_not_inet; veth has NETIF_F_SCTP_CRC, so pods with a
@@ -172,6 +173,14 @@ static __always_inline int sctp_note(const struct flow *f, u32 ep_id, u8 dir)
     fix->dir = dir;
     __builtin_memcpy(&fix->ports, &f->sport, sizeof(fix->ports));
     return 0;
+}
+
+/* Before anything may rewrite a packet's ports (a translation): an SCTP packet's are noted, once per
+ * program run (OUT_SCTP in *out). Only translation paths call this: other packets never pay for it. */
+static __always_inline void sctp_note_once(const struct flow *f, u32 ep_id, u8 dir, u8 *out)
+{
+    if (unlikely(f->protocol == IPPROTO_SCTP) && f->has_l4 && !(*out & OUT_SCTP) && sctp_note(f, ep_id, dir) == 0)
+        *out |= OUT_SCTP;
 }
 
 /* The noted packet, if its ports changed since (its checksum then needs sctp_csum); NULL if not. */

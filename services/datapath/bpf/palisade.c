@@ -1206,8 +1206,8 @@ static __always_inline u64 coarse_now(struct ep_cache_value *cached)
 
 /* The policy of endpoint veth ``ifindex`` (skb->ifindex, or the destination's in "deliver") for
  * the packet in direction ``dir``. ``via_host``: the packet came through the host (to_container);
- * ``*host_flow`` is set when its conntrack entry says the flow did. An SCTP packet's header offset
- * and ports before any translation are noted in sctp_scratch (OUT_SCTP; see sctp_hand_off). */
+ * ``*host_flow`` is set when its conntrack entry says the flow did. Before a translation, an SCTP
+ * packet's header offset and ports are noted in sctp_scratch (OUT_SCTP; see sctp_hand_off). */
 static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8 via_host, u8 *host_flow)
 {
     u64 epoch = current_epoch();
@@ -1243,8 +1243,6 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
         count(ep_id, REASON_INVALID, dir, skb->len);
         return TC_ACT_SHOT;
     }
-    if (unlikely(f.protocol == IPPROTO_SCTP && f.has_l4) && sctp_note(&f, ep_id, dir) == 0)
-        *host_flow |= OUT_SCTP;
 
     /* Lifetimes are seconds: the coarse clock (CLOCK_MONOTONIC_COARSE, a tick or two behind at
      * most) is precise enough and costs a fraction of the precise one on every packet. */
@@ -1278,6 +1276,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
          * endpoint's address is never a frontend: its identity is needed anyway, and found first. */
         remote_id = local_identity(f.family, f.daddr);
         remote_local = 0;
+        sctp_note_once(&f, ep_id, dir, host_flow);
         int lb = remote_id ? LB_NONE : lb_egress(skb, &f, ep_id, now, &rev_nat);
         if (lb == LB_REJECT || lb == LB_DROP) {
             emit(ifindex, &f, ep_id, local_id, WORLD_ID, dir, VERDICT_DENY, REASON_NO_BACKEND);
@@ -1309,6 +1308,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
         unlikely(ct ? ct->rev_nat != rev_nat || (ct->flags & CT_F_SNAT) || (syn == TCP_FLAG_SYN && ct->closing)
                     : syn != TCP_FLAG_SYN)) {
         /* Not this flow's entry, or none where a connection may have been given a port. */
+        sctp_note_once(&f, ep_id, dir, host_flow);
         int resolved = snat_resolve(skb, &f, ep_id, rev_nat, syn, now, &key, &ct);
         if (resolved == SNAT_FAILED) {
             u32 remote = remote_id ? remote_id : local_identity(f.family, f.daddr);
@@ -1378,6 +1378,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
             ct->expires_ns = expires;
     }
     if (unlikely(reply && (ct->rev_nat || (ct->flags & CT_F_SNAT)))) {
+        sctp_note_once(&f, ep_id, dir, host_flow);
         /* A reply to a translated connection: the client's own port back, the frontend as source. */
         int undone = 0;
         if (ct->flags & CT_F_SNAT) {
