@@ -269,10 +269,7 @@ class ProbeRun:
         ports = [
             {"name": f"p{pr.port}-{pr.protocol.name.lower()}", "port": pr.port, "protocol": pr.protocol.name}
             for pr in probes
-            if pr.protocol.name in ("TCP", "UDP")
         ]
-        if len(ports) != len(probes):
-            raise CLIError("--via-services probes TCP and UDP ports only (Services are not load-balanced for SCTP)", 2)
         for key, ep in sorted(self.endpoints.items()):
             ns, pod = key.split("/", 1)
             name = f"probe-{pod}"[:63].rstrip("-")

@@ -3,9 +3,10 @@
 Pure: parsed objects in, :class:`LbService` values out (the service handler of
 Cilium's agent, ``pkg/k8s`` ServiceCache, in small). Rules, as kube-proxy applies them:
 
-* every ClusterIP (``spec.clusterIPs``, both families) x every TCP/UDP port is a
-  frontend; headless (``None``) and ExternalName Services have none; SCTP ports
-  are not load-balanced (reported by :func:`frontends`' ``skipped``);
+* every ClusterIP (``spec.clusterIPs``, both families) x every TCP, UDP or SCTP
+  port is a frontend; headless (``None``) and ExternalName Services have none; a
+  port of any other protocol is not load-balanced (reported by :func:`frontends`'
+  ``skipped``);
 * backends come from the EndpointSlices labelled ``kubernetes.io/service-name``
   with the Service's name, of the frontend's address family; a Service port
   takes the slice port of the same name (the slice carries the target port
@@ -29,7 +30,7 @@ from services.common.k8sobjects import as_list, as_map, endpoint_serves, slice_s
 from services.datapath.types import Backend, Frontend, L4Proto, LbService
 
 DEFAULT_AFFINITY_TIMEOUT = 10800
-_PROTOCOLS = {"TCP": L4Proto.TCP, "UDP": L4Proto.UDP}
+_PROTOCOLS = {"TCP": L4Proto.TCP, "UDP": L4Proto.UDP, "SCTP": L4Proto.SCTP}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,12 +12,20 @@ template serves every endpoint. Lookup order:
    (no compiler run at all after a restart);
 3. compile with bcc, load the programs, pin them.
 
-A template is three programs: the two below and ``deliver``, which
+A template is four programs: the two below; ``deliver``, which
 ``from_container`` tail-calls for a packet to another local endpoint (that
-endpoint's ingress policy, then straight into its namespace). ``deliver`` sits
-in the template's one-slot program array ``calls``, pinned beside the programs:
-a program array empties when its last pin or descriptor goes, and a tail call
-into an empty slot falls back to the host's path.
+endpoint's ingress policy, then straight into its namespace); and
+``sctp_csum``, which the other three tail-call for an SCTP packet whose ports
+they translated (its CRC32c, then on where the caller would have sent it).
+The tail-called ones sit in the template's program array ``calls``, pinned
+beside the programs: a program array empties when its last pin or descriptor
+goes; a tail call into an empty slot falls back to the host's path (deliver)
+or drops the packet (sctp_csum: it would leave with a wrong checksum).
+
+Local headers (``#include "name.h"`` of a file in ``bpf/``) are put into the
+source text where they are included (with ``#line`` markers, so compiler
+messages name the header and its line): bcc rewrites map method calls in its
+main file only, and the template hash, taken over that text, covers every file.
 
 Attaching puts ``from_container`` on the tc ingress hook of the pod's
 host-side veth (packets leaving the pod) and ``to_container`` on its tc egress
@@ -44,6 +52,7 @@ import dataclasses
 import errno
 import hashlib
 import os
+import re
 import shutil
 import threading
 import time
@@ -73,15 +82,21 @@ from services.datapath.types import IDENTITY_WORLD
 
 log = get_logger("loader")
 
-SOURCE_PATH = Path(__file__).parent / "bpf" / "palisade.c"
+SOURCE_DIR = Path(__file__).parent / "bpf"
+SOURCE_PATH = SOURCE_DIR / "palisade.c"
 PROGRAMS_DIR = "programs"
 FROM_CONTAINER = "from_container"
 TO_CONTAINER = "to_container"
 DELIVER = "deliver"
-#: The programs of a template, as pinned, and the pinned program array holding ``deliver``.
-PROGRAMS = (FROM_CONTAINER, TO_CONTAINER, DELIVER)
+SCTP_CSUM = "sctp_csum"
+#: The programs of a template, as pinned, and the pinned program array holding the tail-called ones.
+PROGRAMS = (FROM_CONTAINER, TO_CONTAINER, DELIVER, SCTP_CSUM)
 CALLS = "calls"
+#: Slots of ``calls`` (shared with the program: see program_constants).
 CALL_DELIVER = 0
+CALL_SCTP_CSUM = 1
+CALL_SLOTS = {DELIVER: CALL_DELIVER, SCTP_CSUM: CALL_SCTP_CSUM}
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 # clsact hooks: TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_INGRESS / TC_H_MIN_EGRESS).
 TC_INGRESS_PARENT = 0xFFFFFFF2
@@ -108,7 +123,12 @@ C_STRUCTS = tuple(struct for module in maps.ALL for struct in module.C_STRUCTS)
 
 def program_constants() -> tuple[constants.Shared, ...]:
     """Every number the program shares with Python: the map modules' and the loader's own."""
-    return (*constants.shared(), constants.Shared("CALL_DELIVER", CALL_DELIVER, "loader.CALL_DELIVER"))
+    return (
+        *constants.shared(),
+        constants.Shared("CALL_DELIVER", CALL_DELIVER, "loader.CALL_DELIVER"),
+        constants.Shared("CALL_SCTP_CSUM", CALL_SCTP_CSUM, "loader.CALL_SCTP_CSUM"),
+        constants.Shared("CALL_SLOTS", len(CALL_SLOTS), "loader.CALL_SLOTS"),
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,12 +178,33 @@ class ProgramConfig:
         ]
 
 
+def expand_includes(path: Path, seen: frozenset[str] = frozenset()) -> str:
+    """``path``'s text with each ``#include "name"`` of a file beside it replaced by that file's
+    (expanded) text between ``#line`` markers; other includes stay. A file including itself, directly
+    or not, is an error."""
+    out: list[str] = []
+    for number, line in enumerate(path.read_text().splitlines(keepends=True), 1):
+        match = _LOCAL_INCLUDE.match(line)
+        header = path.parent / match.group(1) if match else None
+        if header is None or not header.is_file():
+            out.append(line)
+            continue
+        if header.name in seen or header.name == path.name:
+            raise ValueError(f"{path.name} line {number}: {header.name} includes itself")
+        out.append(f'#line 1 "{header.name}"\n')
+        text = expand_includes(header, seen | {path.name})
+        out.append(text if text.endswith("\n") else text + "\n")
+        out.append(f'#line {number + 1} "{path.name}"\n')
+    return "".join(out)
+
+
 def program_source() -> str:
-    """The C source with the asserts that tie it to Python: the layouts of the ctypes mirrors, and
-    the shared numbers' values (the cflags define them; a definition in C that differs fails)."""
+    """The C source, its local headers put in place, with the asserts that tie it to Python: the
+    layouts of the ctypes mirrors, and the shared numbers' values (the cflags define them; a
+    definition in C that differs fails)."""
     layouts = [line for struct, name in C_STRUCTS for line in c_layout(struct, name)]
     return (
-        SOURCE_PATH.read_text()
+        expand_includes(SOURCE_PATH)
         + "\n/* Generated by loader.py from the ctypes mirrors. */\n"
         + "\n".join(layouts)
         + "\n/* Generated by loader.py from maps/constants.py. */\n"
@@ -173,6 +214,7 @@ def program_source() -> str:
 
 
 def template_hash(source: str, cflags: list[str]) -> str:
+    """The template's key: the source (its headers in place, see program_source) and the flags."""
     digest = hashlib.sha256(source.encode())
     for flag in cflags:
         digest.update(b"\0" + flag.encode())
@@ -188,27 +230,49 @@ class Template:
     to_container_fd: int
     #: The program from_container tail-calls for local delivery (attached nowhere).
     deliver_fd: int
-    #: The program array holding deliver: held open so it stays filled while this process uses the
-    #: template, even if another process unpins it.
+    #: The program array holding the tail-called programs: held open so it stays filled while this
+    #: process uses the template, even if another process unpins it.
     calls_fd: int
     #: "compiled" (by this process), or "pinned" (reused from an earlier process).
     origin: str
     #: Seconds spent compiling and loading (0 when reused).
     compile_seconds: float
+    #: The program the others tail-call for a translated SCTP packet's checksum (attached nowhere).
+    sctp_csum_fd: int = -1
 
     @property
     def short(self) -> str:
         return self.hash[:12]
 
     def fd(self, name: str) -> int:
-        fds = {FROM_CONTAINER: self.from_container_fd, TO_CONTAINER: self.to_container_fd, DELIVER: self.deliver_fd}
+        fds = {
+            FROM_CONTAINER: self.from_container_fd,
+            TO_CONTAINER: self.to_container_fd,
+            DELIVER: self.deliver_fd,
+            SCTP_CSUM: self.sctp_csum_fd,
+        }
         return fds[name]
 
+    @classmethod
+    def of_fds(cls, digest: str, fds: list[int], *, origin: str, compile_seconds: float) -> Template:
+        """A template from the descriptors of PROGRAMS then CALLS, in that order."""
+        by_name = dict(zip((*PROGRAMS, CALLS), fds, strict=True))
+        return cls(
+            digest,
+            by_name[FROM_CONTAINER],
+            by_name[TO_CONTAINER],
+            by_name[DELIVER],
+            by_name[CALLS],
+            origin=origin,
+            compile_seconds=compile_seconds,
+            sctp_csum_fd=by_name[SCTP_CSUM],
+        )
+
     def close(self) -> None:
-        for fd in (self.from_container_fd, self.to_container_fd, self.deliver_fd, self.calls_fd):
+        for fd in (self.from_container_fd, self.to_container_fd, self.deliver_fd, self.calls_fd, self.sctp_csum_fd):
             if fd >= 0:
                 os.close(fd)
-        self.from_container_fd = self.to_container_fd = self.deliver_fd = self.calls_fd = -1
+        self.from_container_fd = self.to_container_fd = self.deliver_fd = self.calls_fd = self.sctp_csum_fd = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +333,7 @@ class Loader:
             return None
         fds = [obj_get(p) for p in paths]
         log.info("template reused", template=digest[:12], dir=directory)
-        return Template(digest, fds[0], fds[1], fds[2], fds[3], origin="pinned", compile_seconds=0.0)
+        return Template.of_fds(digest, fds, origin="pinned", compile_seconds=0.0)
 
     def _compile(self, digest: str, source: str, cflags: list[str]) -> Template:
         # Only this module imports bcc, and only when a template must be built.
@@ -280,7 +344,8 @@ class Loader:
         try:
             functions = [bpf.load_func(name.encode(), BPF.SCHED_CLS) for name in PROGRAMS]
             calls = bpf.get_table(CALLS.encode())
-            calls[ctypes.c_int(CALL_DELIVER)] = ctypes.c_int(functions[PROGRAMS.index(DELIVER)].fd)
+            for name, slot in CALL_SLOTS.items():
+                calls[ctypes.c_int(slot)] = ctypes.c_int(functions[PROGRAMS.index(name)].fd)
             directory = self._programs_dir(digest)
             os.makedirs(directory, exist_ok=True)
             # The program array last: its pin is what _open_pinned takes for a finished template.
@@ -296,7 +361,7 @@ class Loader:
             bpf.cleanup()
         seconds = time.perf_counter() - start
         log.info("template compiled", template=digest[:12], seconds=round(seconds, 3))
-        return Template(digest, fds[0], fds[1], fds[2], fds[3], origin="compiled", compile_seconds=seconds)
+        return Template.of_fds(digest, fds, origin="compiled", compile_seconds=seconds)
 
     def prune(self, keep: set[str]) -> list[str]:
         """Unpin templates not in ``keep`` (full hashes); programs still attached stay loaded."""

@@ -70,7 +70,7 @@ class ServiceSync:
         self._wake = asyncio.Event()
         self._followers: list[Follower] = []
         self.loaded = asyncio.Event()
-        #: Ports not load-balanced, per service key (SCTP).
+        #: Ports not load-balanced, per service key (a protocol other than TCP, UDP and SCTP).
         self.skipped: dict[str, tuple[str, ...]] = {}
         self.writes = 0
 

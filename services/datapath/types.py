@@ -490,7 +490,7 @@ class Realized:
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Frontend:
-    """Where a service is reached: a ClusterIP, a port and TCP or UDP."""
+    """Where a service is reached: a ClusterIP, a port and TCP, UDP or SCTP."""
 
     address: str
     port: int

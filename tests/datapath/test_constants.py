@@ -123,6 +123,8 @@ def test_a_definition_in_the_program_that_differs_from_python_fails_the_build(
     assert anchor in text
     drifted = tmp_path / "palisade.c"
     drifted.write_text(text.replace(anchor, anchor + "#define REASON_DEFAULT_DENY 9\n"))
+    for header in BPF_DIR.glob("*.h"):  # the headers it includes, beside it
+        (tmp_path / header.name).write_text(header.read_text())
     monkeypatch.setattr("services.datapath.loader.SOURCE_PATH", drifted)
     err = _compile_error(Loader(str(tmp_path / "bpf")), capfd)
     assert "REASON_DEFAULT_DENY: the program says otherwise than types.Reason.DEFAULT_DENY.wire (3)" in err

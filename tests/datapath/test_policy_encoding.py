@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.datapath.loader import C_STRUCTS, ProgramConfig, program_source, template_hash
+from services.datapath.loader import C_STRUCTS, ProgramConfig, expand_includes, program_source, template_hash
 from services.datapath.maps import policymap
 from services.datapath.maps.policymap import (
     Prefix,
@@ -259,6 +261,29 @@ def test_template_hash_follows_source_and_config() -> None:
         template_hash(source + " ", ProgramConfig().cflags("/sys/fs/bpf/x")),
     }
     assert base not in others and len(others) == 3
+
+
+def test_program_source_holds_its_local_headers_in_place(tmp_path: Path) -> None:
+    # bcc rewrites map calls in its main file only, and the template hash is taken over this text:
+    # a header's code must be in it, marked with the header's name and lines for compiler messages.
+    source = program_source()
+    assert '#line 1 "lb_sctp.h"' in source and "crc32c_port_delta" in source
+    assert '#include "lb_sctp.h"' not in source
+    main = tmp_path / "main.c"
+    main.write_text('#include <linux/bpf.h>\n#include "a.h"\nint x;\n')
+    (tmp_path / "a.h").write_text('#include "b.h"\nint a;')
+    (tmp_path / "b.h").write_text("int b;\n")
+    before = expand_includes(main)
+    assert before == (
+        '#include <linux/bpf.h>\n#line 1 "a.h"\n#line 1 "b.h"\nint b;\n'
+        '#line 2 "a.h"\nint a;\n#line 3 "main.c"\nint x;\n'
+    )
+    (tmp_path / "b.h").write_text("int b2;\n")
+    flags = ProgramConfig().cflags("/sys/fs/bpf/x")
+    assert template_hash(expand_includes(main), flags) != template_hash(before, flags)  # a header's change
+    (tmp_path / "b.h").write_text('#include "a.h"\n')
+    with pytest.raises(ValueError, match="includes itself"):
+        expand_includes(main)
 
 
 def test_every_protocol_number_round_trips() -> None:

@@ -1,4 +1,4 @@
-"""Real packets between pod namespaces: echo servers, TCP/UDP/ICMP clients, raw SCTP INIT.
+"""Real packets between pod namespaces: echo servers, TCP/UDP/ICMP clients, raw SCTP (INIT, servers).
 
 Sockets are created on a thread that entered the pod's namespace
 (:func:`services.datapath.netns.in_netns`) and used from the test thread;
@@ -7,6 +7,7 @@ a socket stays in the namespace it was created in.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import os
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from services.datapath.netns import in_netns
+from services.devstack import sctp
 from services.devstack.sctp import INIT, Packet
 from tests.datapath.node import Pod
 
@@ -261,6 +263,105 @@ def sctp_init_crosses(
             if _is_our_sctp(frame, v6, sport, dport, tag):
                 return True
     return False
+
+
+class SctpListener:
+    """SCTP servers in one namespace, on raw sockets (the kernel here has no SCTP), as the dev cluster's
+    pod servers run them (:class:`services.devstack.sctp.Listener`): every INIT to one of ``ports``
+    is answered with an INIT-ACK, on IPv4 and IPv6. An INIT whose CRC32c is wrong is not answered
+    (``decode`` checks it), so an answer proves the checksum the receiver saw. One thread serves it."""
+
+    def __init__(self, ns: str, ports: Iterable[int]) -> None:
+        self.ports = frozenset(ports)
+        self._sel = selectors.DefaultSelector()
+        self._socks = [
+            socket_in(ns, family, socket.SOCK_RAW, IPPROTO_SCTP) for family in (socket.AF_INET, socket.AF_INET6)
+        ]
+        for sock in self._socks:
+            sock.setblocking(False)
+            self._sel.register(sock, selectors.EVENT_READ)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"sctp-{ns}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._sel.select(0.1):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                with contextlib.suppress(OSError):
+                    data, addr = sock.recvfrom(65535)
+                    if sock.family == socket.AF_INET:
+                        data = data[(data[0] & 0x0F) * 4 :]  # an IPv4 raw socket hands over the IP header
+                    got = sctp.decode(data)
+                    if got is not None and got.chunk_type == INIT and got.vtag == 0 and got.dport in self.ports:
+                        sock.sendto(sctp.answer(got).encode(), (addr[0], 0))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for sock in self._socks:
+            sock.close()
+        self._sel.close()
+
+
+def sctp_exchange(ns: str, ip: str, port: int, timeout: float = ALLOW_TIMEOUT) -> bool:
+    """An SCTP INIT from ``ns`` to ``ip``:``port`` and its INIT-ACK back, as the dev cluster's prober
+    sends it (:func:`services.devstack.sctp.probe`): true only if the answer comes from ``ip`` with the
+    ports reversed, our tag and a correct CRC32c."""
+    answered: bool = in_netns(ns, asyncio.run, sctp.probe(ip, port, timeout))
+    return answered
+
+
+def sctp_packet(sport: int, dport: int, vtag: int, data_len: int, *, checksum: bool = True) -> bytes:
+    """An SCTP packet with one DATA chunk of ``data_len`` payload bytes (random), with its CRC32c
+    (``checksum`` false: a zero checksum field, as a sender leaving it to the offload has it)."""
+    payload = os.urandom(data_len)
+    chunk = struct.pack("!BBHIHHI", 0, 0x03, 16 + data_len, 1, 0, 0, 0) + payload + bytes(-data_len % 4)
+    packet = struct.pack("!HHI", sport, dport, vtag) + bytes(4) + chunk
+    if not checksum:
+        return packet
+    return packet[:8] + struct.pack("<I", sctp.crc32c(packet)) + packet[12:]
+
+
+def sctp_crc_ok(l4: bytes) -> bool:
+    """Whether an SCTP packet's CRC32c matches its contents."""
+    (stored,) = struct.unpack("<I", l4[8:12])
+    return bool(stored == sctp.crc32c(l4[:8] + bytes(4) + l4[12:]))
+
+
+def sctp_arrival(
+    src_ns: str, dst_ns: str, dst_ip: str, packet: bytes, *, dst_ifname: str = "eth0", timeout: float = ALLOW_TIMEOUT
+) -> bytes | None:
+    """Send the SCTP ``packet`` (header and chunks) from ``src_ns`` to ``dst_ip`` on a raw socket; the
+    SCTP packet as it arrives on ``dst_ns``'s interface (same source port and verification tag; its
+    destination port may differ: a Service translates it), or None if it never does."""
+    sport, vtag = struct.unpack("!H", packet[:2])[0], struct.unpack("!I", packet[4:8])[0]
+    cap = socket_in(dst_ns, socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+    with cap, socket_in(src_ns, family_of(dst_ip), socket.SOCK_RAW, IPPROTO_SCTP) as tx:
+        cap.bind((dst_ifname, ETH_P_ALL))
+        cap.settimeout(0.05)
+        tx.sendto(packet, (dst_ip, 0))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                frame = cap.recv(65535)
+            except TimeoutError:
+                continue
+            l4 = _sctp_of(frame)
+            if l4 is not None and len(l4) >= 12 and struct.unpack("!HHI", l4[:8])[::2] == (sport, vtag):
+                return l4
+    return None
+
+
+def _sctp_of(frame: bytes) -> bytes | None:
+    """The SCTP packet in an Ethernet frame (up to the IP packet's end), or None."""
+    ethertype = struct.unpack("!H", frame[12:14])[0]
+    if ethertype == 0x86DD and frame[14 + 6] == IPPROTO_SCTP:
+        return frame[14 + 40 : 14 + 40 + struct.unpack("!H", frame[18:20])[0]]
+    if ethertype == 0x0800 and frame[14 + 9] == IPPROTO_SCTP:
+        return frame[14 + (frame[14] & 0x0F) * 4 : 14 + struct.unpack("!H", frame[16:18])[0]]
+    return None
 
 
 def _is_our_sctp(frame: bytes, v6: bool, sport: int, dport: int, tag: int) -> bool:

@@ -84,19 +84,24 @@ def test_frontends_per_cluster_ip_family_and_port() -> None:
             {"name": "http", "port": 80, "protocol": "TCP"},
             {"name": "dns", "port": 53, "protocol": "UDP"},
             {"name": "sig", "port": 2905, "protocol": "SCTP"},
+            {"name": "gre", "port": 1, "protocol": "GRE"},
         ],
     )
     v4 = endpoint_slice("web-4", [endpoint("10.0.0.1")])
     v4["ports"].append({"name": "dns", "port": 5353, "protocol": "UDP"})
+    v4["ports"].append({"name": "sig", "port": 3905, "protocol": "SCTP"})
     v6 = endpoint_slice("web-6", [endpoint("fd10::1")], address_type="IPv6")
     got = lb(svc, [v4, v6])
     assert got == {
         WEB: (Backend("10.0.0.1", 8080),),
         Frontend("10.96.0.10", 53, L4Proto.UDP): (Backend("10.0.0.1", 5353),),
+        Frontend("10.96.0.10", 2905, L4Proto.SCTP): (Backend("10.0.0.1", 3905),),
         Frontend("fd00::10", 80, L4Proto.TCP): (Backend("fd10::1", 8080),),
         Frontend("fd00::10", 53, L4Proto.UDP): (),
+        Frontend("fd00::10", 2905, L4Proto.SCTP): (),
     }
-    assert frontends(parse_service(svc), [], NODE).skipped == ("prod/web port 2905/SCTP: SCTP is not load-balanced",)
+    # A protocol Kubernetes does not have is reported, never silently dropped.
+    assert frontends(parse_service(svc), [], NODE).skipped == ("prod/web port 1/GRE: GRE is not load-balanced",)
 
 
 def test_headless_and_external_name_services_have_no_frontend() -> None:

@@ -7,6 +7,8 @@
  *   deliver         tail-called by from_container for a packet to another local endpoint:
  *                   that endpoint's ingress policy, then straight into its namespace
  *                   (bpf_redirect_peer), past the host's routing and the veth pair
+ *   sctp_csum       tail-called by the three above for an SCTP packet whose ports they rewrote:
+ *                   its CRC32c (lb_sctp.h), then on where the caller would have sent it
  *
  * One compiled object serves every endpoint: the program finds its endpoint
  * from skb->ifindex in the endpoints map, so nothing per endpoint is compiled in.
@@ -15,14 +17,15 @@
  * each struct below to its ctypes mirror.
  *
  * Per packet:
- *   0. Leaving a pod (egress), TCP/UDP to a service frontend (ClusterIP, port): the
+ *   0. Leaving a pod (egress), TCP/UDP/SCTP to a service frontend (ClusterIP, port): the
  *      connection's backend (lb_conntrack), else one chosen (ClientIP affinity, else at
  *      random), is written into the packet (DNAT) before anything else, so policy
  *      judges the backend's identity and port. A pod whose chosen backend is itself (hairpin)
  *      gets the connection from the hairpin address (169.254.42.1, 100::42), allowed as any
  *      connection of a pod to itself, both ways put straight back into the pod (CT_F_HAIRPIN).
  *      A frontend with no backend answers with ICMP port unreachable, as kube-proxy does. Replies entering the client are
- *      reverse-NATed (the conntrack entry names the service) so it sees the ClusterIP.
+ *      reverse-NATed (the conntrack entry names the service) so it sees the ClusterIP. An SCTP
+ *      packet whose ports were rewritten gets its CRC32c updated in sctp_csum.
  *   1. Not an endpoint's veth, or not IPv4/IPv6 (ARP...): pass.
  *      IPv6 neighbour discovery / MLD and ICMP error messages: pass.
  *   2. Conntrack: the packet's own tuple (an established flow), else the
@@ -77,7 +80,7 @@
  *     build: DIR_*, VERDICT_*, REASON_*, METRICS_SLOTS, METRICS_DIR_SLOTS, METRICS_LOST_SLOT,
  *     ENFORCE_*, HINTS_*, FAMILY_V4 / FAMILY_V6, CT_F_*, SNAT_FORWARD / SNAT_REVERSE,
  *     SNAT_PORT_MIN / SNAT_PORT_MAX, SVC_FLAG_AFFINITY, IPCACHE_HEADER_BITS, POLICY_FULL_PREFIX,
- *     EP_GENERATION, HOST_ID and CALL_DELIVER. */
+ *     EP_GENERATION, HOST_ID, CALL_DELIVER, CALL_SCTP_CSUM and CALL_SLOTS. */
 #if !defined(PIN_DIR) || !defined(WORLD_ID) || !defined(DIR_INGRESS)
 #error "compile through services/datapath/loader.py: it defines the configuration and the shared numbers"
 #endif
@@ -707,25 +710,42 @@ static __always_inline u64 current_epoch(void)
 
 /* -- services: DNAT before policy, reverse NAT for replies, reject without backends -- */
 
+/* SCTP: the CRC32c of translated packets (sctp_csum's arithmetic and its scratch slot). */
+#include "lb_sctp.h"
+
+/* The template's tail-call targets, a program array filled and pinned by the loader beside the
+ * programs: "deliver" (local delivery, slot CALL_DELIVER) and "sctp_csum" (CALL_SCTP_CSUM). An empty
+ * slot makes the tail call fail: a packet for "deliver" then takes the host's path; one for
+ * "sctp_csum" is dropped (it would leave with a checksum its receiver rejects). */
+BPF_PROG_ARRAY(calls, CALL_SLOTS);
+
 #define IPV4_CSUM_OFF (ETH_HLEN + 10)
 #define IPV4_SADDR_OFF (ETH_HLEN + 12)
 #define IPV4_DADDR_OFF (ETH_HLEN + 16)
 #define IPV6_SADDR_OFF (ETH_HLEN + 8)
 #define IPV6_DADDR_OFF (ETH_HLEN + 24)
 
+/* Whether the packet's protocol is load-balanced: TCP, UDP and SCTP (whose checksum sctp_csum fixes
+ * once the packet is final). */
 static __always_inline int lb_l4(const struct flow *f)
 {
-    return f->has_l4 && (f->protocol == IPPROTO_TCP || f->protocol == IPPROTO_UDP);
+    return f->has_l4 && (f->protocol == IPPROTO_TCP || f->protocol == IPPROTO_UDP || f->protocol == IPPROTO_SCTP);
 }
 
-/* Rewrite the destination (dst) or source address and port, keeping checksums right. */
+/* Rewrite the destination (dst) or source address and port, keeping checksums right. SCTP's
+ * checksum covers no address, and its port changes are accounted for once the packet is final
+ * (sctp_fix_csum). */
 static __always_inline int lb_rewrite(struct __sk_buff *skb, struct flow *f, const u8 *addr, __be16 port, int dst)
 {
     u32 l4 = f->l4_off;
     u32 csum_off = l4 + (f->protocol == IPPROTO_TCP ? 16 : 6);
     u64 mangled = 0;
     int l4_csum = 1;
-    if (f->protocol == IPPROTO_UDP) {
+    u64 store_flags = 0;
+    if (unlikely(f->protocol == IPPROTO_SCTP)) {
+        l4_csum = 0;
+        store_flags = BPF_F_RECOMPUTE_CSUM;
+    } else if (f->protocol == IPPROTO_UDP) {
         __sum16 udp_csum = 0;
         if (bpf_skb_load_bytes(skb, csum_off, &udp_csum, sizeof(udp_csum)) < 0)
             return -1;
@@ -751,7 +771,7 @@ static __always_inline int lb_rewrite(struct __sk_buff *skb, struct flow *f, con
         __builtin_memcpy(from, cur, 16);
         __builtin_memcpy(to, addr, 16);
         s64 diff = bpf_csum_diff(from, 16, to, 16, 0);
-        if (bpf_l4_csum_replace(skb, csum_off, 0, diff, BPF_F_PSEUDO_HDR | mangled) < 0)
+        if (l4_csum && bpf_l4_csum_replace(skb, csum_off, 0, diff, BPF_F_PSEUDO_HDR | mangled) < 0)
             return -1;
         if (bpf_skb_store_bytes(skb, dst ? IPV6_DADDR_OFF : IPV6_SADDR_OFF, to, 16, 0) < 0)
             return -1;
@@ -760,7 +780,7 @@ static __always_inline int lb_rewrite(struct __sk_buff *skb, struct flow *f, con
     if (old_port != port) {
         if (l4_csum && bpf_l4_csum_replace(skb, csum_off, old_port, port, mangled | 2) < 0)
             return -1;
-        if (bpf_skb_store_bytes(skb, l4 + (dst ? 2 : 0), &port, 2, 0) < 0)
+        if (bpf_skb_store_bytes(skb, l4 + (dst ? 2 : 0), &port, 2, store_flags) < 0)
             return -1;
     }
     __builtin_memcpy(cur, addr, 16);
@@ -1186,7 +1206,8 @@ static __always_inline u64 coarse_now(struct ep_cache_value *cached)
 
 /* The policy of endpoint veth ``ifindex`` (skb->ifindex, or the destination's in "deliver") for
  * the packet in direction ``dir``. ``via_host``: the packet came through the host (to_container);
- * ``*host_flow`` is set when its conntrack entry says the flow did. */
+ * ``*host_flow`` is set when its conntrack entry says the flow did. Before a translation, an SCTP
+ * packet's header offset and ports are noted in sctp_scratch (OUT_SCTP; see sctp_hand_off). */
 static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8 via_host, u8 *host_flow)
 {
     u64 epoch = current_epoch();
@@ -1255,6 +1276,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
          * endpoint's address is never a frontend: its identity is needed anyway, and found first. */
         remote_id = local_identity(f.family, f.daddr);
         remote_local = 0;
+        sctp_note_once(&f, ep_id, dir, host_flow);
         int lb = remote_id ? LB_NONE : lb_egress(skb, &f, ep_id, now, &rev_nat);
         if (lb == LB_REJECT || lb == LB_DROP) {
             emit(ifindex, &f, ep_id, local_id, WORLD_ID, dir, VERDICT_DENY, REASON_NO_BACKEND);
@@ -1286,6 +1308,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
         unlikely(ct ? ct->rev_nat != rev_nat || (ct->flags & CT_F_SNAT) || (syn == TCP_FLAG_SYN && ct->closing)
                     : syn != TCP_FLAG_SYN)) {
         /* Not this flow's entry, or none where a connection may have been given a port. */
+        sctp_note_once(&f, ep_id, dir, host_flow);
         int resolved = snat_resolve(skb, &f, ep_id, rev_nat, syn, now, &key, &ct);
         if (resolved == SNAT_FAILED) {
             u32 remote = remote_id ? remote_id : local_identity(f.family, f.daddr);
@@ -1355,6 +1378,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
             ct->expires_ns = expires;
     }
     if (unlikely(reply && (ct->rev_nat || (ct->flags & CT_F_SNAT)))) {
+        sctp_note_once(&f, ep_id, dir, host_flow);
         /* A reply to a translated connection: the client's own port back, the frontend as source. */
         int undone = 0;
         if (ct->flags & CT_F_SNAT) {
@@ -1382,11 +1406,6 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
 }
 
 /* -- local delivery ------------------------------------------------------------------------- */
-
-/* Where "deliver" is: a program array of one, filled and pinned by the loader beside the template
- * (an empty slot makes the tail call fail: the packet then takes the host's path, as without local
- * delivery). */
-BPF_PROG_ARRAY(calls, 1);
 
 /* What from_container found for "deliver", in skb->cb (kept across a tail call): the destination
  * veth, then the Ethernet addresses the host's forwarding would give the packet. */
@@ -1480,10 +1499,39 @@ static __always_inline int hairpin_back(struct __sk_buff *skb)
     return bpf_redirect_peer(skb->ifindex, 0);
 }
 
+/* An SCTP packet whose ports changed (``fix``, from sctp_changed) goes to sctp_csum for its
+ * checksum, then on as ``next`` says. It never leaves with a checksum its receiver would reject: if
+ * sctp_csum cannot run, it is dropped. */
+static __always_inline int sctp_hand_off(struct __sk_buff *skb, struct sctp_fix *fix, u8 next, u32 ifindex)
+{
+    fix->next = next;
+    fix->ifindex = ifindex;
+    u32 ep_id = fix->ep_id;
+    u8 dir = fix->dir;
+    calls.call(skb, CALL_SCTP_CSUM);  /* returns only if the slot is empty */
+    count(ep_id, REASON_INVALID, dir, skb->len);
+    return TC_ACT_SHOT;
+}
+
 int from_container(struct __sk_buff *skb)
 {
     u8 host_flow = 0;
     int verdict = handle(skb, DIR_EGRESS, skb->ifindex, 0, &host_flow);
+    if (unlikely(host_flow & OUT_SCTP) && verdict == TC_ACT_OK) {
+        /* SCTP with rewritten ports: sctp_csum goes on as below once its checksum is right. */
+        struct sctp_fix *fix = sctp_changed(skb);
+        if (fix) {
+            u8 next = SCTP_NEXT_PASS;
+            if (host_flow & OUT_HAIRPIN)
+                next = SCTP_NEXT_HAIRPIN;
+#if LOCAL_DELIVERY
+            else if (!(host_flow & OUT_VIA_HOST) && delivery_of(skb))
+                next = SCTP_NEXT_DELIVER;
+#endif
+            return sctp_hand_off(skb, fix, next, 0);
+        }
+        host_flow &= ~OUT_SCTP;
+    }
     if (unlikely(verdict == TC_ACT_OK && (host_flow & OUT_HAIRPIN)))
         return hairpin_back(skb);
 #if LOCAL_DELIVERY
@@ -1496,7 +1544,13 @@ int from_container(struct __sk_buff *skb)
 int to_container(struct __sk_buff *skb)
 {
     u8 host_flow = 0;
-    return handle(skb, DIR_INGRESS, skb->ifindex, 1, &host_flow);
+    int verdict = handle(skb, DIR_INGRESS, skb->ifindex, 1, &host_flow);
+    if (unlikely(host_flow & OUT_SCTP) && verdict == TC_ACT_OK) {
+        struct sctp_fix *fix = sctp_changed(skb);
+        if (fix)
+            return sctp_hand_off(skb, fix, SCTP_NEXT_PASS, 0);
+    }
+    return verdict;
 }
 
 /* The destination's ingress policy for a packet from_container passed, then into its namespace. */
@@ -1511,5 +1565,32 @@ int deliver(struct __sk_buff *skb)
         return verdict;
     if (forward_rewrite(skb, &d) < 0)
         return TC_ACT_SHOT;  /* judged already: the host must not judge it again */
+    if (unlikely(host_flow & OUT_SCTP)) {
+        struct sctp_fix *fix = sctp_changed(skb);
+        if (fix)
+            return sctp_hand_off(skb, fix, SCTP_NEXT_REDIRECT, d.ifindex);
+    }
     return bpf_redirect_peer(d.ifindex, 0);
+}
+
+/* A translated SCTP packet's checksum (tail-called, slot CALL_SCTP_CSUM, with what to do next in
+ * sctp_scratch), then where its caller would have sent it. Its own program: the CRC arithmetic is a
+ * few thousand instructions, which the verifier would walk once for every path through handle(). */
+int sctp_csum(struct __sk_buff *skb)
+{
+    u32 zero = 0;
+    struct sctp_fix *fix = sctp_scratch.lookup(&zero);
+    if (!fix)
+        return TC_ACT_SHOT;
+    if (sctp_fix_csum(skb, fix) < 0) {
+        count(fix->ep_id, REASON_INVALID, fix->dir, skb->len);
+        return TC_ACT_SHOT;
+    }
+    if (fix->next == SCTP_NEXT_HAIRPIN)
+        return hairpin_back(skb);
+    if (fix->next == SCTP_NEXT_REDIRECT)
+        return bpf_redirect_peer(fix->ifindex, 0);
+    if (fix->next == SCTP_NEXT_DELIVER)
+        calls.call(skb, CALL_DELIVER);  /* returns only if the slot is empty: the host's path */
+    return TC_ACT_OK;
 }
