@@ -102,6 +102,11 @@ def manifests() -> list[dict[str, Any]]:
     ]
 
 
+def stack_args(mode: str) -> tuple[str, ...]:
+    """`make run`'s arguments for a two-node cluster routed by ``mode``."""
+    return ("--nodes", "2", "--node-subnet", SUBNETS[mode], "--routing", mode)
+
+
 @dataclass(frozen=True)
 class Pair:
     """A client namespace and the server address it measures against."""
@@ -117,14 +122,19 @@ def bare_pair(stack: Any, mode: str, run_id: str) -> Iterator[tuple[str, str, st
     ipam reserves in their pod CIDRs; no program on their veths. Yields (client ns, client ip, server
     ns, server ip); removed (and the addresses released) at the end."""
     from palisade.v1 import ipam_pb2, ipam_pb2_grpc
+    from services.cli.client import dial_target
+    from services.common.grpcserver import open_sync_channel
+    from services.common.trust import Credentials
     from services.datapath import netns
     from services.devstack import __main__ as devstack
 
-    network = devstack.parse(["--nodes", "2", "--node-subnet", SUBNETS[mode], "--run-dir", str(stack.run_dir)])
+    network = devstack.parse([*stack_args(mode), "--run-dir", str(stack.run_dir)]).network
     hosts = {n.name: n.netns for n in network.nodes}
     made: list[tuple[str, Any]] = []
     reserved: list[tuple[str, str]] = []
-    with stack.channel("ipam") as ch:
+    # Reserving addresses is a node agent's call: the bench makes it as the datapaths do, with their certificate.
+    creds = Credentials.load(stack.tls_dir, "datapath")
+    with open_sync_channel(dial_target(stack.address("ipam")), "ipam", creds) as ch:
         ipam = ipam_pb2_grpc.IPAMServiceStub(ch)
         try:
             ends: list[tuple[str, str]] = []
@@ -160,8 +170,7 @@ def measure_mode(mode: str, args: argparse.Namespace, run_id: str) -> dict[str, 
         folder = Path(tmp) / "examples"
         folder.mkdir()
         (folder / "bench.yaml").write_text(yaml.safe_dump_all(manifests()))
-        extra = ("--nodes", "2", "--node-subnet", SUBNETS[mode], "--routing", mode)
-        with running_stack(Path(tmp), folder, *extra) as stack, ExitStack() as cleanup:
+        with running_stack(Path(tmp), folder, *stack_args(mode)) as stack, ExitStack() as cleanup:
             log(f"{mode}: 2 nodes up")
             policies = ("server-from-client", "client-to-server")
             if not wait_for(lambda: all(_realized(stack, p) for p in policies), 60):
