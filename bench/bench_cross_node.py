@@ -116,6 +116,14 @@ class Pair:
     server: Server
 
 
+def node_netns(stack: Any, mode: str) -> dict[str, str]:
+    """Each dev node's network namespace (its host), as the stack named them."""
+    from services.devstack import __main__ as devstack
+
+    network = devstack.parse([*stack_args(mode), "--run-dir", str(stack.run_dir)]).network
+    return {n.name: n.netns for n in network.nodes}
+
+
 @contextmanager
 def bare_pair(stack: Any, mode: str, run_id: str) -> Iterator[tuple[str, str, str, str]]:
     """Two namespaces wired as Palisade wires pods, on the client's and the server's nodes, at addresses
@@ -126,10 +134,8 @@ def bare_pair(stack: Any, mode: str, run_id: str) -> Iterator[tuple[str, str, st
     from services.common.grpcserver import open_sync_channel
     from services.common.trust import Credentials
     from services.datapath import netns
-    from services.devstack import __main__ as devstack
 
-    network = devstack.parse([*stack_args(mode), "--run-dir", str(stack.run_dir)]).network
-    hosts = {n.name: n.netns for n in network.nodes}
+    hosts = node_netns(stack, mode)
     made: list[tuple[str, Any]] = []
     reserved: list[tuple[str, str]] = []
     # Reserving addresses is a node agent's call: the bench makes it as the datapaths do, with their certificate.
@@ -153,6 +159,22 @@ def bare_pair(stack: Any, mode: str, run_id: str) -> Iterator[tuple[str, str, st
                 netns.in_netns(host, netns.delete_pod, link)
             for node, ip in reserved:
                 ipam.ReleaseIP(ipam_pb2.ReleaseIPRequest(node=node, ip=ip), timeout=30)
+
+
+def _programs_on(ifname: str) -> int:
+    """How many Palisade programs run on the hooks of ``ifname`` (in the calling thread's namespace)."""
+    import socket
+
+    from services.datapath.loader import Loader
+
+    return Loader("/nonexistent").attachment(socket.if_nametoindex(ifname)).programs
+
+
+def programs(host_netns: str, ifname: str) -> int:
+    """Palisade programs on interface ``ifname`` of node namespace ``host_netns``, as the kernel lists them."""
+    from services.datapath import netns
+
+    return netns.in_netns(host_netns, _programs_on, ifname)
 
 
 def _realized(stack: Any, name: str) -> bool:
@@ -196,7 +218,18 @@ def measure_mode(mode: str, args: argparse.Namespace, run_id: str) -> dict[str, 
             }
             # Enforcement is on: the server's other port (its pod serves it, no policy allows it) is
             # dropped on this path. The measured port works on both: every sample is a completed iperf3 run.
-            checks = {"palisade-denied-port-dropped": not probe(client["netns"], str(server["ips"][0]), DENIED_PORT)}
+            # And the two paths differ by the programs only: two on each Palisade veth, none on the bare ones.
+            hosts = node_netns(stack, mode)
+            veths = {
+                "palisade": [(hosts[e["node"]], str(e["host_ifname"])) for e in (client, server)],
+                "bare": [(hosts[CLIENT_NODE], bare_client), (hosts[SERVER_NODE], bare_server)],
+            }
+            counts = {v: [programs(h, i) for h, i in veths[v]] for v in VARIANTS}
+            checks = {
+                "palisade-denied-port-dropped": not probe(client["netns"], str(server["ips"][0]), DENIED_PORT),
+                "palisade-veths-run-both-programs": counts["palisade"] == [2, 2],
+                "bare-veths-run-none": counts["bare"] == [0, 0],
+            }
             samples: dict[str, dict[str, list[float]]] = {v: {m: [] for m in METRICS} for v in VARIANTS}
             for r in range(args.rounds):
                 order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))

@@ -153,12 +153,12 @@ def test_the_ipcache_s_pods_outside_the_cidrs_become_routes_and_go_with_their_po
         await nodes._on_ipcache("", ipcache("10.0.1.2", "b"))
         assert nodes._wake.is_set()
         await nodes.reconcile()
-        assert routing.plans[-1].routes == (
+        assert list(routing.plans[-1].routes) == [
             NodeRoute("10.0.1.2/32", "172.31.0.11", "b"),
             NodeRoute("10.244.1.0/24", "172.31.0.11", "b"),
-        )
+        ]
         await nodes._on_ipcache("", ipcache("10.0.1.2", "b", deleted=True))
         await nodes.reconcile()
-        assert routing.plans[-1].routes == (NodeRoute("10.244.1.0/24", "172.31.0.11", "b"),)
+        assert list(routing.plans[-1].routes) == [NodeRoute("10.244.1.0/24", "172.31.0.11", "b")]
 
     asyncio.run(body())
