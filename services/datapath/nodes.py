@@ -31,14 +31,13 @@ from palisade.v1 import identity_pb2, k8s_pb2
 from services.common.bus import Bus, Follower
 from services.common.largeobjects import follow_deltas
 from services.common.log import get_logger
-from services.common.subjects import k8s_filter
+from services.common.subjects import IPCACHE_ALL, k8s_filter
 from services.datapath.masquerade import MasqueradePlan
 from services.datapath.routing import NodeRoute, RoutingPlan, RoutingResult
 
 log = get_logger("nodes")
 
 _ADDRESS_TYPES = ("InternalIP", "ExternalIP")
-_IPCACHE = "palisade.ipcache.>"
 
 
 class RoutingPort(Protocol):
@@ -138,20 +137,28 @@ def plan(
     return RoutingPlan(mode, tuple(sorted(routes)), local, tunnel_port, tunnel_vni), skipped
 
 
-def _all_cidrs(nodes: Mapping[str, NodeInfo], cidrs: Mapping[str, Sequence[str]]) -> list[Any]:
-    names = set(nodes) | set(cidrs)
-    return [ipaddress.ip_network(c) for n in names for c in cidrs.get(n, nodes[n].pod_cidrs if n in nodes else ())]
-
-
 def outside_cidrs(
     nodes: Mapping[str, NodeInfo], cidrs: Mapping[str, Sequence[str]], pod_addresses: Mapping[str, str]
 ) -> dict[str, str]:
-    """The pod addresses (prefix -> hosting node) that no node's pod CIDR holds. Pure."""
-    pools = _all_cidrs(nodes, cidrs)
+    """The pod addresses (prefix -> hosting node) that no node's pod CIDR holds. Pure.
+
+    One set lookup per address and distinct pod-CIDR length (one or two in a cluster), not one
+    comparison per node.
+    """
+    pools: set[Any] = set()
+    for name in set(nodes) | set(cidrs):
+        pools.update(ipaddress.ip_network(c) for c in cidrs.get(name, nodes[name].pod_cidrs if name in nodes else ()))
+    lengths = {(p.version, p.prefixlen) for p in pools}
     out: dict[str, str] = {}
     for prefix, host in pod_addresses.items():
         net = ipaddress.ip_network(prefix)
-        if not any(net.version == p.version and net.subnet_of(p) for p in pools):
+        held = any(
+            net.version == version
+            and net.prefixlen >= length
+            and (net if net.prefixlen == length else net.supernet(new_prefix=length)) in pools
+            for version, length in lengths
+        )
+        if not held:
             out[prefix] = host
     return out
 
@@ -228,7 +235,7 @@ class NodeRoutes:
     async def start(self, bus: Bus) -> None:
         """Replay the Node objects; the first routes are written by :meth:`run`."""
         self._follower = await follow_deltas(bus, k8s_filter("node"), self._on_node)
-        self._pods_follower = await bus.follow(_IPCACHE, identity_pb2.IpcacheEntry, self._on_ipcache)
+        self._pods_follower = await bus.follow(IPCACHE_ALL, identity_pb2.IpcacheEntry, self._on_ipcache)
         await self._follower.caught_up.wait()
         await self._pods_follower.caught_up.wait()
         self.loaded.set()
