@@ -5,7 +5,7 @@ each node's datapath: a pod goes to the node its spec.nodeName names, the others
 so that most pairs cross nodes; at the addresses their status.podIP/podIPs give, so that
 ipBlocks naming them judge what `palisade analyze` judges: an address inside a node's pod
 CIDR puts the pod on that node, where the cluster routes it; one outside every pod CIDR is
-reserved anyway, reachable from its own node only), imports the
+reserved anyway, and the datapaths route it to its node with a host route), imports the
 policies through the policy service, waits until their revision is realized, probes
 every pod pair on each port/protocol, prints the matrix, and cleans up. Policies that
 are already in the running system apply as well; run it on a stack without other

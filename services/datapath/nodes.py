@@ -9,6 +9,12 @@ ipam for each node's pod CIDRs (``IPAMService.GetNodeCIDR``: what ipam assigned,
 to every other node's pod CIDRs. One task owns the state: a Node change marks it dirty, and a
 resync every ``interval`` seconds asks ipam again and re-applies everything, which repairs a
 route someone removed. The plan is pure (:func:`plan`).
+
+Pods whose addresses lie outside every node's pod CIDR (a manifest's ``status.podIP``, an
+address another IPAM chose) are routed too, one host route each, via the node the ipcache says
+hosts them (``palisade.ipcache.>``, the entries naming a pod and a node), as Cilium's ipcache
+gives every address its tunnel endpoint: without it such a pod is reachable from its own node
+only. Addresses inside a pod CIDR need nothing more than their CIDR's route.
 """
 
 from __future__ import annotations
@@ -21,11 +27,11 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from palisade.v1 import k8s_pb2
+from palisade.v1 import identity_pb2, k8s_pb2
 from services.common.bus import Bus, Follower
 from services.common.largeobjects import follow_deltas
 from services.common.log import get_logger
-from services.common.subjects import k8s_filter
+from services.common.subjects import IPCACHE_ALL, k8s_filter
 from services.datapath.masquerade import MasqueradePlan
 from services.datapath.routing import NodeRoute, RoutingPlan, RoutingResult
 
@@ -96,8 +102,12 @@ def plan(
     *,
     tunnel_port: int = 8472,
     tunnel_vni: int = 2,
+    pod_addresses: Mapping[str, str] | None = None,
 ) -> tuple[RoutingPlan, list[str]]:
     """The routes to every other node's pod CIDRs, and what cannot be routed (and why). Pure.
+
+    ``pod_addresses`` (pod address prefix -> the node hosting it) adds a host route for each
+    address of another node's pod that lies outside every pod CIDR (:func:`outside_cidrs`).
 
     A CIDR goes via the other node's address of its own family. In tunnel mode the underlay is
     this node's first address (IPv4 first) and only CIDRs whose other node has an address of that
@@ -108,11 +118,14 @@ def plan(
     local = (_first(me.addresses, 4) or _first(me.addresses, 6)) if me else ""
     routes: list[NodeRoute] = []
     skipped: list[str] = []
+    outside: dict[str, list[str]] = {}
+    for prefix, host in outside_cidrs(nodes, cidrs, pod_addresses or {}).items():
+        outside.setdefault(host, []).append(prefix)
     for name in sorted(nodes):
         if name == self_name:
             continue
         info = nodes[name]
-        for prefix in cidrs.get(name, info.pod_cidrs):
+        for prefix in [*cidrs.get(name, info.pod_cidrs), *sorted(outside.get(name, ()))]:
             version = ipaddress.ip_network(prefix).version
             gateway = _first(info.addresses, version)
             if not gateway:
@@ -124,14 +137,46 @@ def plan(
     return RoutingPlan(mode, tuple(sorted(routes)), local, tunnel_port, tunnel_vni), skipped
 
 
+def outside_cidrs(
+    nodes: Mapping[str, NodeInfo], cidrs: Mapping[str, Sequence[str]], pod_addresses: Mapping[str, str]
+) -> dict[str, str]:
+    """The pod addresses (prefix -> hosting node) that no node's pod CIDR holds. Pure.
+
+    One set lookup per address and distinct pod-CIDR length (one or two in a cluster), not one
+    comparison per node.
+    """
+    pools: set[Any] = set()
+    for name in set(nodes) | set(cidrs):
+        pools.update(ipaddress.ip_network(c) for c in cidrs.get(name, nodes[name].pod_cidrs if name in nodes else ()))
+    lengths = {(p.version, p.prefixlen) for p in pools}
+    out: dict[str, str] = {}
+    for prefix, host in pod_addresses.items():
+        net = ipaddress.ip_network(prefix)
+        held = any(
+            net.version == version
+            and net.prefixlen >= length
+            and (net if net.prefixlen == length else net.supernet(new_prefix=length)) in pools
+            for version, length in lengths
+        )
+        if not held:
+            out[prefix] = host
+    return out
+
+
 def masquerade_plan(
     self_name: str,
     nodes: Mapping[str, NodeInfo],
     cidrs: Mapping[str, Sequence[str]],
     enabled: bool,
     non_masquerade: Sequence[str] = (),
+    pod_addresses: Mapping[str, str] | None = None,
 ) -> MasqueradePlan:
-    """Masquerade this node's pod CIDRs towards everything but the cluster's ranges. Pure."""
+    """Masquerade this node's pod CIDRs towards everything but the cluster's ranges. Pure.
+
+    The cluster's ranges: every pod CIDR, every node address, and the pod addresses outside
+    every pod CIDR (``pod_addresses``, as :func:`plan` takes them): a pod talking to such a pod
+    keeps its address, so the receiver judges it by its identity.
+    """
     me = nodes.get(self_name)
     sources = tuple(cidrs.get(self_name, me.pod_cidrs if me else ()))
     keep: set[str] = set(non_masquerade)
@@ -139,6 +184,7 @@ def masquerade_plan(
         info = nodes.get(name)
         keep.update(cidrs.get(name, info.pod_cidrs if info else ()))
         keep.update(str(ipaddress.ip_network(a)) for a in (info.addresses if info else ()))
+    keep.update(outside_cidrs(nodes, cidrs, pod_addresses or {}))
     return MasqueradePlan(enabled, sources, tuple(sorted(keep)))
 
 
@@ -176,6 +222,9 @@ class NodeRoutes:
         self.cidrs: dict[str, tuple[str, ...]] = {}
         #: Nodes whose pod CIDRs ipam is to be asked for (this node's own: for masquerade).
         self._stale: set[str] = {node}
+        #: Other nodes' pod addresses (prefix -> node), from the ipcache.
+        self.pod_addresses: dict[str, str] = {}
+        self._pods_follower: Follower | None = None
         self._wake = asyncio.Event()
         self._follower: Follower | None = None
         self.loaded = asyncio.Event()
@@ -186,13 +235,16 @@ class NodeRoutes:
     async def start(self, bus: Bus) -> None:
         """Replay the Node objects; the first routes are written by :meth:`run`."""
         self._follower = await follow_deltas(bus, k8s_filter("node"), self._on_node)
+        self._pods_follower = await bus.follow(IPCACHE_ALL, identity_pb2.IpcacheEntry, self._on_ipcache)
         await self._follower.caught_up.wait()
+        await self._pods_follower.caught_up.wait()
         self.loaded.set()
         self._wake.set()
 
     async def stop(self) -> None:
-        if self._follower is not None:
-            await self._follower.stop()
+        for follower in (self._follower, self._pods_follower):
+            if follower is not None:
+                await follower.stop()
 
     async def _on_node(self, subject: str, delta: k8s_pb2.K8sDelta) -> None:
         name = delta.name
@@ -207,6 +259,24 @@ class NodeRoutes:
                 return
             self._stale.add(name)
         self._wake.set()
+
+    async def _on_ipcache(self, subject: str, entry: identity_pb2.IpcacheEntry) -> None:
+        """Another node's pod address: a change to one outside every known pod CIDR is applied."""
+        try:
+            prefix = str(ipaddress.ip_network(entry.prefix.strip(), strict=False))
+        except ValueError:
+            return  # the ipcache sync logs bad prefixes
+        host = "" if entry.deleted or not entry.identity or not entry.pod else entry.node
+        before = self.pod_addresses.get(prefix, "")
+        if host and host != self._node:
+            self.pod_addresses[prefix] = host
+        else:
+            self.pod_addresses.pop(prefix, None)
+        after = self.pod_addresses.get(prefix, "")
+        if before != after and (
+            not self.loaded.is_set() or outside_cidrs(self.nodes, self.cidrs, {prefix: before or after})
+        ):
+            self._wake.set()
 
     async def run(self) -> None:
         """Apply on every change, and everything again each ``interval`` seconds."""
@@ -232,7 +302,13 @@ class NodeRoutes:
                 log.warning("node pod cidrs not known", node=name, error=str(exc))
         self._stale &= set(self.nodes) | {self._node}
         desired, skipped = plan(
-            self._node, self.nodes, self.cidrs, self.mode, tunnel_port=self._port, tunnel_vni=self._vni
+            self._node,
+            self.nodes,
+            self.cidrs,
+            self.mode,
+            tunnel_port=self._port,
+            tunnel_vni=self._vni,
+            pod_addresses=self.pod_addresses,
         )
         if skipped != self.skipped:
             for line in skipped:
@@ -249,7 +325,14 @@ class NodeRoutes:
             )
         self.applied = desired
         if self._masquerade is not None:
-            masq = masquerade_plan(self._node, self.nodes, self.cidrs, self._masquerade_enabled, self._non_masquerade)
+            masq = masquerade_plan(
+                self._node,
+                self.nodes,
+                self.cidrs,
+                self._masquerade_enabled,
+                self._non_masquerade,
+                self.pod_addresses,
+            )
             if masq != self.masqueraded:
                 try:
                     await asyncio.to_thread(self._masquerade.apply, masq)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ def leftovers() -> set[str]:
     pins = {p.name for p in Path("/sys/fs/bpf").iterdir() if p.name.startswith("palisade-bench-")}
     netns = Path("/run/netns")
     names = {n.name for n in netns.iterdir()} if netns.is_dir() else set()
-    return pins | {n for n in names if n.startswith(("pal_bcp", "pal_bsys"))}
+    return pins | {n for n in names if n.startswith(("pal_bcp", "pal_bsys", "pal_bxn"))}
 
 
 @pytest.mark.root
@@ -112,3 +113,25 @@ def test_tls_quick() -> None:
     for key in ("orders_1k_latency_ms_p50", "orders_16k_per_s", "reports_latency_ms_p50", "reports_per_s"):
         assert out["tls"][key] > 0 and out["plain"][key] > 0, key
         assert out["ratios"][key] == round(out["tls"][key] / out["plain"][key], 3), key
+
+
+@pytest.mark.root
+@pytest.mark.bcc
+@pytest.mark.timeout(240)
+def test_cross_node_quick() -> None:
+    """Both routing modes measured, each pair of each round, as ratios to the no-program baseline."""
+    if shutil.which("iperf3") is None:
+        pytest.skip("iperf3 is not installed")
+    before = leftovers()
+    out = run_quick("bench_cross_node.py")
+    assert out["checks_passed"] is True, out.get("error")
+    assert set(out["modes"]) == {"direct", "tunnel"}
+    for mode in out["modes"].values():
+        for variant in ("palisade", "bare"):
+            for metric in ("tcp_throughput", "udp_64b_rate"):
+                samples = mode["samples"][variant][metric]
+                assert len(samples) == 2 and all(x > 0 for x in samples), (variant, metric, samples)
+        assert all(r > 0 for r in mode["ratios"].values()), mode["ratios"]
+    ratios = [r["metric"] for r in out["summary"] if r["unit"] == "ratio"]
+    assert len(ratios) == 4 and all("Palisade / no program" in m for m in ratios), ratios
+    assert leftovers() <= before, "pins or namespaces left behind"

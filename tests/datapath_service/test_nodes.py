@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from palisade.v1 import k8s_pb2
+from palisade.v1 import identity_pb2, k8s_pb2
 from services.datapath.masquerade import MasqueradePlan
-from services.datapath.nodes import NodeInfo, NodeRoutes, parse_node, plan
+from services.datapath.nodes import NodeInfo, NodeRoutes, masquerade_plan, parse_node, plan
 from services.datapath.routing import NodeRoute, RoutingPlan, RoutingResult
 
 
@@ -111,5 +111,54 @@ def test_node_changes_become_routes_and_masquerade_and_a_gone_node_s_routes_go(i
         await nodes.reconcile()
         assert not routing.plans[-1].routes
         assert "10.244.1.0/24" not in masq.plans[-1].keep
+
+    asyncio.run(body())
+
+
+POD_ADDRESSES = {
+    "10.0.1.1/32": "b",  # outside every pod CIDR: a host route via b
+    "10.244.1.7/32": "b",  # inside b's CIDR: its CIDR's route is enough
+    "10.0.1.2/32": "c",  # outside, but c has no IPv4 address
+}
+
+
+@pytest.mark.parametrize("mode", ["direct", "tunnel"])
+def test_pods_outside_every_pod_cidr_get_a_host_route_via_their_node(mode: str) -> None:
+    routes, skipped = plan("a", NODES, CIDRS, mode, pod_addresses=POD_ADDRESSES)
+    assert NodeRoute("10.0.1.1/32", "172.31.0.11", "b") in routes.routes
+    assert not [r for r in routes.routes if r.prefix == "10.244.1.7/32"]
+    assert "10.0.1.2/32 of node c: the node has no IPv4 address" in skipped
+    keep = masquerade_plan("a", NODES, CIDRS, True, (), POD_ADDRESSES).keep
+    assert "10.0.1.1/32" in keep and "10.244.1.7/32" not in keep
+
+
+def ipcache(prefix: str, node: str, pod: str = "p", deleted: bool = False) -> identity_pb2.IpcacheEntry:
+    return identity_pb2.IpcacheEntry(prefix=prefix, identity=300, node=node, namespace="x", pod=pod, deleted=deleted)
+
+
+def test_the_ipcache_s_pods_outside_the_cidrs_become_routes_and_go_with_their_pods() -> None:
+    async def body() -> None:
+        routing = FakeRouting()
+        nodes = NodeRoutes("a", "direct", routing, FakeIpam({"a": ["10.244.0.0/24"], "b": ["10.244.1.0/24"]}))
+        await nodes._on_node("", delta("a", node_object("a", ("InternalIP", "172.31.0.10"))))
+        await nodes._on_node("", delta("b", node_object("b", ("InternalIP", "172.31.0.11"))))
+        await nodes.reconcile()
+        nodes.loaded.set()
+        nodes._wake.clear()
+        await nodes._on_ipcache("", ipcache("10.244.1.9/32", "b"))
+        assert not nodes._wake.is_set(), "an address inside a pod CIDR changes no route"
+        await nodes._on_ipcache("", ipcache("10.0.1.1", "a"))  # this node's own pod: routed locally
+        await nodes._on_ipcache("", ipcache("172.31.0.11/32", "b", pod=""))  # a node address
+        assert not nodes._wake.is_set()
+        await nodes._on_ipcache("", ipcache("10.0.1.2", "b"))
+        assert nodes._wake.is_set()
+        await nodes.reconcile()
+        assert list(routing.plans[-1].routes) == [
+            NodeRoute("10.0.1.2/32", "172.31.0.11", "b"),
+            NodeRoute("10.244.1.0/24", "172.31.0.11", "b"),
+        ]
+        await nodes._on_ipcache("", ipcache("10.0.1.2", "b", deleted=True))
+        await nodes.reconcile()
+        assert list(routing.plans[-1].routes) == [NodeRoute("10.244.1.0/24", "172.31.0.11", "b")]
 
     asyncio.run(body())

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 import pytest
 
+from palisade.v1 import common_pb2, common_pb2_grpc
 from services.cli.client import dial_target
 from services.common.grpcserver import open_sync_channel
 from services.common.trust import Credentials
@@ -86,6 +87,19 @@ class Stack:
     def channel(self, service: str) -> grpc.Channel:
         """A mutual-TLS channel to ``service`` presenting the CLI's certificate, as `palisade` does."""
         return open_sync_channel(dial_target(self.address(service)), service, Credentials.load(self.tls_dir, "cli"))
+
+    @contextlib.contextmanager
+    def node_channels(self) -> Iterator[dict[str, grpc.Channel]]:
+        """A channel to every node's datapath, by the node it serves (as `palisade` finds them)."""
+        with contextlib.ExitStack() as stack:
+            out: dict[str, grpc.Channel] = {}
+            for target in self.address("datapath").split(","):
+                ch = stack.enter_context(
+                    open_sync_channel(dial_target(target), "datapath", Credentials.load(self.tls_dir, "cli"))
+                )
+                status = common_pb2_grpc.StatusServiceStub(ch).GetStatus(common_pb2.GetStatusRequest(), timeout=30)
+                out[status.node] = ch
+            yield out
 
     def palisade(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

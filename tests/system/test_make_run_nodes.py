@@ -235,6 +235,30 @@ def test_an_ipblock_naming_pods_on_other_nodes(stack: Stack, tmp_path: Path) -> 
     assert {src for src, row in got[80].items() if row[guarded]} == {guarded, *admitted}
 
 
+def check_pods_outside_every_pod_cidr_reach_across_nodes(stack: Stack, tmp: Path, hosts: list[str]) -> None:
+    """Pods at addresses no node's pod CIDR holds (a manifest's status.podIP), spread over the nodes:
+    each datapath routes the others' such addresses to their node (a host route per address, from
+    the ipcache), so every pair answers as analyze says, and the routes go with the pods.
+    ``hosts``: the nodes' network namespaces."""
+    ips = {f"{ns}/{pod}": f"10.0.{i + 1}.{j + 1}" for i, ns in enumerate("xyz") for j, pod in enumerate("abc")}
+    got = _probe_equals_analyze(stack, _matrix_files(tmp, MATRIX_CASES["default deny and a pod selector"], ips))
+    assert got[80]["x/b"]["x/a"] and got[80]["y/a"]["z/b"], "pairs on different nodes connect"
+
+    def host_routes() -> list[str]:
+        out = []
+        for host in hosts:
+            cmd = ["ip", "-n", host, "-j", "route", "show", "proto", str(RTPROT_PALISADE)]
+            routes = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+            out += [str(r["dst"]) for r in routes if str(r["dst"]).startswith("10.0.")]
+        return out
+
+    assert wait_for(lambda: not host_routes()), host_routes()
+
+
+def test_pods_outside_every_pod_cidr_reach_across_nodes(stack: Stack, tmp_path: Path) -> None:
+    check_pods_outside_every_pod_cidr_reach_across_nodes(stack, tmp_path, list(_node_netns(stack).values()))
+
+
 def test_a_killed_node_leaves_the_others_enforcing_and_catches_up(stack: Stack) -> None:
     endpoints = _endpoints(stack)
     backend, frontend = str(endpoints["shop/backend"]["node"]), str(endpoints["shop/frontend"]["node"])

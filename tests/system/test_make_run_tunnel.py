@@ -22,7 +22,12 @@ from services.datapath.routing import RTPROT_PALISADE, TUNNEL_IFNAME
 from services.devstack import __main__ as devstack
 from tests.harness import ROOT
 from tests.system.stack import Stack, running_stack
-from tests.system.test_make_run_nodes import MATRIX_CASES, _matrix_files, _probe_equals_analyze
+from tests.system.test_make_run_nodes import (
+    MATRIX_CASES,
+    _matrix_files,
+    _probe_equals_analyze,
+    check_pods_outside_every_pod_cidr_reach_across_nodes,
+)
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -99,6 +104,11 @@ def test_the_example_story_holds_across_nodes_through_the_tunnel(stack: Stack) -
 @pytest.mark.parametrize("case", sorted(MATRIX_CASES))
 def test_connectivity_probe_through_the_tunnel_equals_analyze(stack: Stack, tmp_path: Path, case: str) -> None:
     _probe_equals_analyze(stack, _matrix_files(tmp_path, MATRIX_CASES[case]))
+
+
+def test_pods_outside_every_pod_cidr_reach_across_nodes_through_the_tunnel(stack: Stack, tmp_path: Path) -> None:
+    hosts = [n.netns for n in _network(stack).nodes]
+    check_pods_outside_every_pod_cidr_reach_across_nodes(stack, tmp_path, hosts)
 
 
 def test_zz_ctrl_c_removes_the_router_and_the_bridges(stack: Stack) -> None:

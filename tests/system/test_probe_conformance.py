@@ -1,15 +1,22 @@
 """`palisade connectivity probe` equals `palisade analyze` on every conformance case, with real packets.
 
-One stack with an empty manifest folder; the x/y/z, a/b/c model's nine pods are created once at
-their status.podIP addresses (10.0.<ns>.<pod>, outside the node's pool, so the ipBlock cases
-judge pod addresses), with servers on every probed port. Each case of the NetworkPolicy and
-Cilium policy suites is imported, probed with real TCP, UDP and SCTP packets (raw-socket SCTP
-where the kernel has none), compared cell by cell with the engine's matrix, and withdrawn.
+One stack per topology, with an empty manifest folder: one node; three nodes routed directly
+(`--routing direct`: each datapath routes the other nodes' pod CIDRs via their addresses); three
+nodes on networks of their own joined by the datapaths' VXLAN (`--routing tunnel`). The x/y/z,
+a/b/c model's nine pods are created once at their status.podIP addresses (10.0.<ns>.<pod>,
+outside every node's pool, so the ipBlock cases judge pod addresses), spread over the nodes in
+turn (pod i on node i mod 3: two pairs in three cross nodes), with servers on every probed port.
+Each case of the NetworkPolicy and Cilium policy suites is imported, probed with real TCP, UDP
+and SCTP packets (raw-socket SCTP where the kernel has none), compared cell by cell with the
+engine's matrix, and withdrawn.
+
+Run one topology with ``-k``: ``pytest tests/system/test_probe_conformance.py -k tunnel``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import pytest
@@ -30,19 +37,28 @@ CASES: dict[str, list[Any]] = {
     **{f"knp/{name}": policies for name, (policies, _) in knp_cases.CASES.items()},
     **{f"cnp/{name}": policies for name, (policies, _) in cnp_cases.CASES.items()},
 }
+#: Topology -> the stack's extra arguments (each multi-node one on a node subnet of its own).
+TOPOLOGIES: dict[str, tuple[str, ...]] = {
+    "one-node": (),
+    "direct": ("--nodes", "3", "--node-subnet", "172.31.244.0/24", "--routing", "direct"),
+    "tunnel": ("--nodes", "3", "--node-subnet", "172.31.240.0/24", "--routing", "tunnel"),
+}
 
 
-@pytest.fixture(scope="module")
-def probe_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProbeRun]:
+@pytest.fixture(scope="module", params=sorted(TOPOLOGIES))
+def probe_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProbeRun]:
+    topology = str(request.param)
     probes = [Probe.parse(p) for p in PROBES]
     with (
-        running_stack(tmp_path_factory.mktemp("conformance"), None) as stack,
-        stack.channel("datapath") as dp_ch,
+        running_stack(tmp_path_factory.mktemp(f"conformance-{topology}"), None, *TOPOLOGIES[topology]) as stack,
+        ExitStack() as channels,
         stack.channel("policy") as pol_ch,
     ):
-        run = ProbeRun(
-            datapath_pb2_grpc.DatapathServiceStub(dp_ch), policy_pb2_grpc.PolicyServiceStub(pol_ch), timeout=1.5
-        )
+        datapaths = {
+            node: datapath_pb2_grpc.DatapathServiceStub(ch)
+            for node, ch in channels.enter_context(stack.node_channels()).items()
+        }
+        run = ProbeRun(datapaths, policy_pb2_grpc.PolicyServiceStub(pol_ch), timeout=1.5)
         try:
             docs = [Document(f"model[{i}]", d) for i, d in enumerate(model_documents())]
             run.create_pods(docs, probes)
@@ -52,11 +68,15 @@ def probe_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProbeRun]:
             run.close()
 
 
-def test_pods_sit_at_their_manifest_addresses(probe_run: ProbeRun) -> None:
+def test_pods_sit_at_their_manifest_addresses_spread_over_the_nodes(probe_run: ProbeRun) -> None:
     got = {key: list(ep.ips) for key, ep in probe_run.endpoints.items()}
     want = {f"{d['metadata']['namespace']}/{d['metadata']['name']}": [d["status"]["podIP"]] for d in model_documents()
             if d["kind"] == "Pod"}  # fmt: skip
     assert got == want
+    nodes = {key: ep.node for key, ep in probe_run.endpoints.items()}
+    pairs = [(s, d) for s in nodes for d in nodes if s != d]
+    crossing = [p for p in pairs if nodes[p[0]] != nodes[p[1]]]
+    assert len(crossing) * 3 >= 2 * len(pairs) or len(set(nodes.values())) == len(probe_run.datapaths) == 1
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
