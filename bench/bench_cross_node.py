@@ -46,7 +46,9 @@ from typing import Any
 
 import yaml
 
-from bench.bench_datapath_cost import IPERF_PORT, Server, iperf, median, quartiles, round_to, stdout_reserved_for_json
+from bench.output import logger, stdout_reserved_for_json
+from bench.roles import IPERF_PORT, Server, iperf
+from bench.stats import median, quartiles, round_to
 
 MODES = ("direct", "tunnel")
 #: Each mode's node subnet: its own, so the run shares no address with other dev clusters.
@@ -61,8 +63,7 @@ METRICS: dict[str, dict[str, str]] = {
 }
 
 
-def log(message: str) -> None:
-    print(f"[cross-node {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+log = logger("cross-node")
 
 
 def manifests() -> list[dict[str, Any]]:
