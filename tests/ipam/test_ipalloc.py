@@ -182,6 +182,7 @@ async def test_concurrent_processes_never_duplicate_ips_or_node_cidrs(etcd_serve
         for i in range(4)
     ]
     results = [worker_result(w) for w in workers]
+    assert all(r["batches"] < r["transactions"] for r in results), "no process sent transactions together"
     ips = [ip for r in results for ip in r["ips"].values()]
     assert len(ips) == 240 and len(set(ips)) == 240
     node_cidrs: dict[str, list[str]] = {}
