@@ -33,6 +33,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
+from bench.stats import target
 from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc
 from services.common.bus import Bus
 from services.common.labels import LabelSet
@@ -42,7 +43,6 @@ from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases
-from bench.stats import target
 from tests.harness import EtcdServer, NatsServer, ServiceProcess, channel, creds
 from tests.ipam.helpers import K8s, ipam_args
 
@@ -98,7 +98,7 @@ async def bench_level(store: Store, level: int, identities: int, ips: int) -> di
     return result
 
 
-async def bench(endpoint: str, identities: int, ips: int, levels: list[int]) -> dict[str, object]:
+async def bench(endpoint: str, identities: int, ips: int, levels: list[int]) -> dict[str, dict[str, float]]:
     host, port = endpoint.rsplit(":", 1)
     client = await connect_etcd([(host, int(port))], tls=creds("ipam"))
     store = Store(client)
@@ -194,9 +194,22 @@ async def bench_api(tmp: Path, replicas: int, concurrency: int, identities: int,
         etcd.stop()
 
 
-def summary(api: dict[str, object]) -> list[dict[str, object]]:
+def summary(results: dict[str, dict[str, float]], api: dict[str, object]) -> list[dict[str, object]]:
+    """One row per figure: the allocators in this process per level, then the API with its targets."""
+    rows: list[dict[str, object]] = [
+        {
+            "metric": f"allocator in process: {name.removesuffix('_per_s')}, {level.replace('_', ' ')}",
+            "value": v,
+            "unit": "/s",
+        }
+        for level, figures in results.items()
+        for name, v in figures.items()
+    ]
+    if not api:
+        return rows
     where = f"{api['replicas']} replicas, concurrency {api['concurrency']}"
     return [
+        *rows,
         {
             "metric": f"ipam API: new identities, {where}",
             "value": api["identity_new_per_s"],
@@ -240,7 +253,7 @@ def main() -> int:
         "python": platform.python_version(),
         "results": results,
         "api": api,
-        "summary": summary(api) if api else [],
+        "summary": summary(results, api),
     }
     print(json.dumps(out, indent=2))
     return 0
