@@ -55,7 +55,7 @@ def merged(intervals: Iterable[Interval]) -> list[Interval]:
 
 
 class Footprint:
-    """The keys of a batch so far: sorted, pairwise disjoint intervals (so ends are sorted too)."""
+    """A set of keys: sorted, pairwise disjoint intervals (so their ends are sorted too)."""
 
     def __init__(self) -> None:
         self._starts: list[bytes] = []
@@ -70,11 +70,14 @@ class Footprint:
         return False
 
     def add(self, intervals: Sequence[Interval]) -> None:
-        """Add disjoint intervals that do not overlap the footprint (check with :meth:`overlaps`)."""
+        """Add intervals, merging those that overlap ones already in."""
         for start, end in intervals:
-            i = bisect.bisect_left(self._starts, start)
-            self._starts.insert(i, start)
-            self._ends.insert(i, end)
+            lo = bisect.bisect_right(self._ends, start)  # the first that ends after ``start``
+            hi = bisect.bisect_left(self._starts, end)  # the first that starts at or after ``end``
+            if lo < hi:
+                start, end = min(start, self._starts[lo]), max(end, self._ends[hi - 1])
+            self._starts[lo:hi] = [start]
+            self._ends[lo:hi] = [end]
 
 
 @dataclasses.dataclass(slots=True)
@@ -125,19 +128,23 @@ class Coalescer(Generic[T, R]):
         self._launch()
 
     def _take(self) -> list[_Queued[T, R]]:
-        """The next batch: waiting requests in order that fit beside those taken before them."""
+        """The next batch: waiting requests in order that overlap neither one taken nor one kept
+        before them (so requests on common keys are sent in the order they came)."""
         batch: list[_Queued[T, R]] = []
         taken = Footprint()
+        blocked = Footprint()
         kept: deque[_Queued[T, R]] = deque()
         while self._waiting:
             queued = self._waiting.popleft()
             if queued.answer.done():
                 continue  # its caller gave up before it was sent
-            if len(batch) < self._max_batch and not taken.overlaps(queued.footprint):
+            fits = not taken.overlaps(queued.footprint) and not blocked.overlaps(queued.footprint)
+            if len(batch) < self._max_batch and fits:
                 taken.add(queued.footprint)
                 batch.append(queued)
             else:
                 kept.append(queued)
+                blocked.add(queued.footprint)
                 if len(batch) >= self._max_batch:
                     break
         kept.extend(self._waiting)

@@ -59,6 +59,16 @@ def test_footprint_overlap(taken: list[Interval], probe: list[Interval], overlap
     assert fp.overlaps(merged(probe)) is overlaps
 
 
+def test_adding_overlapping_intervals_merges_them() -> None:
+    fp = Footprint()
+    fp.add([(b"c", b"e"), (b"g", b"i")])
+    fp.add([(b"d", b"h")])  # bridges both
+    assert not fp.overlaps([(b"a", b"c"), (b"i", b"z")])
+    assert fp.overlaps([point(b"f")])
+    fp.add([(b"a", b"b")])
+    assert fp.overlaps([point(b"a")]) and not fp.overlaps([point(b"b")])
+
+
 def test_a_transaction_touches_its_compares_reads_writes_and_nested_ones() -> None:
     prefix = keys.identity_refs_of(300)
     got = merged(
@@ -112,6 +122,18 @@ async def test_an_overlapping_request_waits_for_the_next_batch_keeping_its_place
     rec.gate.set()
     await asyncio.gather(*tasks)
     assert rec.batches == [["a"], ["b", "d"], ["c"], ["e"]]
+
+
+async def test_requests_on_common_keys_keep_their_order_across_batches() -> None:
+    rec = Recorder()
+    co: Coalescer[str, str] = Coalescer(rec.send, max_batch=10)
+    tasks = [await _queued(co, "a", [b"x"])]
+    # c waits behind b (key k); d shares key m with c only, so it may not overtake c.
+    for item, keys_ in (("b", [b"k"]), ("c", [b"k", b"m"]), ("d", [b"m"]), ("e", [b"z"])):
+        tasks.append(await _queued(co, item, keys_))
+    rec.gate.set()
+    await asyncio.gather(*tasks)
+    assert rec.batches == [["a"], ["b", "e"], ["c"], ["d"]]
 
 
 async def test_each_caller_gets_its_own_error_and_a_failed_send_reaches_all() -> None:
