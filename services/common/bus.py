@@ -34,7 +34,13 @@ from nats.errors import (
 )
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
-from nats.js.errors import BucketNotFoundError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import (
+    APIError,
+    BucketNotFoundError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from nats.js.object_store import ObjectStore
 
 from services.common.access import INBOX_PREFIX
@@ -64,6 +70,16 @@ TRANSIENT: tuple[type[Exception], ...] = (
     ConnectionReconnectingError,
     StaleConnectionError,
 )
+
+#: JetStream API error codes of a cluster whose servers have not all joined yet: 10005, "no
+#: suitable peers for placement" (a leader is elected, but too few peers are known to place
+#: three replicas). A management call retries them like :data:`TRANSIENT`.
+FORMING: frozenset[int] = frozenset({10005})
+
+
+class ClusterForming(Exception):
+    """JetStream cannot place replicas yet: the servers of the cluster are still joining it."""
+
 
 #: Seconds a JetStream management call (streams, consumers, buckets) keeps retrying the
 #: errors of :data:`TRANSIENT`, as while the servers of a cluster form it and elect its leader,
@@ -363,7 +379,8 @@ class Bus:
         for :attr:`patience` seconds, then a :class:`StartupError` naming it and what to check.
 
         A cluster whose servers are still forming it answers with timeouts and "JetStream
-        unavailable" until they elect a leader; any other error is raised at once.
+        unavailable" until they elect a leader, then "no suitable peers for placement" until
+        enough of them have joined (:data:`FORMING`); any other error is raised at once.
         """
 
         def unavailable(exc: Exception, attempts: int) -> StartupError:
@@ -374,7 +391,17 @@ class Bus:
                 "run with JetStream (-js) and, on a cluster, have formed it (their logs name the routes they miss)"
             )
 
-        return await self._retry(what, call, only=TRANSIENT, deadline=self.patience, give_up=unavailable, fields=fields)
+        async def once() -> T:
+            try:
+                return await call()
+            except APIError as exc:
+                if exc.err_code in FORMING:
+                    raise ClusterForming(f"{exc.description} (JetStream error {exc.err_code})") from exc
+                raise
+
+        return await self._retry(
+            what, once, only=(*TRANSIENT, ClusterForming), deadline=self.patience, give_up=unavailable, fields=fields
+        )
 
     @classmethod
     async def connect(

@@ -78,6 +78,28 @@ async def test_streams_are_ensured_while_the_cluster_forms(tmp_path: Path) -> No
         nats.stop()
 
 
+async def test_streams_wait_for_enough_servers_to_place_their_replicas(tmp_path: Path) -> None:
+    """Two servers of three elect a JetStream leader but cannot place three replicas ("no suitable
+    peers for placement") until the third joins: ensure_streams waits for it."""
+    nats = NatsCluster(tmp_path)
+    for member in nats.members[:2]:
+        member.start()
+    try:
+        with bus_call_failed("ensure stream") as failed:
+            bus = await _connect(nats.urls, "placing")  # JetStream answers: a leader is elected
+            async with bus:
+                ensuring = asyncio.create_task(bus.ensure_streams(K8S_STREAM))
+                noticed = asyncio.create_task(failed.wait())
+                await asyncio.wait({ensuring, noticed}, return_when=asyncio.FIRST_COMPLETED)
+                noticed.cancel()
+                assert failed.is_set() and not ensuring.done(), f"not waiting: {ensuring}"
+                nats.members[2].start()
+                await ensuring
+                assert (await bus.js.stream_info(K8S_STREAM.name)).config.num_replicas == 3
+    finally:
+        nats.stop()
+
+
 async def test_a_cluster_that_never_forms_fails_clearly_after_the_patience(tmp_path: Path) -> None:
     nats = NatsCluster(tmp_path)
     nats.members[0].start()
