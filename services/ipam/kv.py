@@ -33,6 +33,7 @@ from aetcd import rpc
 
 from services.common.log import get_logger
 from services.common.retry import retry
+from services.ipam import metrics
 from services.ipam.batch import Coalescer, Interval, point
 
 log = get_logger("etcd")
@@ -407,6 +408,8 @@ class Store:
         return await self._batcher.submit(call, footprint(compares, (*success, *failure)))
 
     async def _send(self, calls: Sequence[_TxnCall]) -> Sequence[TxnResult | BaseException]:
+        metrics.ETCD_BATCHES.inc()
+        metrics.ETCD_TRANSACTIONS.inc(len(calls))
         if len(calls) == 1:
             return [await self._txn(calls[0])]
         try:
