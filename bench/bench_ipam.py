@@ -15,7 +15,9 @@ data dirs) and prints one JSON object.
   the answer), IP allocations on one node (every replica allocating from the same node
   CIDR) and their releases. No address or identity may be handed out twice.
 
-The ``summary`` rows carry the targets of issue 34 on the API figures.
+The ``summary`` rows carry the targets of issue 34 on the API figures, and the CPU each API
+request cost the replicas, etcd, nats-server and this client (the machine's ceiling is its
+cores divided by their sum).
 """
 
 from __future__ import annotations
@@ -180,10 +182,20 @@ async def bench_api(tmp: Path, replicas: int, concurrency: int, identities: int,
             proc = ServiceProcess("ipam", logs, args)
             proc.start()
             procs.append(proc)
+        pids = {
+            name: [s.proc.pid for s in servers if s.proc is not None]
+            for name, servers in (("replicas", procs), ("etcd", [etcd]), ("nats", [nats]))
+        }
+        before = {k: _cpu_seconds(v) for k, v in pids.items()} | {"client": time.process_time()}
+        figures = await _api_level([p.address for p in procs], concurrency, identities, ips)
+        after = {k: _cpu_seconds(v) for k, v in pids.items()} | {"client": time.process_time()}
+        requests = identities + 2 * ips
         return {
             "replicas": replicas,
             "concurrency": concurrency,
-            **await _api_level([p.address for p in procs], concurrency, identities, ips),
+            **figures,
+            # Where the machine's CPU went, per API request (allocations and releases alike).
+            "cpu_ms_per_request": {k: round((after[k] - before[k]) * 1000 / requests, 3) for k in before},
         }
     finally:
         for proc in procs:
@@ -192,6 +204,16 @@ async def bench_api(tmp: Path, replicas: int, concurrency: int, identities: int,
         nats.stop()
         etcd.stop()
         etcd.stop()
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User plus system CPU seconds the processes have used so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
 
 
 def summary(results: dict[str, dict[str, float]], api: dict[str, object]) -> list[dict[str, object]]:
@@ -223,6 +245,10 @@ def summary(results: dict[str, dict[str, float]], api: dict[str, object]) -> lis
             "target": target(">=", TARGET_IPS),
         },
         {"metric": f"ipam API: IP releases, {where}", "value": api["ip_release_per_s"], "unit": "/s"},
+        *(
+            {"metric": f"ipam API: CPU per request, {who}", "value": ms, "unit": "ms"}
+            for who, ms in dict(api["cpu_ms_per_request"]).items()  # type: ignore[call-overload]
+        ),
     ]
 
 
