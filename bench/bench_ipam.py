@@ -1,11 +1,23 @@
-"""Identity and IP allocation throughput of ipam's allocators against a local etcd.
+"""Identity and IP allocation throughput of ipam, in-process and through replicas' gRPC API.
 
-    .venv/bin/python bench/bench_ipam.py [--identities 2000] [--ips 2000] [--concurrency 1,32]
+    .venv/bin/python -m bench.bench_ipam [--identities 2000] [--ips 2000] [--concurrency 1,32]
+                                         [--replicas 2] [--api-concurrency 16]
 
-Starts its own single-member etcd on free loopback ports (fresh data dir) and
-prints one JSON object: per concurrency level, new identities per second (each a
-create-if-absent transaction plus the reference), references on existing
-identities per second, and IP allocations and releases per second on one node.
+Starts its own single-member etcd and nats-server on free loopback ports (fresh
+data dirs) and prints one JSON object.
+
+- ``results``: the allocators in this process, per concurrency level: new identities
+  per second (each a create-if-absent transaction plus the reference), references on
+  existing identities per second, IP allocations and releases per second on one node.
+- ``api``: ``--replicas`` ipam processes on that etcd and NATS, called over gRPC (mutual
+  TLS) as the datapath calls them, ``--api-concurrency`` requests in flight in all,
+  spread round-robin over the replicas: new identities (each announced on NATS before
+  the answer), IP allocations on one node (every replica allocating from the same node
+  CIDR) and their releases. No address or identity may be handed out twice.
+
+The ``summary`` rows carry the targets of issue 34 on the API figures, and the CPU each API
+request cost the replicas, etcd, nats-server and this client (the machine's ceiling is its
+cores divided by their sum).
 """
 
 from __future__ import annotations
@@ -23,6 +35,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
+from bench.stats import target
+from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc
+from services.common.bus import Bus
 from services.common.labels import LabelSet
 from services.common.store import connect_etcd
 from services.ipam.config import IPAMMode
@@ -30,7 +45,14 @@ from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases
-from tests.harness import EtcdServer, creds
+from tests.harness import EtcdServer, NatsServer, ServiceProcess, channel, creds
+from tests.ipam.helpers import K8s, ipam_args
+
+#: Issue 34's targets for the API at concurrency 16 with two replicas, per second.
+TARGET_IDENTITIES = 2000.0
+TARGET_IPS = 2000.0
+#: The replicas' pool: one node CIDR holds every address the API part allocates.
+POOL = ("--cluster-cidrs", "10.0.0.0/8", "--node-mask-v4", "16")
 
 
 async def _timed(jobs: Sequence[Callable[[], Awaitable[object]]], concurrency: int) -> float:
@@ -78,7 +100,7 @@ async def bench_level(store: Store, level: int, identities: int, ips: int) -> di
     return result
 
 
-async def bench(endpoint: str, identities: int, ips: int, levels: list[int]) -> dict[str, object]:
+async def bench(endpoint: str, identities: int, ips: int, levels: list[int]) -> dict[str, dict[str, float]]:
     host, port = endpoint.rsplit(":", 1)
     client = await connect_etcd([(host, int(port))], tls=creds("ipam"))
     store = Store(client)
@@ -88,13 +110,158 @@ async def bench(endpoint: str, identities: int, ips: int, levels: list[int]) -> 
         await client.close()
 
 
+async def _api_level(addresses: list[str], concurrency: int, identities: int, ips: int) -> dict[str, float]:
+    channels = [channel(address, "ipam", "datapath") for address in addresses]
+    try:
+        ident = [identity_pb2_grpc.IdentityServiceStub(c) for c in channels]
+        ipam = [ipam_pb2_grpc.IPAMServiceStub(c) for c in channels]
+        n = len(channels)
+
+        got_ids: dict[int, str] = {}
+
+        def alloc_identity(i: int) -> Callable[[], Awaitable[None]]:
+            labels = [
+                common_pb2.Label(source="k8s", key="app", value=f"api-{i}"),
+                common_pb2.Label(source="k8s", key="io.kubernetes.pod.namespace", value="bench"),
+            ]
+            request = identity_pb2.AllocateIdentityRequest(labels=labels, node=f"node-{i % 8}", owner=f"pod/bench/{i}")
+
+            async def run() -> None:
+                answer = await ident[i % n].AllocateIdentity(request, timeout=60)
+                assert answer.new, f"label set {i} was not new"
+                assert got_ids.setdefault(answer.identity.id, f"api-{i}") == f"api-{i}", (
+                    "an identity was handed out twice"
+                )
+
+            return run
+
+        node = "api-node"
+        await ipam[0].GetNodeCIDR(ipam_pb2.GetNodeCIDRRequest(node=node), timeout=60)
+        got_ips: dict[str, str] = {}
+
+        def alloc_ip(i: int) -> Callable[[], Awaitable[None]]:
+            request = ipam_pb2.AllocateIPRequest(node=node, owner=f"pod/bench/ip-{i}", family=ipam_pb2.FAMILY_IPV4)
+
+            async def run() -> None:
+                answer = await ipam[i % n].AllocateIP(request, timeout=60)
+                assert got_ips.setdefault(answer.ip, answer.owner) == answer.owner, "an address was handed out twice"
+
+            return run
+
+        out = {"identity_new_per_s": await _timed([alloc_identity(i) for i in range(identities)], concurrency)}
+        out["ip_allocate_per_s"] = await _timed([alloc_ip(i) for i in range(ips)], concurrency)
+        assert len(got_ids) == identities and len(got_ips) == ips
+        release = [
+            functools.partial(
+                ipam[i % n].ReleaseIP, ipam_pb2.ReleaseIPRequest(node=node, ip=ip, owner=owner), timeout=60
+            )
+            for i, (ip, owner) in enumerate(sorted(got_ips.items()))
+        ]
+        out["ip_release_per_s"] = await _timed(release, concurrency)
+        return out
+    finally:
+        for c in channels:
+            await c.close()
+
+
+async def bench_api(tmp: Path, replicas: int, concurrency: int, identities: int, ips: int) -> dict[str, object]:
+    """``replicas`` ipam processes on a fresh etcd and nats-server, called over gRPC."""
+    etcd = EtcdServer(tmp / "etcd-api")
+    etcd.start()
+    nats = NatsServer(tmp / "nats")
+    nats.start()
+    procs: list[ServiceProcess] = []
+    try:
+        async with await Bus.connect([nats.url], name="bench", tls=creds()) as bus:
+            await bus.ensure_streams()
+            await K8s(bus).synced()
+        args = ipam_args(nats, etcd, "--identity-gc-interval", "3600", "--log-level", "warning", *POOL)
+        logs = tmp / "logs"
+        logs.mkdir()
+        for _ in range(replicas):
+            proc = ServiceProcess("ipam", logs, args)
+            proc.start()
+            procs.append(proc)
+        pids = {
+            name: [s.proc.pid for s in servers if s.proc is not None]
+            for name, servers in (("replicas", procs), ("etcd", [etcd]), ("nats", [nats]))
+        }
+        before = {k: _cpu_seconds(v) for k, v in pids.items()} | {"client": time.process_time()}
+        figures = await _api_level([p.address for p in procs], concurrency, identities, ips)
+        after = {k: _cpu_seconds(v) for k, v in pids.items()} | {"client": time.process_time()}
+        requests = identities + 2 * ips
+        return {
+            "replicas": replicas,
+            "concurrency": concurrency,
+            **figures,
+            # Where the machine's CPU went, per API request (allocations and releases alike).
+            "cpu_ms_per_request": {k: round((after[k] - before[k]) * 1000 / requests, 3) for k in before},
+        }
+    finally:
+        for proc in procs:
+            if proc.terminate() != 0:
+                print(f"ipam replica exited uncleanly:\n{proc.logs()[-2000:]}", file=sys.stderr)
+        nats.stop()
+        etcd.stop()
+        etcd.stop()
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User plus system CPU seconds the processes have used so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def summary(results: dict[str, dict[str, float]], api: dict[str, object]) -> list[dict[str, object]]:
+    """One row per figure: the allocators in this process per level, then the API with its targets."""
+    rows: list[dict[str, object]] = [
+        {
+            "metric": f"allocator in process: {name.removesuffix('_per_s')}, {level.replace('_', ' ')}",
+            "value": v,
+            "unit": "/s",
+        }
+        for level, figures in results.items()
+        for name, v in figures.items()
+    ]
+    if not api:
+        return rows
+    where = f"{api['replicas']} replicas, concurrency {api['concurrency']}"
+    return [
+        *rows,
+        {
+            "metric": f"ipam API: new identities, {where}",
+            "value": api["identity_new_per_s"],
+            "unit": "/s",
+            "target": target(">=", TARGET_IDENTITIES),
+        },
+        {
+            "metric": f"ipam API: IP allocations, {where}",
+            "value": api["ip_allocate_per_s"],
+            "unit": "/s",
+            "target": target(">=", TARGET_IPS),
+        },
+        {"metric": f"ipam API: IP releases, {where}", "value": api["ip_release_per_s"], "unit": "/s"},
+        *(
+            {"metric": f"ipam API: CPU per request, {who}", "value": ms, "unit": "ms"}
+            for who, ms in dict(api["cpu_ms_per_request"]).items()  # type: ignore[call-overload]
+        ),
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--identities", type=int, default=2000, help="identities allocated per concurrency level")
     parser.add_argument("--ips", type=int, default=2000, help="addresses allocated per concurrency level")
     parser.add_argument("--concurrency", default="1,32", help="comma-separated numbers of requests in flight")
+    parser.add_argument("--replicas", type=int, default=2, help="ipam processes behind the API figures (0: none)")
+    parser.add_argument("--api-concurrency", type=int, default=16, help="API requests in flight over all replicas")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    api: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="palisade-bench-") as tmp:
         etcd = EtcdServer(Path(tmp) / "etcd")
         etcd.start()
@@ -102,6 +269,8 @@ def main() -> int:
             results = asyncio.run(bench(etcd.endpoint, args.identities, args.ips, levels))
         finally:
             etcd.stop()
+        if args.replicas > 0:
+            api = asyncio.run(bench_api(Path(tmp), args.replicas, args.api_concurrency, args.identities, args.ips))
     out = {
         "benchmark": "ipam",
         "identities": args.identities,
@@ -109,6 +278,8 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "results": results,
+        "api": api,
+        "summary": summary(results, api),
     }
     print(json.dumps(out, indent=2))
     return 0

@@ -6,6 +6,9 @@ by the fixtures in ``conftest.py``. Nothing here mocks the bus or the store.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import os
 import random
 import shutil
@@ -16,6 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -237,6 +241,31 @@ class NatsCluster:
     def stop(self) -> None:
         for member in self.members:
             member.stop()
+
+
+class _RetryLogged(logging.Handler):
+    def __init__(self, what: str, event: asyncio.Event) -> None:
+        super().__init__()
+        self.what = what
+        self.event = event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = getattr(record, "palisade_fields", {})
+        if record.getMessage() == "bus call failed, retrying" and fields.get("what") == self.what:
+            self.event.set()
+
+
+@contextlib.contextmanager
+def bus_call_failed(what: str) -> Iterator[asyncio.Event]:
+    """An event set once the bus logs a failed attempt of the call ``what`` (e.g. "ensure stream")."""
+    event = asyncio.Event()
+    handler = _RetryLogged(what, event)
+    logger = logging.getLogger("palisade.bus")
+    logger.addHandler(handler)
+    try:
+        yield event
+    finally:
+        logger.removeHandler(handler)
 
 
 class EtcdServer(_Server):

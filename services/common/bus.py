@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -34,12 +34,18 @@ from nats.errors import (
 )
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
-from nats.js.errors import BucketNotFoundError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import (
+    APIError,
+    BucketNotFoundError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from nats.js.object_store import ObjectStore
 
 from services.common.access import INBOX_PREFIX
 from services.common.log import get_logger
-from services.common.retry import reach, retry, tcp_probe
+from services.common.retry import StartupError, reach, retry, tcp_probe
 
 # Subject names live in services.common.subjects; these stay importable from here.
 from services.common.subjects import IDENTITY_ALL, IPCACHE_ALL, REGEN_ALL, k8s_filter
@@ -64,6 +70,21 @@ TRANSIENT: tuple[type[Exception], ...] = (
     ConnectionReconnectingError,
     StaleConnectionError,
 )
+
+#: JetStream API error codes of a cluster whose servers have not all joined yet: 10005, "no
+#: suitable peers for placement" (a leader is elected, but too few peers are known to place
+#: three replicas). A management call retries them like :data:`TRANSIENT`.
+FORMING: frozenset[int] = frozenset({10005})
+
+
+class ClusterForming(Exception):
+    """JetStream cannot place replicas yet: the servers of the cluster are still joining it."""
+
+
+#: Seconds a JetStream management call (streams, consumers, buckets) keeps retrying the
+#: errors of :data:`TRANSIENT`, as while the servers of a cluster form it and elect its leader,
+#: before it fails with a :class:`StartupError` that says what to check.
+MANAGEMENT_PATIENCE = 60.0
 
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
@@ -182,9 +203,9 @@ class Follower:
 
     async def start(self) -> None:
         # A stream that lost its leader with a server answers again once the cluster elects another.
-        self._sub = await self._bus.retry("create consumer", self._subscribe, only=TRANSIENT, subject=self.subject)
+        self._sub = await self._bus.manage("create consumer", self._subscribe, subject=self.subject)
         sub = self._sub
-        info = await self._bus.retry("read consumer", sub.consumer_info, only=TRANSIENT, subject=self.subject)
+        info = await self._bus.manage("read consumer", sub.consumer_info, subject=self.subject)
         delivered = info.delivered
         if self._deliver_new:
             # Restarting from here loses nothing: the consumer starts after this stream position.
@@ -229,12 +250,22 @@ class Follower:
 class Bus:
     """A NATS connection with JetStream, used as ``async with await Bus.connect(...)``."""
 
-    def __init__(self, nc: NATSClient, js: JetStreamContext, name: str, replicas: int = 1) -> None:
+    def __init__(
+        self,
+        nc: NATSClient,
+        js: JetStreamContext,
+        name: str,
+        replicas: int = 1,
+        *,
+        patience: float = MANAGEMENT_PATIENCE,
+    ) -> None:
         self.nc = nc
         self.js = js
         self.name = name
         #: Replicas of the streams and buckets this bus creates (by the number of servers it was given).
         self.replicas = replicas
+        #: Seconds a JetStream management call waits out a cluster that is forming or electing.
+        self.patience = patience
         #: Set while connected; cleared on disconnect.
         self._up = asyncio.Event()
         self._up.set()
@@ -299,6 +330,10 @@ class Bus:
         The wait ends early when the connection comes back, and the backoff starts over, so a
         bus outage costs no more than the outage itself.
         """
+        return await self._retry(what, call, attempts=attempts, final=final, only=only, fields=fields)
+
+    def _waiter(self) -> Callable[[float], Awaitable[bool]]:
+        """A wait between attempts that ends when the connection comes back (then the backoff starts over)."""
         seen = self.reconnects
 
         async def wait(delay: float) -> bool:
@@ -308,19 +343,64 @@ class Bus:
             restart, seen = self.reconnects != seen, self.reconnects
             return restart
 
+        return wait
+
+    async def _retry(
+        self,
+        what: str,
+        call: Callable[[], Awaitable[T]],
+        *,
+        attempts: int = 0,
+        deadline: float | None = None,
+        final: tuple[type[Exception], ...] = (),
+        only: tuple[type[Exception], ...] = (Exception,),
+        give_up: Callable[[Exception, int], BaseException] | None = None,
+        fields: Mapping[str, object],
+    ) -> T:
         return await retry(
             what,
             call,
             attempts=attempts,
+            deadline=deadline,
             initial=0.05,
             maximum=2.0,
             final=final,
             only=only,
+            give_up=give_up,
             log_every=20,
             message="bus call failed, retrying",
             logger=log,
-            wait=wait,
+            wait=self._waiter(),
             fields=fields,
+        )
+
+    async def manage(self, what: str, call: Callable[[], Awaitable[T]], **fields: object) -> T:
+        """A JetStream management call (stream, consumer, bucket): retried on :data:`TRANSIENT` errors
+        for :attr:`patience` seconds, then a :class:`StartupError` naming it and what to check.
+
+        A cluster whose servers are still forming it answers with timeouts and "JetStream
+        unavailable" until they elect a leader, then "no suitable peers for placement" until
+        enough of them have joined (:data:`FORMING`); any other error is raised at once.
+        """
+
+        def unavailable(exc: Exception, attempts: int) -> StartupError:
+            named = ", ".join(f"{k} {v}" for k, v in fields.items())
+            return StartupError(
+                f"NATS JetStream did not answer {what!r}{f' ({named})' if named else ''} within {self.patience:.0f}s "
+                f"({attempts} attempts, last: {type(exc).__name__} {exc}); check that the NATS servers are up, "
+                "run with JetStream (-js) and, on a cluster, have formed it (their logs name the routes they miss)"
+            )
+
+        async def once() -> T:
+            try:
+                return await call()
+            except APIError as exc:
+                if exc.err_code in FORMING:
+                    raise ClusterForming(f"{exc.description} (JetStream error {exc.err_code})") from exc
+                raise
+
+        return await self._retry(
+            what, once, only=(*TRANSIENT, ClusterForming), deadline=self.patience, give_up=unavailable, fields=fields
         )
 
     @classmethod
@@ -332,6 +412,7 @@ class Bus:
         retries: int = 10,
         backoff: float = 0.2,
         tls: Credentials | None = None,
+        patience: float = MANAGEMENT_PATIENCE,
     ) -> Bus:
         """Connect, retrying at startup; afterwards the client reconnects forever with backoff.
 
@@ -398,7 +479,7 @@ class Bus:
             pending_size=64 * 1024 * 1024,
         )
         log.info("nats connected", servers=address, client=name)
-        bus = cls(nc, nc.jetstream(), name, replicas_for(servers))
+        bus = cls(nc, nc.jetstream(), name, replicas_for(servers), patience=patience)
         holder.append(bus)
         return bus
 
@@ -440,7 +521,10 @@ class Bus:
             await asyncio.wait(mine, timeout=5)
 
     async def ensure_stream(self, spec: StreamSpec) -> None:
-        """Create the stream, or bring an existing one to this config; idempotent."""
+        """Create the stream, or bring an existing one to this config; idempotent; once (no retry).
+
+        Services call :meth:`ensure_streams`, which waits out a cluster that is forming.
+        """
         config = _stream_config(spec, self.replicas)
         try:
             await self.js.stream_info(spec.name)
@@ -455,18 +539,15 @@ class Bus:
         await self.js.update_stream(config)
 
     async def ensure_streams(self, *specs: StreamSpec) -> None:
-        """Each stream as :meth:`ensure_stream`, waiting out a cluster that is electing its leader."""
+        """Each stream as :meth:`ensure_stream`, through :meth:`manage`: a cluster that is forming or
+        electing its leader is waited out for :attr:`patience` seconds."""
         for spec in specs or ALL_STREAMS:
-            await self.retry(
-                "ensure stream", functools.partial(self.ensure_stream, spec), only=TRANSIENT, stream=spec.name
-            )
+            await self.manage("ensure stream", functools.partial(self.ensure_stream, spec), stream=spec.name)
 
     async def object_store(self, bucket: str, description: str) -> ObjectStore:
         """Bind to a JetStream object store bucket (which chunks what it stores), creating it on first use;
         waits out a cluster that is electing the bucket's leader."""
-        return await self.retry(
-            "open object store", lambda: self._object_store(bucket, description), only=TRANSIENT, bucket=bucket
-        )
+        return await self.manage("open object store", lambda: self._object_store(bucket, description), bucket=bucket)
 
     async def _object_store(self, bucket: str, description: str) -> ObjectStore:
         try:
@@ -513,8 +594,10 @@ class Bus:
         return int(self.nc.max_payload)
 
     async def holds(self, spec: StreamSpec, subject_filter: str) -> bool:
-        """Whether the stream currently holds any message on ``subject_filter``."""
-        info = await self.js.stream_info(spec.name, subjects_filter=subject_filter)
+        """Whether the stream currently holds any message on ``subject_filter`` (through :meth:`manage`)."""
+        info = await self.manage(
+            "read stream", lambda: self.js.stream_info(spec.name, subjects_filter=subject_filter), stream=spec.name
+        )
         return bool(info.state.subjects)
 
     async def follow(

@@ -65,6 +65,8 @@ class IdentityAllocation:
     previous: int | None = None
     #: Store revision of the allocation (0 for reserved identities).
     revision: int = 0
+    #: References on the identity right after the allocation, this one included (0 for reserved ones).
+    references: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -265,6 +267,8 @@ class IdentityAllocator:
             ]
             if owner_id is not None and owner_id != ident:
                 ops.append(Delete(keys.identity_ref(owner_id, node, owner)))
+            # Counted after the writes, in the same transaction: the answer needs no second round trip.
+            ops.append(Get(keys.identity_refs_of(ident), prefix=True, count_only=True))
             try:
                 res = await self._store.txn(compares, ops, [Get(label_key), Get(owner_key), Get(id_key)])
             except LeaseNotFound:
@@ -283,7 +287,11 @@ class IdentityAllocator:
                     log.info("identity allocated", id=ident, labels=canonical, node=node, owner=owner)
                 metrics.IDENTITY_ALLOCATIONS.labels(kind.value, "created" if creating else "existing").inc()
                 return IdentityAllocation(
-                    Identity(ident, labels), new=creating, previous=previous, revision=res.revision
+                    Identity(ident, labels),
+                    new=creating,
+                    previous=previous,
+                    revision=res.revision,
+                    references=res.counts[0],
                 )
             found_labels, found_owner, found_id = res.first(0), res.first(1), res.first(2)
             if found_owner is not None:

@@ -54,6 +54,7 @@ from services.ipam.pool import (
     by_family,
     capacity,
     gateway,
+    host_range,
     next_free_address,
     next_free_subnet,
 )
@@ -527,8 +528,11 @@ class IPAllocator:
                         "or restore a different address",
                         Code.ALREADY_EXISTS,
                     )
-                # Lost a race for this address to another process: skip ahead past its allocations.
-                self._cursor[(node, fam)] = int(candidate) + self._rng.randint(0, 15)
+                # Lost a race for this address to another process (a replica allocating on this node
+                # too): go on from a random place in the CIDR, so the two part ways instead of
+                # meeting again at every next address.
+                first, last = host_range(cidr)
+                self._cursor[(node, fam)] = self._rng.randint(first, last)
             elif guards and by_outside is not None:
                 holder = by_outside.value.decode()
                 self._outside[candidate] = holder

@@ -6,6 +6,11 @@ wrappers, because allocation needs what those drop: the response header's
 revision and the results of the reads inside a failed transaction, in the same
 round trip.
 
+Concurrent transactions are sent together (see :mod:`services.ipam.batch`): those
+that arrive while one is in flight go as the nested transactions of one, when their
+keys are disjoint, so a burst of allocations costs one round trip and one raft
+proposal instead of one each. Every caller still gets its own transaction's result.
+
 Transient failures (etcd restarting, leader elections, a closed channel) are
 retried with backoff for up to ``patience`` seconds, then raised as
 :class:`StoreUnavailable`. A retried transaction may already have been applied;
@@ -15,10 +20,11 @@ doing the work twice, and callers re-read to find out.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import enum
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import aetcd
@@ -27,6 +33,8 @@ from aetcd import rpc
 
 from services.common.log import get_logger
 from services.common.retry import retry
+from services.ipam import metrics
+from services.ipam.batch import Coalescer, Interval, point
 
 log = get_logger("etcd")
 
@@ -131,6 +139,8 @@ class Delete:
 class Get:
     key: bytes
     prefix: bool = False
+    #: Only count the keys (:attr:`TxnResult.counts`); reads nothing.
+    count_only: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -154,6 +164,8 @@ class TxnResult:
     reads: tuple[tuple[KV, ...], ...]
     #: An earlier attempt failed in transit, so it may have been applied already.
     retried: bool = False
+    #: One count per Get of the branch that ran (keys in its range), in order.
+    counts: tuple[int, ...] = ()
 
     def first(self, index: int) -> KV | None:
         found = self.reads[index]
@@ -229,7 +241,7 @@ def _request(op: Op) -> Any:
             req.range_end = range_end(op.key)
         return rpc.RequestOp(request_delete_range=req)
     if isinstance(op, Get):
-        return rpc.RequestOp(request_range=_range(op.key, op.prefix))
+        return rpc.RequestOp(request_range=_range(op.key, op.prefix, count_only=op.count_only))
     return rpc.RequestOp(request_txn=_txn_request(op.compares, op.success, op.failure))
 
 
@@ -245,13 +257,66 @@ def _kv(msg: Any) -> KV:
     return KV(bytes(msg.key), bytes(msg.value), int(msg.create_revision), int(msg.mod_revision), int(msg.lease))
 
 
-class Store:
-    """ipam's handle on etcd (shared by every allocator of the process)."""
+def _extent(key: bytes, prefix: bool, end: bytes = b"") -> Interval:
+    if prefix:
+        return key, range_end(key)
+    return (key, end) if end else point(key)
 
-    def __init__(self, client: aetcd.Client, *, patience: float = 30.0, call_timeout: float = 5.0) -> None:
+
+def footprint(compares: Sequence[Compare], ops: Iterable[Op]) -> list[Interval]:
+    """Every key range a transaction compares, reads or writes (nested transactions included)."""
+    out = [_extent(c.key, c.prefix, c.end) for c in compares]
+    for op in ops:
+        if isinstance(op, Txn):
+            out += footprint(op.compares, (*op.success, *op.failure))
+        elif isinstance(op, Put):
+            out.append(point(op.key))
+        else:
+            out.append(_extent(op.key, op.prefix))
+    return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _TxnCall:
+    compares: Sequence[Compare]
+    success: Sequence[Op]
+    failure: Sequence[Op]
+
+
+def _result(resp: Any, revision: int, retried: bool) -> TxnResult:
+    """A (possibly nested) transaction's response as a result; ``revision`` from the outer header."""
+    ranges = [r.response_range for r in resp.responses if r.WhichOneof("response") == "response_range"]
+    return TxnResult(
+        bool(resp.succeeded),
+        revision,
+        tuple(tuple(_kv(kv) for kv in r.kvs) for r in ranges),
+        retried=retried,
+        counts=tuple(int(r.count) for r in ranges),
+    )
+
+
+#: Transactions sent together at most (etcd refuses more than 128 operations in one, by default).
+MAX_BATCH = 64
+
+
+class Store:
+    """ipam's handle on etcd (shared by every allocator of the process).
+
+    ``batch``: at most this many concurrent transactions go as one (1: each alone).
+    """
+
+    def __init__(
+        self, client: aetcd.Client, *, patience: float = 30.0, call_timeout: float = 5.0, batch: int = MAX_BATCH
+    ) -> None:
         self._client = client
         self.patience = patience
         self._timeout = call_timeout
+        self._batcher: Coalescer[_TxnCall, TxnResult] = Coalescer(self._send, max_batch=max(1, batch))
+
+    @property
+    def batching(self) -> tuple[int, int]:
+        """(batches sent, transactions in them) so far."""
+        return self._batcher.batches, self._batcher.requests
 
     async def _call(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
         async def once() -> T:
@@ -338,21 +403,51 @@ class Store:
         return await self._call("delete", attempt)
 
     async def txn(self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
-        request = _txn_request(compares, success, failure)
+        """One transaction; sent together with others in flight when their keys are disjoint."""
+        call = _TxnCall(compares, success, failure)
+        return await self._batcher.submit(call, footprint(compares, (*success, *failure)))
+
+    async def _send(self, calls: Sequence[_TxnCall]) -> Sequence[TxnResult | BaseException]:
+        metrics.ETCD_BATCHES.inc()
+        metrics.ETCD_TRANSACTIONS.inc(len(calls))
+        if len(calls) == 1:
+            return [await self._txn(calls[0])]
+        try:
+            return await self._txn_batch(calls)
+        except StoreUnavailable:
+            raise
+        except StoreError:
+            # One of them makes etcd refuse the whole (a lease expired): each alone gets its own answer.
+            outcomes = await asyncio.gather(*(self._txn(call) for call in calls), return_exceptions=True)
+            return list(outcomes)
+
+    async def _txn(self, call: _TxnCall) -> TxnResult:
+        request = _txn_request(call.compares, call.success, call.failure)
         attempts = 0
 
         async def attempt() -> TxnResult:
             nonlocal attempts
             attempts += 1
             resp = await self._client.kvstub.Txn(request, timeout=self._timeout, metadata=self._meta)
-            reads = tuple(
-                tuple(_kv(kv) for kv in r.response_range.kvs)
-                for r in resp.responses
-                if r.WhichOneof("response") == "response_range"
-            )
-            return TxnResult(bool(resp.succeeded), int(resp.header.revision), reads, retried=attempts > 1)
+            return _result(resp, int(resp.header.revision), attempts > 1)
 
         return await self._call("transaction", attempt)
+
+    async def _txn_batch(self, calls: Sequence[_TxnCall]) -> list[TxnResult]:
+        """The transactions as the nested ones of one transaction without compares (so all of them run)."""
+        request = rpc.TxnRequest(
+            success=[rpc.RequestOp(request_txn=_txn_request(c.compares, c.success, c.failure)) for c in calls]
+        )
+        attempts = 0
+
+        async def attempt() -> list[TxnResult]:
+            nonlocal attempts
+            attempts += 1
+            resp = await self._client.kvstub.Txn(request, timeout=self._timeout, metadata=self._meta)
+            revision = int(resp.header.revision)
+            return [_result(r.response_txn, revision, attempts > 1) for r in resp.responses]
+
+        return await self._call("transactions", attempt)
 
     async def revision(self) -> int:
         """The store's current revision."""

@@ -30,6 +30,14 @@ IDENTITY_ALLOCATIONS = Counter(
     "(created: a new identity; existing). Reserved label sets take no reference and are not counted.",
     ["kind", "result"],
 )
+ETCD_TRANSACTIONS = Counter(
+    "palisade_ipam_etcd_transactions_total",
+    "Transactions ipam sent to etcd, alone or together with others in one batch.",
+)
+ETCD_BATCHES = Counter(
+    "palisade_ipam_etcd_batches_total",
+    "Requests to etcd that carried ipam's transactions: transactions / batches is the mean batch size.",
+)
 IDENTITY_RELEASES = Counter(
     "palisade_ipam_identity_releases_total",
     "Identity references released (ReleaseIdentity and pods that went), by kind. References dropped "

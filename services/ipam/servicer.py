@@ -101,8 +101,9 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
         if result.revision:
             await self._publisher.seen(result.identity, result.revision)
             self._pods.submit(ReferenceChanged(request.node, request.owner, held=True))
-        refs = await self._allocator.references(result.identity.id) if result.revision else 0
-        return identity_pb2.AllocateIdentityResponse(identity=result.identity.to_proto(refs), new=result.new)
+        return identity_pb2.AllocateIdentityResponse(
+            identity=result.identity.to_proto(result.references), new=result.new
+        )
 
     async def ReleaseIdentity(
         self, request: identity_pb2.ReleaseIdentityRequest, context: grpc.aio.ServicerContext

@@ -213,24 +213,23 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
     cfg = ctx.config
     bus = await ctx.bus()
     await bus.ensure_streams(*ALL_STREAMS)
-    # Every JetStream call below waits out a cluster that lost a server (a stream electing its
-    # leader answers nothing for seconds) rather than exiting: a replica restarted meanwhile comes up.
-    store = await bus.retry(
+    # Every JetStream call below waits out a cluster that is forming or lost a server (a stream
+    # electing its leader answers nothing for seconds), within the bus's patience, rather than exiting.
+    store = await bus.manage(
         "open policy state",
         lambda: RevisionStore.open(bus.js, cfg.state_bucket, pause=bus.pause, replicas=bus.replicas),
-        only=TRANSIENT,
     )
     core = PolicyCore(persisted=PolicyEpoch(), cluster=cfg.cluster_name)
     imported = await ApiPolicyStore.open(bus, f"{cfg.state_bucket}_API")
     now = time.time()
     # Imported policies count like any input for a warm engine; the leader reloads them when it takes over.
-    restored = await bus.retry("load imported policies", imported.load, only=TRANSIENT)
+    restored = await bus.manage("load imported policies", imported.load)
     for stored in restored:
         outcome = core.restore_imported(stored, dump_document(stored.object), now)
         if not outcome.accepted:
             ctx.log.error("imported policy no longer valid", policy=str(stored.key), error=outcome.error)
     member = cfg.member or re.sub(r"[^A-Za-z0-9_-]", "-", f"{socket.gethostname()}-{os.getpid()}")
-    election = await bus.retry(
+    election = await bus.manage(
         "open leader lease",
         lambda: Election.open(
             bus,
@@ -239,7 +238,6 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
             address=lambda: advertised(cfg, ctx.server),
             lease=cfg.leader_lease,
         ),
-        only=TRANSIENT,
     )
     max_bytes = min(cfg.max_order_bytes, max(1024, bus.max_payload - _PAYLOAD_HEADROOM))
     controller = Controller(

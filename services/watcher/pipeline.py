@@ -49,7 +49,7 @@ class Watcher:
         self.reconciler.fill_status(status)
 
     async def run(self) -> None:
-        await self._bus.ensure_stream(K8S_STREAM)
+        await self._bus.ensure_streams(K8S_STREAM)
         # Before the source says anything: what an earlier run left on the stream, so that
         # objects deleted while no watcher ran get their tombstones from the first lists.
         published = await load_published(self._bus, self.source.kinds, self.large)

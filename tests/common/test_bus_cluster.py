@@ -10,8 +10,9 @@ import pytest
 
 from palisade.v1 import k8s_pb2
 from services.common.bus import ALL_STREAMS, K8S_STREAM, Bus, k8s_subject, replicas_for
+from services.common.retry import StartupError
 from services.common.subjects import k8s_filter
-from tests.harness import NatsCluster, NatsServer, creds
+from tests.harness import NatsCluster, NatsServer, bus_call_failed, creds
 
 
 @pytest.fixture
@@ -53,6 +54,64 @@ async def test_streams_are_created_with_three_replicas(cluster: NatsCluster) -> 
         assert (await store.status()).replicas == 3
     finally:
         await bus.close()
+
+
+async def test_streams_are_ensured_while_the_cluster_forms(tmp_path: Path) -> None:
+    """The first stream calls meet one server of three (no JetStream leader yet): they time out or find
+    JetStream unavailable, and ensure_streams waits until the other two have joined."""
+    nats = NatsCluster(tmp_path)
+    nats.members[0].start()
+    try:
+        with bus_call_failed("ensure stream") as failed:
+            async with await Bus.connect(nats.urls, name="forming", tls=creds()) as bus:
+                ensuring = asyncio.create_task(bus.ensure_streams(*ALL_STREAMS))
+                noticed = asyncio.create_task(failed.wait())
+                await asyncio.wait({ensuring, noticed}, return_when=asyncio.FIRST_COMPLETED)
+                noticed.cancel()
+                assert failed.is_set() and not ensuring.done(), "the first call did not meet an unformed cluster"
+                for member in nats.members[1:]:
+                    member.start()
+                await ensuring
+                for spec in ALL_STREAMS:
+                    assert (await bus.js.stream_info(spec.name)).config.num_replicas == 3, spec.name
+    finally:
+        nats.stop()
+
+
+async def test_streams_wait_for_enough_servers_to_place_their_replicas(tmp_path: Path) -> None:
+    """Two servers of three elect a JetStream leader but cannot place three replicas ("no suitable
+    peers for placement") until the third joins: ensure_streams waits for it."""
+    nats = NatsCluster(tmp_path)
+    for member in nats.members[:2]:
+        member.start()
+    try:
+        with bus_call_failed("ensure stream") as failed:
+            bus = await _connect(nats.urls, "placing")  # JetStream answers: a leader is elected
+            async with bus:
+                ensuring = asyncio.create_task(bus.ensure_streams(K8S_STREAM))
+                noticed = asyncio.create_task(failed.wait())
+                await asyncio.wait({ensuring, noticed}, return_when=asyncio.FIRST_COMPLETED)
+                noticed.cancel()
+                assert failed.is_set() and not ensuring.done(), f"not waiting: {ensuring}"
+                nats.members[2].start()
+                await ensuring
+                assert (await bus.js.stream_info(K8S_STREAM.name)).config.num_replicas == 3
+    finally:
+        nats.stop()
+
+
+async def test_a_cluster_that_never_forms_fails_clearly_after_the_patience(tmp_path: Path) -> None:
+    nats = NatsCluster(tmp_path)
+    nats.members[0].start()
+    try:
+        async with await Bus.connect(nats.urls, name="alone", tls=creds(), patience=0.5) as bus:
+            with pytest.raises(StartupError) as failure:
+                await bus.ensure_streams(K8S_STREAM)
+        message = str(failure.value)
+        assert "'ensure stream' (stream PALISADE_K8S)" in message
+        assert "have formed it" in message
+    finally:
+        nats.stop()
 
 
 async def test_a_single_server_keeps_one_replica(nats_server: NatsServer) -> None:

@@ -39,6 +39,8 @@ async def test_same_labels_same_id_different_labels_different_ids(store: Store) 
     assert web.identity.id == again.identity.id != db.identity.id
     assert web.identity.id in CLUSTER_RANGE and db.identity.id in CLUSTER_RANGE
     assert await alloc.references(web.identity.id) == 2
+    # Each allocation counts the references right after its own, in its transaction.
+    assert (web.references, again.references, db.references) == (1, 2, 1)
     # The labels and id keys point at each other.
     by_labels = await store.get(keys.identity_labels(str(WEB)))
     by_id = await store.get(keys.identity_id(web.identity.id))
@@ -63,6 +65,7 @@ async def test_owner_holds_one_identity_and_moves_atomically(store: Store) -> No
     web = await alloc.allocate(WEB, "n1", "pod/prod/p")
     moved = await alloc.allocate(DB, "n1", "pod/prod/p")
     assert moved.previous == web.identity.id
+    assert moved.references == 1
     assert await alloc.references(web.identity.id) == 0
     assert await alloc.references(moved.identity.id) == 1
     holders = await alloc.holders("pod/")
@@ -158,7 +161,10 @@ async def test_concurrent_allocators_in_several_processes_never_duplicate(
         )
         for i in range(4)
     ]
-    results = [worker_result(w)["identities"] for w in workers]
+    outputs = [worker_result(w) for w in workers]
+    results = [out["identities"] for out in outputs]
+    # Each process sent concurrent transactions together.
+    assert all(out["batches"] < out["transactions"] for out in outputs)
     # One label set -> one id, whoever asked.
     merged: dict[str, int] = {}
     for result in results:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import random
 
 import pytest
 
@@ -182,6 +184,7 @@ async def test_concurrent_processes_never_duplicate_ips_or_node_cidrs(etcd_serve
         for i in range(4)
     ]
     results = [worker_result(w) for w in workers]
+    assert all(r["batches"] < r["transactions"] for r in results), "no process sent transactions together"
     ips = [ip for r in results for ip in r["ips"].values()]
     assert len(ips) == 240 and len(set(ips)) == 240
     node_cidrs: dict[str, list[str]] = {}
@@ -264,3 +267,26 @@ async def test_a_pool_claim_fails_over_an_address_reserved_meanwhile(store: Stor
     second._outside.clear()  # as if the watch had not delivered it yet
     b = await second.node_cidrs("b")
     assert [str(x.cidr) for x in b.cidrs] == ["10.96.2.0/24"]
+
+
+async def test_two_replicas_on_one_node_part_ways_instead_of_colliding(store: Store, second_store: Store) -> None:
+    """Two allocators (each its own etcd client) take 400 addresses of one node at once: after a lost
+    race each goes on elsewhere in the CIDR, so few transactions are lost."""
+    pools = [net("10.60.0.0/16")]
+    a = IPAllocator(store, pools, mask_v4=20, mask_v6=120, mode=IPAMMode.CLUSTER_POOL, rng=random.Random(1))
+    b = IPAllocator(second_store, pools, mask_v4=20, mask_v6=120, mode=IPAMMode.CLUSTER_POOL, rng=random.Random(2))
+    await a.load()
+    await a.node_cidrs("both")
+    await b.load()
+    sent = store.batching[1] + second_store.batching[1]
+    sem = asyncio.Semaphore(16)
+
+    async def one(i: int) -> str:
+        async with sem:
+            return (await (a, b)[i % 2].allocate("both", f"pod/x/{i}")).ip
+
+    got = await asyncio.gather(*(one(i) for i in range(400)))
+    assert len(set(got)) == 400
+    transactions = store.batching[1] + second_store.batching[1] - sent
+    # Seen: 408-433 (and 681-724 when the loser only skipped a few addresses ahead).
+    assert transactions <= 540, f"{transactions} transactions for 400 addresses"

@@ -68,6 +68,9 @@ async def test_identity_and_address_metrics_follow_allocations(
     assert await api.code(twice) == grpc.StatusCode.ALREADY_EXISTS
 
     m = proc.metrics()
+    # Every transaction went to etcd in some request (alone or batched with others).
+    batches, transactions = m.get("palisade_ipam_etcd_batches_total"), m.get("palisade_ipam_etcd_transactions_total")
+    assert 0 < batches <= transactions
     assert m.get("palisade_ipam_identities", kind="cluster") == 2
     assert m.get("palisade_ipam_identities", kind="cidr") == 1
     assert m.get("palisade_ipam_identity_allocations_total", kind="cluster", result="created") == 2

@@ -123,7 +123,8 @@ async def main(argv: list[str]) -> int:
     except IpamError as exc:
         print(json.dumps({"error": exc.code.value, "message": exc.message}), flush=True)
         return 1
-    print(json.dumps(result), flush=True)
+    batches, transactions = store.batching
+    print(json.dumps({**result, "batches": batches, "transactions": transactions}), flush=True)
     while args.hold:  # keep the node lease alive until killed
         await leases.refresh_all()
         await asyncio.sleep(args.ttl / 4)
