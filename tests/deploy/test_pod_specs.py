@@ -1,0 +1,273 @@
+"""deploy/kubernetes run as written: the datapath DaemonSet's pod spec under containerd on a dev node.
+
+A `make run` stack provides the control plane (``--no-datapath``: NATS, etcd, watcher,
+policy and ipam on the ports the manifests' Services give, on the stack's bridge) and one
+dev node with no datapath. On that node containerd runs with CRI (tests/deploy/node.py)
+and tests/deploy/kubelet.py does kubelet's part with the DaemonSet's pod spec read from
+deploy/kubernetes: the image `make image` built, imported under the manifests' name; the
+init container (the CNI installer) and then the datapath, with the spec's commands,
+environment, security context, host network and volumes (the node's own folders at the
+node's paths), the TLS Secret `palisade install` makes, and /etc/hosts from hostAliases.
+
+What stands in for the cluster: kube-proxy (the Services' fixed ClusterIPs that hostAliases
+name lead to the stack's control plane: DNAT in the node's network namespace) and the API
+server (the stack's manifest folder, where the tests' Pods and policies are written).
+
+Then pods: sandboxes created through containerd with the conflist and plugin the installer
+put on the node get endpoints, and a default-deny policy plus one allow decide real
+packets between them as `palisade analyze` says.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.cli.install import MANIFESTS, load_kustomization, tls_secrets
+from services.cni.install import CONFLIST, DEFAULT_SOCKET, PLUGIN
+from services.datapath.datapath import teardown_all
+from services.devstack import hosts
+from tests.cni.runtime import missing
+from tests.deploy.engine import IMAGE, Engine
+from tests.deploy.kubelet import ApiObjects, Kubelet, NodeFacts, Pod, kustomized_image, pod_of
+from tests.deploy.node import NodeRuntime
+from tests.harness import ROOT
+from tests.system.stack import Stack, probe, running_stack, wait_for
+
+pytestmark = [pytest.mark.root, pytest.mark.bcc, pytest.mark.timeout(3600)]
+
+Obj = dict[str, Any]
+NODE = "dev-node"
+#: The ports the manifests' Services and environments give the control plane.
+CONTROL_PLANE_PORTS = ("--nats-port", "4222", "--etcd-port", "2379", "--grpc-port-base", "9401")
+CACHE = Path("/var/cache/palisade/k8s")
+NS = "podspec"
+
+
+def workload(kind: str, name: str) -> Obj:
+    for obj in load_kustomization(MANIFESTS):
+        if obj["kind"] == kind and obj["metadata"]["name"] == name:
+            return obj
+    raise AssertionError(f"deploy/kubernetes has no {kind} {name}")
+
+
+def kustomization() -> Obj:
+    return dict(yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text()))
+
+
+@pytest.fixture(scope="module")
+def archive(engine: Engine, image: str) -> Path:
+    """The image as a `docker save` archive, once per image id."""
+    image_id = engine.run("docker", "image", "inspect", "-f", "{{.Id}}", image).stdout.strip().split(":")[-1]
+    path = CACHE / f"palisade-{image_id[:16]}.tar"
+    if not path.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        for old in CACHE.glob("palisade-*.tar"):
+            old.unlink()
+        engine.run("docker", "save", "-o", f"{path}.tmp", image, timeout=1200)
+        Path(f"{path}.tmp").rename(path)
+    return path
+
+
+@dataclass
+class Cluster:
+    stack: Stack
+    node: NodeRuntime
+    host: hosts.NodeHost
+    kubelet: Kubelet
+    tls: Path
+
+    def secrets(self) -> dict[str, dict[str, bytes]]:
+        """The TLS Secrets `palisade install` makes, as the API server would serve them to kubelet."""
+        return {
+            s["metadata"]["name"]: {k: base64.b64decode(v) for k, v in s["data"].items()} for s in tls_secrets(self.tls)
+        }
+
+
+def serve_cluster_ips(netns: str, ips: list[str], target: str) -> None:
+    """kube-proxy's part: in the node's network namespace, each of ``ips`` leads to ``target``."""
+    rules = "\n".join(f"    ip daddr {ip} dnat to {target}" for ip in ips)
+    chain = f"  chain output {{\n    type nat hook output priority -100;\n{rules}\n  }}\n"
+    table = f"table ip kube-proxy-stand-in {{\n{chain}}}\n"
+    subprocess.run(["ip", "netns", "exec", netns, "nft", "-f", "-"], input=table, text=True, check=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(archive: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    problem = missing()
+    if problem:
+        pytest.skip(problem)
+    tmp = tmp_path_factory.mktemp("podspec")
+    with running_stack(tmp, None, "--no-pods", "--no-datapath", "--node", NODE, *CONTROL_PLANE_PORTS) as stack:
+        network = hosts.plan([NODE], "172.31.255.0/24", hosts.tag_of(stack.run_dir))
+        host = network.node(NODE)
+        datapath = workload("DaemonSet", "palisade-datapath")
+        aliases = [a["ip"] for a in datapath["spec"]["template"]["spec"].get("hostAliases", [])]
+        serve_cluster_ips(host.netns, aliases, network.gateway)
+        node = NodeRuntime(tmp / "node", host.netns, Path(f"/sys/fs/bpf/palisade-k8s-{secrets.token_hex(3)}"))
+        try:
+            node.start()
+            images = {
+                kustomized_image(c["image"], kustomization())
+                for c in datapath["spec"]["template"]["spec"]["initContainers"]
+                + datapath["spec"]["template"]["spec"]["containers"]
+            }
+            node.import_image(archive, IMAGE, sorted(images))
+            facts = NodeFacts(NODE, host.address, node.host_view, node.on_node)
+            kubelet = Kubelet(node.socket, facts, tmp / "pods")
+            try:
+                yield Cluster(stack, node, host, kubelet, stack.run_dir / "tls")
+            finally:
+                kubelet.close()
+        finally:
+            node.stop()
+            pins = node.bpffs / "palisade"
+            if pins.is_dir():
+                teardown_all(str(pins))
+            shutil.rmtree(node.bpffs, ignore_errors=True)
+
+
+def as_written(obj: Obj) -> Obj:
+    """A workload with its images as the kustomization names them (what `kubectl apply -k` sends)."""
+    images = kustomization()
+    spec = obj["spec"]["template"]["spec"]
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        c["image"] = kustomized_image(c["image"], images)
+    return obj
+
+
+@pytest.fixture(scope="module")
+def datapath(cluster: Cluster) -> Pod:
+    pod = pod_of(as_written(workload("DaemonSet", "palisade-datapath")), NODE, str(uuid.uuid4()))
+    return cluster.kubelet.run(pod, ApiObjects(secrets=cluster.secrets()))
+
+
+def test_the_installer_puts_the_plugin_and_its_conflist_on_the_node(cluster: Cluster, datapath: Pod) -> None:
+    assert datapath.init_exits == {"install-cni": 0}
+    assert "palisade-cni installed" in datapath.log("install-cni")
+    plugin = cluster.node.host_view("/opt/cni/bin") / PLUGIN
+    assert plugin.is_file() and plugin.stat().st_mode & 0o111
+    conflist = json.loads((cluster.node.host_view("/etc/cni/net.d") / CONFLIST).read_text())
+    assert conflist["plugins"] == [{"type": PLUGIN, "socket": DEFAULT_SOCKET}]
+    (runtime,) = cluster.node.host_view("/opt/palisade-cni").iterdir()
+    assert (runtime / "python" / "bin").is_dir() and f"/opt/palisade-cni/{runtime.name}/" in plugin.read_text()
+    # The launcher runs on the node (outside the image) with the runtime it was given.
+    version = subprocess.run(
+        ["nsenter", "-t", str(cluster.node.pid), "-m", "-n", "env", "CNI_COMMAND=VERSION", "/opt/cni/bin/palisade"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert version.returncode == 0, version.stdout + version.stderr
+    assert "1.0.0" in json.loads(version.stdout)["supportedVersions"]
+
+
+def test_the_datapath_comes_up_healthy_by_its_own_probes(cluster: Cluster, datapath: Pod) -> None:
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        ok, said = cluster.kubelet.wait_probe(datapath, "datapath", kind)
+        assert ok, f"{kind}: {said}\n{datapath.log('datapath')[-4000:]}"
+    # It serves the node from the host network, on the node's address (the manifest's $(HOST_IP):9404).
+    status = cluster.stack.status()
+    rows = [r for r in status["services"] if r["service"] == "datapath"]
+    assert rows and all(r.get("healthy", True) for r in rows), status
+    assert cluster.stack.address("datapath") == f"{cluster.host.address}:9404"
+    # Its pins are on the node's BPF file system (the bpffs volume), where the manifest says.
+    assert (cluster.node.bpffs / "palisade").is_dir()
+
+
+POLICIES = [
+    {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "default-deny", "namespace": NS},
+        "spec": {"podSelector": {}, "policyTypes": ["Ingress"]},
+    },
+    {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "server-from-client", "namespace": NS},
+        "spec": {
+            "podSelector": {"matchLabels": {"app": "server"}},
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "client"}}}], "ports": [{"port": 80}]}],
+        },
+    },
+]
+
+
+def app_pod(name: str) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": {"app": name}, "uid": f"uid-{NS}-{name}"},
+        "spec": {"nodeName": NODE, "containers": [{"name": "c", "image": "i", "ports": [{"containerPort": 80}]}]},
+    }
+
+
+def endpoints(stack: Stack) -> dict[str, Obj]:
+    out = stack.palisade("endpoint", "list", "-o", "json")
+    assert out.returncode == 0, out.stderr
+    return {f"{e['namespace']}/{e['pod']}": e for e in json.loads(out.stdout).get("endpoints", [])}
+
+
+def test_sandboxes_through_the_installed_conflist_are_enforced(cluster: Cluster, datapath: Pod) -> None:
+    ok, said = cluster.kubelet.wait_probe(datapath, "datapath", "startupProbe")
+    assert ok, said
+    stack = cluster.stack
+    names = ("client", "server", "other")
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
+    (stack.manifests / "podspec.yaml").write_text(
+        yaml.safe_dump_all([namespace, *(app_pod(n) for n in names), *POLICIES])
+    )
+    assert wait_for(lambda: stack.palisade("policy", "get", "networkpolicy", "server-from-client", "-n", NS)
+                    .returncode == 0)  # fmt: skip
+    pods = {n: cluster.kubelet.sandbox(app_pod(n)) for n in names}
+    servers: list[subprocess.Popen[str]] = []
+    try:
+        eps = endpoints(stack)
+        assert set(eps) == {f"{NS}/{n}" for n in names}, eps
+        for name, pod in pods.items():
+            assert eps[f"{NS}/{name}"]["ips"] == [cluster.kubelet.sandbox_ip(pod)]
+        assert wait_for(lambda: 5 not in {e["identity"] for e in endpoints(stack).values()}), endpoints(stack)
+        server_netns = cluster.kubelet.sandbox_netns(pods["server"])
+        server = subprocess.Popen(
+            [sys.executable, "-m", "services.devstack.podserver", "--netns", server_netns, "--name", "server",
+             "--tcp", "80"],
+            cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        servers.append(server)
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        matrix = analyzed(stack)
+        target = cluster.kubelet.sandbox_ip(pods["server"])
+        for src in ("client", "other"):
+            want = matrix[f"{NS}/{src}"][f"{NS}/server"]
+            netns = cluster.kubelet.sandbox_netns(pods[src])
+            assert wait_for(lambda n=netns, w=want: probe(n, target, 80) == w), (src, want)  # type: ignore[misc]
+        assert matrix[f"{NS}/client"][f"{NS}/server"] and not matrix[f"{NS}/other"][f"{NS}/server"]
+    finally:
+        for proc in servers:
+            proc.terminate()
+            proc.wait(10)
+        for pod in pods.values():
+            cluster.kubelet.remove(pod)
+        (stack.manifests / "podspec.yaml").unlink(missing_ok=True)
+    assert wait_for(lambda: endpoints(stack) == {}, 30), endpoints(stack)
+
+
+def analyzed(stack: Stack) -> dict[str, dict[str, bool]]:
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "analyze", "-f", str(stack.manifests), "--probe", "80/TCP",
+         "-o", "json"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    matrix: dict[str, dict[str, bool]] = json.loads(out.stdout)["probes"][0]["matrix"]
+    return matrix
