@@ -169,7 +169,9 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
     logs = run_dir / LOGS
     logs.mkdir(parents=True, exist_ok=True)
     # One CA per installation, made on first start; every part proves its name with it.
-    tls_dir = ensure_pki(run_dir / "tls")
+    # The address the control plane listens on is in every certificate: NATS routes and etcd peers
+    # check it (with --nodes, the bridge's address; with --ha, NATS refused its own routes without it).
+    tls_dir = ensure_pki(run_dir / "tls", extra_hosts=[args.host] if args.host != "127.0.0.1" else [])
     members = 3 if args.ha else 1
     # etcd member i listens for clients on etcd_port + 2i and for peers on the port after it.
     etcd = [f"{args.host}:{args.etcd_port + 2 * i}" for i in range(members)]

@@ -122,6 +122,8 @@ state = "{self.root / "state"}"
         script = " && ".join(
             [
                 *binds,
+                # Both the machine's mount and the node's on top of it: the runtime may check either.
+                f"mount --make-shared {BPFFS}",
                 f"mount --bind {self.bpffs} {BPFFS}",
                 f"mount --make-shared {BPFFS}",
                 "mount --make-shared /run/netns",

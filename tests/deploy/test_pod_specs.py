@@ -1,7 +1,8 @@
 """deploy/kubernetes run as written: the datapath DaemonSet's pod spec under containerd on a dev node.
 
-A `make run` stack provides the control plane (``--no-datapath``: NATS, etcd, watcher,
-policy and ipam on the ports the manifests' Services give, on the stack's bridge) and one
+A `make run` stack provides the control plane (``--no-datapath --ha``: three NATS and etcd
+members, as the StatefulSets run, two policy and ipam replicas and the watcher, on the ports
+the manifests' Services give, on the stack's bridge) and one
 dev node with no datapath. On that node containerd runs with CRI (tests/deploy/node.py)
 and tests/deploy/kubelet.py does kubelet's part with the DaemonSet's pod spec read from
 deploy/kubernetes: the image `make image` built, imported under the manifests' name; the
@@ -96,10 +97,28 @@ class Cluster:
         }
 
 
-def serve_cluster_ips(netns: str, ips: list[str], target: str) -> None:
-    """kube-proxy's part: in the node's network namespace, each of ``ips`` leads to ``target``."""
-    rules = "\n".join(f"    ip daddr {ip} dnat to {target}" for ip in ips)
-    chain = f"  chain output {{\n    type nat hook output priority -100;\n{rules}\n  }}\n"
+#: The stack's control plane (``--ha``: three NATS and etcd members, as the StatefulSets run) behind
+#: each Service of the manifests' hostAliases: Service port -> the member's port on the gateway.
+ENDPOINTS = {
+    "palisade-nats": (4222, 4222),
+    **{f"palisade-nats-{i}": (4222, 4222 + i) for i in range(3)},
+    "palisade-etcd": (2379, 2379),
+    **{f"palisade-etcd-{i}": (2379, 2379 + 2 * i) for i in range(3)},
+    "palisade-policy": (9402, 9402),
+    "palisade-ipam": (9403, 9403),
+    "palisade-watcher": (9401, 9401),
+}
+
+
+def serve_cluster_ips(netns: str, aliases: list[Obj], gateway: str) -> None:
+    """kube-proxy's part, in the node's network namespace: each Service address the hostAliases name
+    leads to the stack's member behind it."""
+    rules = []
+    for alias in aliases:
+        (hostname,) = alias["hostnames"]
+        port, target = ENDPOINTS[hostname.split(".")[0]]
+        rules.append(f"    ip daddr {alias['ip']} tcp dport {port} dnat to {gateway}:{target}")
+    chain = "  chain output {\n    type nat hook output priority -100;\n" + "\n".join(rules) + "\n  }\n"
     table = f"table ip kube-proxy-stand-in {{\n{chain}}}\n"
     subprocess.run(["ip", "netns", "exec", netns, "nft", "-f", "-"], input=table, text=True, check=True)
 
@@ -110,12 +129,11 @@ def cluster(archive: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     if problem:
         pytest.skip(problem)
     tmp = tmp_path_factory.mktemp("podspec")
-    with running_stack(tmp, None, "--no-pods", "--no-datapath", "--node", NODE, *CONTROL_PLANE_PORTS) as stack:
+    with running_stack(tmp, None, "--no-pods", "--no-datapath", "--ha", "--node", NODE, *CONTROL_PLANE_PORTS) as stack:
         network = hosts.plan([NODE], "172.31.255.0/24", hosts.tag_of(stack.run_dir))
         host = network.node(NODE)
         datapath = workload("DaemonSet", "palisade-datapath")
-        aliases = [a["ip"] for a in datapath["spec"]["template"]["spec"].get("hostAliases", [])]
-        serve_cluster_ips(host.netns, aliases, network.gateway)
+        serve_cluster_ips(host.netns, datapath["spec"]["template"]["spec"]["hostAliases"], network.gateway)
         node = NodeRuntime(tmp / "node", host.netns, Path(f"/sys/fs/bpf/palisade-k8s-{secrets.token_hex(3)}"))
         try:
             node.start()
