@@ -167,9 +167,14 @@ class Kubelet:
     # -- volumes ---------------------------------------------------------------------------
 
     def _volumes(self, pod: Obj, directory: Path, api: ApiObjects) -> dict[str, str]:
-        """Volume name -> the path the runtime mounts (node paths for hostPath, pod folders for the rest)."""
+        """Volume name -> the path the runtime mounts (node paths for hostPath, pod folders for the rest).
+
+        A StatefulSet's volumeClaimTemplates are bound to a folder of the pod's (a local volume). The
+        folders kubelet makes belong to the pod's fsGroup, as kubelet sets their ownership.
+        """
         out: dict[str, str] = {}
-        for volume in pod["spec"].get("volumes", []):
+        claims = [{"name": c["metadata"]["name"], "emptyDir": {}} for c in pod.get("volumeClaimTemplates", [])]
+        for volume in pod["spec"].get("volumes", []) + claims:
             name = volume["name"]
             where = f"volumes[{name}]"
             if "hostPath" in volume:
@@ -207,6 +212,12 @@ class Kubelet:
                 out[name] = str(target)
             else:
                 raise PodSpecError(f"{where}: {sorted(set(volume) - {'name'})} volumes are not supported here")
+            group = pod_security(pod).get("fsGroup")
+            if group is not None and "hostPath" not in volume:
+                for path in [Path(out[name]), *Path(out[name]).rglob("*")]:
+                    os.chown(path, -1, int(group))
+                    if path.is_dir():
+                        path.chmod(path.stat().st_mode | 0o2070)
         return out
 
     def _etc_hosts(self, pod: Obj, directory: Path) -> Path:
@@ -250,9 +261,13 @@ class Kubelet:
     ) -> api_pb2.ContainerConfig:
         name = container["name"]
         env = environment(container, pod, self.node)
-        context = container.get("securityContext", {})
+        pod_context = pod_security(pod)
+        # The pod's settings, each overridden by the container's own (as kubelet merges them).
+        inherited = {k: pod_context[k] for k in ("runAsUser", "runAsGroup", "runAsNonRoot", "seccompProfile")
+                     if k in pod_context}  # fmt: skip
+        context = {**inherited, **container.get("securityContext", {})}
         known = {"privileged", "runAsUser", "runAsGroup", "runAsNonRoot", "allowPrivilegeEscalation", "capabilities",
-                 "readOnlyRootFilesystem"}  # fmt: skip
+                 "readOnlyRootFilesystem", "seccompProfile"}  # fmt: skip
         if set(context) - known:
             raise PodSpecError(f"containers[{name}].securityContext: {sorted(set(context) - known)} not supported here")
         if context.get("runAsNonRoot") and context.get("runAsUser", 1) == 0:
@@ -269,6 +284,14 @@ class Kubelet:
                 drop_capabilities=context.get("capabilities", {}).get("drop", []),
             ),
         )
+        profile = context.get("seccompProfile", {}).get("type", "Unconfined")
+        if profile == "RuntimeDefault":
+            security.seccomp_profile_path = "runtime/default"
+            security.seccomp.profile_type = api_pb2.SecurityProfile.RuntimeDefault
+        elif profile != "Unconfined":
+            raise PodSpecError(f"containers[{name}]: seccompProfile {profile} is not supported here")
+        if "fsGroup" in pod_context:
+            security.supplemental_groups.append(int(pod_context["fsGroup"]))
         if "runAsUser" in context:
             security.run_as_user.value = int(context["runAsUser"])
         if "runAsGroup" in context:
@@ -446,8 +469,19 @@ except OSError as exc:
 """
 
 
-def pod_of(workload: Obj, node: str, uid: str) -> Obj:
-    """A Pod as a workload's controller would make it from its template (name, uid, node)."""
+def pod_security(pod: Obj) -> Obj:
+    """The pod's securityContext, checked for fields this stand-in knows."""
+    context = dict(pod["spec"].get("securityContext", {}))
+    unknown = set(context) - {"runAsUser", "runAsGroup", "runAsNonRoot", "fsGroup", "seccompProfile"}
+    if unknown:
+        raise PodSpecError(f"spec.securityContext: {sorted(unknown)} not supported here")
+    return context
+
+
+def pod_of(workload: Obj, node: str, uid: str, ordinal: int | None = None) -> Obj:
+    """A Pod as a workload's controller would make it from its template (name, uid, node): a
+    StatefulSet's member ``ordinal`` is named NAME-ORDINAL, other pods NAME-<5 of the uid>.
+    A StatefulSet's volumeClaimTemplates go with it (kubelet binds each to a local folder)."""
     template = workload["spec"]["template"]
     meta = workload["metadata"]
     return {
@@ -455,11 +489,12 @@ def pod_of(workload: Obj, node: str, uid: str) -> Obj:
         "kind": "Pod",
         "metadata": {
             **template.get("metadata", {}),
-            "name": f"{meta['name']}-{uid[:5]}",
+            "name": f"{meta['name']}-{uid[:5] if ordinal is None else ordinal}",
             "namespace": meta.get("namespace", "default"),
             "uid": uid,
         },
         "spec": {**template["spec"], "nodeName": node},
+        "volumeClaimTemplates": workload["spec"].get("volumeClaimTemplates", []),
     }
 
 
