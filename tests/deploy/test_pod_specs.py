@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 import yaml
+from cri_api.v1 import api_pb2
 
 from services.cli.install import MANIFESTS, load_kustomization, tls_secrets
 from services.cni.install import CONFLIST, DEFAULT_SOCKET, PLUGIN
@@ -45,6 +46,7 @@ from tests.deploy.engine import IMAGE, Engine
 from tests.deploy.kubelet import ApiObjects, Kubelet, NodeFacts, Pod, kustomized_image, pod_of
 from tests.deploy.manifests import COMPOSE_FILE
 from tests.deploy.node import NodeRuntime
+from tests.deploy.test_docs import commands, palisade_args
 from tests.harness import ROOT
 from tests.system.stack import Stack, probe, running_stack, wait_for
 
@@ -232,6 +234,32 @@ def test_the_datapath_comes_up_healthy_by_its_own_probes(cluster: Cluster, datap
     assert (cluster.node.bpffs / "palisade").is_dir()
 
 
+def test_the_documented_kubectl_exec_recipes_work_in_the_datapath_container(cluster: Cluster, datapath: Pod) -> None:
+    """deploy/README.md's `kubectl -n palisade-system exec ds/palisade-datapath -- palisade ...`, as kubelet
+    runs an exec: in the datapath's container, with nothing set up for it."""
+    ok, said = cluster.kubelet.wait_probe(datapath, "datapath", "startupProbe")
+    assert ok, said
+    recipes = [
+        args
+        for c in commands("deploy/README.md")
+        if c.startswith("kubectl") and "exec ds/palisade-datapath" in c
+        for args in [palisade_args(c)]
+        if args is not None
+    ]
+    assert len(recipes) >= 4
+    for args in recipes:
+        if args[0] == "observe":
+            continue  # live until interrupted (an exec of it never ends); the walkthrough test runs it
+        result = cluster.kubelet.runtime.ExecSync(
+            api_pb2.ExecSyncRequest(container_id=datapath.containers["datapath"], cmd=["palisade", *args], timeout=60),
+            timeout=90,
+        )
+        out = (result.stdout + result.stderr).decode(errors="replace")
+        assert result.exit_code == 0, f"palisade {' '.join(args)}: {out}"
+        if args[0] == "status":
+            assert "datapath" in out and "policy" in out, out
+
+
 POLICIES = [
     {
         "apiVersion": "networking.k8s.io/v1",
@@ -325,8 +353,6 @@ def analyzed(stack: Stack) -> dict[str, dict[str, bool]]:
 
 
 def exec_in(cluster: Cluster, pod: Pod, container: str, *command: str) -> str:
-    from cri_api.v1 import api_pb2
-
     out = cluster.kubelet.runtime.ExecSync(
         api_pb2.ExecSyncRequest(container_id=pod.containers[container], cmd=list(command), timeout=30), timeout=60
     )
