@@ -229,6 +229,8 @@ def test_the_datapath_comes_up_healthy_by_its_own_probes(cluster: Cluster, datap
     status = cluster.stack.status()
     rows = [r for r in status["services"] if r["service"] == "datapath"]
     assert rows and all(r.get("healthy", True) for r in rows), status
+    # Everything it does by default works in the image (masquerade needs nft there).
+    assert "masquerade_error" not in json.dumps(rows), rows
     assert cluster.stack.address("datapath") == f"{cluster.host.address}:9404"
     # Its pins are on the node's BPF file system (the bpffs volume), where the manifest says.
     assert (cluster.node.bpffs / "palisade").is_dir()
