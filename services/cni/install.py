@@ -6,8 +6,10 @@ Run by the datapath DaemonSet's init container with the node's CNI folders mount
         --runtime-dir /host/opt/palisade-cni --runtime-path /opt/palisade-cni [--chain]
 
 The plugin is Python, so the image's interpreter and packages are copied beside it
-(``--runtime-dir``, seen by the node as ``--runtime-path``) and ``<bin-dir>/palisade`` is a
-small launcher; the node needs a glibc at least as new as the image's (Debian 12: 2.36).
+(``--runtime-dir``, seen by the node as ``--runtime-path``; each install into a folder of its
+own there, as that folder is the node's, mounted, and cannot itself be replaced) and
+``<bin-dir>/palisade`` is a small launcher; the node needs a glibc at least as new as the
+image's (Debian 12: 2.36).
 
 Standalone (the default) writes ``05-palisade.conflist`` with Palisade as the only plugin.
 ``--chain`` puts Palisade after the plugins of the node's existing configuration (the first
@@ -22,6 +24,7 @@ datapath's programs from the pods' veths, removes its pinned maps and its endpoi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -60,12 +63,24 @@ def launcher(runtime_path: str) -> str:
     )
 
 
-def copy_runtime(target: Path) -> None:
-    """The running interpreter (its standard library and shared library) and its packages, into ``target``."""
+#: Each install's runtime is a folder of its own in the runtime directory, named so.
+RELEASE_PREFIX = "runtime-"
+
+
+def copy_runtime(runtime_dir: Path) -> str:
+    """The running interpreter (its standard library and shared library) and its packages, into a new
+    folder of ``runtime_dir``; returns that folder's name.
+
+    ``runtime_dir`` is the node's folder as mounted (a mount point: it cannot itself be replaced),
+    so each install copies into a folder of its own beside the previous ones, built under a
+    temporary name and renamed when complete; the launcher then names it, and
+    :func:`prune_runtimes` removes the others. A plugin running meanwhile keeps the runtime its
+    launcher named.
+    """
     base = Path(sys.base_prefix)
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    staging = target.with_name(target.name + ".new")
-    shutil.rmtree(staging, ignore_errors=True)
+    runtime_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=runtime_dir, prefix=".partial-"))
     (staging / "python" / "bin").mkdir(parents=True)
     shutil.copy2(Path(sys.executable).resolve(), staging / "python" / "bin" / version)
     shutil.copytree(
@@ -79,8 +94,21 @@ def copy_runtime(target: Path) -> None:
     shutil.copytree(
         sysconfig.get_paths()["purelib"], staging / "site-packages", ignore=shutil.ignore_patterns("__pycache__")
     )
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(staging, target)
+    staging.chmod(0o755)
+    release = RELEASE_PREFIX + staging.name.removeprefix(".partial-")
+    os.replace(staging, runtime_dir / release)
+    return release
+
+
+def prune_runtimes(runtime_dir: Path, keep: str) -> None:
+    """Remove everything in ``runtime_dir`` (Palisade's own folder) but ``keep``: earlier installs'
+    runtimes, unfinished copies, and the single-runtime layout of older versions."""
+    for path in runtime_dir.iterdir():
+        if path.name != keep:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
 
 def _existing(conf_dir: Path) -> Path | None:
@@ -112,10 +140,14 @@ def conflist(conf_dir: Path, *, chain: bool, socket: str) -> dict[str, Any]:
 
 def install(args: argparse.Namespace) -> None:
     bin_dir, conf_dir = Path(args.bin_dir), Path(args.conf_dir)
+    runtime_path, release = args.runtime_path, ""
     if not args.no_runtime:
-        copy_runtime(Path(args.runtime_dir))
-    _atomic_write(bin_dir / PLUGIN, launcher(args.runtime_path), mode=0o755)
+        release = copy_runtime(Path(args.runtime_dir))
+        runtime_path = f"{args.runtime_path.rstrip('/')}/{release}"
+    _atomic_write(bin_dir / PLUGIN, launcher(runtime_path), mode=0o755)
     _atomic_write(conf_dir / CONFLIST, json.dumps(conflist(conf_dir, chain=args.chain, socket=args.socket), indent=2))
+    if release:
+        prune_runtimes(Path(args.runtime_dir), keep=release)
     mode = "chained" if args.chain else "standalone"
     print(f"palisade-cni installed: {bin_dir / PLUGIN}, {conf_dir / CONFLIST} ({mode})")
 
@@ -123,7 +155,12 @@ def install(args: argparse.Namespace) -> None:
 def uninstall(args: argparse.Namespace) -> None:
     for path in (Path(args.conf_dir) / CONFLIST, Path(args.bin_dir) / PLUGIN):
         path.unlink(missing_ok=True)
-    shutil.rmtree(args.runtime_dir, ignore_errors=True)
+    runtime_dir = Path(args.runtime_dir)
+    if runtime_dir.is_dir():
+        # Its contents: the folder itself may be the node's, mounted (it cannot go then).
+        prune_runtimes(runtime_dir, keep="")
+        with contextlib.suppress(OSError):
+            runtime_dir.rmdir()
     print("palisade-cni removed")
     if args.bpffs:
         # The datapath's programs off every pod veth and its pinned maps gone (its own teardown).

@@ -19,7 +19,6 @@ import shutil
 import signal
 import sys
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +94,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-state", action="store_true", help="keep pinned maps, namespaces and data on exit")
     p.add_argument("--no-pods", action="store_true", help="do not create the dev node's pods")
     p.add_argument(
+        "--no-datapath",
+        action="store_true",
+        help="start no datapath: each node's is run by something else (the datapath DaemonSet's container "
+        "under a container runtime, as tests/deploy/test_pod_specs.py does). Every node, even a single one, "
+        "is then a network namespace of its own (the datapath's host network), the control plane listens "
+        "on the bridge's address, and no pods are made (needs --no-pods)",
+    )
+    p.add_argument(
         "--cni",
         action="store_true",
         help="create the dev node's pods as a container runtime does: sandbox namespaces joined by palisade-cni",
@@ -104,13 +111,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--nodes {args.nodes} must be 1 or more")
     if args.nodes > 1 and args.cni:
         p.error("--cni runs one node; drop --cni or --nodes")
+    if args.no_datapath and not args.no_pods:
+        p.error("--no-datapath: the dev node makes its pods through its datapath; add --no-pods")
     args.network = None
     args.host = "127.0.0.1"
-    if args.nodes > 1:
-        # The stack's run directory names its hosts, so stacks side by side do not collide.
-        tag = format(zlib.crc32(str(Path(args.run_dir).resolve()).encode()), "08x")
+    if args.nodes > 1 or args.no_datapath:
+        tag = hosts.tag_of(args.run_dir)
         try:
-            names = [f"dev-node-{i + 1}" for i in range(args.nodes)]
+            names = [f"dev-node-{i + 1}" for i in range(args.nodes)] if args.nodes > 1 else [args.node]
             args.network = hosts.plan(names, args.node_subnet, tag, args.routing)
         except (HostsError, ValueError) as exc:
             p.error(str(exc))
@@ -161,7 +169,9 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
     logs = run_dir / LOGS
     logs.mkdir(parents=True, exist_ok=True)
     # One CA per installation, made on first start; every part proves its name with it.
-    tls_dir = ensure_pki(run_dir / "tls")
+    # The address the control plane listens on is in every certificate: NATS routes and etcd peers
+    # check it (with --nodes, the bridge's address; with --ha, NATS refused its own routes without it).
+    tls_dir = ensure_pki(run_dir / "tls", extra_hosts=[args.host] if args.host != "127.0.0.1" else [])
     members = 3 if args.ha else 1
     # etcd member i listens for clients on etcd_port + 2i and for peers on the port after it.
     etcd = [f"{args.host}:{args.etcd_port + 2 * i}" for i in range(members)]
@@ -234,12 +244,15 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
             component="datapath",
         )
         for node in dev_nodes(args, run_dir)
+        if not args.no_datapath
     ]  # fmt: skip
     addresses = {
         "watcher": grpc_address(args, "watcher"),
         "policy": policy_addresses,
         "ipam": ipam_addresses,
-        "datapath": ",".join(c.grpc_address for c in datapaths),
+        # With --no-datapath, where each node's datapath is to listen (the DaemonSet's port).
+        "datapath": ",".join(c.grpc_address for c in datapaths)
+        or ",".join(spec.address for spec in dev_nodes(args, run_dir)),
         # The dev cluster's API server is this folder: `connectivity probe --via-services` applies Services to it.
         "manifests": str(Path(args.manifests).resolve()),
     }
@@ -392,7 +405,7 @@ async def main_async(args: argparse.Namespace) -> int:
             if args.network is not None:
                 # A node's namespace takes its pods' veths and routes with it.
                 left += await asyncio.to_thread(hosts.remove, args.network)
-            for spec in dev_nodes(args, run_dir):
+            for spec in [] if args.no_datapath else dev_nodes(args, run_dir):
                 left += await asyncio.to_thread(clean, spec.bpffs, spec.state_dir, pod_netns.get(spec.name, []))
             clear_run_dir(run_dir)
             kept = f"the logs of this run are kept in {run_dir / LOGS} until the next start"

@@ -27,7 +27,9 @@ from __future__ import annotations
 import ipaddress
 import os
 import subprocess
+import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.common.log import get_logger
 
@@ -88,6 +90,11 @@ def _ip(*args: str, netns: str = "", check: bool = True) -> subprocess.Completed
 
 
 MODES = ("direct", "tunnel")
+
+
+def tag_of(run_dir: str | os.PathLike[str]) -> str:
+    """The tag a stack's hosts are named with: its run directory's, so stacks side by side do not collide."""
+    return format(zlib.crc32(str(Path(run_dir).resolve()).encode()), "08x")
 
 
 def plan(names: list[str], subnet: str, tag: str, mode: str = "direct") -> HostNetwork:

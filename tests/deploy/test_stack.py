@@ -30,13 +30,12 @@ import yaml
 
 from services.datapath.endpoint import host_ifname, netns_name
 from services.datapath.netns import NETNS_DIR
+from tests.deploy.engine import IMAGE, PROJECT, Engine
 from tests.deploy.manifests import COMPOSE_FILE, load_yaml
 from tests.harness import BIN, ROOT
 
 pytestmark = [pytest.mark.timeout(3600)]
 
-PROJECT = "palisade-test"
-IMAGE = "palisade:dev"
 TLS_DIR = COMPOSE_FILE.parent / "tls"
 BPFFS = Path("/sys/fs/bpf/palisade")
 #: Up to all healthy: a bound, not an expectation (the datapath compiles its BPF first).
@@ -46,54 +45,6 @@ PROBES = ["80/TCP", "81/UDP", "8080/TCP"]
 CAPABILITIES_OVERRIDE = COMPOSE_FILE.parent / "docker-compose.capabilities.yml"
 #: deploy/README.md's teardown: the datapath's own container cleans up after it.
 TEARDOWN = ["run", "--rm", "--no-deps", "datapath", "python", "-m", "services.devstack.cleanup"]
-
-
-@dataclass(frozen=True)
-class Engine:
-    host: str
-    started: bool
-
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "DOCKER_HOST": self.host, "DOCKER_BUILDKIT": "0", "COMPOSE_PROJECT_NAME": PROJECT}
-
-    def run(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(args, env=self.env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        if check:
-            assert result.returncode == 0, f"{' '.join(args)}: {result.stdout[-3000:]}{result.stderr[-3000:]}"
-        return result
-
-
-def _answers(host: str) -> bool:
-    env = {**os.environ, "DOCKER_HOST": host}
-    return subprocess.run(["docker", "version"], env=env, capture_output=True, timeout=60).returncode == 0
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    given = os.environ.get("DOCKER_HOST")
-    if given and _answers(given):
-        yield Engine(given, started=False)
-        return
-    if os.geteuid() != 0:
-        pytest.skip(
-            "no container engine: DOCKER_HOST is unset or does not answer, and starting the project's "
-            "own (scripts/engine.sh) needs root; run `make test` as root"
-        )
-    own = subprocess.run(["scripts/engine.sh", "host"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    running = _answers(own)
-    result = subprocess.run(["scripts/engine.sh", "start"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    try:
-        yield Engine(own, started=not running)
-    finally:
-        if not running:
-            subprocess.run(["scripts/engine.sh", "stop"], cwd=ROOT, capture_output=True, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def image(engine: Engine) -> str:
-    engine.run("bash", "scripts/image.sh", timeout=3000)
-    return IMAGE
 
 
 def _in_image(engine: Engine, *command: str, user: str | None = None) -> subprocess.CompletedProcess[str]:
