@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bench.bench_system import Attempt, verdict_time
-from tests.harness import ROOT
+from testkit.harness import ROOT
 
 
 def run_quick(script: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from services.cli.main import build_parser
-from tests.harness import ROOT, free_port
+from testkit.harness import ROOT, free_port
 
 COMMANDS = [
     ["status"],

@@ -8,7 +8,7 @@ from palisade.v1 import identity_pb2
 from services.common.bus import IDENTITY_STREAM, Bus
 from services.common.store import connect_etcd
 from services.common.subjects import IDENTITY_ALL, identity_subject
-from tests.harness import EtcdServer, NatsServer, creds
+from testkit.harness import EtcdServer, NatsServer, creds
 
 
 async def test_nats_round_trip_and_compacted_replay(nats_server: NatsServer) -> None:

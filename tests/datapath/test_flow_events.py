@@ -15,9 +15,9 @@ import socket
 from services.datapath.maps import eventsmap
 from services.datapath.maps.bpf import obj_get, prog_test_run
 from services.datapath.types import Enforcement, Verdict
-from tests.datapath.node import Node
-from tests.datapath.traffic import TC_ACT_SHOT
-from tests.datapath.traffic import tc_frame as frame
+from testkit.datapathnode import Node
+from testkit.traffic import TC_ACT_SHOT
+from testkit.traffic import tc_frame as frame
 
 #: struct flow_event and the ring's 8-byte record header.
 RECORD_BYTES = ctypes.sizeof(eventsmap.FlowEventRecord) + 8

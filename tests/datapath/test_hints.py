@@ -17,9 +17,9 @@ from services.datapath.types import (
     L4Proto,
     Verdict,
 )
+from testkit.datapathnode import Node
+from testkit.traffic import DENY_TIMEOUT, tcp_exchange
 from tests.datapath.entries import entry
-from tests.datapath.node import Node
-from tests.datapath.traffic import DENY_TIMEOUT, tcp_exchange
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,10 @@ from services.datapath.fake import FakeDatapath
 from services.datapath.loader import ProgramConfig
 from services.datapath.maps import metricsmap
 from services.datapath.maps.sizes import MapSizes
+from testkit.harness import NatsServer
 from tests.datapath_service.agent import NODE, InProcessAgent
 from tests.datapath_service.controlplane import ALLOW, DENY, ING, TCP, ControlPlane, entry
 from tests.datapath_service.helpers import create, eventually, labels
-from tests.harness import NatsServer
 
 
 def verdict(agent: InProcessAgent, ep_id: int, remote_ip: str, port: int) -> dt.Verdict:

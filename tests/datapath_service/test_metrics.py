@@ -22,12 +22,12 @@ from services.datapath import types as dt
 from services.datapath.fake import FakeDatapath
 from services.datapath.flows import FlowFilter
 from services.datapath.metrics import AgentParts, DatapathMetrics, KernelTotals
+from testkit.harness import Metrics, NatsServer, ServiceProcess, creds, scrape
 from tests.datapath_service.agent import InProcessAgent, control_plane
 from tests.datapath_service.controlplane import ING, ControlPlane, entry
 from tests.datapath_service.helpers import create as create_fake
 from tests.datapath_service.helpers import create_endpoint, eventually, in_thread, started
 from tests.datapath_service.pods import Pods
-from tests.harness import Metrics, NatsServer, ServiceProcess, creds, scrape
 
 NODE = "node-a"
 

@@ -7,9 +7,9 @@ import pytest
 import yaml
 
 from palisade.v1 import common_pb2, policy_pb2
-from tests.policy_service import builders
-from tests.policy_service.cluster import palisade
-from tests.policy_service.scenario import DB, WEB, Env
+from testkit import builders
+from testkit.policycluster import palisade
+from testkit.scenario import DB, WEB, Env
 
 NP = "NetworkPolicy"
 

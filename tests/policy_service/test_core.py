@@ -16,7 +16,7 @@ from services.policy.engine.realized import Report
 from services.policy.engine.sources import Source
 from services.policy.servicer import status_to_proto
 from services.policy.wire import diff_to_proto
-from tests.policy_service import builders
+from testkit import builders
 from tests.policy_service.world import World, ingress_key
 
 WEB, DB, CACHE = 256, 257, 258

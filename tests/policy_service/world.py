@@ -12,8 +12,8 @@ from services.policy.engine.orders import PlannedOrder, PolicyEpoch
 from services.policy.engine.realized import Report
 from services.policy.engine.sources import Source
 from services.policy.wire import delta_from_proto, encode, identity_from_proto, policy_to_proto, record_from_proto
-from tests.policy_service import builders
-from tests.policy_service.nodestate import IdentityState, NodeState, from_policies
+from testkit import builders
+from testkit.nodestate import IdentityState, NodeState, from_policies
 
 
 class World:

@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 
 from palisade.v1 import common_pb2, common_pb2_grpc
 from services.cli.client import dial_target
 from services.common.grpcserver import open_sync_channel
 from services.common.trust import Credentials
-from tests.harness import ROOT, free_port
+from testkit.harness import ROOT, free_port
 
 SERVICES = ("watcher", "policy", "ipam", "datapath")
 
@@ -278,7 +277,7 @@ def running_stack(tmp: Path, examples: Path | None, *extra: str) -> Iterator[Sta
             break
     if not any(line.startswith("Palisade is running") for line in output):
         proc.kill()
-        pytest.fail("make run did not come up:\n" + "".join(output))
+        raise RuntimeError("make run did not come up:\n" + "".join(output))
     addresses = json.loads((tmp / "run" / "addresses.json").read_text())
     try:
         yield Stack(proc, manifests, tmp / "run", bpffs, addresses, output)
