@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 
 from services.common.log import get_logger
 from services.datapath.datapath import CounterSource
-from services.datapath.flows import FlowHub
+from services.datapath.flows import FlowCountKey, FlowHub
 from services.datapath.manager import EndpointManager
 from services.datapath.orders import OrderConsumer, Reporter
 from services.datapath.types import CounterKey, Counters, CounterValue, Direction, EndpointState, Reason
@@ -126,6 +126,8 @@ class AgentCollector(Collector):
             reports=p.reporter.delivered,
             flow_events=p.flows.events,
             flow_dropped=p.flows.dropped,
+            flows=dict(p.flows.counts),
+            ring=len(p.flows.ring),
         )
         totals, events_lost = self._read_kernel()
         return _families(figures, totals, events_lost)
@@ -144,6 +146,8 @@ class _Figures:
     reports: int = 0
     flow_events: int = 0
     flow_dropped: int = 0
+    flows: dict[FlowCountKey, int] = dataclasses.field(default_factory=dict)
+    ring: int = 0
 
 
 def _families(f: _Figures, totals: Totals, events_lost: int) -> Iterator[prometheus_client.Metric]:
@@ -213,6 +217,18 @@ def _families(f: _Figures, totals: Totals, events_lost: int) -> Iterator[prometh
     lost.add_metric(["ring_buffer"], events_lost)
     lost.add_metric(["observer"], f.flow_dropped)
     yield lost
+    flows = CounterMetricFamily(
+        "palisade_datapath_flows",
+        "Flow events decoded (recorded in the flow ring, or handed to Observe clients), by verdict "
+        "(allow, deny, audit), reason and direction.",
+        labels=["verdict", "reason", "direction"],
+    )
+    for key, n in sorted(f.flows.items()):
+        flows.add_metric([key.verdict, key.reason, key.direction], n)
+    yield flows
+    yield GaugeMetricFamily(
+        "palisade_datapath_flow_ring_events", "Flow events held in the node's flow ring.", value=f.ring
+    )
 
 
 class DatapathMetrics:
