@@ -346,7 +346,8 @@ async def test_observe_replays_the_flow_ring_with_every_filter(agent: InProcessA
     assert [e.destination_port for e in await replay(last=9, filter={"pods": ["x/db"]})] == [80, 53, 99]
     assert [e.destination_port for e in await replay(last=9, filter={"namespaces": ["y"]})] == []
     assert len(await replay(last=9, filter={"namespaces": ["x"]})) == 3
-    assert [e.destination_port for e in await replay(last=9, filter={"from_identities": [web.identity]})] == [80, 53, 99]
+    from_web = await replay(last=9, filter={"from_identities": [web.identity]})
+    assert [e.destination_port for e in from_web] == [80, 53, 99]
     assert [e.destination_port for e in await replay(last=9, filter={"from_identities": [db.identity]})] == []
     assert [e.destination_port for e in await replay(last=9, filter={"to_identities": [web.identity]})] == []
 
