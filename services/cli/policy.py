@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
+from services.cli import diff
 from services.cli.client import (
     CLIError,
     add_address_flags,
@@ -375,3 +376,4 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     for q in (imp, dele, get, wait, trace):
         add_address_flags(q, "policy")
         add_output_flag(q)
+    diff.register(psub)

@@ -19,8 +19,9 @@ from services.policy.engine.changes import IdentityChange, ObjectDelta, ObjectKi
 from services.policy.engine.ipcache import IpcacheRecord
 from services.policy.engine.model import Direction, EntryKey, PolicyRef, Protocol, Verdict
 from services.policy.engine.orders import OrderDiff, PlannedOrder
+from services.policy.engine.preview import DiffProbe, FlowKey, ObservedFlow, Preview
 from services.policy.engine.resolve import ResolvedPolicy
-from services.policy.engine.sources import Source
+from services.policy.engine.sources import Source, split_engine_key
 
 _DIRECTIONS = {Direction.INGRESS: common_pb2.DIRECTION_INGRESS, Direction.EGRESS: common_pb2.DIRECTION_EGRESS}
 _VERDICTS = {Verdict.ALLOW: common_pb2.VERDICT_ALLOW, Verdict.DENY: common_pb2.VERDICT_DENY}
@@ -246,3 +247,83 @@ def encode(
 def _fetch(msg: policy_pb2.RegenerationOrder) -> policy_pb2.RegenerationOrder:
     msg.fetch = True
     return msg
+
+
+def _allowed_to_proto(allowed: bool) -> common_pb2.Verdict.ValueType:
+    return common_pb2.VERDICT_ALLOW if allowed else common_pb2.VERDICT_DENY
+
+
+def probe_to_proto(probe: DiffProbe) -> policy_pb2.DiffProbe:
+    return policy_pb2.DiffProbe(port=probe.port, protocol=int(probe.protocol))  # type: ignore[arg-type]
+
+
+def probe_from_proto(probe: policy_pb2.DiffProbe, field: str) -> DiffProbe:
+    """Raises ValueError naming ``field`` for an unknown protocol or a port out of range."""
+    try:
+        protocol = Protocol(probe.protocol or Protocol.TCP)
+    except ValueError:
+        raise ValueError(f"{field}.protocol {probe.protocol} is not TCP, UDP, SCTP, ICMP or ICMPv6") from None
+    if protocol is Protocol.ANY or not 0 <= probe.port <= 65535:
+        raise ValueError(f"{field}: port {probe.port}/{protocol.name} must be 0-65535 of one protocol")
+    return DiffProbe(protocol, probe.port)
+
+
+def observed_from_proto(flow: policy_pb2.ObservedFlow, field: str) -> ObservedFlow:
+    """The flow judged on the side that saw it: egress judges the source, ingress the destination."""
+    if flow.direction == common_pb2.DIRECTION_EGRESS:
+        direction, subject, remote = Direction.EGRESS, flow.source_identity, flow.destination_identity
+    elif flow.direction == common_pb2.DIRECTION_INGRESS:
+        direction, subject, remote = Direction.INGRESS, flow.destination_identity, flow.source_identity
+    else:
+        raise ValueError(f"{field}.direction must be ingress or egress")
+    key = FlowKey(subject, remote, direction, int(flow.protocol), flow.port)
+    return ObservedFlow(key, flow.count, flow.source_pod, flow.destination_pod, flow.node)
+
+
+def observed_to_proto(flow: ObservedFlow) -> policy_pb2.ObservedFlow:
+    k = flow.key
+    egress = k.direction is Direction.EGRESS
+    return policy_pb2.ObservedFlow(
+        source_identity=k.subject if egress else k.remote,
+        destination_identity=k.remote if egress else k.subject,
+        direction=_DIRECTIONS[k.direction],
+        protocol=k.protocol,  # type: ignore[arg-type]
+        port=k.port,
+        count=flow.count,
+        source_pod=flow.source_pod,
+        destination_pod=flow.destination_pod,
+        node=flow.node,
+    )
+
+
+def preview_to_proto(result: Preview, revision: int, pods: Mapping[int, list[str]]) -> policy_pb2.DiffResponse:
+    """The preview on the wire, each identity with up to three example pods."""
+    out = policy_pb2.DiffResponse(
+        revision=revision,
+        flows_judged=result.flows_judged,
+        newly_dropped=result.newly_dropped,
+        probes=[probe_to_proto(p) for p in result.probes],
+    )
+    for c in result.pairs:
+        out.pairs.append(
+            policy_pb2.PairChange(
+                source_identity=c.source,
+                destination_identity=c.destination,
+                probe=probe_to_proto(c.probe),
+                before=_allowed_to_proto(c.allowed_before),
+                after=_allowed_to_proto(c.allowed_after),
+                policies=[ref_to_proto(split_engine_key(r)[1]) for r in c.policies],
+                source_pods=pods.get(c.source, [])[:3],
+                destination_pods=pods.get(c.destination, [])[:3],
+            )
+        )
+    for f in result.flows:
+        out.flows.append(
+            policy_pb2.FlowChange(
+                flow=observed_to_proto(f.flow),
+                before=_allowed_to_proto(f.allowed_before),
+                after=_allowed_to_proto(f.allowed_after),
+                policies=[ref_to_proto(split_engine_key(r)[1]) for r in f.policies],
+            )
+        )
+    return out

@@ -13,8 +13,9 @@ it names in a Resync, and those of endpoints it reports.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from services.policy.engine.model import Policy, PolicyKind, PolicyRef, PolicyVa
 from services.policy.engine.orders import OrderPlanner, PersistedState, PlannedOrder
 from services.policy.engine.parse import parse_policy
 from services.policy.engine.policyengine import PolicyEngine
+from services.policy.engine.preview import DiffProbe, ObservedFlow, Preview, preview
 from services.policy.engine.realized import Lag, RealizedTable, Report, Rollup
 from services.policy.engine.registry import ApiChange, PolicyRecord, Registry, StoredPolicy
 from services.policy.engine.resolve import ResolvedPolicy
@@ -639,6 +641,55 @@ class PolicyCore:
         if known is not None:
             return known.id
         return TraceEndpoint(label_set)
+
+    def _holder(self, key: PolicyRef) -> Source | None:
+        """The source whose copy of ``key`` the engine holds (Kubernetes first), or None."""
+        for source in (Source.KUBERNETES, Source.API):
+            record = self.registry.get(source, key)
+            if record is not None and record.policy is not None:
+                return source
+        return None
+
+    def preview(
+        self,
+        documents: Sequence[tuple[Mapping[str, Any], str]],
+        deletes: Sequence[PolicyRef],
+        *,
+        probes: Sequence[DiffProbe] = (),
+        flows: Iterable[ObservedFlow] = (),
+    ) -> Preview:
+        """What applying ``documents`` (each with its origin, for errors) and deleting ``deletes``
+        would change, computed on a copy of the engine: nothing in force changes. A document
+        naming a policy in force replaces it in its source (Kubernetes' copy first); a new one is
+        an API policy. Raises RequestError naming every invalid document or unknown deletion."""
+        after = copy.deepcopy(self.engine)
+        changed: list[Policy] = []
+        errors: list[str] = []
+        after.begin_batch()
+        for doc, origin in documents:
+            try:
+                parsed = parse_policy(doc, cluster=self.cluster)
+            except PolicyValidationError as exc:
+                errors.append(f"{origin}: {exc}" if origin else str(exc))
+                continue
+            key = engine_key(self._holder(parsed.key) or Source.API, parsed.key)
+            old = self.engine.declared_policy(key)
+            new = dataclasses.replace(parsed, key=key)
+            changed += [p for p in (old, new) if p is not None]
+            after.upsert_policy(new)
+        for ref in deletes:
+            source = self._holder(ref)
+            if source is None:
+                errors.append(f"--delete {ref}: no such policy is in force; list them with `palisade policy get`")
+                continue
+            old = self.engine.declared_policy(engine_key(source, ref))
+            if old is not None:
+                changed.append(old)
+            after.delete_policy(engine_key(source, ref))
+        if errors:
+            raise RequestError("nothing previewed; fix these and run the diff again:\n" + "\n".join(errors))
+        after.end_batch()
+        return preview(self.engine, after, changed, pods=self.ipcache.pods_by_identity(), probes=probes, flows=flows)
 
     def status(self) -> StatusSnapshot:
         counts = self.registry.counts()
