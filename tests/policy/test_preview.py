@@ -97,9 +97,11 @@ def run_preview(
         changed += [p for p in (old, new) if p is not None]
         after.upsert_policy(new)
     for name in deletes:
-        key = next(p.key for p in live.policies if p.key.name == name)
-        changed.append(live.engine.declared_policy(key))  # type: ignore[arg-type]
-        after.delete_policy(key)
+        ref = next(p.key for p in live.policies if p.key.name == name)
+        gone = live.engine.declared_policy(ref)
+        assert gone is not None
+        changed.append(gone)
+        after.delete_policy(ref)
     pods: dict[int, list[str]] = {}
     for key, pm in live.pods.items():
         pods.setdefault(pm.identity, []).append(key)
