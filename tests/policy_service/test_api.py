@@ -9,7 +9,7 @@ import yaml
 from palisade.v1 import common_pb2, policy_pb2
 from tests.policy_service import builders
 from tests.policy_service.cluster import palisade
-from tests.policy_service.scenario import DB, WEB, Env
+from tests.policy_service.scenario import CACHE, DB, WEB, Env
 
 NP = "NetworkPolicy"
 
@@ -323,3 +323,72 @@ async def test_an_ip_block_without_a_prefix_length_is_rejected(env: Env) -> None
     doc["spec"]["ingress"][0]["from"] = [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
     answer = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(doc)), timeout=10)
     assert answer.policies[0].state != policy_pb2.POLICY_STATE_REJECTED, answer.policies[0].error
+
+
+async def test_diff_previews_a_change_against_live_identities_and_observed_flows_without_applying_it(
+    env: Env,
+) -> None:
+    before = (await env.api.ListPolicies(policy_pb2.ListPoliciesRequest())).revision
+    # The Kubernetes policy db-from-web edited to let cache in instead of web.
+    edit = yaml.safe_dump(builders.netpol("db-from-web", {"app": "db"}, {"app": "cache"}, 5432))
+    web_to_db = policy_pb2.ObservedFlow(
+        source_identity=WEB,
+        destination_identity=DB,
+        direction=common_pb2.DIRECTION_INGRESS,
+        protocol=common_pb2.PROTOCOL_TCP,
+        port=5432,
+        count=4,
+        source_pod="default/web-1",
+        destination_pod="default/db-1",
+        node="n2",
+    )
+    web_to_db_egress = policy_pb2.ObservedFlow()
+    web_to_db_egress.CopyFrom(web_to_db)
+    web_to_db_egress.direction = common_pb2.DIRECTION_EGRESS
+    web_to_db_egress.count = 5
+    answer = await env.api.Diff(
+        policy_pb2.DiffRequest(documents=edit, origin="edit.yaml", flows=[web_to_db, web_to_db_egress])
+    )
+    assert answer.revision == before
+    changes = {
+        (c.source_identity, c.destination_identity, c.probe.port, c.before, c.after, tuple(p.name for p in c.policies))
+        for c in answer.pairs
+    }
+    assert changes == {
+        (WEB, DB, 5432, common_pb2.VERDICT_ALLOW, common_pb2.VERDICT_DENY, ("db-from-web",)),
+        (CACHE, DB, 5432, common_pb2.VERDICT_DENY, common_pb2.VERDICT_ALLOW, ("db-from-web",)),
+    }
+    web_pair = next(c for c in answer.pairs if c.source_identity == WEB)
+    assert list(web_pair.source_pods) == ["default/web-1", "default/web-2"]
+    assert list(web_pair.destination_pods) == ["default/db-1"]
+    assert [(f.flow.count, f.flow.node, f.after) for f in answer.flows] == [(4, "n2", common_pb2.VERDICT_DENY)]
+    assert answer.newly_dropped == 4 and answer.flows_judged == 9
+
+    # Nothing was applied: same revision, web still reaches db.
+    assert (await env.api.ListPolicies(policy_pb2.ListPoliciesRequest())).revision == before
+    trace = policy_pb2.TraceRequest(
+        source=policy_pb2.TracePeer(pod="default/web-1"),
+        destination=policy_pb2.TracePeer(pod="default/db-1"),
+        port=5432,
+        protocol=common_pb2.PROTOCOL_TCP,
+    )
+    assert (await env.api.Trace(trace)).verdict == common_pb2.VERDICT_ALLOW
+
+    # Deleting it opens db to every peer: newly allowed pairs, nothing observed newly dropped.
+    opened = await env.api.Diff(policy_pb2.DiffRequest(deletes=[ref("db-from-web")], flows=[web_to_db]))
+    assert opened.newly_dropped == 0 and not opened.flows
+    assert {(c.source_identity, c.after) for c in opened.pairs} == {(CACHE, common_pb2.VERDICT_ALLOW)}
+
+    # A change that touches nothing observed reports nothing.
+    quiet = yaml.safe_dump(builders.netpol("cache-in", {"app": "cache"}, {"app": "web"}, 6379))
+    untouched = await env.api.Diff(policy_pb2.DiffRequest(documents=quiet, flows=[web_to_db]))
+    assert not untouched.flows and untouched.newly_dropped == 0
+    assert {(c.source_identity, c.destination_identity, c.after) for c in untouched.pairs} == {
+        (DB, CACHE, common_pb2.VERDICT_DENY)
+    }
+
+    # Bad input names what is wrong.
+    err = await rpc_error(env.api.Diff(policy_pb2.DiffRequest(deletes=[ref("nope")])))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "nope" in (err.details() or "")
+    err = await rpc_error(env.api.Diff(policy_pb2.DiffRequest()))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "nothing to preview" in (err.details() or "")
