@@ -44,7 +44,12 @@ def entry_from_proto(entry: common_pb2.PolicyEntry) -> dt.PolicyEntry:
 
 
 def enforcement_from_proto(enforcement: common_pb2.Enforcement) -> dt.Enforcement:
-    return dt.Enforcement(ingress=enforcement.ingress, egress=enforcement.egress)
+    return dt.Enforcement(
+        ingress=enforcement.ingress,
+        egress=enforcement.egress,
+        audit_ingress=enforcement.audit_ingress,
+        audit_egress=enforcement.audit_egress,
+    )
 
 
 def key_to_proto(key: dt.PolicyKey) -> common_pb2.PolicyKey:
@@ -62,7 +67,12 @@ def entry_to_proto(entry: dt.PolicyEntry) -> common_pb2.PolicyEntry:
 
 
 def enforcement_to_proto(enforcement: dt.Enforcement) -> common_pb2.Enforcement:
-    return common_pb2.Enforcement(ingress=enforcement.ingress, egress=enforcement.egress)
+    return common_pb2.Enforcement(
+        ingress=enforcement.ingress,
+        egress=enforcement.egress,
+        audit_ingress=enforcement.audit_ingress,
+        audit_egress=enforcement.audit_egress,
+    )
 
 
 def _short(key: common_pb2.PolicyKey) -> str:

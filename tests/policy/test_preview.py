@@ -150,14 +150,16 @@ def test_pairs_equal_what_analyze_gives_before_and_after(
 def test_a_change_is_grouped_by_the_policy_that_makes_it_and_ports_come_from_the_policies() -> None:
     live, _, result = run_preview([WEB_TO_DB], [API_TO_DB], [], [])
     ident = {k: v.identity for k, v in live.pods.items()}
-    assert result.probes == (P5432,)
+    any_port = (DiffProbe(Protocol.TCP, 0), DiffProbe(Protocol.UDP, 0))
+    assert result.probes == (*any_port[:1], P5432, *any_port[1:])  # the default deny reaches every port
     ref = PolicyRef(PolicyKind.NETWORK_POLICY, "shop", "db")
     assert {(c.source, c.destination, c.allowed_after, c.policies) for c in result.pairs} == {
         (ident["shop/web"], ident["shop/db"], False, (ref,)),
         (ident["shop/api"], ident["shop/db"], True, (ref,)),
     }
     # an every-port rule is probed on port 0 ("any port no rule names") of TCP and UDP
-    assert probes_of([parse_policy(ALL_TO_DB)]) == (DiffProbe(Protocol.TCP, 0), DiffProbe(Protocol.UDP, 0))
+    assert probes_of([parse_policy(ALL_TO_DB)]) == any_port
+    assert probes_of([parse_policy(knp("closed", "db", ingress=[]))]) == any_port
 
 
 def test_observed_flows_that_would_be_cut_are_counted_and_untouched_ones_are_not() -> None:

@@ -23,9 +23,15 @@ from services.datapath.types import IDENTITY_ANY, Direction, Enforcement, Protoc
 NAME = "enforcement"
 ENFORCE_INGRESS = 1
 ENFORCE_EGRESS = 2
-ENFORCE_MASK = ENFORCE_INGRESS | ENFORCE_EGRESS
+#: The direction is default deny only by policies in audit mode (see types.Enforcement).
+AUDIT_INGRESS = 4
+AUDIT_EGRESS = 8
+ENFORCE_MASK = ENFORCE_INGRESS | ENFORCE_EGRESS | AUDIT_INGRESS | AUDIT_EGRESS
+#: A hint: the endpoint's map may hold entries of audited policies (AUDIT and AUDIT_ALLOW keys);
+#: without it the program makes no audit lookup.
+AUDIT_ENTRIES = 16
 HINTS_SHIFT = 8
-HINTS_MASK = 0xFFFF << HINTS_SHIFT
+HINTS_MASK = 0xFFFF << HINTS_SHIFT | AUDIT_ENTRIES
 HINTS_VALID = 1 << 31
 
 
@@ -48,11 +54,21 @@ def spec(sizes: MapSizes) -> MapSpec:
 
 
 def to_flags(enforcement: Enforcement) -> int:
-    return (ENFORCE_INGRESS if enforcement.ingress else 0) | (ENFORCE_EGRESS if enforcement.egress else 0)
+    return (
+        (ENFORCE_INGRESS if enforcement.ingress else 0)
+        | (ENFORCE_EGRESS if enforcement.egress else 0)
+        | (AUDIT_INGRESS if enforcement.audit_ingress else 0)
+        | (AUDIT_EGRESS if enforcement.audit_egress else 0)
+    )
 
 
 def from_flags(flags: int) -> Enforcement:
-    return Enforcement(ingress=bool(flags & ENFORCE_INGRESS), egress=bool(flags & ENFORCE_EGRESS))
+    return Enforcement(
+        ingress=bool(flags & ENFORCE_INGRESS),
+        egress=bool(flags & ENFORCE_EGRESS),
+        audit_ingress=bool(flags & AUDIT_INGRESS),
+        audit_egress=bool(flags & AUDIT_EGRESS),
+    )
 
 
 def hints_held(flags: int | None) -> int:
@@ -62,6 +78,8 @@ def hints_held(flags: int | None) -> int:
 
 def hint_bit(direction: Direction, verdict: Verdict, identity: int, protocol: Protocol) -> int:
     """The hint bit of one policy entry (or trie prefix) of an endpoint (``HINTS_SHIFT`` applied)."""
+    if verdict.audit:
+        return AUDIT_ENTRIES
     index = (2 if direction == Direction.EGRESS else 0) + (1 if verdict == Verdict.ALLOW else 0)
     shape = (2 if identity == IDENTITY_ANY else 0) + (1 if protocol == Protocol.ANY else 0)
     return 1 << (HINTS_SHIFT + index * 4 + shape)

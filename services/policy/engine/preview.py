@@ -93,11 +93,14 @@ class Preview:
 
 
 def probes_of(policies: Iterable[Policy]) -> tuple[DiffProbe, ...]:
-    """The ports the policies name (a range by its first port, every-port rules as port 0 of TCP
-    and UDP); named ports cannot be probed without a pod and are left out."""
+    """The ports the policies name (a range by its first port; every-port rules, and the default deny
+    of a rule that enforces a direction, as port 0 of TCP and UDP); named ports cannot be probed
+    without a pod and are left out."""
     out: set[DiffProbe] = set()
     for policy in policies:
         for rule in policy.rules:
+            if rule.enforce_ingress or rule.enforce_egress:  # its default deny reaches every port
+                out.update(DiffProbe(proto, ANY_OTHER_PORT) for proto in (Protocol.TCP, Protocol.UDP))
             for pr in rule.peer_rules:
                 for spec in pr.ports:
                     if spec.name:
