@@ -73,12 +73,13 @@ def _print_statuses(statuses: list[policy_pb2.PolicyStatus]) -> None:
                 s.ref.name,
                 source_text(s),
                 _state(s),
+                s.mode or "-",
                 s.revision or "-",
                 nodes,
                 len(s.unsupported) or "",
             )
         )
-    print_table(("KIND", "NAMESPACE", "NAME", "SOURCE", "STATE", "REVISION", "NODES", "UNSUPPORTED"), rows)
+    print_table(("KIND", "NAMESPACE", "NAME", "SOURCE", "STATE", "MODE", "REVISION", "NODES", "UNSUPPORTED"), rows)
     for s in statuses:
         if s.error:
             print(f"\n{_ref_text(s.ref)}: {s.error}")

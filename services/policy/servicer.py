@@ -26,7 +26,7 @@ from services.policy import metrics, wire
 from services.policy.controller import Controller, JobKind
 from services.policy.documents import dump_document, validate_document
 from services.policy.engine.core import Outcome, PolicyCore, PolicyView, TraceAnswer
-from services.policy.engine.model import PolicyKind, PolicyRef, Protocol
+from services.policy.engine.model import PolicyKind, PolicyMode, PolicyRef, Protocol
 from services.policy.engine.realized import Lag, Report
 from services.policy.engine.sources import Source, object_key, parse_kind, split_engine_key
 from services.policy.engine.trace import TraceSide
@@ -45,6 +45,11 @@ NOT_SYNCED = (
 )
 #: A change whose caller has less time left than this is not applied: the answer would come too late.
 _MIN_TIME_LEFT = 1.0
+#: Shown with every policy in audit mode: what it does, and what it does not do yet.
+AUDIT_NOTE = (
+    "metadata.annotations[policy.palisade.io/mode]: audit: not enforced, drops nothing; its would-be "
+    "drops are not yet reported as audit flows: preview enforcing it with `palisade policy diff`"
+)
 _PROTOCOLS = {int(p): p for p in (Protocol.TCP, Protocol.UDP, Protocol.SCTP, Protocol.ICMP, Protocol.ICMPV6)}
 
 
@@ -130,6 +135,9 @@ def status_to_proto(view: PolicyView) -> policy_pb2.PolicyStatus:
         status.unsupported.extend(r.policy.unsupported)
         status.warnings.extend(r.policy.warnings)
         status.rules = len(r.policy.rules)
+        status.mode = r.policy.mode.value
+        if r.policy.mode is PolicyMode.AUDIT:
+            status.warnings.append(AUDIT_NOTE)
     for n in view.rollup.nodes:
         status.nodes.append(
             policy_pb2.NodeRealization(

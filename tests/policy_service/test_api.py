@@ -377,14 +377,21 @@ async def test_diff_previews_a_change_against_live_identities_and_observed_flows
     # Deleting it opens db to every peer: newly allowed pairs, nothing observed newly dropped.
     opened = await env.api.Diff(policy_pb2.DiffRequest(deletes=[ref("db-from-web")], flows=[web_to_db]))
     assert opened.newly_dropped == 0 and not opened.flows
-    assert {(c.source_identity, c.after) for c in opened.pairs} == {(CACHE, common_pb2.VERDICT_ALLOW)}
+    # (port 0 stands for every port no rule names: the default deny is gone there too)
+    assert {(c.source_identity, c.probe.port, c.after) for c in opened.pairs} == {
+        (CACHE, 5432, common_pb2.VERDICT_ALLOW),
+        (CACHE, 0, common_pb2.VERDICT_ALLOW),
+        (WEB, 0, common_pb2.VERDICT_ALLOW),
+    }
 
     # A change that touches nothing observed reports nothing.
     quiet = yaml.safe_dump(builders.netpol("cache-in", {"app": "cache"}, {"app": "web"}, 6379))
     untouched = await env.api.Diff(policy_pb2.DiffRequest(documents=quiet, flows=[web_to_db]))
     assert not untouched.flows and untouched.newly_dropped == 0
-    assert {(c.source_identity, c.destination_identity, c.after) for c in untouched.pairs} == {
-        (DB, CACHE, common_pb2.VERDICT_DENY)
+    assert {(c.source_identity, c.destination_identity, c.probe.port, c.after) for c in untouched.pairs} == {
+        (DB, CACHE, 6379, common_pb2.VERDICT_DENY),
+        (DB, CACHE, 0, common_pb2.VERDICT_DENY),
+        (WEB, CACHE, 0, common_pb2.VERDICT_DENY),
     }
 
     # Bad input names what is wrong.
@@ -392,3 +399,49 @@ async def test_diff_previews_a_change_against_live_identities_and_observed_flows
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "nope" in (err.details() or "")
     err = await rpc_error(env.api.Diff(policy_pb2.DiffRequest()))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "nothing to preview" in (err.details() or "")
+
+
+async def test_a_policy_in_audit_mode_is_shown_never_enforced_and_enforced_by_an_edit(env: Env) -> None:
+    closed = builders.netpol("web-closed", {"app": "web"}, {"app": "cache"}, 80)
+    closed["metadata"]["annotations"] = {"policy.palisade.io/mode": "audit"}
+    answer = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(closed)))
+    await env.settled(answer.revision)
+    status = await env.api.GetPolicy(
+        policy_pb2.GetPolicyRequest(ref=ref("web-closed"), source=policy_pb2.POLICY_SOURCE_API)
+    )
+    assert status.mode == "audit" and not status.error
+    assert list(status.subjects) == [WEB]
+    assert any("audit: not enforced" in w for w in status.warnings)
+    assert env.datapaths["n1"].state.policies.get(WEB, ((False, False), {}))[0] == (False, False)  # web stays open
+
+    # Preview enforcing it: db -> web would be cut (observed 2 times), cache -> web stays allowed.
+    enforced = yaml.safe_dump({**closed, "metadata": {"name": "web-closed", "namespace": "default"}})
+    db_to_web = policy_pb2.ObservedFlow(
+        source_identity=DB, destination_identity=WEB, direction=common_pb2.DIRECTION_INGRESS,
+        protocol=common_pb2.PROTOCOL_TCP, port=80, count=2,
+    )  # fmt: skip
+    preview = await env.api.Diff(policy_pb2.DiffRequest(documents=enforced, flows=[db_to_web]))
+    assert preview.newly_dropped == 2
+    assert [p.name for p in preview.flows[0].policies] == ["web-closed"]
+
+    # Switching to enforce is an edit like any other: a new revision, realized on web's nodes.
+    switched = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=enforced))
+    assert switched.revision > answer.revision
+    await env.settled(switched.revision)
+    assert env.datapaths["n1"].state.policies[WEB][0] == (True, False)
+    status = await env.api.GetPolicy(
+        policy_pb2.GetPolicyRequest(ref=ref("web-closed"), source=policy_pb2.POLICY_SOURCE_API)
+    )
+    assert status.mode == "enforce"
+    # ... and back to audit: web is open again.
+    back = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(closed)))
+    await env.settled(back.revision)
+    assert env.datapaths["n1"].state.policies.get(WEB, ((False, False), {}))[0] == (False, False)
+
+    # A mistyped mode names the annotation.
+    closed["metadata"]["annotations"] = {"policy.palisade.io/mode": "audti"}
+    err = await rpc_error(env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(closed))))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "metadata.annotations[policy.palisade.io/mode]: 'audti' is not a mode; use enforce or audit" in (
+        err.details() or ""
+    )

@@ -26,7 +26,14 @@ from services.policy.engine.changes import IdentityChange, ObjectDelta, ObjectKi
 from services.policy.engine.entries import MAX_IDENTITY
 from services.policy.engine.identity import Identity
 from services.policy.engine.ipcache import IpcacheRecord, IpcacheTable, is_endpoint_identity
-from services.policy.engine.model import Policy, PolicyKind, PolicyRef, PolicyValidationError, Protocol
+from services.policy.engine.model import (
+    Policy,
+    PolicyKind,
+    PolicyMode,
+    PolicyRef,
+    PolicyValidationError,
+    Protocol,
+)
 from services.policy.engine.orders import OrderPlanner, PersistedState, PlannedOrder
 from services.policy.engine.parse import parse_policy
 from services.policy.engine.policyengine import PolicyEngine
@@ -375,12 +382,22 @@ class PolicyCore:
             return self._reject(source, rk, error, document, provenance, conflict)
         key = key or parsed.key
         policy = dataclasses.replace(parsed, key=engine_key(source, key))
-        changed = self.engine.declared_policy(policy.key) != policy
+        if policy.mode is PolicyMode.AUDIT:
+            # In audit: kept and shown, never in the enforcing engine (an enforced version leaves it).
+            held = self.engine.declared_policy(policy.key) is not None
+            record = self.registry.get(source, key)
+            changed = held or record is None or record.policy != policy
+        else:
+            held = changed = self.engine.declared_policy(policy.key) != policy
         if dry_run:
             return Outcome(source, key, True, "", document, parsed, changed)
         if changed:
             self._change(now)
-            self.engine.upsert_policy(policy)
+            if policy.mode is PolicyMode.AUDIT:
+                if held:
+                    self.engine.delete_policy(policy.key)
+            else:
+                self.engine.upsert_policy(policy)
         old = self.registry.get(source, key)
         if (
             source is Source.API
@@ -578,7 +595,12 @@ class PolicyCore:
 
     def view(self, record: PolicyRecord) -> PolicyView:
         subjects: set[int] = set()
-        if record.policy is not None:
+        if record.policy is not None and record.policy.mode is PolicyMode.AUDIT:
+            # Its selectors are not the engine's: matched against every identity instead.
+            identities = [i for i in self.engine.identities().values() if is_endpoint_identity(i.id)]
+            for rule in record.policy.rules:
+                subjects |= {i.id for i in identities if rule.subject.matches_labels(i.labels)}
+        elif record.policy is not None:
             for rule in record.policy.rules:
                 subjects |= {i for i in self.engine.selection_set(rule.subject) if is_endpoint_identity(i)}
         rollup = self.realized.rollup(subjects, record.revision) if record.policy is not None else Rollup()
@@ -676,7 +698,10 @@ class PolicyCore:
             old = self.engine.declared_policy(key)
             new = dataclasses.replace(parsed, key=key)
             changed += [p for p in (old, new) if p is not None]
-            after.upsert_policy(new)
+            if new.mode is PolicyMode.AUDIT:
+                after.delete_policy(key)  # audit never drops: the change enforces nothing of it
+            else:
+                after.upsert_policy(new)
         for ref in deletes:
             source = self._holder(ref)
             if source is None:
