@@ -163,11 +163,13 @@ class FlowCountKey:
     direction: str
 
 
-def _count_key(event: datapath_pb2.FlowEvent) -> FlowCountKey:
+def count_key(raw: tuple[int, int, int]) -> FlowCountKey:
+    """The labels of a (verdict, reason, direction) count, as the wire names them."""
+    verdict, reason, direction = raw
     return FlowCountKey(
-        common_pb2.Verdict.Name(event.verdict).removeprefix("VERDICT_").lower(),
-        datapath_pb2.FlowReason.Name(event.reason).removeprefix("FLOW_REASON_").lower(),
-        common_pb2.Direction.Name(event.direction).removeprefix("DIRECTION_").lower(),
+        common_pb2.Verdict.Name(verdict).removeprefix("VERDICT_").lower(),  # type: ignore[arg-type]
+        datapath_pb2.FlowReason.Name(reason).removeprefix("FLOW_REASON_").lower(),  # type: ignore[arg-type]
+        common_pb2.Direction.Name(direction).removeprefix("DIRECTION_").lower(),  # type: ignore[arg-type]
     )
 
 
@@ -214,8 +216,9 @@ class FlowHub:
         self._pod_at = pod_at
         #: Recent events, kept whether or not anyone observes (when its size is not 0).
         self.ring = FlowRing(ring)
-        #: Events decoded, per verdict, reason and direction.
-        self.counts: collections.Counter[FlowCountKey] = collections.Counter()
+        #: Events decoded, per (verdict, reason, direction) wire numbers (labelled at scrape time:
+        #: this is on the path of every event).
+        self.counts: collections.Counter[tuple[int, int, int]] = collections.Counter()
         self._poll_ms = poll_ms
         self._buffer = buffer
         self._subs: set[Subscription] = set()
@@ -254,7 +257,7 @@ class FlowHub:
 
     def publish(self, event: datapath_pb2.FlowEvent) -> None:
         self.events += 1
-        self.counts[_count_key(event)] += 1
+        self.counts[(event.verdict, event.reason, event.direction)] += 1
         self.ring.add(event)
         for sub in self._subs:
             if sub.offer(event):

@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 
 from services.common.log import get_logger
 from services.datapath.datapath import CounterSource
-from services.datapath.flows import FlowCountKey, FlowHub
+from services.datapath.flows import FlowCountKey, FlowHub, count_key
 from services.datapath.manager import EndpointManager
 from services.datapath.orders import OrderConsumer, Reporter
 from services.datapath.types import CounterKey, Counters, CounterValue, Direction, EndpointState, Reason
@@ -126,7 +126,7 @@ class AgentCollector(Collector):
             reports=p.reporter.delivered,
             flow_events=p.flows.events,
             flow_dropped=p.flows.dropped,
-            flows=dict(p.flows.counts),
+            flows={count_key(raw): n for raw, n in p.flows.counts.copy().items()},
             ring=len(p.flows.ring),
         )
         totals, events_lost = self._read_kernel()

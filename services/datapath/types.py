@@ -175,6 +175,8 @@ class PolicyKey:
     protocol: Protocol = Protocol.ANY
     port_low: int = 0
     port_high: int = 0
+    #: A key of a policy in audit mode: a key space of its own (an entry's verdict sets it).
+    audit: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "direction", Direction(self.direction))
@@ -207,6 +209,8 @@ class PolicyEntry:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", Verdict(self.verdict))
+        if self.key.audit != self.verdict.audit:
+            object.__setattr__(self, "key", dataclasses.replace(self.key, audit=self.verdict.audit))
 
 
 @dataclasses.dataclass(frozen=True)

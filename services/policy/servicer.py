@@ -436,7 +436,9 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             lambda core, now: core.resync(request.node, request.identities), JobKind.READ, durable=True
         )
         return policy_pb2.ResyncResponse(
-            revision=answer.revision, sequence=answer.sequence, policies=[policy_to_proto(p) for p in answer.policies]
+            revision=answer.revision,
+            sequence=answer.sequence,
+            policies=[policy_to_proto(p, answer.audit.get(p.identity)) for p in answer.policies],
         )
 
     # --- realized revisions ----------------------------------------------------------------

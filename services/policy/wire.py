@@ -15,6 +15,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from palisade.v1 import common_pb2, identity_pb2, k8s_pb2, policy_pb2
 from services.common.labels import labels_from_wire
+from services.policy.engine.audit import AuditOverlay
 from services.policy.engine.changes import IdentityChange, ObjectDelta, ObjectKind
 from services.policy.engine.ipcache import IpcacheRecord
 from services.policy.engine.model import Direction, EntryKey, PolicyRef, Protocol, Verdict
@@ -54,27 +55,47 @@ def removals_to_proto(keys: Iterable[EntryKey]) -> list[common_pb2.PolicyEntry]:
     return [common_pb2.PolicyEntry(key=key_to_proto(k)) for k in sorted(keys)]
 
 
+#: Audited entries on the wire: an audited deny, an audited allow (see ``engine.audit``).
+_AUDIT_VERDICTS = {Verdict.DENY: common_pb2.VERDICT_AUDIT, Verdict.ALLOW: common_pb2.VERDICT_AUDIT_ALLOW}
+
+
+def audit_entries_to_proto(entries: Mapping[EntryKey, Verdict]) -> list[common_pb2.PolicyEntry]:
+    """Entries of audited policies (removals too: the verdict names the key space)."""
+    return [common_pb2.PolicyEntry(key=key_to_proto(k), verdict=_AUDIT_VERDICTS[v]) for k, v in sorted(entries.items())]
+
+
 def enforcement(ingress: bool, egress: bool) -> common_pb2.Enforcement:
     return common_pb2.Enforcement(ingress=ingress, egress=egress)
 
 
 def diff_to_proto(diff: OrderDiff) -> common_pb2.IdentityPolicyDiff:
-    """An incremental diff (remove first, then add), or with ``full`` the whole policy."""
-    return common_pb2.IdentityPolicyDiff(
+    """An incremental diff (remove first, then add), or with ``full`` the whole policy; the entries
+    of audited policies follow the enforced ones."""
+    out = common_pb2.IdentityPolicyDiff(
         identity=diff.identity,
         enforcement=enforcement(diff.ingress_enforced, diff.egress_enforced),
         add=entries_to_proto(diff.add),
         remove=removals_to_proto(diff.remove),
         full=diff.full,
     )
+    out.enforcement.audit_ingress = diff.audit_ingress
+    out.enforcement.audit_egress = diff.audit_egress
+    out.add.extend(audit_entries_to_proto(diff.audit_add))
+    out.remove.extend(audit_entries_to_proto(diff.audit_remove))
+    return out
 
 
-def policy_to_proto(policy: ResolvedPolicy) -> common_pb2.IdentityPolicy:
-    return common_pb2.IdentityPolicy(
+def policy_to_proto(policy: ResolvedPolicy, audit: AuditOverlay | None = None) -> common_pb2.IdentityPolicy:
+    out = common_pb2.IdentityPolicy(
         identity=policy.identity,
         enforcement=enforcement(policy.ingress_enforced, policy.egress_enforced),
         entries=entries_to_proto(policy.entries),
     )
+    if audit is not None:
+        out.enforcement.audit_ingress = audit.ingress
+        out.enforcement.audit_egress = audit.egress
+        out.entries.extend(audit_entries_to_proto(audit.entries))
+    return out
 
 
 def ref_to_proto(key: PolicyRef) -> common_pb2.ObjectRef:

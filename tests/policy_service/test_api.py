@@ -412,7 +412,14 @@ async def test_a_policy_in_audit_mode_is_shown_never_enforced_and_enforced_by_an
     assert status.mode == "audit" and not status.error
     assert list(status.subjects) == [WEB]
     assert any("audit: not enforced" in w for w in status.warnings)
-    assert env.datapaths["n1"].state.policies.get(WEB, ((False, False), {}))[0] == (False, False)  # web stays open
+    # Web stays open (nothing enforced), and its nodes hold the audited allow: cache -> web:80.
+    audited = {(common_pb2.DIRECTION_INGRESS, CACHE, 6, 80, 80): common_pb2.VERDICT_AUDIT_ALLOW}
+    assert env.datapaths["n1"].state.policies[WEB] == ((False, False), audited)
+    assert env.datapaths["n3"].state.policies[WEB] == ((False, False), audited)
+    resync = await env.api_for("Resync").Resync(policy_pb2.ResyncRequest(node="n1"))
+    (web,) = [p for p in resync.policies if p.identity == WEB]
+    assert web.enforcement.audit_ingress and not web.enforcement.ingress
+    assert await env.all_match_resync()
 
     # Preview enforcing it: db -> web would be cut (observed 2 times), cache -> web stays allowed.
     enforced = yaml.safe_dump({**closed, "metadata": {"name": "web-closed", "namespace": "default"}})
@@ -428,7 +435,8 @@ async def test_a_policy_in_audit_mode_is_shown_never_enforced_and_enforced_by_an
     switched = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=enforced))
     assert switched.revision > answer.revision
     await env.settled(switched.revision)
-    assert env.datapaths["n1"].state.policies[WEB][0] == (True, False)
+    allow_cache = {(common_pb2.DIRECTION_INGRESS, CACHE, 6, 80, 80): common_pb2.VERDICT_ALLOW}
+    assert env.datapaths["n1"].state.policies[WEB] == ((True, False), allow_cache)  # the audited allow is gone
     status = await env.api.GetPolicy(
         policy_pb2.GetPolicyRequest(ref=ref("web-closed"), source=policy_pb2.POLICY_SOURCE_API)
     )
@@ -436,7 +444,8 @@ async def test_a_policy_in_audit_mode_is_shown_never_enforced_and_enforced_by_an
     # ... and back to audit: web is open again.
     back = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(closed)))
     await env.settled(back.revision)
-    assert env.datapaths["n1"].state.policies.get(WEB, ((False, False), {}))[0] == (False, False)
+    assert env.datapaths["n1"].state.policies[WEB] == ((False, False), audited)
+    assert await env.all_match_resync()
 
     # A mistyped mode names the annotation.
     closed["metadata"]["annotations"] = {"policy.palisade.io/mode": "audti"}

@@ -22,6 +22,7 @@ from typing import Any
 from services.common.errors import Code, PalisadeError
 from services.common.labels import CLUSTER_NAME_DEFAULT, LabelSet, LabelSource, parse_label
 from services.common.log import get_logger
+from services.policy.engine.audit import AuditOverlay, delta, full_engine, overlays
 from services.policy.engine.changes import IdentityChange, ObjectDelta, ObjectKind
 from services.policy.engine.entries import MAX_IDENTITY
 from services.policy.engine.identity import Identity
@@ -34,9 +35,9 @@ from services.policy.engine.model import (
     PolicyValidationError,
     Protocol,
 )
-from services.policy.engine.orders import OrderPlanner, PersistedState, PlannedOrder
+from services.policy.engine.orders import OrderDiff, OrderPlanner, PersistedState, PlannedOrder
 from services.policy.engine.parse import parse_policy
-from services.policy.engine.policyengine import PolicyEngine
+from services.policy.engine.policyengine import PolicyDiff, PolicyEngine
 from services.policy.engine.preview import DiffProbe, ObservedFlow, Preview, preview
 from services.policy.engine.realized import Lag, RealizedTable, Report, Rollup
 from services.policy.engine.registry import ApiChange, PolicyRecord, Registry, StoredPolicy
@@ -106,6 +107,8 @@ class ResyncAnswer:
     revision: int
     sequence: int
     policies: tuple[ResolvedPolicy, ...]
+    #: The audit overlays of those identities that have one.
+    audit: Mapping[int, AuditOverlay] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +145,8 @@ class PolicyCore:
         self._persisted = persisted
         self._api_changes: list[ApiChange] = []
         self._warm = False
+        #: Each identity's audit overlay (policies in audit mode), as last sent to the nodes.
+        self.audit: dict[int, AuditOverlay] = {}
         #: When each node's datapath was last heard from (reports and heartbeats).
         self._seen: dict[str, float] = {}
         #: Nodes whose Node object was deleted.
@@ -265,6 +270,15 @@ class PolicyCore:
         self.registry.settle(revision)
         caused_at = self._caused_at if self._caused_at is not None else now
         self._caused_at = None
+        previous = self.audit
+        self.audit = self._overlays()
+        diffs = dict(result.diffs)
+        for identity in previous.keys() | self.audit.keys():
+            if identity not in diffs and previous.get(identity) != self.audit.get(identity):
+                # Only the overlay changed: an order with no enforced change carries it.
+                policy = self.engine.policy_for(identity)
+                enforced = (policy.ingress_enforced, policy.egress_enforced) if policy is not None else (False, False)
+                diffs[identity] = PolicyDiff(identity, *enforced)
         if self._replace_pending:
             self._replace_pending = False
             orders = self.planner.plan_replace(
@@ -277,7 +291,7 @@ class PolicyCore:
         else:
             orders = self.planner.plan(
                 revision=revision,
-                diffs=result.diffs,
+                diffs=diffs,
                 dirty=self._dirty,
                 nodes=self.nodes(),
                 local_nodes=self.hosting,
@@ -286,6 +300,8 @@ class PolicyCore:
                 caused_at=caused_at,
             )
         self._dirty.clear()
+        if previous or self.audit:
+            orders = _with_audit(orders, previous, self.audit)
         self.realized.record_changes(revision, ((o.node, i) for o in orders for i in o.changed_identities()), caused_at)
         state = PersistedState(revision, self.planner.sequences())
         api = self._take_api_changes()
@@ -588,7 +604,12 @@ class PolicyCore:
             policy = self.engine.policy_for(identity)
             if policy is not None:
                 policies.append(policy)
-        return ResyncAnswer(self.revision, self.planner.sequence(node), tuple(policies))
+        return ResyncAnswer(
+            self.revision,
+            self.planner.sequence(node),
+            tuple(policies),
+            {p.identity: self.audit[p.identity] for p in policies if p.identity in self.audit},
+        )
 
     def policy_of(self, identity: int) -> ResolvedPolicy | None:
         return self.engine.policy_for(identity)
@@ -664,6 +685,20 @@ class PolicyCore:
             return known.id
         return TraceEndpoint(label_set)
 
+    def audited_policies(self) -> list[Policy]:
+        """Every policy in audit mode, keyed as the engine would key it."""
+        return [
+            dataclasses.replace(r.policy, key=engine_key(r.source, r.key))
+            for r in self.registry.search("")
+            if r.policy is not None and r.policy.mode is PolicyMode.AUDIT
+        ]
+
+    def _overlays(self) -> dict[int, AuditOverlay]:
+        audited = self.audited_policies()
+        if not audited:
+            return {}
+        return overlays(self.engine, full_engine(self.engine, audited))
+
     def _holder(self, key: PolicyRef) -> Source | None:
         """The source whose copy of ``key`` the engine holds (Kubernetes first), or None."""
         for source in (Source.KUBERNETES, Source.API):
@@ -732,6 +767,35 @@ class PolicyCore:
             endpoints_failed=sum(1 for lag in behind if lag.error),
             nodes_gone=len(self.realized.gone),
         )
+
+
+def _with_audit(
+    orders: Iterable[PlannedOrder], old: Mapping[int, AuditOverlay], new: Mapping[int, AuditOverlay]
+) -> list[PlannedOrder]:
+    """The orders with each identity's audit part: the whole overlay in full diffs, the change in
+    incremental ones, the audit-only directions in both (diff objects stay shared across nodes)."""
+    memo: dict[int, OrderDiff] = {}
+
+    def decorate(d: OrderDiff) -> OrderDiff:
+        done = memo.get(id(d))
+        if done is not None:
+            return done
+        before, after = old.get(d.identity), new.get(d.identity)
+        if before is None and after is None:
+            out = d
+        else:
+            add, remove = delta(None if d.full else before, after)
+            out = dataclasses.replace(
+                d,
+                audit_add=add,
+                audit_remove={} if d.full else remove,
+                audit_ingress=after.ingress if after is not None else False,
+                audit_egress=after.egress if after is not None else False,
+            )
+        memo[id(d)] = out
+        return out
+
+    return [dataclasses.replace(o, diffs=tuple(decorate(d) for d in o.diffs)) for o in orders]
 
 
 def _key_of(doc: Mapping[str, Any]) -> PolicyRef:
