@@ -110,7 +110,7 @@ def bench_ring(rounds: int, packets: int, *, flood: bool) -> dict[str, Any]:
         for r in range(rounds):
             for mode in ("skip", "ring") if r % 2 == 0 else ("ring", "skip"):
                 dp.skip_flows(0)
-                stop, out = threading.Event(), {}
+                stop, out = threading.Event(), dict[str, float]()
                 t = threading.Thread(target=reader, args=(mode, stop, out))
                 t.start()
                 # The packets come from another process, as from the kernel's own paths: the reader's
