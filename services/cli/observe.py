@@ -20,10 +20,22 @@ import time
 from collections.abc import Iterable, Iterator
 
 import grpc
+import yaml
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
-from services.cli.client import CLIError, add_address_flags, add_output_flag, node_channels, run, to_dict
+from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc, policy_pb2, policy_pb2_grpc
+from services.cli.client import (
+    CLIError,
+    add_address_flags,
+    add_output_flag,
+    call,
+    channel,
+    node_channels,
+    run,
+    to_dict,
+)
+from services.policy.engine.model import Direction, PolicyValidationError, Verdict
+from services.policy.engine.parse import parse_policy
 
 VERDICTS = {
     "dropped": common_pb2.VERDICT_DENY,
@@ -103,6 +115,69 @@ def flow_filter(args: argparse.Namespace) -> datapath_pb2.FlowFilter:
         ports=args.port or [],
         protocols=protocols,
     )
+
+
+class AuditNames:
+    """Names the policies in audit mode behind each audit flow, from PolicyService's list: those
+    selecting the flow's local endpoint that, in the flow's direction, put it in default deny (for
+    a default-deny audit) or have a deny rule (for a deny audit)."""
+
+    REFRESH = 30.0
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self._args = args
+        self._loaded_at = -self.REFRESH
+        #: (identity, direction, deny rule?) -> policy names
+        self._names: dict[tuple[int, int, bool], list[str]] = {}
+        self.error = ""
+
+    def _load(self) -> None:
+        self._loaded_at = time.monotonic()
+        names: dict[tuple[int, int, bool], list[str]] = {}
+        try:
+            with channel(self._args, "policy") as ch:
+                listing = call(
+                    "policy", policy_pb2_grpc.PolicyServiceStub(ch).ListPolicies, policy_pb2.ListPoliciesRequest()
+                )
+        except CLIError as err:
+            self.error = str(err)
+            return
+        for status in listing.policies:
+            if status.mode != "audit" or not status.document:
+                continue
+            try:
+                policy = parse_policy(yaml.safe_load(status.document))
+            except (PolicyValidationError, yaml.YAMLError, AttributeError):
+                continue
+            name = f"{status.ref.kind} {status.ref.namespace + '/' if status.ref.namespace else ''}{status.ref.name}"
+            for direction, wire in (
+                (Direction.INGRESS, common_pb2.DIRECTION_INGRESS),
+                (Direction.EGRESS, common_pb2.DIRECTION_EGRESS),
+            ):
+                enforces = any(
+                    r.enforce_ingress if direction is Direction.INGRESS else r.enforce_egress for r in policy.rules
+                )
+                denies = any(
+                    pr.direction is direction and pr.verdict is Verdict.DENY
+                    for r in policy.rules
+                    for pr in r.peer_rules
+                )
+                for identity in status.subjects:
+                    if enforces:
+                        names.setdefault((identity, wire, False), []).append(name)
+                    if denies:
+                        names.setdefault((identity, wire, True), []).append(name)
+        self._names = names
+
+    def name(self, ev: datapath_pb2.FlowEvent) -> None:
+        """Fill ``ev.audit_policies`` for an audit flow."""
+        if ev.verdict != common_pb2.VERDICT_AUDIT or ev.audit_policies:
+            return
+        if time.monotonic() - self._loaded_at >= self.REFRESH:
+            self._load()
+        local = ev.source_identity if ev.direction == common_pb2.DIRECTION_EGRESS else ev.destination_identity
+        deny = ev.reason == datapath_pb2.FLOW_REASON_POLICY_DENY
+        ev.audit_policies.extend(self._names.get((local, ev.direction, deny), []))
 
 
 def line(ev: datapath_pb2.FlowEvent) -> str:
@@ -194,8 +269,14 @@ def cmd_observe(args: argparse.Namespace) -> int:
     follow = args.follow or not replay
     printed = 0
 
+    names = AuditNames(args)
+
     def emit(ev: datapath_pb2.FlowEvent) -> bool:
         nonlocal printed
+        names.name(ev)
+        if names.error:
+            print(f"note: audit flows are shown without their policies' names: {names.error}", file=sys.stderr)
+            names.error = ""
         sys.stdout.write((json.dumps(to_dict(ev)) if args.output == "json" else line(ev)) + "\n")
         sys.stdout.flush()
         printed += 1
@@ -254,6 +335,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--last", type=int, help="the N most recent recorded flows (of the cluster)")
     p.add_argument("-f", "--follow", action="store_true", help="after --last/--since, keep streaming live flows")
     p.add_argument("--limit", type=int, default=0, help="stop after this many events")
-    add_address_flags(p, "datapath")
+    add_address_flags(p, "datapath", "policy")
     add_output_flag(p)
     p.set_defaults(func=cmd_observe)

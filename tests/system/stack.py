@@ -101,7 +101,7 @@ class Stack:
         if (command, sub) == ("policy", "diff"):
             return [f for n in ("policy", "datapath") for f in (f"--{n}-address", self.address(n))]
         wanted = {
-            "observe": ("datapath",),
+            "observe": ("datapath", "policy"),
             "status": SERVICES,
             "endpoint": ("datapath",),
             "service": ("datapath",),

@@ -219,3 +219,95 @@ def test_diff_bad_input_names_the_problem(stack: Stack, tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
     out = stack.palisade("policy", "diff", "-f", str(tmp_path / "bad.yaml"))
     assert out.returncode == 2 and "bad.yaml" in out.stderr and "ingres" in out.stderr
+
+
+AUDIT = {"policy.palisade.io/mode": "audit"}
+#: In audit: the debug pod would admit only the frontend, on 80.
+DEBUG_AUDIT = {
+    "apiVersion": "networking.k8s.io/v1",
+    "kind": "NetworkPolicy",
+    "metadata": {"name": "debug-audit", "namespace": "tools", "annotations": AUDIT},
+    "spec": {
+        "podSelector": {"matchLabels": {"app": "debug"}},
+        "ingress": [
+            {
+                "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"app": "frontend"}}}],
+                "ports": [{"port": 80}],
+            }
+        ],
+    },
+}
+#: In audit: a deny of the frontend, on 80.
+DEBUG_DENY_AUDIT = {
+    "apiVersion": "cilium.io/v2",
+    "kind": "CiliumNetworkPolicy",
+    "metadata": {"name": "debug-deny-audit", "namespace": "tools", "annotations": AUDIT},
+    "spec": {
+        "endpointSelector": {"matchLabels": {"app": "debug"}},
+        "ingressDeny": [
+            {
+                "fromEndpoints": [{"matchLabels": {"app": "frontend", "k8s:io.kubernetes.pod.namespace": "shop"}}],
+                "toPorts": [{"ports": [{"port": "80", "protocol": "TCP"}]}],
+            }
+        ],
+    },
+}
+#: Enforced: a deny of the db.
+DEBUG_NO_DB = {
+    "apiVersion": "cilium.io/v2",
+    "kind": "CiliumNetworkPolicy",
+    "metadata": {"name": "debug-no-db", "namespace": "tools"},
+    "spec": {
+        "endpointSelector": {"matchLabels": {"app": "debug"}},
+        "ingressDeny": [{"fromEndpoints": [{"matchLabels": {"app": "db", "k8s:io.kubernetes.pod.namespace": "shop"}}]}],
+    },
+}
+
+
+def _import(stack: Stack, tmp: Path, *docs: dict[str, Any]) -> None:
+    path = tmp / "import.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    out = stack.palisade("policy", "import", str(path), "--wait")
+    assert out.returncode == 0, out.stderr
+
+
+def test_audit_mode_on_real_packets_across_the_cluster(
+    stack: Stack, endpoints: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Runs last: it imports policies of its own, and deletes them at the end."""
+    _import(stack, tmp_path, DEBUG_AUDIT, DEBUG_DENY_AUDIT, DEBUG_NO_DB)
+    try:
+        listed = json.loads(stack.palisade("policy", "get", "-o", "json").stdout)["policies"]
+        modes = {p["ref"]["name"]: p.get("mode") for p in listed}
+        assert (modes["debug-audit"], modes["debug-deny-audit"], modes["debug-no-db"]) == ("audit", "audit", "enforce")
+        table = stack.palisade("policy", "get").stdout
+        assert "MODE" in table and "audit" in table
+
+        assert stack.reach("shop/backend", "tools/debug", 80)  # audited default deny: passes
+        assert stack.reach("shop/frontend", "tools/debug", 80)  # audited deny: passes
+        assert not stack.reach("shop/db", "tools/debug", 80)  # enforced deny beside them: dropped
+
+        flows = observe(stack, "--last", "500", "--to-pod", "tools/debug", "--port", "80")
+        audits = {
+            (f["source_pod"], f.get("reason"), tuple(f.get("audit_policies", [])))
+            for f in flows
+            if f["verdict"] == "VERDICT_AUDIT"
+        }
+        assert audits == {
+            ("shop/backend", "FLOW_REASON_DEFAULT_DENY", ("NetworkPolicy tools/debug-audit",)),
+            ("shop/frontend", "FLOW_REASON_POLICY_DENY", ("CiliumNetworkPolicy tools/debug-deny-audit",)),
+        }
+        assert {f["source_pod"] for f in flows if f["verdict"] == "VERDICT_DENY"} == {"shop/db"}
+        only_audit = observe(stack, "--last", "500", "--verdict", "audit")
+        assert only_audit and all(f["verdict"] == "VERDICT_AUDIT" for f in only_audit)
+        text = stack.palisade("observe", "--last", "500", "--verdict", "audit").stdout
+        assert "AUDIT" in text and "by NetworkPolicy tools/debug-audit" in text
+
+        # Enforcing it is an edit: the backend is dropped now, the frontend still passes.
+        enforced = dict(DEBUG_AUDIT, metadata={"name": "debug-audit", "namespace": "tools"})
+        _import(stack, tmp_path, enforced)
+        assert not stack.reach("shop/backend", "tools/debug", 80)
+        assert stack.reach("shop/frontend", "tools/debug", 80)
+    finally:
+        for kind, name in (("networkpolicy", "debug-audit"), ("cnp", "debug-deny-audit"), ("cnp", "debug-no-db")):
+            stack.palisade("policy", "delete", kind, name, "-n", "tools")
