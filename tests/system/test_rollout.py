@@ -244,6 +244,7 @@ DEBUG_DENY_AUDIT = {
     "metadata": {"name": "debug-deny-audit", "namespace": "tools", "annotations": AUDIT},
     "spec": {
         "endpointSelector": {"matchLabels": {"app": "debug"}},
+        "enableDefaultDeny": {"ingress": False},
         "ingressDeny": [
             {
                 "fromEndpoints": [{"matchLabels": {"app": "frontend", "k8s:io.kubernetes.pod.namespace": "shop"}}],
@@ -252,13 +253,14 @@ DEBUG_DENY_AUDIT = {
         ],
     },
 }
-#: Enforced: a deny of the db.
+#: Enforced: a deny of the db (without default deny: everything else stays open).
 DEBUG_NO_DB = {
     "apiVersion": "cilium.io/v2",
     "kind": "CiliumNetworkPolicy",
     "metadata": {"name": "debug-no-db", "namespace": "tools"},
     "spec": {
         "endpointSelector": {"matchLabels": {"app": "debug"}},
+        "enableDefaultDeny": {"ingress": False},
         "ingressDeny": [{"fromEndpoints": [{"matchLabels": {"app": "db", "k8s:io.kubernetes.pod.namespace": "shop"}}]}],
     },
 }
