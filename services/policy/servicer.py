@@ -45,11 +45,6 @@ NOT_SYNCED = (
 )
 #: A change whose caller has less time left than this is not applied: the answer would come too late.
 _MIN_TIME_LEFT = 1.0
-#: Shown with every policy in audit mode: what it does, and what it does not do yet.
-AUDIT_NOTE = (
-    "metadata.annotations[policy.palisade.io/mode]: audit: not enforced, drops nothing; its would-be "
-    "drops are not yet reported as audit flows: preview enforcing it with `palisade policy diff`"
-)
 _PROTOCOLS = {int(p): p for p in (Protocol.TCP, Protocol.UDP, Protocol.SCTP, Protocol.ICMP, Protocol.ICMPV6)}
 
 
@@ -135,9 +130,7 @@ def status_to_proto(view: PolicyView) -> policy_pb2.PolicyStatus:
         status.unsupported.extend(r.policy.unsupported)
         status.warnings.extend(r.policy.warnings)
         status.rules = len(r.policy.rules)
-        status.mode = r.policy.mode.value
-        if r.policy.mode is PolicyMode.AUDIT:
-            status.warnings.append(AUDIT_NOTE)
+        status.mode = PolicyMode.AUDIT.value if view.audited else PolicyMode.ENFORCE.value
     for n in view.rollup.nodes:
         status.nodes.append(
             policy_pb2.NodeRealization(

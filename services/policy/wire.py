@@ -125,6 +125,7 @@ _OBJECT_KINDS = {
     k8s_pb2.K8S_KIND_SERVICE: ObjectKind.SERVICE,
     k8s_pb2.K8S_KIND_ENDPOINT_SLICE: ObjectKind.ENDPOINT_SLICE,
     k8s_pb2.K8S_KIND_NODE: ObjectKind.NODE,
+    k8s_pb2.K8S_KIND_NAMESPACE: ObjectKind.NAMESPACE,
 }
 
 

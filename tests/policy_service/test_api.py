@@ -8,7 +8,7 @@ import yaml
 
 from palisade.v1 import common_pb2, policy_pb2
 from tests.policy_service import builders
-from tests.policy_service.cluster import palisade
+from tests.policy_service.cluster import eventually, palisade
 from tests.policy_service.scenario import CACHE, DB, WEB, Env
 
 NP = "NetworkPolicy"
@@ -411,7 +411,6 @@ async def test_a_policy_in_audit_mode_is_shown_never_enforced_and_enforced_by_an
     )
     assert status.mode == "audit" and not status.error
     assert list(status.subjects) == [WEB]
-    assert any("audit: not enforced" in w for w in status.warnings)
     # Web stays open (nothing enforced), and its nodes hold the audited allow: cache -> web:80.
     audited = {(common_pb2.DIRECTION_INGRESS, CACHE, 6, 80, 80): common_pb2.VERDICT_AUDIT_ALLOW}
     assert env.datapaths["n1"].state.policies[WEB] == ((False, False), audited)
@@ -454,3 +453,24 @@ async def test_a_policy_in_audit_mode_is_shown_never_enforced_and_enforced_by_an
     assert "metadata.annotations[policy.palisade.io/mode]: 'audti' is not a mode; use enforce or audit" in (
         err.details() or ""
     )
+
+
+async def test_a_namespace_in_audit_mode_puts_its_policies_in_audit(env: Env) -> None:
+    """The Kubernetes policy db-from-web (namespace default) closes db to all but web."""
+    audit_ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default", "annotations": {}}}
+    audit_ns["metadata"]["annotations"] = {"policy.palisade.io/mode": "audit"}  # type: ignore[index]
+    before = env.datapaths["n2"].state.revision
+    await env.feed.policy(audit_ns)
+    await eventually(lambda: env.datapaths["n2"].state.revision > before, "the namespace's change realized")
+    status = await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref("db-from-web")))
+    assert status.mode == "audit" and list(status.subjects) == [DB]
+    # db is no longer enforced; what the policy allows is an audited allow, the rest audited default deny
+    audited = {(common_pb2.DIRECTION_INGRESS, WEB, 6, 5432, 5432): common_pb2.VERDICT_AUDIT_ALLOW}
+    await eventually(lambda: env.datapaths["n2"].state.policies.get(DB) == ((False, False), audited), "db audited")
+
+    # The annotation removed: enforced again.
+    audit_ns["metadata"]["annotations"] = {}  # type: ignore[index]
+    await env.feed.policy(audit_ns)
+    enforced = {(common_pb2.DIRECTION_INGRESS, WEB, 6, 5432, 5432): common_pb2.VERDICT_ALLOW}
+    await eventually(lambda: env.datapaths["n2"].state.policies.get(DB) == ((True, False), enforced), "db enforced")
+    assert (await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref("db-from-web")))).mode == "enforce"

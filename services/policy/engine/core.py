@@ -28,6 +28,7 @@ from services.policy.engine.entries import MAX_IDENTITY
 from services.policy.engine.identity import Identity
 from services.policy.engine.ipcache import IpcacheRecord, IpcacheTable, is_endpoint_identity
 from services.policy.engine.model import (
+    MODE_ANNOTATION,
     Policy,
     PolicyKind,
     PolicyMode,
@@ -93,6 +94,8 @@ class PolicyView:
     record: PolicyRecord
     subjects: tuple[int, ...]
     rollup: Rollup
+    #: In audit mode (its own annotation or its namespace's).
+    audited: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +150,8 @@ class PolicyCore:
         self._warm = False
         #: Each identity's audit overlay (policies in audit mode), as last sent to the nodes.
         self.audit: dict[int, AuditOverlay] = {}
+        #: Namespaces annotated policy.palisade.io/mode: audit: every policy in them is audited.
+        self.audit_namespaces: set[str] = set()
         #: When each node's datapath was last heard from (reports and heartbeats).
         self._seen: dict[str, float] = {}
         #: Nodes whose Node object was deleted.
@@ -339,6 +344,9 @@ class PolicyCore:
         if delta.kind in (ObjectKind.SERVICE, ObjectKind.ENDPOINT_SLICE):
             self.apply_service_delta(delta, now)
             return None
+        if delta.kind is ObjectKind.NAMESPACE:
+            self.apply_namespace_delta(delta, now)
+            return None
         kind = delta.kind.policy_kind
         if kind is None:
             return None
@@ -359,6 +367,55 @@ class PolicyCore:
         doc.setdefault("kind", kind.value)
         doc.setdefault("apiVersion", _API_VERSIONS[kind])
         return self.upsert(Source.KUBERNETES, doc, text, now, key=key, provenance=provenance, conflict=delta.conflict)
+
+    def audited(self, policy: Policy) -> bool:
+        """Whether ``policy`` is in audit mode: its own annotation, or its namespace's."""
+        return policy.mode is PolicyMode.AUDIT or (
+            policy.key.kind is not PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY
+            and policy.key.namespace in self.audit_namespaces
+        )
+
+    def apply_namespace_delta(self, delta: ObjectDelta, now: float) -> None:
+        """A Namespace: its ``policy.palisade.io/mode`` annotation puts all its policies in audit
+        (or back to their own mode); the policies move out of (or into) the enforcing engine."""
+        audit = False
+        if not delta.deleted and isinstance(delta.body, dict):
+            meta = delta.body.get("metadata")
+            annotations = meta.get("annotations") if isinstance(meta, dict) else None
+            value = annotations.get(MODE_ANNOTATION) if isinstance(annotations, dict) else None
+            if value is not None and str(value).strip().lower() not in {m.value for m in PolicyMode}:
+                log.warning(
+                    "namespace mode annotation not understood: its policies keep their own mode",
+                    namespace=delta.name,
+                    value=str(value),
+                    fix=f"set {MODE_ANNOTATION} to enforce or audit",
+                )
+            audit = str(value).strip().lower() == PolicyMode.AUDIT.value if value is not None else False
+        if audit == (delta.name in self.audit_namespaces):
+            return
+        if audit:
+            self.audit_namespaces.add(delta.name)
+        else:
+            self.audit_namespaces.discard(delta.name)
+        log.info("namespace mode changed", namespace=delta.name, mode="audit" if audit else "own")
+        for record in self.registry.search(delta.name):
+            policy = record.policy
+            if policy is None or policy.key.namespace != delta.name:
+                continue
+            key = engine_key(record.source, record.key)
+            held = self.engine.declared_policy(key) is not None
+            wanted = not self.audited(policy)
+            if held == wanted:
+                continue
+            self._change(now)
+            if wanted:
+                self.engine.upsert_policy(dataclasses.replace(policy, key=key))
+            else:
+                self.engine.delete_policy(key)
+            self.registry.accepted(
+                record.source, record.key, policy, record.document, changed=True, origin=record.origin,
+                conflict=record.conflict,
+            )  # fmt: skip
 
     def upsert(
         self,
@@ -398,7 +455,8 @@ class PolicyCore:
             return self._reject(source, rk, error, document, provenance, conflict)
         key = key or parsed.key
         policy = dataclasses.replace(parsed, key=engine_key(source, key))
-        if policy.mode is PolicyMode.AUDIT:
+        audited = self.audited(policy)
+        if audited:
             # In audit: kept and shown, never in the enforcing engine (an enforced version leaves it).
             held = self.engine.declared_policy(policy.key) is not None
             record = self.registry.get(source, key)
@@ -409,7 +467,7 @@ class PolicyCore:
             return Outcome(source, key, True, "", document, parsed, changed)
         if changed:
             self._change(now)
-            if policy.mode is PolicyMode.AUDIT:
+            if audited:
                 if held:
                     self.engine.delete_policy(policy.key)
             else:
@@ -616,7 +674,7 @@ class PolicyCore:
 
     def view(self, record: PolicyRecord) -> PolicyView:
         subjects: set[int] = set()
-        if record.policy is not None and record.policy.mode is PolicyMode.AUDIT:
+        if record.policy is not None and self.audited(record.policy):
             # Its selectors are not the engine's: matched against every identity instead.
             identities = [i for i in self.engine.identities().values() if is_endpoint_identity(i.id)]
             for rule in record.policy.rules:
@@ -625,7 +683,8 @@ class PolicyCore:
             for rule in record.policy.rules:
                 subjects |= {i for i in self.engine.selection_set(rule.subject) if is_endpoint_identity(i)}
         rollup = self.realized.rollup(subjects, record.revision) if record.policy is not None else Rollup()
-        return PolicyView(record, tuple(sorted(subjects)), rollup)
+        audited = record.policy is not None and self.audited(record.policy)
+        return PolicyView(record, tuple(sorted(subjects)), rollup, audited)
 
     def get_policy(self, source: Source | None, key: PolicyRef) -> PolicyView:
         sources = (source,) if source is not None else (Source.API, Source.KUBERNETES)
@@ -690,7 +749,7 @@ class PolicyCore:
         return [
             dataclasses.replace(r.policy, key=engine_key(r.source, r.key))
             for r in self.registry.search("")
-            if r.policy is not None and r.policy.mode is PolicyMode.AUDIT
+            if r.policy is not None and self.audited(r.policy)
         ]
 
     def _overlays(self) -> dict[int, AuditOverlay]:
@@ -733,7 +792,7 @@ class PolicyCore:
             old = self.engine.declared_policy(key)
             new = dataclasses.replace(parsed, key=key)
             changed += [p for p in (old, new) if p is not None]
-            if new.mode is PolicyMode.AUDIT:
+            if self.audited(new):
                 after.delete_policy(key)  # audit never drops: the change enforces nothing of it
             else:
                 after.upsert_policy(new)
