@@ -8,11 +8,12 @@ Run as root on a machine with bcc (the first part; ``--no-datapath`` skips it):
 1. **Flow recording.** 64-byte UDP frames go through the compiled program of a pod's veth
    (BPF_PROG_TEST_RUN), each one dropped by the pod's default deny, so each one is a flow event:
    the worst case for the recorder (an allowed flow makes one event per connection, not per
-   packet). Meanwhile one thread takes the events as the datapath's flow hub does: ``skip`` (no
-   ring and nobody observing: the events are consumed, never decoded) or ``ring`` (each event
-   decoded, turned into its wire form, counted and kept in the bounded ring, as with
-   ``--flow-ring-size`` > 0). The packet rate is measured in alternating rounds; the output gives
-   the ratio ring/skip and the reader's CPU time per event. The program itself does the same work
+   packet). Meanwhile the datapath's flow hub takes the events as the service runs it: ``skip``
+   (``--flow-ring-size 0``, nobody observing: the events are consumed, never decoded), ``ring``
+   (the default: each event decoded, turned into its wire form, counted and kept in the bounded
+   ring, up to ``--flow-ring-rate`` 20,000 a second) or ``ring-all`` (no rate: every event
+   decoded). The packets come from another process. The packet rate is measured in alternating
+   rounds; the output gives the ratios to ``skip`` and the hub's CPU time per event. The program itself does the same work
    in both variants (it emits every event either way): what differs is the reader's CPU, taken
    from the same two cores as the packets.
 2. **Diff.** An engine with 1,000 policies and 2,000 pod identities; 100,000 recorded flows
@@ -24,6 +25,7 @@ Run as root on a machine with bcc (the first part; ``--no-datapath`` skips it):
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import json
 import os
@@ -85,30 +87,26 @@ def bench_ring(rounds: int, packets: int, *, flood: bool) -> dict[str, Any]:
         frame = tc_frame(src_ip, dst_ip, 40000, 9, socket.IPPROTO_UDP)
         assert len(frame) == 64
 
-        hub = FlowHub(dp, node="bench", pod_of=lambda ep: "bench/pod", ring=16384)
-
         def reader(mode: str, stop: threading.Event, out: dict[str, float]) -> None:
-            cpu0, events = time.thread_time(), 0
-            while not stop.is_set():
-                if mode == "skip":
-                    events += dp.skip_flows(20)
-                else:
-                    batch = dp.read_flows(20)
-                    for ev in batch:
-                        hub.publish(flow_proto(ev))
-                    events += len(batch)
-            events += dp.skip_flows(0) if mode == "skip" else len(dp.read_flows(0))
-            out["cpu"], out["events"] = time.thread_time() - cpu0, events
+            """The datapath's flow hub as the service runs it: no ring (skip), the ring with its
+            default rate, or the ring decoding every event (no rate)."""
+            ring, rate = {"skip": (0, 0), "ring": (16384, 20000), "ring-all": (16384, 0)}[mode]
+            hub = FlowHub(dp, node="bench", pod_of=lambda ep: "bench/pod", poll_ms=20, ring=ring, ring_rate=rate)
 
-        from services.datapath.flows import flow_to_proto
+            async def main() -> None:
+                task = asyncio.create_task(hub.run())
+                await asyncio.to_thread(stop.wait)
+                task.cancel()
 
-        def flow_proto(ev: Any) -> datapath_pb2.FlowEvent:
-            return flow_to_proto(ev, "bench", "bench/pod")
+            cpu0 = time.process_time()  # the hub reads in worker threads: the process's CPU is the reader's
+            asyncio.run(main())
+            out["cpu"], out["events"], out["recorded"] = time.process_time() - cpu0, hub.events, len(hub.ring)
 
-        samples: dict[str, list[float]] = {"skip": [], "ring": []}
-        cpu_per_event: dict[str, list[float]] = {"skip": [], "ring": []}
+        modes = ("skip", "ring", "ring-all")
+        samples: dict[str, list[float]] = {m: [] for m in modes}
+        cpu_per_event: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(rounds):
-            for mode in ("skip", "ring") if r % 2 == 0 else ("ring", "skip"):
+            for mode in modes if r % 2 == 0 else tuple(reversed(modes)):
                 dp.skip_flows(0)
                 stop, out = threading.Event(), dict[str, float]()
                 t = threading.Thread(target=reader, args=(mode, stop, out))
@@ -135,12 +133,16 @@ def bench_ring(rounds: int, packets: int, *, flood: bool) -> dict[str, Any]:
                 samples[mode].append(rate)
                 if out["events"]:
                     cpu_per_event[mode].append(out["cpu"] / out["events"] * 1e9)
-        ratios = [ring / skip for ring, skip in zip(samples["ring"], samples["skip"], strict=True)]
+
+        def ratio(mode: str) -> float:
+            pairs = zip(samples[mode], samples["skip"], strict=True)
+            return round(statistics.median(a / b for a, b in pairs), 3)
+
         return {
             "packets_per_second": {m: round(statistics.median(v)) for m, v in samples.items()},
-            "ratio_ring_to_skip": round(statistics.median(ratios), 3),
+            "ratio_ring_to_skip": ratio("ring"),
+            "ratio_ring_all_to_skip": ratio("ring-all"),
             "reader_cpu_ns_per_event": {m: round(statistics.median(v)) for m, v in cpu_per_event.items() if v},
-            "ring_events_kept": len(hub.ring),
         }
     finally:
         for link in pods:
@@ -236,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
                 {"metric": f"64B {what}: pkt/s through the program, no ring", "value": pps["skip"], "unit": "pkt/s"},
                 {"metric": f"64B {what}: pkt/s through the program, ring", "value": pps["ring"], "unit": "pkt/s"},
                 {"metric": f"64B {what}: ratio ring / no ring", "value": ring["ratio_ring_to_skip"], "unit": ""},
+                {
+                    "metric": f"64B {what}: ratio ring without rate limit / no ring",
+                    "value": ring["ratio_ring_all_to_skip"],
+                    "unit": "",
+                },
             ]
     summary += [
         {"metric": "diff: aggregate the recorded flows", "value": out["diff"]["aggregate_seconds"], "unit": "s"},

@@ -10,6 +10,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
@@ -25,6 +26,7 @@ log = get_logger("flows")
 class FlowSource(Protocol):
     def read_flows(self, timeout_ms: int) -> Sequence[dt.FlowEvent]: ...
     def skip_flows(self, timeout_ms: int) -> int: ...
+    def take_flows(self, timeout_ms: int, limit: int) -> tuple[Sequence[dt.FlowEvent], int]: ...
 
 
 def flow_to_proto(
@@ -209,6 +211,8 @@ class FlowHub:
         poll_ms: int = 200,
         buffer: int = 4096,
         ring: int = 0,
+        ring_rate: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._source = source
         self._node = node
@@ -216,6 +220,14 @@ class FlowHub:
         self._pod_at = pod_at
         #: Recent events, kept whether or not anyone observes (when its size is not 0).
         self.ring = FlowRing(ring)
+        #: At most this many events a second are decoded for the ring alone (0: no limit); a flood
+        #: beyond it is counted, not recorded (decoding costs the agent's CPU, which the packets share).
+        self._ring_rate = ring_rate
+        self._clock = clock
+        self._window = 0.0
+        self._window_events = 0
+        #: Events not recorded in the ring for the rate.
+        self.ring_skipped = 0
         #: Events decoded, per (verdict, reason, direction) wire numbers (labelled at scrape time:
         #: this is on the path of every event).
         self.counts: collections.Counter[tuple[int, int, int]] = collections.Counter()
@@ -233,18 +245,29 @@ class FlowHub:
         while True:
             try:
                 self._joined.clear()
-                if not self._subs and not self.ring.size:
-                    # Nobody observing and no ring to keep: the events are consumed (so a client that comes gets new
-                    # ones, not a backlog) and counted, never decoded; then the hub waits for a
-                    # client or the next poll, whichever comes first.
+                if not self._subs and (not self.ring.size or self._ring_over_rate()):
+                    # Nobody observing, and no ring to keep (or it took its share of this second):
+                    # the events are consumed (so a client that comes gets new ones, not a
+                    # backlog) and counted, never decoded; then the hub waits for a client or the
+                    # next poll, whichever comes first.
                     self._reading = False
-                    self.events += await asyncio.to_thread(self._source.skip_flows, 0)
+                    skipped = await asyncio.to_thread(self._source.skip_flows, 0)
+                    self.events += skipped
+                    if self.ring.size:
+                        self.ring_skipped += skipped
                     errors = 0
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._joined.wait(), self._poll_ms / 1000)
                     continue
                 self._reading = True
-                batch = await asyncio.to_thread(self._source.read_flows, self._poll_ms)
+                if self._subs or not self._ring_rate:
+                    batch = await asyncio.to_thread(self._source.read_flows, self._poll_ms)
+                else:
+                    # For the ring alone: no more than this second's share is decoded.
+                    share = self._ring_rate - self._window_events
+                    batch, skipped = await asyncio.to_thread(self._source.take_flows, self._poll_ms, share)
+                    self.events += skipped
+                    self.ring_skipped += skipped
                 errors = 0
             except Exception as exc:
                 errors += 1
@@ -255,8 +278,17 @@ class FlowHub:
             for event in batch:
                 self.publish(flow_to_proto(event, self._node, self._pod_of(event.endpoint_id), self._pod_at))
 
+    def _ring_over_rate(self) -> bool:
+        if not self._ring_rate:
+            return False
+        now = self._clock()
+        if now - self._window >= 1.0:
+            self._window, self._window_events = now, 0
+        return self._window_events >= self._ring_rate
+
     def publish(self, event: datapath_pb2.FlowEvent) -> None:
         self.events += 1
+        self._window_events += 1
         self.counts[(event.verdict, event.reason, event.direction)] += 1
         self.ring.add(event)
         for sub in self._subs:

@@ -126,6 +126,7 @@ class AgentCollector(Collector):
             reports=p.reporter.delivered,
             flow_events=p.flows.events,
             flow_dropped=p.flows.dropped,
+            ring_skipped=p.flows.ring_skipped,
             flows={count_key(raw): n for raw, n in p.flows.counts.copy().items()},
             ring=len(p.flows.ring),
         )
@@ -146,6 +147,7 @@ class _Figures:
     reports: int = 0
     flow_events: int = 0
     flow_dropped: int = 0
+    ring_skipped: int = 0
     flows: dict[FlowCountKey, int] = dataclasses.field(default_factory=dict)
     ring: int = 0
 
@@ -211,11 +213,13 @@ def _families(f: _Figures, totals: Totals, events_lost: int) -> Iterator[prometh
     lost = CounterMetricFamily(
         "palisade_datapath_flow_events_lost",
         "Flow events lost, by stage (ring_buffer: the kernel had no room; "
-        "observer: dropped from the buffer of an Observe client that could not keep up).",
+        "observer: dropped from the buffer of an Observe client that could not keep up; ring_rate: "
+        "not recorded in the flow ring, beyond --flow-ring-rate a second while nobody observed).",
         labels=["stage"],
     )
     lost.add_metric(["ring_buffer"], events_lost)
     lost.add_metric(["observer"], f.flow_dropped)
+    lost.add_metric(["ring_rate"], f.ring_skipped)
     yield lost
     flows = CounterMetricFamily(
         "palisade_datapath_flows",

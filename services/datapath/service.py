@@ -162,6 +162,7 @@ async def start_agent(
         poll_ms=cfg.flow_poll_ms,
         buffer=cfg.observe_buffer,
         ring=cfg.flow_ring_size,
+        ring_rate=cfg.flow_ring_rate,
     )
 
     spawn(manager.run(), "endpoints")
