@@ -13,9 +13,9 @@ Run as root on a machine with bcc (the first part; ``--no-datapath`` skips it):
    (the default: each event decoded, turned into its wire form, counted and kept in the bounded
    ring, up to ``--flow-ring-rate`` 20,000 a second) or ``ring-all`` (no rate: every event
    decoded). The packets come from another process. The packet rate is measured in alternating
-   rounds; the output gives the ratios to ``skip`` and the hub's CPU time per event. The program itself does the same work
-   in both variants (it emits every event either way): what differs is the reader's CPU, taken
-   from the same two cores as the packets.
+   rounds; the output gives the ratios to ``skip`` and the hub's CPU time per event. The program
+   does the same work in every variant (it emits every event either way): what differs is the
+   hub's CPU, taken from the same cores as the packets.
 2. **Diff.** An engine with 1,000 policies and 2,000 pod identities; 100,000 recorded flows
    (random pairs and ports) aggregated as `palisade policy diff` does, then the preview of an
    edited policy exactly as PolicyService computes it (copy of the engine, the edit applied,
