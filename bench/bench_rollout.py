@@ -11,7 +11,7 @@ Run as root on a machine with bcc (the first part; ``--no-datapath`` skips it):
    packet). Meanwhile the datapath's flow hub takes the events as the service runs it: ``skip``
    (``--flow-ring-size 0``, nobody observing: the events are consumed, never decoded), ``ring``
    (the default: each event decoded, turned into its wire form, counted and kept in the bounded
-   ring, up to ``--flow-ring-rate`` 20,000 a second) or ``ring-all`` (no rate: every event
+   ring, up to ``--flow-ring-rate`` a second, its default) or ``ring-all`` (no rate: every event
    decoded). The packets come from another process. The packet rate is measured in alternating
    rounds; the output gives the ratios to ``skip`` and the hub's CPU time per event. The program
    does the same work in every variant (it emits every event either way): what differs is the
@@ -58,6 +58,7 @@ def log(msg: str) -> None:
 
 def bench_ring(rounds: int, packets: int, *, flood: bool) -> dict[str, Any]:
     from services.datapath import netns
+    from services.datapath.config import DatapathConfig
     from services.datapath.datapath import Datapath
     from services.datapath.flows import FlowHub
     from services.datapath.maps.bpf import prog_test_run
@@ -90,7 +91,7 @@ def bench_ring(rounds: int, packets: int, *, flood: bool) -> dict[str, Any]:
         def reader(mode: str, stop: threading.Event, out: dict[str, float]) -> None:
             """The datapath's flow hub as the service runs it: no ring (skip), the ring with its
             default rate, or the ring decoding every event (no rate)."""
-            ring, rate = {"skip": (0, 0), "ring": (16384, 20000), "ring-all": (16384, 0)}[mode]
+            ring, rate = {"skip": (0, 0), "ring": (16384, DatapathConfig.flow_ring_rate), "ring-all": (16384, 0)}[mode]
             hub = FlowHub(dp, node="bench", pod_of=lambda ep: "bench/pod", poll_ms=20, ring=ring, ring_rate=rate)
 
             async def main() -> None:

@@ -88,7 +88,7 @@ class DatapathConfig(CommonConfig):
     flow_ring_rate: int = setting(
         "Flow events a second decoded for the ring while no Observe client listens (0: all); beyond it "
         "they are counted, not recorded, so a flood of drops does not take the CPU the packets need.",
-        default=20000,
+        default=5000,
     )
     cni_socket: str = setting(
         "Unix socket the CNI plugin calls (owner-only; its directory also holds the plugin's queue of "
