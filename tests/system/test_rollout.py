@@ -285,7 +285,9 @@ def test_audit_mode_on_real_packets_across_the_cluster(
         table = stack.palisade("policy", "get").stdout
         assert "MODE" in table and "audit" in table
 
-        assert stack.reach("shop/backend", "tools/debug", 80)  # audited default deny: passes
+        maps = stack.palisade("bpf", "policy", "get", "tools/debug", "-o", "json", *stack.flags("endpoint"))
+        seen = stack.palisade("observe", "--last", "50", "--to-pod", "tools/debug")
+        assert stack.reach("shop/backend", "tools/debug", 80), (maps.stdout, maps.stderr, seen.stdout)
         assert stack.reach("shop/frontend", "tools/debug", 80)  # audited deny: passes
         assert not stack.reach("shop/db", "tools/debug", 80)  # enforced deny beside them: dropped
 
