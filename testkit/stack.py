@@ -102,7 +102,7 @@ class Stack:
 
     def palisade(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "services.cli.main", *args, *self.flags(args[0])],
+            [sys.executable, "-m", "services.cli.main", *args, *self.flags(*args[:2])],
             cwd=ROOT,
             env={**os.environ, "PALISADE_TLS_DIR": str(self.tls_dir), "PALISADE_MANIFESTS": str(self.manifests)},
             capture_output=True,
@@ -110,8 +110,11 @@ class Stack:
             timeout=timeout,
         )
 
-    def flags(self, command: str) -> list[str]:
+    def flags(self, command: str, sub: str = "") -> list[str]:
+        if (command, sub) == ("policy", "diff"):
+            return [f for n in ("policy", "datapath") for f in (f"--{n}-address", self.address(n))]
         wanted = {
+            "observe": ("datapath", "policy"),
             "status": SERVICES,
             "endpoint": ("datapath",),
             "service": ("datapath",),

@@ -48,7 +48,10 @@ def test_hints_are_the_union_and_never_touch_the_enforcement_bits() -> None:
         (d, v, i, p) for d in Direction for v in Verdict for i in (0, 1) for p in (L4Proto.ANY, L4Proto.TCP)
     )
     assert everything & (enforcementmap.ENFORCE_MASK | HINTS_VALID) == 0
-    assert bin(everything).count("1") == 16
+    # 16 shape bits for enforced entries; entries of audited policies have one bit of their own
+    assert everything & enforcementmap.AUDIT_ENTRIES
+    assert bin(everything).count("1") == 17
+    assert hints([(Direction.INGRESS, Verdict.AUDIT_ALLOW, 5, L4Proto.TCP)]) == enforcementmap.AUDIT_ENTRIES
 
 
 # One case per (direction, verdict, shape) that decides a -> b on TCP 8080: ingress at b, egress at a.

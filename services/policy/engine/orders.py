@@ -45,6 +45,12 @@ class OrderDiff:
     add: Mapping[EntryKey, Verdict] = field(default_factory=dict)
     remove: Set[EntryKey] = frozenset()
     full: bool = False
+    #: Audit mode (see ``audit``): entries of audited policies to set and to drop (with ``full``,
+    #: ``audit_add`` is the whole overlay), and the directions only audited policies enforce.
+    audit_add: Mapping[EntryKey, Verdict] = field(default_factory=dict)
+    audit_remove: Mapping[EntryKey, Verdict] = field(default_factory=dict)
+    audit_ingress: bool = False
+    audit_egress: bool = False
 
     @classmethod
     def of(cls, diff: PolicyDiff) -> OrderDiff:
