@@ -48,3 +48,15 @@ def rss_mib(pid: int) -> float:
     except FileNotFoundError:
         pass
     return 0.0
+
+
+def peak_rss_mib(pid: int) -> float:
+    """VmHWM (the highest RSS so far) of a process in MiB (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except FileNotFoundError:
+        pass
+    return 0.0
