@@ -29,7 +29,7 @@ from services.policy.engine.model import Policy, PolicyKind, PolicyRef, PolicyVa
 from services.policy.engine.orders import OrderPlanner, PersistedState, PlannedOrder
 from services.policy.engine.parse import parse_policy
 from services.policy.engine.policyengine import PolicyEngine
-from services.policy.engine.realized import Lag, RealizedTable, Report, Rollup
+from services.policy.engine.realized import EndpointKey, Lag, RealizedTable, Report, Rollup
 from services.policy.engine.registry import ApiChange, PolicyRecord, Registry, StoredPolicy
 from services.policy.engine.resolve import ResolvedPolicy
 from services.policy.engine.sources import Source, engine_key, object_key
@@ -547,6 +547,10 @@ class PolicyCore:
     def wait_state(self, revision: int) -> list[Lag]:
         """Endpoints that ``revision`` affects and that have not realized it (empty: realized)."""
         return self.realized.behind(revision)
+
+    def wait_settled(self, revision: int, left: list[EndpointKey] | None = None) -> tuple[bool, list[EndpointKey]]:
+        """Whether a wait for ``revision`` is over, cheaply (see :meth:`RealizedTable.settled`)."""
+        return self.realized.settled(revision, left)
 
     # --- read side ----------------------------------------------------------------------------
 
