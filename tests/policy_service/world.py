@@ -17,8 +17,10 @@ from tests.policy_service.nodestate import IdentityState, NodeState, from_polici
 
 
 class World:
-    def __init__(self, persisted: PersistedState | None = None, *, max_bytes: int = 1 << 20) -> None:
-        self.core = PolicyCore(persisted=persisted or PersistedState())
+    def __init__(
+        self, persisted: PersistedState | None = None, *, max_bytes: int = 1 << 20, bump_interval: float = 0.0
+    ) -> None:
+        self.core = PolicyCore(persisted=persisted or PersistedState(), bump_interval=bump_interval)
         self.now = 100.0
         self.max_bytes = max_bytes
         # Datapaths that applied everything up to the persisted sequences.

@@ -115,11 +115,15 @@ class StatusSnapshot:
 
 
 class PolicyCore:
-    def __init__(self, *, persisted: PersistedState, cluster: str = CLUSTER_NAME_DEFAULT) -> None:
+    def __init__(
+        self, *, persisted: PersistedState, cluster: str = CLUSTER_NAME_DEFAULT, bump_interval: float = 0.0
+    ) -> None:
         self.cluster = cluster
+        #: Least seconds between two bare revision bumps to one node (see :class:`OrderPlanner`).
+        self.bump_interval = bump_interval
         self.engine = PolicyEngine(cluster=cluster)
         self.engine.seed_revision(persisted.revision)
-        self.planner = OrderPlanner(persisted.sequences)
+        self.planner = OrderPlanner(persisted.sequences, bump_interval=bump_interval)
         self.ipcache = IpcacheTable()
         self.realized = RealizedTable()
         self.registry = Registry()
@@ -202,7 +206,7 @@ class PolicyCore:
         node its whole state with the node's next sequence (a fresh planner from the stored ones).
         """
         self.engine.seed_revision(persisted.revision)
-        self.planner = OrderPlanner(persisted.sequences)
+        self.planner = OrderPlanner(persisted.sequences, bump_interval=self.bump_interval)
         self._persisted = persisted
         self._dirty.clear()
         stored = {policy.key: (policy, document) for policy, document in imported}
@@ -240,7 +244,13 @@ class PolicyCore:
         return changes
 
     def commit(self, now: float) -> Commit:
-        """Close the open batch: per-node orders and the state to persist before publishing them."""
+        """Close the open batch: per-node orders and the state to persist before publishing them.
+
+        With no batch open, a leader still sends the bumps it held back whose interval has passed.
+        """
+        if self.synced and not self._batch_open and self.planner.owes():
+            owed = self.planner.plan_owed(revision=self.revision, now=now)
+            return self._committed(self.revision, owed)
         if not self.synced or not self._batch_open:
             if self._warm and self._batch_open:
                 # A follower: resolve, plan nothing (the leader's replace covers every node).
@@ -275,9 +285,13 @@ class PolicyCore:
                 is_local=self.hosts,
                 policy_of=self.engine.policy_for,
                 caused_at=caused_at,
+                now=now,
             )
         self._dirty.clear()
         self.realized.record_changes(revision, ((o.node, i) for o in orders for i in o.changed_identities()), caused_at)
+        return self._committed(revision, orders)
+
+    def _committed(self, revision: int, orders: list[PlannedOrder]) -> Commit:
         state = PersistedState(revision, self.planner.sequences())
         api = self._take_api_changes()
         if state == self._persisted:
