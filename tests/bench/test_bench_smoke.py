@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +113,27 @@ def test_tls_quick() -> None:
     for key in ("orders_1k_latency_ms_p50", "orders_16k_per_s", "reports_latency_ms_p50", "reports_per_s"):
         assert out["tls"][key] > 0 and out["plain"][key] > 0, key
         assert out["ratios"][key] == round(out["tls"][key] / out["plain"][key], 3), key
+
+
+def scale_runs() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("palisade-bench-scale-*")}
+
+
+@pytest.mark.timeout(240)
+def test_scale_quick() -> None:
+    before = scale_runs()
+    out = run_quick("bench_scale.py")
+    assert out["world"] == {"nodes": 20, "pods": 400, "namespaces": 10, "policies": 40}
+    assert out["identities"] == 100  # 10 namespaces x 10 apps
+    assert out["change_realized_ms"]["p50"] > 0 and out["change_applied_on_last_node_ms"]["p50"] > 0
+    assert out["change_order_bytes"] > 0
+    assert out["node_join_ms"]["p50"] > 0
+    assert out["churn"]["pods_created"] == 100 and out["churn"]["manifest_to_ipcache_ms"]["p50"] > 0
+    assert out["rss_policy_peak_mib"] > 0
+    targeted = {row["metric"].split(" (")[0] for row in out["summary"] if "target" in row}
+    assert targeted == {
+        "policy change realized on every node p99",
+        "node join",
+        "policy service RSS peak",
+    }
+    assert scale_runs() <= before, "temporary directory left behind"
