@@ -477,14 +477,21 @@ async def churn(stack: Stack, world: World, cluster: Cluster, api: Api, args: ar
     wrote_s = time.monotonic() - started
     for path, _ in files:
         path.unlink()
-    # Converged: every churn pod was seen, then the cluster's revision realized everywhere. A churn
-    # the control plane cannot keep up with is a figure too: how far it got in --churn-patience.
+    # Converged: ipam has handled every churn delta (a pod written last reaches the ipcache: the
+    # stream is in order), no churn pod is left in the ipcache (all were deleted), and the
+    # cluster's revision is realized everywhere. A pod deleted before ipam got to it never reaches
+    # the ipcache (the stream keeps only its tombstone): that is ipam lagging, counted as such.
+    # A churn the control plane cannot keep up with is a figure too: how far it got in --churn-patience.
+    marker = pod_object("ns-0", "churn-end", {"app": "churn-end"}, world.node(0), world.ip(0, CHURN_SLOT - 1))
+    write_docs(stack.manifests / "churn-end.yaml", [marker])
     deadline = time.monotonic() + args.churn_patience
-    missing = set(written)
-    while missing and time.monotonic() < deadline:
-        missing = {p for p in missing if p not in cluster.seen}
-        await asyncio.sleep(0.2)
-    converged = not missing
+
+    def settled() -> bool:
+        return "ns-0/churn-end" in cluster.pods and not any(p in cluster.pods for p in written)
+
+    with contextlib.suppress(RuntimeError):
+        await wait_for(settled, "the churn to settle", args.churn_patience)
+    converged = settled()
     if converged:
         try:
             await wait_realized(api, await current_revision(api), max(1.0, deadline - time.monotonic()))
