@@ -278,12 +278,15 @@ class Cluster:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._stack.aclose()
-        for bus in [*self._buses, *([self.watch_bus] if self.watch_bus else [])]:
-            with contextlib.suppress(Exception):
-                await bus.close()
-        for channel in self._channels:
-            await channel.close()
+        # A thousand connections, closed together and within a bound (the servers stop after anyway).
+        try:
+            async with asyncio.timeout(120):
+                await self._stack.aclose()
+                buses = [*self._buses, *([self.watch_bus] if self.watch_bus else [])]
+                await asyncio.gather(*(bus.close() for bus in buses), return_exceptions=True)
+                await asyncio.gather(*(channel.close() for channel in self._channels), return_exceptions=True)
+        except TimeoutError:
+            log("the simulated nodes did not stop within 120s; their servers are stopped next")
 
     async def follow_ipcache(self) -> None:
         creds = Credentials.load(self.stack.tls, "policy")  # a reader of the ipcache
@@ -442,10 +445,13 @@ async def scenario(stack: Stack, world: World, args: argparse.Namespace) -> dict
         log(f"node join p50 {out['node_join_ms']['p50']} ms")
 
         # -- identity churn through the manifest folder
+        log(f"churn: {args.churn_rate} new pods/s for {args.churn_seconds}s")
         out["churn"] = await churn(stack, world, cluster, api, args)
+        log(f"churn: {out['churn']}")
         out["rss_policy_end_mib"] = rss_mib(policy_pid)
         out["rss_policy_peak_mib"] = peak_rss_mib(policy_pid)
         out["rss_bench_process_mib"] = rss_mib(os.getpid())
+        log("stopping the simulated nodes")
     return out
 
 
