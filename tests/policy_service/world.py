@@ -17,8 +17,10 @@ from testkit.nodestate import IdentityState, NodeState, from_policies
 
 
 class World:
-    def __init__(self, persisted: PolicyEpoch | None = None, *, max_bytes: int = 1 << 20) -> None:
-        self.core = PolicyCore(persisted=persisted or PolicyEpoch())
+    def __init__(
+        self, persisted: PolicyEpoch | None = None, *, max_bytes: int = 1 << 20, bump_interval: float = 0.0
+    ) -> None:
+        self.core = PolicyCore(persisted=persisted or PolicyEpoch(), bump_interval=bump_interval)
         self.now = 100.0
         self.max_bytes = max_bytes
         # Datapaths that applied everything up to the persisted sequences.

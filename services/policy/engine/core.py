@@ -40,7 +40,7 @@ from services.policy.engine.orders import OrderDiff, OrderPlanner, PlannedOrder,
 from services.policy.engine.parse import parse_policy
 from services.policy.engine.policyengine import PolicyDiff, PolicyEngine
 from services.policy.engine.preview import DiffProbe, ObservedFlow, Preview, preview
-from services.policy.engine.realized import Lag, RealizedTable, Report, Rollup
+from services.policy.engine.realized import EndpointKey, Lag, RealizedTable, Report, Rollup
 from services.policy.engine.registry import ApiChange, PolicyRecord, Registry, StoredPolicy
 from services.policy.engine.resolve import ResolvedPolicy
 from services.policy.engine.sources import Source, engine_key, object_key
@@ -130,11 +130,15 @@ class StatusSnapshot:
 
 
 class PolicyCore:
-    def __init__(self, *, persisted: PolicyEpoch, cluster: str = CLUSTER_NAME_DEFAULT) -> None:
+    def __init__(
+        self, *, persisted: PolicyEpoch, cluster: str = CLUSTER_NAME_DEFAULT, bump_interval: float = 0.0
+    ) -> None:
         self.cluster = cluster
+        #: Least seconds between two bare revision bumps to one node (see :class:`OrderPlanner`).
+        self.bump_interval = bump_interval
         self.engine = PolicyEngine(cluster=cluster)
         self.engine.seed_revision(persisted.revision)
-        self.planner = OrderPlanner(persisted.sequences)
+        self.planner = OrderPlanner(persisted.sequences, bump_interval=bump_interval)
         self.ipcache = IpcacheTable()
         self.realized = RealizedTable()
         self.registry = Registry()
@@ -221,7 +225,7 @@ class PolicyCore:
         node its whole state with the node's next sequence (a fresh planner from the stored ones).
         """
         self.engine.seed_revision(persisted.revision)
-        self.planner = OrderPlanner(persisted.sequences)
+        self.planner = OrderPlanner(persisted.sequences, bump_interval=self.bump_interval)
         self._persisted = persisted
         self._dirty.clear()
         stored = {policy.key: (policy, document) for policy, document in imported}
@@ -259,7 +263,13 @@ class PolicyCore:
         return changes
 
     def commit(self, now: float) -> Commit:
-        """Close the open batch: per-node orders and the state to persist before publishing them."""
+        """Close the open batch: per-node orders and the state to persist before publishing them.
+
+        With no batch open, a leader still sends the bumps it held back whose interval has passed.
+        """
+        if self.synced and not self._batch_open and self.planner.owes():
+            owed = self.planner.plan_owed(revision=self.revision, now=now)
+            return self._committed(self.revision, owed)
         if not self.synced or not self._batch_open:
             if self._warm and self._batch_open:
                 # A follower: resolve, plan nothing (the leader's replace covers every node).
@@ -303,11 +313,15 @@ class PolicyCore:
                 is_local=self.hosts,
                 policy_of=self.engine.policy_for,
                 caused_at=caused_at,
+                now=now,
             )
         self._dirty.clear()
         if previous or self.audit:
             orders = _with_audit(orders, previous, self.audit)
         self.realized.record_changes(revision, ((o.node, i) for o in orders for i in o.changed_identities()), caused_at)
+        return self._committed(revision, orders)
+
+    def _committed(self, revision: int, orders: list[PlannedOrder]) -> Commit:
         epoch = PolicyEpoch(revision, self.planner.sequences())
         api = self._take_api_changes()
         if epoch == self._persisted:
@@ -640,6 +654,10 @@ class PolicyCore:
     def wait_state(self, revision: int) -> list[Lag]:
         """Endpoints that ``revision`` affects and that have not realized it (empty: realized)."""
         return self.realized.behind(revision)
+
+    def wait_settled(self, revision: int, left: list[EndpointKey] | None = None) -> tuple[bool, list[EndpointKey]]:
+        """Whether a wait for ``revision`` is over, cheaply (see :meth:`RealizedTable.settled`)."""
+        return self.realized.settled(revision, left)
 
     # --- read side ----------------------------------------------------------------------------
 
