@@ -531,8 +531,13 @@ class PolicyCore:
     def apply_identity(self, update: IdentityChange, now: float) -> None:
         number = update.number
         if update.deleted:
-            for requested in self._requested.values():
-                requested.discard(number)
+            for node, requested in self._requested.items():
+                if number in requested:
+                    requested.discard(number)
+                    # The node stops holding it at the next commit, even if the identity is
+                    # allocated again before then (its diff may then be empty).
+                    self._dirty.add((node, number))
+                    self._change(now)
             if self.engine.identity(number) is not None:
                 self._change(now)
                 self.engine.remove_identity(number)
