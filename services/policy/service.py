@@ -73,7 +73,7 @@ class BusSink:
 
 def status_provider(controller: Controller, election: Election) -> StatusProvider:
     def fill(status: common_pb2.ServiceStatus) -> None:
-        snap = controller.core.status()
+        snap = controller.core.queries.status()
         leading = election.leading.is_set()
         status.synced = snap.synced or (not leading and controller.core.warm)
         # A follower's own revision counter means nothing outside it; the leader's is the revision,

@@ -25,8 +25,9 @@ from services.common.validation import validate_identity_label, validate_name, v
 from services.policy import metrics, wire
 from services.policy.controller import Controller, JobKind
 from services.policy.documents import dump_document, validate_document
-from services.policy.engine.core import Outcome, PolicyCore, PolicyView, TraceAnswer
+from services.policy.engine.core import Outcome, PolicyCore
 from services.policy.engine.model import IpProto, PolicyKind, PolicyMode, PolicyRef
+from services.policy.engine.queries import PolicyView, TraceAnswer
 from services.policy.engine.realized import Lag, Report
 from services.policy.engine.sources import Source, object_key, parse_kind, split_engine_key
 from services.policy.engine.trace import TraceSide
@@ -316,7 +317,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
                 if outcome.accepted and not request.dry_run:
                     record = core.registry.get(Source.API, outcome.key)
                     if record is not None:
-                        response.policies.append(status_to_proto(core.view(record)))
+                        response.policies.append(status_to_proto(core.queries.view(record)))
                         continue
                 response.policies.append(_outcome_status(outcome, doc.body))
             for status in response.policies:
@@ -360,7 +361,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             if request.source != policy_pb2.POLICY_SOURCE_UNSPECIFIED
             else None
         )
-        view = await self._controller.call(lambda core, now: core.get_policy(source, key))
+        view = await self._controller.call(lambda core, now: core.queries.get_policy(source, key))
         return status_to_proto(view)
 
     async def ListPolicies(
@@ -369,7 +370,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         def answer(core: PolicyCore, now: float) -> policy_pb2.ListPoliciesResponse:
             return policy_pb2.ListPoliciesResponse(
                 revision=core.revision,
-                policies=[status_to_proto(v) for v in core.list_policies(request.namespace)],
+                policies=[status_to_proto(v) for v in core.queries.list_policies(request.namespace)],
             )
 
         return await self._controller.call(answer)
@@ -388,7 +389,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             validate_peer(peer, which)
         src = (request.source.pod, tuple(request.source.labels))
         dst = (request.destination.pod, tuple(request.destination.labels))
-        answer = await self._controller.call(lambda core, now: core.trace(src, dst, request.port, protocol))
+        answer = await self._controller.call(lambda core, now: core.queries.trace(src, dst, request.port, protocol))
         return trace_to_proto(answer)
 
     async def Diff(self, request: policy_pb2.DiffRequest, context: grpc.aio.ServicerContext) -> policy_pb2.DiffResponse:
@@ -412,7 +413,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         documents = [(doc.body, doc.source) for doc in docs]
 
         def answer(core: PolicyCore, now: float) -> policy_pb2.DiffResponse:
-            result = core.preview(documents, deletes, probes=probes, flows=flows)
+            result = core.queries.preview(documents, deletes, probes=probes, flows=flows)
             return wire.preview_to_proto(result, core.revision, core.ipcache.pods_by_identity())
 
         return await self._controller.call(answer, JobKind.READ)

@@ -9,8 +9,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from palisade.v1 import common_pb2, policy_pb2
-from services.policy.engine.core import RequestError
 from services.policy.engine.entries import MAX_IDENTITY
+from services.policy.engine.errors import RequestError
 from services.policy.engine.orders import PolicyEpoch
 from services.policy.engine.realized import Report
 from services.policy.engine.sources import Source
@@ -120,7 +120,7 @@ def test_rejected_policy_changes_nothing_and_keeps_its_error(world: World) -> No
     commit = world.commit()
     assert commit.orders == ()
     assert commit.revision == revision
-    view = world.core.get_policy(Source.KUBERNETES, outcome.key)
+    view = world.core.queries.get_policy(Source.KUBERNETES, outcome.key)
     assert view.record.rejected
     assert "NetworkPolicy default/p" in view.record.error
     assert "spec.ingress[0].ports[0].port" in view.record.error
@@ -135,13 +135,13 @@ def test_a_definition_conflict_from_the_watcher_is_an_error_on_the_enforced_poli
     outcome = world.delta(d)
     assert outcome is not None and outcome.accepted
     world.commit()
-    status = status_to_proto(world.core.get_policy(Source.KUBERNETES, outcome.key))
+    status = status_to_proto(world.core.queries.get_policy(Source.KUBERNETES, outcome.key))
     assert status.state != policy_pb2.POLICY_STATE_REJECTED
     assert "also defined in b.yaml" in status.error
     # Resolved: the next delta carries no conflict, and the error is gone.
     d.conflict = ""
     world.delta(d)
-    assert status_to_proto(world.core.get_policy(Source.KUBERNETES, outcome.key)).error == ""
+    assert status_to_proto(world.core.queries.get_policy(Source.KUBERNETES, outcome.key)).error == ""
 
 
 def test_invalid_json_from_the_watcher_is_a_rejection(world: World) -> None:
@@ -161,13 +161,13 @@ def test_api_and_kubernetes_copies_never_clobber_each_other(world: World) -> Non
     world.commit()
     both = {ingress_key(WEB, 5432): common_pb2.VERDICT_ALLOW, ingress_key(CACHE, 11211): common_pb2.VERDICT_ALLOW}
     assert world.nodes["n2"].policies[DB][1] == both
-    key = world.core.get_policy(Source.KUBERNETES, world.import_policy(api).key).record.key
-    assert world.core.get_policy(Source.API, key).record.source is Source.API
+    key = world.core.queries.get_policy(Source.KUBERNETES, world.import_policy(api).key).record.key
+    assert world.core.queries.get_policy(Source.API, key).record.source is Source.API
 
     assert world.core.delete(Source.API, key, world.tick())
     world.commit()
     assert world.nodes["n2"].policies[DB][1] == {ingress_key(WEB, 5432): common_pb2.VERDICT_ALLOW}
-    assert world.core.get_policy(None, key).record.source is Source.KUBERNETES
+    assert world.core.queries.get_policy(None, key).record.source is Source.KUBERNETES
     world.assert_nodes_match_resync()
 
 
@@ -362,15 +362,15 @@ def test_policy_status_rolls_up_realization_per_node(world: World) -> None:
     outcome = world.policy(builders.netpol("p", {"app": "web"}, {"app": "db"}, 80))
     rev = world.commit().revision
     assert outcome is not None
-    view = world.core.get_policy(Source.KUBERNETES, outcome.key)
+    view = world.core.queries.get_policy(Source.KUBERNETES, outcome.key)
     assert view.subjects == (WEB,)
     assert [(n.node, n.endpoints, n.endpoints_realized) for n in view.rollup.nodes] == [("n1", 1, 0), ("n3", 1, 0)]
     assert not view.rollup.realized
     world.report("n1", "default/web-1", WEB, rev)
-    view = world.core.get_policy(Source.KUBERNETES, outcome.key)
+    view = world.core.queries.get_policy(Source.KUBERNETES, outcome.key)
     assert view.rollup.nodes_realized == 1 and not view.rollup.realized
     world.report("n3", "default/web-2", WEB, rev)
-    view = world.core.get_policy(Source.KUBERNETES, outcome.key)
+    view = world.core.queries.get_policy(Source.KUBERNETES, outcome.key)
     assert view.rollup.realized and view.rollup.nodes_realized == 2
     assert [n.realized_revision for n in view.rollup.nodes] == [rev, rev]
 
@@ -384,29 +384,29 @@ def test_a_node_that_leaves_stops_counting_until_it_is_back(world: World) -> Non
     world.report("n1", "default/web-1", WEB, rev)
 
     def counted() -> list[str]:
-        return [n.node for n in world.core.get_policy(Source.KUBERNETES, outcome.key).rollup.nodes]
+        return [n.node for n in world.core.queries.get_policy(Source.KUBERNETES, outcome.key).rollup.nodes]
 
     assert counted() == ["n1", "n3"]
     assert {lag.node for lag in world.core.wait_state(rev)} == {"n2", "n3"}
     # n3's Node object is deleted: it no longer counts, nor holds the wait.
     world.core.apply_node_delta("n3", deleted=True)
     assert counted() == ["n1"]
-    assert world.core.get_policy(Source.KUBERNETES, outcome.key).rollup.realized
+    assert world.core.queries.get_policy(Source.KUBERNETES, outcome.key).rollup.realized
     assert {lag.node for lag in world.core.wait_state(rev)} == {"n2"}
-    assert world.core.status().nodes_gone == 1
+    assert world.core.queries.status().nodes_gone == 1
     # n2's datapath goes silent past the grace (n1 keeps beating).
     start = world.now
     world.core.expire_nodes(start, 60)  # the grace starts when the node is first known
     world.core.node_seen("n1", start + 50)
     world.core.expire_nodes(start + 61, 60)
-    assert world.core.wait_state(rev) == [] and world.core.status().nodes_gone == 2
+    assert world.core.wait_state(rev) == [] and world.core.queries.status().nodes_gone == 2
     # n2 speaks again: it counts, and is behind.
     world.core.node_seen("n2", start + 62)
     assert {lag.node for lag in world.core.wait_state(rev)} == {"n2"}
     # n3 comes back as a Node and reports.
     world.core.apply_node_delta("n3", deleted=False)
     world.report("n3", "default/web-2", WEB, rev)
-    assert counted() == ["n1", "n3"] and world.core.status().nodes_gone == 0
+    assert counted() == ["n1", "n3"] and world.core.queries.status().nodes_gone == 0
 
 
 def test_implementation_delay_completes_with_the_last_affected_endpoint(world: World) -> None:

@@ -17,11 +17,13 @@ covers it. What the enforced policy drops stays dropped.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from services.policy.engine.ipcache import is_endpoint_identity
 from services.policy.engine.model import Direction, EntryKey, Policy, Verdict
+from services.policy.engine.orders import OrderDiff, PlannedOrder
 from services.policy.engine.policyengine import PolicyEngine
 from services.policy.engine.resolve import ResolvedPolicy
 
@@ -87,3 +89,32 @@ def delta(
     add = {k: v for k, v in after.items() if before.get(k) is not v}
     remove = {k: v for k, v in before.items() if after.get(k) is not v}
     return add, remove
+
+
+def with_audit(
+    orders: Iterable[PlannedOrder], old: Mapping[int, AuditOverlay], new: Mapping[int, AuditOverlay]
+) -> list[PlannedOrder]:
+    """The orders with each identity's audit part: the whole overlay in full diffs, the change in
+    incremental ones, the audit-only directions in both (diff objects stay shared across nodes)."""
+    memo: dict[int, OrderDiff] = {}
+
+    def decorate(d: OrderDiff) -> OrderDiff:
+        done = memo.get(id(d))
+        if done is not None:
+            return done
+        before, after = old.get(d.identity), new.get(d.identity)
+        if before is None and after is None:
+            out = d
+        else:
+            add, remove = delta(None if d.full else before, after)
+            out = dataclasses.replace(
+                d,
+                audit_add=add,
+                audit_remove={} if d.full else remove,
+                audit_ingress=after.ingress if after is not None else False,
+                audit_egress=after.egress if after is not None else False,
+            )
+        memo[id(d)] = out
+        return out
+
+    return [dataclasses.replace(o, diffs=tuple(decorate(d) for d in o.diffs)) for o in orders]

@@ -13,18 +13,17 @@ it names in a Resync, and those of endpoints it reports.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.errors import Code, PalisadeError
-from services.common.labels import CLUSTER_NAME_DEFAULT, LabelSet, LabelSource, parse_label
+from services.common.labels import CLUSTER_NAME_DEFAULT
 from services.common.log import get_logger
-from services.policy.engine.audit import AuditOverlay, delta, full_engine, overlays
+from services.policy.engine.audit import AuditOverlay, full_engine, overlays, with_audit
 from services.policy.engine.changes import IdentityChange, ObjectDelta, ObjectKind
 from services.policy.engine.entries import MAX_IDENTITY
+from services.policy.engine.errors import RequestError
 from services.policy.engine.identity import Identity
 from services.policy.engine.ipcache import IpcacheRecord, IpcacheTable, is_endpoint_identity
 from services.policy.engine.model import (
@@ -36,15 +35,14 @@ from services.policy.engine.model import (
     PolicyRef,
     PolicyValidationError,
 )
-from services.policy.engine.orders import OrderDiff, OrderPlanner, PlannedOrder, PolicyEpoch
+from services.policy.engine.orders import OrderPlanner, PlannedOrder, PolicyEpoch
 from services.policy.engine.parse import parse_policy
 from services.policy.engine.policyengine import PolicyDiff, PolicyEngine
-from services.policy.engine.preview import DiffProbe, ObservedFlow, Preview, preview
-from services.policy.engine.realized import EndpointKey, Lag, RealizedTable, Report, Rollup
-from services.policy.engine.registry import ApiChange, PolicyRecord, Registry, StoredPolicy
+from services.policy.engine.queries import PolicyQueries
+from services.policy.engine.realized import EndpointKey, Lag, RealizedTable, Report
+from services.policy.engine.registry import ApiChange, Registry, StoredPolicy
 from services.policy.engine.resolve import ResolvedPolicy
 from services.policy.engine.sources import Source, engine_key, object_key
-from services.policy.engine.trace import TraceEndpoint, TraceResult, trace
 
 log = get_logger("policy")
 
@@ -53,13 +51,6 @@ _API_VERSIONS = {
     PolicyKind.CILIUM_NETWORK_POLICY: "cilium.io/v2",
     PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY: "cilium.io/v2",
 }
-
-
-class RequestError(PalisadeError):
-    """A request the state cannot answer: INVALID_ARGUMENT, or NOT_FOUND (``not_found``) for unknown objects."""
-
-    def __init__(self, message: str, *, not_found: bool = False) -> None:
-        super().__init__(message, Code.NOT_FOUND if not_found else Code.INVALID_ARGUMENT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,45 +79,12 @@ class Commit:
 
 
 @dataclass(frozen=True, slots=True)
-class PolicyView:
-    """One policy with its realization, for status answers."""
-
-    record: PolicyRecord
-    subjects: tuple[int, ...]
-    rollup: Rollup
-    #: In audit mode (its own annotation or its namespace's).
-    audited: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class TraceAnswer:
-    result: TraceResult
-    source_identity: int
-    destination_identity: int
-
-
-@dataclass(frozen=True, slots=True)
 class ResyncAnswer:
     revision: int
     sequence: int
     policies: tuple[ResolvedPolicy, ...]
     #: The audit overlays of those identities that have one.
     audit: Mapping[int, AuditOverlay] = dataclasses.field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class StatusSnapshot:
-    synced: bool = False
-    revision: int = 0
-    policies: int = 0
-    rejected: int = 0
-    identities: int = 0
-    ipcache: int = 0
-    nodes: int = 0
-    endpoints: int = 0
-    endpoints_behind: int = 0
-    endpoints_failed: int = 0
-    nodes_gone: int = 0
 
 
 class PolicyCore:
@@ -160,6 +118,8 @@ class PolicyCore:
         self._seen: dict[str, float] = {}
         #: Nodes whose Node object was deleted.
         self._deleted_nodes: set[str] = set()
+        #: Views, trace, preview and status: the read side (engine/queries.py).
+        self.queries = PolicyQueries(self)
 
     # --- batching -------------------------------------------------------------------------
 
@@ -317,7 +277,7 @@ class PolicyCore:
             )
         self._dirty.clear()
         if previous or self.audit:
-            orders = _with_audit(orders, previous, self.audit)
+            orders = with_audit(orders, previous, self.audit)
         self.realized.record_changes(revision, ((o.node, i) for o in orders for i in o.changed_identities()), caused_at)
         return self._committed(revision, orders)
 
@@ -695,78 +655,6 @@ class PolicyCore:
     def policy_of(self, identity: int) -> ResolvedPolicy | None:
         return self.engine.policy_for(identity)
 
-    def view(self, record: PolicyRecord) -> PolicyView:
-        subjects: set[int] = set()
-        if record.policy is not None and self.audited(record.policy):
-            # Its selectors are not the engine's: matched against every identity instead.
-            identities = [i for i in self.engine.identities().values() if is_endpoint_identity(i.id)]
-            for rule in record.policy.rules:
-                subjects |= {i.id for i in identities if rule.subject.matches_labels(i.labels)}
-        elif record.policy is not None:
-            for rule in record.policy.rules:
-                subjects |= {i for i in self.engine.selection_set(rule.subject) if is_endpoint_identity(i)}
-        rollup = self.realized.rollup(subjects, record.revision) if record.policy is not None else Rollup()
-        audited = record.policy is not None and self.audited(record.policy)
-        return PolicyView(record, tuple(sorted(subjects)), rollup, audited)
-
-    def get_policy(self, source: Source | None, key: PolicyRef) -> PolicyView:
-        sources = (source,) if source is not None else (Source.API, Source.KUBERNETES)
-        for s in sources:
-            record = self.registry.get(s, key)
-            if record is not None:
-                return self.view(record)
-        where = f" from source {source.value}" if source is not None else ""
-        raise RequestError(
-            f"no policy {key}{where}; list them with `palisade policy get` without a name", not_found=True
-        )
-
-    def list_policies(self, namespace: str = "") -> list[PolicyView]:
-        return [self.view(r) for r in self.registry.search(namespace)]
-
-    def trace(
-        self,
-        source: tuple[str, tuple[str, ...]],
-        destination: tuple[str, tuple[str, ...]],
-        port: int,
-        protocol: IpProto,
-    ) -> TraceAnswer:
-        """Trace a connection between two peers, each (pod "ns/name", labels)."""
-        src = self._trace_peer("source", *source)
-        dst = self._trace_peer("destination", *destination)
-        result = trace(self.engine, src=src, dst=dst, port=port, protocol=protocol)
-        return TraceAnswer(
-            result,
-            src if isinstance(src, int) else src.identity,
-            dst if isinstance(dst, int) else dst.identity,
-        )
-
-    def _trace_peer(self, which: str, pod: str, labels: tuple[str, ...]) -> TraceEndpoint | int:
-        if pod:
-            if "/" not in pod:
-                raise RequestError(f"{which}.pod {pod!r} must be namespace/name")
-            record = self.ipcache.find_pod(pod)
-            if record is None:
-                raise RequestError(
-                    f"{which}.pod {pod} is not in the ipcache; check the name, or wait until ipam publishes it",
-                    not_found=True,
-                )
-            if self.engine.identity(record.identity) is None:
-                raise RequestError(
-                    f"{which}.pod {pod} has identity {record.identity}, which is not known yet; retry shortly",
-                    not_found=True,
-                )
-            return record.identity
-        if not labels:
-            raise RequestError(f"{which} needs a pod (namespace/name) or labels (source:key=value)")
-        try:
-            label_set = LabelSet(tuple(parse_label(text, default_source=LabelSource.K8S) for text in labels))
-        except ValueError as exc:
-            raise RequestError(f"{which}.labels: {exc}") from None
-        known = self.engine.identity_by_labels(label_set)
-        if known is not None:
-            return known.id
-        return TraceEndpoint(label_set)
-
     def audited_policies(self) -> list[Policy]:
         """Every policy in audit mode, keyed as the engine would key it."""
         return [
@@ -780,104 +668,6 @@ class PolicyCore:
         if not audited:
             return {}
         return overlays(self.engine, full_engine(self.engine, audited))
-
-    def _holder(self, key: PolicyRef) -> Source | None:
-        """The source whose copy of ``key`` the engine holds (Kubernetes first), or None."""
-        for source in (Source.KUBERNETES, Source.API):
-            record = self.registry.get(source, key)
-            if record is not None and record.policy is not None:
-                return source
-        return None
-
-    def preview(
-        self,
-        documents: Sequence[tuple[Mapping[str, Any], str]],
-        deletes: Sequence[PolicyRef],
-        *,
-        probes: Sequence[DiffProbe] = (),
-        flows: Iterable[ObservedFlow] = (),
-    ) -> Preview:
-        """What applying ``documents`` (each with its origin, for errors) and deleting ``deletes``
-        would change, computed on a copy of the engine: nothing in force changes. A document
-        naming a policy in force replaces it in its source (Kubernetes' copy first); a new one is
-        an API policy. Raises RequestError naming every invalid document or unknown deletion."""
-        after = copy.deepcopy(self.engine)
-        changed: list[Policy] = []
-        errors: list[str] = []
-        after.begin_batch()
-        for doc, origin in documents:
-            try:
-                parsed = parse_policy(doc, cluster=self.cluster)
-            except PolicyValidationError as exc:
-                errors.append(f"{origin}: {exc}" if origin else str(exc))
-                continue
-            key = engine_key(self._holder(parsed.key) or Source.API, parsed.key)
-            old = self.engine.declared_policy(key)
-            new = dataclasses.replace(parsed, key=key)
-            changed += [p for p in (old, new) if p is not None]
-            if self.audited(new):
-                after.delete_policy(key)  # audit never drops: the change enforces nothing of it
-            else:
-                after.upsert_policy(new)
-        for ref in deletes:
-            source = self._holder(ref)
-            if source is None:
-                errors.append(f"--delete {ref}: no such policy is in force; list them with `palisade policy get`")
-                continue
-            old = self.engine.declared_policy(engine_key(source, ref))
-            if old is not None:
-                changed.append(old)
-            after.delete_policy(engine_key(source, ref))
-        if errors:
-            raise RequestError("nothing previewed; fix these and run the diff again:\n" + "\n".join(errors))
-        after.end_batch()
-        return preview(self.engine, after, changed, pods=self.ipcache.pods_by_identity(), probes=probes, flows=flows)
-
-    def status(self) -> StatusSnapshot:
-        counts = self.registry.counts()
-        behind = self.realized.behind(self.revision)
-        return StatusSnapshot(
-            synced=self.synced,
-            revision=self.revision,
-            policies=sum(counts.values()),
-            rejected=sum(n for (_, rejected), n in counts.items() if rejected),
-            identities=len(self.engine.identities()),
-            ipcache=len(self.ipcache),
-            nodes=len(self.nodes() | set(self.planner.nodes())),
-            endpoints=len(self.realized),
-            endpoints_behind=len(behind),
-            endpoints_failed=sum(1 for lag in behind if lag.error),
-            nodes_gone=len(self.realized.gone),
-        )
-
-
-def _with_audit(
-    orders: Iterable[PlannedOrder], old: Mapping[int, AuditOverlay], new: Mapping[int, AuditOverlay]
-) -> list[PlannedOrder]:
-    """The orders with each identity's audit part: the whole overlay in full diffs, the change in
-    incremental ones, the audit-only directions in both (diff objects stay shared across nodes)."""
-    memo: dict[int, OrderDiff] = {}
-
-    def decorate(d: OrderDiff) -> OrderDiff:
-        done = memo.get(id(d))
-        if done is not None:
-            return done
-        before, after = old.get(d.identity), new.get(d.identity)
-        if before is None and after is None:
-            out = d
-        else:
-            add, remove = delta(None if d.full else before, after)
-            out = dataclasses.replace(
-                d,
-                audit_add=add,
-                audit_remove={} if d.full else remove,
-                audit_ingress=after.ingress if after is not None else False,
-                audit_egress=after.egress if after is not None else False,
-            )
-        memo[id(d)] = out
-        return out
-
-    return [dataclasses.replace(o, diffs=tuple(decorate(d) for d in o.diffs)) for o in orders]
 
 
 def _key_of(doc: Mapping[str, Any]) -> PolicyRef:
