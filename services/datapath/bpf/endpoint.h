@@ -61,4 +61,44 @@ static __always_inline u32 cidr_identity(u8 family, const u8 *addr)
     return iv ? iv->identity : WORLD_ID;
 }
 
+/* The endpoint of veth ``ifindex`` (its id and identity), from this CPU's cache when the cache holds
+ * it for the current policy epoch, else from the endpoints map (then cached). 0: not an endpoint's
+ * veth (or one being detached). ``*cached`` is this CPU's cache slot for the veth (NULL if none). */
+static __always_inline int endpoint_of(u32 ifindex, u64 epoch, struct ep_cache_value **cached, u32 *ep_id,
+                                       u32 *local_id)
+{
+    u32 slot = ifindex % EP_CACHE_SLOTS;
+    struct ep_cache_value *c = ep_cache.lookup(&slot);
+    *cached = c;
+    if (likely(c && c->ifindex == ifindex && c->epoch == epoch && epoch)) {
+        *ep_id = c->ep_id;
+        *local_id = c->identity;
+        return 1;
+    }
+    struct endpoint_key self = {};
+    self.ifindex = ifindex;
+    struct endpoint_value *ep = endpoints.lookup(&self);
+    if (!ep)
+        return 0;
+    u32 id = ep->ep_id;
+    u32 identity = ep->identity;
+    *ep_id = id;
+    *local_id = identity;
+    if (c) {
+        c->ifindex = ifindex;
+        c->ep_id = id;
+        c->identity = identity;
+        c->epoch = epoch;
+    }
+    return 1;
+}
+
+/* The far end of a packet as handle() learns it, and what the connection's translations are. */
+struct peer {
+    u32 remote_id;     /* the remote identity, once looked up (0: not yet) */
+    int remote_local;  /* whether it may be a local endpoint's address still to look up */
+    u16 rev_nat;       /* the service the connection was opened to (0: none) */
+    u8 hairpin;        /* a pod's connection to itself through a ClusterIP (CT_F_HAIRPIN) */
+};
+
 #endif /* PALISADE_ENDPOINT_H */

@@ -87,4 +87,13 @@ static __always_inline void emit(u32 ifindex, const struct flow *f, u32 ep_id, u
 }
 #undef bpf_ringbuf_output
 
+/* A dropped packet's flow event and its counter (the caller returns TC_ACT_SHOT, or sends the
+ * reply it made of the packet). */
+static __always_inline void drop_event(struct __sk_buff *skb, u32 ifindex, const struct flow *f, u32 ep_id,
+                                       u32 local_id, u32 remote_id, u8 dir, u8 reason)
+{
+    emit(ifindex, f, ep_id, local_id, remote_id, dir, VERDICT_DENY, reason);
+    count(ep_id, reason, dir, skb->len);
+}
+
 #endif /* PALISADE_EVENTS_H */

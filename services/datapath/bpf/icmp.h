@@ -6,6 +6,17 @@
 #ifndef PALISADE_ICMP_H
 #define PALISADE_ICMP_H
 
+/* The reply's headers: [eth][ip][icmp][the original IP header][its first L4 bytes]. */
+#define ICMP_HDR_LEN 8
+#define REPLY_TTL 64                /* the kernel's default TTL and hop limit */
+#define IPTOS_INTERNETCONTROL 0xc0  /* the ToS the kernel gives ICMP errors */
+#define IPV4_HDR_LEN 20             /* without options */
+#define IPV6_HDR_LEN 40
+#define REJECT4_ROOM (IPV4_HDR_LEN + ICMP_HDR_LEN)                 /* new bytes in front */
+#define REJECT4_LEN (IPV4_HDR_LEN + ICMP_HDR_LEN + IPV4_HDR_LEN)   /* the IP packet, less the quote */
+#define REJECT6_ROOM (IPV6_HDR_LEN + ICMP_HDR_LEN)
+#define REJECT6_PAYLOAD (ICMP_HDR_LEN + IPV6_HDR_LEN)              /* the IPv6 payload, less the quote */
+
 static __always_inline u16 csum_fold(u64 sum)
 {
     sum = (sum & 0xffff) + (sum >> 16);
@@ -18,15 +29,15 @@ static __always_inline u16 csum_fold(u64 sum)
 static __always_inline u32 lb_quote(struct __sk_buff *skb, const struct flow *f, u8 *l4)
 {
     if (f->protocol == IPPROTO_TCP)
-        return bpf_skb_load_bytes(skb, f->l4_off, l4, 20) < 0 ? 0 : 20;
-    return bpf_skb_load_bytes(skb, f->l4_off, l4, 8) < 0 ? 0 : 8;
+        return bpf_skb_load_bytes(skb, f->l4_off, l4, TCP_HDR_LEN) < 0 ? 0 : TCP_HDR_LEN;
+    return bpf_skb_load_bytes(skb, f->l4_off, l4, UDP_HDR_LEN) < 0 ? 0 : UDP_HDR_LEN;
 }
 
 static __always_inline s64 lb_quote_sum(u8 *l4, u32 quote, s64 sum)
 {
-    if (quote == 20)
-        return bpf_csum_diff(0, 0, (void *)l4, 20, sum);
-    return bpf_csum_diff(0, 0, (void *)l4, 8, sum);
+    if (quote == TCP_HDR_LEN)
+        return bpf_csum_diff(0, 0, (void *)l4, TCP_HDR_LEN, sum);
+    return bpf_csum_diff(0, 0, (void *)l4, UDP_HDR_LEN, sum);
 }
 
 /* Turn the packet into "port unreachable" from the frontend back to the client:
@@ -43,7 +54,7 @@ static __always_inline int lb_reject(struct __sk_buff *skb, const struct flow *f
     __builtin_memcpy(mac, eth.h_dest, ETH_ALEN);
     __builtin_memcpy(eth.h_dest, eth.h_source, ETH_ALEN);
     __builtin_memcpy(eth.h_source, mac, ETH_ALEN);
-    u8 l4[20] = {};
+    u8 l4[TCP_HDR_LEN] = {};
     struct {
         u8 type;
         u8 code;
@@ -59,21 +70,21 @@ static __always_inline int lb_reject(struct __sk_buff *skb, const struct flow *f
         u32 quote = lb_quote(skb, f, l4);
         if (!quote)
             return -1;
-        if (bpf_skb_adjust_room(skb, 28, BPF_ADJ_ROOM_MAC, 0) < 0 ||
-            bpf_skb_change_tail(skb, ETH_HLEN + 48 + quote, 0) < 0)
+        if (bpf_skb_adjust_room(skb, REJECT4_ROOM, BPF_ADJ_ROOM_MAC, 0) < 0 ||
+            bpf_skb_change_tail(skb, ETH_HLEN + REJECT4_LEN + quote, 0) < 0)
             return -1;
-        icmp.type = 3;
-        icmp.code = 3;
+        icmp.type = ICMP4_DEST_UNREACH;
+        icmp.code = ICMP4_PORT_UNREACH;
         s64 sum = bpf_csum_diff(0, 0, (void *)&icmp, sizeof(icmp), 0);
         sum = bpf_csum_diff(0, 0, (void *)&orig, sizeof(orig), sum);
         sum = lb_quote_sum(l4, quote, sum);
         icmp.csum = csum_fold(sum);
         struct iphdr ip = {};
         ip.version = 4;
-        ip.ihl = 5;
-        ip.tos = 0xc0;
-        ip.tot_len = bpf_htons(48 + quote);
-        ip.ttl = 64;
+        ip.ihl = sizeof(ip) / IPV4_IHL_UNIT;
+        ip.tos = IPTOS_INTERNETCONTROL;
+        ip.tot_len = bpf_htons(REJECT4_LEN + quote);
+        ip.ttl = REPLY_TTL;
         ip.protocol = IPPROTO_ICMP;
         ip.saddr = orig.daddr;
         ip.daddr = orig.saddr;
@@ -92,22 +103,22 @@ static __always_inline int lb_reject(struct __sk_buff *skb, const struct flow *f
     u32 quote = lb_quote(skb, f, l4);
     if (!quote)
         return -1;
-    if (bpf_skb_adjust_room(skb, 48, BPF_ADJ_ROOM_MAC, 0) < 0 ||
-        bpf_skb_change_tail(skb, ETH_HLEN + 88 + quote, 0) < 0)
+    if (bpf_skb_adjust_room(skb, REJECT6_ROOM, BPF_ADJ_ROOM_MAC, 0) < 0 ||
+        bpf_skb_change_tail(skb, ETH_HLEN + IPV6_HDR_LEN + REJECT6_PAYLOAD + quote, 0) < 0)
         return -1;
-    icmp.type = 1;
-    icmp.code = 4;
+    icmp.type = ICMP6_DEST_UNREACH;
+    icmp.code = ICMP6_PORT_UNREACH;
     struct ipv6hdr ip6 = {};
     ip6.version = 6;
-    ip6.payload_len = bpf_htons(48 + quote);
+    ip6.payload_len = bpf_htons(REJECT6_PAYLOAD + quote);
     ip6.nexthdr = IPPROTO_ICMPV6;
-    ip6.hop_limit = 64;
+    ip6.hop_limit = REPLY_TTL;
     ip6.saddr = orig6.daddr;
     ip6.daddr = orig6.saddr;
     struct {
         u32 len;
         u32 next;
-    } pseudo = {.len = bpf_htonl(48 + quote), .next = bpf_htonl(IPPROTO_ICMPV6)};
+    } pseudo = {.len = bpf_htonl(REJECT6_PAYLOAD + quote), .next = bpf_htonl(IPPROTO_ICMPV6)};
     s64 sum = bpf_csum_diff(0, 0, (void *)&ip6.saddr, 32, 0);
     sum = bpf_csum_diff(0, 0, (void *)&pseudo, sizeof(pseudo), sum);
     sum = bpf_csum_diff(0, 0, (void *)&icmp, sizeof(icmp), sum);

@@ -20,7 +20,7 @@ static __always_inline int lb_l4(const struct flow *f)
 static __always_inline int lb_rewrite(struct __sk_buff *skb, struct flow *f, const u8 *addr, __be16 port, int dst)
 {
     u32 l4 = f->l4_off;
-    u32 csum_off = l4 + (f->protocol == IPPROTO_TCP ? 16 : 6);
+    u32 csum_off = l4 + (f->protocol == IPPROTO_TCP ? TCP_CSUM_OFF : UDP_CSUM_OFF);
     u64 mangled = 0;
     int l4_csum = 1;
     u64 store_flags = 0;
@@ -60,9 +60,9 @@ static __always_inline int lb_rewrite(struct __sk_buff *skb, struct flow *f, con
     }
     __be16 old_port = dst ? f->dport : f->sport;
     if (old_port != port) {
-        if (l4_csum && bpf_l4_csum_replace(skb, csum_off, old_port, port, mangled | 2) < 0)
+        if (l4_csum && bpf_l4_csum_replace(skb, csum_off, old_port, port, mangled | sizeof(port)) < 0)
             return -1;
-        if (bpf_skb_store_bytes(skb, l4 + (dst ? 2 : 0), &port, 2, store_flags) < 0)
+        if (bpf_skb_store_bytes(skb, l4 + (dst ? L4_DPORT_OFF : L4_SPORT_OFF), &port, sizeof(port), store_flags) < 0)
             return -1;
     }
     __builtin_memcpy(cur, addr, 16);

@@ -20,6 +20,39 @@ struct flow {
     u16 l4_off;           /* offset of the L4 header */
 };
 
+/* ICMP and ICMPv6 types and codes the programs read or write (RFC 792, RFC 4443, RFC 4861, RFC 3810;
+ * the kernel's ICMP_* and ICMPV6_*). */
+#define ICMP4_ECHO_REPLY 0
+#define ICMP4_DEST_UNREACH 3
+#define ICMP4_PORT_UNREACH 3     /* code of ICMP4_DEST_UNREACH */
+#define ICMP4_ECHO_REQUEST 8
+#define ICMP4_TIME_EXCEEDED 11
+#define ICMP4_PARAMETER_PROBLEM 12
+#define ICMP6_DEST_UNREACH 1
+#define ICMP6_PORT_UNREACH 4     /* code of ICMP6_DEST_UNREACH */
+#define ICMP6_ERROR_MAX 4        /* errors are types 1 (unreachable) to 4 (parameter problem) */
+#define ICMP6_ECHO_REQUEST 128
+#define ICMP6_ECHO_REPLY 129
+#define ICMP6_MLD_QUERY 130      /* MLD query, report, done: 130-132 */
+#define ICMP6_ND_REDIRECT 137    /* router and neighbour discovery: 133 (router solicitation) to 137 */
+#define ICMP6_MLD2_REPORT 143
+
+/* Header layouts (RFC 791, 8200, 793, 768). */
+#define IPV4_IHL_UNIT 4             /* ihl counts 32-bit words */
+#define IPV4_FRAG_OFFSET 0x1fff     /* frag_off's offset bits (the kernel's IP_OFFSET) */
+#define IPV6_FRAG_OFFSET 0xfff8     /* a fragment header's offset bits (IP6_OFFSET) */
+#define IPV6_EXT_LEN_UNIT 8         /* an extension header's length counts 8-byte units past the first */
+#define IPV6_FRAG_HDR_LEN 8
+#define IPV6_EXT_MAX 4              /* extension headers skipped before the L4 header */
+#define L4_PORTS_LEN 4              /* source and destination port, first in TCP, UDP and SCTP */
+#define TCP_FLAGS_END 14            /* TCP's header through its flags byte */
+#define L4_SPORT_OFF 0
+#define L4_DPORT_OFF 2
+#define TCP_CSUM_OFF 16
+#define UDP_CSUM_OFF 6
+#define TCP_HDR_LEN 20              /* without options */
+#define UDP_HDR_LEN 8
+
 #define PARSE_OK 0
 #define PARSE_PASS 1     /* not ours to judge: non-IP, ND, ICMP errors */
 #define PARSE_INVALID 2  /* an IP packet too short to parse */
@@ -62,7 +95,7 @@ static __always_inline int parse_l4(struct __sk_buff *skb, u32 off, struct flow 
             u8 doff;
             u8 flags;
         } l4 = {};
-        int loaded = f->protocol == IPPROTO_TCP ? load(skb, off, &l4, 14) : load(skb, off, &l4, 4);
+        int loaded = f->protocol == IPPROTO_TCP ? load(skb, off, &l4, TCP_FLAGS_END) : load(skb, off, &l4, L4_PORTS_LEN);
         if (loaded < 0)
             return PARSE_INVALID;
         f->sport = l4.sport;
@@ -81,19 +114,21 @@ static __always_inline int parse_l4(struct __sk_buff *skb, u32 off, struct flow 
         } icmp = {};
         if (load(skb, off, &icmp, sizeof(icmp)) < 0)
             return PARSE_INVALID;
-        u8 request = f->protocol == IPPROTO_ICMP ? 8 : 128;
-        u8 reply = f->protocol == IPPROTO_ICMP ? 0 : 129;
+        u8 request = f->protocol == IPPROTO_ICMP ? ICMP4_ECHO_REQUEST : ICMP6_ECHO_REQUEST;
+        u8 reply = f->protocol == IPPROTO_ICMP ? ICMP4_ECHO_REPLY : ICMP6_ECHO_REPLY;
         if (icmp.type == request) {
             f->sport = icmp.id;
         } else if (icmp.type == reply) {
             f->dport = icmp.id;  /* mirrors the request so the reversed tuple matches */
         } else if (f->protocol == IPPROTO_ICMP) {
             /* destination unreachable, time exceeded, parameter problem */
-            if (icmp.type == 3 || icmp.type == 11 || icmp.type == 12)
+            if (icmp.type == ICMP4_DEST_UNREACH || icmp.type == ICMP4_TIME_EXCEEDED ||
+                icmp.type == ICMP4_PARAMETER_PROBLEM)
                 return PARSE_PASS;
         } else {
-            /* ICMPv6 errors (1-4), MLD (130-132, 143), router/neighbour discovery (133-137) */
-            if (icmp.type <= 4 || (icmp.type >= 130 && icmp.type <= 137) || icmp.type == 143)
+            /* ICMPv6 errors, MLD, router/neighbour discovery */
+            if (icmp.type <= ICMP6_ERROR_MAX || (icmp.type >= ICMP6_MLD_QUERY && icmp.type <= ICMP6_ND_REDIRECT) ||
+                icmp.type == ICMP6_MLD2_REPORT)
                 return PARSE_PASS;
         }
         return PARSE_OK;
@@ -111,8 +146,8 @@ static __always_inline int parse(struct __sk_buff *skb, struct flow *f)
         f->protocol = ip.protocol;
         __builtin_memcpy(f->saddr, &ip.saddr, 4);
         __builtin_memcpy(f->daddr, &ip.daddr, 4);
-        int first = (ip.frag_off & bpf_htons(0x1fff)) == 0;
-        return parse_l4(skb, ETH_HLEN + ip.ihl * 4, f, first);
+        int first = (ip.frag_off & bpf_htons(IPV4_FRAG_OFFSET)) == 0;
+        return parse_l4(skb, ETH_HLEN + ip.ihl * IPV4_IHL_UNIT, f, first);
     }
     if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
         struct ipv6hdr ip6;
@@ -126,14 +161,14 @@ static __always_inline int parse(struct __sk_buff *skb, struct flow *f)
         int first = 1;
         /* Skip the extension headers that may precede the L4 header. */
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            if (next == 0 /* hop-by-hop */ || next == 43 /* routing */ || next == 60 /* dest opts */) {
+        for (int i = 0; i < IPV6_EXT_MAX; i++) {
+            if (next == IPPROTO_HOPOPTS || next == IPPROTO_ROUTING || next == IPPROTO_DSTOPTS) {
                 u8 ext[2];
                 if (bpf_skb_load_bytes(skb, off, ext, 2) < 0)
                     return PARSE_INVALID;
                 next = ext[0];
-                off += ((u32)ext[1] + 1) * 8;
-            } else if (next == 44 /* fragment */) {
+                off += ((u32)ext[1] + 1) * IPV6_EXT_LEN_UNIT;
+            } else if (next == IPPROTO_FRAGMENT) {
                 struct {
                     u8 next;
                     u8 reserved;
@@ -143,8 +178,8 @@ static __always_inline int parse(struct __sk_buff *skb, struct flow *f)
                 if (bpf_skb_load_bytes(skb, off, &frag, sizeof(frag)) < 0)
                     return PARSE_INVALID;
                 next = frag.next;
-                first = (frag.frag_off & bpf_htons(0xfff8)) == 0;
-                off += 8;
+                first = (frag.frag_off & bpf_htons(IPV6_FRAG_OFFSET)) == 0;
+                off += IPV6_FRAG_HDR_LEN;
             } else {
                 break;
             }
