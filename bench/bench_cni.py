@@ -26,8 +26,8 @@ import yaml
 from bench.output import logger
 from bench.stats import stats_ms
 from services.cni import install
-from tests.cni.runtime import Containerd, missing
-from tests.system.stack import running_stack, wait_for
+from testkit.containerd import Containerd, missing
+from testkit.stack import running_stack, wait_for
 
 NS = "bench-cni"
 

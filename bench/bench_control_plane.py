@@ -67,8 +67,8 @@ from palisade.v1 import (
     policy_pb2,
     policy_pb2_grpc,
 )
-from tests.harness import EtcdServer, NatsServer, ServiceProcess, creds, sync_channel
-from tests.harness import channel as harness_channel
+from testkit.harness import EtcdServer, NatsServer, ServiceProcess, creds, sync_channel
+from testkit.harness import channel as harness_channel
 
 ROOT = Path(__file__).resolve().parent.parent
 

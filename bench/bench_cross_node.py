@@ -187,7 +187,7 @@ def _realized(stack: Any, name: str) -> bool:
 
 
 def measure_mode(mode: str, args: argparse.Namespace, run_id: str) -> dict[str, Any]:
-    from tests.system.stack import probe, running_stack, wait_for
+    from testkit.stack import probe, running_stack, wait_for
 
     with tempfile.TemporaryDirectory(prefix=f"palisade-bench-cross-{mode}-") as tmp:
         folder = Path(tmp) / "examples"

@@ -117,8 +117,8 @@ from services.datapath.types import (
     PolicyKey,
     Reason,
 )
-from tests.datapath.traffic import tc_frame as frame
-from tests.datapath.traffic import tcp_connects
+from testkit.traffic import tc_frame as frame
+from testkit.traffic import tcp_connects
 
 #: How long the flow reader waits between two takes: the datapath service's default (flow_poll_ms).
 FLOW_READ_POLL_MS = 200

@@ -35,7 +35,7 @@ from services.datapath.types import (
     PolicyKey,
     Verdict,
 )
-from tests.datapath.traffic import tcp_connects
+from testkit.traffic import tcp_connects
 
 
 def summary(samples: list[float]) -> dict[str, float]:

@@ -48,11 +48,11 @@ from bench.output import logger
 from bench.stats import stats_ms
 from palisade.v1 import common_pb2, common_pb2_grpc, policy_pb2, policy_pb2_grpc
 from services.common.grpcserver import grpc_target, parse_addresses
-from tests.harness import NatsCluster, NatsServer, ServiceProcess, pki
-from tests.harness import channel as cli_channel
-from tests.policy_service import builders
-from tests.policy_service.cluster import Datapath, Feed
-from tests.policy_service.scenario import PODS, publish_world
+from testkit import builders
+from testkit.harness import NatsCluster, NatsServer, ServiceProcess, pki
+from testkit.harness import channel as cli_channel
+from testkit.policycluster import Datapath, Feed
+from testkit.scenario import PODS, publish_world
 
 log = logger("ha")
 
@@ -221,8 +221,8 @@ async def r3_cost(single: Topology, ha: Topology, edits: int) -> dict[str, Any]:
 
 def members_down(rounds: int) -> dict[str, Any]:
     """Part 3: kill -9 each kind of member of a `make run --ha` stack, edit, time to enforced."""
-    from tests.harness import ROOT
-    from tests.system.stack import running_stack
+    from testkit.harness import ROOT
+    from testkit.stack import running_stack
 
     took: dict[str, list[float]] = {}
     with (

@@ -45,8 +45,8 @@ from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases
-from tests.harness import EtcdServer, NatsServer, ServiceProcess, channel, creds
-from tests.ipam.helpers import K8s, ipam_args
+from testkit.harness import EtcdServer, NatsServer, ServiceProcess, channel, creds
+from testkit.ipam import K8s, ipam_args
 
 #: Issue 34's targets for the API at concurrency 16 with two replicas, per second.
 TARGET_IDENTITIES = 2000.0

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.changes = 5
-    from tests.system.stack import running_stack  # needs root: the stack makes namespaces
+    from testkit.stack import running_stack  # needs root: the stack makes namespaces
 
     with tempfile.TemporaryDirectory(prefix="palisade-bench-nodes-") as tmp:
         folder = Path(tmp) / "examples"

@@ -33,7 +33,7 @@ from services.common.subjects import (
     ipcache_subject,
     k8s_subject,
 )
-from tests.harness import NatsServer, ServiceProcess, creds
+from testkit.harness import NatsServer, ServiceProcess, creds
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -50,7 +50,7 @@ from bench.stats import round_to
 from services.datapath.datapath import Datapath
 from services.datapath.netns import PodLink
 from services.datapath.types import Backend, EndpointSpec, Frontend, L4Proto, LbService
-from tests.datapath.traffic import tcp_connects
+from testkit.traffic import tcp_connects
 
 log = logger("services")
 

@@ -322,7 +322,7 @@ def write_yaml(folder: Path, name: str, docs: Sequence[dict[str, Any]], staging:
 
 def free_ports(count: int) -> int:
     """A base port with ``count`` consecutive free ports."""
-    from tests.harness import free_port
+    from testkit.harness import free_port
 
     return free_port(count)
 

@@ -39,7 +39,7 @@ from palisade.v1 import policy_pb2, policy_pb2_grpc
 from services.common.bus import ALL_STREAMS, Bus
 from services.common.grpcserver import open_channel
 from services.common.subjects import regen_subject
-from tests.harness import NatsServer, ServiceProcess, creds
+from testkit.harness import NatsServer, ServiceProcess, creds
 
 NODE = "bench-node"
 POLICY = """apiVersion: networking.k8s.io/v1

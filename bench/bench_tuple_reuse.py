@@ -36,8 +36,8 @@ log = logger("tuple_reuse")
 
 def soak(nodes: int, seconds: float, rate: float) -> dict[str, Any]:
     """One run's counts, the drops the datapath counted at both ends, and the failures in bursts."""
-    from tests.system import tuplereuse
-    from tests.system.stack import running_stack, wait_for  # needs root: the stack makes namespaces
+    from testkit import tuplereuse
+    from testkit.stack import running_stack, wait_for  # needs root: the stack makes namespaces
 
     with tempfile.TemporaryDirectory(prefix="palisade-bench-reuse-") as tmp:
         folder = Path(tmp) / "examples"

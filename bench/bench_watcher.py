@@ -37,8 +37,8 @@ from services.common.gctuning import tune_gc
 from services.watcher.kube import KubeSettings, KubeSource, load_client_configuration
 from services.watcher.metrics import WatcherMetrics
 from services.watcher.pipeline import Watcher
-from tests.harness import NatsServer, creds
-from tests.watcher.apiserver import FakeApiServer
+from testkit.apiserver import FakeApiServer
+from testkit.harness import NatsServer, creds
 
 
 def make_pod(i: int) -> dict[str, Any]:

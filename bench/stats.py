@@ -74,3 +74,15 @@ def quartiles(values: Sequence[float]) -> list[float]:
         return [round_to(v) for v in (*values, *values)][:2]
     q = statistics.quantiles(values, n=4)
     return [round_to(q[0]), round_to(q[2])]
+
+
+def peak_rss_mib(pid: int) -> float:
+    """VmHWM (the highest RSS so far) of a process in MiB (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except FileNotFoundError:
+        pass
+    return 0.0

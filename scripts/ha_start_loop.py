@@ -3,7 +3,7 @@
     flock /work/stack.lock .venv/bin/python -m scripts.ha_start_loop [--runs 20]
 
 As root (the stack makes network namespaces and loads BPF). Each run starts the stack on
-free ports with its own bpffs directory (tests/system/stack.py), checks that it came up
+free ports with its own bpffs directory (testkit/stack.py), checks that it came up
 with no part exited or restarted, that every member and replica is healthy (3 NATS
 servers, 3 etcd members, 2 policy replicas, 2 ipam replicas, the watcher and the
 datapath), then stops it. Prints one JSON object: runs, failures (with what went
@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness import ROOT
-from tests.system.stack import Stack, running_stack
+from testkit.harness import ROOT
+from testkit.stack import Stack, running_stack
 
 #: Members and replicas a healthy HA stack lists in `palisade status`.
 EXPECTED = {"nats": 3, "etcd": 3}

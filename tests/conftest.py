@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import EtcdServer, NatsServer, ServiceProcess, bcc_problem, is_root, pki
+from testkit.harness import EtcdServer, NatsServer, ServiceProcess, bcc_problem, is_root, pki
 
 
 def pytest_configure(config: pytest.Config) -> None:

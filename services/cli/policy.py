@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
+from services.cli import diff
 from services.cli.client import (
     CLIError,
     add_address_flags,
@@ -72,12 +73,13 @@ def _print_statuses(statuses: list[policy_pb2.PolicyStatus]) -> None:
                 s.ref.name,
                 source_text(s),
                 _state(s),
+                s.mode or "-",
                 s.revision or "-",
                 nodes,
                 len(s.unsupported) or "",
             )
         )
-    print_table(("KIND", "NAMESPACE", "NAME", "SOURCE", "STATE", "REVISION", "NODES", "UNSUPPORTED"), rows)
+    print_table(("KIND", "NAMESPACE", "NAME", "SOURCE", "STATE", "MODE", "REVISION", "NODES", "UNSUPPORTED"), rows)
     for s in statuses:
         if s.error:
             print(f"\n{_ref_text(s.ref)}: {s.error}")
@@ -375,3 +377,4 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     for q in (imp, dele, get, wait, trace):
         add_address_flags(q, "policy")
         add_output_flag(q)
+    diff.register(psub)

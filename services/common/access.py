@@ -38,6 +38,7 @@ RULES: dict[str, frozenset[str]] = {
     "palisade.v1.PolicyService/GetPolicy": _CLI | _DATAPATH | _POLICY,
     "palisade.v1.PolicyService/ListPolicies": _CLI | _DATAPATH | _POLICY,
     "palisade.v1.PolicyService/Trace": _CLI | _POLICY,
+    "palisade.v1.PolicyService/Diff": _CLI | _POLICY,
     "palisade.v1.PolicyService/WaitForRevision": _CLI | _DATAPATH | _POLICY,
     "palisade.v1.PolicyService/Resync": _DATAPATH | _POLICY,
     "palisade.v1.PolicyService/ReportRealized": _DATAPATH | _POLICY,

@@ -92,6 +92,14 @@ T = TypeVar("T")
 #: Seconds between a consumer's idle heartbeats (see Follower._config).
 HEARTBEAT = 1.0
 
+#: Consumers a stream allows. Every datapath holds an ordered consumer on each stream it follows
+#: (its orders, the ipcache, identities, Services), so a stream has about one per node, and
+#: briefly two while a re-created one replaces its predecessor. nats-server 2.15 caps a stream
+#: that sets no limit at 1,000 consumers (``default_max_consumers``): the 1,001st node of a
+#: cluster could not follow its orders. Set on every stream, far above the nodes of a cluster
+#: but bounded, so a consumer leak still meets a limit.
+MAX_CONSUMERS = 100_000
+
 #: What a raw follower hands each message to: (subject, payload).
 MsgHandler = Callable[[str, bytes], Awaitable[None]]
 
@@ -135,6 +143,7 @@ def _stream_config(spec: StreamSpec, replicas: int = 1) -> jsapi.StreamConfig:
         max_msgs_per_subject=1 if spec.compacted else spec.history,
         max_age=spec.max_age or None,
         discard=jsapi.DiscardPolicy.OLD,
+        max_consumers=MAX_CONSUMERS,
     )
 
 

@@ -80,6 +80,16 @@ class DatapathConfig(CommonConfig):
     observe_buffer: int = setting(
         "Flow events buffered per Observe client; a slower client loses the oldest.", default=4096
     )
+    flow_ring_size: int = setting(
+        "Recent flow events kept in memory so `palisade observe --last/--since` and `policy diff` see "
+        "traffic that no client watched (0 keeps none: events are skipped while nobody observes).",
+        default=16384,
+    )
+    flow_ring_rate: int = setting(
+        "Flow events a second decoded for the ring while no Observe client listens (0: all); beyond it "
+        "they are counted, not recorded, so a flood of drops does not take the CPU the packets need.",
+        default=5000,
+    )
     cni_socket: str = setting(
         "Unix socket the CNI plugin calls (owner-only; its directory also holds the plugin's queue of "
         "deletions made while the datapath was down); default <state-dir>/cni.sock.",
@@ -132,3 +142,7 @@ class DatapathConfig(CommonConfig):
             raise ConfigError(f"--repair-interval must be >= 0 (0 disables), got {self.repair_interval}")
         if self.flow_poll_ms <= 0 or self.observe_buffer <= 0:
             raise ConfigError("--flow-poll-ms and --observe-buffer must be positive")
+        if self.flow_ring_rate < 0:
+            raise ConfigError(f"--flow-ring-rate must be >= 0 (0: no limit), got {self.flow_ring_rate}")
+        if self.flow_ring_size < 0:
+            raise ConfigError(f"--flow-ring-size must be >= 0 (0 keeps no flows), got {self.flow_ring_size}")

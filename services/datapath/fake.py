@@ -219,6 +219,12 @@ class FakeDatapath:
     def skip_flows(self, timeout_ms: int = 0) -> int:
         return len(self.read_flows(timeout_ms))
 
+    def take_flows(self, timeout_ms: int, limit: int) -> tuple[list[FlowEvent], int]:
+        events = self.read_flows(timeout_ms)
+        if not limit or len(events) <= limit:
+            return events, 0
+        return events[:limit], len(events) - limit
+
     def migrate_conntrack(self, release: bool = True) -> int:
         with self._lock:
             self._check_open()

@@ -62,6 +62,8 @@ class IpcacheSync:
         self._node = node
         #: The desired ipcache: prefix -> identity, as the stream says.
         self.entries: dict[str, int] = {}
+        #: Address (no prefix length) -> "namespace/name" of the pod owning it, for flows' names.
+        self.pods: dict[str, str] = {}
         self.loaded = asyncio.Event()
         self.updates = 0
         self._follower: Follower | None = None
@@ -85,8 +87,10 @@ class IpcacheSync:
             log.warning("ipcache entry with a bad prefix ignored", subject=subject, prefix=entry.prefix)
             return
         local = self._endpoints.local_prefixes()
+        address = prefix.partition("/")[0]
         if entry.deleted or not entry.identity:
             self.entries.pop(prefix, None)
+            self.pods.pop(address, None)
             if prefix in local:
                 return  # the endpoint still exists here: its address keeps its identity
             await asyncio.to_thread(self._dp.ipcache_delete, prefix)
@@ -95,6 +99,10 @@ class IpcacheSync:
             if identity == ReservedIdentity.REMOTE_NODE and entry.node and entry.node == self._node:
                 identity = ReservedIdentity.HOST  # as Cilium: this node's own addresses are the host
             self.entries[prefix] = identity
+            if entry.pod:
+                self.pods[address] = f"{entry.namespace}/{entry.pod}"
+            else:
+                self.pods.pop(address, None)
             if prefix in local:
                 if local[prefix] != identity:
                     await self._endpoints.ipcache_identity(prefix, identity, entry.namespace, entry.pod)

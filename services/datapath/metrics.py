@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 
 from services.common.log import get_logger
 from services.datapath.datapath import CounterSource
-from services.datapath.flows import FlowHub
+from services.datapath.flows import FlowCountKey, FlowHub, count_key
 from services.datapath.manager import EndpointManager
 from services.datapath.orders import OrderConsumer, Reporter
 from services.datapath.types import CounterKey, Counters, CounterValue, Direction, EndpointState, Reason
@@ -126,6 +126,9 @@ class AgentCollector(Collector):
             reports=p.reporter.delivered,
             flow_events=p.flows.events,
             flow_dropped=p.flows.dropped,
+            ring_skipped=p.flows.ring_skipped,
+            flows={count_key(raw): n for raw, n in p.flows.counts.copy().items()},
+            ring=len(p.flows.ring),
         )
         totals, events_lost = self._read_kernel()
         return _families(figures, totals, events_lost)
@@ -144,6 +147,9 @@ class _Figures:
     reports: int = 0
     flow_events: int = 0
     flow_dropped: int = 0
+    ring_skipped: int = 0
+    flows: dict[FlowCountKey, int] = dataclasses.field(default_factory=dict)
+    ring: int = 0
 
 
 def _families(f: _Figures, totals: Totals, events_lost: int) -> Iterator[prometheus_client.Metric]:
@@ -207,12 +213,26 @@ def _families(f: _Figures, totals: Totals, events_lost: int) -> Iterator[prometh
     lost = CounterMetricFamily(
         "palisade_datapath_flow_events_lost",
         "Flow events lost, by stage (ring_buffer: the kernel had no room; "
-        "observer: dropped from the buffer of an Observe client that could not keep up).",
+        "observer: dropped from the buffer of an Observe client that could not keep up; ring_rate: "
+        "not recorded in the flow ring, beyond --flow-ring-rate a second while nobody observed).",
         labels=["stage"],
     )
     lost.add_metric(["ring_buffer"], events_lost)
     lost.add_metric(["observer"], f.flow_dropped)
+    lost.add_metric(["ring_rate"], f.ring_skipped)
     yield lost
+    flows = CounterMetricFamily(
+        "palisade_datapath_flows",
+        "Flow events decoded (recorded in the flow ring, or handed to Observe clients), by verdict "
+        "(allow, deny, audit), reason and direction.",
+        labels=["verdict", "reason", "direction"],
+    )
+    for key, n in sorted(f.flows.items()):
+        flows.add_metric([key.verdict, key.reason, key.direction], n)
+    yield flows
+    yield GaugeMetricFamily(
+        "palisade_datapath_flow_ring_events", "Flow events held in the node's flow ring.", value=f.ring
+    )
 
 
 class DatapathMetrics:

@@ -124,16 +124,23 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
     async def Observe(
         self, request: datapath_pb2.ObserveRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[datapath_pb2.FlowEvent]:
-        unknown = [v for v in request.verdicts if v not in VERDICTS]
+        flt = FlowFilter.from_request(request)
+        unknown = [v for v in flt.verdicts if v not in VERDICTS]
         if unknown:
             names = ", ".join(str(v) for v in unknown)
             raise PalisadeError(
-                f"unknown verdict(s) {names}; filter by VERDICT_ALLOW ({common_pb2.VERDICT_ALLOW}) "
-                f"or VERDICT_DENY ({common_pb2.VERDICT_DENY})",
+                f"unknown verdict(s) {names}; filter by VERDICT_ALLOW ({common_pb2.VERDICT_ALLOW}), "
+                f"VERDICT_DENY ({common_pb2.VERDICT_DENY}) or VERDICT_AUDIT ({common_pb2.VERDICT_AUDIT})",
                 Code.INVALID_ARGUMENT,
             )
         if request.pod and request.pod.count("/") != 1:
             raise PalisadeError(f"pod {request.pod!r} is not namespace/name", Code.INVALID_ARGUMENT)
-        stream: AsyncIterator[Any] = self._flows.stream(FlowFilter.from_request(request), request.limit)
+        problems = flt.problems()
+        if problems:
+            raise PalisadeError("filter: " + "; ".join(problems), Code.INVALID_ARGUMENT)
+        since_ns = request.since.ToNanoseconds() if request.HasField("since") else 0
+        stream: AsyncIterator[Any] = self._flows.stream(
+            flt, request.limit, since_ns=since_ns, last=request.last, follow=request.follow
+        )
         async for event in stream:
             yield event

@@ -87,19 +87,31 @@ _PROTO_NUMBERS = {
 class Verdict(StrEnum):
     ALLOW = "allow"
     DENY = "deny"
+    #: In a policy entry: a deny of a policy in audit mode. In a flow event: the packet passed, and a
+    #: policy in audit mode would have dropped it.
+    AUDIT = "audit"
+    #: In a policy entry only: an allow of a policy in audit mode, in a direction that only audited
+    #: policies put in default deny (what passes there is not audited).
+    AUDIT_ALLOW = "audit-allow"
 
     @property
     def wire(self) -> int:
         """The value in BPF keys and events (the protobuf ``Verdict`` numbers)."""
-        return 1 if self is Verdict.ALLOW else 2
+        return _VERDICT_NUMBERS[self]
+
+    @property
+    def audit(self) -> bool:
+        return self in (Verdict.AUDIT, Verdict.AUDIT_ALLOW)
 
     @classmethod
     def from_wire(cls, value: int) -> Verdict:
-        if value == 1:
-            return cls.ALLOW
-        if value == 2:
-            return cls.DENY
+        for verdict, number in _VERDICT_NUMBERS.items():
+            if number == value:
+                return verdict
         raise ValueError(f"unknown verdict {value}")
+
+
+_VERDICT_NUMBERS = {Verdict.ALLOW: 1, Verdict.DENY: 2, Verdict.AUDIT: 3, Verdict.AUDIT_ALLOW: 4}
 
 
 class Reason(StrEnum):
@@ -161,6 +173,8 @@ class PolicyKey:
     protocol: L4Proto = L4Proto.ANY
     port_low: int = 0
     port_high: int = 0
+    #: A key of a policy in audit mode: a key space of its own (an entry's verdict sets it).
+    audit: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "direction", Direction(self.direction))
@@ -193,6 +207,8 @@ class PolicyEntry:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", Verdict(self.verdict))
+        if self.key.audit != self.verdict.audit:
+            object.__setattr__(self, "key", dataclasses.replace(self.key, audit=self.verdict.audit))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,9 +217,16 @@ class Enforcement:
 
     ingress: bool = False
     egress: bool = False
+    #: The direction is default deny only by policies in audit mode: what they would drop passes,
+    #: reported as audit (AUDIT_ALLOW entries say what they allow).
+    audit_ingress: bool = False
+    audit_egress: bool = False
 
     def enforced(self, direction: Direction) -> bool:
         return self.ingress if direction is Direction.INGRESS else self.egress
+
+    def audited(self, direction: Direction) -> bool:
+        return self.audit_ingress if direction is Direction.INGRESS else self.audit_egress
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,8 @@ cannot represent raises :class:`OrderError` here, before any of it is applied.
 
 from __future__ import annotations
 
+import dataclasses
+
 from palisade.v1 import common_pb2, datapath_pb2, ipam_pb2, policy_pb2
 from services.datapath import netns
 from services.datapath import types as dt
@@ -44,7 +46,12 @@ def entry_from_proto(entry: common_pb2.PolicyEntry) -> dt.PolicyEntry:
 
 
 def enforcement_from_proto(enforcement: common_pb2.Enforcement) -> dt.Enforcement:
-    return dt.Enforcement(ingress=enforcement.ingress, egress=enforcement.egress)
+    return dt.Enforcement(
+        ingress=enforcement.ingress,
+        egress=enforcement.egress,
+        audit_ingress=enforcement.audit_ingress,
+        audit_egress=enforcement.audit_egress,
+    )
 
 
 def key_to_proto(key: dt.PolicyKey) -> common_pb2.PolicyKey:
@@ -62,11 +69,23 @@ def entry_to_proto(entry: dt.PolicyEntry) -> common_pb2.PolicyEntry:
 
 
 def enforcement_to_proto(enforcement: dt.Enforcement) -> common_pb2.Enforcement:
-    return common_pb2.Enforcement(ingress=enforcement.ingress, egress=enforcement.egress)
+    return common_pb2.Enforcement(
+        ingress=enforcement.ingress,
+        egress=enforcement.egress,
+        audit_ingress=enforcement.audit_ingress,
+        audit_egress=enforcement.audit_egress,
+    )
 
 
 def _short(key: common_pb2.PolicyKey) -> str:
     return f"(dir={key.direction} id={key.remote_identity} proto={key.protocol} ports={key.port_low}-{key.port_high})"
+
+
+def _removal(entry: common_pb2.PolicyEntry) -> dt.PolicyKey:
+    """A removed key; the verdict of an audited policy's entry names its key space."""
+    key = key_from_proto(entry.key)
+    audit = entry.verdict in (common_pb2.VERDICT_AUDIT, common_pb2.VERDICT_AUDIT_ALLOW)
+    return dataclasses.replace(key, audit=True) if audit else key
 
 
 def diff_from_proto(diff: common_pb2.IdentityPolicyDiff) -> dt.IdentityPolicyDiff:
@@ -74,7 +93,7 @@ def diff_from_proto(diff: common_pb2.IdentityPolicyDiff) -> dt.IdentityPolicyDif
         identity=diff.identity,
         enforcement=enforcement_from_proto(diff.enforcement),
         add=tuple(entry_from_proto(e) for e in diff.add),
-        remove=tuple(key_from_proto(e.key) for e in diff.remove),
+        remove=tuple(_removal(e) for e in diff.remove),
         full=diff.full,
     )
 

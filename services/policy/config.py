@@ -47,11 +47,19 @@ class PolicyConfig(CommonConfig):
         "endpoints stop counting in 'realized on n/N' and in WaitForRevision, until it reports again.",
         default=60.0,
     )
+    bump_interval: float = setting(
+        "Least seconds between two bare revision bumps to one node: a node none of whose identities a "
+        "change touches is told the new revision at most this often (it enforces nothing new and owes "
+        "no report; WaitForRevision does not wait for it). 0 sends one with every change.",
+        default=2.0,
+    )
     max_batch: int = setting(
         "Most queued changes folded into one engine batch (one order per node per batch).", default=512
     )
 
     def validate(self) -> None:
+        if self.bump_interval < 0:
+            raise ConfigError(f"--bump-interval {self.bump_interval} is negative; use 0 (every change) or more")
         if self.max_order_bytes < 1024:
             raise ConfigError(f"--max-order-bytes {self.max_order_bytes} is too small; use 1024 or more")
         if self.max_order_chunks < 1:

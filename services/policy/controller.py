@@ -25,7 +25,7 @@ from services.common.log import get_logger
 from services.policy import metrics
 from services.policy.engine.core import Commit, PolicyCore
 from services.policy.engine.orders import OrderDiff, PlannedOrder, PolicyEpoch
-from services.policy.engine.realized import Lag
+from services.policy.engine.realized import EndpointKey, Lag
 from services.policy.engine.registry import ApiChange
 from services.policy.engine.sources import Source
 from services.policy.wire import encode
@@ -85,6 +85,9 @@ class _Outbox:
 class _Waiter:
     revision: int
     future: asyncio.Future[None]
+    #: The endpoints found behind so far (the last still behind at the last check): see
+    #: :meth:`RealizedTable.settled`.
+    left: list[EndpointKey] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,9 +143,10 @@ class Controller:
         loop = asyncio.get_running_loop()
 
         def register(core: PolicyCore, now: float) -> asyncio.Future[None] | None:
-            if _settled(core.wait_state(revision)):
+            settled, left = core.wait_settled(revision)
+            if settled:
                 return None
-            waiter = _Waiter(revision, loop.create_future())
+            waiter = _Waiter(revision, loop.create_future(), left)
             self._waiters.append(waiter)
             return waiter.future
 
@@ -215,7 +219,9 @@ class Controller:
         for waiter in self._waiters:
             if waiter.future.done():
                 continue
-            if _settled(self._core.wait_state(waiter.revision)):
+            # After every batch: one lookup while the endpoint found behind last time still is.
+            settled, waiter.left = self._core.wait_settled(waiter.revision, waiter.left)
+            if settled:
                 waiter.future.set_result(None)
             else:
                 keep.append(waiter)
@@ -272,11 +278,6 @@ class Controller:
             for future, result in box.answers:
                 if not future.done():
                     future.set_result(result)
-
-
-def _settled(behind: list[Lag]) -> bool:
-    """A wait is over when nobody is behind, or somebody failed."""
-    return not behind or any(lag.error for lag in behind)
 
 
 def _count(order: PlannedOrder, messages: list[policy_pb2.RegenerationOrder]) -> None:

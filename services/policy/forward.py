@@ -35,7 +35,7 @@ Handler = Callable[..., Awaitable[Any]]
 
 #: Reads that need nothing only the leader has: answered from this replica's engine while no
 #: leader is known (a lone replica starting, an election under way), as a single service would.
-_READS = frozenset({"GetPolicy", "ListPolicies", "Trace"})
+_READS = frozenset({"GetPolicy", "ListPolicies", "Trace", "Diff"})
 
 
 class Forwarder:

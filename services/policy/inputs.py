@@ -29,6 +29,8 @@ POLICY_SUBJECTS = tuple(k8s_filter(token) for token in KIND_TOKENS)
 NODE_SUBJECT = k8s_filter("node")
 #: Services and EndpointSlices: what ``toServices`` rules name.
 SERVICE_SUBJECTS = (k8s_filter("service"), k8s_filter("endpointslice"))
+#: Namespaces: their policy.palisade.io/mode annotation puts their policies in audit.
+NAMESPACE_SUBJECT = k8s_filter("namespace")
 
 
 class Inputs:
@@ -46,7 +48,7 @@ class Inputs:
     async def start(self) -> None:
         # One ordered consumer over the policy kinds and the marker keeps their stream order,
         # so when the marker arrives every delta of the initial list is already queued.
-        subjects = [*POLICY_SUBJECTS, *SERVICE_SUBJECTS, NODE_SUBJECT, SYNCED_SUBJECT]
+        subjects = [*POLICY_SUBJECTS, *SERVICE_SUBJECTS, NODE_SUBJECT, NAMESPACE_SUBJECT, SYNCED_SUBJECT]
         self._k8s = await self._bus.follow_raw(subjects, self._on_k8s)
         self._identity = await self._bus.follow(IDENTITY_ALL, identity_pb2.IdentityUpdate, self._on_identity)
         self._ipcache = await self._bus.follow(IPCACHE_ALL, identity_pb2.IpcacheEntry, self._on_ipcache)

@@ -192,6 +192,13 @@ async def expire_nodes(controller: Controller, grace: float) -> None:
         controller.post(lambda core, now: core.expire_nodes(now, grace), JobKind.REALIZED)
 
 
+async def send_owed_bumps(controller: Controller, interval: float) -> None:
+    """Every interval, a commit with nothing else to do sends the revision bumps held back meanwhile."""
+    while True:
+        await asyncio.sleep(interval)
+        controller.post(lambda core, now: None, JobKind.REALIZED)
+
+
 def register(server: GrpcServer, servicer: Any) -> None:
     server.errors.add_mapping(relayed_status)
     policy_pb2_grpc.add_PolicyServiceServicer_to_server(servicer, server.server)
@@ -219,7 +226,7 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
         "open policy state",
         lambda: RevisionStore.open(bus.js, cfg.state_bucket, pause=bus.pause, replicas=bus.replicas),
     )
-    core = PolicyCore(persisted=PolicyEpoch(), cluster=cfg.cluster_name)
+    core = PolicyCore(persisted=PolicyEpoch(), cluster=cfg.cluster_name, bump_interval=cfg.bump_interval)
     imported = await ApiPolicyStore.open(bus, f"{cfg.state_bucket}_API")
     now = time.time()
     # Imported policies count like any input for a warm engine; the leader reloads them when it takes over.
@@ -264,6 +271,8 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
     ctx.stack.push_async_callback(inputs.stop)
     ctx.spawn(_go_live(ctx, bus, inputs, controller, election, store, imported), name="policy-sync")
     ctx.spawn(expire_nodes(controller, cfg.node_grace), name="node-grace")
+    if cfg.bump_interval > 0:
+        ctx.spawn(send_owed_bumps(controller, cfg.bump_interval), name="owed-bumps")
     ctx.log.info("policy replica started", member=member, imported=len(restored), max_order_bytes=max_bytes)
 
 

@@ -22,11 +22,11 @@ from services.common.errors import Code, PalisadeError, clip
 from services.common.labels import LabelSource, parse_label
 from services.common.manifests import Document, DocumentError, split_documents
 from services.common.validation import validate_identity_label, validate_name, validate_namespace
-from services.policy import metrics
+from services.policy import metrics, wire
 from services.policy.controller import Controller, JobKind
 from services.policy.documents import dump_document, validate_document
 from services.policy.engine.core import Outcome, PolicyCore, PolicyView, TraceAnswer
-from services.policy.engine.model import IpProto, PolicyKind, PolicyRef
+from services.policy.engine.model import IpProto, PolicyKind, PolicyMode, PolicyRef
 from services.policy.engine.realized import Lag, Report
 from services.policy.engine.sources import Source, object_key, parse_kind, split_engine_key
 from services.policy.engine.trace import TraceSide
@@ -130,6 +130,7 @@ def status_to_proto(view: PolicyView) -> policy_pb2.PolicyStatus:
         status.unsupported.extend(r.policy.unsupported)
         status.warnings.extend(r.policy.warnings)
         status.rules = len(r.policy.rules)
+        status.mode = PolicyMode.AUDIT.value if view.audited else PolicyMode.ENFORCE.value
     for n in view.rollup.nodes:
         status.nodes.append(
             policy_pb2.NodeRealization(
@@ -390,6 +391,32 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         answer = await self._controller.call(lambda core, now: core.trace(src, dst, request.port, protocol))
         return trace_to_proto(answer)
 
+    async def Diff(self, request: policy_pb2.DiffRequest, context: grpc.aio.ServicerContext) -> policy_pb2.DiffResponse:
+        self._require_synced()
+        if not request.documents.strip() and not request.deletes:
+            raise PalisadeError(
+                "nothing to preview: pass the YAML of new or edited policies, or policies to delete",
+                Code.INVALID_ARGUMENT,
+            )
+        docs = (
+            await asyncio.to_thread(read_documents, request.documents, request.origin)
+            if request.documents.strip()
+            else []
+        )
+        deletes = [self._ref(ref, field=f"deletes[{i}]") for i, ref in enumerate(request.deletes)]
+        try:
+            probes = [wire.probe_from_proto(p, f"probes[{i}]") for i, p in enumerate(request.probes)]
+            flows = [wire.observed_from_proto(f, f"flows[{i}]") for i, f in enumerate(request.flows)]
+        except ValueError as exc:
+            raise PalisadeError(str(exc), Code.INVALID_ARGUMENT) from None
+        documents = [(doc.body, doc.source) for doc in docs]
+
+        def answer(core: PolicyCore, now: float) -> policy_pb2.DiffResponse:
+            result = core.preview(documents, deletes, probes=probes, flows=flows)
+            return wire.preview_to_proto(result, core.revision, core.ipcache.pods_by_identity())
+
+        return await self._controller.call(answer, JobKind.READ)
+
     async def Resync(
         self, request: policy_pb2.ResyncRequest, context: grpc.aio.ServicerContext
     ) -> policy_pb2.ResyncResponse:
@@ -402,7 +429,9 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             lambda core, now: core.resync(request.node, request.identities), JobKind.READ, durable=True
         )
         return policy_pb2.ResyncResponse(
-            revision=answer.revision, sequence=answer.sequence, policies=[policy_to_proto(p) for p in answer.policies]
+            revision=answer.revision,
+            sequence=answer.sequence,
+            policies=[policy_to_proto(p, answer.audit.get(p.identity)) for p in answer.policies],
         )
 
     # --- realized revisions ----------------------------------------------------------------

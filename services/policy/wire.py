@@ -15,12 +15,14 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from palisade.v1 import common_pb2, identity_pb2, k8s_pb2, policy_pb2
 from services.common.labels import labels_from_wire
+from services.policy.engine.audit import AuditOverlay
 from services.policy.engine.changes import IdentityChange, ObjectDelta, ObjectKind
 from services.policy.engine.ipcache import IpcacheRecord
 from services.policy.engine.model import Direction, EntryKey, IpProto, PolicyRef, Verdict
 from services.policy.engine.orders import OrderDiff, PlannedOrder
+from services.policy.engine.preview import DiffProbe, FlowKey, ObservedFlow, Preview
 from services.policy.engine.resolve import ResolvedPolicy
-from services.policy.engine.sources import Source
+from services.policy.engine.sources import Source, split_engine_key
 
 _DIRECTIONS = {Direction.INGRESS: common_pb2.DIRECTION_INGRESS, Direction.EGRESS: common_pb2.DIRECTION_EGRESS}
 _VERDICTS = {Verdict.ALLOW: common_pb2.VERDICT_ALLOW, Verdict.DENY: common_pb2.VERDICT_DENY}
@@ -53,27 +55,47 @@ def removals_to_proto(keys: Iterable[EntryKey]) -> list[common_pb2.PolicyEntry]:
     return [common_pb2.PolicyEntry(key=key_to_proto(k)) for k in sorted(keys)]
 
 
+#: Audited entries on the wire: an audited deny, an audited allow (see ``engine.audit``).
+_AUDIT_VERDICTS = {Verdict.DENY: common_pb2.VERDICT_AUDIT, Verdict.ALLOW: common_pb2.VERDICT_AUDIT_ALLOW}
+
+
+def audit_entries_to_proto(entries: Mapping[EntryKey, Verdict]) -> list[common_pb2.PolicyEntry]:
+    """Entries of audited policies (removals too: the verdict names the key space)."""
+    return [common_pb2.PolicyEntry(key=key_to_proto(k), verdict=_AUDIT_VERDICTS[v]) for k, v in sorted(entries.items())]
+
+
 def enforcement(ingress: bool, egress: bool) -> common_pb2.Enforcement:
     return common_pb2.Enforcement(ingress=ingress, egress=egress)
 
 
 def diff_to_proto(diff: OrderDiff) -> common_pb2.IdentityPolicyDiff:
-    """An incremental diff (remove first, then add), or with ``full`` the whole policy."""
-    return common_pb2.IdentityPolicyDiff(
+    """An incremental diff (remove first, then add), or with ``full`` the whole policy; the entries
+    of audited policies follow the enforced ones."""
+    out = common_pb2.IdentityPolicyDiff(
         identity=diff.identity,
         enforcement=enforcement(diff.ingress_enforced, diff.egress_enforced),
         add=entries_to_proto(diff.add),
         remove=removals_to_proto(diff.remove),
         full=diff.full,
     )
+    out.enforcement.audit_ingress = diff.audit_ingress
+    out.enforcement.audit_egress = diff.audit_egress
+    out.add.extend(audit_entries_to_proto(diff.audit_add))
+    out.remove.extend(audit_entries_to_proto(diff.audit_remove))
+    return out
 
 
-def policy_to_proto(policy: ResolvedPolicy) -> common_pb2.IdentityPolicy:
-    return common_pb2.IdentityPolicy(
+def policy_to_proto(policy: ResolvedPolicy, audit: AuditOverlay | None = None) -> common_pb2.IdentityPolicy:
+    out = common_pb2.IdentityPolicy(
         identity=policy.identity,
         enforcement=enforcement(policy.ingress_enforced, policy.egress_enforced),
         entries=entries_to_proto(policy.entries),
     )
+    if audit is not None:
+        out.enforcement.audit_ingress = audit.ingress
+        out.enforcement.audit_egress = audit.egress
+        out.entries.extend(audit_entries_to_proto(audit.entries))
+    return out
 
 
 def ref_to_proto(key: PolicyRef) -> common_pb2.ObjectRef:
@@ -103,6 +125,7 @@ _OBJECT_KINDS = {
     k8s_pb2.K8S_KIND_SERVICE: ObjectKind.SERVICE,
     k8s_pb2.K8S_KIND_ENDPOINT_SLICE: ObjectKind.ENDPOINT_SLICE,
     k8s_pb2.K8S_KIND_NODE: ObjectKind.NODE,
+    k8s_pb2.K8S_KIND_NAMESPACE: ObjectKind.NAMESPACE,
 }
 
 
@@ -246,3 +269,83 @@ def encode(
 def _fetch(msg: policy_pb2.RegenerationOrder) -> policy_pb2.RegenerationOrder:
     msg.fetch = True
     return msg
+
+
+def _allowed_to_proto(allowed: bool) -> common_pb2.Verdict.ValueType:
+    return common_pb2.VERDICT_ALLOW if allowed else common_pb2.VERDICT_DENY
+
+
+def probe_to_proto(probe: DiffProbe) -> policy_pb2.DiffProbe:
+    return policy_pb2.DiffProbe(port=probe.port, protocol=int(probe.protocol))  # type: ignore[arg-type]
+
+
+def probe_from_proto(probe: policy_pb2.DiffProbe, field: str) -> DiffProbe:
+    """Raises ValueError naming ``field`` for an unknown protocol or a port out of range."""
+    try:
+        protocol = IpProto(probe.protocol or IpProto.TCP)
+    except ValueError:
+        raise ValueError(f"{field}.protocol {probe.protocol} is not TCP, UDP, SCTP, ICMP or ICMPv6") from None
+    if protocol is IpProto.ANY or not 0 <= probe.port <= 65535:
+        raise ValueError(f"{field}: port {probe.port}/{protocol.name} must be 0-65535 of one protocol")
+    return DiffProbe(protocol, probe.port)
+
+
+def observed_from_proto(flow: policy_pb2.ObservedFlow, field: str) -> ObservedFlow:
+    """The flow judged on the side that saw it: egress judges the source, ingress the destination."""
+    if flow.direction == common_pb2.DIRECTION_EGRESS:
+        direction, subject, remote = Direction.EGRESS, flow.source_identity, flow.destination_identity
+    elif flow.direction == common_pb2.DIRECTION_INGRESS:
+        direction, subject, remote = Direction.INGRESS, flow.destination_identity, flow.source_identity
+    else:
+        raise ValueError(f"{field}.direction must be ingress or egress")
+    key = FlowKey(subject, remote, direction, int(flow.protocol), flow.port)
+    return ObservedFlow(key, flow.count, flow.source_pod, flow.destination_pod, flow.node)
+
+
+def observed_to_proto(flow: ObservedFlow) -> policy_pb2.ObservedFlow:
+    k = flow.key
+    egress = k.direction is Direction.EGRESS
+    return policy_pb2.ObservedFlow(
+        source_identity=k.subject if egress else k.remote,
+        destination_identity=k.remote if egress else k.subject,
+        direction=_DIRECTIONS[k.direction],
+        protocol=k.protocol,  # type: ignore[arg-type]
+        port=k.port,
+        count=flow.count,
+        source_pod=flow.source_pod,
+        destination_pod=flow.destination_pod,
+        node=flow.node,
+    )
+
+
+def preview_to_proto(result: Preview, revision: int, pods: Mapping[int, list[str]]) -> policy_pb2.DiffResponse:
+    """The preview on the wire, each identity with up to three example pods."""
+    out = policy_pb2.DiffResponse(
+        revision=revision,
+        flows_judged=result.flows_judged,
+        newly_dropped=result.newly_dropped,
+        probes=[probe_to_proto(p) for p in result.probes],
+    )
+    for c in result.pairs:
+        out.pairs.append(
+            policy_pb2.PairChange(
+                source_identity=c.source,
+                destination_identity=c.destination,
+                probe=probe_to_proto(c.probe),
+                before=_allowed_to_proto(c.allowed_before),
+                after=_allowed_to_proto(c.allowed_after),
+                policies=[ref_to_proto(split_engine_key(r)[1]) for r in c.policies],
+                source_pods=pods.get(c.source, [])[:3],
+                destination_pods=pods.get(c.destination, [])[:3],
+            )
+        )
+    for f in result.flows:
+        out.flows.append(
+            policy_pb2.FlowChange(
+                flow=observed_to_proto(f.flow),
+                before=_allowed_to_proto(f.allowed_before),
+                after=_allowed_to_proto(f.allowed_after),
+                policies=[ref_to_proto(split_engine_key(r)[1]) for r in f.policies],
+            )
+        )
+    return out

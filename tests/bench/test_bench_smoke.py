@@ -6,13 +6,14 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench.bench_system import Attempt, verdict_time
-from tests.harness import ROOT
+from testkit.harness import ROOT
 
 
 def run_quick(script: str) -> dict[str, Any]:
@@ -135,3 +136,27 @@ def test_cross_node_quick() -> None:
     ratios = [r["metric"] for r in out["summary"] if r["unit"] == "ratio"]
     assert len(ratios) == 4 and all("Palisade / no program" in m for m in ratios), ratios
     assert leftovers() <= before, "pins or namespaces left behind"
+
+
+def scale_runs() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("palisade-bench-scale-*")}
+
+
+@pytest.mark.timeout(240)
+def test_scale_quick() -> None:
+    before = scale_runs()
+    out = run_quick("bench_scale.py")
+    assert out["world"] == {"nodes": 20, "pods": 400, "namespaces": 10, "policies": 40}
+    assert out["identities"] == 100  # 10 namespaces x 10 apps
+    assert out["change_realized_ms"]["p50"] > 0 and out["change_applied_on_last_node_ms"]["p50"] > 0
+    assert out["change_order_bytes"] > 0
+    assert out["node_join_ms"]["p50"] > 0
+    assert out["churn"]["pods_created"] == 100 and out["churn"]["manifest_to_ipcache_ms"]["p50"] > 0
+    assert out["rss_policy_peak_mib"] > 0
+    targeted = {row["metric"].split(" (")[0] for row in out["summary"] if "target" in row}
+    assert targeted == {
+        "policy change realized on every node p99",
+        "node join",
+        "policy service RSS peak",
+    }
+    assert scale_runs() <= before, "temporary directory left behind"

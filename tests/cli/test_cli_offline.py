@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from services.cli.main import build_parser
-from tests.harness import ROOT, free_port
+from testkit.harness import ROOT, free_port
 
 COMMANDS = [
     ["status"],
@@ -105,3 +105,25 @@ def test_connectivity_probe_bad_input_names_file(tmp_path: object) -> None:
     result = palisade("connectivity", "probe", "-f", str(bad), "--probe", "80/TCP")
     assert result.returncode == 2
     assert str(bad) in result.stderr and "except" in result.stderr
+
+
+def test_observe_merges_nodes_histories_in_time_order_and_keeps_the_newest() -> None:
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from palisade.v1 import datapath_pb2
+    from services.cli.observe import merge_history, parse_since
+
+    def ev(node: str, ns: int) -> datapath_pb2.FlowEvent:
+        stamp = Timestamp()
+        stamp.FromNanoseconds(ns)
+        return datapath_pb2.FlowEvent(node=node, time=stamp)
+
+    a = [ev("n1", 1), ev("n1", 4), ev("n1", 6)]
+    b = [ev("n2", 2), ev("n2", 3), ev("n2", 7)]
+    assert [e.time.ToNanoseconds() for e in merge_history([a, b])] == [1, 2, 3, 4, 6, 7]
+    assert [(e.node, e.time.ToNanoseconds()) for e in merge_history([a, b], 2)] == [("n1", 6), ("n2", 7)]
+    assert parse_since("90s", 1000.0) == 910 * 10**9
+    assert parse_since("2m", 1000.0) == 880 * 10**9
+    assert parse_since("1970-01-01T00:00:10Z", 0) == 10 * 10**9
+    with pytest.raises(Exception, match="--since 'soon'"):
+        parse_since("soon", 0)

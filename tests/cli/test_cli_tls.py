@@ -13,7 +13,7 @@ import pytest
 
 from services.cli import client
 from services.cli.client import CLIError
-from tests.harness import ROOT, free_port, pki
+from testkit.harness import ROOT, free_port, pki
 
 
 def palisade(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

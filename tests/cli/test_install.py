@@ -23,8 +23,8 @@ import yaml
 
 from services.cli import install
 from services.cni.install import CONFLIST, PLUGIN
+from testkit.harness import ROOT, is_root
 from tests.deploy.test_kubernetes import CILIUM_KINDS, KUBERNETES_VERSIONS, _errors
-from tests.harness import ROOT, is_root
 
 Obj = dict[str, Any]
 

@@ -22,9 +22,9 @@ import yaml
 
 from palisade.v1 import ipam_pb2, ipam_pb2_grpc
 from services.cni import install
-from tests.cni.runtime import Containerd, Cri, missing
-from tests.harness import ROOT
-from tests.system.stack import Stack, probe, running_stack, wait_for
+from testkit.containerd import Containerd, Cri, missing
+from testkit.harness import ROOT
+from testkit.stack import Stack, probe, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
+from testkit.harness import ROOT, NatsServer
 from tests.datapath_service.agent import InProcessAgent
 from tests.datapath_service.controlplane import ControlPlane
 from tests.datapath_service.helpers import eventually
-from tests.harness import ROOT, NatsServer
 
 pytestmark = pytest.mark.root
 

@@ -12,7 +12,7 @@ from palisade.v1 import k8s_pb2
 from services.common.bus import ALL_STREAMS, K8S_STREAM, Bus, k8s_subject, replicas_for
 from services.common.retry import StartupError
 from services.common.subjects import k8s_filter
-from tests.harness import NatsCluster, NatsServer, bus_call_failed, creds
+from testkit.harness import NatsCluster, NatsServer, bus_call_failed, creds
 
 
 @pytest.fixture

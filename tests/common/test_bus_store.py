@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-from palisade.v1 import identity_pb2
-from services.common.bus import IDENTITY_STREAM, Bus
+from nats.js import api as jsapi
+
+from palisade.v1 import identity_pb2, policy_pb2
+from services.common.bus import IDENTITY_STREAM, MAX_CONSUMERS, REGEN_STREAM, Bus, Follower
 from services.common.store import connect_etcd
-from services.common.subjects import IDENTITY_ALL, identity_subject
-from tests.harness import EtcdServer, NatsServer, creds
+from services.common.subjects import IDENTITY_ALL, identity_subject, regen_subject
+from testkit.harness import EtcdServer, NatsServer, creds
 
 
 async def test_nats_round_trip_and_compacted_replay(nats_server: NatsServer) -> None:
@@ -48,6 +50,34 @@ async def test_follow_on_empty_stream_is_caught_up_at_once(nats_server: NatsServ
         follower = await bus.follow(IDENTITY_ALL, identity_pb2.IdentityUpdate, handler)
         assert follower.caught_up.is_set()
         await follower.stop()
+
+
+async def test_a_stream_takes_a_consumer_per_node_past_the_servers_default_of_1000(nats_server: NatsServer) -> None:
+    """A cluster of 1,001 nodes: each node's datapath follows its own orders (nats-server 2.15
+    refuses the 1,001st consumer of a stream that sets no limit of its own)."""
+    async with await Bus.connect([nats_server.url], name="test", tls=creds()) as bus:
+        await bus.ensure_stream(REGEN_STREAM)
+
+        async def handler(subject: str, m: policy_pb2.RegenerationOrder) -> None:
+            pass
+
+        followers: list[Follower] = []
+        for i in range(1001):
+            followers.append(
+                await bus.follow(regen_subject(f"node-{i}"), policy_pb2.RegenerationOrder, handler, deliver_new=True)
+            )
+        info = await bus.js.stream_info(REGEN_STREAM.name)
+        assert info.state.consumer_count == 1001
+        for follower in followers:
+            await follower.stop()
+
+
+async def test_a_stream_made_without_the_consumer_limit_gets_it(nats_server: NatsServer) -> None:
+    async with await Bus.connect([nats_server.url], name="test", tls=creds()) as bus:
+        await bus.js.add_stream(jsapi.StreamConfig(name=REGEN_STREAM.name, subjects=list(REGEN_STREAM.subjects)))
+        await bus.ensure_stream(REGEN_STREAM)
+        info = await bus.js.stream_info(REGEN_STREAM.name)
+        assert info.config.max_consumers == MAX_CONSUMERS
 
 
 async def test_etcd_transaction_through_factory(etcd_server: EtcdServer) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from palisade.v1 import common_pb2, common_pb2_grpc
-from tests.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, bcc_problem, free_port, sync_channel
+from testkit.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, bcc_problem, free_port, sync_channel
 
 EXPECTED = {
     "watcher": {"palisade.v1.StatusService"},

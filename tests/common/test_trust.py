@@ -27,7 +27,7 @@ from services.common.access import INBOX_PREFIX, RULES, allowed
 from services.common.grpcserver import open_sync_channel
 from services.common.store import connect_etcd
 from services.common.trust import COMPONENTS, Credentials, ensure_pki
-from tests.harness import EtcdServer, NatsServer, ServiceProcess, bcc_problem, creds, is_root, pki
+from testkit.harness import EtcdServer, NatsServer, ServiceProcess, bcc_problem, creds, is_root, pki
 
 #: Which server serves which API (its certificate's name).
 SERVERS = {

@@ -18,8 +18,8 @@ from services.datapath import netns
 from services.datapath.datapath import Datapath
 from services.datapath.netns import PodLink
 from services.datapath.types import Enforcement
-from tests.datapath.node import IDENTITY_A, IDENTITY_B, IDENTITY_C, TCP_PORTS, UDP_PORTS, Node, Pod
-from tests.datapath.traffic import EchoServer
+from testkit.datapathnode import IDENTITY_A, IDENTITY_B, IDENTITY_C, TCP_PORTS, UDP_PORTS, Node, Pod
+from testkit.traffic import EchoServer
 
 
 @pytest.fixture(scope="session")

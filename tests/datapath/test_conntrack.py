@@ -13,9 +13,9 @@ import socket
 from services.datapath.maps.bpf import prog_test_run
 from services.datapath.maps.ctmap import CtKey, CtValue
 from services.datapath.types import Direction, Enforcement, L4Proto, PolicyEntry, PolicyKey, Verdict
-from tests.datapath.node import Node
-from tests.datapath.traffic import ACK, FIN, SYN, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT
-from tests.datapath.traffic import tc_frame as frame
+from testkit.datapathnode import Node
+from testkit.traffic import ACK, FIN, SYN, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT
+from testkit.traffic import tc_frame as frame
 
 
 def test_a_bare_syn_never_matches_the_reversed_tuple(net: Node) -> None:

@@ -15,8 +15,8 @@ from services.datapath.types import (
     Reason,
     Verdict,
 )
-from tests.datapath.node import Node, drops
-from tests.datapath.traffic import (
+from testkit.datapathnode import Node, drops
+from testkit.traffic import (
     DENY_TIMEOUT,
     icmp_echo,
     sctp_init_crosses,

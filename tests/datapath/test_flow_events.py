@@ -15,9 +15,9 @@ import socket
 from services.datapath.maps import eventsmap
 from services.datapath.maps.bpf import obj_get, prog_test_run
 from services.datapath.types import Enforcement, Verdict
-from tests.datapath.node import Node
-from tests.datapath.traffic import TC_ACT_SHOT
-from tests.datapath.traffic import tc_frame as frame
+from testkit.datapathnode import Node
+from testkit.traffic import TC_ACT_SHOT
+from testkit.traffic import tc_frame as frame
 
 #: struct flow_event and the ring's 8-byte record header.
 RECORD_BYTES = ctypes.sizeof(eventsmap.FlowEventRecord) + 8
@@ -60,3 +60,17 @@ def test_skip_consumes_without_decoding_and_read_decodes(net: Node) -> None:
         (a.v4, 40002, 9, Verdict.DENY)
     ] * 2
     assert dp.skip_flows(0) == 0
+
+
+def test_take_decodes_up_to_its_limit_and_counts_the_rest(net: Node) -> None:
+    dp, a, b = net.dp, net.a, net.b
+    dp.sync_policy(b.ep_id, Enforcement(ingress=True), [])
+    dp.skip_flows(0)
+    prog_test_run(dp.template.to_container_fd, frame(a.v4, b.v4, 40003, 9, socket.IPPROTO_UDP), b.net.host_ifindex, 10)
+    events, skipped = dp.take_flows(0, 3)
+    assert [(e.source_port, e.verdict) for e in events] == [(40003, Verdict.DENY)] * 3
+    assert skipped == 7
+    assert dp.take_flows(0, 3) == ([], 0)  # all consumed
+    prog_test_run(dp.template.to_container_fd, frame(a.v4, b.v4, 40004, 9, socket.IPPROTO_UDP), b.net.host_ifindex, 2)
+    events, skipped = dp.take_flows(0, 0)  # no limit
+    assert len(events) == 2 and skipped == 0

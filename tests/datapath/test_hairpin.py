@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from services.datapath.types import Backend, Enforcement, Frontend, L4Proto, LbService
-from tests.datapath.node import Node
-from tests.datapath.traffic import (
+from testkit.datapathnode import Node
+from testkit.traffic import (
     ALLOW_TIMEOUT,
     DENY_TIMEOUT,
     family_of,

@@ -17,9 +17,9 @@ from services.datapath.types import (
     L4Proto,
     Verdict,
 )
+from testkit.datapathnode import Node
+from testkit.traffic import DENY_TIMEOUT, tcp_exchange
 from tests.datapath.entries import entry
-from tests.datapath.node import Node
-from tests.datapath.traffic import DENY_TIMEOUT, tcp_exchange
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,10 @@ def test_hints_are_the_union_and_never_touch_the_enforcement_bits() -> None:
         (d, v, i, p) for d in Direction for v in Verdict for i in (0, 1) for p in (L4Proto.ANY, L4Proto.TCP)
     )
     assert everything & (enforcementmap.ENFORCE_MASK | HINTS_VALID) == 0
-    assert bin(everything).count("1") == 16
+    # 16 shape bits for enforced entries; entries of audited policies have one bit of their own
+    assert everything & enforcementmap.AUDIT_ENTRIES
+    assert bin(everything).count("1") == 17
+    assert hints([(Direction.INGRESS, Verdict.AUDIT_ALLOW, 5, L4Proto.TCP)]) == enforcementmap.AUDIT_ENTRIES
 
 
 # One case per (direction, verdict, shape) that decides a -> b on TCP 8080: ingress at b, egress at a.

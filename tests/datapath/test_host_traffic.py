@@ -21,8 +21,8 @@ from services.datapath import netns
 from services.datapath.datapath import Datapath
 from services.datapath.loader import ProgramConfig
 from services.datapath.types import Direction, EndpointSpec, Enforcement, Reason, Verdict
-from tests.datapath.node import Node
-from tests.datapath.traffic import DENY_TIMEOUT, EchoServer, tcp_exchange, udp_exchange
+from testkit.datapathnode import Node
+from testkit.traffic import DENY_TIMEOUT, EchoServer, tcp_exchange, udp_exchange
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

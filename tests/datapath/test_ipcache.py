@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.datapath.types import IDENTITY_WORLD, Direction, Enforcement, L4Proto, PolicyEntry, PolicyKey, Verdict
-from tests.datapath.node import Node
-from tests.datapath.traffic import DENY_TIMEOUT, tcp_exchange
+from testkit.datapathnode import Node
+from testkit.traffic import DENY_TIMEOUT, tcp_exchange
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

@@ -10,8 +10,8 @@ import pytest
 
 from services.datapath.netns import in_netns
 from services.datapath.types import Direction, Enforcement, L4Proto, PolicyEntry, PolicyKey, Reason, Verdict
-from tests.datapath.node import Node, drops
-from tests.datapath.traffic import DENY_TIMEOUT, sctp_init_crosses, socket_in, tcp_exchange, udp_exchange
+from testkit.datapathnode import Node, drops
+from testkit.traffic import DENY_TIMEOUT, sctp_init_crosses, socket_in, tcp_exchange, udp_exchange
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

@@ -30,9 +30,9 @@ from services.datapath.types import (
     Reason,
     Verdict,
 )
+from testkit.datapathnode import TCP_PORTS, UDP_PORTS, Node, Pod, drops
+from testkit.traffic import DENY_TIMEOUT, EchoServer, host_sent, streams, tcp_exchange
 from tests.datapath.entries import entry
-from tests.datapath.node import TCP_PORTS, UDP_PORTS, Node, Pod, drops
-from tests.datapath.traffic import DENY_TIMEOUT, EchoServer, host_sent, streams, tcp_exchange
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

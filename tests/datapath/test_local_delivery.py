@@ -22,8 +22,8 @@ from services.datapath.maps import deliverymap
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
 from services.datapath.maps.deliverymap import DeliveryTarget
 from services.datapath.types import Direction, Enforcement, L4Proto, PolicyEntry, PolicyKey, Reason, Verdict
-from tests.datapath.node import Node, Pod, drops
-from tests.datapath.traffic import DENY_TIMEOUT, family_of, host_sent, socket_in, tcp_exchange, udp_exchange
+from testkit.datapathnode import Node, Pod, drops
+from testkit.traffic import DENY_TIMEOUT, family_of, host_sent, socket_in, tcp_exchange, udp_exchange
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

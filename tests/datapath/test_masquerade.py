@@ -21,7 +21,7 @@ from services.datapath import masquerade, netns
 from services.datapath.config import DatapathConfig
 from services.datapath.masquerade import MasqueradePlan, ruleset
 from services.datapath.nodes import NodeInfo, masquerade_plan
-from tests.datapath.traffic import socket_in
+from testkit.traffic import socket_in
 
 INTERNET = "203.0.113.10"
 NODE_OUTSIDE = "203.0.113.1"

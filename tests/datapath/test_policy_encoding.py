@@ -116,7 +116,9 @@ def reference_verdict(
     items: list[PolicyEntry], enforcement: Enforcement, direction: Direction, identity: int, proto: int, port: int
 ) -> Verdict:
     """The semantics in plain words: deny beats allow, and holds even where the direction is not
-    enforced (which otherwise allows all); 0 identity/ANY protocol/0 port are wildcards."""
+    enforced (which otherwise allows all); 0 identity/ANY protocol/0 port are wildcards. Audit: a
+    packet that passes is reported as audit when an audited deny covers it, or when only audited
+    policies enforce its direction and no audited allow covers it; audit never drops."""
 
     def matches(e: PolicyEntry) -> bool:
         k = e.key
@@ -131,9 +133,13 @@ def reference_verdict(
     hits = {e.verdict for e in items if matches(e)}
     if Verdict.DENY in hits:
         return Verdict.DENY
+    audit = Verdict.AUDIT in hits
     if not enforcement.enforced(direction):
-        return Verdict.ALLOW
-    return Verdict.ALLOW if Verdict.ALLOW in hits else Verdict.DENY
+        audit = audit or (enforcement.audited(direction) and Verdict.AUDIT_ALLOW not in hits)
+        return Verdict.AUDIT if audit else Verdict.ALLOW
+    if Verdict.ALLOW not in hits:
+        return Verdict.DENY
+    return Verdict.AUDIT if audit else Verdict.ALLOW
 
 
 @settings(max_examples=200)
@@ -144,13 +150,21 @@ def reference_verdict(
     st.sampled_from([1, 6, 17, 58, 132]),
     ports,
     st.booleans(),
+    st.booleans(),
 )
 def test_lookup_order_matches_the_reference(
-    items: list[PolicyEntry], direction: Direction, identity: int, proto: int, port: int, enforced: bool
+    items: list[PolicyEntry],
+    direction: Direction,
+    identity: int,
+    proto: int,
+    port: int,
+    enforced: bool,
+    audited: bool,
 ) -> None:
-    """The four-lookup LPM order (as in the C program) agrees with the plain semantics, overlaps included."""
+    """The four-lookup LPM order (as in the C program) agrees with the plain semantics, overlaps and
+    entries of audited policies included."""
     port = port if proto in (6, 17, 132) else 0
-    enforcement = Enforcement(ingress=enforced, egress=enforced)
+    enforcement = Enforcement(ingress=enforced, egress=enforced, audit_ingress=audited, audit_egress=audited)
     got, reason = evaluate(
         encode(3, items),
         enforcement,
@@ -161,8 +175,9 @@ def test_lookup_order_matches_the_reference(
         port=port,
     )
     assert got is reference_verdict(items, enforcement, direction, identity, proto, port)
-    assert reason.is_drop == (got is Verdict.DENY)
-    if not enforced:
+    # an audit names the drop it stands for: default deny or an audited deny rule
+    assert reason.is_drop == (got in (Verdict.DENY, Verdict.AUDIT))
+    if not enforced and got is not Verdict.AUDIT:
         assert reason is (Reason.POLICY_DENY if got is Verdict.DENY else Reason.NOT_ENFORCED)
 
 

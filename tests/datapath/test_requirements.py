@@ -13,7 +13,7 @@ import pytest
 
 from services.datapath import requirements
 from services.datapath.requirements import NodeFacts, RequirementsError, check_node, mount_type, problems
-from tests.harness import ROOT, is_root
+from testkit.harness import ROOT, is_root
 
 GOOD = NodeFacts(
     kernel_release="6.1.0-18-amd64",

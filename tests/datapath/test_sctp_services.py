@@ -26,8 +26,8 @@ from services.datapath.types import (
     Verdict,
 )
 from services.devstack.sctp import crc32c
-from tests.datapath.node import Node
-from tests.datapath.traffic import (
+from testkit.datapathnode import Node
+from testkit.traffic import (
     DENY_TIMEOUT,
     TC_ACT_REDIRECT,
     TC_ACT_SHOT,

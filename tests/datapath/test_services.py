@@ -21,8 +21,8 @@ from services.datapath.types import (
     Reason,
     Verdict,
 )
-from tests.datapath.node import Node
-from tests.datapath.traffic import ALLOW_TIMEOUT, DENY_TIMEOUT, Stream, family_of, socket_in, tcp_exchange, udp_exchange
+from testkit.datapathnode import Node
+from testkit.traffic import ALLOW_TIMEOUT, DENY_TIMEOUT, Stream, family_of, socket_in, tcp_exchange, udp_exchange
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

@@ -25,8 +25,8 @@ import pytest
 from services.datapath.maps import snatmap
 from services.datapath.maps.bpf import prog_test_run
 from services.datapath.types import Backend, Direction, Frontend, L4Proto, LbService, Reason, Verdict
-from tests.datapath.node import Node
-from tests.datapath.traffic import (
+from testkit.datapathnode import Node
+from testkit.traffic import (
     ACK,
     ALLOW_TIMEOUT,
     SYN,
@@ -38,7 +38,7 @@ from tests.datapath.traffic import (
     recv_exact,
     socket_in,
 )
-from tests.datapath.traffic import tc_frame as frame
+from testkit.traffic import tc_frame as frame
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

@@ -29,8 +29,8 @@ from services.datapath.netns import PodLink
 from services.datapath.orders import GrpcPolicyClient
 from services.datapath.service import Agent, start_agent
 from services.datapath.types import Address
+from testkit.harness import NatsServer, channel, creds
 from tests.datapath_service.controlplane import ControlPlane
-from tests.harness import NatsServer, channel, creds
 
 #: The node the fixtures' control plane and agent are on.
 NODE = "node-a"

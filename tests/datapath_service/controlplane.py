@@ -26,7 +26,7 @@ from palisade.v1 import (
     policy_pb2_grpc,
 )
 from services.common.bus import IPCACHE_STREAM, REGEN_STREAM, Bus, ipcache_subject, regen_subject
-from tests.harness import creds
+from testkit.harness import creds
 
 ING = common_pb2.DIRECTION_INGRESS
 EGR = common_pb2.DIRECTION_EGRESS

@@ -6,9 +6,9 @@ import asyncio
 from collections.abc import Callable
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
+from testkit.harness import ServiceProcess
+from testkit.harness import channel as tls_channel
 from tests.datapath_service.agent import InProcessAgent
-from tests.harness import ServiceProcess
-from tests.harness import channel as tls_channel
 
 
 def labels(**kv: str) -> list[common_pb2.Label]:

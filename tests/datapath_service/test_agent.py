@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -13,10 +14,10 @@ from services.datapath.fake import FakeDatapath
 from services.datapath.loader import ProgramConfig
 from services.datapath.maps import metricsmap
 from services.datapath.maps.sizes import MapSizes
+from testkit.harness import NatsServer
 from tests.datapath_service.agent import NODE, InProcessAgent
 from tests.datapath_service.controlplane import ALLOW, DENY, ING, TCP, ControlPlane, entry
 from tests.datapath_service.helpers import create, eventually, labels
-from tests.harness import NatsServer
 
 
 def verdict(agent: InProcessAgent, ep_id: int, remote_ip: str, port: int) -> dt.Verdict:
@@ -324,6 +325,56 @@ async def test_observe_streams_filtered_flow_events(agent: InProcessAgent, cp: C
         grpc.StatusCode.INVALID_ARGUMENT,
         "pod 'db' is not namespace/name",
     )
+
+
+async def test_observe_replays_the_flow_ring_with_every_filter(agent: InProcessAgent, cp: ControlPlane) -> None:
+    """Flows are recorded with no client attached; --last/--since replay them, filtered on the node."""
+    assert agent.stub is not None and agent.datapath is not None and agent.agent is not None
+    web = await create(agent, "web", app="web")
+    db = await create(agent, "db", app="db")
+    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 80)])
+    await cp.wait_realized(rev, [db.id])
+    assert agent.agent.flows.subscribers == 0
+    agent.datapath.simulate_flow(db.id, dt.Direction.INGRESS, web.ips[0], dt.L4Proto.TCP, 80)  # allowed
+    agent.datapath.simulate_flow(db.id, dt.Direction.INGRESS, web.ips[0], dt.L4Proto.UDP, 53)  # dropped
+    agent.datapath.simulate_flow(web.id, dt.Direction.EGRESS, db.ips[0], dt.L4Proto.TCP, 99)  # not enforced
+    await eventually(lambda: len(agent.agent.flows.ring) == 3)  # type: ignore[union-attr]
+
+    async def replay(**fields: Any) -> list[datapath_pb2.FlowEvent]:
+        flt = datapath_pb2.FlowFilter(**fields.pop("filter", {}))
+        return [e async for e in agent.stub.Observe(datapath_pb2.ObserveRequest(filter=flt, **fields))]  # type: ignore[union-attr]
+
+    every = await replay(last=100)
+    assert [e.destination_port for e in every] == [80, 53, 99]  # oldest first
+    assert [e.destination_port for e in await replay(last=2)] == [53, 99]
+    assert [e.destination_port for e in await replay(since=every[1].time)] == [53, 99]
+    assert [e.destination_port for e in await replay(last=9, filter={"verdicts": [common_pb2.VERDICT_DENY]})] == [53]
+    assert [e.destination_port for e in await replay(last=9, filter={"protocols": [common_pb2.PROTOCOL_UDP]})] == [53]
+    assert [e.destination_port for e in await replay(last=9, filter={"ports": [99]})] == [99]
+    # the remote side is named from the ipcache: both ends of every flow have their pod
+    assert [e.destination_port for e in await replay(last=9, filter={"from_pods": ["x/web"]})] == [80, 53, 99]
+    assert [e.destination_port for e in await replay(last=9, filter={"to_pods": ["x/web"]})] == []
+    assert [e.destination_port for e in await replay(last=9, filter={"from_pods": ["x/db"]})] == []
+    assert [e.destination_port for e in await replay(last=9, filter={"pods": ["x/db"]})] == [80, 53, 99]
+    assert [e.destination_port for e in await replay(last=9, filter={"namespaces": ["y"]})] == []
+    assert len(await replay(last=9, filter={"namespaces": ["x"]})) == 3
+    from_web = await replay(last=9, filter={"from_identities": [web.identity]})
+    assert [e.destination_port for e in from_web] == [80, 53, 99]
+    assert [e.destination_port for e in await replay(last=9, filter={"from_identities": [db.identity]})] == []
+    assert [e.destination_port for e in await replay(last=9, filter={"to_identities": [web.identity]})] == []
+
+    # follow: the history, its end mark, then live flows
+    call = agent.stub.Observe(datapath_pb2.ObserveRequest(last=1, follow=True, limit=3))
+    agen = call.__aiter__()
+    first = await anext(agen)
+    mark = await anext(agen)
+    assert first.destination_port == 99 and mark.history_end and mark.node == NODE
+    agent.datapath.simulate_flow(db.id, dt.Direction.INGRESS, web.ips[0], dt.L4Proto.TCP, 81)
+    assert (await anext(agen)).destination_port == 81
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await replay(last=1, filter={"from_pods": ["web"]})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "from_pods" in (err.value.details() or "")
 
 
 async def test_periodic_repair_rewrites_a_drifted_map(agent: InProcessAgent, cp: ControlPlane) -> None:

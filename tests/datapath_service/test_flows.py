@@ -45,6 +45,9 @@ class FailingOnce:
     def skip_flows(self, timeout_ms: int) -> int:
         return 0
 
+    def take_flows(self, timeout_ms: int, most: int) -> tuple[Sequence[dt.FlowEvent], int]:
+        return self.read_flows(timeout_ms), 0
+
 
 async def test_a_failed_read_is_retried_and_the_next_events_reach_the_client() -> None:
     source = FailingOnce()

@@ -22,12 +22,12 @@ from services.datapath import types as dt
 from services.datapath.fake import FakeDatapath
 from services.datapath.flows import FlowFilter
 from services.datapath.metrics import AgentParts, DatapathMetrics, KernelTotals
+from testkit.harness import Metrics, NatsServer, ServiceProcess, creds, scrape
 from tests.datapath_service.agent import InProcessAgent, control_plane
 from tests.datapath_service.controlplane import ING, ControlPlane, entry
 from tests.datapath_service.helpers import create as create_fake
 from tests.datapath_service.helpers import create_endpoint, eventually, in_thread, started
 from tests.datapath_service.pods import Pods
-from tests.harness import Metrics, NatsServer, ServiceProcess, creds, scrape
 
 NODE = "node-a"
 
@@ -182,6 +182,10 @@ async def test_agent_metrics_keep_deleted_endpoints_counts_and_count_lost_events
         m = await asyncio.to_thread(scrape, server.server_port)
         assert m.get("palisade_datapath_flow_events_total") == 10
         assert m.get("palisade_datapath_flow_events_lost_total", stage="observer") == 3
+        # Every flow counted per verdict, reason and direction, observed or not (the ring records them).
+        assert m.get("palisade_datapath_flows_total", verdict="allow", reason="policy_allow", direction="ingress") == 2
+        assert m.get("palisade_datapath_flows_total", verdict="deny", reason="default_deny", direction="ingress") == 3
+        assert m.get("palisade_datapath_flow_ring_events") == 10
         assert m.get("palisade_datapath_forwarded_packets_total", reason="policy-allow", direction="ingress") == 2
         assert m.get("palisade_datapath_dropped_packets_total", reason="default-deny", direction="ingress") == 3
 

@@ -14,11 +14,11 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from palisade.v1 import common_pb2, datapath_pb2
+from testkit.harness import NatsServer, ServiceProcess, health_status
 from tests.datapath_service.agent import control_plane
 from tests.datapath_service.controlplane import ALLOW, ING, ControlPlane, entry
 from tests.datapath_service.helpers import create_endpoint, in_thread, started
 from tests.datapath_service.pods import Pods
-from tests.harness import NatsServer, ServiceProcess, health_status
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

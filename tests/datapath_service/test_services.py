@@ -13,8 +13,8 @@ from services.datapath.fake import FakeDatapath
 from services.datapath.k8sservices import frontends, parse_service, parse_slice
 from services.datapath.servicesync import ServiceSync
 from services.datapath.types import Backend, Frontend, L4Proto, LbService
-from tests.harness import NatsServer, creds
-from tests.ipam.helpers import K8s
+from testkit.harness import NatsServer, creds
+from testkit.ipam import K8s
 
 NODE = "node-a"
 

@@ -28,7 +28,7 @@ import yaml
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc, policy_pb2, policy_pb2_grpc
 from services.common.labels import pod_identity_labels
-from tests.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, channel
+from testkit.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, channel
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

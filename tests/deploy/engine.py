@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.harness import ROOT
+from testkit.harness import ROOT
 
 PROJECT = "palisade-test"
 IMAGE = "palisade:dev"

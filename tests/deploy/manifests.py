@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from services.common.config import DEFAULT_GRPC_PORTS, ENV_PREFIX, CommonConfig, ConfigError, load_config
-from tests.harness import ROOT
+from testkit.harness import ROOT
 
 DEPLOY = ROOT / "deploy"
 COMPOSE_FILE = DEPLOY / "compose" / "docker-compose.yml"

@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 from cri_api.v1 import api_pb2, api_pb2_grpc
 
-from tests.cni.runtime import CNI_PLUGINS, SANDBOX_IMAGE, build_pause_image
+from testkit.containerd import CNI_PLUGINS, SANDBOX_IMAGE, build_pause_image
 
 #: Node paths that are the node's own (a per-test folder each), bound in its mount namespace.
 NODE_DIRS = ("/opt/cni/bin", "/etc/cni/net.d", "/opt/palisade-cni", "/run/palisade")

@@ -20,6 +20,7 @@ from services.common.config import DEFAULT_GRPC_PORTS
 from services.common.trust import Credentials
 from services.datapath.config import DatapathConfig
 from services.datapath.netns import NETNS_DIR
+from testkit.harness import ROOT
 from tests.deploy.manifests import (
     COMPOSE_FILE,
     SERVICES,
@@ -33,7 +34,6 @@ from tests.deploy.manifests import (
     resolve_default,
     upstreams,
 )
-from tests.harness import ROOT
 
 
 @pytest.fixture(scope="module")

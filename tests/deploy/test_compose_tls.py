@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from services.common.trust import Owner
+from testkit.harness import BIN
 from tests.deploy.manifests import COMPOSE_FILE, DOCKERFILE, compose_mounts, image_of, load_yaml
-from tests.harness import BIN
 
 TRUST_TARGET = "/etc/palisade/tls"
 pytestmark = pytest.mark.skipif(

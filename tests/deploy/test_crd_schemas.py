@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from services.policy.engine.fields import openapi_schema
 from services.policy.engine.model import PolicyKind, PolicyValidationError
 from services.policy.engine.parse import parse_policy
+from testkit.harness import ROOT
 from tests.deploy.manifests import load_documents
-from tests.harness import ROOT
 from tests.policy import strategies
 from tests.policy.typo_cases import CASES, doc_of
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from services.cli.main import build_parser
-from tests.harness import BIN, ROOT
-from tests.system.stack import SERVICES, Stack, running_stack
+from testkit.harness import BIN, ROOT
+from testkit.stack import SERVICES, Stack, running_stack
 
 DOCS = ("README.md", "deploy/README.md")
 

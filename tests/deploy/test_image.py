@@ -14,8 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from testkit.harness import BIN, ROOT, NatsServer, ServiceProcess, free_port
 from tests.deploy.manifests import COMPOSE_FILE, DOCKERFILE, HEALTHCHECK, image_of, load_yaml
-from tests.harness import BIN, ROOT, NatsServer, ServiceProcess, free_port
 
 HEALTHCHECK_COMMAND = "/usr/local/bin/palisade-healthcheck"
 # What `make proto` writes (not in the repository; the image generates its own).

@@ -23,6 +23,7 @@ from services.common.bus import replicas_for
 from services.common.config import DEFAULT_GRPC_PORTS
 from services.common.trust import Credentials
 from services.datapath.netns import NETNS_DIR
+from testkit.harness import ROOT
 from tests.deploy.manifests import (
     KUBERNETES_DIR,
     SERVICES,
@@ -35,7 +36,6 @@ from tests.deploy.manifests import (
     upstreams,
 )
 from tests.deploy.test_crd_schemas import strict
-from tests.harness import ROOT
 
 # Schemas shipped by kubernetes-validate (offline): the oldest version the README
 # promises, and a current one.

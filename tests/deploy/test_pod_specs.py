@@ -42,13 +42,13 @@ from services.cli.install import MANIFESTS, load_kustomization, tls_secrets
 from services.cni.install import CONFLIST, DEFAULT_SOCKET, PLUGIN
 from services.datapath.datapath import teardown_all
 from services.devstack import hosts
-from tests.cni.runtime import missing
+from testkit.containerd import missing
+from testkit.harness import ROOT
+from testkit.stack import Stack, probe, running_stack, wait_for
 from tests.deploy.engine import IMAGE, Engine
 from tests.deploy.kubelet import ApiObjects, Kubelet, NodeFacts, Pod, kustomized_image, pod_of
 from tests.deploy.manifests import COMPOSE_FILE
 from tests.deploy.node import NodeRuntime
-from tests.harness import ROOT
-from tests.system.stack import Stack, probe, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc, pytest.mark.timeout(3600)]
 

@@ -30,9 +30,9 @@ import yaml
 
 from services.datapath.endpoint import host_ifname, netns_name
 from services.datapath.netns import NETNS_DIR
+from testkit.harness import BIN, ROOT
 from tests.deploy.engine import IMAGE, PROJECT, Engine
 from tests.deploy.manifests import COMPOSE_FILE, load_yaml
-from tests.harness import BIN, ROOT
 
 pytestmark = [pytest.mark.timeout(3600)]
 

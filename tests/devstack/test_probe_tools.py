@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.harness import ROOT
+from testkit.harness import ROOT
 
 pytestmark = pytest.mark.root
 

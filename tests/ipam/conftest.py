@@ -8,7 +8,7 @@ import pytest
 
 from services.common.store import connect_etcd
 from services.ipam.kv import Store
-from tests.harness import EtcdServer, creds
+from testkit.harness import EtcdServer, creds
 
 
 @pytest.fixture

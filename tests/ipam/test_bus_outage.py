@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2
 
 from palisade.v1 import common_pb2
 from services.common.bus import Bus
-from tests.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, creds, health_status
-from tests.ipam.helpers import Api, K8s, eventually, ipam_args
+from testkit.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, creds, health_status
+from testkit.ipam import Api, K8s, eventually, ipam_args
 
 
 async def _status(api: Api) -> common_pb2.ServiceStatus:

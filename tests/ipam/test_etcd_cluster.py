@@ -15,7 +15,7 @@ from services.common.store import connect_etcd
 from services.ipam.identities import IdentityAllocator
 from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases
-from tests.harness import EtcdCluster, creds
+from testkit.harness import EtcdCluster, creds
 
 
 @pytest.fixture

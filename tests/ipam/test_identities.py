@@ -19,8 +19,8 @@ from services.ipam.identities import IdentityAllocator
 from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases
 from services.ipam.model import CIDR_RANGE, CLUSTER_RANGE, IdRange
-from tests.harness import EtcdServer
-from tests.ipam.helpers import eventually, run_worker, worker_result
+from testkit.harness import EtcdServer
+from testkit.ipam import eventually, run_worker, worker_result
 
 WEB = LabelSet.of(["k8s:app=web", "k8s:io.kubernetes.pod.namespace=prod"])
 DB = LabelSet.of(["k8s:app=db", "k8s:io.kubernetes.pod.namespace=prod"])

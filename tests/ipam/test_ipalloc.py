@@ -15,8 +15,8 @@ from services.ipam.errors import IpamError
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store
 from services.ipam.nodecidr import CIDRSource
-from tests.harness import EtcdServer
-from tests.ipam.helpers import node, run_worker, worker_result
+from testkit.harness import EtcdServer
+from testkit.ipam import node, run_worker, worker_result
 
 net = ipaddress.ip_network
 

@@ -29,7 +29,7 @@ from services.ipam.pool import (
     next_free_address,
     next_free_subnet,
 )
-from tests.ipam.helpers import node, pod
+from testkit.ipam import node, pod
 
 net = ipaddress.ip_network
 

@@ -11,8 +11,8 @@ from services.common.bus import Bus
 from services.common.store import connect_etcd
 from services.ipam import keys
 from services.ipam.kv import Store
-from tests.harness import EtcdServer, NatsServer, ServiceProcess, creds
-from tests.ipam.helpers import Api, BusView, K8s, eventually, ipam_args
+from testkit.harness import EtcdServer, NatsServer, ServiceProcess, creds
+from testkit.ipam import Api, BusView, K8s, eventually, ipam_args
 
 NODE = "node-a"
 

@@ -14,8 +14,8 @@ from palisade.v1 import (
     ipam_pb2,
 )
 from services.common.bus import Bus
-from tests.harness import EtcdServer, NatsServer, ServiceProcess, creds, health_status
-from tests.ipam.helpers import SERVING, Api, BusView, K8s, eventually, ipam_args, namespace, node, pod
+from testkit.harness import EtcdServer, NatsServer, ServiceProcess, creds, health_status
+from testkit.ipam import SERVING, Api, BusView, K8s, eventually, ipam_args, namespace, node, pod
 
 
 @pytest.fixture

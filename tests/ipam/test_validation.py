@@ -9,8 +9,8 @@ import pytest
 
 from palisade.v1 import common_pb2, identity_pb2, ipam_pb2
 from services.common.bus import Bus
-from tests.harness import EtcdServer, NatsServer, ServiceProcess, creds
-from tests.ipam.helpers import Api, K8s, ipam_args
+from testkit.harness import EtcdServer, NatsServer, ServiceProcess, creds
+from testkit.ipam import Api, K8s, ipam_args
 
 
 @pytest.fixture

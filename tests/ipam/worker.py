@@ -25,7 +25,7 @@ from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases
 from services.ipam.model import IdRange
-from tests.harness import creds
+from testkit.harness import creds
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from services.cli import analyze as cli
-from tests.harness import ROOT
+from testkit.harness import ROOT
 from tests.policy.typo_cases import CASES, doc_of
 
 MODEL = """\

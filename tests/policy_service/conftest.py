@@ -6,10 +6,10 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from tests.harness import NatsServer, ServiceProcess
-from tests.harness import channel as policy_channel
-from tests.policy_service.cluster import Datapath, start_policy
-from tests.policy_service.scenario import PODS, Env, seeded
+from testkit.harness import NatsServer, ServiceProcess
+from testkit.harness import channel as policy_channel
+from testkit.policycluster import Datapath, start_policy
+from testkit.scenario import PODS, Env, seeded
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import pytest
 import yaml
 
 from palisade.v1 import common_pb2, policy_pb2
-from tests.policy_service import builders
-from tests.policy_service.cluster import palisade
-from tests.policy_service.scenario import DB, WEB, Env
+from testkit import builders
+from testkit.policycluster import eventually, palisade
+from testkit.scenario import CACHE, DB, WEB, Env
 
 NP = "NetworkPolicy"
 
@@ -323,3 +323,154 @@ async def test_an_ip_block_without_a_prefix_length_is_rejected(env: Env) -> None
     doc["spec"]["ingress"][0]["from"] = [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
     answer = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(doc)), timeout=10)
     assert answer.policies[0].state != policy_pb2.POLICY_STATE_REJECTED, answer.policies[0].error
+
+
+async def test_diff_previews_a_change_against_live_identities_and_observed_flows_without_applying_it(
+    env: Env,
+) -> None:
+    before = (await env.api.ListPolicies(policy_pb2.ListPoliciesRequest())).revision
+    # The Kubernetes policy db-from-web edited to let cache in instead of web.
+    edit = yaml.safe_dump(builders.netpol("db-from-web", {"app": "db"}, {"app": "cache"}, 5432))
+    web_to_db = policy_pb2.ObservedFlow(
+        source_identity=WEB,
+        destination_identity=DB,
+        direction=common_pb2.DIRECTION_INGRESS,
+        protocol=common_pb2.PROTOCOL_TCP,
+        port=5432,
+        count=4,
+        source_pod="default/web-1",
+        destination_pod="default/db-1",
+        node="n2",
+    )
+    web_to_db_egress = policy_pb2.ObservedFlow()
+    web_to_db_egress.CopyFrom(web_to_db)
+    web_to_db_egress.direction = common_pb2.DIRECTION_EGRESS
+    web_to_db_egress.count = 5
+    answer = await env.api.Diff(
+        policy_pb2.DiffRequest(documents=edit, origin="edit.yaml", flows=[web_to_db, web_to_db_egress])
+    )
+    assert answer.revision == before
+    changes = {
+        (c.source_identity, c.destination_identity, c.probe.port, c.before, c.after, tuple(p.name for p in c.policies))
+        for c in answer.pairs
+    }
+    assert changes == {
+        (WEB, DB, 5432, common_pb2.VERDICT_ALLOW, common_pb2.VERDICT_DENY, ("db-from-web",)),
+        (CACHE, DB, 5432, common_pb2.VERDICT_DENY, common_pb2.VERDICT_ALLOW, ("db-from-web",)),
+    }
+    web_pair = next(c for c in answer.pairs if c.source_identity == WEB)
+    assert list(web_pair.source_pods) == ["default/web-1", "default/web-2"]
+    assert list(web_pair.destination_pods) == ["default/db-1"]
+    assert [(f.flow.count, f.flow.node, f.after) for f in answer.flows] == [(4, "n2", common_pb2.VERDICT_DENY)]
+    assert answer.newly_dropped == 4 and answer.flows_judged == 9
+
+    # Nothing was applied: same revision, web still reaches db.
+    assert (await env.api.ListPolicies(policy_pb2.ListPoliciesRequest())).revision == before
+    trace = policy_pb2.TraceRequest(
+        source=policy_pb2.TracePeer(pod="default/web-1"),
+        destination=policy_pb2.TracePeer(pod="default/db-1"),
+        port=5432,
+        protocol=common_pb2.PROTOCOL_TCP,
+    )
+    assert (await env.api.Trace(trace)).verdict == common_pb2.VERDICT_ALLOW
+
+    # Deleting it opens db to every peer: newly allowed pairs, nothing observed newly dropped.
+    opened = await env.api.Diff(policy_pb2.DiffRequest(deletes=[ref("db-from-web")], flows=[web_to_db]))
+    assert opened.newly_dropped == 0 and not opened.flows
+    # (port 0 stands for every port no rule names: the default deny is gone there too)
+    assert {(c.source_identity, c.probe.port, c.after) for c in opened.pairs} == {
+        (CACHE, 5432, common_pb2.VERDICT_ALLOW),
+        (CACHE, 0, common_pb2.VERDICT_ALLOW),
+        (WEB, 0, common_pb2.VERDICT_ALLOW),
+    }
+
+    # A change that touches nothing observed reports nothing.
+    quiet = yaml.safe_dump(builders.netpol("cache-in", {"app": "cache"}, {"app": "web"}, 6379))
+    untouched = await env.api.Diff(policy_pb2.DiffRequest(documents=quiet, flows=[web_to_db]))
+    assert not untouched.flows and untouched.newly_dropped == 0
+    assert {(c.source_identity, c.destination_identity, c.probe.port, c.after) for c in untouched.pairs} == {
+        (DB, CACHE, 6379, common_pb2.VERDICT_DENY),
+        (DB, CACHE, 0, common_pb2.VERDICT_DENY),
+        (WEB, CACHE, 0, common_pb2.VERDICT_DENY),
+    }
+
+    # Bad input names what is wrong.
+    err = await rpc_error(env.api.Diff(policy_pb2.DiffRequest(deletes=[ref("nope")])))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "nope" in (err.details() or "")
+    err = await rpc_error(env.api.Diff(policy_pb2.DiffRequest()))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "nothing to preview" in (err.details() or "")
+
+
+async def test_a_policy_in_audit_mode_is_shown_never_enforced_and_enforced_by_an_edit(env: Env) -> None:
+    closed = builders.netpol("web-closed", {"app": "web"}, {"app": "cache"}, 80)
+    closed["metadata"]["annotations"] = {"policy.palisade.io/mode": "audit"}
+    answer = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(closed)))
+    await env.settled(answer.revision)
+    status = await env.api.GetPolicy(
+        policy_pb2.GetPolicyRequest(ref=ref("web-closed"), source=policy_pb2.POLICY_SOURCE_API)
+    )
+    assert status.mode == "audit" and not status.error
+    assert list(status.subjects) == [WEB]
+    # Web stays open (nothing enforced), and its nodes hold the audited allow: cache -> web:80.
+    audited = {(common_pb2.DIRECTION_INGRESS, CACHE, 6, 80, 80): common_pb2.VERDICT_AUDIT_ALLOW}
+    assert env.datapaths["n1"].state.policies[WEB] == ((False, False), audited)
+    assert env.datapaths["n3"].state.policies[WEB] == ((False, False), audited)
+    resync = await env.api_for("Resync").Resync(policy_pb2.ResyncRequest(node="n1"))
+    (web,) = [p for p in resync.policies if p.identity == WEB]
+    assert web.enforcement.audit_ingress and not web.enforcement.ingress
+    assert await env.all_match_resync()
+
+    # Preview enforcing it: db -> web would be cut (observed 2 times), cache -> web stays allowed.
+    enforced = yaml.safe_dump({**closed, "metadata": {"name": "web-closed", "namespace": "default"}})
+    db_to_web = policy_pb2.ObservedFlow(
+        source_identity=DB, destination_identity=WEB, direction=common_pb2.DIRECTION_INGRESS,
+        protocol=common_pb2.PROTOCOL_TCP, port=80, count=2,
+    )  # fmt: skip
+    preview = await env.api.Diff(policy_pb2.DiffRequest(documents=enforced, flows=[db_to_web]))
+    assert preview.newly_dropped == 2
+    assert [p.name for p in preview.flows[0].policies] == ["web-closed"]
+
+    # Switching to enforce is an edit like any other: a new revision, realized on web's nodes.
+    switched = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=enforced))
+    assert switched.revision > answer.revision
+    await env.settled(switched.revision)
+    allow_cache = {(common_pb2.DIRECTION_INGRESS, CACHE, 6, 80, 80): common_pb2.VERDICT_ALLOW}
+    assert env.datapaths["n1"].state.policies[WEB] == ((True, False), allow_cache)  # the audited allow is gone
+    status = await env.api.GetPolicy(
+        policy_pb2.GetPolicyRequest(ref=ref("web-closed"), source=policy_pb2.POLICY_SOURCE_API)
+    )
+    assert status.mode == "enforce"
+    # ... and back to audit: web is open again.
+    back = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(closed)))
+    await env.settled(back.revision)
+    assert env.datapaths["n1"].state.policies[WEB] == ((False, False), audited)
+    assert await env.all_match_resync()
+
+    # A mistyped mode names the annotation.
+    closed["metadata"]["annotations"] = {"policy.palisade.io/mode": "audti"}
+    err = await rpc_error(env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(closed))))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "metadata.annotations[policy.palisade.io/mode]: 'audti' is not a mode; use enforce or audit" in (
+        err.details() or ""
+    )
+
+
+async def test_a_namespace_in_audit_mode_puts_its_policies_in_audit(env: Env) -> None:
+    """The Kubernetes policy db-from-web (namespace default) closes db to all but web."""
+    audit_ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default", "annotations": {}}}
+    audit_ns["metadata"]["annotations"] = {"policy.palisade.io/mode": "audit"}  # type: ignore[index]
+    before = env.datapaths["n2"].state.revision
+    await env.feed.policy(audit_ns)
+    await eventually(lambda: env.datapaths["n2"].state.revision > before, "the namespace's change realized")
+    status = await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref("db-from-web")))
+    assert status.mode == "audit" and list(status.subjects) == [DB]
+    # db is no longer enforced; what the policy allows is an audited allow, the rest audited default deny
+    audited = {(common_pb2.DIRECTION_INGRESS, WEB, 6, 5432, 5432): common_pb2.VERDICT_AUDIT_ALLOW}
+    await eventually(lambda: env.datapaths["n2"].state.policies.get(DB) == ((False, False), audited), "db audited")
+
+    # The annotation removed: enforced again.
+    audit_ns["metadata"]["annotations"] = {}  # type: ignore[index]
+    await env.feed.policy(audit_ns)
+    enforced = {(common_pb2.DIRECTION_INGRESS, WEB, 6, 5432, 5432): common_pb2.VERDICT_ALLOW}
+    await eventually(lambda: env.datapaths["n2"].state.policies.get(DB) == ((True, False), enforced), "db enforced")
+    assert (await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref("db-from-web")))).mode == "enforce"

@@ -13,10 +13,10 @@ import asyncio
 from grpc_health.v1 import health_pb2
 
 from palisade.v1 import common_pb2, common_pb2_grpc
-from tests.harness import health_status
-from tests.policy_service import builders
-from tests.policy_service.cluster import eventually
-from tests.policy_service.scenario import DB, Env
+from testkit import builders
+from testkit.harness import health_status
+from testkit.policycluster import eventually
+from testkit.scenario import DB, Env
 
 #: Well under the ~10 s an ordered consumer takes to notice, by missed heartbeats, that the server lost it.
 RECOVERY_PATIENCE = 4.0

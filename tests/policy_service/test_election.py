@@ -10,8 +10,8 @@ from nats.js.errors import KeyNotFoundError
 
 from services.common.bus import Bus
 from services.policy.election import LEADER_KEY, Election
-from tests.harness import NatsServer, creds
-from tests.policy_service.cluster import eventually
+from testkit.harness import NatsServer, creds
+from testkit.policycluster import eventually
 
 BUCKET = "PALISADE_POLICY_LEADER"  # the bucket the policy user may use
 LEASE = 1.0

@@ -12,9 +12,9 @@ import grpc
 
 from palisade.v1 import identity_pb2, identity_pb2_grpc, k8s_pb2, policy_pb2, policy_pb2_grpc
 from services.common.subjects import k8s_subject
-from tests.harness import EtcdServer, NatsServer, ServiceProcess, channel
-from tests.policy_service import builders
-from tests.policy_service.cluster import Datapath, Feed, OrderLog, eventually, start_policy
+from testkit import builders
+from testkit.harness import EtcdServer, NatsServer, ServiceProcess, channel
+from testkit.policycluster import Datapath, Feed, OrderLog, eventually, start_policy
 
 NS = "shop"
 KINDS = {"Pod": (k8s_pb2.K8S_KIND_POD, "pod"), "Namespace": (k8s_pb2.K8S_KIND_NAMESPACE, "namespace")}

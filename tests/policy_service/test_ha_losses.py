@@ -19,11 +19,11 @@ import pytest
 
 from palisade.v1 import common_pb2, common_pb2_grpc
 from services.common.bus import ALL_STREAMS, Bus
-from tests.harness import NatsCluster, ServiceProcess, creds
-from tests.harness import channel as open_channel
-from tests.policy_service import builders
-from tests.policy_service.cluster import PATIENCE, Datapath, Feed, eventually
-from tests.policy_service.scenario import CACHE, DB, PODS, publish_world
+from testkit import builders
+from testkit.harness import NatsCluster, ServiceProcess, creds
+from testkit.harness import channel as open_channel
+from testkit.policycluster import PATIENCE, Datapath, Feed, eventually
+from testkit.scenario import CACHE, DB, PODS, publish_world
 
 STATE_BUCKET = "PALISADE_POLICY"
 

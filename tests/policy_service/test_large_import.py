@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from palisade.v1 import common_pb2, policy_pb2
-from tests.policy_service.cluster import eventually, palisade
-from tests.policy_service.scenario import DB, WEB, Env
+from testkit.policycluster import eventually, palisade
+from testkit.scenario import DB, WEB, Env
 
 RULES = 20_000
 

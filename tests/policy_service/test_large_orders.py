@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tests.harness import NatsServer, ServiceProcess
-from tests.policy_service import builders
-from tests.policy_service.cluster import Datapath, Feed, OrderLog, eventually, start_policy
+from testkit import builders
+from testkit.harness import NatsServer, ServiceProcess
+from testkit.policycluster import Datapath, Feed, OrderLog, eventually, start_policy
 
 FRONT = range(300, 330)
 

@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from palisade.v1 import common_pb2, policy_pb2
-from tests.policy_service import builders
-from tests.policy_service.cluster import eventually, palisade
-from tests.policy_service.scenario import CACHE, DB, WEB, Env
+from testkit import builders
+from testkit.policycluster import eventually, palisade
+from testkit.scenario import CACHE, DB, WEB, Env
 
 
 async def import_policy(env: Env, doc: dict[str, object]) -> policy_pb2.ImportPoliciesResponse:

@@ -20,11 +20,11 @@ import yaml
 from nats.js.errors import KeyNotFoundError
 
 from palisade.v1 import common_pb2, common_pb2_grpc, policy_pb2, policy_pb2_grpc
-from tests.harness import NatsServer, ServiceProcess, free_port
-from tests.harness import channel as open_channel
-from tests.policy_service import builders
-from tests.policy_service.cluster import Datapath, Feed, OrderLog, eventually, palisade, start_policy
-from tests.policy_service.scenario import DB, PODS, WEB, publish_world, seeded
+from testkit import builders
+from testkit.harness import NatsServer, ServiceProcess, free_port
+from testkit.harness import channel as open_channel
+from testkit.policycluster import Datapath, Feed, OrderLog, eventually, palisade, start_policy
+from testkit.scenario import DB, PODS, WEB, publish_world, seeded
 
 
 @dataclass

@@ -6,9 +6,9 @@ import pytest
 import yaml
 
 from palisade.v1 import common_pb2, policy_pb2
-from tests.policy_service import builders
-from tests.policy_service.cluster import Datapath, eventually, palisade, restart
-from tests.policy_service.scenario import CACHE, DB, PODS, WEB, Env
+from testkit import builders
+from testkit.policycluster import Datapath, eventually, palisade, restart
+from testkit.scenario import CACHE, DB, PODS, WEB, Env
 
 
 async def test_killed_service_continues_revisions_and_sequences(env: Env) -> None:

@@ -7,7 +7,7 @@ import pytest
 from services.common.bus import Bus
 from services.policy.engine.orders import PolicyEpoch
 from services.policy.revision import EPOCH_KEY, EpochConflictError, EpochCorruptError, RevisionStore
-from tests.harness import NatsServer, creds
+from testkit.harness import NatsServer, creds
 
 
 async def connect(nats: NatsServer) -> Bus:

@@ -11,10 +11,10 @@ from grpc_health.v1 import health_pb2
 
 from palisade.v1 import common_pb2, common_pb2_grpc, policy_pb2, policy_pb2_grpc
 from services.common.largeobjects import LargeObjects
-from tests.harness import NatsServer, ServiceProcess, channel, health_status
-from tests.policy_service import builders
-from tests.policy_service.cluster import Feed, OrderLog, eventually, start_policy
-from tests.policy_service.scenario import CACHE, DB, PODS, WEB, Env, next_orders, publish_world
+from testkit import builders
+from testkit.harness import NatsServer, ServiceProcess, channel, health_status
+from testkit.policycluster import Feed, OrderLog, eventually, start_policy
+from testkit.scenario import CACHE, DB, PODS, WEB, Env, next_orders, publish_world
 
 
 async def test_not_serving_and_no_orders_until_kubernetes_is_synced(

@@ -14,10 +14,10 @@ import grpc
 import yaml
 
 from palisade.v1 import common_pb2, policy_pb2
+from testkit import builders
+from testkit.policycluster import eventually
+from testkit.scenario import CACHE, PODS, WEB, Env, next_orders
 from tests.policy.typo_cases import CASES, doc_of
-from tests.policy_service import builders
-from tests.policy_service.cluster import eventually
-from tests.policy_service.scenario import CACHE, PODS, WEB, Env, next_orders
 from tests.policy_service.test_api import rpc_error
 
 

@@ -12,13 +12,15 @@ from services.policy.engine.orders import PlannedOrder, PolicyEpoch
 from services.policy.engine.realized import Report
 from services.policy.engine.sources import Source
 from services.policy.wire import delta_from_proto, encode, identity_from_proto, policy_to_proto, record_from_proto
-from tests.policy_service import builders
-from tests.policy_service.nodestate import IdentityState, NodeState, from_policies
+from testkit import builders
+from testkit.nodestate import IdentityState, NodeState, from_policies
 
 
 class World:
-    def __init__(self, persisted: PolicyEpoch | None = None, *, max_bytes: int = 1 << 20) -> None:
-        self.core = PolicyCore(persisted=persisted or PolicyEpoch())
+    def __init__(
+        self, persisted: PolicyEpoch | None = None, *, max_bytes: int = 1 << 20, bump_interval: float = 0.0
+    ) -> None:
+        self.core = PolicyCore(persisted=persisted or PolicyEpoch(), bump_interval=bump_interval)
         self.now = 100.0
         self.max_bytes = max_bytes
         # Datapaths that applied everything up to the persisted sequences.

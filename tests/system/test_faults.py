@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.harness import ROOT
-from tests.system.stack import Stack, Traffic, assert_clean, running_stack, wait_for
+from testkit.harness import ROOT
+from testkit.stack import Stack, Traffic, assert_clean, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

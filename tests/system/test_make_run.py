@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import ROOT
-from tests.system.stack import Stack, running_stack, wait_for
+from testkit.harness import ROOT
+from testkit.stack import Stack, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

@@ -18,8 +18,8 @@ import pytest
 
 from services.common.bus import ALL_STREAMS, Bus
 from services.common.trust import Credentials
-from tests.harness import ROOT
-from tests.system.stack import Stack, Traffic, assert_clean, running_stack
+from testkit.harness import ROOT
+from testkit.stack import Stack, Traffic, assert_clean, running_stack
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

@@ -28,9 +28,9 @@ from palisade.v1 import ipam_pb2, ipam_pb2_grpc
 from services.datapath.netns import create_netns, delete_netns, in_netns
 from services.datapath.routing import RTPROT_PALISADE
 from services.devstack import __main__ as devstack
-from tests.harness import ROOT
-from tests.system import tuplereuse
-from tests.system.stack import Stack, Traffic, assert_clean, probe, running_stack, wait_for
+from testkit import tuplereuse
+from testkit.harness import ROOT
+from testkit.stack import Stack, Traffic, assert_clean, probe, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

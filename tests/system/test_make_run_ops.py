@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from services import __version__
-from tests.harness import ROOT
-from tests.system.stack import SERVICES, Stack, running_stack, wait_for
+from testkit.harness import ROOT
+from testkit.stack import SERVICES, Stack, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from services.datapath.netns import in_netns
-from tests.harness import ROOT
-from tests.system import tuplereuse
-from tests.system.stack import Stack, running_stack, wait_for
+from testkit import tuplereuse
+from testkit.harness import ROOT
+from testkit.stack import Stack, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

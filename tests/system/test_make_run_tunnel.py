@@ -20,8 +20,8 @@ import pytest
 
 from services.datapath.routing import RTPROT_PALISADE, TUNNEL_IFNAME
 from services.devstack import __main__ as devstack
-from tests.harness import ROOT
-from tests.system.stack import Stack, running_stack
+from testkit.harness import ROOT
+from testkit.stack import Stack, running_stack
 from tests.system.test_make_run_nodes import (
     MATRIX_CASES,
     _matrix_files,

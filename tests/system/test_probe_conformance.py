@@ -26,9 +26,9 @@ from palisade.v1 import datapath_pb2_grpc, policy_pb2_grpc
 from services.cli.connectivity import ProbeRun
 from services.common.manifests import Document
 from services.policy.engine.analyze import Probe
+from testkit.stack import running_stack
 from tests.policy import cnp_cases, knp_cases
 from tests.policy.model import compute_matrix, mismatches, model_documents
-from tests.system.stack import running_stack
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 

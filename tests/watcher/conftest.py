@@ -11,8 +11,8 @@ from nats.js import api as jsapi
 
 from services.common.bus import K8S_STREAM, Bus
 from services.common.subjects import k8s_filter
-from tests.harness import NatsServer, creds
-from tests.watcher.apiserver import FakeApiServer
+from testkit.apiserver import FakeApiServer
+from testkit.harness import NatsServer, creds
 from tests.watcher.helpers import StreamReader
 
 

@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 from services.common.bus import K8S_STREAM, Bus
-from tests.harness import NatsCluster, bus_call_failed, creds
+from testkit.harness import NatsCluster, bus_call_failed, creds
 from tests.watcher.helpers import manifest_source, running
 
 

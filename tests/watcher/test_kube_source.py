@@ -13,8 +13,8 @@ import pytest
 from palisade.v1 import common_pb2, k8s_pb2
 from services.common.bus import Bus
 from services.common.subjects import k8s_subject
+from testkit.apiserver import FakeApiServer
 from tests.watcher import objects as o
-from tests.watcher.apiserver import FakeApiServer
 from tests.watcher.helpers import FAST_KUBE, StreamReader, eventually, kube_source, running
 
 ALL_KINDS = [

@@ -10,7 +10,7 @@ from palisade.v1 import k8s_pb2
 from services.common.bus import Bus
 from services.common.subjects import SYNCED_SUBJECT
 from services.watcher.publisher import Publisher
-from tests.harness import NatsServer
+from testkit.harness import NatsServer
 from tests.watcher.helpers import StreamReader, eventually
 
 Reader = Callable[[], Awaitable[StreamReader]]

@@ -14,9 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from palisade.v1 import common_pb2, common_pb2_grpc, k8s_pb2
 from services.common.subjects import k8s_subject
-from tests.harness import NatsServer, ServiceProcess, health_status, sync_channel
+from testkit.apiserver import FakeApiServer
+from testkit.harness import NatsServer, ServiceProcess, health_status, sync_channel
 from tests.watcher import objects as o
-from tests.watcher.apiserver import FakeApiServer
 from tests.watcher.helpers import StreamReader, eventually
 
 Reader = Callable[[], Awaitable[StreamReader]]

@@ -59,6 +59,16 @@ static __always_inline int policy_match(u32 ep_id, u8 dir, u32 remote, u8 proto,
     return 0;
 }
 
+/* Audit mode (policies marked policy.palisade.io/mode: audit): their entries sit in key spaces of
+ * their own (the key's verdict byte), so they never shadow enforced ones. A packet an enforced
+ * policy drops is dropped; one that passes is reported with verdict AUDIT (and still passes) when an
+ * audited deny matches it, or when only audited policies put its direction in default deny and no
+ * audited allow matches. AUDIT_ENTRIES gates the extra lookups: endpoints without audited
+ * policies make none.
+ * VERDICT_AUDIT (key: an audited deny; event: passed, an audited policy would drop),
+ * VERDICT_AUDIT_ALLOW (key: an audited allow, in a direction only audited policies enforce) and the
+ * enforcement flags AUDIT_INGRESS, AUDIT_EGRESS, AUDIT_ENTRIES are generated from Python. */
+
 static __always_inline u8 policy_verdict(u32 ep_id, u8 dir, u32 remote, u8 proto, u16 port, u8 *reason)
 {
     struct enforcement_key ek = {.ep_id = ep_id};
@@ -70,13 +80,21 @@ static __always_inline u8 policy_verdict(u32 ep_id, u8 dir, u32 remote, u8 proto
         *reason = REASON_POLICY_DENY;
         return VERDICT_DENY;
     }
+    u8 audit = 0;
+    u32 audits = en && (en->flags & AUDIT_ENTRIES) ? SHAPES_ALL : 0;
+    if (policy_match(ep_id, dir, remote, proto, port, VERDICT_AUDIT, audits))
+        audit = REASON_POLICY_DENY;
     if (!en || !(en->flags & bit)) {
-        *reason = REASON_NOT_ENFORCED;
-        return VERDICT_ALLOW;
+        u32 audited = dir == DIR_INGRESS ? AUDIT_INGRESS : AUDIT_EGRESS;
+        if (!audit && en && (en->flags & audited) &&
+            !policy_match(ep_id, dir, remote, proto, port, VERDICT_AUDIT_ALLOW, audits))
+            audit = REASON_DEFAULT_DENY;
+        *reason = audit ? audit : REASON_NOT_ENFORCED;
+        return audit ? VERDICT_AUDIT : VERDICT_ALLOW;
     }
     if (policy_match(ep_id, dir, remote, proto, port, VERDICT_ALLOW, lookup_shapes(en, dir, VERDICT_ALLOW))) {
-        *reason = REASON_POLICY_ALLOW;
-        return VERDICT_ALLOW;
+        *reason = audit ? audit : REASON_POLICY_ALLOW;
+        return audit ? VERDICT_AUDIT : VERDICT_ALLOW;
     }
     *reason = REASON_DEFAULT_DENY;
     return VERDICT_DENY;
@@ -111,9 +129,10 @@ static __always_inline int policy_step(struct __sk_buff *skb, const struct flow 
         verdict = policy_verdict(ep_id, judged_dir, remote_id, f->protocol, judged_port, &reason);
     if (verdict != VERDICT_ALLOW || !ct) {
         emit(ifindex, f, ep_id, local_id, remote_id, dir, verdict, reason);
-        count(ep_id, reason, dir, skb->len);
+        /* an audited packet passes: it is not counted as the drop its reason names */
+        count(ep_id, verdict == VERDICT_AUDIT ? REASON_NOT_ENFORCED : reason, dir, skb->len);
     }
-    if (verdict != VERDICT_ALLOW) {
+    if (verdict == VERDICT_DENY) {
         if (ct)
             ct_forget(f->family, key);
         *action = TC_ACT_SHOT;

@@ -24,7 +24,13 @@ NAME = "enforcement"
 #: Enforced directions (ENFORCE_* in the program).
 ENFORCE_INGRESS = 1
 ENFORCE_EGRESS = 2
-ENFORCE_MASK = ENFORCE_INGRESS | ENFORCE_EGRESS
+#: The direction is default deny only by policies in audit mode (see types.Enforcement).
+AUDIT_INGRESS = 4
+AUDIT_EGRESS = 8
+ENFORCE_MASK = ENFORCE_INGRESS | ENFORCE_EGRESS | AUDIT_INGRESS | AUDIT_EGRESS
+#: A hint: the endpoint's map may hold entries of audited policies (AUDIT and AUDIT_ALLOW keys);
+#: without it the program makes no audit lookup.
+AUDIT_ENTRIES = 16
 #: Where the hint bits start (HINTS_* in the program).
 HINTS_SHIFT = 8
 #: Hint bits per (direction, verdict) group: one per shape.
@@ -35,7 +41,7 @@ HINTS_GROUP_ALLOW = 1
 #: A shape's index: this added for any identity, this for any protocol.
 HINTS_SHAPE_ANY_IDENTITY = 2
 HINTS_SHAPE_ANY_PROTOCOL = 1
-HINTS_MASK = ((1 << (4 * HINTS_GROUP_BITS)) - 1) << HINTS_SHIFT
+HINTS_MASK = ((1 << (4 * HINTS_GROUP_BITS)) - 1) << HINTS_SHIFT | AUDIT_ENTRIES
 #: The hint bits are set (an agent before hints left none: every lookup runs).
 HINTS_VALID = 1 << 31
 
@@ -59,11 +65,21 @@ def spec(sizes: MapSizes) -> MapSpec:
 
 
 def to_flags(enforcement: Enforcement) -> int:
-    return (ENFORCE_INGRESS if enforcement.ingress else 0) | (ENFORCE_EGRESS if enforcement.egress else 0)
+    return (
+        (ENFORCE_INGRESS if enforcement.ingress else 0)
+        | (ENFORCE_EGRESS if enforcement.egress else 0)
+        | (AUDIT_INGRESS if enforcement.audit_ingress else 0)
+        | (AUDIT_EGRESS if enforcement.audit_egress else 0)
+    )
 
 
 def from_flags(flags: int) -> Enforcement:
-    return Enforcement(ingress=bool(flags & ENFORCE_INGRESS), egress=bool(flags & ENFORCE_EGRESS))
+    return Enforcement(
+        ingress=bool(flags & ENFORCE_INGRESS),
+        egress=bool(flags & ENFORCE_EGRESS),
+        audit_ingress=bool(flags & AUDIT_INGRESS),
+        audit_egress=bool(flags & AUDIT_EGRESS),
+    )
 
 
 def hints_held(flags: int | None) -> int:
@@ -73,6 +89,8 @@ def hints_held(flags: int | None) -> int:
 
 def hint_bit(direction: Direction, verdict: Verdict, identity: int, protocol: L4Proto) -> int:
     """The hint bit of one policy entry (or trie prefix) of an endpoint (``HINTS_SHIFT`` applied)."""
+    if verdict.audit:
+        return AUDIT_ENTRIES
     group = (HINTS_GROUP_EGRESS if direction == Direction.EGRESS else 0) + (
         HINTS_GROUP_ALLOW if verdict == Verdict.ALLOW else 0
     )

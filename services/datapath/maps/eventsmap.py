@@ -92,11 +92,13 @@ class EventReader:
         self._pending: list[FlowEvent] = []
         self._decode = True
         self._skipped = 0
+        #: While reading: decode at most this many events, count the rest (0: decode all).
+        self._limit = 0
         # bpf_ktime_get_ns is CLOCK_MONOTONIC; the offset turns it into Unix time.
         self._offset = time.time() - time.monotonic()
 
         def on_sample(_ctx: int | None, data: int | None, size: int) -> int:
-            if not self._decode:
+            if not self._decode or (self._limit and len(self._pending) >= self._limit):
                 self._skipped += 1
             elif data is not None and size >= ctypes.sizeof(FlowEventRecord):
                 rec = FlowEventRecord.from_buffer_copy(ctypes.string_at(data, ctypes.sizeof(FlowEventRecord)))
@@ -121,6 +123,17 @@ class EventReader:
         out, self._pending = self._pending, []
         return out
 
+    def take(self, timeout_ms: int, limit: int) -> tuple[list[FlowEvent], int]:
+        """Like :meth:`read`, decoding at most ``limit`` events (0: all): the rest are consumed and
+        counted, never decoded. Returns the events and how many were skipped."""
+        self._limit = max(0, limit)
+        try:
+            events = self.read(timeout_ms)
+        finally:
+            self._limit = 0
+        skipped, self._skipped = self._skipped, 0
+        return events, skipped
+
     def skip(self, timeout_ms: int = 0) -> int:
         """Consume the events available now without decoding them (nobody wants them), waiting up
         to ``timeout_ms`` for the first one; returns how many there were."""
@@ -138,7 +151,7 @@ class EventReader:
         lib = libbpf()
         deadline = time.monotonic() + max(0, timeout_ms) / 1000
         check(lib.ring_buffer__consume(self._rb), "ring_buffer__consume", self.map.path)
-        while not (self._pending or self._skipped):
+        while not (self._pending or self._skipped):  # (skipped: by skip, or past take's limit)
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 break

@@ -125,12 +125,14 @@ def range_to_blocks(low: int, high: int) -> list[tuple[int, int]]:
 
 
 def normalize(entries: Iterable[PolicyEntry]) -> list[PolicyEntry]:
-    """One verdict per key, deny winning over allow (as it would in the datapath), sorted. Pure."""
-    by_key: dict[PolicyKey, Verdict] = {}
+    """One verdict per key, deny winning over allow (as it would in the datapath), sorted; entries of
+    audited policies likewise among themselves (they have key spaces of their own). Pure."""
+    by_key: dict[tuple[PolicyKey, bool], Verdict] = {}
     for entry in entries:
-        if by_key.get(entry.key) is not Verdict.DENY:
-            by_key[entry.key] = entry.verdict
-    return sorted(PolicyEntry(k, v) for k, v in by_key.items())
+        slot = (entry.key, entry.verdict.audit)
+        if by_key.get(slot) not in (Verdict.DENY, Verdict.AUDIT):
+            by_key[slot] = entry.verdict
+    return sorted(PolicyEntry(k, v) for (k, _), v in by_key.items())
 
 
 #: Entries whose prefixes can coincide: same direction, remote identity, protocol and verdict.
@@ -227,20 +229,30 @@ def evaluate(
     without ports.
     """
     combos = ((remote_identity, protocol), (remote_identity, 0), (IDENTITY_ANY, protocol), (IDENTITY_ANY, 0))
-    for verdict, reason in ((Verdict.DENY, Reason.POLICY_DENY), (Verdict.ALLOW, Reason.POLICY_ALLOW)):
-        if verdict is Verdict.ALLOW and not enforcement.enforced(direction):
-            return Verdict.ALLOW, Reason.NOT_ENFORCED
-        for identity, proto in combos:
-            for p in prefixes:
-                if (
-                    p.ep_id == ep_id
-                    and p.direction is direction
-                    and p.verdict is verdict
-                    and p.identity == identity
-                    and p.protocol.number == proto
-                    and p.covers(port)
-                ):
-                    return verdict, reason
+
+    def match(verdict: Verdict) -> bool:
+        return any(
+            p.ep_id == ep_id
+            and p.direction is direction
+            and p.verdict is verdict
+            and p.identity == identity
+            and p.protocol.number == proto
+            and p.covers(port)
+            for identity, proto in combos
+            for p in prefixes
+        )
+
+    # Audit: what an enforced policy drops stays dropped; what passes is reported as audit when an
+    # audited policy's deny matches, or its default deny (audit-only direction) finds no audit allow.
+    if match(Verdict.DENY):
+        return Verdict.DENY, Reason.POLICY_DENY
+    audit = Reason.POLICY_DENY if match(Verdict.AUDIT) else None
+    if not enforcement.enforced(direction):
+        if audit is None and enforcement.audited(direction) and not match(Verdict.AUDIT_ALLOW):
+            audit = Reason.DEFAULT_DENY
+        return (Verdict.AUDIT, audit) if audit is not None else (Verdict.ALLOW, Reason.NOT_ENFORCED)
+    if match(Verdict.ALLOW):
+        return (Verdict.AUDIT, audit) if audit is not None else (Verdict.ALLOW, Reason.POLICY_ALLOW)
     return Verdict.DENY, Reason.DEFAULT_DENY
 
 

@@ -23,6 +23,8 @@ class ObjectKind(enum.StrEnum):
     SERVICE = "Service"
     ENDPOINT_SLICE = "EndpointSlice"
     NODE = "Node"
+    #: For its audit annotation (``policy.palisade.io/mode``) only.
+    NAMESPACE = "Namespace"
     OTHER = ""
 
     @property

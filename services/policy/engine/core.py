@@ -13,23 +13,34 @@ it names in a Resync, and those of endpoints it reports.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import Code, PalisadeError
 from services.common.labels import CLUSTER_NAME_DEFAULT, LabelSet, LabelSource, parse_label
 from services.common.log import get_logger
+from services.policy.engine.audit import AuditOverlay, delta, full_engine, overlays
 from services.policy.engine.changes import IdentityChange, ObjectDelta, ObjectKind
 from services.policy.engine.entries import MAX_IDENTITY
 from services.policy.engine.identity import Identity
 from services.policy.engine.ipcache import IpcacheRecord, IpcacheTable, is_endpoint_identity
-from services.policy.engine.model import IpProto, Policy, PolicyKind, PolicyRef, PolicyValidationError
-from services.policy.engine.orders import OrderPlanner, PlannedOrder, PolicyEpoch
+from services.policy.engine.model import (
+    MODE_ANNOTATION,
+    IpProto,
+    Policy,
+    PolicyKind,
+    PolicyMode,
+    PolicyRef,
+    PolicyValidationError,
+)
+from services.policy.engine.orders import OrderDiff, OrderPlanner, PlannedOrder, PolicyEpoch
 from services.policy.engine.parse import parse_policy
-from services.policy.engine.policyengine import PolicyEngine
-from services.policy.engine.realized import Lag, RealizedTable, Report, Rollup
+from services.policy.engine.policyengine import PolicyDiff, PolicyEngine
+from services.policy.engine.preview import DiffProbe, ObservedFlow, Preview, preview
+from services.policy.engine.realized import EndpointKey, Lag, RealizedTable, Report, Rollup
 from services.policy.engine.registry import ApiChange, PolicyRecord, Registry, StoredPolicy
 from services.policy.engine.resolve import ResolvedPolicy
 from services.policy.engine.sources import Source, engine_key, object_key
@@ -83,6 +94,8 @@ class PolicyView:
     record: PolicyRecord
     subjects: tuple[int, ...]
     rollup: Rollup
+    #: In audit mode (its own annotation or its namespace's).
+    audited: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +110,8 @@ class ResyncAnswer:
     revision: int
     sequence: int
     policies: tuple[ResolvedPolicy, ...]
+    #: The audit overlays of those identities that have one.
+    audit: Mapping[int, AuditOverlay] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,11 +130,15 @@ class StatusSnapshot:
 
 
 class PolicyCore:
-    def __init__(self, *, persisted: PolicyEpoch, cluster: str = CLUSTER_NAME_DEFAULT) -> None:
+    def __init__(
+        self, *, persisted: PolicyEpoch, cluster: str = CLUSTER_NAME_DEFAULT, bump_interval: float = 0.0
+    ) -> None:
         self.cluster = cluster
+        #: Least seconds between two bare revision bumps to one node (see :class:`OrderPlanner`).
+        self.bump_interval = bump_interval
         self.engine = PolicyEngine(cluster=cluster)
         self.engine.seed_revision(persisted.revision)
-        self.planner = OrderPlanner(persisted.sequences)
+        self.planner = OrderPlanner(persisted.sequences, bump_interval=bump_interval)
         self.ipcache = IpcacheTable()
         self.realized = RealizedTable()
         self.registry = Registry()
@@ -133,6 +152,10 @@ class PolicyCore:
         self._persisted = persisted
         self._api_changes: list[ApiChange] = []
         self._warm = False
+        #: Each identity's audit overlay (policies in audit mode), as last sent to the nodes.
+        self.audit: dict[int, AuditOverlay] = {}
+        #: Namespaces annotated policy.palisade.io/mode: audit: every policy in them is audited.
+        self.audit_namespaces: set[str] = set()
         #: When each node's datapath was last heard from (reports and heartbeats).
         self._seen: dict[str, float] = {}
         #: Nodes whose Node object was deleted.
@@ -202,7 +225,7 @@ class PolicyCore:
         node its whole state with the node's next sequence (a fresh planner from the stored ones).
         """
         self.engine.seed_revision(persisted.revision)
-        self.planner = OrderPlanner(persisted.sequences)
+        self.planner = OrderPlanner(persisted.sequences, bump_interval=self.bump_interval)
         self._persisted = persisted
         self._dirty.clear()
         stored = {policy.key: (policy, document) for policy, document in imported}
@@ -240,7 +263,13 @@ class PolicyCore:
         return changes
 
     def commit(self, now: float) -> Commit:
-        """Close the open batch: per-node orders and the state to persist before publishing them."""
+        """Close the open batch: per-node orders and the state to persist before publishing them.
+
+        With no batch open, a leader still sends the bumps it held back whose interval has passed.
+        """
+        if self.synced and not self._batch_open and self.planner.owes():
+            owed = self.planner.plan_owed(revision=self.revision, now=now)
+            return self._committed(self.revision, owed)
         if not self.synced or not self._batch_open:
             if self._warm and self._batch_open:
                 # A follower: resolve, plan nothing (the leader's replace covers every node).
@@ -256,6 +285,15 @@ class PolicyCore:
         self.registry.settle(revision)
         caused_at = self._caused_at if self._caused_at is not None else now
         self._caused_at = None
+        previous = self.audit
+        self.audit = self._overlays()
+        diffs = dict(result.diffs)
+        for identity in previous.keys() | self.audit.keys():
+            if identity not in diffs and previous.get(identity) != self.audit.get(identity):
+                # Only the overlay changed: an order with no enforced change carries it.
+                policy = self.engine.policy_for(identity)
+                enforced = (policy.ingress_enforced, policy.egress_enforced) if policy is not None else (False, False)
+                diffs[identity] = PolicyDiff(identity, *enforced)
         if self._replace_pending:
             self._replace_pending = False
             orders = self.planner.plan_replace(
@@ -268,16 +306,22 @@ class PolicyCore:
         else:
             orders = self.planner.plan(
                 revision=revision,
-                diffs=result.diffs,
+                diffs=diffs,
                 dirty=self._dirty,
                 nodes=self.nodes(),
                 local_nodes=self.hosting,
                 is_local=self.hosts,
                 policy_of=self.engine.policy_for,
                 caused_at=caused_at,
+                now=now,
             )
         self._dirty.clear()
+        if previous or self.audit:
+            orders = _with_audit(orders, previous, self.audit)
         self.realized.record_changes(revision, ((o.node, i) for o in orders for i in o.changed_identities()), caused_at)
+        return self._committed(revision, orders)
+
+    def _committed(self, revision: int, orders: list[PlannedOrder]) -> Commit:
         epoch = PolicyEpoch(revision, self.planner.sequences())
         api = self._take_api_changes()
         if epoch == self._persisted:
@@ -314,6 +358,9 @@ class PolicyCore:
         if delta.kind in (ObjectKind.SERVICE, ObjectKind.ENDPOINT_SLICE):
             self.apply_service_delta(delta, now)
             return None
+        if delta.kind is ObjectKind.NAMESPACE:
+            self.apply_namespace_delta(delta, now)
+            return None
         kind = delta.kind.policy_kind
         if kind is None:
             return None
@@ -334,6 +381,55 @@ class PolicyCore:
         doc.setdefault("kind", kind.value)
         doc.setdefault("apiVersion", _API_VERSIONS[kind])
         return self.upsert(Source.KUBERNETES, doc, text, now, key=key, provenance=provenance, conflict=delta.conflict)
+
+    def audited(self, policy: Policy) -> bool:
+        """Whether ``policy`` is in audit mode: its own annotation, or its namespace's."""
+        return policy.mode is PolicyMode.AUDIT or (
+            policy.key.kind is not PolicyKind.CILIUM_CLUSTERWIDE_NETWORK_POLICY
+            and policy.key.namespace in self.audit_namespaces
+        )
+
+    def apply_namespace_delta(self, delta: ObjectDelta, now: float) -> None:
+        """A Namespace: its ``policy.palisade.io/mode`` annotation puts all its policies in audit
+        (or back to their own mode); the policies move out of (or into) the enforcing engine."""
+        audit = False
+        if not delta.deleted and isinstance(delta.body, dict):
+            meta = delta.body.get("metadata")
+            annotations = meta.get("annotations") if isinstance(meta, dict) else None
+            value = annotations.get(MODE_ANNOTATION) if isinstance(annotations, dict) else None
+            if value is not None and str(value).strip().lower() not in {m.value for m in PolicyMode}:
+                log.warning(
+                    "namespace mode annotation not understood: its policies keep their own mode",
+                    namespace=delta.name,
+                    value=str(value),
+                    fix=f"set {MODE_ANNOTATION} to enforce or audit",
+                )
+            audit = str(value).strip().lower() == PolicyMode.AUDIT.value if value is not None else False
+        if audit == (delta.name in self.audit_namespaces):
+            return
+        if audit:
+            self.audit_namespaces.add(delta.name)
+        else:
+            self.audit_namespaces.discard(delta.name)
+        log.info("namespace mode changed", namespace=delta.name, mode="audit" if audit else "own")
+        for record in self.registry.search(delta.name):
+            policy = record.policy
+            if policy is None or policy.key.namespace != delta.name:
+                continue
+            key = engine_key(record.source, record.key)
+            held = self.engine.declared_policy(key) is not None
+            wanted = not self.audited(policy)
+            if held == wanted:
+                continue
+            self._change(now)
+            if wanted:
+                self.engine.upsert_policy(dataclasses.replace(policy, key=key))
+            else:
+                self.engine.delete_policy(key)
+            self.registry.accepted(
+                record.source, record.key, policy, record.document, changed=True, origin=record.origin,
+                conflict=record.conflict,
+            )  # fmt: skip
 
     def upsert(
         self,
@@ -373,12 +469,23 @@ class PolicyCore:
             return self._reject(source, rk, error, document, provenance, conflict)
         key = key or parsed.key
         policy = dataclasses.replace(parsed, key=engine_key(source, key))
-        changed = self.engine.declared_policy(policy.key) != policy
+        audited = self.audited(policy)
+        if audited:
+            # In audit: kept and shown, never in the enforcing engine (an enforced version leaves it).
+            held = self.engine.declared_policy(policy.key) is not None
+            record = self.registry.get(source, key)
+            changed = held or record is None or record.policy != policy
+        else:
+            held = changed = self.engine.declared_policy(policy.key) != policy
         if dry_run:
             return Outcome(source, key, True, "", document, parsed, changed)
         if changed:
             self._change(now)
-            self.engine.upsert_policy(policy)
+            if audited:
+                if held:
+                    self.engine.delete_policy(policy.key)
+            else:
+                self.engine.upsert_policy(policy)
         old = self.registry.get(source, key)
         if (
             source is Source.API
@@ -424,8 +531,13 @@ class PolicyCore:
     def apply_identity(self, update: IdentityChange, now: float) -> None:
         number = update.number
         if update.deleted:
-            for requested in self._requested.values():
-                requested.discard(number)
+            for node, requested in self._requested.items():
+                if number in requested:
+                    requested.discard(number)
+                    # The node stops holding it at the next commit, even if the identity is
+                    # allocated again before then (its diff may then be empty).
+                    self._dirty.add((node, number))
+                    self._change(now)
             if self.engine.identity(number) is not None:
                 self._change(now)
                 self.engine.remove_identity(number)
@@ -548,6 +660,10 @@ class PolicyCore:
         """Endpoints that ``revision`` affects and that have not realized it (empty: realized)."""
         return self.realized.behind(revision)
 
+    def wait_settled(self, revision: int, left: list[EndpointKey] | None = None) -> tuple[bool, list[EndpointKey]]:
+        """Whether a wait for ``revision`` is over, cheaply (see :meth:`RealizedTable.settled`)."""
+        return self.realized.settled(revision, left)
+
     # --- read side ----------------------------------------------------------------------------
 
     def resync(self, node: str, identities: Iterable[int] = ()) -> ResyncAnswer:
@@ -569,18 +685,29 @@ class PolicyCore:
             policy = self.engine.policy_for(identity)
             if policy is not None:
                 policies.append(policy)
-        return ResyncAnswer(self.revision, self.planner.sequence(node), tuple(policies))
+        return ResyncAnswer(
+            self.revision,
+            self.planner.sequence(node),
+            tuple(policies),
+            {p.identity: self.audit[p.identity] for p in policies if p.identity in self.audit},
+        )
 
     def policy_of(self, identity: int) -> ResolvedPolicy | None:
         return self.engine.policy_for(identity)
 
     def view(self, record: PolicyRecord) -> PolicyView:
         subjects: set[int] = set()
-        if record.policy is not None:
+        if record.policy is not None and self.audited(record.policy):
+            # Its selectors are not the engine's: matched against every identity instead.
+            identities = [i for i in self.engine.identities().values() if is_endpoint_identity(i.id)]
+            for rule in record.policy.rules:
+                subjects |= {i.id for i in identities if rule.subject.matches_labels(i.labels)}
+        elif record.policy is not None:
             for rule in record.policy.rules:
                 subjects |= {i for i in self.engine.selection_set(rule.subject) if is_endpoint_identity(i)}
         rollup = self.realized.rollup(subjects, record.revision) if record.policy is not None else Rollup()
-        return PolicyView(record, tuple(sorted(subjects)), rollup)
+        audited = record.policy is not None and self.audited(record.policy)
+        return PolicyView(record, tuple(sorted(subjects)), rollup, audited)
 
     def get_policy(self, source: Source | None, key: PolicyRef) -> PolicyView:
         sources = (source,) if source is not None else (Source.API, Source.KUBERNETES)
@@ -640,6 +767,72 @@ class PolicyCore:
             return known.id
         return TraceEndpoint(label_set)
 
+    def audited_policies(self) -> list[Policy]:
+        """Every policy in audit mode, keyed as the engine would key it."""
+        return [
+            dataclasses.replace(r.policy, key=engine_key(r.source, r.key))
+            for r in self.registry.search("")
+            if r.policy is not None and self.audited(r.policy)
+        ]
+
+    def _overlays(self) -> dict[int, AuditOverlay]:
+        audited = self.audited_policies()
+        if not audited:
+            return {}
+        return overlays(self.engine, full_engine(self.engine, audited))
+
+    def _holder(self, key: PolicyRef) -> Source | None:
+        """The source whose copy of ``key`` the engine holds (Kubernetes first), or None."""
+        for source in (Source.KUBERNETES, Source.API):
+            record = self.registry.get(source, key)
+            if record is not None and record.policy is not None:
+                return source
+        return None
+
+    def preview(
+        self,
+        documents: Sequence[tuple[Mapping[str, Any], str]],
+        deletes: Sequence[PolicyRef],
+        *,
+        probes: Sequence[DiffProbe] = (),
+        flows: Iterable[ObservedFlow] = (),
+    ) -> Preview:
+        """What applying ``documents`` (each with its origin, for errors) and deleting ``deletes``
+        would change, computed on a copy of the engine: nothing in force changes. A document
+        naming a policy in force replaces it in its source (Kubernetes' copy first); a new one is
+        an API policy. Raises RequestError naming every invalid document or unknown deletion."""
+        after = copy.deepcopy(self.engine)
+        changed: list[Policy] = []
+        errors: list[str] = []
+        after.begin_batch()
+        for doc, origin in documents:
+            try:
+                parsed = parse_policy(doc, cluster=self.cluster)
+            except PolicyValidationError as exc:
+                errors.append(f"{origin}: {exc}" if origin else str(exc))
+                continue
+            key = engine_key(self._holder(parsed.key) or Source.API, parsed.key)
+            old = self.engine.declared_policy(key)
+            new = dataclasses.replace(parsed, key=key)
+            changed += [p for p in (old, new) if p is not None]
+            if self.audited(new):
+                after.delete_policy(key)  # audit never drops: the change enforces nothing of it
+            else:
+                after.upsert_policy(new)
+        for ref in deletes:
+            source = self._holder(ref)
+            if source is None:
+                errors.append(f"--delete {ref}: no such policy is in force; list them with `palisade policy get`")
+                continue
+            old = self.engine.declared_policy(engine_key(source, ref))
+            if old is not None:
+                changed.append(old)
+            after.delete_policy(engine_key(source, ref))
+        if errors:
+            raise RequestError("nothing previewed; fix these and run the diff again:\n" + "\n".join(errors))
+        after.end_batch()
+        return preview(self.engine, after, changed, pods=self.ipcache.pods_by_identity(), probes=probes, flows=flows)
+
     def status(self) -> StatusSnapshot:
         counts = self.registry.counts()
         behind = self.realized.behind(self.revision)
@@ -656,6 +849,35 @@ class PolicyCore:
             endpoints_failed=sum(1 for lag in behind if lag.error),
             nodes_gone=len(self.realized.gone),
         )
+
+
+def _with_audit(
+    orders: Iterable[PlannedOrder], old: Mapping[int, AuditOverlay], new: Mapping[int, AuditOverlay]
+) -> list[PlannedOrder]:
+    """The orders with each identity's audit part: the whole overlay in full diffs, the change in
+    incremental ones, the audit-only directions in both (diff objects stay shared across nodes)."""
+    memo: dict[int, OrderDiff] = {}
+
+    def decorate(d: OrderDiff) -> OrderDiff:
+        done = memo.get(id(d))
+        if done is not None:
+            return done
+        before, after = old.get(d.identity), new.get(d.identity)
+        if before is None and after is None:
+            out = d
+        else:
+            add, remove = delta(None if d.full else before, after)
+            out = dataclasses.replace(
+                d,
+                audit_add=add,
+                audit_remove={} if d.full else remove,
+                audit_ingress=after.ingress if after is not None else False,
+                audit_egress=after.egress if after is not None else False,
+            )
+        memo[id(d)] = out
+        return out
+
+    return [dataclasses.replace(o, diffs=tuple(decorate(d) for d in o.diffs)) for o in orders]
 
 
 def _key_of(doc: Mapping[str, Any]) -> PolicyRef:

@@ -126,6 +126,14 @@ class IpcacheTable:
                 found = record
         return found
 
+    def pods_by_identity(self) -> dict[int, list[str]]:
+        """Each identity's pods ("namespace/name"), sorted: examples for previews."""
+        out: dict[int, set[str]] = {}
+        for record in self._entries.values():
+            if record.pod:
+                out.setdefault(record.identity, set()).add(record.pod)
+        return {i: sorted(pods) for i, pods in out.items()}
+
     # --- indexes -------------------------------------------------------------------------
 
     def _index(self, subject: str, r: IpcacheRecord) -> set[int]:

@@ -163,6 +163,17 @@ class Rule:
     description: str = ""
 
 
+class PolicyMode(enum.StrEnum):
+    """How a policy takes effect: enforced, or in audit (computed, never dropping)."""
+
+    ENFORCE = "enforce"
+    AUDIT = "audit"
+
+
+#: The annotation that puts a policy object in audit mode (``audit``) or enforces it (``enforce``, the default).
+MODE_ANNOTATION = "policy.palisade.io/mode"
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     """A parsed policy object: its rules, and what it asks that is not enforced.
@@ -176,6 +187,7 @@ class Policy:
     unsupported: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
+    mode: PolicyMode = PolicyMode.ENFORCE
 
     def referenced_selectors(self) -> set[Selector]:
         out: set[Selector] = set()

@@ -6,7 +6,11 @@ identities present there (the ipcache) and the engine's per-identity diffs:
 * an identity that changed and is present on the node: its diff;
 * an identity newly present (or newly known) on the node: its full policy;
 * an identity that left the node: listed in ``removed_identities``;
-* nothing of the node changed but the revision moved: a bare revision bump.
+* nothing of the node changed but the revision moved: a bare revision bump, at most one
+  per node per ``bump_interval`` (a node owed one gets it with its next order, or from
+  :meth:`OrderPlanner.plan_owed` once the interval has passed). A bump changes nothing a
+  node enforces and needs no report; sent at every commit it made each identity change in
+  a 1,000-node cluster cost 1,000 orders and a report of every endpoint of every node.
 
 Each order takes the node's next sequence number (persisted by the service, so
 a restart continues it); a datapath that sees a gap asks for a resync.
@@ -45,6 +49,12 @@ class OrderDiff:
     add: Mapping[EntryKey, Verdict] = field(default_factory=dict)
     remove: Set[EntryKey] = frozenset()
     full: bool = False
+    #: Audit mode (see ``audit``): entries of audited policies to set and to drop (with ``full``,
+    #: ``audit_add`` is the whole overlay), and the directions only audited policies enforce.
+    audit_add: Mapping[EntryKey, Verdict] = field(default_factory=dict)
+    audit_remove: Mapping[EntryKey, Verdict] = field(default_factory=dict)
+    audit_ingress: bool = False
+    audit_egress: bool = False
 
     @classmethod
     def of(cls, diff: PolicyDiff) -> OrderDiff:
@@ -80,9 +90,15 @@ class PlannedOrder:
 class OrderPlanner:
     """Per-node sequences, last revision sent, and the identities each node holds."""
 
-    def __init__(self, sequences: Mapping[str, int] | None = None) -> None:
+    def __init__(self, sequences: Mapping[str, int] | None = None, *, bump_interval: float = 0.0) -> None:
         self._seq: dict[str, int] = dict(sequences or {})
         self._sent: dict[str, int] = {}
+        #: Least seconds between two bare bumps to one node (0: a bump with every commit).
+        self._bump_interval = bump_interval
+        #: When each node was last sent a bare bump.
+        self._bumped: dict[str, float] = {}
+        #: Nodes behind the revision only by bumps held back.
+        self._owed: set[str] = set()
         self._delivered: dict[str, set[int]] = {}
         self._holders: dict[int, set[str]] = {}
 
@@ -141,11 +157,13 @@ class OrderPlanner:
         is_local: Callable[[str, int], bool],
         policy_of: PolicyOf,
         caused_at: float,
+        now: float = 0.0,
     ) -> list[PlannedOrder]:
         """Orders after one change.
 
         ``diffs``: the engine's per-identity diffs; ``dirty``: (node, identity) pairs whose
-        presence on the node changed; ``nodes``: the nodes hosting identities.
+        presence on the node changed; ``nodes``: the nodes hosting identities; ``now``: the
+        commit's time, for holding back bumps.
         """
         candidates: dict[str, set[int]] = {}
         for node, identity in dirty:
@@ -159,6 +177,7 @@ class OrderPlanner:
         orders = []
         # Nodes holding nothing (their pods are gone) need no revision bumps; their sequence is kept.
         holding = {node for node, held in self._delivered.items() if held}
+        self._owed &= set(nodes) | holding
         for node in sorted(set(nodes) | holding | set(candidates)):
             held = self._delivered.setdefault(node, set())
             out: list[OrderDiff] = []
@@ -182,9 +201,38 @@ class OrderPlanner:
                     out.append(converted[identity])
             if not held:
                 self._delivered.pop(node, None)
-            if out or removed or revision > self._sent.get(node, 0):
+            if out or removed:
+                self._owed.discard(node)
                 orders.append(self._order(node, revision, tuple(out), tuple(removed), False, caused_at))
+            elif revision > self._sent.get(node, 0):
+                bump = self._bump(node, revision, caused_at, now)
+                if bump is not None:
+                    orders.append(bump)
         return orders
+
+    def plan_owed(self, *, revision: int, now: float) -> list[PlannedOrder]:
+        """The bumps held back whose interval has passed (with no change to carry them)."""
+        orders = []
+        for node in sorted(self._owed):
+            bump = self._bump(node, revision, now, now)
+            if bump is not None:
+                orders.append(bump)
+        return orders
+
+    def owes(self) -> bool:
+        return bool(self._owed)
+
+    def _bump(self, node: str, revision: int, caused_at: float, now: float) -> PlannedOrder | None:
+        if revision <= self._sent.get(node, 0):
+            self._owed.discard(node)
+            return None
+        last = self._bumped.get(node)
+        if last is not None and now - last < self._bump_interval:
+            self._owed.add(node)
+            return None
+        self._owed.discard(node)
+        self._bumped[node] = now
+        return self._order(node, revision, (), (), False, caused_at)
 
     def _order(
         self,

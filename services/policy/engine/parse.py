@@ -51,12 +51,14 @@ from services.policy.engine.fields import ICMP4_TYPES, ICMP6_TYPES, check_docume
 from services.policy.engine.identity import entity_selectors
 from services.policy.engine.model import (
     ALL_PORTS,
+    MODE_ANNOTATION,
     Direction,
     IPNetwork,
     IpProto,
     PeerRule,
     Policy,
     PolicyKind,
+    PolicyMode,
     PolicyRef,
     PolicyValidationError,
     PortSpec,
@@ -153,7 +155,21 @@ def parse_policy(doc: Mapping[str, Any], *, cluster: str = CLUSTER_NAME_DEFAULT)
         unsupported=tuple(ctx.unsupported),
         warnings=tuple(ctx.warnings),
         labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, Mapping) else {},
+        mode=_mode(ctx, meta.get("annotations")),
     )
+
+
+def _mode(ctx: _Ctx, annotations: Any) -> PolicyMode:
+    """The policy's mode from its ``policy.palisade.io/mode`` annotation (enforce when absent)."""
+    value = annotations.get(MODE_ANNOTATION) if isinstance(annotations, Mapping) else None
+    if value is None:
+        return PolicyMode.ENFORCE
+    try:
+        return PolicyMode(str(value).strip().lower())
+    except ValueError:
+        raise ctx.error(
+            f"metadata.annotations[{MODE_ANNOTATION}]", f"{value!r} is not a mode; use enforce or audit"
+        ) from None
 
 
 def _check_api_version(ctx: _Ctx, doc: Mapping[str, Any]) -> None:

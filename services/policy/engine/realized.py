@@ -143,6 +143,9 @@ class RealizedTable:
         self._pending: dict[int, _Pending] = {}
         #: Nodes that left (Node deleted, or datapath silent past the grace): not counted.
         self._gone: set[str] = set()
+        #: Every endpoint whose last report was a failure (and maybe some since recovered or gone:
+        #: pruned as :meth:`settled` meets them), so a wait finds failures without a scan.
+        self._failing: set[EndpointKey] = set()
 
     def __len__(self) -> int:
         return len(self._endpoints)
@@ -294,6 +297,7 @@ class RealizedTable:
             if report.revision >= ep.failed:
                 ep.failed = report.revision
                 ep.error = report.error
+                self._failing.add(key)
             return []
         if report.revision >= ep.failed:
             ep.failed = 0
@@ -380,6 +384,42 @@ class RealizedTable:
         ]
         out.sort(key=lambda lag: (lag.node, lag.pod, lag.endpoint_id))
         return out
+
+    def settled(self, revision: int, left: list[EndpointKey] | None = None) -> tuple[bool, list[EndpointKey]]:
+        """Whether a wait for ``revision`` is over: nobody is behind it, or somebody failed to realize it.
+
+        The same answer as looking at :meth:`behind`, without building it each time: a wait
+        checks after every batch of reports, and a scan of every endpoint per check is what made
+        a cluster-wide change slow to confirm at thousands of nodes. ``left`` (what the previous
+        call returned) holds the endpoints found behind; each check drops those that have
+        realized since, from its end, and stops at the first still behind, so a whole wait
+        looks at each endpoint a few times in all. Settled is only ever answered after a full
+        scan finds nobody behind (a node back from gone may have brought some).
+        """
+        for key in list(self._failing):
+            ep = self._endpoints.get(key)
+            if ep is None or not ep.failed:
+                self._failing.discard(key)
+            elif ep.node not in self._gone and self.has_failed(ep, revision):
+                return True, []
+        fresh = left is None
+        if left is None:
+            left = self._behind_keys(revision)
+        while True:
+            while left:
+                ep = self._endpoints.get(left[-1])
+                if ep is not None and self._counts_behind(ep, revision):
+                    return False, left
+                left.pop()
+            if fresh:
+                return True, []
+            left, fresh = self._behind_keys(revision), True
+
+    def _behind_keys(self, revision: int) -> list[EndpointKey]:
+        return [key for key, ep in self._endpoints.items() if self._counts_behind(ep, revision)]
+
+    def _counts_behind(self, ep: Endpoint, revision: int) -> bool:
+        return ep.node not in self._gone and self.is_behind(ep, revision)
 
     def rollup(self, subjects: Iterable[int], revision: int) -> Rollup:
         """Per node, how many endpoints of these identities realized ``revision``."""

@@ -8,9 +8,9 @@ import grpc
 
 from palisade.v1 import policy_pb2, policy_pb2_grpc
 from services.common.access import may_call
-from tests.harness import NatsServer, ServiceProcess
-from tests.policy_service import builders
-from tests.policy_service.cluster import Datapath, Feed, OrderLog, eventually
+from testkit import builders
+from testkit.harness import NatsServer, ServiceProcess
+from testkit.policycluster import Datapath, Feed, OrderLog, eventually
 
 WEB, DB, CACHE = 256, 257, 258
 PODS = {

@@ -13,11 +13,13 @@ KIND_ENUM = {
     "NetworkPolicy": k8s_pb2.K8S_KIND_NETWORK_POLICY,
     "CiliumNetworkPolicy": k8s_pb2.K8S_KIND_CILIUM_NETWORK_POLICY,
     "CiliumClusterwideNetworkPolicy": k8s_pb2.K8S_KIND_CILIUM_CLUSTERWIDE_NETWORK_POLICY,
+    "Namespace": k8s_pb2.K8S_KIND_NAMESPACE,
 }
 KIND_TOKEN = {
     "NetworkPolicy": "networkpolicy",
     "CiliumNetworkPolicy": "ciliumnetworkpolicy",
     "CiliumClusterwideNetworkPolicy": "ciliumclusterwidenetworkpolicy",
+    "Namespace": "namespace",
 }
 
 

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2
 from palisade.v1 import common_pb2_grpc, identity_pb2, identity_pb2_grpc, ipam_pb2_grpc, k8s_pb2
 from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, Bus
 from services.common.subjects import IDENTITY_ALL, IPCACHE_ALL, SYNCED_SUBJECT, k8s_subject
-from tests.harness import ROOT, EtcdServer, NatsServer, channel
+from testkit.harness import ROOT, EtcdServer, NatsServer, channel
 
 
 async def eventually(check: Callable[[], Any], timeout: float = 20.0) -> Any:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from services.datapath.netns import in_netns
 from services.devstack import sctp
 from services.devstack.sctp import INIT, Packet
-from tests.datapath.node import Pod
+from testkit.datapathnode import Pod
 
 #: How long an allowed exchange may take before the test calls it failed (generous: loaded CI).
 ALLOW_TIMEOUT = 5.0

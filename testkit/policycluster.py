@@ -17,9 +17,9 @@ from palisade.v1 import k8s_pb2, policy_pb2, policy_pb2_grpc
 from services.common.bus import ALL_STREAMS, HEARTBEAT, Bus
 from services.common.grpcserver import wait_for_channel
 from services.common.subjects import REGEN_ALL, SYNCED_SUBJECT, identity_subject, ipcache_subject, regen_subject
-from tests.harness import ROOT, NatsServer, ServiceProcess, creds
-from tests.policy_service import builders
-from tests.policy_service.nodestate import GapError, NodeState, from_policies
+from testkit import builders
+from testkit.harness import ROOT, NatsServer, ServiceProcess, creds
+from testkit.nodestate import GapError, NodeState, from_policies
 
 # A guard against hanging, never an assertion about speed.
 PATIENCE = 20.0

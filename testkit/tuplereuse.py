@@ -17,7 +17,7 @@ from collections import Counter
 import yaml
 
 from services.datapath.netns import in_netns
-from tests.datapath.traffic import close_to_time_wait
+from testkit.traffic import close_to_time_wait
 
 NAMESPACE = "reuse"
 TCP_PORT, UDP_PORT = 7000, 7001

@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 
 from palisade.v1 import common_pb2, common_pb2_grpc
 from services.cli.client import dial_target
 from services.common.grpcserver import open_sync_channel
 from services.common.trust import Credentials
-from tests.harness import ROOT, free_port
+from testkit.harness import ROOT, free_port
 
 SERVICES = ("watcher", "policy", "ipam", "datapath")
 
@@ -103,7 +102,7 @@ class Stack:
 
     def palisade(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "services.cli.main", *args, *self.flags(args[0])],
+            [sys.executable, "-m", "services.cli.main", *args, *self.flags(*args[:2])],
             cwd=ROOT,
             env={**os.environ, "PALISADE_TLS_DIR": str(self.tls_dir), "PALISADE_MANIFESTS": str(self.manifests)},
             capture_output=True,
@@ -111,8 +110,11 @@ class Stack:
             timeout=timeout,
         )
 
-    def flags(self, command: str) -> list[str]:
+    def flags(self, command: str, sub: str = "") -> list[str]:
+        if (command, sub) == ("policy", "diff"):
+            return [f for n in ("policy", "datapath") for f in (f"--{n}-address", self.address(n))]
         wanted = {
+            "observe": ("datapath", "policy"),
             "status": SERVICES,
             "endpoint": ("datapath",),
             "service": ("datapath",),
@@ -278,7 +280,7 @@ def running_stack(tmp: Path, examples: Path | None, *extra: str) -> Iterator[Sta
             break
     if not any(line.startswith("Palisade is running") for line in output):
         proc.kill()
-        pytest.fail("make run did not come up:\n" + "".join(output))
+        raise RuntimeError("make run did not come up:\n" + "".join(output))
     addresses = json.loads((tmp / "run" / "addresses.json").read_text())
     try:
         yield Stack(proc, manifests, tmp / "run", bpffs, addresses, output)
