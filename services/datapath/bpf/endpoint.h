@@ -61,18 +61,15 @@ static __always_inline u32 cidr_identity(u8 family, const u8 *addr)
     return iv ? iv->identity : WORLD_ID;
 }
 
-/* The endpoint of veth ``ifindex`` (its id and identity), from this CPU's cache when the cache holds
- * it for the current policy epoch, else from the endpoints map (then cached). 0: not an endpoint's
- * veth (or one being detached). ``*cached`` is this CPU's cache slot for the veth (NULL if none). */
-static __always_inline int endpoint_of(u32 ifindex, u64 epoch, struct ep_cache_value **cached, u32 *ep_id,
+/* The endpoint of veth ``ifindex`` (its id and identity): from this CPU's cache slot for the veth
+ * (``cached``, NULL if none) when it holds the veth for the current policy epoch, else from the
+ * endpoints map (then cached). 0: not an endpoint's veth (or one being detached). */
+static __always_inline int endpoint_of(struct ep_cache_value *cached, u32 ifindex, u64 epoch, u32 *ep_id,
                                        u32 *local_id)
 {
-    u32 slot = ifindex % EP_CACHE_SLOTS;
-    struct ep_cache_value *c = ep_cache.lookup(&slot);
-    *cached = c;
-    if (likely(c && c->ifindex == ifindex && c->epoch == epoch && epoch)) {
-        *ep_id = c->ep_id;
-        *local_id = c->identity;
+    if (likely(cached && cached->ifindex == ifindex && cached->epoch == epoch && epoch)) {
+        *ep_id = cached->ep_id;
+        *local_id = cached->identity;
         return 1;
     }
     struct endpoint_key self = {};
@@ -80,15 +77,13 @@ static __always_inline int endpoint_of(u32 ifindex, u64 epoch, struct ep_cache_v
     struct endpoint_value *ep = endpoints.lookup(&self);
     if (!ep)
         return 0;
-    u32 id = ep->ep_id;
-    u32 identity = ep->identity;
-    *ep_id = id;
-    *local_id = identity;
-    if (c) {
-        c->ifindex = ifindex;
-        c->ep_id = id;
-        c->identity = identity;
-        c->epoch = epoch;
+    *ep_id = ep->ep_id;
+    *local_id = ep->identity;
+    if (cached) {
+        cached->ifindex = ifindex;
+        cached->ep_id = *ep_id;
+        cached->identity = *local_id;
+        cached->epoch = epoch;
     }
     return 1;
 }

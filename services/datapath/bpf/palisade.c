@@ -126,24 +126,8 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
     u32 slot = ifindex % EP_CACHE_SLOTS;
     struct ep_cache_value *cached = ep_cache.lookup(&slot);
     u32 ep_id, local_id;
-    if (likely(cached && cached->ifindex == ifindex && cached->epoch == epoch && epoch)) {
-        ep_id = cached->ep_id;
-        local_id = cached->identity;
-    } else {
-        struct endpoint_key self = {};
-        self.ifindex = ifindex;
-        struct endpoint_value *ep = endpoints.lookup(&self);
-        if (!ep)
-            return TC_ACT_OK;  /* not an endpoint's veth (or being detached) */
-        ep_id = ep->ep_id;
-        local_id = ep->identity;
-        if (cached) {
-            cached->ifindex = ifindex;
-            cached->ep_id = ep_id;
-            cached->identity = local_id;
-            cached->epoch = epoch;
-        }
-    }
+    if (!endpoint_of(cached, ifindex, epoch, &ep_id, &local_id))
+        return TC_ACT_OK;  /* not an endpoint's veth (or being detached) */
 
     struct flow f = {};
     int parsed = parse(skb, &f);
@@ -151,8 +135,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
         return TC_ACT_OK;
     if (unlikely(parsed == PARSE_INVALID)) {
         /* Too short to judge; the event carries whatever was parsed. */
-        emit(ifindex, &f, ep_id, local_id, 0, dir, VERDICT_DENY, REASON_INVALID);
-        count(ep_id, REASON_INVALID, dir, skb->len);
+        drop_event(skb, ifindex, &f, ep_id, local_id, 0, dir, REASON_INVALID);
         return TC_ACT_SHOT;
     }
 
@@ -191,8 +174,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
         sctp_note_once(&f, ep_id, dir, host_flow);
         int lb = remote_id ? LB_NONE : lb_egress(skb, &f, ep_id, now, &rev_nat);
         if (lb == LB_REJECT || lb == LB_DROP) {
-            emit(ifindex, &f, ep_id, local_id, WORLD_ID, dir, VERDICT_DENY, REASON_NO_BACKEND);
-            count(ep_id, REASON_NO_BACKEND, dir, skb->len);
+            drop_event(skb, ifindex, &f, ep_id, local_id, WORLD_ID, dir, REASON_NO_BACKEND);
             if (lb == LB_REJECT && lb_reject(skb, &f) == 0)
                 return bpf_redirect_peer(skb->ifindex, 0);
             return TC_ACT_SHOT;
@@ -203,8 +185,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
             if (unlikely(addr_equal(&f, f.saddr, f.daddr))) {
                 /* The pod's own backend: it sees the connection come from the hairpin address. */
                 if (hairpin_snat(skb, &f) < 0) {
-                    emit(ifindex, &f, ep_id, local_id, local_id, dir, VERDICT_DENY, REASON_NO_BACKEND);
-                    count(ep_id, REASON_NO_BACKEND, dir, skb->len);
+                    drop_event(skb, ifindex, &f, ep_id, local_id, local_id, dir, REASON_NO_BACKEND);
                     return TC_ACT_SHOT;
                 }
                 hairpin = 1;
@@ -226,8 +207,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
             u32 remote = remote_id ? remote_id : local_identity(f.family, f.daddr);
             if (!remote)
                 remote = cidr_identity(f.family, f.daddr);
-            emit(ifindex, &f, ep_id, local_id, remote, dir, VERDICT_DENY, REASON_NO_PORT);
-            count(ep_id, REASON_NO_PORT, dir, skb->len);
+            drop_event(skb, ifindex, &f, ep_id, local_id, remote, dir, REASON_NO_PORT);
             return TC_ACT_SHOT;
         }
         given_port = resolved == SNAT_GIVEN;
@@ -281,15 +261,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
     }
 
     *host_flow |= ct->flags & CT_F_VIA_HOST;
-    if (unlikely((f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) && !ct->closing)) {
-        ct->closing = 1;
-        ct->expires_ns = now + ct_lifetime(f.protocol, 1);
-    } else {
-        /* At most once a second (lifetimes are 10 s or more): most packets only read the entry. */
-        u64 expires = now + ct_lifetime(f.protocol, ct->closing);
-        if (unlikely(ct->expires_ns + CT_REFRESH_NS < expires))
-            ct->expires_ns = expires;
-    }
+    ct_refresh(&f, ct, now);
     if (unlikely(reply && (ct->rev_nat || (ct->flags & CT_F_SNAT)))) {
         sctp_note_once(&f, ep_id, dir, host_flow);
         /* A reply to a translated connection: the client's own port back, the frontend as source. */
@@ -309,8 +281,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
             undone = lb_reverse(skb, &f, ct->rev_nat);
         if (undone < 0) {
             /* The service or the port's record is gone: the client could not match the reply. */
-            emit(ifindex, &f, ep_id, local_id, ct->remote_identity, dir, VERDICT_DENY, REASON_NO_BACKEND);
-            count(ep_id, REASON_NO_BACKEND, dir, skb->len);
+            drop_event(skb, ifindex, &f, ep_id, local_id, ct->remote_identity, dir, REASON_NO_BACKEND);
             return TC_ACT_SHOT;
         }
     }
