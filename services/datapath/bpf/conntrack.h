@@ -87,26 +87,6 @@ static __always_inline void ct_forget(u8 family, union ct_tuple *k)
     }
 }
 
-/* The packet's entry, and in ``key`` the tuple it was looked up by. Which tuple first: a SYN-ACK
- * answers an opened flow, so its entry is the reversed tuple's; a bare SYN (``syn``: the packet's
- * SYN and ACK bits) opens a flow, so only its own tuple can hold it (matched to the reversed tuple
- * of a closing flow, it would open a connection the other way without a verdict). Anything else
- * tries its own tuple, then the reversed one. ``*reversed``: the tuple last looked up is the
- * reversed one (with an entry: the packet is a reply). */
-static __always_inline struct ct_value *ct_find(const struct flow *f, u32 ep_id, u8 dir, u8 syn, u64 now,
-                                                union ct_tuple *key, int *reversed)
-{
-    *reversed = syn == (TCP_FLAG_SYN | TCP_FLAG_ACK);
-    ct_key_of(f, ep_id, dir, *reversed, key);
-    struct ct_value *ct = ct_lookup(f->family, key, now);
-    if (!ct && syn != TCP_FLAG_SYN) {
-        *reversed = !*reversed;
-        ct_key_of(f, ep_id, dir, *reversed, key);
-        ct = ct_lookup(f->family, key, now);
-    }
-    return ct;
-}
-
 /* An established packet keeps its entry alive: a FIN or RST marks it closing (a shorter lifetime);
  * otherwise its expiry moves at most once a second (lifetimes are 10 s or more), so most packets
  * only read the entry. */

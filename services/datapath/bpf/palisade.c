@@ -113,13 +113,13 @@
 
 /* The policy of endpoint veth ``ifindex`` (skb->ifindex, or the destination's in "deliver") for
  * the packet in direction ``dir``, in the steps of the header comment: the endpoint, the packet's
- * flow, its conntrack entry; leaving a pod, a service's translation and a clashing tuple's port; the
- * policy for a new or stale flow; the entry kept alive; a reply's translations undone. A step
- * returns 1 when it has decided the packet (TC_ACT_SHOT, TC_ACT_OK for a new flow, a redirect for an
- * ICMP reject), its verdict in ``action``. ``via_host``: the packet came through the host
- * (to_container); ``*host_flow`` is set when its conntrack entry says the flow did. Before a
- * translation, an SCTP packet's header offset and ports are noted in sctp_scratch (OUT_SCTP; see
- * sctp_hand_off). */
+ * flow, its conntrack entry; leaving a pod, a service's translation (service_step) and a clashing
+ * tuple's port (snat_step); the policy for a new or stale flow (policy_step); the entry kept alive;
+ * a reply's translations undone (reply_step). A step returns 1 when it has decided the packet, its
+ * verdict in ``action`` (TC_ACT_SHOT, TC_ACT_OK for a new flow, a redirect for an ICMP reject).
+ * ``via_host``: the packet came through the host (to_container); ``*host_flow`` is set when its
+ * conntrack entry says the flow did. Before a translation, an SCTP packet's header offset and ports
+ * are noted in sctp_scratch (OUT_SCTP; see sctp_hand_off). */
 static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8 via_host, u8 *host_flow)
 {
     u64 epoch = current_epoch();
@@ -143,9 +143,8 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
      * most) is precise enough and costs a fraction of the precise one on every packet. */
     u64 now = coarse_now(cached);
     /* One key on the stack (the program's stack is small): the packet's tuple, then, for a
-     * reply, the reversed one; ``origin`` is the entry's key while it is in use. */
+     * reply, the reversed one; later the tuple the flow is tracked by. */
     union ct_tuple key;
-    union ct_tuple *origin = &key;
     /* Which tuple first: a SYN-ACK answers an opened flow, so its entry is the reversed tuple's; a
      * bare SYN opens a flow, so only its own tuple can hold it (matched to the reversed tuple of a
      * closing flow, it would open a connection the other way without a verdict). Anything else
@@ -161,130 +160,33 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
         ct = ct_lookup(f.family, &key, now);
     }
     int reply = ct && reversed;
-    u16 rev_nat = 0;
-    u32 remote_id = 0;      /* the remote identity, once looked up */
-    int remote_local = 1;   /* whether it may be a local endpoint's address still to look up */
-    u8 hairpin = 0;         /* a pod's connection to itself through a ClusterIP (CT_F_HAIRPIN) */
-    if (unlikely(!ct && dir == DIR_EGRESS)) {
-        /* Not established either way: a connection to a service frontend is translated first
-         * (established service flows are keyed by their backend, so they come here too). A local
-         * endpoint's address is never a frontend: its identity is needed anyway, and found first. */
-        remote_id = local_identity(f.family, f.daddr);
-        remote_local = 0;
-        sctp_note_once(&f, ep_id, dir, host_flow);
-        int lb = remote_id ? LB_NONE : lb_egress(skb, &f, ep_id, now, &rev_nat);
-        if (lb == LB_REJECT || lb == LB_DROP) {
-            drop_event(skb, ifindex, &f, ep_id, local_id, WORLD_ID, dir, REASON_NO_BACKEND);
-            if (lb == LB_REJECT && lb_reject(skb, &f) == 0)
-                return bpf_redirect_peer(skb->ifindex, 0);
-            return TC_ACT_SHOT;
-        }
-        if (lb == LB_DNAT) {
-            remote_local = 1;  /* the backend's address is another one */
-            u8 ct_dir = dir;
-            if (unlikely(addr_equal(&f, f.saddr, f.daddr))) {
-                /* The pod's own backend: it sees the connection come from the hairpin address. */
-                if (hairpin_snat(skb, &f) < 0) {
-                    drop_event(skb, ifindex, &f, ep_id, local_id, local_id, dir, REASON_NO_BACKEND);
-                    return TC_ACT_SHOT;
-                }
-                hairpin = 1;
-                ct_dir = DIR_INGRESS;
-                *host_flow |= OUT_HAIRPIN;
-            }
-            ct_key_of(&f, ep_id, ct_dir, 0, &key);
-            ct = ct_lookup(f.family, &key, now);
-        }
-    }
+    struct peer peer = {.remote_local = 1};
+    int action = TC_ACT_SHOT;  /* set by a step that decides the packet */
+    if (unlikely(!ct && dir == DIR_EGRESS) &&
+        service_step(skb, &f, ifindex, ep_id, local_id, dir, now, host_flow, &peer, &key, &ct, &action))
+        return action;  /* not established either way: a service's frontend is translated first */
     u8 given_port = 0;
-    if (dir == DIR_EGRESS && !reply && !hairpin && lb_l4(&f) &&
-        unlikely(ct ? ct->rev_nat != rev_nat || (ct->flags & CT_F_SNAT) || (syn == TCP_FLAG_SYN && ct->closing)
+    if (dir == DIR_EGRESS && !reply && !peer.hairpin && lb_l4(&f) &&
+        unlikely(ct ? ct->rev_nat != peer.rev_nat || (ct->flags & CT_F_SNAT) || (syn == TCP_FLAG_SYN && ct->closing)
                     : syn != TCP_FLAG_SYN)) {
         /* Not this flow's entry, or none where a connection may have been given a port. */
-        sctp_note_once(&f, ep_id, dir, host_flow);
-        int resolved = snat_resolve(skb, &f, ep_id, rev_nat, syn, now, &key, &ct);
-        if (resolved == SNAT_FAILED) {
-            u32 remote = remote_id ? remote_id : local_identity(f.family, f.daddr);
-            if (!remote)
-                remote = cidr_identity(f.family, f.daddr);
-            drop_event(skb, ifindex, &f, ep_id, local_id, remote, dir, REASON_NO_PORT);
-            return TC_ACT_SHOT;
-        }
-        given_port = resolved == SNAT_GIVEN;
+        if (snat_step(skb, &f, ifindex, ep_id, local_id, dir, syn, now, host_flow, &peer, &key, &ct, &given_port,
+                      &action))
+            return action;
     } else if (ct && !reversed && syn == TCP_FLAG_SYN && ct->closing && !(ct->flags & CT_F_SNAT)) {
         ct = NULL;  /* the tuple opens again (a SYN on its closing entry): a new flow, judged anew */
     }
 
-    if (unlikely(!ct || ct->epoch != epoch)) {
-        /* A new flow, or one whose verdict predates the policy: judged as it was opened. The remote
-         * address is the packet's either way (a reply's entry is keyed by the reversed tuple). One
-         * call site for the policy lookups and the event keeps the program small. */
-        const u8 *remote = dir == DIR_EGRESS ? f.daddr : f.saddr;
-        if (remote_local)
-            remote_id = local_identity(f.family, remote);
-        if (!remote_id)
-            remote_id = cidr_identity(f.family, remote);
-        u8 v4 = f.family == FAMILY_V4;
-        u8 judged_dir = ct ? (v4 ? origin->v4.direction : origin->v6.direction) : dir;
-        __be16 opened_port = v4 ? origin->v4.dport : origin->v6.dport;
-        u16 judged_port = ct ? (has_ports(f.protocol) ? bpf_ntohs(opened_port) : 0) : f.policy_port;
-        u8 reason = REASON_NOT_ENFORCED;
-        u8 verdict = VERDICT_ALLOW;
-        /* A pod reaching itself (hairpin) is always allowed, as when it connects to its own address. */
-        u8 self = hairpin || (ct && (ct->flags & CT_F_HAIRPIN));
-        if (!self && !(ALLOW_HOST && judged_dir == DIR_INGRESS && remote_id == HOST_ID))
-            verdict = policy_verdict(ep_id, judged_dir, remote_id, f.protocol, judged_port, &reason);
-        if (verdict != VERDICT_ALLOW || !ct) {
-            emit(ifindex, &f, ep_id, local_id, remote_id, dir, verdict, reason);
-            /* an audited packet passes: it is not counted as the drop its reason names */
-            count(ep_id, verdict == VERDICT_AUDIT ? REASON_NOT_ENFORCED : reason, dir, skb->len);
-        }
-        if (verdict == VERDICT_DENY) {
-            if (ct)
-                ct_forget(f.family, origin);
-            return TC_ACT_SHOT;
-        }
-        if (!ct) {
-            struct ct_value nv = {};
-            nv.closing = (f.tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) ? 1 : 0;
-            nv.expires_ns = now + ct_lifetime(f.protocol, nv.closing);
-            nv.epoch = epoch;
-            nv.remote_identity = remote_id;
-            nv.rev_nat = rev_nat;
-            nv.flags = (via_host ? CT_F_VIA_HOST : 0) | (given_port ? CT_F_SNAT : 0) | (hairpin ? CT_F_HAIRPIN : 0);
-            ct_key_of(&f, ep_id, hairpin ? DIR_INGRESS : dir, 0, &key);
-            ct_store(f.family, &key, &nv);
-            return TC_ACT_OK;
-        }
-        ct->epoch = epoch;
-        ct->remote_identity = remote_id;
-    }
+    if (unlikely(!ct || ct->epoch != epoch) &&
+        policy_step(skb, &f, ifindex, ep_id, local_id, dir, via_host, given_port, epoch, now, &peer, &key, ct,
+                    &action))
+        return action;  /* a new flow, or one whose verdict predates the policy */
 
     *host_flow |= ct->flags & CT_F_VIA_HOST;
     ct_refresh(&f, ct, now);
-    if (unlikely(reply && (ct->rev_nat || (ct->flags & CT_F_SNAT)))) {
-        sctp_note_once(&f, ep_id, dir, host_flow);
-        /* A reply to a translated connection: the client's own port back, the frontend as source. */
-        int undone = 0;
-        if (ct->flags & CT_F_SNAT) {
-            struct snat_key rk = {};
-            snat_key_of(&f, ep_id, ct->rev_nat, SNAT_REVERSE, 1, &rk);
-            struct snat_value *back = snat.lookup(&rk);
-            undone = back ? lb_rewrite(skb, &f, f.daddr, back->port, 1) : -1;
-        }
-        if (undone == 0 && (ct->flags & CT_F_HAIRPIN)) {
-            /* The pod answering itself: back to its own address, then from the frontend. */
-            undone = lb_rewrite(skb, &f, f.saddr, f.dport, 1);
-            *host_flow |= OUT_HAIRPIN;
-        }
-        if (undone == 0 && ct->rev_nat)
-            undone = lb_reverse(skb, &f, ct->rev_nat);
-        if (undone < 0) {
-            /* The service or the port's record is gone: the client could not match the reply. */
-            drop_event(skb, ifindex, &f, ep_id, local_id, ct->remote_identity, dir, REASON_NO_BACKEND);
-            return TC_ACT_SHOT;
-        }
-    }
+    if (unlikely(reply && (ct->rev_nat || (ct->flags & CT_F_SNAT))) &&
+        reply_step(skb, &f, ifindex, ep_id, local_id, dir, host_flow, ct, &action))
+        return action;  /* a reply to a translated connection whose translation cannot be undone */
     count(ep_id, REASON_ESTABLISHED, dir, skb->len);
     return TC_ACT_OK;
 }

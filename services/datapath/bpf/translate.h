@@ -51,32 +51,24 @@ static __always_inline int service_step(struct __sk_buff *skb, struct flow *f, u
 
 /* A packet leaving a pod (no reply, no hairpin) whose tuple's entry is not this flow's (another
  * translation's, or one Palisade gave this tuple's port, or a bare SYN on a closing entry), or
- * that has no entry where a connection may have been given a port: snat_resolve. A bare SYN on
- * the closing entry of this flow's own tuple opens the tuple again: a new flow, judged anew.
- * ``*given_port``: the packet now has the port given to its connection. */
+ * that has no entry where a connection may have been given a port: snat_resolve finds the tuple the
+ * flow is tracked by (``key``, ``*ct``), rewriting the source port to the one given to the
+ * connection. ``*given_port``: the packet now has it. */
 static __always_inline int snat_step(struct __sk_buff *skb, struct flow *f, u32 ifindex, u32 ep_id, u32 local_id,
-                                     u8 dir, u8 syn, int reply, int reversed, u64 now, u8 *host_flow,
-                                     struct peer *peer, union ct_tuple *key, struct ct_value **ct, u8 *given_port, int *action)
+                                     u8 dir, u8 syn, u64 now, u8 *host_flow, struct peer *peer, union ct_tuple *key,
+                                     struct ct_value **ct, u8 *given_port, int *action)
 {
-    struct ct_value *held = *ct;
-    if (dir == DIR_EGRESS && !reply && !peer->hairpin && lb_l4(f) &&
-        unlikely(held ? held->rev_nat != peer->rev_nat || (held->flags & CT_F_SNAT) ||
-                            (syn == TCP_FLAG_SYN && held->closing)
-                      : syn != TCP_FLAG_SYN)) {
-        sctp_note_once(f, ep_id, dir, host_flow);
-        int resolved = snat_resolve(skb, f, ep_id, peer->rev_nat, syn, now, key, ct);
-        if (resolved == SNAT_FAILED) {
-            u32 remote = peer->remote_id ? peer->remote_id : local_identity(f->family, f->daddr);
-            if (!remote)
-                remote = cidr_identity(f->family, f->daddr);
-            drop_event(skb, ifindex, f, ep_id, local_id, remote, dir, REASON_NO_PORT);
-            *action = TC_ACT_SHOT;
-            return 1;
-        }
-        *given_port = resolved == SNAT_GIVEN;
-    } else if (held && !reversed && syn == TCP_FLAG_SYN && held->closing && !(held->flags & CT_F_SNAT)) {
-        *ct = NULL;
+    sctp_note_once(f, ep_id, dir, host_flow);
+    int resolved = snat_resolve(skb, f, ep_id, peer->rev_nat, syn, now, key, ct);
+    if (resolved == SNAT_FAILED) {
+        u32 remote = peer->remote_id ? peer->remote_id : local_identity(f->family, f->daddr);
+        if (!remote)
+            remote = cidr_identity(f->family, f->daddr);
+        drop_event(skb, ifindex, f, ep_id, local_id, remote, dir, REASON_NO_PORT);
+        *action = TC_ACT_SHOT;
+        return 1;
     }
+    *given_port = resolved == SNAT_GIVEN;
     return 0;
 }
 
