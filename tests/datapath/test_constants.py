@@ -119,7 +119,7 @@ def test_a_definition_in_the_program_that_differs_from_python_fails_the_build(
 ) -> None:
     # As if palisade.c had kept its own copy of a reason, and it had drifted.
     text = SOURCE_PATH.read_text()
-    anchor = "#define SNAT_TRIES 6\n"
+    anchor = "#define OUT_HAIRPIN 2   /* a hairpin packet: back into the pod it came from */\n"
     assert anchor in text
     drifted = tmp_path / "palisade.c"
     drifted.write_text(text.replace(anchor, anchor + "#define REASON_DEFAULT_DENY 9\n"))

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.datapath.loader import C_STRUCTS, ProgramConfig, expand_includes, program_source, template_hash
+from services.datapath.loader import (
+    C_STRUCTS,
+    SOURCE_PATH,
+    ProgramConfig,
+    expand_includes,
+    program_source,
+    template_hash,
+)
 from services.datapath.maps import policymap
 from services.datapath.maps.policymap import (
     Prefix,
@@ -299,6 +307,32 @@ def test_program_source_holds_its_local_headers_in_place(tmp_path: Path) -> None
     (tmp_path / "b.h").write_text('#include "a.h"\n')
     with pytest.raises(ValueError, match="includes itself"):
         expand_includes(main)
+
+
+def test_every_header_beside_the_program_is_part_of_its_source() -> None:
+    # The program is in parts (bpf/*.h); each is put into the source the template hash is taken over.
+    # A header the program stopped including, or one added without an include, fails here.
+    source = program_source()
+    headers = sorted(SOURCE_PATH.parent.glob("*.h"))
+    assert len(headers) > 1
+    for header in headers:
+        assert f'#line 1 "{header.name}"' in source, f"{header.name} is not included by {SOURCE_PATH.name}"
+        assert f'#include "{header.name}"' not in source
+
+
+def test_a_change_to_any_header_changes_the_template_hash(tmp_path: Path) -> None:
+    for path in SOURCE_PATH.parent.iterdir():
+        if path.suffix in (".c", ".h"):
+            shutil.copy(path, tmp_path / path.name)
+    main = tmp_path / SOURCE_PATH.name
+    flags = ProgramConfig().cflags("/sys/fs/bpf/x")
+    base = template_hash(expand_includes(main), flags)
+    for header in sorted(tmp_path.glob("*.h")):
+        text = header.read_text()
+        header.write_text(text + "/* changed */\n")
+        assert template_hash(expand_includes(main), flags) != base, f"{header.name} is outside the template hash"
+        header.write_text(text)
+    assert template_hash(expand_includes(main), flags) == base
 
 
 def test_every_protocol_number_round_trips() -> None:

@@ -1,0 +1,180 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * Services (included by palisade.c): the rewrite of a packet's address and port with its
+ * checksums; DNAT of a new connection to a frontend to a backend (kept per connection in
+ * lb_conntrack, ClientIP affinity in lb_affinity); reverse NAT of the replies (lb_revnat).
+ */
+#ifndef PALISADE_LB_H
+#define PALISADE_LB_H
+
+/* Whether the packet's protocol is load-balanced: TCP, UDP and SCTP (whose checksum sctp_csum fixes
+ * once the packet is final). */
+static __always_inline int lb_l4(const struct flow *f)
+{
+    return f->has_l4 && (f->protocol == IPPROTO_TCP || f->protocol == IPPROTO_UDP || f->protocol == IPPROTO_SCTP);
+}
+
+/* Rewrite the destination (dst) or source address and port, keeping checksums right. SCTP's
+ * checksum covers no address, and its port changes are accounted for once the packet is final
+ * (sctp_fix_csum). */
+static __always_inline int lb_rewrite(struct __sk_buff *skb, struct flow *f, const u8 *addr, __be16 port, int dst)
+{
+    u32 l4 = f->l4_off;
+    u32 csum_off = l4 + (f->protocol == IPPROTO_TCP ? TCP_CSUM_OFF : UDP_CSUM_OFF);
+    u64 mangled = 0;
+    int l4_csum = 1;
+    u64 store_flags = 0;
+    if (unlikely(f->protocol == IPPROTO_SCTP)) {
+        l4_csum = 0;
+        store_flags = BPF_F_RECOMPUTE_CSUM;
+    } else if (f->protocol == IPPROTO_UDP) {
+        __sum16 udp_csum = 0;
+        if (bpf_skb_load_bytes(skb, csum_off, &udp_csum, sizeof(udp_csum)) < 0)
+            return -1;
+        if (f->family == FAMILY_V4 && udp_csum == 0)
+            l4_csum = 0;  /* IPv4 UDP without a checksum stays without one */
+        mangled = BPF_F_MARK_MANGLED_0;
+    }
+    u8 *cur = dst ? f->daddr : f->saddr;
+    if (f->family == FAMILY_V4) {
+        u32 from, to;
+        __builtin_memcpy(&from, cur, 4);
+        __builtin_memcpy(&to, addr, 4);
+        if (from != to) {
+            if (bpf_l3_csum_replace(skb, IPV4_CSUM_OFF, from, to, 4) < 0)
+                return -1;
+            if (l4_csum && bpf_l4_csum_replace(skb, csum_off, from, to, BPF_F_PSEUDO_HDR | mangled | 4) < 0)
+                return -1;
+            if (bpf_skb_store_bytes(skb, dst ? IPV4_DADDR_OFF : IPV4_SADDR_OFF, &to, 4, 0) < 0)
+                return -1;
+        }
+    } else {
+        u32 from[4], to[4];
+        __builtin_memcpy(from, cur, 16);
+        __builtin_memcpy(to, addr, 16);
+        s64 diff = bpf_csum_diff(from, 16, to, 16, 0);
+        if (l4_csum && bpf_l4_csum_replace(skb, csum_off, 0, diff, BPF_F_PSEUDO_HDR | mangled) < 0)
+            return -1;
+        if (bpf_skb_store_bytes(skb, dst ? IPV6_DADDR_OFF : IPV6_SADDR_OFF, to, 16, 0) < 0)
+            return -1;
+    }
+    __be16 old_port = dst ? f->dport : f->sport;
+    if (old_port != port) {
+        if (l4_csum && bpf_l4_csum_replace(skb, csum_off, old_port, port, mangled | sizeof(port)) < 0)
+            return -1;
+        if (bpf_skb_store_bytes(skb, l4 + (dst ? L4_DPORT_OFF : L4_SPORT_OFF), &port, sizeof(port), store_flags) < 0)
+            return -1;
+    }
+    __builtin_memcpy(cur, addr, 16);
+    if (dst) {
+        f->dport = port;
+        f->policy_port = bpf_ntohs(port);
+    } else {
+        f->sport = port;
+    }
+    return 0;
+}
+
+static __always_inline u32 lb_pick(const struct lb_service_key *sk, const struct lb_service_value *svc,
+                                   const struct flow *f, u64 now)
+{
+    struct lb_affinity_key ak = {};
+    struct lb_affinity_value *av = NULL;
+    if (svc->flags & SVC_FLAG_AFFINITY) {
+        __builtin_memcpy(ak.client, f->saddr, 16);
+        ak.rev_nat = svc->rev_nat;
+        ak.family = f->family;
+        av = lb_affinity.lookup(&ak);
+        if (av && now - av->last_ns < (u64)svc->affinity_s * NSEC) {
+            struct lb_backend_key bk = {.id = av->backend_id};
+            if (lb_backends.lookup(&bk)) {
+                av->last_ns = now;
+                return av->backend_id;
+            }
+        }
+    }
+    struct lb_service_key slot = *sk;
+    slot.slot = (bpf_get_prandom_u32() % svc->count) + 1;
+    struct lb_service_value *sv = lb_services.lookup(&slot);
+    if (!sv)
+        return 0;
+    if (svc->flags & SVC_FLAG_AFFINITY) {
+        struct lb_affinity_value nv = {.last_ns = now, .backend_id = sv->backend_id};
+        lb_affinity.update(&ak, &nv);
+    }
+    return sv->backend_id;
+}
+
+#define LB_NONE 0      /* not a frontend: the packet goes on unchanged */
+#define LB_DNAT 1      /* rewritten to a backend; *rev_nat names the service */
+#define LB_REJECT 2    /* a frontend without backends: answered, the packet was consumed */
+#define LB_DROP 3      /* cannot be translated */
+
+static __always_inline int lb_egress(struct __sk_buff *skb, struct flow *f, u32 ep_id, u64 now, u16 *rev_nat)
+{
+    if (!lb_l4(f))
+        return LB_NONE;
+    struct lb_service_key sk = {};
+    __builtin_memcpy(sk.addr, f->daddr, 16);
+    sk.port = f->dport;
+    sk.family = f->family;
+    sk.protocol = f->protocol;
+    struct lb_service_value *svc = lb_services.lookup(&sk);
+    if (!svc)
+        return LB_NONE;
+
+    struct lb_ct_key ck = {};
+    __builtin_memcpy(ck.saddr, f->saddr, 16);
+    __builtin_memcpy(ck.vaddr, f->daddr, 16);
+    ck.sport = f->sport;
+    ck.vport = f->dport;
+    ck.ep_id = ep_id;
+    ck.family = f->family;
+    ck.protocol = f->protocol;
+    struct lb_backend_value *be = NULL;
+    struct lb_ct_value *cv = lb_conntrack.lookup(&ck);
+    /* A bare SYN on a closing connection's entry opens a new connection: it is balanced anew. */
+    int reopens = (f->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN;
+    if (cv && cv->expires_ns >= now && cv->rev_nat == svc->rev_nat && !(reopens && cv->closing)) {
+        struct lb_backend_key bk = {.id = cv->backend_id};
+        be = lb_backends.lookup(&bk);
+    }
+    u8 closing = (f->tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) ? 1 : 0;
+    if (be) {
+        /* The connection keeps its backend. */
+        cv->closing |= closing;
+        cv->expires_ns = now + ct_lifetime(f->protocol, cv->closing);
+    } else {
+        /* A new connection, or its backend went away: a live backend of the service
+         * (the new one answers a mid-connection TCP segment with a reset: it ends cleanly). */
+        if (svc->count == 0)
+            return LB_REJECT;
+        u32 id = lb_pick(&sk, svc, f, now);
+        struct lb_backend_key bk = {.id = id};
+        be = lb_backends.lookup(&bk);
+        if (!be)
+            return LB_DROP;
+        struct lb_ct_value nv = {};
+        nv.expires_ns = now + ct_lifetime(f->protocol, closing);
+        nv.backend_id = id;
+        nv.rev_nat = svc->rev_nat;
+        nv.closing = closing;
+        lb_conntrack.update(&ck, &nv);
+    }
+    if (lb_rewrite(skb, f, be->addr, be->port, 1) < 0)
+        return LB_DROP;
+    *rev_nat = svc->rev_nat;
+    return LB_DNAT;
+}
+
+/* A reply entering the client: the backend's address and port become the frontend's. */
+static __always_inline int lb_reverse(struct __sk_buff *skb, struct flow *f, u16 rev_nat)
+{
+    struct lb_revnat_key rk = {.id = rev_nat};
+    struct lb_revnat_value *rv = lb_revnat.lookup(&rk);
+    if (!rv)
+        return -1;
+    return lb_rewrite(skb, f, rv->addr, rv->port, 0);
+}
+
+#endif /* PALISADE_LB_H */
