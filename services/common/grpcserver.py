@@ -313,19 +313,9 @@ def parse_addresses(value: str) -> list[tuple[str, int]]:
     return out
 
 
-#: Channel options every client gets. A name is resolved from its address records alone: gRPC's
-#: resolver otherwise also asks DNS for a service config (a TXT record), and waits for that answer
-#: even when /etc/hosts (a pod's hostAliases) has already given the address. Where no DNS server
-#: answers yet (a host-network pod before the cluster's DNS has a pod network, the bootstrap
-#: Palisade exists for) every connection then outlives its deadline. Palisade publishes no
-#: service config in DNS.
-CLIENT_OPTIONS: list[tuple[str, Any]] = [*MESSAGE_SIZE_OPTIONS, ("grpc.service_config_disable_resolution", 1)]
-
-
 def channel_args(service: str, credentials: Credentials | None) -> list[tuple[str, Any]]:
-    """Options of a channel to ``service``: message sizes, names resolved without a DNS service
-    config, and the name its certificate must carry."""
-    options: list[tuple[str, Any]] = list(CLIENT_OPTIONS)
+    """Options of a channel to ``service``: message sizes, and the name its certificate must carry."""
+    options: list[tuple[str, Any]] = list(MESSAGE_SIZE_OPTIONS)
     if credentials is not None:
         # Whatever address is dialled (a pod IP, a node address), the server must prove it is ``service``.
         options.append(("grpc.ssl_target_name_override", service))
@@ -335,7 +325,7 @@ def channel_args(service: str, credentials: Credentials | None) -> list[tuple[st
 def open_channel(target: str, service: str, credentials: Credentials | None) -> grpc.aio.Channel:
     """An asyncio channel to ``service`` at ``target``: mutual TLS, or plain on a local unix socket."""
     if credentials is None or target.startswith("unix:"):
-        return grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
+        return grpc.aio.insecure_channel(target, options=MESSAGE_SIZE_OPTIONS)
     return grpc.aio.secure_channel(
         target, credentials.channel_credentials(), options=channel_args(service, credentials)
     )
@@ -344,7 +334,7 @@ def open_channel(target: str, service: str, credentials: Credentials | None) -> 
 def open_sync_channel(target: str, service: str, credentials: Credentials | None) -> grpc.Channel:
     """The blocking twin of :func:`open_channel` (CLI, health probes)."""
     if credentials is None or target.startswith("unix:"):
-        return grpc.insecure_channel(target, options=CLIENT_OPTIONS)
+        return grpc.insecure_channel(target, options=MESSAGE_SIZE_OPTIONS)
     options = channel_args(service, credentials)
     return grpc.secure_channel(target, credentials.channel_credentials(), options=options)
 
