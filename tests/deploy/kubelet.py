@@ -4,7 +4,8 @@ What kubelet makes of a pod spec, this makes the same way, from the spec itself:
 
 - the sandbox: host network (``hostNetwork``), privileged when a container is;
 - each container's command and args (``$(VAR)`` expanded from its environment, ``$$`` an
-  escaped ``$``), its environment (plain values, ``fieldRef`` to ``spec.nodeName``,
+  escaped ``$``), its environment (the API server's Service variables, KUBERNETES_SERVICE_HOST
+  and the others kubelet always gives, then plain values, ``fieldRef`` to ``spec.nodeName``,
   ``status.hostIP``, ``status.podIP``, ``metadata.name``, ``metadata.namespace``),
   ``securityContext`` (privileged, user and group, capabilities, no privilege escalation,
   read-only root), ``workingDir``;
@@ -75,6 +76,26 @@ class NodeFacts:
     host_view: Callable[[str], Path] = Path
     #: Runs a command on the node (its network namespace), for httpGet/tcpSocket probes.
     on_node: Callable[[list[str]], subprocess.CompletedProcess[str]] | None = None
+    #: The API server's Service (default/kubernetes: the first address of the service range, 443),
+    #: which kubelet gives every container as KUBERNETES_SERVICE_HOST and the variables with it.
+    api_server: tuple[str, int] = ("10.96.0.1", 443)
+
+
+def service_environment(node: NodeFacts) -> dict[str, str]:
+    """The variables kubelet puts in every container for the API server's Service, whatever the
+    pod's enableServiceLinks (the kubernetes Service's are always given)."""
+    host, port = node.api_server
+    url = f"tcp://{host}:{port}"
+    return {
+        "KUBERNETES_SERVICE_HOST": host,
+        "KUBERNETES_SERVICE_PORT": str(port),
+        "KUBERNETES_SERVICE_PORT_HTTPS": str(port),
+        "KUBERNETES_PORT": url,
+        f"KUBERNETES_PORT_{port}_TCP": url,
+        f"KUBERNETES_PORT_{port}_TCP_PROTO": "tcp",
+        f"KUBERNETES_PORT_{port}_TCP_PORT": str(port),
+        f"KUBERNETES_PORT_{port}_TCP_ADDR": host,
+    }
 
 
 @dataclass(frozen=True)
@@ -96,7 +117,8 @@ def environment(container: Obj, pod: Obj, node: NodeFacts) -> dict[str, str]:
     }
     if spec.get("hostNetwork"):
         fields["status.podIP"] = node.host_ip
-    env: dict[str, str] = {}
+    # The Services' variables first: the container's own entries see them, and override them.
+    env: dict[str, str] = service_environment(node)
     for i, entry in enumerate(container.get("env", [])):
         where = f"containers[{container['name']}].env[{i}] ({entry['name']})"
         if "value" in entry:

@@ -314,6 +314,33 @@ def test_sandboxes_through_the_installed_conflist_are_enforced(cluster: Cluster,
     assert wait_for(lambda: endpoints(stack) == {}, 30), endpoints(stack)
 
 
+def test_the_cli_in_the_datapath_container_reaches_every_component(cluster: Cluster, datapath: Pod) -> None:
+    """deploy/README's recipe, `kubectl -n palisade-system exec ds/palisade-datapath -- palisade status`
+    (and `endpoint list`, `policy get`): the CLI in the running datapath container, with no set-up,
+    reaches its node's datapath on the node socket and the control plane through the Services' names
+    (the hostAliases, kube-proxy's addresses), each within status's connect timeout."""
+    ok, said = cluster.kubelet.wait_probe(datapath, "datapath", "startupProbe")
+    assert ok, said
+    out = cluster.kubelet.runtime.ExecSync(
+        api_pb2.ExecSyncRequest(container_id=datapath.containers["datapath"], cmd=["palisade", "status", "-o", "json"],
+                                timeout=60),
+        timeout=90,
+    )  # fmt: skip
+    report = json.loads(out.stdout.decode())
+    health = {(s["service"], s["address"]): s["health"] for s in report["services"]}
+    assert {name for name, _ in health} == {"watcher", "policy", "ipam", "datapath"}, health
+    assert all(state == "SERVING" for state in health.values()), health
+    assert ("datapath", f"unix:{DEFAULT_SOCKET}") in health, health
+    for name in ("watcher", "policy", "ipam"):
+        assert (name, f"palisade-{name}.palisade-system.svc:{ENDPOINTS[f'palisade-{name}'][0]}") in health, health
+    assert out.exit_code == 0, out.stdout.decode() + out.stderr.decode()
+    # The other two of the recipe answer (exec_in asserts they exit 0): endpoints from the node's
+    # datapath, policies from the policy service.
+    listed = json.loads(exec_in(cluster, datapath, "datapath", "palisade", "endpoint", "list", "-o", "json"))
+    assert "endpoints" in listed, listed
+    exec_in(cluster, datapath, "datapath", "palisade", "policy", "get")
+
+
 def analyzed(stack: Stack) -> dict[str, dict[str, bool]]:
     out = subprocess.run(
         [sys.executable, "-m", "services.cli.main", "analyze", "-f", str(stack.manifests), "--probe", "80/TCP",
@@ -336,11 +363,10 @@ def exec_in(cluster: Cluster, pod: Pod, container: str, *command: str) -> str:
     return str(out.stdout.decode())
 
 
-@pytest.mark.parametrize("component", ["policy"])
+@pytest.mark.parametrize("component", ["policy", "ipam"])
 def test_a_control_plane_deployment_runs_as_written_and_passes_its_probes(cluster: Cluster, component: str) -> None:
-    """It joins the running control plane (the stack's replicas) through the Services' names. (ipam's
-    Deployment is not here: run so, it could not reach etcd through palisade-etcd's Service, its TLS
-    handshake refused; see deploy/README.md, "What is tested here".)"""
+    """It joins the running control plane (the stack's replicas) through the Services' names: NATS,
+    and for ipam etcd (palisade-etcd's Service, with ipam's certificate)."""
     obj = pod_of(as_written(workload("Deployment", f"palisade-{component}")), NODE, str(uuid.uuid4()))
     pod = cluster.kubelet.run(obj, ApiObjects(secrets=cluster.secrets()))
     try:
@@ -397,12 +423,13 @@ def test_a_nats_or_etcd_member_starts_as_written_and_waits_for_its_peers(cluster
 
 def test_the_watcher_starts_as_written_and_needs_the_api_server(cluster: Cluster) -> None:
     """The watcher lists and watches the API server (PALISADE_SOURCE=kubernetes, in-cluster): there is
-    none here, nor the service account token kubelet would mount, so it exits at once, saying so."""
+    none here, nor the service account token kubelet would mount (kubelet does give it the API server's
+    Service address, KUBERNETES_SERVICE_HOST), so it exits at once, saying so."""
     obj = pod_of(as_written(workload("Deployment", "palisade-watcher")), NODE, str(uuid.uuid4()))
     pod = cluster.kubelet.run(obj, ApiObjects(secrets=cluster.secrets()))
     try:
         code = cluster.kubelet.wait_exit(pod.containers["watcher"], 120)
         assert code == 1
-        assert "not running in a cluster (KUBERNETES_SERVICE_HOST is unset)" in pod.log("watcher")
+        assert "cannot load the in-cluster service account" in pod.log("watcher"), pod.log("watcher")
     finally:
         cluster.kubelet.remove(pod)
