@@ -1,11 +1,12 @@
 """`palisade connectivity probe` equals `palisade analyze` on every conformance case, with real packets.
 
-One stack per topology, with an empty manifest folder: one node; three nodes routed directly
+One stack per topology, with an empty manifest folder: three nodes routed directly
 (`--routing direct`: each datapath routes the other nodes' pod CIDRs via their addresses); three
 nodes on networks of their own joined by the datapaths' VXLAN (`--routing tunnel`). The x/y/z,
 a/b/c model's nine pods are created once at their status.podIP addresses (10.0.<ns>.<pod>,
 outside every node's pool, so the ipBlock cases judge pod addresses), spread over the nodes in
-turn (pod i on node i mod 3: two pairs in three cross nodes), with servers on every probed port.
+turn (pod i on node i mod 3: two pairs in three cross nodes, the third stays on its node, so
+local delivery is judged in the same run), with servers on every probed port.
 Each case of the NetworkPolicy and Cilium policy suites is imported, probed with real TCP, UDP
 and SCTP packets (raw-socket SCTP where the kernel has none), compared cell by cell with the
 engine's matrix, and withdrawn.
@@ -39,7 +40,6 @@ CASES: dict[str, list[Any]] = {
 }
 #: Topology -> the stack's extra arguments (each multi-node one on a node subnet of its own).
 TOPOLOGIES: dict[str, tuple[str, ...]] = {
-    "one-node": (),
     "direct": ("--nodes", "3", "--node-subnet", "172.31.244.0/24", "--routing", "direct"),
     "tunnel": ("--nodes", "3", "--node-subnet", "172.31.240.0/24", "--routing", "tunnel"),
 }
