@@ -92,6 +92,32 @@ def build_pause_image(work: Path) -> Path:
     return archive
 
 
+def cri_config(root: Path, socket: Path, cni_bin: Path | str, cni_conf: Path | str) -> str:
+    """containerd's configuration with CRI on a private root, state and socket: runc, the native
+    snapshotter, no cgroups of its own, and CNI from ``cni_bin`` and ``cni_conf``."""
+    return f"""
+version = 2
+root = "{root / "root"}"
+state = "{root / "state"}"
+[grpc]
+  address = "{socket}"
+[ttrpc]
+  address = "{root / "t.sock"}"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{SANDBOX_IMAGE}"
+  restrict_oom_score_adj = true
+  disable_cgroup = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "native"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{cni_bin}"
+    conf_dir = "{cni_conf}"
+"""
+
+
 @dataclass
 class Containerd:
     """containerd with CRI on a private socket; CNI from ``cni_bin`` and ``cni_conf``."""
@@ -118,27 +144,7 @@ class Containerd:
         for binary in CNI_PLUGINS.iterdir():
             (self.cni_bin / binary.name).symlink_to(binary)
         (self.cni_bin / "palisade").symlink_to(plugin)
-        config = f"""
-version = 2
-root = "{self.root / "root"}"
-state = "{self.root / "state"}"
-[grpc]
-  address = "{self.socket}"
-[ttrpc]
-  address = "{self.root / "t.sock"}"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{SANDBOX_IMAGE}"
-  restrict_oom_score_adj = true
-  disable_cgroup = true
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "native"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "{self.cni_bin}"
-    conf_dir = "{self.cni_conf}"
-"""
+        config = cri_config(self.root, self.socket, self.cni_bin, self.cni_conf)
         (self.root / "config.toml").write_text(config)
         log = open(self.root / "containerd.log", "wb")  # noqa: SIM115 - the process writes it until stop
         self.proc = subprocess.Popen(

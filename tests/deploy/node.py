@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 from cri_api.v1 import api_pb2, api_pb2_grpc
 
-from testkit.containerd import CNI_PLUGINS, SANDBOX_IMAGE, build_pause_image
+from testkit.containerd import CNI_PLUGINS, SANDBOX_IMAGE, build_pause_image, cri_config
 
 #: Node paths that are the node's own (a per-test folder each), bound in its mount namespace.
 NODE_DIRS = ("/opt/cni/bin", "/etc/cni/net.d", "/opt/palisade-cni", "/run/palisade")
@@ -95,27 +95,7 @@ class NodeRuntime:
             binds.append(f"mount --bind {source} {own}")
         for plugin in CNI_PLUGINS.iterdir():
             (self.host_view("/opt/cni/bin") / plugin.name).symlink_to(plugin)
-        config = f"""
-version = 2
-root = "{self.root / "root"}"
-state = "{self.root / "state"}"
-[grpc]
-  address = "{self.socket}"
-[ttrpc]
-  address = "{self.root / "t.sock"}"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{SANDBOX_IMAGE}"
-  restrict_oom_score_adj = true
-  disable_cgroup = true
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "native"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/opt/cni/bin"
-    conf_dir = "/etc/cni/net.d"
-"""
+        config = cri_config(self.root, self.socket, "/opt/cni/bin", "/etc/cni/net.d")
         (self.root / "config.toml").write_text(config)
         # A private mount namespace: the binds stay the node's. The mounts a pod asks to share
         # both ways (Bidirectional) must be shared mounts, as on a node.
