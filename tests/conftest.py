@@ -8,16 +8,31 @@ import os
 import secrets
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
+from testkit import leftovers
 from testkit.harness import EtcdServer, NatsServer, ServiceProcess, bcc_problem, is_root, pki
+
+_LOCK = pytest.StashKey[IO[str]]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # The session's installation (CA and certificates): every service, CLI and client a test
     # starts finds it here, as a deployment's components find their mounted secret.
     os.environ["PALISADE_TLS_DIR"] = str(pki())
+    if is_root():
+        handle, swept = leftovers.hold_lock()
+        config.stash[_LOCK] = handle
+        if swept:
+            print(f"\nremoved what a killed test run left behind: {swept}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    handle = config.stash.get(_LOCK, None)
+    if handle is not None:
+        handle.close()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
