@@ -15,10 +15,19 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from palisade.v1 import common_pb2, identity_pb2, k8s_pb2, policy_pb2
 from services.common.labels import labels_from_wire
-from services.policy.engine.audit import AuditOverlay
+from services.policy.engine.audit import AuditOverlay, combined_names
 from services.policy.engine.changes import IdentityChange, ObjectDelta, ObjectKind
 from services.policy.engine.ipcache import IpcacheRecord
-from services.policy.engine.model import Direction, EntryKey, IpProto, PolicyRef, Verdict
+from services.policy.engine.model import (
+    Direction,
+    DnsRule,
+    EntryKey,
+    FqdnRule,
+    IpProto,
+    NameRules,
+    PolicyRef,
+    Verdict,
+)
 from services.policy.engine.orders import OrderDiff, PlannedOrder
 from services.policy.engine.preview import DiffProbe, FlowKey, ObservedFlow, Preview
 from services.policy.engine.resolve import ResolvedPolicy
@@ -68,6 +77,63 @@ def enforcement(ingress: bool, egress: bool) -> common_pb2.Enforcement:
     return common_pb2.Enforcement(ingress=ingress, egress=egress)
 
 
+def _name_verdict(audit: bool) -> common_pb2.Verdict.ValueType:
+    return common_pb2.VERDICT_AUDIT_ALLOW if audit else common_pb2.VERDICT_ALLOW
+
+
+def fqdn_rules_to_proto(rules: Iterable[FqdnRule]) -> list[common_pb2.FqdnRule]:
+    return [
+        common_pb2.FqdnRule(
+            selector=r.selector,
+            protocol=int(r.protocol),  # type: ignore[arg-type]  # IP protocol numbers are the enum values
+            port_low=r.port_low,
+            port_high=r.port_high,
+            verdict=_name_verdict(r.audit),
+        )
+        for r in rules
+    ]
+
+
+def dns_rules_to_proto(rules: Iterable[DnsRule]) -> list[common_pb2.DnsRule]:
+    return [
+        common_pb2.DnsRule(
+            remote_identity=r.remote_identity,
+            protocol=int(r.protocol),  # type: ignore[arg-type]
+            port=r.port,
+            selectors=list(r.selectors),
+            verdict=_name_verdict(r.audit),
+        )
+        for r in rules
+    ]
+
+
+def _names_from_proto(fqdn: Iterable[common_pb2.FqdnRule], dns: Iterable[common_pb2.DnsRule]) -> NameRules:
+    """The inverse of the encoders above (for tests and tools reading orders)."""
+    return NameRules(
+        tuple(
+            FqdnRule(
+                r.selector, IpProto(r.protocol), r.port_low, r.port_high, r.verdict == common_pb2.VERDICT_AUDIT_ALLOW
+            )
+            for r in fqdn
+        ),
+        tuple(
+            DnsRule(
+                r.remote_identity,
+                IpProto(r.protocol),
+                r.port,
+                tuple(r.selectors),
+                r.verdict == common_pb2.VERDICT_AUDIT_ALLOW,
+            )
+            for r in dns
+        ),
+    )
+
+
+def names_from_proto(message: common_pb2.IdentityPolicy | common_pb2.IdentityPolicyDiff) -> NameRules:
+    """The rules on names an identity's policy or diff carries."""
+    return _names_from_proto(message.fqdn_rules, message.dns_rules)
+
+
 def diff_to_proto(diff: OrderDiff) -> common_pb2.IdentityPolicyDiff:
     """An incremental diff (remove first, then add), or with ``full`` the whole policy; the entries
     of audited policies follow the enforced ones."""
@@ -82,6 +148,11 @@ def diff_to_proto(diff: OrderDiff) -> common_pb2.IdentityPolicyDiff:
     out.enforcement.audit_egress = diff.audit_egress
     out.add.extend(audit_entries_to_proto(diff.audit_add))
     out.remove.extend(audit_entries_to_proto(diff.audit_remove))
+    if diff.names is not None or diff.full:
+        names = diff.names if diff.names is not None else NameRules()
+        out.names_changed = True
+        out.fqdn_rules.extend(fqdn_rules_to_proto(names.fqdn))
+        out.dns_rules.extend(dns_rules_to_proto(names.dns))
     return out
 
 
@@ -95,6 +166,9 @@ def policy_to_proto(policy: ResolvedPolicy, audit: AuditOverlay | None = None) -
         out.enforcement.audit_ingress = audit.ingress
         out.enforcement.audit_egress = audit.egress
         out.entries.extend(audit_entries_to_proto(audit.entries))
+    names = combined_names(policy.names, audit)
+    out.fqdn_rules.extend(fqdn_rules_to_proto(names.fqdn))
+    out.dns_rules.extend(dns_rules_to_proto(names.dns))
     return out
 
 

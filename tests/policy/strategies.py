@@ -111,10 +111,28 @@ def knp(draw: Any) -> dict[str, Any]:
 
 
 @st.composite
-def cnp_rule(draw: Any, direction: str) -> dict[str, Any]:
+def cnp_rule(draw: Any, direction: str, allow: bool = True) -> dict[str, Any]:
     p = "from" if direction == "ingress" else "to"
     rule: dict[str, Any] = {}
-    choice = draw(st.sampled_from(["eps", "ents", "cidr", "none", "requires"]))
+    names = direction == "egress" and allow
+    choice = draw(st.sampled_from(["eps", "ents", "cidr", "none", "requires", *(["fqdn"] if names else [])]))
+    if choice == "fqdn":
+        rule["toFQDNs"] = [{"matchPattern": draw(st.sampled_from(["*.a.test", "*", "b.test"]))}]
+        if draw(st.booleans()):
+            rule["toPorts"] = [{"ports": [{"port": "443", "protocol": "TCP"}]}]
+        return rule
+    if names and choice in ("eps", "requires", "none") and draw(st.integers(0, 3)) == 0:
+        # a DNS rule: its servers are the rule's peers (every identity when it has none)
+        if choice == "none":
+            rule["toPorts"] = [
+                {"ports": [{"port": "53", "protocol": "UDP"}], "rules": {"dns": [{"matchName": "c.test"}]}}
+            ]
+            return rule
+        rule[f"{p}Endpoints"] = draw(st.lists(app_sel, min_size=1, max_size=2))
+        rule["toPorts"] = [
+            {"ports": [{"port": "53", "protocol": "ANY"}], "rules": {"dns": [{"matchPattern": "*.a.test"}]}}
+        ]
+        return rule
     if choice == "eps":
         rule[f"{p}Endpoints"] = draw(st.lists(app_sel, min_size=1, max_size=2))
     elif choice == "ents":
@@ -145,7 +163,7 @@ def cnp(draw: Any) -> dict[str, Any]:
         ("egressDeny", "egress"),
     ):
         if draw(st.booleans()):
-            spec[field] = draw(st.lists(cnp_rule(direction), min_size=1, max_size=2))
+            spec[field] = draw(st.lists(cnp_rule(direction, not field.endswith("Deny")), min_size=1, max_size=2))
     clusterwide = draw(st.booleans())
     meta: dict[str, Any] = {"name": "p"}
     if not clusterwide:

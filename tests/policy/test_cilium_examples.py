@@ -1,5 +1,6 @@
-"""Every upstream Cilium example parses; L7/FQDN ones report unsupported features;
-where upstream tests state expected verdicts, the engine agrees."""
+"""Every upstream Cilium example parses; toFQDNs and DNS rules become rules on names (enforced);
+other L7 features are reported as unsupported; where upstream tests state expected verdicts,
+the engine agrees."""
 
 from __future__ import annotations
 
@@ -43,10 +44,15 @@ def test_every_policy_object_is_accepted(name: str) -> None:
     }:
         assert policies, "policy objects expected"
     unsupported = [u for p in policies for u in p.unsupported]
-    if meta.get("l7") or meta.get("fqdn"):
-        assert unsupported, "L7/FQDN features must be reported"
+    peer_rules = [pr for p in policies for r in p.rules for pr in r.peer_rules]
     if meta.get("fqdn"):
-        assert any("toFQDNs" in u for u in unsupported)
+        assert any(pr.fqdns for pr in peer_rules), "toFQDNs must become rules on names"
+        assert not any(u.split(":")[0].endswith("toFQDNs") for u in unsupported), unsupported
+    if _writes_dns_rules(load(name)):
+        assert any(pr.dns for pr in peer_rules), "rules.dns must become DNS rules"
+    assert not any("rules.dns" in u for u in unsupported), unsupported
+    if meta.get("l7") and _writes_other_l7(load(name)):
+        assert unsupported, "L7 features other than DNS must be reported"
     if meta.get("l3l4_only") and not any(
         f.startswith(
             ("nodeSelector", "fromNodes", "toServices", "fromCIDRSet.cidrGroupRef", "auth", "ports.protocol:VRRP")
@@ -54,6 +60,31 @@ def test_every_policy_object_is_accepted(name: str) -> None:
         for f in meta.get("features", [])
     ):
         assert not unsupported, unsupported
+
+
+_OTHER_L7 = ("serverNames", "terminatingTLS", "originatingTLS", "listener")
+
+
+def _walk(node: Any) -> list[dict[str, Any]]:
+    if isinstance(node, dict):
+        return [node, *(m for v in node.values() for m in _walk(v))]
+    if isinstance(node, list):
+        return [m for v in node for m in _walk(v)]
+    return []
+
+
+def _writes_dns_rules(docs: list[dict[str, Any]]) -> bool:
+    return any(isinstance(m.get("rules"), dict) and m["rules"].get("dns") for d in docs for m in _walk(d))
+
+
+def _writes_other_l7(docs: list[dict[str, Any]]) -> bool:
+    """Whether an example has an L7 rule Palisade does not enforce (anything but DNS rules)."""
+    for m in (m for d in docs for m in _walk(d)):
+        if any(m.get(f) for f in _OTHER_L7):
+            return True
+        if isinstance(m.get("rules"), dict) and any(v for k, v in m["rules"].items() if k != "dns"):
+            return True
+    return False
 
 
 # --- cilium-cli connectivity tests, namespace cilium-test, probe 8080/TCP ---------------

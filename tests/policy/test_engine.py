@@ -279,16 +279,11 @@ def test_ip_block_error_message_format() -> None:
 @pytest.mark.parametrize(
     ("section", "feature"),
     [
-        ("egress:\n  - toFQDNs: [{matchName: a.com}]\n", "spec.egress[0].toFQDNs: toFQDNs"),
         ("egress:\n  - toGroups: [{aws: {labels: {a: b}}}]\n", "spec.egress[0].toGroups: toGroups"),
         ("ingress:\n  - fromNodes: [{matchLabels: {a: b}}]\n", "spec.ingress[0].fromNodes: fromNodes"),
         (
             "ingress:\n  - toPorts: [{ports: [{port: '80'}], rules: {http: [{method: GET}]}}]\n",
             "spec.ingress[0].toPorts[0].rules: L7 rules.http",
-        ),
-        (
-            "egress:\n  - toPorts: [{ports: [{port: '53'}], rules: {dns: [{matchPattern: '*'}]}}]\n",
-            "spec.egress[0].toPorts[0].rules: L7 rules.dns",
         ),
         (
             "egress:\n  - toPorts: [{ports: [{port: '443'}], serverNames: [a.com]}]\n",

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.policy.engine.identity import Identity
-from services.policy.engine.model import EntryKey, Verdict
+from services.policy.engine.model import EntryKey, NameRules, Verdict
 from services.policy.engine.parse import parse_policy
 from services.policy.engine.policyengine import PolicyDiff, PolicyEngine, apply_diff
 from services.policy.engine.resolve import ResolvedPolicy
@@ -54,11 +54,11 @@ op = st.one_of(
     st.tuples(st.just("batch")),
 )
 
-Snapshot = dict[int, tuple[bool, bool, dict[EntryKey, Verdict]]]
+Snapshot = dict[int, tuple[bool, bool, dict[EntryKey, Verdict], NameRules]]
 
 
 def snapshot(policies: dict[int, ResolvedPolicy]) -> Snapshot:
-    return {i: (p.ingress_enforced, p.egress_enforced, dict(p.entries)) for i, p in policies.items()}
+    return {i: (p.ingress_enforced, p.egress_enforced, dict(p.entries), p.names) for i, p in policies.items()}
 
 
 def assert_local(diffs: dict[int, PolicyDiff], touched: set[int], before: Snapshot) -> None:
@@ -80,7 +80,10 @@ def assert_minimal(d: PolicyDiff, before: Snapshot) -> None:
     entries = old[2] if old is not None else {}
     assert all(k in entries for k in d.removed)
     assert all(entries.get(k) is not v for k, v in d.added.items())
-    assert d.added or d.removed or old is None or (d.ingress_enforced, d.egress_enforced) != old[:2]
+    assert d.names is None or old is None or d.names != old[3]
+    assert (
+        d.added or d.removed or old is None or (d.ingress_enforced, d.egress_enforced) != old[:2] or d.names is not None
+    )
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])

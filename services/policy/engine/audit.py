@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from services.policy.engine.ipcache import is_endpoint_identity
-from services.policy.engine.model import Direction, EntryKey, Policy, Verdict
+from services.policy.engine.model import Direction, EntryKey, NameRules, Policy, Verdict
 from services.policy.engine.orders import OrderDiff, PlannedOrder
 from services.policy.engine.policyengine import PolicyEngine
 from services.policy.engine.resolve import ResolvedPolicy
@@ -36,6 +36,20 @@ class AuditOverlay:
     #: The direction is default deny only by audited policies.
     ingress: bool = False
     egress: bool = False
+    #: The ``toFQDNs``/DNS rules only audited policies make (each marked ``audit``).
+    names: NameRules = field(default_factory=NameRules)
+
+
+def overlay_names(enforced: NameRules, full: NameRules) -> NameRules:
+    """The rules on names of the full policy that the enforced one lacks, marked audited."""
+    return NameRules.of(
+        [f for f in full.fqdn if f not in enforced.fqdn], [d for d in full.dns if d not in enforced.dns]
+    ).audited()
+
+
+def combined_names(enforced: NameRules, audit: AuditOverlay | None) -> NameRules:
+    """What a node enforces on names for an identity: its enforced rules and its audited ones."""
+    return enforced | audit.names if audit is not None and audit.names else enforced
 
 
 def overlay(enforced: ResolvedPolicy | None, full: ResolvedPolicy | None, identity: int) -> AuditOverlay | None:
@@ -52,9 +66,10 @@ def overlay(enforced: ResolvedPolicy | None, full: ResolvedPolicy | None, identi
                 entries[key] = Verdict.DENY
         elif ingress if key.direction is Direction.INGRESS else egress:
             entries[key] = Verdict.ALLOW
-    if not entries and not ingress and not egress:
+    names = overlay_names(enforced.names if enforced is not None else NameRules(), full.names)
+    if not entries and not ingress and not egress and not names:
         return None
-    return AuditOverlay(identity, entries, ingress, egress)
+    return AuditOverlay(identity, entries, ingress, egress, names)
 
 
 def full_engine(engine: PolicyEngine, audited: Iterable[Policy]) -> PolicyEngine:
@@ -92,10 +107,16 @@ def delta(
 
 
 def with_audit(
-    orders: Iterable[PlannedOrder], old: Mapping[int, AuditOverlay], new: Mapping[int, AuditOverlay]
+    orders: Iterable[PlannedOrder],
+    old: Mapping[int, AuditOverlay],
+    new: Mapping[int, AuditOverlay],
+    names_of: Callable[[int], NameRules] = lambda _: NameRules(),
 ) -> list[PlannedOrder]:
     """The orders with each identity's audit part: the whole overlay in full diffs, the change in
-    incremental ones, the audit-only directions in both (diff objects stay shared across nodes)."""
+    incremental ones, the audit-only directions in both (diff objects stay shared across nodes).
+
+    Rules on names travel whole: when the enforced or the audited ones changed, the diff carries
+    both (``names_of``: an identity's enforced rules on names, for a diff that did not change them)."""
     memo: dict[int, OrderDiff] = {}
 
     def decorate(d: OrderDiff) -> OrderDiff:
@@ -107,12 +128,19 @@ def with_audit(
             out = d
         else:
             add, remove = delta(None if d.full else before, after)
+            names = d.names
+            before_names = before.names if before is not None else NameRules()
+            after_names = after.names if after is not None else NameRules()
+            if d.full or names is not None or before_names != after_names:
+                enforced = names if names is not None else names_of(d.identity)
+                names = combined_names(enforced, after)
             out = dataclasses.replace(
                 d,
                 audit_add=add,
                 audit_remove={} if d.full else remove,
                 audit_ingress=after.ingress if after is not None else False,
                 audit_egress=after.egress if after is not None else False,
+                names=names,
             )
         memo[id(d)] = out
         return out

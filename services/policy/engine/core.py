@@ -29,6 +29,7 @@ from services.policy.engine.ipcache import IpcacheRecord, IpcacheTable, is_endpo
 from services.policy.engine.model import (
     MODE_ANNOTATION,
     IpProto,
+    NameRules,
     Policy,
     PolicyKind,
     PolicyMode,
@@ -277,7 +278,7 @@ class PolicyCore:
             )
         self._dirty.clear()
         if previous or self.audit:
-            orders = with_audit(orders, previous, self.audit)
+            orders = with_audit(orders, previous, self.audit, self._enforced_names)
         self.realized.record_changes(revision, ((o.node, i) for o in orders for i in o.changed_identities()), caused_at)
         return self._committed(revision, orders)
 
@@ -651,6 +652,10 @@ class PolicyCore:
             tuple(policies),
             {p.identity: self.audit[p.identity] for p in policies if p.identity in self.audit},
         )
+
+    def _enforced_names(self, identity: int) -> NameRules:
+        policy = self.engine.policy_for(identity)
+        return policy.names if policy is not None else NameRules()
 
     def policy_of(self, identity: int) -> ResolvedPolicy | None:
         return self.engine.policy_for(identity)

@@ -13,7 +13,7 @@ types) serves two ends, so they cannot drift:
   ``deploy/kubernetes/crds`` (written by ``scripts/gen_crds.py``, compared by a test), so an
   API server under strict field validation rejects the same typos.
 
-Fields that are valid but not enforced (L7 rules, ``toFQDNs``, ``toGroups``, ...) are in the
+Fields that are valid but not enforced (L7 rules other than DNS, ``toGroups``, ...) are in the
 model like the others: their typos are errors too; ``parse`` reports them as unsupported.
 A few legacy spellings found in Cilium's own examples are accepted with a warning (see
 ``legacy`` on :class:`Node`).

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import enum
 import ipaddress
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -122,6 +122,15 @@ class ServiceRef:
         return f"service {where}/{self.name}" if self.name else f"services {where}/{self.selector}"
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class DnsPorts:
+    """The DNS rules of one ``toPorts`` element (``rules.dns``): the names a subject may resolve
+    through these ports (selectors in :mod:`services.common.fqdn`'s normal form)."""
+
+    ports: tuple[PortSpec, ...]
+    selectors: tuple[str, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class PeerRule:
     """One ingress/egress element: which remote identities, which ports, allow or deny.
@@ -132,6 +141,8 @@ class PeerRule:
     selected by endpoint selectors. ``origin`` is the field path, for traces.
     ``services`` are the ``toServices`` items as written; the engine adds their
     backends' selectors to ``peers`` while the Services exist.
+    ``fqdns`` are the ``toFQDNs`` selectors (they add no peer identity: the node learns their
+    addresses); ``dns`` the DNS rules of its ``toPorts``.
     """
 
     direction: Direction
@@ -141,6 +152,8 @@ class PeerRule:
     requirements: tuple[Selector, ...] = ()
     origin: str = ""
     services: tuple[ServiceRef, ...] = ()
+    fqdns: tuple[str, ...] = ()
+    dns: tuple[DnsPorts, ...] = ()
 
     @property
     def has_named_ports(self) -> bool:
@@ -161,6 +174,79 @@ class Rule:
     peer_rules: tuple[PeerRule, ...]
     origin: str = "spec"
     description: str = ""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class FqdnRule:
+    """A subject's egress allow to the addresses of the names ``selector`` selects, on these ports.
+
+    ``PortSpec``'s conventions: protocol ANY with ports 0-0 is every port. ``audit``: the allow of
+    a policy in audit mode.
+    """
+
+    selector: str
+    protocol: IpProto
+    port_low: int
+    port_high: int
+    audit: bool = False
+
+    def covers(self, *, protocol: int, port: int) -> bool:
+        key = EntryKey(Direction.EGRESS, WILDCARD_IDENTITY, self.protocol, self.port_low, self.port_high)
+        return key.covers(protocol=protocol, port=port)
+
+    def __str__(self) -> str:
+        ports = "*" if self.port_low == self.port_high == 0 else f"{self.port_low}-{self.port_high}"
+        if self.port_low == self.port_high != 0:
+            ports = str(self.port_low)
+        return f"toFQDNs {self.selector} {self.protocol.name}/{ports}" + (" (audit)" if self.audit else "")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class DnsRule:
+    """Queries the subject sends to ``remote_identity`` (0: any) on ``protocol``/``port`` go through
+    the node's DNS proxy, which answers only names one of ``selectors`` selects."""
+
+    remote_identity: int
+    protocol: IpProto
+    port: int
+    selectors: tuple[str, ...]
+    audit: bool = False
+
+    def __str__(self) -> str:
+        return f"dns to id={self.remote_identity} {self.protocol.name}/{self.port}: {', '.join(self.selectors)}" + (
+            " (audit)" if self.audit else ""
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NameRules:
+    """A subject's rules on DNS names (sorted, without duplicates): what its node's DNS proxy enforces."""
+
+    fqdn: tuple[FqdnRule, ...] = ()
+    dns: tuple[DnsRule, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.fqdn or self.dns)
+
+    @classmethod
+    def of(cls, fqdn: Iterable[FqdnRule], dns: Iterable[DnsRule]) -> NameRules:
+        """Sorted and merged: DNS rules of one server, port and mode are one rule with every selector."""
+        merged: dict[tuple[int, IpProto, int, bool], set[str]] = {}
+        for d in dns:
+            merged.setdefault((d.remote_identity, d.protocol, d.port, d.audit), set()).update(d.selectors)
+        return cls(
+            tuple(sorted(set(fqdn))),
+            tuple(sorted(DnsRule(r, p, n, tuple(sorted(s)), a) for (r, p, n, a), s in merged.items())),
+        )
+
+    def audited(self) -> NameRules:
+        """These rules as a policy in audit mode's."""
+        return NameRules(
+            tuple(replace(f, audit=True) for f in self.fqdn), tuple(replace(d, audit=True) for d in self.dns)
+        )
+
+    def __or__(self, other: NameRules) -> NameRules:
+        return NameRules.of((*self.fqdn, *other.fqdn), (*self.dns, *other.dns))
 
 
 class PolicyMode(enum.StrEnum):

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
-from services.policy.engine.model import EntryKey, Verdict
+from services.policy.engine.model import EntryKey, NameRules, Verdict
 from services.policy.engine.policyengine import PolicyDiff
 from services.policy.engine.resolve import ResolvedPolicy
 
@@ -55,16 +55,28 @@ class OrderDiff:
     audit_remove: Mapping[EntryKey, Verdict] = field(default_factory=dict)
     audit_ingress: bool = False
     audit_egress: bool = False
+    #: The identity's whole set of ``toFQDNs``/DNS rules (audited ones marked) when it changed
+    #: (always with ``full``); None: unchanged.
+    names: NameRules | None = None
 
     @classmethod
     def of(cls, diff: PolicyDiff) -> OrderDiff:
         """An incremental diff (a key whose verdict changed is in both ``remove`` and ``add``)."""
-        return cls(diff.identity, diff.ingress_enforced, diff.egress_enforced, diff.added, diff.removed)
+        return cls(
+            diff.identity, diff.ingress_enforced, diff.egress_enforced, diff.added, diff.removed, names=diff.names
+        )
 
     @classmethod
     def whole(cls, policy: ResolvedPolicy) -> OrderDiff:
         """The whole policy of an identity, replacing whatever the receiver had."""
-        return cls(policy.identity, policy.ingress_enforced, policy.egress_enforced, policy.entries, full=True)
+        return cls(
+            policy.identity,
+            policy.ingress_enforced,
+            policy.egress_enforced,
+            policy.entries,
+            full=True,
+            names=policy.names,
+        )
 
 
 @dataclass(frozen=True, slots=True)

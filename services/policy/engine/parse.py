@@ -17,7 +17,7 @@ and its L3/L4 effect is always the conservative one:
   ``listener`` under ``toPorts``: the L3/L4 part (peers, ports) is enforced as
   written, as Cilium does when no proxy is in the path; the L7 filter is not.
 * ``authentication``: the rule is enforced without mutual authentication.
-* ``toFQDNs``, ``toGroups``/``fromGroups``, ``toNodes``/
+* ``toGroups``/``fromGroups``, ``toNodes``/
   ``fromNodes``, ``cidrGroupRef``/``cidrGroupSelector``: these peers select no
   identity (nothing is allowed, or denied, through them); they still count as
   peers, so a rule made only of them is never widened to "all peers".
@@ -28,6 +28,13 @@ and its L3/L4 effect is always the conservative one:
 
 ``fromRequires``/``toRequires``, ``icmps`` and ``toServices`` (``k8sService``,
 ``k8sServiceSelector``: the Services' backends, see ``servicepeers``) are implemented.
+``toFQDNs`` (``matchName``/``matchPattern``, validated as Cilium does, see
+:mod:`services.common.fqdn`) and DNS rules (``toPorts[].rules.dns``) are implemented too:
+they become the peer rule's ``fqdns`` and ``dns``, which the resolver turns into each
+identity's rules on names (enforced by the node's DNS proxy). A ``toFQDNs`` peer adds no
+identity to the rule's peers (the node learns the addresses), so, like the peers above,
+it is never widened to "all peers"; a DNS rule's L4 part (the DNS traffic) is an ordinary
+allow.
 
 The module is about 600 lines because it follows the three schemas field by field, so
 a reader can hold one document beside it; the model and the selector grammar live in
@@ -39,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from services.common.fqdn import FqdnError, validate_name, validate_pattern
 from services.common.labels import (
     CLUSTER_NAME_DEFAULT,
     LABEL_NAMESPACE_LABELS_PREFIX,
@@ -53,6 +61,7 @@ from services.policy.engine.model import (
     ALL_PORTS,
     MODE_ANNOTATION,
     Direction,
+    DnsPorts,
     IPNetwork,
     IpProto,
     PeerRule,
@@ -85,6 +94,8 @@ _CILIUM_API_GROUPS = ("cilium.io/",)
 _PROTOCOLS = {"TCP": IpProto.TCP, "UDP": IpProto.UDP, "SCTP": IpProto.SCTP, "ANY": IpProto.ANY}
 _EXTENDED_PROTOCOLS = {"VRRP", "IGMP"}
 _L7_FIELDS = ("rules", "serverNames", "terminatingTLS", "originatingTLS", "listener")
+#: Peer fields of an egress rule that toFQDNs cannot share a rule with (Cilium's rule validation).
+_L3_FIELDS = ("toEndpoints", "toCIDR", "toCIDRSet", "toEntities", "toServices", "toNodes", "toGroups")
 
 
 def is_policy_document(doc: Any) -> bool:
@@ -478,10 +489,18 @@ def _cilium_peer_rule(
             if ref is not None:
                 services.append(ref)
 
-    unsupported_peers = [f"{p}Nodes", f"{p}Groups"]
-    if direction is Direction.EGRESS:
-        unsupported_peers += ["toFQDNs"]
-    for f in unsupported_peers:
+    fqdns: tuple[str, ...] = ()
+    if direction is Direction.EGRESS and item.get("toFQDNs"):
+        peer_fields_present = True
+        fqdns = _fqdn_selectors(ctx, _as_list(ctx, item.get("toFQDNs"), f"{path}.toFQDNs"), f"{path}.toFQDNs")
+        others = [f for f in _L3_FIELDS if item.get(f)]
+        if others:
+            raise ctx.error(
+                f"{path}.toFQDNs",
+                f"cannot be combined with {', '.join(others)} in one rule (as in Cilium); write two egress rules",
+            )
+
+    for f in (f"{p}Nodes", f"{p}Groups"):
         if item.get(f):
             peer_fields_present = True
             ctx.unsupported_feature(f"{path}.{f}", f"{f}; selects no peer")
@@ -496,9 +515,18 @@ def _cilium_peer_rule(
         if item.get(f):
             ctx.unsupported_feature(f"{path}.{f}", "authentication; enforced without it")
 
-    ports = _cilium_ports(ctx, item, path, verdict)
+    ports, dns = _cilium_ports(ctx, item, path, direction)
     if ports is None:
         return None  # every port spec was unsupported: allows/denies nothing
+    if fqdns and any(spec.name for spec in ports):
+        named = next(str(spec) for spec in ports if spec.name)
+        raise ctx.error(f"{path}.toPorts", f"named port {named} cannot be used with toFQDNs; give the port number")
+    if fqdns and dns:
+        ctx.unsupported_feature(
+            f"{path}.toPorts",
+            "DNS rules in a toFQDNs rule (they would filter queries sent to the names' own addresses); not enforced",
+        )
+        dns = ()
     has_ports = ("toPorts" in item and item.get("toPorts")) or item.get("icmps")
     peer_tuple: tuple[Selector, ...] | None
     if all_peers:
@@ -511,7 +539,42 @@ def _cilium_peer_rule(
         peer_tuple = ()
     else:
         peer_tuple = ()  # Cilium: an empty rule selects no peer
-    return PeerRule(direction, verdict, peer_tuple, ports, tuple(requirements), origin=path, services=tuple(services))
+    return PeerRule(
+        direction,
+        verdict,
+        peer_tuple,
+        ports,
+        tuple(requirements),
+        origin=path,
+        services=tuple(services),
+        fqdns=fqdns,
+        dns=dns,
+    )
+
+
+def _fqdn_selectors(ctx: _Ctx, items: list[Any], path: str) -> tuple[str, ...]:
+    """The selectors of a ``toFQDNs`` list or a ``rules.dns`` list, in normal form (see ``fqdn``)."""
+    out: list[str] = []
+    for j, raw in enumerate(items):
+        spath = f"{path}[{j}]"
+        sel = _as_map(ctx, raw, spath)
+        given = [f for f in ("matchName", "matchPattern") if sel.get(f) not in (None, "")]
+        if len(given) != 1:
+            raise ctx.error(
+                spath,
+                "give exactly one of matchName or matchPattern"
+                if given
+                else "empty selector: give matchName (one name) or matchPattern (a pattern with *)",
+            )
+        field = given[0]
+        value = sel[field]
+        if not isinstance(value, str):
+            raise ctx.error(f"{spath}.{field}", "must be a string")
+        try:
+            out.append(validate_name(value) if field == "matchName" else validate_pattern(value))
+        except FqdnError as err:
+            raise ctx.error(f"{spath}.{field}", str(err)) from None
+    return tuple(dict.fromkeys(out))
 
 
 def _service_ref(ctx: _Ctx, item: Mapping[str, Any], path: str) -> ServiceRef | None:
@@ -544,38 +607,76 @@ def _service_namespace(ctx: _Ctx, raw: Any, path: str) -> str | None:
     return raw
 
 
-def _cilium_ports(ctx: _Ctx, item: Mapping[str, Any], path: str, verdict: Verdict) -> tuple[PortSpec, ...] | None:
-    """Port specs of a Cilium rule element; ``None`` when all were unsupported."""
+def _cilium_ports(
+    ctx: _Ctx, item: Mapping[str, Any], path: str, direction: Direction
+) -> tuple[tuple[PortSpec, ...] | None, tuple[DnsPorts, ...]]:
+    """Port specs of a Cilium rule element (``None`` when all were unsupported), and its DNS rules."""
     specs: list[PortSpec] = []
+    dns: list[DnsPorts] = []
     dropped = False
     to_ports = _as_list(ctx, item.get("toPorts"), f"{path}.toPorts")
     for j, tp in enumerate(to_ports):
         tpath = f"{path}.toPorts[{j}]"
         tp = _as_map(ctx, tp, tpath)
+        dns_items = _dns_items(ctx, tp, tpath, direction)
         for f in _L7_FIELDS:
             if tp.get(f):
                 what = f
                 if f == "rules" and isinstance(tp[f], Mapping):
-                    what = "rules." + ",".join(sorted(str(k) for k in tp[f]))
+                    kinds = sorted(str(k) for k, v in tp[f].items() if k != "dns" and v)
+                    if not kinds:
+                        continue  # DNS rules only: enforced (the node's DNS proxy)
+                    what = "rules." + ",".join(kinds)
                 ctx.unsupported_feature(f"{tpath}.{f}", f"L7 {what}; L3/L4 part enforced")
         ports = _as_list(ctx, tp.get("ports"), f"{tpath}.ports")
         if not ports:
+            if dns_items is not None:
+                raise ctx.error(f"{tpath}.ports", "DNS rules need the DNS server port, as {port: '53'}")
             specs.append(ALL_PORTS)
             continue
+        element: list[PortSpec] = []
         for k, pp in enumerate(ports):
             ppath = f"{tpath}.ports[{k}]"
             spec = _cilium_port(ctx, _as_map(ctx, pp, ppath), ppath)
             if spec is None:
                 dropped = True
             else:
-                specs.extend(spec)
+                if dns_items is not None:
+                    _check_dns_port(ctx, spec, ppath)
+                element.extend(spec)
+        specs.extend(element)
+        if dns_items is not None and element:
+            dns.append(DnsPorts(tuple(dict.fromkeys(element)), dns_items))
     for j, ic in enumerate(_as_list(ctx, item.get("icmps"), f"{path}.icmps")):
         ipath = f"{path}.icmps[{j}]"
         for k, fld in enumerate(_as_list(ctx, _as_map(ctx, ic, ipath).get("fields"), f"{ipath}.fields")):
             specs.append(_icmp_field(ctx, _as_map(ctx, fld, f"{ipath}.fields[{k}]"), f"{ipath}.fields[{k}]"))
     if not specs:
-        return None if dropped else (ALL_PORTS,)
-    return tuple(dict.fromkeys(specs))
+        return (None if dropped else (ALL_PORTS,)), tuple(dns)
+    return tuple(dict.fromkeys(specs)), tuple(dns)
+
+
+def _dns_items(ctx: _Ctx, tp: Mapping[str, Any], tpath: str, direction: Direction) -> tuple[str, ...] | None:
+    """The selectors of a ``toPorts`` element's ``rules.dns`` (None when it has none)."""
+    rules = _as_map(ctx, tp.get("rules"), f"{tpath}.rules")
+    if "dns" not in rules:
+        return None
+    dpath = f"{tpath}.rules.dns"
+    if direction is Direction.INGRESS:
+        raise ctx.error(dpath, "DNS rules are only allowed in egress rules (they filter the subject's own queries)")
+    others = sorted(str(k) for k, v in rules.items() if k != "dns" and v)
+    if others:
+        raise ctx.error(f"{tpath}.rules", f"dns cannot be combined with {', '.join(others)} in one toPorts element")
+    items = _as_list(ctx, rules.get("dns"), dpath)
+    return _fqdn_selectors(ctx, items, dpath)
+
+
+def _check_dns_port(ctx: _Ctx, specs: list[PortSpec], path: str) -> None:
+    for spec in specs:
+        if spec.name or spec.port_low == 0:
+            raise ctx.error(f"{path}.port", "DNS rules need a port number (the DNS server's, usually 53)")
+        if spec.port_low != spec.port_high:
+            raise ctx.error(f"{path}.endPort", "DNS rules apply to one port, not a range")
 
 
 def _cilium_port(ctx: _Ctx, pp: Mapping[str, Any], path: str) -> list[PortSpec] | None:

@@ -56,6 +56,7 @@ from services.policy.engine.model import (
     IPAddress,
     IPNetwork,
     IpProto,
+    NameRules,
     Policy,
     PolicyRef,
     Rule,
@@ -70,7 +71,9 @@ from services.policy.engine.resolve import (
     ResolvedPolicy,
     RuleRef,
     SubjectRules,
+    names_follow_remotes,
     peer_index,
+    resolve_names,
     resolve_subject,
 )
 from services.policy.engine.selector import CIDRSelector, Selector
@@ -86,7 +89,8 @@ class PolicyDiff:
 
     Apply as: drop ``removed`` keys, then set ``added`` (a key whose verdict
     changed is in both). ``deleted`` means the subject is gone: drop it all.
-    The enforced flags are the new values.
+    The enforced flags are the new values. ``names`` is the subject's whole new set of
+    ``toFQDNs``/DNS rules when it changed, None when it did not.
     """
 
     identity: int
@@ -95,6 +99,7 @@ class PolicyDiff:
     added: Mapping[EntryKey, Verdict] = field(default_factory=EntrySet)
     removed: AbstractSet[EntryKey] = field(default_factory=KeySet)
     deleted: bool = False
+    names: NameRules | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,18 +116,23 @@ def diff_policies(old: ResolvedPolicy | None, new: ResolvedPolicy | None, identi
     if new is None:
         if old is None:
             return None
-        return PolicyDiff(identity, False, False, EntrySet(), KeySet(c & ~DENY_BIT for c in old.entries.codes), True)
+        return PolicyDiff(
+            identity, False, False, EntrySet(), KeySet(c & ~DENY_BIT for c in old.entries.codes), True, NameRules()
+        )
     new_codes = new.entries.codes
     if old is None:
-        return PolicyDiff(identity, new.ingress_enforced, new.egress_enforced, new.entries, KeySet())
+        return PolicyDiff(identity, new.ingress_enforced, new.egress_enforced, new.entries, KeySet(), names=new.names)
+    names = None if old.names == new.names else new.names
     flags_same = old.ingress_enforced == new.ingress_enforced and old.egress_enforced == new.egress_enforced
     old_codes = old.entries.codes
     if old_codes == new_codes:
-        if flags_same:
+        if flags_same and names is None:
             return None
-        return PolicyDiff(identity, new.ingress_enforced, new.egress_enforced)
+        return PolicyDiff(identity, new.ingress_enforced, new.egress_enforced, names=names)
     added, removed = changes(old_codes, new_codes)
-    return PolicyDiff(identity, new.ingress_enforced, new.egress_enforced, EntrySet(sorted(added)), KeySet(removed))
+    return PolicyDiff(
+        identity, new.ingress_enforced, new.egress_enforced, EntrySet(sorted(added)), KeySet(removed), names=names
+    )
 
 
 def apply_diff(policies: dict[int, ResolvedPolicy], diff: PolicyDiff) -> None:
@@ -135,8 +145,9 @@ def apply_diff(policies: dict[int, ResolvedPolicy], diff: PolicyDiff) -> None:
     for k in diff.removed:
         entries.pop(k, None)
     entries.update(diff.added.items())
+    names = diff.names if diff.names is not None else (old.names if old is not None else NameRules())
     policies[diff.identity] = ResolvedPolicy(
-        diff.identity, diff.ingress_enforced, diff.egress_enforced, EntrySet.of(entries)
+        diff.identity, diff.ingress_enforced, diff.egress_enforced, EntrySet.of(entries), names
     )
 
 
@@ -160,6 +171,8 @@ class _Subject:
     rids: tuple[RuleId, ...]
     rules: SubjectRules
     index: PeerIndex
+    #: Its DNS rules name their servers: an identity change may change its names.
+    names_follow_remotes: bool = False
 
 
 class PolicyEngine:
@@ -629,7 +642,7 @@ class PolicyEngine:
         rids = tuple(self._rule_ids_for(i))
         srules = SubjectRules.of((rid[0], self._rules[rid]) for rid in rids)
         new = resolve_subject(i, srules, self, memo=self._memo)
-        self._subjects[i] = _Subject(rids, srules, peer_index(srules))
+        self._subjects[i] = _Subject(rids, srules, peer_index(srules), names_follow_remotes(srules))
         self._resolved[i] = new
         return diff_policies(old, new, i)
 
@@ -649,6 +662,8 @@ class PolicyEngine:
         runs: dict[int, list[int]] = {}
         added: list[int] = []
         removed: list[int] = []
+        names = resolve_names(sub.rules, self) if sub.names_follow_remotes else old.names
+        names_diff = None if names == old.names else names
         for x in remotes:
             new = sub.index.slice(x, own_ports, self) if x in self._identities else []
             low, high = entries.run(x)
@@ -658,8 +673,12 @@ class PolicyEngine:
             run_added, run_removed = changes(codes[low:high], new)
             added.extend(run_added)
             removed.extend(run_removed)
-        if not runs:
+        if not runs and names_diff is None:
             return None
         # A new set, not an edit: policies handed out never change.
-        self._resolved[i] = ResolvedPolicy(i, old.ingress_enforced, old.egress_enforced, entries.with_runs(runs))
-        return PolicyDiff(i, old.ingress_enforced, old.egress_enforced, EntrySet(sorted(added)), KeySet(removed))
+        self._resolved[i] = ResolvedPolicy(
+            i, old.ingress_enforced, old.egress_enforced, entries.with_runs(runs) if runs else entries, names
+        )
+        return PolicyDiff(
+            i, old.ingress_enforced, old.egress_enforced, EntrySet(sorted(added)), KeySet(removed), names=names_diff
+        )

@@ -40,8 +40,11 @@ from services.policy.engine.model import (
     ALL_PORTS,
     WILDCARD_IDENTITY,
     Direction,
+    DnsRule,
     EntryKey,
+    FqdnRule,
     IpProto,
+    NameRules,
     PeerRule,
     PolicyRef,
     PortSpec,
@@ -82,13 +85,15 @@ class RuleRef:
 class ResolvedPolicy:
     """The computed policy of one subject identity (shared by all its endpoints).
 
-    ``entries`` is always an :class:`EntrySet` (a mapping given here is packed).
+    ``entries`` is always an :class:`EntrySet` (a mapping given here is packed). ``names`` are
+    its ``toFQDNs`` and DNS rules (see :func:`resolve_names`).
     """
 
     identity: int
     ingress_enforced: bool
     egress_enforced: bool
     entries: EntrySet = field(default_factory=EntrySet)
+    names: NameRules = field(default_factory=NameRules)
 
     def __post_init__(self) -> None:
         if not isinstance(self.entries, EntrySet):
@@ -321,7 +326,66 @@ def resolve_subject(
                 ref = RuleRef(pkey, rule.origin, pr.origin, pr.verdict)
                 for c in codes:
                     explain.setdefault(decode_key(c), []).append(ref)
-    return ResolvedPolicy(subject, srules.ingress_enforced, srules.egress_enforced, EntrySet.build(allow, deny))
+    names = resolve_names(srules, ctx, reqs[Direction.EGRESS])
+    return ResolvedPolicy(subject, srules.ingress_enforced, srules.egress_enforced, EntrySet.build(allow, deny), names)
+
+
+_DNS_PROTOCOLS = (IpProto.UDP, IpProto.TCP)
+
+
+def fqdn_rules_of(pr: PeerRule) -> list[FqdnRule]:
+    """The ``toFQDNs`` rules one peer rule makes: each selector on each of its ports."""
+    out: list[FqdnRule] = []
+    for selector in pr.fqdns:
+        for spec in pr.ports:
+            out.append(FqdnRule(selector, spec.protocol, spec.port_low, spec.port_high))
+    return out
+
+
+def dns_rules_of(pr: PeerRule, remotes: Iterable[int] | None) -> list[DnsRule]:
+    """The DNS rules one peer rule makes for ``remotes`` (None: any server): per remote, each
+    UDP/TCP port of a ``toPorts`` element with ``rules.dns``, with that element's selectors."""
+    targets = sorted(remotes) if remotes is not None else [WILDCARD_IDENTITY]
+    out: list[DnsRule] = []
+    for dp in pr.dns:
+        for spec in dp.ports:
+            if spec.protocol not in _DNS_PROTOCOLS:
+                continue  # DNS runs on UDP and TCP; the L4 entry of another protocol stays as written
+            out.extend(DnsRule(r, spec.protocol, spec.port_low, dp.selectors) for r in targets)
+    return out
+
+
+def has_names(srules: SubjectRules) -> bool:
+    return any(pr.fqdns or pr.dns for _, rule in srules.rules for pr in rule.peer_rules)
+
+
+def resolve_names(srules: SubjectRules, ctx: ResolveContext, requirements: list[set[int]] | None = None) -> NameRules:
+    """A subject's rules on names: every ``toFQDNs`` selector on each port of its egress allows, and
+    each DNS rule for every identity its peer rule selects (the DNS servers) and port.
+
+    A DNS rule's L4 part (the DNS traffic itself) is an ordinary allow entry of the same peer
+    rule. A direction that is not enforced keeps no ``toFQDNs`` allows (they would change
+    nothing) but keeps its DNS rules: they decide which names the subject may resolve.
+    """
+    if not has_names(srules):
+        return NameRules()
+    reqs = requirements if requirements is not None else srules.requirement_sets(ctx)[Direction.EGRESS]
+    fqdn: list[FqdnRule] = []
+    dns: list[DnsRule] = []
+    for _, rule in srules.rules:
+        for pr in rule.peer_rules:
+            if pr.direction is not Direction.EGRESS or pr.verdict is not Verdict.ALLOW:
+                continue
+            if pr.fqdns and srules.egress_enforced:
+                fqdn.extend(fqdn_rules_of(pr))
+            if pr.dns:
+                dns.extend(dns_rules_of(pr, _remotes(pr, ctx, reqs)))
+    return NameRules.of(fqdn, dns)
+
+
+def names_follow_remotes(srules: SubjectRules) -> bool:
+    """Whether the subject's names change with identities (its DNS rules name their servers)."""
+    return any(pr.dns and pr.peers is not None for _, rule in srules.rules for pr in rule.peer_rules)
 
 
 @dataclass(frozen=True, slots=True)
