@@ -19,7 +19,7 @@ from services.common.grpcserver import wait_for_channel
 from services.common.subjects import REGEN_ALL, SYNCED_SUBJECT, identity_subject, ipcache_subject, regen_subject
 from testkit import builders
 from testkit.harness import ROOT, NatsServer, ServiceProcess, creds
-from testkit.nodestate import GapError, NodeState, from_policies
+from testkit.nodestate import GapError, NodeState, from_policies, names_from_policies
 
 # A guard against hanging, never an assertion about speed.
 PATIENCE = 20.0
@@ -211,7 +211,11 @@ class Datapath:
     async def matches_resync(self) -> bool:
         """Whether this node's applied state is exactly what Resync returns now."""
         response = await self.stub.Resync(policy_pb2.ResyncRequest(node=self.node), timeout=PATIENCE)
-        return self.state.sequence == response.sequence and self.state.policies == from_policies(response.policies)
+        return (
+            self.state.sequence == response.sequence
+            and self.state.policies == from_policies(response.policies)
+            and self.state.names == names_from_policies(response.policies)
+        )
 
 
 async def start_policy(

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from services.common.manifests import Document, DocumentError, split_documents
-from services.policy.engine.analyze import AnalyzeError, Probe, ProbeResult, analyze
+from services.policy.engine.analyze import AnalyzeError, DnsTable, Probe, ProbeResult, analyze
 
 _YAML_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -21,7 +21,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="compute the connectivity matrix of manifests offline",
         description=(
             "Read Namespace, Pod and (Cilium)NetworkPolicy manifests and print, for each "
-            "probe, whether each pod may open a connection to each pod."
+            "probe, whether each pod may open a connection to each pod. With --dns, also whether "
+            "each pod may reach each name of the table (toFQDNs and DNS rules judged as the node "
+            "judges them: an address is allowed by its own identity, or by a toFQDNs rule selecting "
+            "the name on the probe's port when the pod's DNS rules let it resolve the name)."
         ),
     )
     parser.add_argument(
@@ -40,6 +43,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         required=True,
         metavar="PORT/PROTO",
         help="port and protocol to probe, e.g. 80/TCP (repeatable)",
+    )
+    parser.add_argument(
+        "--dns",
+        dest="dns",
+        action="append",
+        default=[],
+        metavar="NAME=IP[,IP...]",
+        help=(
+            "what a DNS name resolves to (repeatable), e.g. --dns api.example.test=192.0.2.10; the JSON "
+            "output then has names[src][name] per probe: may src connect to every address of name"
+        ),
     )
     parser.add_argument("-o", "--output", choices=("json", "table"), default="table")
     parser.add_argument(
@@ -93,14 +107,27 @@ def _table(results: Sequence[ProbeResult], out: TextIO) -> None:
             cells = " ".join(("yes" if res.matrix[src][dst] else "-").ljust(width) for dst in pods)
             out.write(src.ljust(width) + " | " + cells + "\n")
         out.write("\n")
+        if res.names:
+            names = list(next(iter(res.names.values())))
+            out.write(f"Names on {res.probe.port}/{res.probe.protocol.name} (row = source pod, column = name)\n")
+            src_width = max([len(p) for p in res.names] + [4])
+            widths = [max(len(n), 3) for n in names]
+            out.write(" " * src_width + " | " + " ".join(n.ljust(w) for n, w in zip(names, widths, strict=True)) + "\n")
+            for src, row in res.names.items():
+                cells = " ".join(("yes" if row[n] else "-").ljust(w) for n, w in zip(names, widths, strict=True))
+                out.write(src.ljust(src_width) + " | " + cells + "\n")
+            out.write("\n")
 
 
 def run(args: argparse.Namespace) -> int:
     """Exit status: 0 analyzed; 1 analyzed without the invalid policies (``--keep-going``); 2 bad input."""
     try:
         probes = [Probe.parse(p) for p in args.probes]
+        table = DnsTable.parse(args.dns)
         docs = load_documents(args.paths)
-        results, model = analyze(docs, probes, self_traffic_allowed=not args.enforce_self, keep_going=args.keep_going)
+        results, model = analyze(
+            docs, probes, self_traffic_allowed=not args.enforce_self, keep_going=args.keep_going, dns=table
+        )
     except AnalyzeError as err:
         print(f"palisade analyze: {err}", file=sys.stderr)
         return 2

@@ -265,3 +265,111 @@ def test_connectivity_probe_refuses_host_network_pods_it_cannot_make(tmp_path: P
     )  # fmt: skip
     assert out.returncode == 2
     assert "x/agent" in out.stderr and "spec.hostNetwork" in out.stderr
+
+
+# --- names: toFQDNs and DNS rules with the user's DNS table -----------------------------------
+
+NAMES_MODEL = """\
+apiVersion: v1
+kind: Pod
+metadata: {name: a, namespace: x, labels: {app: a}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: b, namespace: x, labels: {app: b}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: c, namespace: x, labels: {app: c}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: dns, namespace: kube-system, labels: {k8s-app: kube-dns}}
+---
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: a-names, namespace: x}
+spec:
+  endpointSelector: {matchLabels: {app: a}}
+  egress:
+  - toEndpoints: [{matchLabels: {"k8s:io.kubernetes.pod.namespace": kube-system, k8s-app: kube-dns}}]
+    toPorts: [{ports: [{port: "53", protocol: ANY}], rules: {dns: [{matchPattern: "*.example.test"}]}}]
+  - toFQDNs: [{matchPattern: "*.example.test"}, {matchName: other.test}]
+    toPorts: [{ports: [{port: "443", protocol: TCP}]}]
+---
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: b-names-without-dns-rule, namespace: x}
+spec:
+  endpointSelector: {matchLabels: {app: b}}
+  egress:
+  - toFQDNs: [{matchPattern: "*"}]
+---
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: c-world-but-one, namespace: x}
+spec:
+  endpointSelector: {matchLabels: {app: c}}
+  egress:
+  - toEntities: [world]
+  egressDeny:
+  - toCIDR: [198.51.100.7/32]
+"""
+DNS = [
+    "--dns",
+    "api.example.test=192.0.2.10,192.0.2.11",
+    "--dns",
+    "other.test=198.51.100.7",
+    "--dns",
+    "a.b.example.test=203.0.113.5",
+]
+
+
+def test_names_are_judged_from_the_dns_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "m.yaml").write_text(NAMES_MODEL)
+    assert run(["-f", str(tmp_path), "--probe", "443/TCP", "--probe", "80/TCP", *DNS, "-o", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert "unsupported" not in err
+    https, http = json.loads(out)["probes"]
+    assert https["names"] == {
+        # a: *.example.test by name (one label only), other.test selected by toFQDNs but not resolvable
+        "x/a": {"a.b.example.test": False, "api.example.test": True, "other.test": False},
+        # b: toFQDNs without any DNS rule: its queries never reach the proxy, nothing is learned
+        "x/b": {"a.b.example.test": False, "api.example.test": False, "other.test": False},
+        # c: the world by its addresses, except the one denied
+        "x/c": {"a.b.example.test": True, "api.example.test": True, "other.test": False},
+        "kube-system/dns": {"a.b.example.test": True, "api.example.test": True, "other.test": True},
+    }
+    assert http["names"]["x/a"] == {"a.b.example.test": False, "api.example.test": False, "other.test": False}
+    # the pod matrix is as without the table
+    assert run(["-f", str(tmp_path), "--probe", "443/TCP", "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["probes"][0] == {k: v for k, v in https.items() if k != "names"}
+
+
+def test_names_in_the_table_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "m.yaml").write_text(NAMES_MODEL)
+    assert run(["-f", str(tmp_path), "--probe", "443/TCP", *DNS]) == 0
+    out = capsys.readouterr().out
+    assert "Names on 443/TCP (row = source pod, column = name)" in out
+    names = out.split("Names on 443/TCP")[1]
+    row = next(line for line in names.splitlines() if line.startswith("x/a "))
+    assert row.split("|")[1].split() == ["-", "yes", "-"]
+
+
+@pytest.mark.parametrize(
+    ("entry", "needle"),
+    [
+        ("api.example.test", "write NAME=IP[,IP...]"),
+        ("api.example.test=", "write NAME=IP[,IP...]"),
+        ("api..example.test=192.0.2.1", "empty label"),
+        ("*.example.test=192.0.2.1", "'*'"),
+        ("api.example.test=192.0.2.300", "'192.0.2.300' is not an IP address"),
+    ],
+)
+def test_a_bad_dns_entry_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], entry: str, needle: str
+) -> None:
+    (tmp_path / "m.yaml").write_text(NAMES_MODEL)
+    assert run(["-f", str(tmp_path), "--probe", "443/TCP", "--dns", entry]) == 2
+    err = capsys.readouterr().err
+    assert "--dns" in err and needle in err

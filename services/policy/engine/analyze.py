@@ -12,6 +12,14 @@ to work under any policy), and such traffic never leaves the pod's network
 namespace, so it never reaches the enforcement point. Pass
 ``self_traffic_allowed=False`` to evaluate it through policy instead.
 
+Names: with a DNS table (``--dns NAME=IP[,IP...]``: what the names resolve to), each probe also
+says whether every pod may reach each name (``ProbeResult.names``), judged as the node judges
+them (see ``names``): a connection to each of the name's addresses is allowed by the address's
+own identity (its pod's, else a CIDR identity of the address, which ``world`` and CIDR rules
+select), or else by a ``toFQDNs`` rule selecting the name on that port, provided the pod's DNS
+rules let it resolve the name. A name is reachable when all its addresses are (a client may pick
+any); an address that is a pod's is also judged by that pod's ingress.
+
 A pod with ``spec.hostNetwork: true`` is not an endpoint: it has its node's address, no
 veth and no identity of its own. Others see it as its node, ``host`` (1) from its own
 node and ``remote-node`` (6) from any other (a pod without ``nodeName`` is taken to be on
@@ -27,6 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.fqdn import FqdnError, validate_name
 from services.common.labels import ReservedIdentity, pod_identity_labels
 from services.common.manifests import Document
 from services.policy.engine.identity import LocalAllocator
@@ -35,11 +44,14 @@ from services.policy.engine.model import (
     IPAddress,
     IpProto,
     Policy,
+    PolicyRef,
     PolicyValidationError,
+    Rule,
 )
+from services.policy.engine.names import name_egress
 from services.policy.engine.parse import POLICY_KINDS, parse_policy
 from services.policy.engine.policyengine import PolicyEngine
-from services.policy.engine.resolve import lookup
+from services.policy.engine.resolve import ResolvedPolicy, lookup
 
 POD_CIDR = ipaddress.ip_network("10.244.0.0/16")
 _PROBE_PROTOCOLS = {p.name: p for p in (IpProto.TCP, IpProto.UDP, IpProto.SCTP)}
@@ -88,6 +100,34 @@ class PodModel:
         return int(ReservedIdentity.HOST if same_node else ReservedIdentity.REMOTE_NODE)
 
 
+@dataclass(frozen=True, slots=True)
+class DnsTable:
+    """What names resolve to, as the user gives it (``NAME=IP[,IP...]``): names in normal form."""
+
+    names: Mapping[str, tuple[IPAddress, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, items: Sequence[str]) -> DnsTable:
+        """``api.example.test=192.0.2.10,192.0.2.11``, repeatable; a name given twice has all its addresses."""
+        out: dict[str, list[IPAddress]] = {}
+        for text in items:
+            name_text, sep, ips_text = text.partition("=")
+            if not sep or not ips_text.strip():
+                raise AnalyzeError("--dns", f"{text!r}: write NAME=IP[,IP...], e.g. api.example.test=192.0.2.10")
+            try:
+                name = validate_name(name_text)
+            except FqdnError as err:
+                raise AnalyzeError("--dns", f"{text!r}: {err}") from None
+            for ip_text in ips_text.split(","):
+                try:
+                    ip = ipaddress.ip_address(ip_text.strip())
+                except ValueError:
+                    raise AnalyzeError("--dns", f"{text!r}: {ip_text.strip()!r} is not an IP address") from None
+                if ip not in out.setdefault(name, []):
+                    out[name].append(ip)
+        return cls({n: tuple(ips) for n, ips in sorted(out.items())})
+
+
 @dataclass
 class Model:
     engine: PolicyEngine
@@ -96,19 +136,27 @@ class Model:
     warnings: list[str] = field(default_factory=list)
     #: Policies refused (``keep_going``): each error names the file, the object and the field.
     invalid: list[str] = field(default_factory=list)
+    dns: DnsTable = field(default_factory=DnsTable)
+    #: Each address of the DNS table: the pod having it, or the CIDR identity of the address.
+    addresses: dict[IPAddress, PodModel | int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
     probe: Probe
     matrix: Mapping[str, Mapping[str, bool]]
+    #: names[src][name]: may ``src`` connect to every address of ``name`` (with a DNS table only).
+    names: Mapping[str, Mapping[str, bool]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "port": self.probe.port,
             "protocol": self.probe.protocol.name,
             "matrix": {s: dict(row) for s, row in self.matrix.items()},
         }
+        if self.names:
+            out["names"] = {s: dict(row) for s, row in self.names.items()}
+        return out
 
 
 def _meta(doc: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -133,7 +181,7 @@ def _container_ports(pod: Mapping[str, Any], where: str) -> dict[str, set[tuple[
     return out
 
 
-def build_model(documents: Iterable[Document], *, keep_going: bool = False) -> Model:
+def build_model(documents: Iterable[Document], *, keep_going: bool = False, dns: DnsTable | None = None) -> Model:
     """Load documents into an engine. Raises :class:`AnalyzeError` on bad input.
 
     ``keep_going``: an invalid policy is left out and its error kept in ``Model.invalid``
@@ -201,6 +249,17 @@ def build_model(documents: Iterable[Document], *, keep_going: bool = False) -> M
         models[key] = PodModel(key, ident.id, tuple(ips), node, {k: frozenset(v) for k, v in ports.items()})
     for ident_id, ip_set in by_identity_ips.items():
         engine.set_identity_ips(ident_id, ip_set)
+    table = dns if dns is not None else DnsTable()
+    addresses: dict[IPAddress, PodModel | int] = {}
+    pod_of = {ip: pod for pod in models.values() for ip in pod.ips}
+    for ip in sorted({ip for ips in table.names.values() for ip in ips}, key=lambda a: (a.version, a)):
+        if ip in pod_of:
+            addresses[ip] = pod_of[ip]
+            continue
+        cidr = allocator.allocate_cidr(f"{ip}/{ip.max_prefixlen}")
+        if engine.identity(cidr.id) is None:
+            engine.upsert_identity(cidr)
+        addresses[ip] = cidr.id
     for ident_id, named in by_identity_ports.items():
         engine.set_named_ports(ident_id, named)
     for doc in service_docs:  # what toServices rules name
@@ -228,7 +287,7 @@ def build_model(documents: Iterable[Document], *, keep_going: bool = False) -> M
         engine.upsert_policy(policy)
         policies.append(policy)
     engine.end_batch()
-    return Model(engine, models, policies, warnings, invalid)
+    return Model(engine, models, policies, warnings, invalid, table, addresses)
 
 
 def _pod_ips(doc: Document) -> list[IPAddress]:
@@ -284,14 +343,73 @@ def connectivity(model: Model, probe: Probe, *, self_traffic_allowed: bool = Tru
     return matrix
 
 
+def name_reachability(model: Model, probe: Probe) -> dict[str, dict[str, bool]]:
+    """names[src][name]: may pod ``src`` connect to every address of ``name`` on the probe?"""
+    engine = model.engine
+    out: dict[str, dict[str, bool]] = {}
+    for s in sorted(model.pods):
+        src = model.pods[s]
+        rules = engine.rules_for(src.identity) if not src.host_network else []
+        policy = engine.policy_for(src.identity) if not src.host_network else None
+        row: dict[str, bool] = {}
+        for name, ips in model.dns.names.items():
+            row[name] = all(_address_allowed(model, src, rules, policy, name, ip, probe) for ip in ips)
+        out[s] = row
+    return out
+
+
+def _address_allowed(
+    model: Model,
+    src: PodModel,
+    rules: list[tuple[PolicyRef, Rule]],
+    policy: ResolvedPolicy | None,
+    name: str,
+    ip: IPAddress,
+    probe: Probe,
+) -> bool:
+    target = model.addresses[ip]
+    if isinstance(target, PodModel):
+        if target.key == src.key:
+            return True
+        remote = target.seen_from(src)
+        inn = (
+            target.host_network
+            or lookup(
+                model.engine.policy_for(target.identity),
+                Direction.INGRESS,
+                src.seen_from(target),
+                probe.protocol,
+                probe.port,
+            ).allowed
+        )
+        if not inn:
+            return False
+    else:
+        remote = target
+    if src.host_network:
+        return True
+    base = lookup(policy, Direction.EGRESS, remote, probe.protocol, probe.port)
+    by_default = base.reason in ("default-deny", "default-allow")
+    return name_egress(rules, name, probe.protocol, probe.port, allowed=base.allowed, by_default=by_default).allowed
+
+
 def analyze(
     documents: Iterable[Document],
     probes: Sequence[Probe],
     *,
     self_traffic_allowed: bool = True,
     keep_going: bool = False,
+    dns: DnsTable | None = None,
 ) -> tuple[list[ProbeResult], Model]:
-    """Documents and probes in, one matrix per probe out (plus the model, for reports)."""
-    model = build_model(documents, keep_going=keep_going)
-    results = [ProbeResult(p, connectivity(model, p, self_traffic_allowed=self_traffic_allowed)) for p in probes]
+    """Documents and probes in, one matrix per probe out (plus the model, for reports); with a DNS
+    table, each result also says which pods reach which names."""
+    model = build_model(documents, keep_going=keep_going, dns=dns)
+    results = [
+        ProbeResult(
+            p,
+            connectivity(model, p, self_traffic_allowed=self_traffic_allowed),
+            name_reachability(model, p) if model.dns.names else {},
+        )
+        for p in probes
+    ]
     return results, model
