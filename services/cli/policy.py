@@ -295,7 +295,27 @@ def cmd_trace(args: argparse.Namespace) -> int:
     proto = PROTOCOLS.get(args.protocol.lower())
     if proto is None:
         raise CLIError(f"unknown protocol {args.protocol!r}; use TCP, UDP, SCTP, ICMP or ANY", 2)
-    req = policy_pb2.TraceRequest(source=_peer(args.src), destination=_peer(args.dst), port=args.port, protocol=proto)
+    given = [
+        flag
+        for flag, value in (("--dst", args.dst), ("--to-fqdn", args.to_fqdn), ("--dns-query", args.dns_query))
+        if value
+    ]
+    if len(given) != 1:
+        raise CLIError(
+            "give one of --dst (a pod or labels), --to-fqdn NAME=IP (a name and an address it resolved to) "
+            "or --dns-query NAME" + (f", not {' and '.join(given)}" if given else ""),
+            2,
+        )
+    req = policy_pb2.TraceRequest(source=_peer(args.src), port=args.port, protocol=proto)
+    if args.dst:
+        req.destination.CopyFrom(_peer(args.dst))
+    elif args.to_fqdn:
+        name, sep, address = args.to_fqdn.partition("=")
+        if not sep or not name or not address:
+            raise CLIError(f"--to-fqdn {args.to_fqdn!r}: write NAME=IP, e.g. api.example.test=192.0.2.10", 2)
+        req.fqdn, req.address = name, address
+    else:
+        req.dns_query = args.dns_query
     with channel(args, "policy") as ch:
         resp = call("policy", policy_pb2_grpc.PolicyServiceStub(ch).Trace, req)
     if args.output == "json":
@@ -369,7 +389,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     trace.add_argument(
         "--src", required=True, help="NAMESPACE/POD or labels k8s:app=a,k8s:io.kubernetes.pod.namespace=x"
     )
-    trace.add_argument("--dst", required=True, help="NAMESPACE/POD or labels")
+    trace.add_argument("--dst", help="NAMESPACE/POD or labels")
+    trace.add_argument(
+        "--to-fqdn",
+        metavar="NAME=IP",
+        help=(
+            "instead of --dst: a connection to IP, an address an answer for the DNS name NAME gave; the "
+            "source's toFQDNs rules (on --port) and DNS rules (may it resolve NAME) take part"
+        ),
+    )
+    trace.add_argument(
+        "--dns-query",
+        metavar="NAME",
+        help=(
+            "instead of --dst: may the source resolve NAME? allowed (exit 0) or refused by its node's DNS "
+            "proxy (exit 1), naming the DNS rules; a pod without DNS rules is not filtered"
+        ),
+    )
     trace.add_argument("--port", type=int, default=0, help="destination port")
     trace.add_argument("--protocol", default="TCP", help="TCP, UDP, SCTP, ICMP or ANY")
     trace.set_defaults(func=cmd_trace)

@@ -12,6 +12,7 @@ has not loaded its initial state.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,8 @@ import grpc
 
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
 from services.common.errors import Code, PalisadeError, clip
+from services.common.fqdn import FqdnError
+from services.common.fqdn import validate_name as validate_dns_name
 from services.common.labels import LabelSource, parse_label
 from services.common.manifests import Document, DocumentError, split_documents
 from services.common.validation import validate_identity_label, validate_name, validate_namespace
@@ -26,8 +29,8 @@ from services.policy import metrics, wire
 from services.policy.controller import Controller, JobKind
 from services.policy.documents import dump_document, validate_document
 from services.policy.engine.core import Outcome, PolicyCore
-from services.policy.engine.model import IpProto, PolicyKind, PolicyMode, PolicyRef
-from services.policy.engine.queries import PolicyView, TraceAnswer
+from services.policy.engine.model import IPAddress, IpProto, PolicyKind, PolicyMode, PolicyRef
+from services.policy.engine.queries import DnsAnswer, PolicyView, TraceAnswer
 from services.policy.engine.realized import Lag, Report
 from services.policy.engine.sources import Source, object_key, parse_kind, split_engine_key
 from services.policy.engine.trace import TraceSide
@@ -208,6 +211,54 @@ def trace_to_proto(answer: TraceAnswer) -> policy_pb2.TraceResponse:
     )
 
 
+def dns_to_proto(answer: DnsAnswer) -> policy_pb2.TraceResponse:
+    """A DNS query check: ALLOW when the query is answered (or not filtered at all), DENY when refused."""
+    r = answer.result
+    verdict = common_pb2.VERDICT_ALLOW if r.allowed or not r.filtered else common_pb2.VERDICT_DENY
+    matches = []
+    for m in r.matched:
+        _, key = split_engine_key(m.rule.policy)
+        matches.append(
+            policy_pb2.TraceMatch(
+                policy=ref_to_proto(key),
+                rule_path=m.rule.peer_rule or m.rule.rule,
+                direction=common_pb2.DIRECTION_EGRESS,
+                verdict=common_pb2.VERDICT_ALLOW,
+            )
+        )
+    return policy_pb2.TraceResponse(
+        verdict=verdict,
+        egress_verdict=verdict,
+        ingress_verdict=common_pb2.VERDICT_ALLOW,
+        egress_enforced=r.filtered,
+        matches=matches,
+        explanation=r.render(),
+        source_identity=answer.source_identity,
+    )
+
+
+def _dns_name(text: str, field: str) -> str:
+    try:
+        return validate_dns_name(text)
+    except FqdnError as exc:
+        raise PalisadeError(f"{field}: {exc}", Code.INVALID_ARGUMENT) from None
+
+
+def _fqdn_destination(request: policy_pb2.TraceRequest) -> tuple[str, IPAddress]:
+    """A destination by name: the name and the address it resolved to, and nothing else."""
+    if not (request.fqdn and request.address):
+        raise PalisadeError(
+            "fqdn and address go together: the name, and the address an answer for it gave", Code.INVALID_ARGUMENT
+        )
+    if request.destination.pod or request.destination.labels:
+        raise PalisadeError("give a destination or a name with its address (fqdn), not both", Code.INVALID_ARGUMENT)
+    try:
+        ip = ipaddress.ip_address(request.address)
+    except ValueError:
+        raise PalisadeError(f"address {request.address!r} is not an IP address", Code.INVALID_ARGUMENT) from None
+    return _dns_name(request.fqdn, "fqdn"), ip
+
+
 def lag_to_proto(lag: Lag) -> policy_pb2.EndpointLag:
     return policy_pb2.EndpointLag(
         node=lag.node,
@@ -380,16 +431,28 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
     async def Trace(
         self, request: policy_pb2.TraceRequest, context: grpc.aio.ServicerContext
     ) -> policy_pb2.TraceResponse:
+        src = (request.source.pod, tuple(request.source.labels))
+        if request.dns_query:
+            validate_peer(request.source, "source")
+            query = _dns_name(request.dns_query, "dns_query")
+            found = await self._controller.call(lambda core, now: core.queries.dns_query(src, query))
+            return dns_to_proto(found)
         protocol = _PROTOCOLS.get(request.protocol or IpProto.TCP)
         if protocol is None:
             raise PalisadeError("protocol must be TCP, UDP, SCTP, ICMP or ICMPv6", Code.INVALID_ARGUMENT)
         if protocol in (IpProto.TCP, IpProto.UDP, IpProto.SCTP) and not 1 <= request.port <= 65535:
             raise PalisadeError(f"port {request.port} must be 1-65535 for {protocol.name}", Code.INVALID_ARGUMENT)
-        for which, peer in (("source", request.source), ("destination", request.destination)):
-            validate_peer(peer, which)
-        src = (request.source.pod, tuple(request.source.labels))
+        fqdn: tuple[str, IPAddress] | None = None
+        if request.fqdn or request.address:
+            fqdn = _fqdn_destination(request)
+            validate_peer(request.source, "source")
+        else:
+            for which, peer in (("source", request.source), ("destination", request.destination)):
+                validate_peer(peer, which)
         dst = (request.destination.pod, tuple(request.destination.labels))
-        answer = await self._controller.call(lambda core, now: core.queries.trace(src, dst, request.port, protocol))
+        answer = await self._controller.call(
+            lambda core, now: core.queries.trace(src, dst, request.port, protocol, fqdn=fqdn)
+        )
         return trace_to_proto(answer)
 
     async def Diff(self, request: policy_pb2.DiffRequest, context: grpc.aio.ServicerContext) -> policy_pb2.DiffResponse:

@@ -82,6 +82,12 @@ def test_status_reports_each_unreachable_service_and_fails() -> None:
         (["bpf", "policy", "get", "x/", "--datapath-address"], "NAMESPACE/POD"),
         (["policy", "trace", "--src", "x", "--dst", "y/b", "--policy-address"], "NAMESPACE/NAME"),
         (["policy", "delete", "widget", "p", "--policy-address"], "unknown policy kind"),
+        (["policy", "trace", "--src", "x/a", "--policy-address"], "give one of --dst"),
+        (
+            ["policy", "trace", "--src", "x/a", "--dst", "y/b", "--dns-query", "a.test", "--policy-address"],
+            "not --dst and --dns-query",
+        ),
+        (["policy", "trace", "--src", "x/a", "--to-fqdn", "a.test", "--policy-address"], "write NAME=IP"),
         (
             ["policy", "trace", "--src", "x/a", "--dst", "y/b", "--protocol", "gre", "--policy-address"],
             "unknown protocol",

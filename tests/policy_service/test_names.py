@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from palisade.v1 import common_pb2
-from testkit.policycluster import eventually
+import grpc
+import pytest
+import yaml
+
+from palisade.v1 import common_pb2, policy_pb2
+from testkit.policycluster import eventually, palisade
 from testkit.scenario import CACHE, DB, WEB, Env, next_orders
 
 UDP, TCP, ANY = common_pb2.PROTOCOL_UDP, common_pb2.PROTOCOL_TCP, common_pb2.PROTOCOL_ANY
@@ -111,3 +115,55 @@ async def test_audited_rules_on_names_are_marked(env: Env) -> None:
         for sel, v in ((("a.test",), ALLOW), (("*.example.test", "a.test"), AUDIT_ALLOW))
     }
     assert await env.all_match_resync()
+
+
+async def test_trace_judges_names_and_dns_queries(env: Env) -> None:
+    answer = await env.api.ImportPolicies(
+        policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(web_names()), origin="names.yaml"), timeout=10
+    )
+    await env.settled(answer.revision)
+    address = f"--policy-address={env.policy.address}"
+    src = ("policy", "trace", "--src", "default/web-1")
+
+    allowed = await palisade(*src, "--dns-query", "API.example.test.", address)
+    assert allowed.returncode == 0, allowed.stderr
+    assert "DNS query api.example.test: ALLOWED" in allowed.stdout
+    assert "CiliumNetworkPolicy default/web-names (api): spec.egress[0] (*.example.test)" in allowed.stdout
+    refused = await palisade(*src, "--dns-query", "example.test", address)
+    assert refused.returncode == 1
+    assert "REFUSED" in refused.stdout and "spec.egress[0] (*.example.test)" in refused.stdout
+    unfiltered = await palisade("policy", "trace", "--src", "default/db-1", "--dns-query", "a.test", address)
+    assert unfiltered.returncode == 0 and "FORWARDED (no DNS rule selects this pod" in unfiltered.stdout
+
+    by_name = await palisade(*src, "--to-fqdn", "api.example.test=192.0.2.10", "--port", "443", address)
+    assert by_name.returncode == 0, by_name.stdout + by_name.stderr
+    assert "toFQDNs: ALLOWED (allowed by toFQDNs)" in by_name.stdout
+    assert "matched: CiliumNetworkPolicy default/web-names (api): spec.egress[1] (*.example.test)" in by_name.stdout
+    assert by_name.stdout.rstrip().endswith("Final verdict: ALLOWED")
+    for args in (("api.example.test=192.0.2.10", "80"), ("a.b.example.test=192.0.2.10", "443")):
+        denied = await palisade(*src, "--to-fqdn", args[0], "--port", args[1], address)
+        assert denied.returncode == 1 and "Final verdict: DENIED" in denied.stdout, denied.stdout
+
+    response = await env.api.Trace(
+        policy_pb2.TraceRequest(
+            source=policy_pb2.TracePeer(pod="default/web-1"), fqdn="api.example.test", address="192.0.2.10", port=443
+        )
+    )
+    assert response.verdict == ALLOW and response.egress_verdict == ALLOW
+    assert [(m.policy.name, m.rule_path) for m in response.matches] == [("web-names", "spec.egress[1]")]
+    for bad, message in (
+        (
+            policy_pb2.TraceRequest(source=policy_pb2.TracePeer(pod="default/web-1"), fqdn="a.test", port=1),
+            "go together",
+        ),
+        (
+            policy_pb2.TraceRequest(
+                source=policy_pb2.TracePeer(pod="default/web-1"), fqdn="a..test", address="192.0.2.1", port=1
+            ),
+            "fqdn: name 'a..test' has an empty label",
+        ),
+        (policy_pb2.TraceRequest(source=policy_pb2.TracePeer(pod="default/web-1"), dns_query="a b"), "dns_query:"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await env.api.Trace(bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in str(err.value.details())

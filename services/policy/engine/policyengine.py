@@ -247,6 +247,10 @@ class PolicyEngine:
     def ips_of(self, identity: int) -> frozenset[IPAddress]:
         return self._ips.get(identity, frozenset())
 
+    def identity_of_address(self, ip: IPAddress) -> int | None:
+        """The identity the ipcache gives an address (a pod's), or None."""
+        return self._ipcache.get(ip)
+
     def policy_for(self, identity: int) -> ResolvedPolicy | None:
         """The computed policy of a subject identity (None if not an endpoint identity)."""
         return self._resolved.get(identity)

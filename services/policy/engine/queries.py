@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Any
 from services.common.labels import LabelSet, LabelSource, parse_label
 from services.policy.engine.errors import RequestError
 from services.policy.engine.ipcache import is_endpoint_identity
-from services.policy.engine.model import IpProto, Policy, PolicyRef, PolicyValidationError
+from services.policy.engine.model import IPAddress, IpProto, Policy, PolicyRef, PolicyValidationError
+from services.policy.engine.names import DnsDecision
 from services.policy.engine.parse import parse_policy
 from services.policy.engine.preview import DiffProbe, ObservedFlow, Preview, preview
 from services.policy.engine.realized import Rollup
 from services.policy.engine.registry import PolicyRecord
 from services.policy.engine.sources import Source, engine_key
-from services.policy.engine.trace import TraceEndpoint, TraceResult, trace
+from services.policy.engine.trace import TraceEndpoint, TraceResult, address_endpoint, dns_query, trace
 
 if TYPE_CHECKING:
     from services.policy.engine.core import PolicyCore
@@ -40,6 +41,12 @@ class TraceAnswer:
     result: TraceResult
     source_identity: int
     destination_identity: int
+
+
+@dataclass(frozen=True, slots=True)
+class DnsAnswer:
+    result: DnsDecision
+    source_identity: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,16 +104,27 @@ class PolicyQueries:
         destination: tuple[str, tuple[str, ...]],
         port: int,
         protocol: IpProto,
+        *,
+        fqdn: tuple[str, IPAddress] | None = None,
     ) -> TraceAnswer:
-        """Trace a connection between two peers, each (pod "ns/name", labels)."""
+        """Trace a connection between two peers, each (pod "ns/name", labels); with ``fqdn``
+        (name, address) the destination is that address, an answer for that name."""
         src = self._trace_peer("source", *source)
-        dst = self._trace_peer("destination", *destination)
-        result = trace(self._core.engine, src=src, dst=dst, port=port, protocol=protocol)
+        if fqdn is not None:
+            dst = address_endpoint(self._core.engine, fqdn[1])
+        else:
+            dst = self._trace_peer("destination", *destination)
+        result = trace(self._core.engine, src=src, dst=dst, port=port, protocol=protocol, fqdn=fqdn[0] if fqdn else "")
         return TraceAnswer(
             result,
             src if isinstance(src, int) else src.identity,
             dst if isinstance(dst, int) else dst.identity,
         )
+
+    def dns_query(self, source: tuple[str, tuple[str, ...]], name: str) -> DnsAnswer:
+        """May a peer (pod "ns/name", labels) resolve ``name`` through its node's DNS proxy?"""
+        src = self._trace_peer("source", *source)
+        return DnsAnswer(dns_query(self._core.engine, src, name), src if isinstance(src, int) else src.identity)
 
     def _trace_peer(self, which: str, pod: str, labels: tuple[str, ...]) -> TraceEndpoint | int:
         if pod:

@@ -9,10 +9,11 @@ check of the resolver (tests compare both).
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from services.common.labels import LabelSet, LabelSource
+from services.common.labels import LabelSet, LabelSource, cidr_identity_labels
 from services.policy.engine.identity import Identity, IdentityState
 from services.policy.engine.model import (
     ALL_PORTS,
@@ -25,6 +26,7 @@ from services.policy.engine.model import (
     Rule,
     Verdict,
 )
+from services.policy.engine.names import DnsDecision, NameEgress, dns_decision, name_egress
 from services.policy.engine.policyengine import PolicyEngine
 from services.policy.engine.resolve import NamedPorts, RuleRef
 from services.policy.engine.selector import EndpointSelector, IdentityView
@@ -58,7 +60,7 @@ class TraceSide:
 
     direction: Direction
     allowed: bool
-    reason: str  # "deny-rule" | "allow-rule" | "default-deny" | "default-allow"
+    reason: str  # "deny-rule" | "allow-rule" | "fqdn-rule" | "default-deny" | "default-allow"
     enforced: bool
     selecting: tuple[str, ...] = ()
     matched: tuple[RuleRef, ...] = ()
@@ -69,9 +71,13 @@ class TraceResult:
     allowed: bool
     egress: TraceSide
     ingress: TraceSide
+    #: With a destination by name: how the source's rules on names judged it.
+    names: NameEgress | None = None
 
     def render(self) -> str:
         lines: list[str] = []
+        if self.names is not None:
+            lines += self.names.render().splitlines()
         for side, title in ((self.egress, "Egress (source)"), (self.ingress, "Ingress (destination)")):
             lines.append(f"{title}: {'ALLOWED' if side.allowed else 'DENIED'} ({side.reason})")
             lines.append(f"  enforced: {side.enforced}")
@@ -175,10 +181,42 @@ def trace(
     dst: TraceEndpoint | int,
     port: int,
     protocol: IpProto = IpProto.TCP,
+    fqdn: str = "",
 ) -> TraceResult:
-    """Trace a new connection from ``src`` to ``dst`` on ``port``/``protocol``."""
+    """Trace a new connection from ``src`` to ``dst`` on ``port``/``protocol``.
+
+    ``fqdn``: ``dst`` is an address the source got in an answer for this name (see
+    :func:`address_endpoint`); its ``toFQDNs`` and DNS rules then take part (see ``names``).
+    """
     s = endpoint_of(engine, src) if isinstance(src, int) else src
     d = endpoint_of(engine, dst) if isinstance(dst, int) else dst
-    egress = _side(_rules_selecting(engine, s), Direction.EGRESS, s, d, protocol, port)
+    src_rules = _rules_selecting(engine, s)
+    egress = _side(src_rules, Direction.EGRESS, s, d, protocol, port)
     ingress = _side(_rules_selecting(engine, d), Direction.INGRESS, d, s, protocol, port)
-    return TraceResult(egress.allowed and ingress.allowed, egress, ingress)
+    names: NameEgress | None = None
+    if fqdn and s.is_endpoint:
+        by_default = egress.reason in ("default-deny", "default-allow")
+        names = name_egress(src_rules, fqdn, protocol, port, allowed=egress.allowed, by_default=by_default)
+        if names.reason == "fqdn-rule":
+            matched = tuple(dict.fromkeys(m.rule for m in names.matched))
+            egress = TraceSide(Direction.EGRESS, True, "fqdn-rule", egress.enforced, egress.selecting, matched)
+    return TraceResult(egress.allowed and ingress.allowed, egress, ingress, names)
+
+
+def address_endpoint(engine: PolicyEngine, ip: IPAddress) -> TraceEndpoint | int:
+    """What an address is to policy: its pod's identity, else the CIDR identity of the address."""
+    known = engine.identity_of_address(ip)
+    if known is not None and engine.identity(known) is not None:
+        return known
+    net = ipaddress.ip_network(f"{ip}/{ip.max_prefixlen}")
+    labels = cidr_identity_labels(net)
+    ident = engine.identity_by_labels(labels)
+    if ident is not None:
+        return ident.id
+    return TraceEndpoint(labels, 0, frozenset({ip}))
+
+
+def dns_query(engine: PolicyEngine, src: TraceEndpoint | int, name: str) -> DnsDecision:
+    """May ``src`` resolve ``name`` through its node's DNS proxy?"""
+    s = endpoint_of(engine, src) if isinstance(src, int) else src
+    return dns_decision(_rules_selecting(engine, s), name)
