@@ -9,13 +9,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from services.common.fqdn import matches
 from services.policy.engine.audit import full_engine, overlays, with_audit
 from services.policy.engine.identity import Identity, LocalAllocator
 from services.policy.engine.model import DnsRule, EntryKey, FqdnRule, IpProto, NameRules, PolicyValidationError, Verdict
+from services.policy.engine.names import dns_decision, fqdn_matches
 from services.policy.engine.orders import OrderDiff, PlannedOrder
 from services.policy.engine.parse import parse_policy
 from services.policy.engine.policyengine import PolicyEngine, apply_diff
+from tests.policy.strategies import IDS, PROBES, documents, named, pod_range_labels
 from tests.policy.test_engine import CNP_A, EGR, doc, pod_labels
 
 TCP, UDP, ANY = IpProto.TCP, IpProto.UDP, IpProto.ANY
@@ -280,3 +285,39 @@ def test_audited_names_are_marked_and_travel_with_the_enforced_ones(world: Any) 
     # nothing changed: nothing carried
     again = with_audit([PlannedOrder("n", 2, 2, (diff,))], found, found)[0]
     assert again.diffs[0].names is None
+
+
+# --- the resolver's rules on names agree with the rule walker's (analyze, trace) ---------------
+
+NAMES = ["a.test", "b.test", "x.a.test", "x.y.a.test", "c.test"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    docs=st.lists(documents, min_size=1, max_size=4),
+    idents=st.dictionaries(st.sampled_from(IDS), pod_range_labels, min_size=1, max_size=4),
+    probes=st.lists(st.sampled_from(PROBES), min_size=3, max_size=5, unique=True),
+)
+def test_fqdn_rules_agree_with_the_rule_walker(
+    docs: list[dict[str, Any]], idents: dict[int, Any], probes: list[tuple[int, Any]]
+) -> None:
+    eng = PolicyEngine()
+    for i, labels in idents.items():
+        eng.upsert_identity(Identity(i, labels))
+    for n, d in enumerate(docs):
+        eng.upsert_policy_document(named(d, f"p{n}"))
+    for i in idents:
+        policy = eng.policy_for(i)
+        if policy is None:
+            continue  # not an endpoint (a CIDR identity): no policy of its own
+        rules = eng.rules_for(i)
+        for name in NAMES:
+            for port, proto in probes:
+                by_names = any(
+                    matches(f.selector, name) and f.covers(protocol=proto, port=port) for f in policy.names.fqdn
+                )
+                walked = policy.egress_enforced and bool(fqdn_matches(rules, name, proto, port))
+                assert by_names == walked, (i, name, port, proto, policy.names)
+            resolvable = any(matches(s, name) for d in policy.names.dns for s in d.selectors)
+            if resolvable:
+                assert dns_decision(rules, name).allowed
