@@ -171,6 +171,10 @@ def render(resp: policy_pb2.DiffResponse, considered: int) -> str:
         lines.append(f"  {policy}:")
         lines += [f"    {t}" for t in texts]
     lines.append("")
+    for note in resp.notes:
+        lines.append(f"Note: {note}")
+    if resp.notes:
+        lines.append("")
     if resp.newly_dropped:
         lines.append(f"Result: {resp.newly_dropped} observed flows would be newly DROPPED.")
     else:

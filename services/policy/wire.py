@@ -399,6 +399,7 @@ def preview_to_proto(result: Preview, revision: int, pods: Mapping[int, list[str
         flows_judged=result.flows_judged,
         newly_dropped=result.newly_dropped,
         probes=[probe_to_proto(p) for p in result.probes],
+        notes=list(result.notes),
     )
     for c in result.pairs:
         out.pairs.append(

@@ -188,3 +188,29 @@ def test_observed_flows_that_would_be_cut_are_counted_and_untouched_ones_are_not
     _, _, opened = run_preview([WEB_TO_DB], [ALL_TO_DB], [], [P5432], dropped)
     assert [(c.allowed_before, c.allowed_after) for c in opened.flows] == [(False, True)]
     assert opened.newly_dropped == 0
+
+
+def names_cnp(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "cilium.io/v2",
+        "kind": "CiliumNetworkPolicy",
+        "metadata": {"namespace": "shop", "name": "web-out"},
+        "spec": {
+            "endpointSelector": {"matchLabels": {"app": "web"}},
+            "egress": [
+                {"toFQDNs": [{"matchName": name}], "toPorts": [{"ports": [{"port": "443", "protocol": "TCP"}]}]}
+            ],
+        },
+    }
+
+
+def test_a_change_of_names_is_a_note_naming_the_selectors() -> None:
+    live, _, result = run_preview([names_cnp("a.example.test")], [names_cnp("b.example.test")], [], [])
+    web = live.pods["shop/web"].identity
+    assert result.notes == (
+        f"identity {web} (shop/web): rules on names change (toFQDNs added: toFQDNs b.example.test TCP/443; "
+        "toFQDNs removed: toFQDNs a.example.test TCP/443); connections to learned addresses are not previewed",
+    )
+    assert not result.pairs  # no pod's verdict changes
+    _, _, unchanged = run_preview([names_cnp("a.example.test")], [names_cnp("a.example.test")], [], [])
+    assert unchanged.notes == ()

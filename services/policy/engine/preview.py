@@ -9,6 +9,8 @@ the policy service would); ``before`` is the live engine, unchanged. Nothing her
   source AND ingress of the destination, as ``analyze`` computes it) on each probe, before and
   after. Probes are given, or else the ports the changed policies name (a rule without ports is
   probed with port 0, which stands for "any other port").
+- **Names**: an identity whose ``toFQDNs`` or DNS rules change gets a note saying which selectors
+  come and go (the addresses they allow are learned by the nodes, so no pair or flow shows them).
 - **Flows**: each observed flow (aggregated by subject, remote, direction, protocol and port) is
   judged on the side that observed it (the local endpoint's policy in the flow's direction),
   before and after.
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 
 from services.common.labels import ReservedIdentity
 from services.policy.engine.ipcache import is_endpoint_identity
-from services.policy.engine.model import Direction, IpProto, Policy, PolicyRef
+from services.policy.engine.model import Direction, IpProto, NameRules, Policy, PolicyRef
 from services.policy.engine.policyengine import PolicyEngine
 from services.policy.engine.resolve import lookup
 
@@ -84,7 +86,8 @@ class Preview:
     probes: tuple[DiffProbe, ...] = ()
     #: Observed flows (summed counts) the preview judged, and left out (replies, host traffic...).
     flows_judged: int = 0
-    warnings: tuple[str, ...] = field(default=())
+    #: Changes pairs and flows cannot show (rules on names), one sentence each.
+    notes: tuple[str, ...] = field(default=())
 
     @property
     def newly_dropped(self) -> int:
@@ -190,4 +193,25 @@ def preview(
         if was != will:
             flow_changes.append(FlowChange(flow, was, will, _selecting(engines, changed, k.subject, k.direction)))
     flow_changes.sort(key=lambda c: (c.allowed_after, -c.flow.count, c.flow.key))
-    return Preview(tuple(pairs), tuple(flow_changes), chosen, judged)
+    notes = tuple(n for i in sorted(subjects) if (n := _names_note(before, after, i, pods.get(i, ()))))
+    return Preview(tuple(pairs), tuple(flow_changes), chosen, judged, notes)
+
+
+def _names_note(before: PolicyEngine, after: PolicyEngine, identity: int, pods: Sequence[str]) -> str:
+    """What changes in an identity's rules on names, in one sentence ("" when nothing does)."""
+    old, new = (e.policy_for(identity) for e in (before, after))
+    was = old.names if old is not None else NameRules()
+    will = new.names if new is not None else NameRules()
+    if was == will:
+        return ""
+    parts: list[str] = []
+    for what, a, b in (
+        ("toFQDNs", {str(f) for f in was.fqdn}, {str(f) for f in will.fqdn}),
+        ("DNS rules", {str(d) for d in was.dns}, {str(d) for d in will.dns}),
+    ):
+        if b - a:
+            parts.append(f"{what} added: " + "; ".join(sorted(b - a)))
+        if a - b:
+            parts.append(f"{what} removed: " + "; ".join(sorted(a - b)))
+    who = f"identity {identity}" + (f" ({', '.join(list(pods)[:3])})" if pods else "")
+    return f"{who}: rules on names change ({'; '.join(parts)}); connections to learned addresses are not previewed"
