@@ -23,6 +23,11 @@ all measured in one run:
   off (``--local-delivery false``): packets go through the host's routing as
   in ``none``, each judged at both veths. What local delivery is worth, and
   what enforcement costs on the host's path;
+- ``redirect``: the limit of the packet path: a tc program that only forwards
+  (bench/bareredirect.py: destination lookup, Ethernet addresses, TTL, then
+  ``bpf_redirect_peer``, as local delivery does), no conntrack and no policy.
+  ``Palisade N / redirect`` is what enforcement costs on the fastest path the
+  kernel offers; ``palisade-host-N / none`` what it costs on the host's path;
 - ``iptables-N``: the same policy written the way iptables-based engines write
   it: a chain jumped to from FORWARD that accepts conntrack ESTABLISHED and
   RELATED first (as kube-router and Calico do), then dispatches on the host
@@ -89,6 +94,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from bench.bareredirect import BareRedirect
 from bench.iptables import Iptables, forward_chain, forward_policy
 from bench.output import logger, run_as_json
 from bench.roles import (
@@ -146,6 +152,9 @@ ALLOW_TIMEOUT = 3.0
 RATIO_TARGET = 0.95
 PACKET_NS_TARGET = 295.0
 FLAT_TARGET = 1.1
+#: 64-byte UDP, Palisade at the most entries / the bare redirect, and through the host / no filter.
+LIMIT_TARGET = 0.9
+HOST_PATH_TARGET = 0.95
 
 log = logger("datapath_cost")
 
@@ -164,17 +173,19 @@ def human(n: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    kind: str  # "none" | "palisade" | "palisade-host" | "iptables"
+    kind: str  # "none" | "redirect" | "palisade" | "palisade-host" | "iptables"
     entries: int = 0
 
     @property
     def name(self) -> str:
-        return "none" if self.kind == "none" else f"{self.kind}-{self.entries}"
+        return self.kind if self.kind in ("none", "redirect") else f"{self.kind}-{self.entries}"
 
     @property
     def label(self) -> str:
         if self.kind == "none":
             return "no filter"
+        if self.kind == "redirect":
+            return "bare redirect (forwarding only: the limit)"
         if self.kind == "palisade":
             return f"Palisade {human(self.entries)} entries"
         if self.kind == "palisade-host":
@@ -260,6 +271,12 @@ def bpf_run_stats() -> Iterator[None]:
         os.close(fd)
 
 
+def sent_packets(ifname: str) -> int:
+    """Packets the host has sent on ``ifname``: a packet put into the peer with bpf_redirect_peer
+    is not one of them, a packet the host's routing forwards to the pod is."""
+    return int(open(f"/sys/class/net/{ifname}/statistics/tx_packets").read())
+
+
 # -- the bench -------------------------------------------------------------------------------
 
 
@@ -276,6 +293,7 @@ class Bench:
         #: A second datapath (own pins) whose programs have local delivery off: palisade-host-N.
         self.dp_host: Datapath | None = None
         self.ipt: Iptables | None = None
+        self.redirect: BareRedirect | None = None
         self.current: Variant | None = None
         self.next_conn = 0
         self.checks: list[dict[str, Any]] = []
@@ -292,6 +310,7 @@ class Bench:
         self.iperf_server, self.accept_server = start_servers(self.dst, extra, self.servers)
         self.dp = Datapath.open(self.base)
         self.dp_host = Datapath.open(self.host_base, config=ProgramConfig(local_delivery=False))
+        self.redirect = BareRedirect((self.src, self.dst))
         self._reader = threading.Thread(target=self._read_flows, name="flow-reader", daemon=True)
         self._reader.start()
         self.ipt = Iptables(
@@ -323,6 +342,8 @@ class Bench:
         steps: list[tuple[str, Callable[[], object]]] = []
         if self.ipt is not None:
             steps.append(("iptables", self.ipt.uninstall))
+        if self.redirect is not None:
+            steps.append(("bare redirect", self.redirect.close))
         if self.dp is not None:
             steps.append(("datapath teardown", self.dp.teardown))
         if self.dp_host is not None:
@@ -351,7 +372,11 @@ class Bench:
             self.datapath(current).detach_endpoint(DST_EP)
         if current is not None and current.kind == "iptables":
             self.ipt.uninstall()
-        if variant.runs_palisade:
+        if current is not None and current.kind == "redirect" and self.redirect is not None:
+            self.redirect.detach()
+        if variant.kind == "redirect" and self.redirect is not None:
+            self.redirect.attach()
+        elif variant.runs_palisade:
             self.palisade(variant.entries, self.datapath(variant))
         elif variant.kind == "iptables":
             self.ipt.install(variant.entries)
@@ -402,6 +427,8 @@ class Bench:
                 self.check(variant, "probe-port-open-without-filter", ok, f"tcp {port} has a listener")
         elif variant.runs_palisade:
             self.palisade_checks(variant)
+        elif variant.kind == "redirect":
+            self.redirect_checks(variant)
         else:
             self.iptables_checks(variant)
 
@@ -435,6 +462,15 @@ class Bench:
         self.check(variant, "policy-map-populated", prefixes == expected, f"{prefixes} prefixes, {expected} expected")
         enforced = dp.dump_policy(SRC_EP)[0] == ENFORCE_BOTH and dp.dump_policy(DST_EP)[0] == ENFORCE_BOTH
         self.check(variant, "ingress-and-egress-enforced", enforced, "both endpoints, both directions")
+
+    def redirect_checks(self, variant: Variant) -> None:
+        """The limit must really forward by itself: a connection is made, and the host never sent
+        its packets to the destination (its veth sent nothing meanwhile)."""
+        src, ip = self.src.name, self.dst_ip
+        before = sent_packets(self.dst.host_ifname)
+        ok = tcp_connects(src, ip, PROBE_INGRESS_PORT, ALLOW_TIMEOUT)
+        routed = sent_packets(self.dst.host_ifname) - before
+        self.check(variant, "forwards-past-the-host", ok and routed == 0, f"connect {ok}, {routed} packets routed")
 
     def iptables_checks(self, variant: Variant) -> None:
         assert self.ipt is not None
@@ -594,7 +630,17 @@ def analyse(
                 row = {"metric": f"{meta['label']}, {v.label} / no filter", "value": ratios[v.name][m], "unit": "x"}
                 if v.kind == "palisade":
                     row["target"] = target(">=", RATIO_TARGET)
+                if v.kind == "palisade-host" and m == "udp_64b_rate":
+                    row["target"] = target(">=", HOST_PATH_TARGET)
                 summary.append(row)
+        if "redirect" in medians and medians["redirect"][m]:
+            for v in variants:
+                if v.kind == "palisade":
+                    value = round_to(medians[v.name][m] / medians["redirect"][m])
+                    row = {"metric": f"{meta['label']}, {v.label} / bare redirect", "value": value, "unit": "x"}
+                    if m == "udp_64b_rate" and v.entries == max(levels):
+                        row["target"] = target(">=", LIMIT_TARGET)
+                    summary.append(row)
     plots = []
     for m, meta in METRICS.items():
         series: dict[str, list[list[float]]] = {
@@ -683,7 +729,7 @@ def tool_version(argv: list[str]) -> str:
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     levels = sorted(set(args.levels))
-    variants = [Variant("none")]
+    variants = [Variant("none"), Variant("redirect")]
     for n in levels:
         variants += [Variant("palisade", n), Variant("iptables", n)]
     variants.append(Variant("palisade-host", levels[len(levels) // 2]))

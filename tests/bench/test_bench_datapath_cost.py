@@ -15,7 +15,12 @@ pytestmark = [pytest.mark.root, pytest.mark.bcc]
 ROOT = Path(__file__).resolve().parents[2]
 LEVELS = (10, 1000, 10000)
 #: palisade-host: local delivery off, at the middle level only.
-VARIANTS = {"none", *(f"{kind}-{n}" for kind in ("palisade", "iptables") for n in LEVELS), "palisade-host-1000"}
+VARIANTS = {
+    "none",
+    "redirect",
+    *(f"{kind}-{n}" for kind in ("palisade", "iptables") for n in LEVELS),
+    "palisade-host-1000",
+}
 METRICS = ("tcp_throughput", "udp_64b_rate", "connection_rate")
 
 
@@ -47,7 +52,9 @@ def test_quick_run_reports_every_variant_and_metric() -> None:
     # Every filtering variant proved it filters, in both directions, before it was measured.
     assert data["checks_passed"] is True
     passed = {(c["variant"], c["check"]) for c in data["checks"] if c["passed"]}
-    for variant in VARIANTS - {"none"}:
+    # The limit forwards by itself, past the host (else it would be no limit at all).
+    assert ("redirect", "forwards-past-the-host") in passed
+    for variant in VARIANTS - {"none", "redirect"}:
         assert (variant, "allowed-port-connects") in passed
         assert (variant, "ingress-denied-port-dropped") in passed
         assert (variant, "egress-denied-port-dropped") in passed
@@ -66,6 +73,7 @@ def test_quick_run_reports_every_variant_and_metric() -> None:
     labels = [row["metric"] for row in data["summary"]]
     assert "TCP throughput, Palisade 10k entries / no filter" in labels
     assert "New-connection rate, iptables 10k rules / no filter" in labels
+    assert "64-byte UDP rate, Palisade 10k entries / bare redirect" in labels
     assert {p["name"] for p in data["plots"]} == {*(f"cost_{m}" for m in METRICS), "cost_bpf_run_time"}
     for plot in (p for p in data["plots"] if p["name"] != "cost_bpf_run_time"):
         assert plot["logx"] is True
