@@ -6,7 +6,9 @@ in CNI_NETNS, addresses it from the node's pod CIDR and attaches its programs; c
 (after ptp, bridge, ...) it adopts the host-side veth of ``prevResult`` and passes that
 result on unchanged. Until the pod's labels are known the endpoint has the init identity.
 
-The datapath answers on a unix socket (``socket`` in the configuration). ADD waits up to
+The datapath answers on a unix socket beside the node socket (``socket`` in the configuration),
+in JSON lines (services/datapath/pluginapi.py): no gRPC or protobuf to import, which cost more
+than the rest of an ADD. ADD waits up to
 ``timeout`` seconds for it (a restarting datapath), then answers "try again later" (11);
 DEL never fails for a pod that is gone, and while the datapath is down it queues the
 deletion in the socket's directory for the datapath to apply when it returns.
@@ -16,27 +18,29 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-import grpc
-
-from palisade.v1 import datapath_pb2, datapath_pb2_grpc
 from services.cni import spec
 from services.cni.spec import CniError
 
 #: Where queued deletions go, beside the socket (the datapath's deletequeue reads it).
 QUEUE_DIR = "delete-queue"
+#: Seconds between attempts to reach a datapath that is not answering yet.
+CONNECT_RETRY = 0.05
+#: Endpoint states in which a CHECK finds the pod's network as added.
+USABLE_STATES = ("ENDPOINT_STATE_READY", "ENDPOINT_STATE_REGENERATING")
 
 
 def main(argv: list[str] | None = None) -> int:
     status = run(os.environ, sys.stdin.buffer.read(), sys.stdout)
     sys.stdout.flush()
-    # The process ends here: closing gRPC's channel politely costs 200 ms, a third of a pod's ADD.
-    os._exit(status)
+    return status
 
 
 def run(env: Mapping[str, str], stdin: bytes, out: TextIO) -> int:
@@ -72,34 +76,62 @@ def _print(out: TextIO, data: Mapping[str, Any]) -> None:
 # --- the datapath ---------------------------------------------------------------------------
 
 
-def _stub(conf: spec.NetConf, wait: float) -> tuple[grpc.Channel, datapath_pb2_grpc.DatapathServiceStub]:
-    """A channel to the datapath's socket that is ready within ``wait`` seconds, else error 11.
+class ApiError(Exception):
+    """The datapath answered with an error: its status code (by name) and message."""
 
-    Never closed: the process exits right after its one call (see :func:`main`).
-    """
-    channel = grpc.insecure_channel(f"unix:{conf.socket}")
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _connect(conf: spec.NetConf, wait: float) -> socket.socket:
+    """A connection to the datapath's plugin socket, made within ``wait`` seconds, else error 11."""
+    path = spec.plugin_socket(conf.socket)
+    deadline = time.monotonic() + wait
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+            return sock
+        except OSError:  # not there yet, or nobody listening: a restarting datapath
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise CniError(
+                    spec.TRY_AGAIN_LATER,
+                    f"the Palisade datapath does not answer on {path}",
+                    "it may be restarting; the runtime retries. If it stays down, check the datapath pod on this node",
+                ) from None
+            time.sleep(CONNECT_RETRY)
+
+
+def _call(conf: spec.NetConf, method: str, request: Mapping[str, Any], *, wait: float) -> dict[str, Any]:
+    """One call of the node API (protobuf's JSON mapping); raises ApiError with the datapath's code."""
+    with _connect(conf, wait) as sock:
+        sock.settimeout(conf.timeout + 20)
+        try:
+            sock.sendall(json.dumps({"method": method, "request": request}).encode() + b"\n")
+            answer = sock.makefile("rb").readline()
+        except OSError as exc:  # it went away mid-call (a timeout is one too)
+            raise ApiError("UNAVAILABLE", f"the datapath stopped answering: {exc}") from None
     try:
-        grpc.channel_ready_future(channel).result(timeout=wait)
-    except grpc.FutureTimeoutError:
-        channel.close()
-        raise CniError(
-            spec.TRY_AGAIN_LATER,
-            f"the Palisade datapath does not answer on {conf.socket}",
-            "it may be restarting; the runtime retries. If it stays down, check the datapath pod on this node",
-        ) from None
-    return channel, datapath_pb2_grpc.DatapathServiceStub(channel)
+        data = json.loads(answer)
+    except ValueError:
+        raise ApiError("UNAVAILABLE", "the datapath closed the connection without an answer") from None
+    if "error" in data:
+        raise ApiError(str(data["error"].get("code", "UNKNOWN")), str(data["error"].get("message", "")))
+    response: dict[str, Any] = data.get("response", {})
+    return response
 
 
-def _rpc_error(what: str, err: grpc.RpcError) -> CniError:
-    code = err.code() if isinstance(err, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = (err.details() if isinstance(err, grpc.Call) else "") or str(err)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED):
-        return CniError(spec.TRY_AGAIN_LATER, f"{what}: the datapath could not do it now", details)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return CniError(spec.INVALID_ENVIRONMENT, f"{what}: the datapath refused the request", details)
-    if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
-        return CniError(spec.CONTAINER_UNKNOWN, f"{what}: the pod's network is not usable", details)
-    return CniError(spec.DATAPATH_ERROR, f"{what} failed: {code.name}", details)
+def _api_error(what: str, err: ApiError) -> CniError:
+    if err.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"):
+        return CniError(spec.TRY_AGAIN_LATER, f"{what}: the datapath could not do it now", err.message)
+    if err.code == "INVALID_ARGUMENT":
+        return CniError(spec.INVALID_ENVIRONMENT, f"{what}: the datapath refused the request", err.message)
+    if err.code in ("NOT_FOUND", "FAILED_PRECONDITION"):
+        return CniError(spec.CONTAINER_UNKNOWN, f"{what}: the pod's network is not usable", err.message)
+    return CniError(spec.DATAPATH_ERROR, f"{what} failed: {err.code}", err.message)
 
 
 # --- commands -------------------------------------------------------------------------------
@@ -107,61 +139,57 @@ def _rpc_error(what: str, err: grpc.RpcError) -> CniError:
 
 def cmd_add(env: spec.Environment, conf: spec.NetConf) -> dict[str, Any]:
     namespace, pod = env.pod
-    request = datapath_pb2.CreateEndpointRequest(
-        namespace=namespace,
-        pod=pod,
-        netns=env.netns,
-        container_id=env.container_id,
-        ifname=env.ifname,
-        init_identity=True,
-    )
+    request: dict[str, Any] = {
+        "namespace": namespace,
+        "pod": pod,
+        "netns": env.netns,
+        "container_id": env.container_id,
+        "ifname": env.ifname,
+        "init_identity": True,
+    }
     prev = None
     if conf.chained:
         assert conf.prev_result is not None
         prev = spec.read_prev_result(conf.prev_result, env.netns)
-        request.adopt_host_ifname = prev.host_ifname
-        request.ips.extend(prev.ips)
-        request.outside_pool = True  # the previous plugin's IPAM chose them
+        request["adopt_host_ifname"] = prev.host_ifname
+        request["ips"] = list(prev.ips)
+        request["outside_pool"] = True  # the previous plugin's IPAM chose them
     if not os.path.exists(env.netns):
         raise CniError(spec.CONTAINER_UNKNOWN, f"CNI_NETNS {env.netns} does not exist", "the sandbox is gone")
-    _, stub = _stub(conf, conf.timeout)
     try:
-        ep = stub.CreateEndpoint(request, timeout=conf.timeout + 20)
-    except grpc.RpcError as err:
-        raise _rpc_error(f"adding pod {namespace}/{pod}", err) from None
+        ep = _call(conf, "CreateEndpoint", request, wait=conf.timeout)
+    except ApiError as err:
+        raise _api_error(f"adding pod {namespace}/{pod}", err) from None
     if prev is not None:
         assert conf.prev_result is not None
         return {**conf.prev_result, "cniVersion": conf.version}  # passed on unchanged
     result = spec.standalone_result(
-        host_ifname=ep.host_ifname,
-        ifname=ep.ifname or env.ifname,
-        mac=ep.mac,
+        host_ifname=ep.get("host_ifname", ""),
+        ifname=ep.get("ifname") or env.ifname,
+        mac=ep.get("mac", ""),
         netns=env.netns,
-        ips=list(ep.ips),
-        gateways=list(ep.gateways),
+        ips=list(ep.get("ips", [])),
+        gateways=list(ep.get("gateways", [])),
     )
     return spec.render_result(conf.version, result)
 
 
 def cmd_del(env: spec.Environment, conf: spec.NetConf) -> None:
     namespace, pod = env.pod
-    request = datapath_pb2.DeleteEndpointRequest(container_id=env.container_id)
     try:
-        _, stub = _stub(conf, min(conf.timeout, 2.0))
+        _call(conf, "DeleteEndpoint", {"container_id": env.container_id}, wait=min(conf.timeout, 2.0))
     except CniError:
         _queue(conf, env)  # the datapath applies it when it is back; the runtime is never stuck
         return None
-    try:
-        stub.DeleteEndpoint(request, timeout=conf.timeout + 20)
-    except grpc.RpcError as err:
-        if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.NOT_FOUND:
+    except ApiError as err:
+        if err.code == "NOT_FOUND":
             return None  # never added, or deleted already: DEL is idempotent
-        if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.UNAVAILABLE:
+        if err.code == "UNAVAILABLE":
             # Deleted, with IPAM's release still pending (the datapath retries it), or the datapath
             # is going away: queue it, which is harmless if it was done.
             _queue(conf, env)
             return None
-        raise _rpc_error(f"deleting pod {namespace}/{pod}", err) from None
+        raise _api_error(f"deleting pod {namespace}/{pod}", err) from None
     return None
 
 
@@ -178,31 +206,31 @@ def _queue(conf: spec.NetConf, env: spec.Environment) -> None:
         raise CniError(spec.IO_FAILURE, f"cannot queue the deletion in {directory}", str(exc)) from None
 
 
-def _endpoint(stub: datapath_pb2_grpc.DatapathServiceStub, container_id: str, timeout: float) -> datapath_pb2.Endpoint:
+def _endpoints(conf: spec.NetConf) -> list[dict[str, Any]]:
     try:
-        listing = stub.ListEndpoints(datapath_pb2.ListEndpointsRequest(), timeout=timeout)
-    except grpc.RpcError as err:
-        raise _rpc_error("listing endpoints", err) from None
-    for ep in listing.endpoints:
-        if ep.container_id == container_id:
-            found: datapath_pb2.Endpoint = ep
-            return found
-    raise CniError(spec.ENDPOINT_MISMATCH, f"no endpoint for container {container_id}", "ADD it again")
+        listing = _call(conf, "ListEndpoints", {}, wait=conf.timeout)
+    except ApiError as err:
+        raise _api_error("listing endpoints", err) from None
+    return list(listing.get("endpoints", []))
 
 
 def cmd_check(env: spec.Environment, conf: spec.NetConf) -> None:
-    _, stub = _stub(conf, conf.timeout)
-    ep = _endpoint(stub, env.container_id, conf.timeout)
+    found = [ep for ep in _endpoints(conf) if ep.get("container_id") == env.container_id]
+    if not found:
+        raise CniError(spec.ENDPOINT_MISMATCH, f"no endpoint for container {env.container_id}", "ADD it again")
+    ep = found[0]
     problems = []
-    if ep.state not in (datapath_pb2.ENDPOINT_STATE_READY, datapath_pb2.ENDPOINT_STATE_REGENERATING):
-        problems.append(f"state {datapath_pb2.EndpointState.Name(ep.state)}{': ' + ep.error if ep.error else ''}")
-    if os.path.realpath(ep.netns) != os.path.realpath(env.netns):
-        problems.append(f"netns {ep.netns}, not {env.netns}")
+    state, error = ep.get("state", "ENDPOINT_STATE_UNSPECIFIED"), ep.get("error", "")
+    if state not in USABLE_STATES:
+        problems.append(f"state {state}{': ' + error if error else ''}")
+    netns, ips, host_ifname = ep.get("netns", ""), list(ep.get("ips", [])), ep.get("host_ifname", "")
+    if os.path.realpath(netns) != os.path.realpath(env.netns):
+        problems.append(f"netns {netns}, not {env.netns}")
     if conf.chained:
         assert conf.prev_result is not None
         prev = spec.read_prev_result(conf.prev_result, env.netns)
-        if set(prev.ips) != set(ep.ips) or prev.host_ifname != ep.host_ifname:
-            problems.append(f"addresses {list(ep.ips)} on {ep.host_ifname}, prevResult says {list(prev.ips)}")
+        if set(prev.ips) != set(ips) or prev.host_ifname != host_ifname:
+            problems.append(f"addresses {ips} on {host_ifname}, prevResult says {list(prev.ips)}")
     if problems:
         raise CniError(
             spec.ENDPOINT_MISMATCH, f"endpoint of container {env.container_id} is not as added", "; ".join(problems)
@@ -212,7 +240,7 @@ def cmd_check(env: spec.Environment, conf: spec.NetConf) -> None:
 
 def cmd_status(env: spec.Environment, conf: spec.NetConf) -> None:
     try:
-        _stub(conf, min(conf.timeout, 2.0))
+        _connect(conf, min(conf.timeout, 2.0)).close()
     except CniError as err:
         raise CniError(spec.NOT_AVAILABLE, "the Palisade datapath is not available", err.details) from None
     return None
@@ -223,15 +251,13 @@ def cmd_gc(env: spec.Environment, conf: spec.NetConf) -> None:
     if not isinstance(valid, list):
         raise CniError(spec.INVALID_CONFIG, "cni.dev/valid-attachments is not a list")
     keep = {str(a.get("containerID", "")) for a in valid if isinstance(a, dict)}
-    _, stub = _stub(conf, conf.timeout)
-    try:
-        listing = stub.ListEndpoints(datapath_pb2.ListEndpointsRequest(), timeout=conf.timeout)
-        for ep in listing.endpoints:
-            if ep.container_id and ep.container_id not in keep:  # only what a runtime added
-                stub.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=ep.id), timeout=conf.timeout + 20)
-    except grpc.RpcError as err:
-        if not (isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.NOT_FOUND):
-            raise _rpc_error("garbage collection", err) from None
+    for ep in _endpoints(conf):
+        if ep.get("container_id") and ep["container_id"] not in keep:  # only what a runtime added
+            try:
+                _call(conf, "DeleteEndpoint", {"id": ep["id"]}, wait=conf.timeout)
+            except ApiError as err:
+                if err.code != "NOT_FOUND":  # gone meanwhile: what GC wanted
+                    raise _api_error("garbage collection", err) from None
     return None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,15 @@ SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
 #: What the plugin answers VERSION with and renders results in by default.
 CURRENT_VERSION = "1.1.0"
 DEFAULT_SOCKET = "/var/run/palisade/datapath/cni.sock"
+#: The plugin's own endpoint (JSON lines; services/datapath/pluginapi.py), beside ``socket``.
+PLUGIN_SOCKET = "plugin.sock"
+
+
+def plugin_socket(node_socket: str) -> str:
+    """Where the datapath answers the plugin, given the node socket the configuration names."""
+    return os.path.join(os.path.dirname(node_socket), PLUGIN_SOCKET)
+
+
 DEFAULT_TIMEOUT = 10.0
 COMMANDS = ("ADD", "DEL", "CHECK", "VERSION", "STATUS", "GC")
 

@@ -42,6 +42,7 @@ from services.datapath.metrics import AgentParts, DatapathMetrics
 from services.datapath.netns import NetnsPodNetwork
 from services.datapath.nodes import MasqueradePort, NodeCidrs, NodeRoutes, RoutingPort
 from services.datapath.orders import GrpcPolicyClient, OrderConsumer, PolicyPort, Reporter
+from services.datapath.pluginapi import PluginApi, plugin_socket
 from services.datapath.routing import KernelRouting
 from services.datapath.servicer import DatapathServicer
 from services.datapath.servicesync import ServiceSync
@@ -249,6 +250,9 @@ async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
     DatapathMetrics(AgentParts(agent.manager, agent.consumer, agent.reporter, agent.flows, datapath))
     datapath_pb2_grpc.add_DatapathServiceServicer_to_server(agent.servicer, ctx.server.server)
     ctx.server.add_unix_socket(cfg.cni_socket_path)
+    plugin = PluginApi(agent.servicer, ctx.server.errors, plugin_socket(cfg.cni_socket_path))
+    await plugin.start()
+    ctx.stack.push_async_callback(plugin.stop)
     ctx.server.add_service(datapath_pb2.DESCRIPTOR.services_by_name["DatapathService"].full_name)
     ctx.server.status.provider = agent.status
 

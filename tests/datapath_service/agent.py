@@ -27,6 +27,7 @@ from services.datapath.ipamclient import GrpcIpam
 from services.datapath.loader import ProgramConfig
 from services.datapath.netns import PodLink
 from services.datapath.orders import GrpcPolicyClient
+from services.datapath.pluginapi import PluginApi, plugin_socket
 from services.datapath.service import Agent, start_agent
 from services.datapath.types import Address
 from testkit.harness import NatsServer, channel, creds
@@ -151,6 +152,7 @@ class InProcessAgent:
         self._tasks: list[asyncio.Task[Any]] = []
         self._stack: contextlib.AsyncExitStack | None = None
         self.server: grpc.aio.Server | None = None
+        self.plugin: PluginApi | None = None
         self.channel: grpc.aio.Channel | None = None
         self.stub: datapath_pb2_grpc.DatapathServiceStub | None = None
 
@@ -180,17 +182,22 @@ class InProcessAgent:
             spawn=spawn,
             stack=stack,
         )
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()])  # the service's error mapping
+        errors = ErrorInterceptor()  # the service's error mapping
+        self.server = grpc.aio.server(interceptors=[errors])
         datapath_pb2_grpc.add_DatapathServiceServicer_to_server(self.agent.servicer, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
-        # The CNI plugin's door, as the service opens it.
+        # The node socket and the CNI plugin's door beside it, as the service opens them.
         self.server.add_insecure_port(f"unix:{self.config.cni_socket_path}")
         await self.server.start()
+        self.plugin = PluginApi(self.agent.servicer, errors, plugin_socket(self.config.cni_socket_path))
+        await self.plugin.start()
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         self.stub = datapath_pb2_grpc.DatapathServiceStub(self.channel)
         return self.agent
 
     async def stop(self) -> None:
+        if self.plugin is not None:
+            await self.plugin.stop()
         if self.channel is not None:
             await self.channel.close()
         if self.server is not None:
