@@ -190,6 +190,12 @@ class Stack:
         assert wait_for(lambda: not probe(netns, ip, 8080), timeout), "the removal was not"
         return enforced
 
+    def endpoints(self) -> dict[str, dict[str, Any]]:
+        """Every node's endpoints as `palisade endpoint list` gives them, by "namespace/pod"."""
+        out = self.palisade("endpoint", "list", "-o", "json")
+        assert out.returncode == 0, out.stderr
+        return {f"{e['namespace']}/{e['pod']}": e for e in json.loads(out.stdout).get("endpoints", [])}
+
     def netns(self, pod: str) -> str:
         out = self.palisade("endpoint", "get", pod, "-o", "json")
         assert out.returncode == 0, out.stderr
@@ -226,6 +232,18 @@ class Stack:
 
     def reach_service(self, src: str, service: str, port: int, protocol: str = "TCP") -> bool:
         return probe(self.netns(src), self.cluster_ip(service, port), port, protocol)
+
+
+def analyze(*args: str) -> dict[str, Any]:
+    """`palisade analyze ARGS -o json` on manifests alone (no cluster): its answer."""
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "analyze", *args, "-o", "json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    return dict(json.loads(out.stdout))
 
 
 def probe(netns: str, ip: str, port: int, protocol: str = "TCP") -> bool:

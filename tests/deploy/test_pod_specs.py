@@ -44,7 +44,7 @@ from services.datapath.datapath import teardown_all
 from services.devstack import hosts
 from testkit.containerd import missing
 from testkit.harness import ROOT
-from testkit.stack import Stack, probe, running_stack, wait_for
+from testkit.stack import Stack, analyze, probe, running_stack, wait_for
 from tests.deploy.engine import IMAGE, Engine
 from tests.deploy.kubelet import ApiObjects, Kubelet, NodeFacts, Pod, kustomized_image, pod_of
 from tests.deploy.manifests import COMPOSE_FILE
@@ -264,12 +264,6 @@ def app_pod(name: str) -> Obj:
     }
 
 
-def endpoints(stack: Stack) -> dict[str, Obj]:
-    out = stack.palisade("endpoint", "list", "-o", "json")
-    assert out.returncode == 0, out.stderr
-    return {f"{e['namespace']}/{e['pod']}": e for e in json.loads(out.stdout).get("endpoints", [])}
-
-
 def test_sandboxes_through_the_installed_conflist_are_enforced(cluster: Cluster, datapath: Pod) -> None:
     ok, said = cluster.kubelet.wait_probe(datapath, "datapath", "startupProbe")
     assert ok, said
@@ -284,11 +278,11 @@ def test_sandboxes_through_the_installed_conflist_are_enforced(cluster: Cluster,
     pods = {n: cluster.kubelet.sandbox(app_pod(n)) for n in names}
     servers: list[subprocess.Popen[str]] = []
     try:
-        eps = endpoints(stack)
+        eps = stack.endpoints()
         assert set(eps) == {f"{NS}/{n}" for n in names}, eps
         for name, pod in pods.items():
             assert eps[f"{NS}/{name}"]["ips"] == [cluster.kubelet.sandbox_ip(pod)]
-        assert wait_for(lambda: 5 not in {e["identity"] for e in endpoints(stack).values()}), endpoints(stack)
+        assert wait_for(lambda: 5 not in {e["identity"] for e in stack.endpoints().values()}), stack.endpoints()
         server_netns = cluster.kubelet.sandbox_netns(pods["server"])
         server = subprocess.Popen(
             [sys.executable, "-m", "services.devstack.podserver", "--netns", server_netns, "--name", "server",
@@ -297,7 +291,7 @@ def test_sandboxes_through_the_installed_conflist_are_enforced(cluster: Cluster,
         )  # fmt: skip
         servers.append(server)
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        matrix = analyzed(stack)
+        matrix = analyze("-f", str(stack.manifests), "--probe", "80/TCP")["probes"][0]["matrix"]
         target = cluster.kubelet.sandbox_ip(pods["server"])
         for src in ("client", "other"):
             want = matrix[f"{NS}/{src}"][f"{NS}/server"]
@@ -311,7 +305,7 @@ def test_sandboxes_through_the_installed_conflist_are_enforced(cluster: Cluster,
         for pod in pods.values():
             cluster.kubelet.remove(pod)
         (stack.manifests / "podspec.yaml").unlink(missing_ok=True)
-    assert wait_for(lambda: endpoints(stack) == {}, 30), endpoints(stack)
+    assert wait_for(lambda: stack.endpoints() == {}, 30), stack.endpoints()
 
 
 def test_the_cli_in_the_datapath_container_reaches_every_component(cluster: Cluster, datapath: Pod) -> None:
@@ -339,16 +333,6 @@ def test_the_cli_in_the_datapath_container_reaches_every_component(cluster: Clus
     listed = json.loads(exec_in(cluster, datapath, "datapath", "palisade", "endpoint", "list", "-o", "json"))
     assert "endpoints" in listed, listed
     exec_in(cluster, datapath, "datapath", "palisade", "policy", "get")
-
-
-def analyzed(stack: Stack) -> dict[str, dict[str, bool]]:
-    out = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "analyze", "-f", str(stack.manifests), "--probe", "80/TCP",
-         "-o", "json"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    matrix: dict[str, dict[str, bool]] = json.loads(out.stdout)["probes"][0]["matrix"]
-    return matrix
 
 
 # ---------------------------------------------------------------------------

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from testkit.harness import ROOT
-from testkit.stack import Stack, running_stack, wait_for
+from testkit.stack import Stack, analyze, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -112,16 +111,9 @@ def test_a_typo_in_an_enforced_policy_keeps_its_valid_version_enforced(stack: St
 def test_connectivity_probe_matches_analyze(stack: Stack) -> None:
     files = ["-f", str(HERE / "manifests" / "xyz.yaml")]
     probes = [a for p in PROBES for a in ("--probe", p)]
-    analyzed = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "analyze", *files, *probes, "-o", "json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    expected = analyze(*files, *probes)
     probed = stack.palisade("connectivity", "probe", *files, *probes, "-o", "json")
     assert probed.returncode == 0, probed.stderr
-    expected = json.loads(analyzed.stdout)
     assert json.loads(probed.stdout) == expected
     # The matrix is not trivial: something is allowed and something denied.
     cells = [v for p in expected["probes"] for row in p["matrix"].values() for v in row.values()]

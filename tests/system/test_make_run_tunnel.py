@@ -46,12 +46,6 @@ def _network(stack: Stack) -> Any:
     return devstack.parse([*ARGS, "--run-dir", str(stack.run_dir)]).network
 
 
-def _endpoints(stack: Stack) -> dict[str, dict[str, Any]]:
-    out = stack.palisade("endpoint", "list", "-o", "json")
-    assert out.returncode == 0, out.stderr
-    return {f"{e['namespace']}/{e['pod']}": e for e in json.loads(out.stdout)["endpoints"]}
-
-
 def _ip_json(netns: str, *args: str) -> list[dict[str, Any]]:
     out = subprocess.run(["ip", "-n", netns, "-j", *args], capture_output=True, text=True, check=True)
     return list(json.loads(out.stdout or "[]"))
@@ -87,7 +81,7 @@ def test_each_node_routes_the_others_pod_cidrs_into_the_tunnel(stack: Stack) -> 
 
 
 def test_the_example_story_holds_across_nodes_through_the_tunnel(stack: Stack) -> None:
-    endpoints = _endpoints(stack)
+    endpoints = stack.endpoints()
     front, back = endpoints["shop/frontend"]["node"], endpoints["shop/backend"]["node"]
     assert front != back, "pick pods on two nodes"
     netns = {n.name: n.netns for n in _network(stack).nodes}
