@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ from typing import Any
 import grpc
 import yaml
 
-from bench.output import logger
+from bench.output import logger, terminate_cleanly
 from bench.stats import rss_mib, stats_ms, target
 from palisade.v1 import (
     common_pb2,
@@ -665,20 +665,6 @@ def run_engine_child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- main ----------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def terminate_cleanly() -> Iterator[None]:
-    """SIGTERM runs the cleanup like Ctrl-C does."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def summary(out: dict[str, Any]) -> list[dict[str, Any]]:

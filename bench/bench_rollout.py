@@ -41,6 +41,7 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from bench.bench_engine import make_identities, make_policy
+from bench.output import logger
 from palisade.v1 import common_pb2, datapath_pb2
 from services.cli.diff import aggregate
 from services.policy import wire
@@ -48,9 +49,7 @@ from services.policy.engine.parse import parse_policy
 from services.policy.engine.policyengine import PolicyEngine
 from services.policy.engine.preview import preview
 
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+log = logger("rollout")
 
 
 # --- 1. flow recording ------------------------------------------------------------------------

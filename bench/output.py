@@ -45,6 +45,20 @@ def stdout_reserved_for_json() -> Iterator[int]:
         os.close(saved)
 
 
+@contextlib.contextmanager
+def terminate_cleanly() -> Iterator[None]:
+    """SIGTERM unwinds the benchmark as Ctrl-C does (a KeyboardInterrupt), so its cleanup runs."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _terminate(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
