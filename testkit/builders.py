@@ -64,6 +64,25 @@ def ipcache_entry(
     return entry
 
 
+def policy_entry(
+    direction: int,
+    remote: int,
+    port: int = 0,
+    proto: int = common_pb2.PROTOCOL_TCP,
+    verdict: int = common_pb2.VERDICT_ALLOW,
+) -> common_pb2.PolicyEntry:
+    """A policy entry as orders carry it: ``remote`` on the single ``port`` of ``proto``, or on every
+    port and protocol when ``port`` is 0."""
+    key = common_pb2.PolicyKey(
+        direction=direction,  # type: ignore[arg-type]
+        remote_identity=remote,
+        protocol=proto if port else 0,  # type: ignore[arg-type]
+        port_low=port,
+        port_high=port,
+    )
+    return common_pb2.PolicyEntry(key=key, verdict=verdict)  # type: ignore[arg-type]
+
+
 def netpol(
     name: str,
     subject: Mapping[str, str],
