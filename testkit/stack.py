@@ -248,16 +248,39 @@ def analyze(*args: str) -> dict[str, Any]:
 
 def probe(netns: str, ip: str, port: int, protocol: str = "TCP") -> bool:
     """One connection attempt from inside ``netns`` (the prober a pod would run)."""
-    target = [{"id": "t", "ip": ip, "port": port, "protocol": protocol}]
+    return prober(netns, [{"id": "t", "ip": ip, "port": port, "protocol": protocol}])["t"]
+
+
+def prober(netns: str, targets: list[dict[str, Any]], timeout: float = 1.5) -> dict[str, bool]:
+    """The dev cluster's prober from inside ``netns``: each target's id (targets as
+    ``{"id", "ip", "port", "protocol"}``), True where a connection got through within ``timeout``."""
     out = subprocess.run(
-        [sys.executable, "-m", "services.devstack.prober", "--netns", netns, "--timeout", "1.5"],
+        [sys.executable, "-m", "services.devstack.prober", "--netns", netns, "--timeout", str(timeout)],
         cwd=ROOT,
-        input=json.dumps(target),
+        input=json.dumps(targets),
         capture_output=True,
         text=True,
         check=True,
     )
-    return bool(json.loads(out.stdout)["t"])
+    return {key: bool(got) for key, got in json.loads(out.stdout).items()}
+
+
+@contextlib.contextmanager
+def pod_server(netns: str, name: str, *ports: str) -> Iterator[subprocess.Popen[str]]:
+    """The dev cluster's pod server in ``netns`` (``ports`` as its flags: "--tcp", "80", ...), ready
+    when the block starts and stopped when it ends."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "services.devstack.podserver", "--netns", netns, "--name", name, *ports],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        yield server
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 @contextlib.contextmanager

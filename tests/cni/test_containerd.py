@@ -22,23 +22,15 @@ import yaml
 
 from palisade.v1 import ipam_pb2, ipam_pb2_grpc
 from services.cni import install
+from testkit.builders import netpol
 from testkit.containerd import Containerd, Cri, missing
-from testkit.harness import ROOT
-from testkit.stack import Stack, analyze, probe, running_stack, wait_for
+from testkit.stack import Stack, analyze, pod_server, probe, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
 NS = "cri"
 INIT = 5
-POLICY = {
-    "apiVersion": "networking.k8s.io/v1",
-    "kind": "NetworkPolicy",
-    "metadata": {"name": "server-from-client", "namespace": NS},
-    "spec": {
-        "podSelector": {"matchLabels": {"app": "server"}},
-        "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "client"}}}], "ports": [{"port": 80}]}],
-    },
-}
+POLICY = netpol("server-from-client", {"app": "server"}, {"app": "client"}, 80, NS)
 
 
 def pod(name: str) -> dict[str, Any]:
@@ -119,7 +111,6 @@ def test_sandboxes_from_containerd_are_enforced_by_identity_and_leave_nothing(
         )
     late = stack.manifests / "10-late.yaml"
     sandboxes: dict[str, str] = {}
-    servers: list[subprocess.Popen[str]] = []
     try:
         for name in ("client", "server"):
             sandboxes[name] = cri.run_sandbox(NS, name, f"uid-{name}", tmp_path / "logs")
@@ -144,25 +135,16 @@ def test_sandboxes_from_containerd_are_enforced_by_identity_and_leave_nothing(
 
         # Real packets, as analyze says: client -> server allowed, late -> server denied.
         server_ep = eps[f"{NS}/server"]
-        server = subprocess.Popen(
-            [sys.executable, "-m", "services.devstack.podserver", "--netns", server_ep["netns"], "--name", "server",
-             "--tcp", "80"],
-            cwd=ROOT, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        servers.append(server)
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        assert wait_for(lambda: stack.palisade("policy", "get", "networkpolicy", "server-from-client", "-n", NS)
-                        .returncode == 0)  # fmt: skip
-        matrix = analyze("-f", str(stack.manifests), "--probe", "80/TCP")["probes"][0]["matrix"]
-        for src in ("client", "late"):
-            want = matrix[f"{NS}/{src}"][f"{NS}/server"]
-            src_netns = str(eps[f"{NS}/{src}"]["netns"])
-            assert wait_for(lambda n=src_netns, w=want: probe(n, server_ep["ips"][0], 80) == w)  # type: ignore[misc]
+        with pod_server(server_ep["netns"], "server", "--tcp", "80"):
+            assert wait_for(lambda: stack.palisade("policy", "get", "networkpolicy", "server-from-client", "-n", NS)
+                            .returncode == 0)  # fmt: skip
+            matrix = analyze("-f", str(stack.manifests), "--probe", "80/TCP")["probes"][0]["matrix"]
+            for src in ("client", "late"):
+                want = matrix[f"{NS}/{src}"][f"{NS}/server"]
+                src_netns = str(eps[f"{NS}/{src}"]["netns"])
+                assert wait_for(lambda n=src_netns, w=want: probe(n, server_ep["ips"][0], 80) == w)  # type: ignore[misc]
         assert matrix[f"{NS}/client"][f"{NS}/server"] and not matrix[f"{NS}/late"][f"{NS}/server"]
     finally:
-        for proc in servers:
-            proc.terminate()
-            proc.wait(10)
         for sid in sandboxes.values():
             cri.remove(sid)
         late.unlink(missing_ok=True)
