@@ -67,7 +67,7 @@ from palisade.v1 import (
     policy_pb2,
     policy_pb2_grpc,
 )
-from testkit.harness import EtcdServer, NatsServer, ServiceProcess, creds, sync_channel
+from testkit.harness import EtcdServer, NatsServer, ServiceProcess, creds, datapath_flags, sync_channel
 from testkit.harness import channel as harness_channel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -248,14 +248,9 @@ def start_stack(tmp: Path, prefix: str, bpffs: str, cleanup: Cleanup) -> Stack:
         logs,
         [
             *common,
-            "--policy-address",
-            stack.services["policy"].address,
-            "--ipam-address",
-            stack.services["ipam"].address,
-            "--state-dir",
-            str(tmp / "datapath-state"),
-            "--bpffs",
-            bpffs,
+            *datapath_flags(
+                stack.services["policy"].address, stack.services["ipam"].address, tmp / "datapath-state", bpffs
+            ),
         ],
     )
     cleanup.push("remove the datapath's pins", lambda: teardown_bpffs(bpffs))

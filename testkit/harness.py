@@ -388,6 +388,12 @@ def scrape(port: int) -> Metrics:
         return Metrics(resp.read().decode())
 
 
+def datapath_flags(policy: str, ipam: str, state_dir: Path, bpffs: str) -> list[str]:
+    """A datapath's flags naming its upstreams (PolicyService's and IPAMService's addresses), its
+    state directory and its folder of the BPF file system."""
+    return ["--policy-address", policy, "--ipam-address", ipam, "--state-dir", str(state_dir), "--bpffs", bpffs]
+
+
 class ServiceProcess:
     """A Palisade service run as ``python -m services.<name>`` with its own ports."""
 

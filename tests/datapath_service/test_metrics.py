@@ -23,7 +23,7 @@ from services.datapath.fake import FakeDatapath
 from services.datapath.flows import FlowFilter
 from services.datapath.metrics import AgentParts, DatapathMetrics, KernelTotals
 from testkit.builders import policy_entry
-from testkit.harness import Metrics, NatsServer, ServiceProcess, creds, scrape
+from testkit.harness import Metrics, NatsServer, ServiceProcess, creds, datapath_flags, scrape
 from tests.datapath_service.agent import InProcessAgent, control_plane
 from tests.datapath_service.controlplane import ING, ControlPlane
 from tests.datapath_service.helpers import create as create_fake
@@ -62,8 +62,8 @@ async def test_service_metrics_follow_endpoints_orders_and_packets(
     def start() -> ServiceProcess:
         return service(
             "datapath",
-            *("--nats-url", nats_server.url, "--node-name", NODE, "--policy-address", cp.policy_address),
-            *("--ipam-address", cp.ipam_address, "--state-dir", str(tmp_path / "state"), "--bpffs", bpffs),
+            *("--nats-url", nats_server.url, "--node-name", NODE),
+            *datapath_flags(cp.policy_address, cp.ipam_address, tmp_path / "state", bpffs),
             *("--retry-backoff-max", "0.5"),
         )
 

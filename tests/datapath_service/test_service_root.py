@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2
 
 from palisade.v1 import common_pb2, datapath_pb2
 from testkit.builders import policy_entry
-from testkit.harness import NatsServer, ServiceProcess, health_status
+from testkit.harness import NatsServer, ServiceProcess, datapath_flags, health_status
 from tests.datapath_service.agent import control_plane
 from tests.datapath_service.controlplane import ALLOW, ING, ControlPlane
 from tests.datapath_service.helpers import create_endpoint, in_thread, started
@@ -43,14 +43,7 @@ def start_datapath(
             nats_server.url,
             "--node-name",
             NODE,
-            "--policy-address",
-            cp.policy_address,
-            "--ipam-address",
-            cp.ipam_address,
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--bpffs",
-            bpffs,
+            *datapath_flags(cp.policy_address, cp.ipam_address, tmp_path / "state", bpffs),
             "--retry-backoff-max",
             "0.5",
             "--log-level",
