@@ -548,13 +548,11 @@ async def big_policy_part(tmp: Path, args: argparse.Namespace, cleanup: Cleanup)
 def engine_part(policies: int, identities: int, namespaces: int, samples: int) -> dict[str, Any]:
     from bench.bench_engine import APPS as ENGINE_APPS
     from bench.bench_engine import TIERS as ENGINE_TIERS
-    from bench.bench_engine import make_identities, make_policy, profiled
+    from bench.bench_engine import load_engine, make_identities, make_policy, profiled
     from services.common.gctuning import freeze_loaded, tune_gc
     from services.common.labels import pod_identity_labels
     from services.policy.engine.identity import Identity
-    from services.policy.engine.model import IpProto
     from services.policy.engine.parse import parse_policy
-    from services.policy.engine.policyengine import PolicyEngine
 
     tune_gc()  # as the policy service does
     rng = random.Random(7)
@@ -564,15 +562,7 @@ def engine_part(policies: int, identities: int, namespaces: int, samples: int) -
     generate_s = time.perf_counter() - t
 
     t = time.perf_counter()
-    eng = PolicyEngine()
-    eng.begin_batch()
-    for ident in idents:
-        eng.upsert_identity(ident)
-    for n, ident in enumerate(idents):
-        eng.set_named_ports(ident.id, {"http": [(IpProto.TCP, 8080 + n % 3)]})
-    for p in docs:
-        eng.upsert_policy(p)
-    eng.end_batch()
+    eng, _ = load_engine(idents, docs)
     full_s = time.perf_counter() - t
     entries = sum(len(p.entries) for p in eng.policies().values())
     freeze_loaded()  # as the policy service does once its inputs are replayed
