@@ -242,6 +242,13 @@ class NatsCluster:
         for member in self.members:
             member.stop()
 
+    def __enter__(self) -> NatsCluster:
+        """The cluster, its members started by the caller (all: :meth:`start`); every one stopped after."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
 
 class _RetryLogged(logging.Handler):
     def __init__(self, what: str, event: asyncio.Event) -> None:
@@ -344,6 +351,14 @@ class EtcdCluster:
     def stop(self) -> None:
         for m in self.members:
             m.stop()
+
+    def __enter__(self) -> EtcdCluster:
+        """The cluster, started; every member stopped after."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def health_status(address: str, server: str, service: str = "", timeout: float = 1.0, secure: bool = True) -> int:
