@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from pathlib import Path
 from typing import Any
 
-from testkit.harness import ROOT
+from bench.__main__ import run_one
 
 
 def run_bench(module: str, *args: str, timeout: float) -> dict[str, Any]:
-    """``python -m bench.<module> ARGS``: it must exit 0 within ``timeout`` seconds; its stdout, one
-    JSON object, is returned."""
-    proc = subprocess.run(
-        [sys.executable, "-m", f"bench.{module}", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out: dict[str, Any] = json.loads(proc.stdout)
+    """``python -m bench.<module> ARGS`` as `make bench` runs it (:func:`bench.__main__.run_one`): it
+    must exit 0 within ``timeout`` seconds and print one JSON object, which is returned."""
+    out = run_one(Path(f"{module}.py"), timeout, list(args))
+    assert "error" not in out, out["error"]
     return out
