@@ -30,6 +30,17 @@ from services.common.trust import Credentials
 from testkit.harness import ROOT, free_port
 
 SERVICES = ("watcher", "policy", "ipam", "datapath")
+#: The story examples/ tells, as (from pod, to pod, TCP port, whether it connects): the shop's tiers
+#: talk in order, the debug pod reaches the frontend only, and nothing but the backend reaches the
+#: database (on its named port "pg"; a clusterwide deny keeps tools out).
+EXAMPLE_STORY = (
+    ("shop/frontend", "shop/backend", 8080, True),
+    ("tools/debug", "shop/frontend", 80, True),
+    ("tools/debug", "shop/backend", 8080, False),
+    ("shop/backend", "shop/db", 5432, True),
+    ("shop/frontend", "shop/db", 5432, False),
+    ("tools/debug", "shop/db", 5432, False),
+)
 
 
 @dataclass
@@ -207,6 +218,18 @@ class Stack:
 
     def reach(self, src: str, dst: str, port: int, protocol: str = "TCP") -> bool:
         return probe(self.netns(src), self.ip(dst), port, protocol)
+
+    def story_broken(self) -> list[tuple[str, str, int, bool]]:
+        """The connections of :data:`EXAMPLE_STORY` whose real packets do not do as it says (none: it holds)."""
+        return [(src, dst, port, want) for src, dst, port, want in EXAMPLE_STORY if self.reach(src, dst, port) != want]
+
+    def interrupt(self) -> str:
+        """Ctrl-C the stack as a user ends `make run`: it exits 0 saying it left nothing behind; its last output."""
+        self.proc.send_signal(signal.SIGINT)
+        rest, _ = self.proc.communicate(timeout=90)
+        assert self.proc.returncode == 0, rest
+        assert "nothing left behind" in rest
+        return rest
 
     def frontends(self) -> list[dict[str, Any]]:
         """Every node's Service frontends, as `palisade service list` gives them."""

@@ -48,12 +48,7 @@ def test_status_shows_every_service_serving_and_synced(stack: Stack) -> None:
 
 
 def test_example_story_is_enforced_with_real_packets(stack: Stack) -> None:
-    assert stack.reach("shop/frontend", "shop/backend", 8080)
-    assert stack.reach("tools/debug", "shop/frontend", 80)
-    assert not stack.reach("tools/debug", "shop/backend", 8080)
-    assert stack.reach("shop/backend", "shop/db", 5432)
-    assert not stack.reach("shop/frontend", "shop/db", 5432)
-    assert not stack.reach("tools/debug", "shop/db", 5432)  # the clusterwide deny
+    assert not stack.story_broken()
 
 
 def test_editing_a_policy_file_changes_connectivity(stack: Stack) -> None:
@@ -131,10 +126,7 @@ def test_zz_ctrl_c_stops_everything_and_leaves_nothing_behind(stack: Stack) -> N
     host_ifnames = [e["host_ifname"] for e in json.loads(listed.stdout)["endpoints"]]
     assert host_ifnames
     os.kill(stack.pid("datapath"), signal.SIGKILL)
-    stack.proc.send_signal(signal.SIGINT)
-    rest, _ = stack.proc.communicate(timeout=90)
-    assert stack.proc.returncode == 0, rest
-    assert "nothing left behind" in rest
+    stack.interrupt()
     assert not os.path.exists(stack.bpffs)
     # Only the logs stay, to read after a crash; the next start removes them.
     assert [p.name for p in stack.run_dir.iterdir()] == ["logs"]

@@ -12,7 +12,6 @@ import ipaddress
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import threading
@@ -99,11 +98,7 @@ def test_policy_get_and_status_show_every_node(stack: Stack) -> None:
 def test_the_example_story_holds_across_nodes(stack: Stack) -> None:
     endpoints = stack.endpoints()
     assert endpoints["shop/frontend"]["node"] != endpoints["shop/backend"]["node"], "pick pods on two nodes"
-    assert stack.reach("shop/frontend", "shop/backend", 8080)
-    assert not stack.reach("tools/debug", "shop/backend", 8080)
-    assert stack.reach("shop/backend", "shop/db", 5432)
-    assert not stack.reach("shop/frontend", "shop/db", 5432)
-    assert not stack.reach("tools/debug", "shop/db", 5432)  # the clusterwide deny
+    assert not stack.story_broken()
 
 
 def test_the_story_through_cluster_ips_across_nodes(stack: Stack) -> None:
@@ -395,10 +390,7 @@ def test_one_client_port_reaches_a_backend_on_another_node_by_cluster_ip_and_by_
 
 def test_zz_ctrl_c_removes_the_hosts_and_leaves_nothing_behind(stack: Stack) -> None:
     netns = _node_netns(stack)
-    stack.proc.send_signal(signal.SIGINT)
-    rest, _ = stack.proc.communicate(timeout=90)
-    assert stack.proc.returncode == 0, rest
-    assert "nothing left behind" in rest
+    stack.interrupt()
     assert not [n for n in netns.values() if os.path.exists(f"/run/netns/{n}")]
     assert not [n for n in NODES if os.path.exists(f"{stack.bpffs}-{n}")]
     pods = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
