@@ -14,12 +14,20 @@ KIND_ENUM = {
     "CiliumNetworkPolicy": k8s_pb2.K8S_KIND_CILIUM_NETWORK_POLICY,
     "CiliumClusterwideNetworkPolicy": k8s_pb2.K8S_KIND_CILIUM_CLUSTERWIDE_NETWORK_POLICY,
     "Namespace": k8s_pb2.K8S_KIND_NAMESPACE,
+    "Pod": k8s_pb2.K8S_KIND_POD,
+    "Node": k8s_pb2.K8S_KIND_NODE,
+    "Service": k8s_pb2.K8S_KIND_SERVICE,
+    "EndpointSlice": k8s_pb2.K8S_KIND_ENDPOINT_SLICE,
 }
 KIND_TOKEN = {
     "NetworkPolicy": "networkpolicy",
     "CiliumNetworkPolicy": "ciliumnetworkpolicy",
     "CiliumClusterwideNetworkPolicy": "ciliumclusterwidenetworkpolicy",
     "Namespace": "namespace",
+    "Pod": "pod",
+    "Node": "node",
+    "Service": "service",
+    "EndpointSlice": "endpointslice",
 }
 
 
@@ -123,12 +131,14 @@ def cnp(
 
 
 def delta(doc: Mapping[str, Any], *, delete: bool = False) -> k8s_pb2.K8sDelta:
+    """The K8sDelta the watcher publishes for ``doc`` (a Kubernetes object), on :func:`delta_subject`."""
     meta = doc["metadata"]
     return k8s_pb2.K8sDelta(
         kind=KIND_ENUM[doc["kind"]],
         op=k8s_pb2.DELTA_OP_DELETE if delete else k8s_pb2.DELTA_OP_UPSERT,
         namespace=meta.get("namespace", ""),
         name=meta["name"],
+        uid=meta.get("uid", ""),
         object_json=json.dumps(doc).encode(),
         source="test",
     )
