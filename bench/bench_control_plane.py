@@ -54,7 +54,7 @@ from typing import Any
 import grpc
 import yaml
 
-from bench.output import logger, terminate_cleanly
+from bench.output import logger, run_timed
 from bench.stats import rss_mib, stats_ms, target
 from palisade.v1 import (
     common_pb2,
@@ -816,17 +816,7 @@ def main() -> int:
     if not 0 < args.alloc_ips < 254:
         p.error("--alloc-ips must be between 1 and 253 (one node's /24)")
     logging.getLogger("palisade").setLevel(logging.ERROR)
-
-    wall = time.perf_counter()
-    try:
-        with terminate_cleanly():
-            out = run(args)
-    except KeyboardInterrupt as exc:
-        log(f"interrupted ({exc}); cleaned up")
-        return 130
-    out["total_s"] = round(time.perf_counter() - wall, 1)
-    print(json.dumps(out, indent=2))
-    return 0
+    return run_timed(run, args, log)
 
 
 if __name__ == "__main__":

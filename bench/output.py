@@ -59,6 +59,21 @@ def terminate_cleanly() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def run_timed(bench: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace, log: Log) -> int:
+    """Run ``bench`` under :func:`terminate_cleanly` and print its result as JSON, with ``total_s``
+    its wall time; exit status 130 when it was interrupted (after its cleanup ran)."""
+    started = time.monotonic()
+    try:
+        with terminate_cleanly():
+            out = bench(args)
+    except KeyboardInterrupt as exc:
+        log(f"interrupted ({exc}); cleaned up")
+        return 130
+    out["total_s"] = round(time.monotonic() - started, 1)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 def _terminate(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
