@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ from typing import Any
 import grpc
 import yaml
 
-from bench.output import logger
+from bench.output import logger, run_timed
 from bench.stats import rss_mib, stats_ms, target
 from palisade.v1 import (
     common_pb2,
@@ -67,7 +67,7 @@ from palisade.v1 import (
     policy_pb2,
     policy_pb2_grpc,
 )
-from testkit.harness import EtcdServer, NatsServer, ServiceProcess, creds, sync_channel
+from testkit.harness import EtcdServer, NatsServer, ServiceProcess, creds, datapath_flags, sync_channel
 from testkit.harness import channel as harness_channel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -248,14 +248,9 @@ def start_stack(tmp: Path, prefix: str, bpffs: str, cleanup: Cleanup) -> Stack:
         logs,
         [
             *common,
-            "--policy-address",
-            stack.services["policy"].address,
-            "--ipam-address",
-            stack.services["ipam"].address,
-            "--state-dir",
-            str(tmp / "datapath-state"),
-            "--bpffs",
-            bpffs,
+            *datapath_flags(
+                stack.services["policy"].address, stack.services["ipam"].address, tmp / "datapath-state", bpffs
+            ),
         ],
     )
     cleanup.push("remove the datapath's pins", lambda: teardown_bpffs(bpffs))
@@ -553,13 +548,11 @@ async def big_policy_part(tmp: Path, args: argparse.Namespace, cleanup: Cleanup)
 def engine_part(policies: int, identities: int, namespaces: int, samples: int) -> dict[str, Any]:
     from bench.bench_engine import APPS as ENGINE_APPS
     from bench.bench_engine import TIERS as ENGINE_TIERS
-    from bench.bench_engine import make_identities, make_policy, profiled
+    from bench.bench_engine import load_engine, make_identities, make_policy, profiled
     from services.common.gctuning import freeze_loaded, tune_gc
     from services.common.labels import pod_identity_labels
     from services.policy.engine.identity import Identity
-    from services.policy.engine.model import IpProto
     from services.policy.engine.parse import parse_policy
-    from services.policy.engine.policyengine import PolicyEngine
 
     tune_gc()  # as the policy service does
     rng = random.Random(7)
@@ -569,15 +562,7 @@ def engine_part(policies: int, identities: int, namespaces: int, samples: int) -
     generate_s = time.perf_counter() - t
 
     t = time.perf_counter()
-    eng = PolicyEngine()
-    eng.begin_batch()
-    for ident in idents:
-        eng.upsert_identity(ident)
-    for n, ident in enumerate(idents):
-        eng.set_named_ports(ident.id, {"http": [(IpProto.TCP, 8080 + n % 3)]})
-    for p in docs:
-        eng.upsert_policy(p)
-    eng.end_batch()
+    eng, _ = load_engine(idents, docs)
     full_s = time.perf_counter() - t
     entries = sum(len(p.entries) for p in eng.policies().values())
     freeze_loaded()  # as the policy service does once its inputs are replayed
@@ -665,20 +650,6 @@ def run_engine_child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- main ----------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def terminate_cleanly() -> Iterator[None]:
-    """SIGTERM runs the cleanup like Ctrl-C does."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def summary(out: dict[str, Any]) -> list[dict[str, Any]]:
@@ -845,17 +816,7 @@ def main() -> int:
     if not 0 < args.alloc_ips < 254:
         p.error("--alloc-ips must be between 1 and 253 (one node's /24)")
     logging.getLogger("palisade").setLevel(logging.ERROR)
-
-    wall = time.perf_counter()
-    try:
-        with terminate_cleanly():
-            out = run(args)
-    except KeyboardInterrupt as exc:
-        log(f"interrupted ({exc}); cleaned up")
-        return 130
-    out["total_s"] = round(time.perf_counter() - wall, 1)
-    print(json.dumps(out, indent=2))
-    return 0
+    return run_timed(run, args, log)
 
 
 if __name__ == "__main__":

@@ -35,19 +35,10 @@ from services.datapath.manager import EndpointManager
 from services.datapath.netns import PodLink
 from services.datapath.orders import OrderConsumer, Reporter
 from services.datapath.state import EndpointStore
+from testkit.builders import policy_entry
 
 NODE = "bench-node"
-
-
-def entry(remote: int, port: int) -> common_pb2.PolicyEntry:
-    key = common_pb2.PolicyKey(
-        direction=common_pb2.DIRECTION_INGRESS,
-        remote_identity=remote,
-        protocol=common_pb2.PROTOCOL_TCP,
-        port_low=port,
-        port_high=port,
-    )
-    return common_pb2.PolicyEntry(key=key, verdict=common_pb2.VERDICT_ALLOW)
+INGRESS = common_pb2.DIRECTION_INGRESS
 
 
 class Policy:
@@ -195,7 +186,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         identities = [256 + i for i in range(args.identities)]
         for i, identity in enumerate(identities):
             policy.policies[identity] = [
-                entry(identities[(i + k) % len(identities)], 1000 + k) for k in range(args.entries)
+                policy_entry(INGRESS, identities[(i + k) % len(identities)], 1000 + k) for k in range(args.entries)
             ]
         await asyncio.wait_for(consumer.synced.wait(), 60)
         for n in range(args.endpoints):
@@ -212,7 +203,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for identity in sorted(set(ep.identity for ep in manager.endpoints.values())):
                 current = policy.policies.setdefault(identity, [])
                 removed, kept = current[: args.churn], current[args.churn :]
-                added = [entry(identity, port + k) for k in range(args.churn)]
+                added = [policy_entry(INGRESS, identity, port + k) for k in range(args.churn)]
                 policy.policies[identity] = kept + added
                 diffs.append(
                     common_pb2.IdentityPolicyDiff(

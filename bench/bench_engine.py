@@ -51,6 +51,23 @@ def pod_labels(i: int, namespaces: int, tier: str) -> Any:
     )
 
 
+def load_engine(
+    idents: list[Any], policies: list[Any], *, named_ports: bool = True
+) -> tuple[PolicyEngine, ChangeResult]:
+    """A policy engine with ``idents`` and the parsed ``policies`` loaded in one batch (each identity
+    naming port ``http`` unless not ``named_ports``), and the batch's result."""
+    eng = PolicyEngine()
+    eng.begin_batch()
+    for ident in idents:
+        eng.upsert_identity(ident)
+    if named_ports:
+        for n, ident in enumerate(idents):
+            eng.set_named_ports(ident.id, {"http": [(IpProto.TCP, 8080 + n % 3)]})
+    for p in policies:
+        eng.upsert_policy(p)
+    return eng, eng.end_batch()
+
+
 def make_identities(n: int, namespaces: int, rng: random.Random) -> list[Any]:
     alloc = LocalAllocator()
     return [alloc.allocate(pod_labels(i, namespaces, rng.choice(TIERS))) for i in range(n)]
@@ -188,15 +205,7 @@ def main() -> int:
     policies = [parse_policy(make_policy(i, args.namespaces, rng)) for i in range(args.policies)]
 
     t0 = time.perf_counter()
-    eng = PolicyEngine()
-    eng.begin_batch()
-    for ident in idents:
-        eng.upsert_identity(ident)
-    for n, ident in enumerate(idents):
-        eng.set_named_ports(ident.id, {"http": [(IpProto.TCP, 8080 + n % 3)]})
-    for p in policies:
-        eng.upsert_policy(p)
-    full = eng.end_batch()
+    eng, full = load_engine(idents, policies)
     full_s = time.perf_counter() - t0
     entries = sum(len(p.entries) for p in eng.policies().values())
     full_diffs = len(full.diffs)

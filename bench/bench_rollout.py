@@ -40,17 +40,15 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from bench.bench_engine import make_identities, make_policy
+from bench.bench_engine import load_engine, make_identities, make_policy
+from bench.output import logger
 from palisade.v1 import common_pb2, datapath_pb2
 from services.cli.diff import aggregate
 from services.policy import wire
 from services.policy.engine.parse import parse_policy
-from services.policy.engine.policyengine import PolicyEngine
 from services.policy.engine.preview import preview
 
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+log = logger("rollout")
 
 
 # --- 1. flow recording ------------------------------------------------------------------------
@@ -157,15 +155,9 @@ def bench_ring(rounds: int, packets: int, *, flood: bool) -> dict[str, Any]:
 def bench_diff(policies: int, identities: int, flows: int) -> dict[str, Any]:
     rng = random.Random(7)
     namespaces = 50
-    engine = PolicyEngine()
-    engine.begin_batch()
     idents = make_identities(identities, namespaces, rng)
-    for ident in idents:
-        engine.upsert_identity(ident)
     docs = [make_policy(i, namespaces, rng) for i in range(policies)]
-    for doc in docs:
-        engine.upsert_policy(parse_policy(doc))
-    engine.end_batch()
+    engine, _ = load_engine(idents, [parse_policy(doc) for doc in docs], named_ports=False)
     pods = {ident.id: [f"ns{n % namespaces}/pod{n}"] for n, ident in enumerate(idents)}
 
     ports = [80, 443, 8080, 8050, 53, 5432]

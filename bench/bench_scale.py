@@ -40,13 +40,11 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +52,7 @@ from typing import Any
 import grpc
 import yaml
 
+from bench.output import logger, terminate_cleanly
 from bench.simnode import SimNode
 from bench.stats import peak_rss_mib, rss_mib, stats_ms, target
 from palisade.v1 import common_pb2, common_pb2_grpc, identity_pb2, policy_pb2, policy_pb2_grpc
@@ -64,6 +63,7 @@ from services.common.subjects import IPCACHE_ALL
 from services.common.trust import Credentials, ensure_pki
 from services.datapath.orders import GrpcPolicyClient
 from services.devstack.processes import Child, binary
+from testkit.harness import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_CIDR = "10.64.0.0/10"  # room for 1,000+ nodes' /24s; apart from the dev stack's and the tests'
@@ -74,15 +74,7 @@ CHANGE_POLICY = "scale-change"
 CHURN_SLOT, CHURN_SLOTS = 150, 100
 
 
-def log(message: str) -> None:
-    print(f"[scale {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+log = logger("scale")
 
 
 # -- the world -------------------------------------------------------------------------------
@@ -544,18 +536,6 @@ def summary(out: dict[str, Any]) -> list[dict[str, Any]]:
         {"metric": "initial load: nodes started -> realized", "value": out["nodes_started_and_realized_s"],
          "unit": "s"},
     ]  # fmt: skip
-
-
-@contextlib.contextmanager
-def terminate_cleanly() -> Iterator[None]:
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def main() -> int:

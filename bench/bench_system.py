@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.output import logger
+from bench.output import logger, run_timed
 from bench.stats import percentile, stats_ms, target
 from services.common.access import INBOX_PREFIX
 from services.common.grpcserver import open_channel
@@ -588,20 +588,7 @@ def main() -> int:
     if os.geteuid() != 0:
         log("needs root (the stack creates namespaces and loads BPF programs)")
         return 2
-
-    def on_term(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_term)  # clean up as on Ctrl-C
-    started = time.monotonic()
-    try:
-        out = run(args)
-    except KeyboardInterrupt as exc:
-        log(f"interrupted ({exc}); cleaned up")
-        return 130
-    out["total_s"] = round(time.monotonic() - started, 1)
-    print(json.dumps(out, indent=2))
-    return 0
+    return run_timed(run, args, log)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,35 @@ def stdout_reserved_for_json() -> Iterator[int]:
         os.close(saved)
 
 
+@contextlib.contextmanager
+def terminate_cleanly() -> Iterator[None]:
+    """SIGTERM unwinds the benchmark as Ctrl-C does (a KeyboardInterrupt), so its cleanup runs."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_timed(bench: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace, log: Log) -> int:
+    """Run ``bench`` under :func:`terminate_cleanly` and print its result as JSON, with ``total_s``
+    its wall time; exit status 130 when it was interrupted (after its cleanup ran)."""
+    started = time.monotonic()
+    try:
+        with terminate_cleanly():
+            out = bench(args)
+    except KeyboardInterrupt as exc:
+        log(f"interrupted ({exc}); cleaned up")
+        return 130
+    out["total_s"] = round(time.monotonic() - started, 1)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 def _terminate(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 

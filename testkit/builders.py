@@ -14,12 +14,20 @@ KIND_ENUM = {
     "CiliumNetworkPolicy": k8s_pb2.K8S_KIND_CILIUM_NETWORK_POLICY,
     "CiliumClusterwideNetworkPolicy": k8s_pb2.K8S_KIND_CILIUM_CLUSTERWIDE_NETWORK_POLICY,
     "Namespace": k8s_pb2.K8S_KIND_NAMESPACE,
+    "Pod": k8s_pb2.K8S_KIND_POD,
+    "Node": k8s_pb2.K8S_KIND_NODE,
+    "Service": k8s_pb2.K8S_KIND_SERVICE,
+    "EndpointSlice": k8s_pb2.K8S_KIND_ENDPOINT_SLICE,
 }
 KIND_TOKEN = {
     "NetworkPolicy": "networkpolicy",
     "CiliumNetworkPolicy": "ciliumnetworkpolicy",
     "CiliumClusterwideNetworkPolicy": "ciliumclusterwidenetworkpolicy",
     "Namespace": "namespace",
+    "Pod": "pod",
+    "Node": "node",
+    "Service": "service",
+    "EndpointSlice": "endpointslice",
 }
 
 
@@ -64,6 +72,25 @@ def ipcache_entry(
     return entry
 
 
+def policy_entry(
+    direction: int,
+    remote: int,
+    port: int = 0,
+    proto: int = common_pb2.PROTOCOL_TCP,
+    verdict: int = common_pb2.VERDICT_ALLOW,
+) -> common_pb2.PolicyEntry:
+    """A policy entry as orders carry it: ``remote`` on the single ``port`` of ``proto``, or on every
+    port and protocol when ``port`` is 0."""
+    key = common_pb2.PolicyKey(
+        direction=direction,  # type: ignore[arg-type]
+        remote_identity=remote,
+        protocol=proto if port else 0,  # type: ignore[arg-type]
+        port_low=port,
+        port_high=port,
+    )
+    return common_pb2.PolicyEntry(key=key, verdict=verdict)  # type: ignore[arg-type]
+
+
 def netpol(
     name: str,
     subject: Mapping[str, str],
@@ -104,12 +131,14 @@ def cnp(
 
 
 def delta(doc: Mapping[str, Any], *, delete: bool = False) -> k8s_pb2.K8sDelta:
+    """The K8sDelta the watcher publishes for ``doc`` (a Kubernetes object), on :func:`delta_subject`."""
     meta = doc["metadata"]
     return k8s_pb2.K8sDelta(
         kind=KIND_ENUM[doc["kind"]],
         op=k8s_pb2.DELTA_OP_DELETE if delete else k8s_pb2.DELTA_OP_UPSERT,
         namespace=meta.get("namespace", ""),
         name=meta["name"],
+        uid=meta.get("uid", ""),
         object_json=json.dumps(doc).encode(),
         source="test",
     )

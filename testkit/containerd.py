@@ -8,10 +8,13 @@ imported under the configured sandbox image name, since nothing can be pulled.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tarfile
 import time
@@ -118,6 +121,69 @@ state = "{root / "state"}"
 """
 
 
+def start_containerd(command: list[str], root: Path, socket: Path, timeout: float) -> subprocess.Popen[bytes]:
+    """Run ``command`` (containerd, or a wrapper that execs it) writing ``root``/containerd.log, until
+    its CRI ``socket`` exists; RuntimeError with the log's tail if it exits or ``timeout`` passes first."""
+    log = open(root / "containerd.log", "wb")  # noqa: SIM115 - the process writes it until stop
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while not socket.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"containerd did not start: {log_tail(root)}")
+        time.sleep(0.05)
+    return proc
+
+
+def wait_image(socket: Path, image: str, timeout: float) -> None:
+    """Until the CRI plugin on ``socket`` sees ``image``: it learns of imports from events, and until
+    then would try to pull it."""
+    request = api_pb2.ImageStatusRequest(image=api_pb2.ImageSpec(image=image))
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
+        images = api_pb2_grpc.ImageServiceStub(channel)  # type: ignore[no-untyped-call]
+        while not images.ImageStatus(request, timeout=10).image.id:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"containerd's CRI does not see the imported {image}")
+            time.sleep(0.05)
+
+
+def log_tail(root: Path, lines: int = 30) -> str:
+    """The last ``lines`` of the containerd log under ``root``."""
+    try:
+        return "\n".join((root / "containerd.log").read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return ""
+
+
+def stop_containerd(proc: subprocess.Popen[bytes] | None, socket: Path, grace: float) -> None:
+    """Stop containerd (SIGTERM, SIGKILL after ``grace`` seconds) and its sandboxes' shims, which
+    outlive it: the ones whose command line names its ``socket``, this test's only."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    for pid in _shims_of(socket):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _shims_of(socket: Path) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "containerd-shim" in cmdline and str(socket) in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
 @dataclass
 class Containerd:
     """containerd with CRI on a private socket; CNI from ``cni_bin`` and ``cni_conf``."""
@@ -146,48 +212,22 @@ class Containerd:
         (self.cni_bin / "palisade").symlink_to(plugin)
         config = cri_config(self.root, self.socket, self.cni_bin, self.cni_conf)
         (self.root / "config.toml").write_text(config)
-        log = open(self.root / "containerd.log", "wb")  # noqa: SIM115 - the process writes it until stop
-        self.proc = subprocess.Popen(
-            ["containerd", "--config", str(self.root / "config.toml")], stdout=log, stderr=subprocess.STDOUT
+        self.proc = start_containerd(
+            ["containerd", "--config", str(self.root / "config.toml")], self.root, self.socket, 30
         )
-        deadline = time.monotonic() + 30
-        while not self.socket.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"containerd did not start: {self.log_tail()}")
-            time.sleep(0.05)
         archive = build_pause_image(self.root / "image")
         subprocess.run(
             ["ctr", "-a", str(self.socket), "-n", "k8s.io", "images", "import", "--no-unpack", str(archive)],
             check=True,
             capture_output=True,
         )
-        # The CRI plugin learns of the import from an event; until then it would try to pull the image.
-        request = api_pb2.ImageStatusRequest(image=api_pb2.ImageSpec(image=SANDBOX_IMAGE))
-        with grpc.insecure_channel(f"unix:{self.socket}") as channel:
-            images = api_pb2_grpc.ImageServiceStub(channel)  # type: ignore[no-untyped-call]
-            while not images.ImageStatus(request, timeout=10).image.id:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"containerd's CRI does not see the imported {SANDBOX_IMAGE}")
-                time.sleep(0.05)
+        wait_image(self.socket, SANDBOX_IMAGE, 30)
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join((self.root / "containerd.log").read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return ""
+        return log_tail(self.root, lines)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        # Sandboxes' shims outlive containerd; they are this test's only.
-        subprocess.run(
-            ["pkill", "-f", f"containerd-shim-runc-v2 -namespace k8s.io -address {self.socket}"], check=False
-        )
+        stop_containerd(self.proc, self.socket, 20)
 
     def write_conflist(self, plugins: list[dict[str, Any]], name: str = "palisade") -> None:
         for old in self.cni_conf.glob("*"):

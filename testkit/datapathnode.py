@@ -53,6 +53,14 @@ class Node:
     pods: tuple[Pod, ...]
 
 
+def clear_services(dp: Datapath) -> None:
+    """Remove every Service frontend (with its backends) and forget the connections through them,
+    as each Services test leaves the session node."""
+    for state in dp.lb_services():
+        dp.lb_delete(state.frontend)
+    dp.flush_conntrack()
+
+
 def drops(dp: Datapath, ep_id: int, direction: Direction | None = None) -> int:
     """Packets this endpoint dropped so far (policy deny and default deny)."""
     counters = dp.counters()

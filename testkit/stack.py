@@ -30,6 +30,17 @@ from services.common.trust import Credentials
 from testkit.harness import ROOT, free_port
 
 SERVICES = ("watcher", "policy", "ipam", "datapath")
+#: The story examples/ tells, as (from pod, to pod, TCP port, whether it connects): the shop's tiers
+#: talk in order, the debug pod reaches the frontend only, and nothing but the backend reaches the
+#: database (on its named port "pg"; a clusterwide deny keeps tools out).
+EXAMPLE_STORY = (
+    ("shop/frontend", "shop/backend", 8080, True),
+    ("tools/debug", "shop/frontend", 80, True),
+    ("tools/debug", "shop/backend", 8080, False),
+    ("shop/backend", "shop/db", 5432, True),
+    ("shop/frontend", "shop/db", 5432, False),
+    ("tools/debug", "shop/db", 5432, False),
+)
 
 
 @dataclass
@@ -190,6 +201,12 @@ class Stack:
         assert wait_for(lambda: not probe(netns, ip, 8080), timeout), "the removal was not"
         return enforced
 
+    def endpoints(self) -> dict[str, dict[str, Any]]:
+        """Every node's endpoints as `palisade endpoint list` gives them, by "namespace/pod"."""
+        out = self.palisade("endpoint", "list", "-o", "json")
+        assert out.returncode == 0, out.stderr
+        return {f"{e['namespace']}/{e['pod']}": e for e in json.loads(out.stdout).get("endpoints", [])}
+
     def netns(self, pod: str) -> str:
         out = self.palisade("endpoint", "get", pod, "-o", "json")
         assert out.returncode == 0, out.stderr
@@ -201,6 +218,18 @@ class Stack:
 
     def reach(self, src: str, dst: str, port: int, protocol: str = "TCP") -> bool:
         return probe(self.netns(src), self.ip(dst), port, protocol)
+
+    def story_broken(self) -> list[tuple[str, str, int, bool]]:
+        """The connections of :data:`EXAMPLE_STORY` whose real packets do not do as it says (none: it holds)."""
+        return [(src, dst, port, want) for src, dst, port, want in EXAMPLE_STORY if self.reach(src, dst, port) != want]
+
+    def interrupt(self) -> str:
+        """Ctrl-C the stack as a user ends `make run`: it exits 0 saying it left nothing behind; its last output."""
+        self.proc.send_signal(signal.SIGINT)
+        rest, _ = self.proc.communicate(timeout=90)
+        assert self.proc.returncode == 0, rest
+        assert "nothing left behind" in rest
+        return rest
 
     def frontends(self) -> list[dict[str, Any]]:
         """Every node's Service frontends, as `palisade service list` gives them."""
@@ -228,18 +257,53 @@ class Stack:
         return probe(self.netns(src), self.cluster_ip(service, port), port, protocol)
 
 
+def analyze(*args: str) -> dict[str, Any]:
+    """`palisade analyze ARGS -o json` on manifests alone (no cluster): its answer."""
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "analyze", *args, "-o", "json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    return dict(json.loads(out.stdout))
+
+
 def probe(netns: str, ip: str, port: int, protocol: str = "TCP") -> bool:
     """One connection attempt from inside ``netns`` (the prober a pod would run)."""
-    target = [{"id": "t", "ip": ip, "port": port, "protocol": protocol}]
+    return prober(netns, [{"id": "t", "ip": ip, "port": port, "protocol": protocol}])["t"]
+
+
+def prober(netns: str, targets: list[dict[str, Any]], timeout: float = 1.5) -> dict[str, bool]:
+    """The dev cluster's prober from inside ``netns``: each target's id (targets as
+    ``{"id", "ip", "port", "protocol"}``), True where a connection got through within ``timeout``."""
     out = subprocess.run(
-        [sys.executable, "-m", "services.devstack.prober", "--netns", netns, "--timeout", "1.5"],
+        [sys.executable, "-m", "services.devstack.prober", "--netns", netns, "--timeout", str(timeout)],
         cwd=ROOT,
-        input=json.dumps(target),
+        input=json.dumps(targets),
         capture_output=True,
         text=True,
         check=True,
     )
-    return bool(json.loads(out.stdout)["t"])
+    return {key: bool(got) for key, got in json.loads(out.stdout).items()}
+
+
+@contextlib.contextmanager
+def pod_server(netns: str, name: str, *ports: str) -> Iterator[subprocess.Popen[str]]:
+    """The dev cluster's pod server in ``netns`` (``ports`` as its flags: "--tcp", "80", ...), ready
+    when the block starts and stopped when it ends."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "services.devstack.podserver", "--netns", netns, "--name", name, *ports],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        yield server
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 @contextlib.contextmanager

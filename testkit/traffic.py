@@ -248,21 +248,14 @@ def sctp_init_crosses(
     tag = int.from_bytes(os.urandom(4), "big") | 1
     sport = 30000 + (tag % 20000)
     packet = sctp_init_packet(sport, dport, tag)
-    v6 = ipaddress.ip_address(dst_ip).version == 6
-    cap = socket_in(dst_ns, socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
-    with cap, socket_in(src_ns, family_of(dst_ip), socket.SOCK_RAW, IPPROTO_SCTP) as tx:
-        cap.bind((dst_ifname, ETH_P_ALL))
-        cap.settimeout(0.05)
-        tx.sendto(packet, (dst_ip, 0))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                frame = cap.recv(65535)
-            except TimeoutError:
-                continue
-            if _is_our_sctp(frame, v6, sport, dport, tag):
-                return True
-    return False
+
+    def ours(l4: bytes) -> bool:
+        if len(l4) < 20:
+            return False
+        (initiate_tag,) = struct.unpack("!I", l4[16:20])  # after the common header and the chunk header
+        return struct.unpack("!HH", l4[:4]) == (sport, dport) and initiate_tag == tag
+
+    return _sctp_capture(src_ns, dst_ns, dst_ip, packet, ours, dst_ifname=dst_ifname, timeout=timeout) is not None
 
 
 class SctpListener:
@@ -337,6 +330,26 @@ def sctp_arrival(
     SCTP packet as it arrives on ``dst_ns``'s interface (same source port and verification tag; its
     destination port may differ: a Service translates it), or None if it never does."""
     sport, vtag = struct.unpack("!H", packet[:2])[0], struct.unpack("!I", packet[4:8])[0]
+
+    def ours(l4: bytes) -> bool:
+        return len(l4) >= 12 and struct.unpack("!HHI", l4[:8])[::2] == (sport, vtag)
+
+    return _sctp_capture(src_ns, dst_ns, dst_ip, packet, ours, dst_ifname=dst_ifname, timeout=timeout)
+
+
+def _sctp_capture(
+    src_ns: str,
+    dst_ns: str,
+    dst_ip: str,
+    packet: bytes,
+    ours: Callable[[bytes], bool],
+    *,
+    dst_ifname: str,
+    timeout: float,
+) -> bytes | None:
+    """Send the SCTP ``packet`` from ``src_ns`` to ``dst_ip`` on a raw socket while capturing on
+    ``dst_ns``'s interface; the first SCTP packet arriving there that ``ours`` accepts, or None by
+    ``timeout``."""
     cap = socket_in(dst_ns, socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
     with cap, socket_in(src_ns, family_of(dst_ip), socket.SOCK_RAW, IPPROTO_SCTP) as tx:
         cap.bind((dst_ifname, ETH_P_ALL))
@@ -349,7 +362,7 @@ def sctp_arrival(
             except TimeoutError:
                 continue
             l4 = _sctp_of(frame)
-            if l4 is not None and len(l4) >= 12 and struct.unpack("!HHI", l4[:8])[::2] == (sport, vtag):
+            if l4 is not None and ours(l4):
                 return l4
     return None
 
@@ -362,22 +375,6 @@ def _sctp_of(frame: bytes) -> bytes | None:
     if ethertype == 0x0800 and frame[14 + 9] == IPPROTO_SCTP:
         return frame[14 + (frame[14] & 0x0F) * 4 : 14 + struct.unpack("!H", frame[16:18])[0]]
     return None
-
-
-def _is_our_sctp(frame: bytes, v6: bool, sport: int, dport: int, tag: int) -> bool:
-    ethertype = struct.unpack("!H", frame[12:14])[0]
-    if v6:
-        if ethertype != 0x86DD or frame[14 + 6] != IPPROTO_SCTP:
-            return False
-        l4 = frame[14 + 40 :]
-    else:
-        if ethertype != 0x0800 or frame[14 + 9] != IPPROTO_SCTP:
-            return False
-        l4 = frame[14 + (frame[14] & 0x0F) * 4 :]
-    if len(l4) < 20:
-        return False
-    got_sport, got_dport = struct.unpack("!HH", l4[:4])
-    return (got_sport, got_dport) == (sport, dport) and struct.unpack("!I", l4[16:20])[0] == tag
 
 
 #: tc verdicts a program returns, and TCP flags, for frames run through BPF_PROG_TEST_RUN.

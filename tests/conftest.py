@@ -13,7 +13,7 @@ from typing import IO
 import pytest
 
 from testkit import leftovers
-from testkit.harness import EtcdServer, NatsServer, ServiceProcess, bcc_problem, is_root, pki
+from testkit.harness import EtcdCluster, EtcdServer, NatsCluster, NatsServer, ServiceProcess, bcc_problem, is_root, pki
 
 _LOCK = pytest.StashKey[IO[str]]()
 
@@ -77,6 +77,21 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
+    """Three nats-servers routed into one cluster, JetStream replicated across them."""
+    with NatsCluster(tmp_path / "nats-cluster") as nats:
+        nats.start()
+        yield nats
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """A three-member etcd cluster."""
+    with EtcdCluster(tmp_path / "etcd-cluster") as etcd:
+        yield etcd
 
 
 @pytest.fixture

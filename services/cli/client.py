@@ -30,7 +30,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from palisade.v1 import common_pb2, common_pb2_grpc
+from palisade.v1 import common_pb2, common_pb2_grpc, datapath_pb2_grpc
 from services.common.config import DEFAULT_GRPC_PORTS
 from services.common.grpcserver import grpc_target, open_sync_channel, parse_addresses
 from services.common.trust import Credentials, TrustError
@@ -203,6 +203,19 @@ def node_channels(args: argparse.Namespace, node: str = "") -> Iterator[dict[str
         if node and node not in out:
             raise CLIError(f"no datapath serves node {node!r}; the nodes are: {', '.join(sorted(out))}", 2)
         yield {node: out[node]} if node else out
+
+
+def ask_datapaths(
+    args: argparse.Namespace,
+    node: str,
+    method: Callable[[datapath_pb2_grpc.DatapathServiceStub], Callable[..., T]],
+    request: Message,
+) -> list[T]:
+    """The answers of every node's datapath (or ``node``'s only) to one DatapathService call, in node
+    order: ``method`` picks it from a stub (``lambda s: s.ListEndpoints``)."""
+    with node_channels(args, node) as channels:
+        stubs = [datapath_pb2_grpc.DatapathServiceStub(ch) for _, ch in sorted(channels.items())]
+        return [call("datapath", method(stub), request) for stub in stubs]
 
 
 def call(service: str, fn: Callable[..., T], request: Message, timeout: float = 30.0) -> T:

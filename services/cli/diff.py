@@ -14,10 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
-import time
 from collections.abc import Iterable
-
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from palisade.v1 import common_pb2, datapath_pb2, policy_pb2, policy_pb2_grpc
 from services.cli.analyze import load_documents
@@ -27,12 +24,11 @@ from services.cli.client import (
     add_output_flag,
     call,
     channel,
-    node_channels,
     print_json,
     run,
     to_dict,
 )
-from services.cli.observe import history, parse_since
+from services.cli.observe import recorded_flows
 from services.common.manifests import Document
 from services.policy.documents import dump_document
 from services.policy.engine.analyze import AnalyzeError, Probe
@@ -205,11 +201,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     )
     considered = 0
     if not args.no_flows:
-        since = Timestamp()
-        since.FromNanoseconds(parse_since(args.since, time.time()) if args.since else 1)
-        with node_channels(args) as channels:
-            events = history(channels, datapath_pb2.ObserveRequest(since=since))
-        flows = aggregate(events)
+        flows = aggregate(recorded_flows(args, args.since))
         considered = sum(f.count for f in flows)
         request.flows.extend(flows)
     with channel(args, "policy") as ch:

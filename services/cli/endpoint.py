@@ -11,6 +11,7 @@ from services.cli.client import (
     CLIError,
     add_address_flags,
     add_output_flag,
+    ask_datapaths,
     call,
     node_channels,
     print_json,
@@ -40,11 +41,8 @@ def _enforcement(ep: datapath_pb2.Endpoint) -> str:
 
 @run
 def cmd_list(args: argparse.Namespace) -> int:
-    endpoints: list[datapath_pb2.Endpoint] = []
-    with node_channels(args, args.node) as channels:
-        for _, ch in sorted(channels.items()):
-            stub = datapath_pb2_grpc.DatapathServiceStub(ch)
-            endpoints += call("datapath", stub.ListEndpoints, datapath_pb2.ListEndpointsRequest()).endpoints
+    answers = ask_datapaths(args, args.node, lambda s: s.ListEndpoints, datapath_pb2.ListEndpointsRequest())
+    endpoints = [e for answer in answers for e in answer.endpoints]
     if args.output == "json":
         print_json({"endpoints": [to_dict(e) for e in endpoints]})
     else:

@@ -21,7 +21,6 @@ from collections.abc import Iterable, Iterator
 
 import grpc
 import yaml
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc, policy_pb2, policy_pb2_grpc
 from services.cli.client import (
@@ -219,6 +218,15 @@ def history(channels: dict[str, grpc.Channel], request: datapath_pb2.ObserveRequ
     return merge_history(per_node, request.last)
 
 
+def recorded_flows(args: argparse.Namespace, since: str | None) -> list[datapath_pb2.FlowEvent]:
+    """Every node's recorded flows (its flow ring), those since ``since`` (a ``--since`` text) or all,
+    merged in time order."""
+    request = datapath_pb2.ObserveRequest()
+    request.since.FromNanoseconds(parse_since(since, time.time()) if since else 1)
+    with node_channels(args) as channels:
+        return history(channels, request)
+
+
 def _follow(
     channels: dict[str, grpc.Channel], request: datapath_pb2.ObserveRequest
 ) -> Iterator[datapath_pb2.FlowEvent]:
@@ -262,9 +270,7 @@ def cmd_observe(args: argparse.Namespace) -> int:
     flt = flow_filter(args)
     request = datapath_pb2.ObserveRequest(filter=flt, last=args.last or 0)
     if args.since:
-        stamp = Timestamp()
-        stamp.FromNanoseconds(parse_since(args.since, time.time()))
-        request.since.CopyFrom(stamp)
+        request.since.FromNanoseconds(parse_since(args.since, time.time()))
     replay = bool(args.since or args.last)
     follow = args.follow or not replay
     printed = 0

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
+from palisade.v1 import common_pb2, datapath_pb2
 from services.cli.client import (
     add_address_flags,
     add_output_flag,
-    call,
-    node_channels,
+    ask_datapaths,
     print_json,
     print_table,
     run,
@@ -30,11 +29,9 @@ def _backends(f: datapath_pb2.ServiceFrontend) -> str:
 
 @run
 def cmd_list(args: argparse.Namespace) -> int:
-    answers: list[datapath_pb2.ListServicesResponse] = []
-    with node_channels(args, args.node) as channels:
-        for _, ch in sorted(channels.items()):
-            stub = datapath_pb2_grpc.DatapathServiceStub(ch)
-            answers.append(call("datapath", stub.ListServices, datapath_pb2.ListServicesRequest()))
+    answers: list[datapath_pb2.ListServicesResponse] = ask_datapaths(
+        args, args.node, lambda s: s.ListServices, datapath_pb2.ListServicesRequest()
+    )
     if args.namespace:
         for answer in answers:
             kept = [f for f in answer.frontends if f.namespace == args.namespace]

@@ -37,6 +37,13 @@ def _invalid(field: str, value: str, rule: str) -> PalisadeError:
     return PalisadeError(f"{field} {shown(value)} is invalid: {rule}", Code.INVALID_ARGUMENT)
 
 
+def _valid(value: str, field: str, problem: str | None) -> str:
+    """``value`` when ``problem`` (what a rule found wrong with it) is None; else PalisadeError naming both."""
+    if problem is not None:
+        raise _invalid(field, value, problem)
+    return value
+
+
 def dns1123_label_problem(value: str) -> str | None:
     if not value:
         return "must not be empty"
@@ -102,42 +109,27 @@ def cidr_problem(value: str) -> str | None:
 
 def validate_namespace(value: str, field: str) -> str:
     """``value`` if it is a valid namespace (a DNS-1123 label); else PalisadeError(INVALID_ARGUMENT)."""
-    problem = dns1123_label_problem(value)
-    if problem is not None:
-        raise _invalid(field, value, problem)
-    return value
+    return _valid(value, field, dns1123_label_problem(value))
 
 
 def validate_name(value: str, field: str) -> str:
     """``value`` if it is a valid object name (a DNS-1123 subdomain); else PalisadeError(INVALID_ARGUMENT)."""
-    problem = dns1123_subdomain_problem(value)
-    if problem is not None:
-        raise _invalid(field, value, problem)
-    return value
+    return _valid(value, field, dns1123_subdomain_problem(value))
 
 
 def validate_label_key(value: str, field: str) -> str:
     """``value`` if it is a valid label key (a qualified name); else PalisadeError(INVALID_ARGUMENT)."""
-    problem = label_key_problem(value)
-    if problem is not None:
-        raise _invalid(field, value, problem)
-    return value
+    return _valid(value, field, label_key_problem(value))
 
 
 def validate_label_value(value: str, field: str) -> str:
     """``value`` if it is a valid label value; else PalisadeError(INVALID_ARGUMENT)."""
-    problem = label_value_problem(value)
-    if problem is not None:
-        raise _invalid(field, value, problem)
-    return value
+    return _valid(value, field, label_value_problem(value))
 
 
 def validate_cidr(value: str, field: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     """The network ``value`` names (a prefix length is required); else PalisadeError(INVALID_ARGUMENT)."""
-    problem = cidr_problem(value)
-    if problem is not None:
-        raise _invalid(field, value, problem)
-    return ipaddress.ip_network(value, strict=False)
+    return ipaddress.ip_network(_valid(value, field, cidr_problem(value)), strict=False)
 
 
 #: Cilium's key prefix for a namespace's labels carried by its pods' identities.

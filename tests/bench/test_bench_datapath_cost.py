@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.bench.runs import run_bench
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -29,15 +28,7 @@ def test_quick_run_reports_every_variant_and_metric() -> None:
     for tool in ("iperf3", "iptables-restore", "ip"):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} is not installed")
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.bench_datapath_cost", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(proc.stdout)
+    data = run_bench("bench_datapath_cost", "--quick", timeout=170)
     assert "error" not in data, data["error"]
 
     assert set(data["medians"]) == VARIANTS

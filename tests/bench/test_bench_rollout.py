@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 from bench.bench_rollout import bench_diff
-from testkit.harness import ROOT
+from tests.bench.runs import run_bench
 
 
 def test_the_diff_bench_previews_an_edit_that_changes_pairs_and_judges_every_flow() -> None:
@@ -19,16 +15,7 @@ def test_the_diff_bench_previews_an_edit_that_changes_pairs_and_judges_every_flo
 
 
 def test_the_bench_prints_its_summary_without_the_datapath_part() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.bench_rollout", "--quick", "--no-datapath"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(proc.stdout)["summary"]
+    rows = run_bench("bench_rollout", "--quick", "--no-datapath", timeout=240)["summary"]
     assert [r["metric"] for r in rows] == [
         "diff: aggregate the recorded flows",
         "diff: preview (copy, edit, pairs and flows)",

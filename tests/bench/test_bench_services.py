@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.bench.runs import run_bench
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -20,15 +19,7 @@ def test_quick_run_reports_every_variant_and_ratio() -> None:
     for tool in ("iperf3", "iptables-restore", "ip"):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} is not installed")
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.bench_services", "--quick", "--rounds", "1", "--levels", "100,1000"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=230,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(proc.stdout)
+    data = run_bench("bench_services", "--quick", "--rounds", "1", "--levels", "100,1000", timeout=230)
     variants = {"direct", "clusterip-100", "iptables-100", "clusterip-1000", "iptables-1000"}
     assert set(data["medians"]) == variants
     for variant in variants:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -13,20 +10,11 @@ from typing import Any
 import pytest
 
 from bench.bench_system import Attempt, verdict_time
-from testkit.harness import ROOT
+from tests.bench.runs import run_bench
 
 
 def run_quick(script: str) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", f"bench.{script.removesuffix('.py')}", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out: dict[str, Any] = json.loads(proc.stdout)
+    out = run_bench(script.removesuffix(".py"), "--quick", timeout=240)
     for row in out["summary"]:
         assert set(row) - {"target"} == {"metric", "value", "unit"}
         assert isinstance(row["value"], int | float)

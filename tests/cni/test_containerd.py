@@ -22,23 +22,15 @@ import yaml
 
 from palisade.v1 import ipam_pb2, ipam_pb2_grpc
 from services.cni import install
+from testkit.builders import netpol
 from testkit.containerd import Containerd, Cri, missing
-from testkit.harness import ROOT
-from testkit.stack import Stack, probe, running_stack, wait_for
+from testkit.stack import Stack, analyze, pod_server, probe, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
 NS = "cri"
 INIT = 5
-POLICY = {
-    "apiVersion": "networking.k8s.io/v1",
-    "kind": "NetworkPolicy",
-    "metadata": {"name": "server-from-client", "namespace": NS},
-    "spec": {
-        "podSelector": {"matchLabels": {"app": "server"}},
-        "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "client"}}}], "ports": [{"port": 80}]}],
-    },
-}
+POLICY = netpol("server-from-client", {"app": "server"}, {"app": "client"}, 80, NS)
 
 
 def pod(name: str) -> dict[str, Any]:
@@ -73,26 +65,10 @@ def runtime(stack: Stack, tmp_path: Path) -> Iterator[tuple[Containerd, Cri]]:
         containerd.stop()
 
 
-def endpoints(stack: Stack) -> dict[str, dict[str, Any]]:
-    out = stack.palisade("endpoint", "list", "-o", "json")
-    assert out.returncode == 0, out.stderr
-    return {f"{e['namespace']}/{e['pod']}": e for e in json.loads(out.stdout).get("endpoints", [])}
-
-
 def allocations(stack: Stack) -> list[str]:
     with stack.channel("ipam") as ch:
         listing = ipam_pb2_grpc.IPAMServiceStub(ch).ListAllocations(ipam_pb2.ListAllocationsRequest(), timeout=10)
     return [a.owner for a in listing.allocations if a.owner.startswith(f"pod/{NS}/")]
-
-
-def analyzed(stack: Stack) -> dict[str, dict[str, bool]]:
-    out = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "analyze", "-f", str(stack.manifests), "--probe", "80/TCP",
-         "-o", "json"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    matrix: dict[str, dict[str, bool]] = json.loads(out.stdout)["probes"][0]["matrix"]
-    return matrix
 
 
 MODES = ("standalone", "chained")
@@ -135,21 +111,20 @@ def test_sandboxes_from_containerd_are_enforced_by_identity_and_leave_nothing(
         )
     late = stack.manifests / "10-late.yaml"
     sandboxes: dict[str, str] = {}
-    servers: list[subprocess.Popen[str]] = []
     try:
         for name in ("client", "server"):
             sandboxes[name] = cri.run_sandbox(NS, name, f"uid-{name}", tmp_path / "logs")
         # A pod whose object arrives after its sandbox: init first, then its own identity.
         sandboxes["late"] = cri.run_sandbox(NS, "late", "uid-late", tmp_path / "logs")
-        eps = endpoints(stack)
+        eps = stack.endpoints()
         assert set(eps) == {f"{NS}/client", f"{NS}/server", f"{NS}/late"}, eps
         assert eps[f"{NS}/late"]["identity"] == INIT
         assert all(e["container_id"] == sandboxes[k.split("/")[1]] for k, e in eps.items())
         late.write_text(yaml.safe_dump(pod("late")))
         started = time.monotonic()
-        assert wait_for(lambda: endpoints(stack)[f"{NS}/late"]["identity"] != INIT, 15)
+        assert wait_for(lambda: stack.endpoints()[f"{NS}/late"]["identity"] != INIT, 15)
         print(f"late pod moved from init to its identity {time.monotonic() - started:.2f}s after its object")
-        eps = endpoints(stack)
+        eps = stack.endpoints()
         assert len({e["identity"] for e in eps.values()}) == 3 and INIT not in {e["identity"] for e in eps.values()}
         for name, sid in sandboxes.items():
             ep = eps[f"{NS}/{name}"]
@@ -160,30 +135,21 @@ def test_sandboxes_from_containerd_are_enforced_by_identity_and_leave_nothing(
 
         # Real packets, as analyze says: client -> server allowed, late -> server denied.
         server_ep = eps[f"{NS}/server"]
-        server = subprocess.Popen(
-            [sys.executable, "-m", "services.devstack.podserver", "--netns", server_ep["netns"], "--name", "server",
-             "--tcp", "80"],
-            cwd=ROOT, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        servers.append(server)
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        assert wait_for(lambda: stack.palisade("policy", "get", "networkpolicy", "server-from-client", "-n", NS)
-                        .returncode == 0)  # fmt: skip
-        matrix = analyzed(stack)
-        for src in ("client", "late"):
-            want = matrix[f"{NS}/{src}"][f"{NS}/server"]
-            src_netns = str(eps[f"{NS}/{src}"]["netns"])
-            assert wait_for(lambda n=src_netns, w=want: probe(n, server_ep["ips"][0], 80) == w)  # type: ignore[misc]
+        with pod_server(server_ep["netns"], "server", "--tcp", "80"):
+            assert wait_for(lambda: stack.palisade("policy", "get", "networkpolicy", "server-from-client", "-n", NS)
+                            .returncode == 0)  # fmt: skip
+            matrix = analyze("-f", str(stack.manifests), "--probe", "80/TCP")["probes"][0]["matrix"]
+            for src in ("client", "late"):
+                want = matrix[f"{NS}/{src}"][f"{NS}/server"]
+                src_netns = str(eps[f"{NS}/{src}"]["netns"])
+                assert wait_for(lambda n=src_netns, w=want: probe(n, server_ep["ips"][0], 80) == w)  # type: ignore[misc]
         assert matrix[f"{NS}/client"][f"{NS}/server"] and not matrix[f"{NS}/late"][f"{NS}/server"]
     finally:
-        for proc in servers:
-            proc.terminate()
-            proc.wait(10)
         for sid in sandboxes.values():
             cri.remove(sid)
         late.unlink(missing_ok=True)
     # Nothing left: no endpoint, no address, no host link of ours.
-    assert wait_for(lambda: endpoints(stack) == {}, 15), endpoints(stack)
+    assert wait_for(lambda: stack.endpoints() == {}, 15), stack.endpoints()
     assert wait_for(lambda: allocations(stack) == [], 15), allocations(stack)
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
     assert not [line for line in links.splitlines() if " lxc" in line and "@" in line and NS in line]

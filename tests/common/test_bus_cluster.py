@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,14 +12,6 @@ from services.common.bus import ALL_STREAMS, K8S_STREAM, Bus, k8s_subject, repli
 from services.common.retry import StartupError
 from services.common.subjects import k8s_filter
 from testkit.harness import NatsCluster, NatsServer, bus_call_failed, creds
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[NatsCluster]:
-    nats = NatsCluster(tmp_path)
-    nats.start()
-    yield nats
-    nats.stop()
 
 
 def test_three_servers_or_more_mean_three_replicas() -> None:
@@ -42,8 +33,8 @@ async def _connect(urls: list[str], name: str) -> Bus:
     raise AssertionError("JetStream never became available on the cluster")
 
 
-async def test_streams_are_created_with_three_replicas(cluster: NatsCluster) -> None:
-    bus = await _connect(cluster.urls, "replicas")
+async def test_streams_are_created_with_three_replicas(nats_cluster: NatsCluster) -> None:
+    bus = await _connect(nats_cluster.urls, "replicas")
     try:
         await bus.retry("ensure streams", lambda: bus.ensure_streams(*ALL_STREAMS))
         for spec in ALL_STREAMS:
@@ -59,9 +50,8 @@ async def test_streams_are_created_with_three_replicas(cluster: NatsCluster) -> 
 async def test_streams_are_ensured_while_the_cluster_forms(tmp_path: Path) -> None:
     """The first stream calls meet one server of three (no JetStream leader yet): they time out or find
     JetStream unavailable, and ensure_streams waits until the other two have joined."""
-    nats = NatsCluster(tmp_path)
-    nats.members[0].start()
-    try:
+    with NatsCluster(tmp_path) as nats:
+        nats.members[0].start()
         with bus_call_failed("ensure stream") as failed:
             async with await Bus.connect(nats.urls, name="forming", tls=creds()) as bus:
                 ensuring = asyncio.create_task(bus.ensure_streams(*ALL_STREAMS))
@@ -74,17 +64,14 @@ async def test_streams_are_ensured_while_the_cluster_forms(tmp_path: Path) -> No
                 await ensuring
                 for spec in ALL_STREAMS:
                     assert (await bus.js.stream_info(spec.name)).config.num_replicas == 3, spec.name
-    finally:
-        nats.stop()
 
 
 async def test_streams_wait_for_enough_servers_to_place_their_replicas(tmp_path: Path) -> None:
     """Two servers of three elect a JetStream leader but cannot place three replicas ("no suitable
     peers for placement") until the third joins: ensure_streams waits for it."""
-    nats = NatsCluster(tmp_path)
-    for member in nats.members[:2]:
-        member.start()
-    try:
+    with NatsCluster(tmp_path) as nats:
+        for member in nats.members[:2]:
+            member.start()
         with bus_call_failed("ensure stream") as failed:
             bus = await _connect(nats.urls, "placing")  # JetStream answers: a leader is elected
             async with bus:
@@ -96,22 +83,17 @@ async def test_streams_wait_for_enough_servers_to_place_their_replicas(tmp_path:
                 nats.members[2].start()
                 await ensuring
                 assert (await bus.js.stream_info(K8S_STREAM.name)).config.num_replicas == 3
-    finally:
-        nats.stop()
 
 
 async def test_a_cluster_that_never_forms_fails_clearly_after_the_patience(tmp_path: Path) -> None:
-    nats = NatsCluster(tmp_path)
-    nats.members[0].start()
-    try:
+    with NatsCluster(tmp_path) as nats:
+        nats.members[0].start()
         async with await Bus.connect(nats.urls, name="alone", tls=creds(), patience=0.5) as bus:
             with pytest.raises(StartupError) as failure:
                 await bus.ensure_streams(K8S_STREAM)
         message = str(failure.value)
         assert "'ensure stream' (stream PALISADE_K8S)" in message
         assert "have formed it" in message
-    finally:
-        nats.stop()
 
 
 async def test_a_single_server_keeps_one_replica(nats_server: NatsServer) -> None:
@@ -120,9 +102,9 @@ async def test_a_single_server_keeps_one_replica(nats_server: NatsServer) -> Non
         assert (await bus.js.stream_info(K8S_STREAM.name)).config.num_replicas == 1
 
 
-async def test_losing_any_one_server_loses_no_message(cluster: NatsCluster) -> None:
-    publisher = await _connect(cluster.urls, "publisher")
-    follower = await _connect(list(reversed(cluster.urls)), "follower")
+async def test_losing_any_one_server_loses_no_message(nats_cluster: NatsCluster) -> None:
+    publisher = await _connect(nats_cluster.urls, "publisher")
+    follower = await _connect(list(reversed(nats_cluster.urls)), "follower")
     got: list[str] = []
     try:
         await publisher.retry("ensure streams", lambda: publisher.ensure_stream(K8S_STREAM))
@@ -143,7 +125,7 @@ async def test_losing_any_one_server_loses_no_message(cluster: NatsCluster) -> N
         (follower_sub,) = [f for f in follower._followers]
         info = await follower_sub._sub.consumer_info()
         host = info.cluster.leader if info.cluster else None
-        victim = next(m for m in cluster.members if m.cluster and m.cluster.server_name == host)
+        victim = next(m for m in nats_cluster.members if m.cluster and m.cluster.server_name == host)
         victim.stop(kill=True)
         for i in range(50, 100):
             await publish(i)

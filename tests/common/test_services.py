@@ -11,7 +11,16 @@ from pathlib import Path
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from palisade.v1 import common_pb2, common_pb2_grpc
-from testkit.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, bcc_problem, free_port, sync_channel
+from testkit.harness import (
+    ROOT,
+    EtcdServer,
+    NatsServer,
+    ServiceProcess,
+    bcc_problem,
+    datapath_flags,
+    free_port,
+    sync_channel,
+)
 
 EXPECTED = {
     "watcher": {"palisade.v1.StatusService"},
@@ -49,14 +58,7 @@ def test_whole_system_serves_health_reflection_status_and_exits_zero_on_sigterm(
         procs["datapath"] = service(
             "datapath",
             *common,
-            "--policy-address",
-            procs["policy"].address,
-            "--ipam-address",
-            procs["ipam"].address,
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--bpffs",
-            bpffs,
+            *datapath_flags(procs["policy"].address, procs["ipam"].address, tmp_path / "state", bpffs),
         )
     for name, proc in procs.items():
         names = _reflected(proc.address, name)

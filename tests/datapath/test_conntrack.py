@@ -12,10 +12,11 @@ import socket
 
 from services.datapath.maps.bpf import prog_test_run
 from services.datapath.maps.ctmap import CtKey, CtValue
-from services.datapath.types import Direction, Enforcement, L4Proto, PolicyEntry, PolicyKey, Verdict
+from services.datapath.types import Direction, Enforcement, L4Proto
 from testkit.datapathnode import Node
 from testkit.traffic import ACK, FIN, SYN, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT
 from testkit.traffic import tc_frame as frame
+from tests.datapath.entries import entry
 
 
 def test_a_bare_syn_never_matches_the_reversed_tuple(net: Node) -> None:
@@ -43,7 +44,7 @@ def test_a_syn_on_a_closing_entry_opens_it_again(net: Node) -> None:
     dp.sync_policy(
         b.ep_id,
         Enforcement(ingress=True),
-        [PolicyEntry(PolicyKey(Direction.INGRESS, a.identity, L4Proto.TCP, 8080, 8080), Verdict.ALLOW)],
+        [entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8080, 8080)],
     )
     to_b, b_if = dp.template.to_container_fd, b.net.host_ifindex
     tcp = socket.IPPROTO_TCP

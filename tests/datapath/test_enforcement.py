@@ -10,8 +10,6 @@ from services.datapath.types import (
     Direction,
     Enforcement,
     L4Proto,
-    PolicyEntry,
-    PolicyKey,
     Reason,
     Verdict,
 )
@@ -25,21 +23,12 @@ from testkit.traffic import (
     tcp_exchange,
     udp_exchange,
 )
+from tests.datapath.entries import entry
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
 INGRESS_ONLY = Enforcement(ingress=True)
 EGRESS_ONLY = Enforcement(egress=True)
-
-
-def allow(
-    direction: Direction, identity: int, proto: L4Proto = L4Proto.ANY, low: int = 0, high: int = 0
-) -> PolicyEntry:
-    return PolicyEntry(PolicyKey(direction, identity, proto, low, high), Verdict.ALLOW)
-
-
-def deny(direction: Direction, identity: int, proto: L4Proto = L4Proto.ANY, low: int = 0, high: int = 0) -> PolicyEntry:
-    return PolicyEntry(PolicyKey(direction, identity, proto, low, high), Verdict.DENY)
 
 
 def test_without_policy_everything_passes(net: Node) -> None:
@@ -55,7 +44,7 @@ def test_without_policy_everything_passes(net: Node) -> None:
 
 def test_tcp_allowed_by_identity_and_port(net: Node) -> None:
     dp, a, b, c = net.dp, net.a, net.b, net.c
-    dp.sync_policy(b.ep_id, INGRESS_ONLY, [allow(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)])
+    dp.sync_policy(b.ep_id, INGRESS_ONLY, [entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)])
 
     assert tcp_exchange(a.name, b.v4, 8080)
     before = drops(dp, b.ep_id, Direction.INGRESS)
@@ -68,7 +57,7 @@ def test_tcp_allowed_by_identity_and_port(net: Node) -> None:
 
 def test_port_range_boundaries(net: Node) -> None:
     dp, a, b = net.dp, net.a, net.b
-    dp.sync_policy(b.ep_id, INGRESS_ONLY, [allow(Direction.INGRESS, a.identity, L4Proto.TCP, 9000, 9010)])
+    dp.sync_policy(b.ep_id, INGRESS_ONLY, [entry(Direction.INGRESS, a.identity, L4Proto.TCP, 9000, 9010)])
 
     for port in (9000, 9005, 9010):
         assert tcp_exchange(a.name, b.v4, port), port
@@ -78,7 +67,7 @@ def test_port_range_boundaries(net: Node) -> None:
 
 def test_udp_allowed_with_reply_and_denied(net: Node) -> None:
     dp, a, b = net.dp, net.a, net.b
-    dp.sync_policy(b.ep_id, INGRESS_ONLY, [allow(Direction.INGRESS, a.identity, L4Proto.UDP, 5353)])
+    dp.sync_policy(b.ep_id, INGRESS_ONLY, [entry(Direction.INGRESS, a.identity, L4Proto.UDP, 5353)])
 
     assert udp_exchange(a.name, b.v4, 5353), "datagram and its reply must pass"
     assert not udp_exchange(a.name, b.v4, 5354, timeout=DENY_TIMEOUT)
@@ -86,12 +75,12 @@ def test_udp_allowed_with_reply_and_denied(net: Node) -> None:
 
 def test_protocol_is_part_of_the_key(net: Node) -> None:
     dp, a, b = net.dp, net.a, net.b
-    dp.sync_policy(b.ep_id, INGRESS_ONLY, [allow(Direction.INGRESS, a.identity, L4Proto.UDP, 7000)])
+    dp.sync_policy(b.ep_id, INGRESS_ONLY, [entry(Direction.INGRESS, a.identity, L4Proto.UDP, 7000)])
     assert udp_exchange(a.name, b.v4, 7000)
     assert not tcp_exchange(a.name, b.v4, 7000, timeout=DENY_TIMEOUT), "UDP 7000 must not allow TCP 7000"
 
     # An L3-only entry (any protocol, any port) allows both.
-    dp.sync_policy(b.ep_id, INGRESS_ONLY, [allow(Direction.INGRESS, a.identity)])
+    dp.sync_policy(b.ep_id, INGRESS_ONLY, [entry(Direction.INGRESS, a.identity)])
     assert tcp_exchange(a.name, b.v4, 7000)
     assert udp_exchange(a.name, b.v4, 7000)
 
@@ -102,8 +91,8 @@ def test_sctp_init_allowed_and_denied(net: Node) -> None:
         b.ep_id,
         INGRESS_ONLY,
         [
-            allow(Direction.INGRESS, a.identity, L4Proto.SCTP, 3868),
-            allow(Direction.INGRESS, c.identity, L4Proto.TCP, 3868),
+            entry(Direction.INGRESS, a.identity, L4Proto.SCTP, 3868),
+            entry(Direction.INGRESS, c.identity, L4Proto.TCP, 3868),
         ],
     )
     assert sctp_init_crosses(a.name, b.name, b.v4, 3868)
@@ -123,7 +112,7 @@ def test_replies_pass_when_egress_denies_everything(net: Node) -> None:
     """b enforces egress with no entry at all, yet answers an allowed ingress connection."""
     dp, a, b = net.dp, net.a, net.b
     dp.sync_policy(
-        b.ep_id, Enforcement(ingress=True, egress=True), [allow(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)]
+        b.ep_id, Enforcement(ingress=True, egress=True), [entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)]
     )
     assert tcp_exchange(a.name, b.v4, 8080), "b's replies belong to an allowed connection"
     assert udp_exchange(a.name, b.v4, 5353, timeout=DENY_TIMEOUT) is False, "ingress UDP was never allowed"
@@ -135,7 +124,7 @@ def test_replies_pass_when_egress_denies_everything(net: Node) -> None:
 def test_ingress_and_egress_are_enforced_separately(net: Node) -> None:
     dp, a, b, c = net.dp, net.a, net.b, net.c
     # a may only talk to b on 8080; c enforces nothing.
-    dp.sync_policy(a.ep_id, EGRESS_ONLY, [allow(Direction.EGRESS, b.identity, L4Proto.TCP, 8080)])
+    dp.sync_policy(a.ep_id, EGRESS_ONLY, [entry(Direction.EGRESS, b.identity, L4Proto.TCP, 8080)])
 
     assert tcp_exchange(a.name, b.v4, 8080)
     assert not tcp_exchange(a.name, c.v4, 8080, timeout=DENY_TIMEOUT)
@@ -145,7 +134,7 @@ def test_ingress_and_egress_are_enforced_separately(net: Node) -> None:
     assert tcp_exchange(b.name, a.v4, 9000)
 
     # Now b also enforces ingress, admitting c only: a's egress allows a->b:8080 but b's ingress does not.
-    dp.sync_policy(b.ep_id, INGRESS_ONLY, [allow(Direction.INGRESS, c.identity, L4Proto.TCP, 8080)])
+    dp.sync_policy(b.ep_id, INGRESS_ONLY, [entry(Direction.INGRESS, c.identity, L4Proto.TCP, 8080)])
     before_a, before_b = drops(dp, a.ep_id), drops(dp, b.ep_id, Direction.INGRESS)
     assert not tcp_exchange(a.name, b.v4, 8080, timeout=DENY_TIMEOUT)
     assert drops(dp, a.ep_id) == before_a, "a's egress let it out"
@@ -159,10 +148,10 @@ def test_deny_beats_allow(net: Node) -> None:
         b.ep_id,
         INGRESS_ONLY,
         [
-            allow(Direction.INGRESS, 0),  # anyone, anything
-            deny(Direction.INGRESS, a.identity, L4Proto.TCP, 8080),  # but not a on TCP 8080
-            allow(Direction.INGRESS, c.identity, L4Proto.TCP, 9000, 9010),  # a specific allow ...
-            deny(Direction.INGRESS, 0, L4Proto.TCP, 9005),  # ... loses to a wider wildcard deny
+            entry(Direction.INGRESS, 0),  # anyone, anything
+            entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8080, deny=True),  # but not a on TCP 8080
+            entry(Direction.INGRESS, c.identity, L4Proto.TCP, 9000, 9010),  # a specific allow ...
+            entry(Direction.INGRESS, 0, L4Proto.TCP, 9005, deny=True),  # ... loses to a wider wildcard deny
         ],
     )
     assert tcp_exchange(a.name, b.v4, 8081)
@@ -180,7 +169,7 @@ def test_deny_beats_allow(net: Node) -> None:
 
 def test_drop_emits_flow_event_with_identities_and_ports(net: Node) -> None:
     dp, a, b = net.dp, net.a, net.b
-    dp.sync_policy(b.ep_id, INGRESS_ONLY, [allow(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)])
+    dp.sync_policy(b.ep_id, INGRESS_ONLY, [entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)])
     dp.read_flows(0)
     assert not tcp_exchange(a.name, b.v4, 8081, timeout=DENY_TIMEOUT)
 
@@ -205,7 +194,7 @@ def test_drop_emits_flow_event_with_identities_and_ports(net: Node) -> None:
 def test_relabel_changes_what_an_endpoint_reaches(net: Node) -> None:
     dp, a, b = net.dp, net.a, net.b
     frontend = 4242
-    dp.sync_policy(b.ep_id, INGRESS_ONLY, [allow(Direction.INGRESS, frontend, L4Proto.TCP, 8080)])
+    dp.sync_policy(b.ep_id, INGRESS_ONLY, [entry(Direction.INGRESS, frontend, L4Proto.TCP, 8080)])
     assert not tcp_exchange(a.name, b.v4, 8080, timeout=DENY_TIMEOUT)
 
     dp.set_identity(a.ep_id, frontend)
@@ -226,19 +215,19 @@ def test_relabel_keeps_flows_both_labels_allow(net: Node) -> None:
     """The relabel protocol: new entries first, then the identity; a flow both allow survives."""
     dp, a, b = net.dp, net.a, net.b
     old, new = a.identity, 4343
-    dp.sync_policy(b.ep_id, INGRESS_ONLY, [allow(Direction.INGRESS, old, L4Proto.TCP, 8080)])
+    dp.sync_policy(b.ep_id, INGRESS_ONLY, [entry(Direction.INGRESS, old, L4Proto.TCP, 8080)])
     with streams((a.name, b.v4, 8080)) as (stream,):
         assert stream.ping()
-        dp.apply_policy(b.ep_id, INGRESS_ONLY, add=[allow(Direction.INGRESS, new, L4Proto.TCP, 8080)])
+        dp.apply_policy(b.ep_id, INGRESS_ONLY, add=[entry(Direction.INGRESS, new, L4Proto.TCP, 8080)])
         dp.set_identity(a.ep_id, new)
-        dp.apply_policy(b.ep_id, INGRESS_ONLY, remove=[allow(Direction.INGRESS, old, L4Proto.TCP, 8080)])
+        dp.apply_policy(b.ep_id, INGRESS_ONLY, remove=[entry(Direction.INGRESS, old, L4Proto.TCP, 8080)])
         assert stream.ping()
 
 
 def test_policy_change_cuts_denied_stream_and_keeps_allowed_one(net: Node) -> None:
     dp, a, b = net.dp, net.a, net.b
-    kept = allow(Direction.INGRESS, a.identity, L4Proto.TCP, 8081)
-    cut = allow(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)
+    kept = entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8081)
+    cut = entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)
     dp.sync_policy(b.ep_id, INGRESS_ONLY, [cut, kept])
     with streams((a.name, b.v4, 8080), (a.name, b.v4, 8081), (a.name, b.v6, 8080)) as (s1, s2, s3):
         assert s1.ping() and s2.ping() and s3.ping()
@@ -259,14 +248,14 @@ def test_icmp_echo_follows_policy(net: Node) -> None:
     dp, a, b = net.dp, net.a, net.b
     assert icmp_echo(a.name, b.v4) and icmp_echo(a.name, b.v6)
 
-    dp.sync_policy(b.ep_id, INGRESS_ONLY, [allow(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)])
+    dp.sync_policy(b.ep_id, INGRESS_ONLY, [entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)])
     assert not icmp_echo(a.name, b.v4, timeout=DENY_TIMEOUT), "a TCP rule does not admit ICMP"
     assert not icmp_echo(a.name, b.v6, timeout=DENY_TIMEOUT)
 
     dp.sync_policy(
         b.ep_id,
         INGRESS_ONLY,
-        [allow(Direction.INGRESS, a.identity, L4Proto.ICMP), allow(Direction.INGRESS, a.identity, L4Proto.ICMPV6)],
+        [entry(Direction.INGRESS, a.identity, L4Proto.ICMP), entry(Direction.INGRESS, a.identity, L4Proto.ICMPV6)],
     )
     assert icmp_echo(a.name, b.v4), "echo request allowed, its reply established"
     assert icmp_echo(a.name, b.v6)

@@ -14,11 +14,10 @@ from services.datapath.types import (
     EndpointSpec,
     Enforcement,
     L4Proto,
-    PolicyEntry,
-    PolicyKey,
     Reason,
     Verdict,
 )
+from tests.datapath.entries import entry
 
 A = EndpointSpec(1, 11, "lxca", ("10.0.0.1", "fd00::1"), 1001)
 B = EndpointSpec(2, 12, "lxcb", ("10.0.0.2",), 1002)
@@ -47,8 +46,8 @@ def test_verdicts_follow_identity_port_and_deny(fake: FakeDatapath) -> None:
         B.id,
         Enforcement(ingress=True),
         [
-            PolicyEntry(PolicyKey(Direction.INGRESS, A.identity, L4Proto.TCP, 8000, 8100)),
-            PolicyEntry(PolicyKey(Direction.INGRESS, 0, L4Proto.TCP, 8080), Verdict.DENY),
+            entry(Direction.INGRESS, A.identity, L4Proto.TCP, 8000, 8100),
+            entry(Direction.INGRESS, 0, L4Proto.TCP, 8080, deny=True),
         ],
     )
     assert fake.evaluate(B.id, Direction.INGRESS, "10.0.0.1", L4Proto.TCP, 8000) == (
@@ -78,13 +77,13 @@ def test_relabel_and_ipcache_resolution(fake: FakeDatapath) -> None:
 
 
 def test_incremental_and_full_policy_with_dump(fake: FakeDatapath) -> None:
-    k80 = PolicyKey(Direction.INGRESS, 1001, L4Proto.TCP, 80)
-    k53 = PolicyKey(Direction.INGRESS, 1001, L4Proto.UDP, 53)
-    change = fake.apply_policy(B.id, Enforcement(ingress=True), add=[PolicyEntry(k80), PolicyEntry(k53)])
+    tcp80 = entry(Direction.INGRESS, 1001, L4Proto.TCP, 80)
+    udp53 = entry(Direction.INGRESS, 1001, L4Proto.UDP, 53)
+    change = fake.apply_policy(B.id, Enforcement(ingress=True), add=[tcp80, udp53])
     assert change.added == 2 and change.enforcement_changed
-    fake.apply_policy(B.id, Enforcement(ingress=True), remove=[PolicyEntry(k53)])
-    assert fake.dump_policy(B.id) == (Enforcement(ingress=True), [PolicyEntry(k80)])
-    ranged = PolicyEntry(PolicyKey(Direction.INGRESS, 0, L4Proto.TCP, 1, 65535))
+    fake.apply_policy(B.id, Enforcement(ingress=True), remove=[udp53])
+    assert fake.dump_policy(B.id) == (Enforcement(ingress=True), [tcp80])
+    ranged = entry(Direction.INGRESS, 0, L4Proto.TCP, 1, 65535)
     change = fake.sync_policy(B.id, Enforcement(ingress=True), [ranged])
     assert (change.added, change.removed) == (16, 1)
     assert fake.dump_policy(B.id)[1] == [ranged]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from services.datapath.types import Backend, Enforcement, Frontend, L4Proto, LbService
-from testkit.datapathnode import Node
+from testkit.datapathnode import Node, clear_services
 from testkit.traffic import (
     ALLOW_TIMEOUT,
     DENY_TIMEOUT,
@@ -37,11 +37,9 @@ BACK = {L4Proto.TCP: 8080, L4Proto.UDP: 5353}
 @pytest.fixture
 def svc(net: Node) -> Iterator[Node]:
     yield net
-    for state in net.dp.lb_services():
-        net.dp.lb_delete(state.frontend)
     for pod in net.pods:
         net.dp.sync_policy(pod.ep_id, Enforcement(), [])
-    net.dp.flush_conntrack()
+    clear_services(net.dp)
 
 
 def _serve(svc: Node, family: str) -> str:

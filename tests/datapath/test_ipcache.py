@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.datapath.types import IDENTITY_WORLD, Direction, Enforcement, L4Proto, PolicyEntry, PolicyKey, Verdict
+from services.datapath.types import IDENTITY_WORLD, Direction, Enforcement, L4Proto, Verdict
 from testkit.datapathnode import Node
 from testkit.traffic import DENY_TIMEOUT, tcp_exchange
+from tests.datapath.entries import entry
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -24,7 +25,7 @@ def test_cidr_rule_with_except(net: Node) -> None:
     dp.sync_policy(
         a.ep_id,
         Enforcement(egress=True),
-        [PolicyEntry(PolicyKey(Direction.EGRESS, CIDR_ID, L4Proto.TCP, 8080), Verdict.ALLOW)],
+        [entry(Direction.EGRESS, CIDR_ID, L4Proto.TCP, 8080)],
     )
     assert tcp_exchange(a.name, net.ext_in, 8080)
     assert not tcp_exchange(a.name, net.ext_except, 8080, timeout=DENY_TIMEOUT), "excepted address"
@@ -45,7 +46,7 @@ def test_ipv6_cidr_rule_with_except(net: Node) -> None:
     dp.sync_policy(
         a.ep_id,
         Enforcement(egress=True),
-        [PolicyEntry(PolicyKey(Direction.EGRESS, CIDR_ID, L4Proto.TCP, 8080), Verdict.ALLOW)],
+        [entry(Direction.EGRESS, CIDR_ID, L4Proto.TCP, 8080)],
     )
     assert tcp_exchange(a.name, net.ext_v6, 8080)
     dp.ipcache_upsert(f"{net.ext_v6}/128", EXCEPT_ID)
@@ -59,7 +60,7 @@ def test_cidr_identity_on_ingress(net: Node) -> None:
     dp.sync_policy(
         b.ep_id,
         Enforcement(ingress=True),
-        [PolicyEntry(PolicyKey(Direction.INGRESS, CIDR_ID, L4Proto.TCP, 9000, 9010), Verdict.ALLOW)],
+        [entry(Direction.INGRESS, CIDR_ID, L4Proto.TCP, 9000, 9010)],
     )
     ext = net.ext.name
     assert tcp_exchange(ext, b.v4, 9005)
@@ -72,7 +73,7 @@ def test_unknown_addresses_are_world(net: Node) -> None:
     dp.sync_policy(
         a.ep_id,
         Enforcement(egress=True),
-        [PolicyEntry(PolicyKey(Direction.EGRESS, IDENTITY_WORLD, L4Proto.TCP, 8080), Verdict.ALLOW)],
+        [entry(Direction.EGRESS, IDENTITY_WORLD, L4Proto.TCP, 8080)],
     )
     assert tcp_exchange(a.name, net.ext_outside, 8080)
     assert not tcp_exchange(a.name, net.b.v4, 8080, timeout=DENY_TIMEOUT), "a local pod is not world"

@@ -9,9 +9,10 @@ import time
 import pytest
 
 from services.datapath.netns import in_netns
-from services.datapath.types import Direction, Enforcement, L4Proto, PolicyEntry, PolicyKey, Reason, Verdict
+from services.datapath.types import Direction, Enforcement, L4Proto, Reason, Verdict
 from testkit.datapathnode import Node, drops
 from testkit.traffic import DENY_TIMEOUT, sctp_init_crosses, socket_in, tcp_exchange, udp_exchange
+from tests.datapath.entries import entry
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -21,7 +22,7 @@ def test_ipv6_tcp_allowed_and_denied(net: Node) -> None:
     dp.sync_policy(
         b.ep_id,
         Enforcement(ingress=True),
-        [PolicyEntry(PolicyKey(Direction.INGRESS, a.identity, L4Proto.TCP, 8080), Verdict.ALLOW)],
+        [entry(Direction.INGRESS, a.identity, L4Proto.TCP, 8080)],
     )
     assert tcp_exchange(a.name, b.v6, 8080)
     before = drops(dp, b.ep_id, Direction.INGRESS)
@@ -43,8 +44,8 @@ def test_ipv6_udp_and_sctp(net: Node) -> None:
         b.ep_id,
         Enforcement(ingress=True),
         [
-            PolicyEntry(PolicyKey(Direction.INGRESS, a.identity, L4Proto.UDP, 5353), Verdict.ALLOW),
-            PolicyEntry(PolicyKey(Direction.INGRESS, a.identity, L4Proto.SCTP, 3868), Verdict.ALLOW),
+            entry(Direction.INGRESS, a.identity, L4Proto.UDP, 5353),
+            entry(Direction.INGRESS, a.identity, L4Proto.SCTP, 3868),
         ],
     )
     assert udp_exchange(a.name, b.v6, 5353)
@@ -59,8 +60,8 @@ def test_ipv6_egress_deny_entry(net: Node) -> None:
         a.ep_id,
         Enforcement(egress=True),
         [
-            PolicyEntry(PolicyKey(Direction.EGRESS, b.identity), Verdict.ALLOW),
-            PolicyEntry(PolicyKey(Direction.EGRESS, b.identity, L4Proto.TCP, 9000, 9010), Verdict.DENY),
+            entry(Direction.EGRESS, b.identity),
+            entry(Direction.EGRESS, b.identity, L4Proto.TCP, 9000, 9010, deny=True),
         ],
     )
     assert tcp_exchange(a.name, b.v6, 8080)

@@ -26,7 +26,6 @@ from services.datapath.types import (
     Enforcement,
     L4Proto,
     PolicyEntry,
-    PolicyKey,
     Reason,
     Verdict,
 )
@@ -395,7 +394,7 @@ def test_enforcement_outlives_the_process_and_a_new_one_restores(
             dp.apply_policy(
                 q.ep_id,
                 Enforcement(ingress=True),
-                remove=[PolicyEntry(PolicyKey(Direction.INGRESS, p.identity, L4Proto.TCP, 8081))],
+                remove=[entry(Direction.INGRESS, p.identity, L4Proto.TCP, 8081)],
             )
         finally:
             dp.close()

@@ -21,9 +21,10 @@ from services.datapath.loader import CALL_DELIVER, CALLS
 from services.datapath.maps import deliverymap
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
 from services.datapath.maps.deliverymap import DeliveryTarget
-from services.datapath.types import Direction, Enforcement, L4Proto, PolicyEntry, PolicyKey, Reason, Verdict
+from services.datapath.types import Direction, Enforcement, L4Proto, PolicyEntry, Reason, Verdict
 from testkit.datapathnode import Node, Pod, drops
 from testkit.traffic import DENY_TIMEOUT, family_of, host_sent, socket_in, tcp_exchange, udp_exchange
+from tests.datapath.entries import entry
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -34,7 +35,7 @@ IP_RECVTTL = 12
 
 
 def allow_from(source: Pod, proto: L4Proto = L4Proto.ANY, port: int = 0) -> PolicyEntry:
-    return PolicyEntry(PolicyKey(Direction.INGRESS, source.identity, proto, port, port), Verdict.ALLOW)
+    return entry(Direction.INGRESS, source.identity, proto, port, port)
 
 
 @pytest.mark.parametrize("family", ["v4", "v6"])

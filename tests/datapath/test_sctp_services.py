@@ -20,13 +20,11 @@ from services.datapath.types import (
     Frontend,
     L4Proto,
     LbService,
-    PolicyEntry,
-    PolicyKey,
     Reason,
     Verdict,
 )
 from services.devstack.sctp import crc32c
-from testkit.datapathnode import Node
+from testkit.datapathnode import Node, clear_services
 from testkit.traffic import (
     DENY_TIMEOUT,
     TC_ACT_REDIRECT,
@@ -37,6 +35,7 @@ from testkit.traffic import (
     sctp_exchange,
     sctp_packet,
 )
+from tests.datapath.entries import entry
 
 VIP = "10.96.78.10"
 VIP6 = "fd00:96::78:10"
@@ -61,9 +60,7 @@ def lb(net: Node) -> Iterator[Node]:
     finally:
         for listener in listeners:
             listener.close()
-        for state in net.dp.lb_services():
-            net.dp.lb_delete(state.frontend)
-        net.dp.flush_conntrack()
+        clear_services(net.dp)
 
 
 # -- the arithmetic, against Python's CRC32c (no kernel needed) ------------------------------------
@@ -117,10 +114,6 @@ def test_a_port_change_moves_the_crc_by_the_ports_xor_times_x_to_the_8_times_the
 
 
 # -- real packets ------------------------------------------------------------------------------------
-
-
-def allow_egress(identity: int, port: int) -> PolicyEntry:
-    return PolicyEntry(PolicyKey(Direction.EGRESS, identity, L4Proto.SCTP, port, port), Verdict.ALLOW)
 
 
 @pytest.mark.root
@@ -197,11 +190,11 @@ def test_egress_policy_judges_the_sctp_backend_identity_and_port(lb: Node) -> No
     dp.lb_upsert(LbService(sctp(VIP), (Backend(b.v4, BACK),)))
     dp.lb_upsert(LbService(sctp(VIP, FRONT + 1), (Backend(c.v4, BACK),)))
     invalid = dp.counters().packets(endpoint_id=a.ep_id, reason=Reason.INVALID)
-    dp.sync_policy(a.ep_id, Enforcement(egress=True), [allow_egress(b.identity, BACK)])
+    dp.sync_policy(a.ep_id, Enforcement(egress=True), [entry(Direction.EGRESS, b.identity, L4Proto.SCTP, BACK)])
     assert sctp_exchange(a.name, VIP, FRONT)
     assert not sctp_exchange(a.name, VIP, FRONT + 1, timeout=DENY_TIMEOUT)  # c is not allowed
     # Allowing the frontend's port, not the backend's, allows nothing (policy applies after DNAT).
-    dp.sync_policy(a.ep_id, Enforcement(egress=True), [allow_egress(b.identity, FRONT)])
+    dp.sync_policy(a.ep_id, Enforcement(egress=True), [entry(Direction.EGRESS, b.identity, L4Proto.SCTP, FRONT)])
     dp.flush_conntrack()
     assert not sctp_exchange(a.name, VIP, FRONT, timeout=DENY_TIMEOUT)
     flows = [f for f in dp.read_flows(0) if f.source_ip == a.v4 and f.verdict is Verdict.DENY]

@@ -16,13 +16,12 @@ from services.datapath.types import (
     Frontend,
     L4Proto,
     LbService,
-    PolicyEntry,
-    PolicyKey,
     Reason,
     Verdict,
 )
-from testkit.datapathnode import Node
+from testkit.datapathnode import Node, clear_services
 from testkit.traffic import ALLOW_TIMEOUT, DENY_TIMEOUT, Stream, family_of, socket_in, tcp_exchange, udp_exchange
+from tests.datapath.entries import entry
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -31,17 +30,11 @@ VIP6 = "fd00:96::77:10"
 EGRESS_ONLY = Enforcement(egress=True)
 
 
-def allow_egress(identity: int, proto: L4Proto, port: int) -> PolicyEntry:
-    return PolicyEntry(PolicyKey(Direction.EGRESS, identity, proto, port, port), Verdict.ALLOW)
-
-
 @pytest.fixture
 def svc(net: Node) -> Iterator[Node]:
     """The clean node; every frontend a test adds is removed after it."""
     yield net
-    for state in net.dp.lb_services():
-        net.dp.lb_delete(state.frontend)
-    net.dp.flush_conntrack()
+    clear_services(net.dp)
 
 
 def tcp(address: str, port: int) -> Frontend:
@@ -78,11 +71,11 @@ def test_egress_policy_judges_the_backend_identity_and_port(svc: Node) -> None:
     dp, a, b, c = svc.dp, svc.a, svc.b, svc.c
     dp.lb_upsert(LbService(tcp(VIP, 80), (Backend(b.v4, 8080),)))
     dp.lb_upsert(LbService(tcp(VIP, 81), (Backend(c.v4, 8080),)))
-    dp.sync_policy(a.ep_id, EGRESS_ONLY, [allow_egress(b.identity, L4Proto.TCP, 8080)])
+    dp.sync_policy(a.ep_id, EGRESS_ONLY, [entry(Direction.EGRESS, b.identity, L4Proto.TCP, 8080)])
     assert tcp_exchange(a.name, VIP, 80)
     assert not tcp_exchange(a.name, VIP, 81, timeout=DENY_TIMEOUT)  # c is not allowed
     # Allowing the frontend's port, not the backend's, allows nothing (policy applies after DNAT).
-    dp.sync_policy(a.ep_id, EGRESS_ONLY, [allow_egress(b.identity, L4Proto.TCP, 80)])
+    dp.sync_policy(a.ep_id, EGRESS_ONLY, [entry(Direction.EGRESS, b.identity, L4Proto.TCP, 80)])
     dp.flush_conntrack()
     assert not tcp_exchange(a.name, VIP, 80, timeout=DENY_TIMEOUT)
     flows = [f for f in dp.read_flows(0) if f.source_ip == a.v4 and f.verdict is Verdict.DENY]

@@ -25,7 +25,7 @@ import pytest
 from services.datapath.maps import snatmap
 from services.datapath.maps.bpf import prog_test_run
 from services.datapath.types import Backend, Direction, Frontend, L4Proto, LbService, Reason, Verdict
-from testkit.datapathnode import Node
+from testkit.datapathnode import Node, clear_services
 from testkit.traffic import (
     ACK,
     ALLOW_TIMEOUT,
@@ -79,9 +79,7 @@ def paths(request: pytest.FixtureRequest, net: Node) -> Iterator[Paths]:
     net.dp.lb_upsert(LbService(Frontend(vip, TCP_FRONT, L4Proto.TCP), (Backend(backend, TCP_BACK),)))
     net.dp.lb_upsert(LbService(Frontend(vip, UDP_FRONT, L4Proto.UDP), (Backend(backend, UDP_BACK),)))
     yield Paths(net.a.name, vip, backend)
-    for state in net.dp.lb_services():
-        net.dp.lb_delete(state.frontend)
-    net.dp.flush_conntrack()
+    clear_services(net.dp)
 
 
 def client_port() -> int:
@@ -226,9 +224,7 @@ def test_a_clashing_connection_survives_a_datapath_restart(net: Node) -> None:
             close_to_time_wait(via_service)
             close_to_time_wait(direct)
     finally:
-        for state in dp.lb_services():
-            dp.lb_delete(state.frontend)
-        dp.flush_conntrack()
+        clear_services(dp)
 
 
 def test_a_reply_that_cannot_be_translated_back_is_dropped_and_reported(net: Node) -> None:
@@ -266,6 +262,4 @@ def test_a_reply_that_cannot_be_translated_back_is_dropped_and_reported(net: Nod
         dropped = dp.counters().packets(endpoint_id=a.ep_id, reason=Reason.NO_BACKEND, direction=Direction.INGRESS)
         assert dropped - dropped_before == 2
     finally:
-        for state in dp.lb_services():
-            dp.lb_delete(state.frontend)
-        dp.flush_conntrack()
+        clear_services(dp)

@@ -35,17 +35,6 @@ ALLOW = common_pb2.VERDICT_ALLOW
 DENY = common_pb2.VERDICT_DENY
 
 
-def entry(direction: int, remote: int, port: int = 0, proto: int = TCP, verdict: int = ALLOW) -> common_pb2.PolicyEntry:
-    key = common_pb2.PolicyKey(
-        direction=direction,  # type: ignore[arg-type]
-        remote_identity=remote,
-        protocol=proto if port else 0,  # type: ignore[arg-type]
-        port_low=port,
-        port_high=port,
-    )
-    return common_pb2.PolicyEntry(key=key, verdict=verdict)  # type: ignore[arg-type]
-
-
 def _key(e: common_pb2.PolicyEntry) -> bytes:
     return e.key.SerializeToString(deterministic=True)
 

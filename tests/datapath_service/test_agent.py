@@ -14,9 +14,10 @@ from services.datapath.fake import FakeDatapath
 from services.datapath.loader import ProgramConfig
 from services.datapath.maps import metricsmap
 from services.datapath.maps.sizes import MapSizes
+from testkit.builders import policy_entry
 from testkit.harness import NatsServer
 from tests.datapath_service.agent import NODE, InProcessAgent
-from tests.datapath_service.controlplane import ALLOW, DENY, ING, TCP, ControlPlane, entry
+from tests.datapath_service.controlplane import ALLOW, DENY, ING, TCP, ControlPlane
 from tests.datapath_service.helpers import create, eventually, labels
 
 
@@ -36,7 +37,7 @@ async def test_endpoints_realize_ordered_policy_and_report_it(agent: InProcessAg
     # db admits web on 5432 and denies it on 22; nothing else.
     rev = await cp.set_policy(
         db.identity,
-        [entry(ING, web.identity, 5432), entry(ING, web.identity, 22, verdict=DENY)],
+        [policy_entry(ING, web.identity, 5432), policy_entry(ING, web.identity, 22, verdict=DENY)],
     )
     await cp.wait_realized(rev, [web.id, db.id])
     assert cp.realized[db.id] == (db.identity, rev)
@@ -65,7 +66,7 @@ async def test_bad_requests_get_clear_codes_and_leave_other_endpoints_alone(
 ) -> None:
     assert agent.stub is not None
     web = await create(agent, "web", app="web")
-    rev = await cp.set_policy(web.identity, [entry(ING, 999, 80)])
+    rev = await cp.set_policy(web.identity, [policy_entry(ING, 999, 80)])
     await cp.wait_realized(rev, [web.id])
 
     cases = [
@@ -109,8 +110,8 @@ async def test_bad_requests_get_clear_codes_and_leave_other_endpoints_alone(
 async def test_a_sequence_gap_resyncs_and_later_orders_apply_on_top(agent: InProcessAgent, cp: ControlPlane) -> None:
     web = await create(agent, "web", app="web")
     db = await create(agent, "db", app="db")
-    await cp.set_policy(db.identity, [entry(ING, web.identity, 1)], publish=False)  # lost
-    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 2)])
+    await cp.set_policy(db.identity, [policy_entry(ING, web.identity, 1)], publish=False)  # lost
+    rev = await cp.set_policy(db.identity, [policy_entry(ING, web.identity, 2)])
     await cp.wait_realized(rev, [db.id])
     assert any(not r.identities for r in cp.resyncs[1:])  # a full resync after the startup one
     assert verdict(agent, db.id, web.ips[0], 2) is dt.Verdict.ALLOW
@@ -131,7 +132,7 @@ async def test_a_sequence_gap_resyncs_and_later_orders_apply_on_top(agent: InPro
                 common_pb2.IdentityPolicyDiff(
                     identity=db.identity,
                     enforcement=common_pb2.Enforcement(ingress=True),
-                    add=[entry(ING, web.identity, 10 + i)],
+                    add=[policy_entry(ING, web.identity, 10 + i)],
                     full=i == 0,
                 )
             ],
@@ -164,8 +165,8 @@ async def test_removed_identities_replace_orders_and_deleted_endpoints(agent: In
     manager = agent.agent.manager
     web = await create(agent, "web", app="web")
     db = await create(agent, "db", app="db")
-    await cp.set_policy(4500, [entry(ING, web.identity, 9)])  # an identity with no endpoint here (yet)
-    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 80)])
+    await cp.set_policy(4500, [policy_entry(ING, web.identity, 9)])  # an identity with no endpoint here (yet)
+    rev = await cp.set_policy(db.identity, [policy_entry(ING, web.identity, 80)])
     await cp.wait_realized(rev, [web.id, db.id])
     assert 4500 in manager.realizer.policies
 
@@ -190,7 +191,7 @@ async def test_removed_identities_replace_orders_and_deleted_endpoints(agent: In
     full = common_pb2.IdentityPolicyDiff(
         identity=web.identity,
         enforcement=common_pb2.Enforcement(ingress=True),
-        add=[entry(ING, db.identity, 443)],
+        add=[policy_entry(ING, db.identity, 443)],
         full=True,
     )
     await cp.publish_raw(
@@ -228,7 +229,7 @@ async def test_restart_restores_endpoints_cleans_stale_ones_and_catches_up(
     web = await create(agent, "web", app="web")
     db = await create(agent, "db", app="db")
     gone = await create(agent, "gone", app="gone")
-    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 5432)])
+    rev = await cp.set_policy(db.identity, [policy_entry(ING, web.identity, 5432)])
     await cp.wait_realized(rev, [db.id])
 
     await agent.stop()
@@ -236,7 +237,7 @@ async def test_restart_restores_endpoints_cleans_stale_ones_and_catches_up(
     assert agent.datapath is not None
     down = FakeDatapath.open(agent.config.bpffs)
     assert down.evaluate(db.id, dt.Direction.INGRESS, web.ips[0], dt.L4Proto.TCP, 5432)[0] is dt.Verdict.ALLOW
-    rev2 = await cp.set_policy(db.identity, [entry(ING, web.identity, 6000)])
+    rev2 = await cp.set_policy(db.identity, [policy_entry(ING, web.identity, 6000)])
     agent.network.namespaces.discard("/run/netns/pal_x_gone")
     cp.realized.clear()
 
@@ -270,8 +271,8 @@ async def test_relabel_switches_identity_with_new_policy_first(agent: InProcessA
     cp.pods["x/api"] = 4000  # a pod the control plane knows from the bus
     api = await agent.stub.CreateEndpoint(datapath_pb2.CreateEndpointRequest(namespace="x", pod="api"))
     assert api.identity == 4000
-    await cp.set_policy(4000, [entry(ING, web.identity, 80)])
-    rev = await cp.set_policy(4001, [entry(ING, web.identity, 81)])
+    await cp.set_policy(4000, [policy_entry(ING, web.identity, 80)])
+    rev = await cp.set_policy(4001, [policy_entry(ING, web.identity, 81)])
     await cp.wait_realized(rev, [api.id])
     assert verdict(agent, api.id, web.ips[0], 80) is dt.Verdict.ALLOW
 
@@ -295,7 +296,7 @@ async def test_observe_streams_filtered_flow_events(agent: InProcessAgent, cp: C
     assert agent.stub is not None and agent.datapath is not None
     web = await create(agent, "web", app="web")
     db = await create(agent, "db", app="db")
-    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 80)])
+    rev = await cp.set_policy(db.identity, [policy_entry(ING, web.identity, 80)])
     await cp.wait_realized(rev, [db.id])
     call = agent.stub.Observe(datapath_pb2.ObserveRequest(verdicts=[common_pb2.VERDICT_DENY], pod="x/db", limit=1))
     await eventually(lambda: agent.agent is not None and agent.agent.flows.subscribers == 1)
@@ -332,7 +333,7 @@ async def test_observe_replays_the_flow_ring_with_every_filter(agent: InProcessA
     assert agent.stub is not None and agent.datapath is not None and agent.agent is not None
     web = await create(agent, "web", app="web")
     db = await create(agent, "db", app="db")
-    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 80)])
+    rev = await cp.set_policy(db.identity, [policy_entry(ING, web.identity, 80)])
     await cp.wait_realized(rev, [db.id])
     assert agent.agent.flows.subscribers == 0
     agent.datapath.simulate_flow(db.id, dt.Direction.INGRESS, web.ips[0], dt.L4Proto.TCP, 80)  # allowed
@@ -381,7 +382,7 @@ async def test_periodic_repair_rewrites_a_drifted_map(agent: InProcessAgent, cp:
     assert agent.datapath is not None and agent.agent is not None
     web = await create(agent, "web", app="web")
     db = await create(agent, "db", app="db")
-    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 80)])
+    rev = await cp.set_policy(db.identity, [policy_entry(ING, web.identity, 80)])
     await cp.wait_realized(rev, [db.id])
     # Someone writes the map behind the agent's back.
     agent.datapath.sync_policy(db.id, dt.Enforcement(ingress=False), [])

@@ -22,9 +22,10 @@ from services.datapath import types as dt
 from services.datapath.fake import FakeDatapath
 from services.datapath.flows import FlowFilter
 from services.datapath.metrics import AgentParts, DatapathMetrics, KernelTotals
-from testkit.harness import Metrics, NatsServer, ServiceProcess, creds, scrape
+from testkit.builders import policy_entry
+from testkit.harness import Metrics, NatsServer, ServiceProcess, creds, datapath_flags, scrape
 from tests.datapath_service.agent import InProcessAgent, control_plane
-from tests.datapath_service.controlplane import ING, ControlPlane, entry
+from tests.datapath_service.controlplane import ING, ControlPlane
 from tests.datapath_service.helpers import create as create_fake
 from tests.datapath_service.helpers import create_endpoint, eventually, in_thread, started
 from tests.datapath_service.pods import Pods
@@ -61,8 +62,8 @@ async def test_service_metrics_follow_endpoints_orders_and_packets(
     def start() -> ServiceProcess:
         return service(
             "datapath",
-            *("--nats-url", nats_server.url, "--node-name", NODE, "--policy-address", cp.policy_address),
-            *("--ipam-address", cp.ipam_address, "--state-dir", str(tmp_path / "state"), "--bpffs", bpffs),
+            *("--nats-url", nats_server.url, "--node-name", NODE),
+            *datapath_flags(cp.policy_address, cp.ipam_address, tmp_path / "state", bpffs),
             *("--retry-backoff-max", "0.5"),
         )
 
@@ -80,7 +81,7 @@ async def test_service_metrics_follow_endpoints_orders_and_packets(
     web = await create_endpoint(stub, ns, "web", "web")
     db = await create_endpoint(stub, ns, "db", "db")
     pods.serve("db", 8080, 9090)
-    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 8080)])
+    rev = await cp.set_policy(db.identity, [policy_entry(ING, web.identity, 8080)])
     await cp.wait_realized(rev, [web.id, db.id])
     assert await in_thread(pods.connects, "web", db.ips[0], 8080)
     assert not await in_thread(pods.connects, "web", db.ips[0], 9090, 0.5)
@@ -109,8 +110,8 @@ async def test_service_metrics_follow_endpoints_orders_and_packets(
     assert m.get("palisade_datapath_flow_events_lost_total", stage="ring_buffer") == 0
 
     # An order lost in transit: the next one shows the gap, which a resync repairs.
-    await cp.set_policy(db.identity, [entry(ING, web.identity, 8081)], publish=False)
-    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 8082)])
+    await cp.set_policy(db.identity, [policy_entry(ING, web.identity, 8081)], publish=False)
+    rev = await cp.set_policy(db.identity, [policy_entry(ING, web.identity, 8082)])
     await cp.wait_realized(rev, [web.id, db.id])
     m = await until(proc, lambda m: m.get("palisade_datapath_realized_revision") == rev)
     assert m.get("palisade_datapath_sequence_gaps_total") == 1
@@ -162,7 +163,7 @@ async def test_agent_metrics_keep_deleted_endpoints_counts_and_count_lost_events
     try:
         web = await create_fake(runner, "web", app="web")
         db = await create_fake(runner, "db", app="db")
-        rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 80)])
+        rev = await cp.set_policy(db.identity, [policy_entry(ING, web.identity, 80)])
         await cp.wait_realized(rev, [web.id, db.id])
         await eventually(lambda: registry.get_sample_value("palisade_datapath_order_realized_seconds_count") == 1)
 

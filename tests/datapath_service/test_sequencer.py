@@ -13,22 +13,8 @@ from services.datapath.errors import OrderError
 from services.datapath.orders import Apply, NeedResync, Sequencer, merge_diffs
 from services.datapath.realizer import IdentityPolicy
 from services.datapath.wire import diff_from_proto, entry_from_proto, entry_to_proto, order_from_proto
-
-ING = common_pb2.DIRECTION_INGRESS
-EGR = common_pb2.DIRECTION_EGRESS
-
-
-def pb_entry(
-    remote: int, port: int = 0, proto: int = 6, direction: int = ING, verdict: int = 1
-) -> common_pb2.PolicyEntry:
-    key = common_pb2.PolicyKey(
-        direction=direction,  # type: ignore[arg-type]
-        remote_identity=remote,
-        protocol=proto if port else 0,  # type: ignore[arg-type]
-        port_low=port,
-        port_high=port,
-    )
-    return common_pb2.PolicyEntry(key=key, verdict=verdict)  # type: ignore[arg-type]
+from testkit.builders import policy_entry
+from tests.datapath_service.controlplane import EGR, ING
 
 
 def diff(identity: int, add=(), remove=(), full=False, ingress=True) -> common_pb2.IdentityPolicyDiff:
@@ -123,8 +109,8 @@ def test_fetch_orders_resync() -> None:
 def test_chunks_apply_once_complete_in_any_arrival_order() -> None:
     seq = Sequencer()
     seq.resynced(1)
-    a = pb_entry(300, 80)
-    b = pb_entry(301, 443)
+    a = policy_entry(ING, 300, 80)
+    b = policy_entry(ING, 301, 443)
     assert seq.offer(order(2, diff(256, add=[b]), chunk=1, chunks=2)) == []
     actions = seq.offer(order(2, diff(256, add=[a], full=True), chunk=0, chunks=2))
     assert kinds(actions) == ["apply 2"]
@@ -139,7 +125,7 @@ def test_a_replace_order_is_the_whole_state_even_after_a_gap() -> None:
     seq.resynced(1)
     assert kinds(seq.offer(order(3))) == ["resync gap"]
     # The policy service restarted: its first order replaces everything, so 2 and 3 no longer matter.
-    actions = seq.offer(order(5, diff(256, add=[pb_entry(300, 80)], full=True), replace=True))
+    actions = seq.offer(order(5, diff(256, add=[policy_entry(ING, 300, 80)], full=True), replace=True))
     assert kinds(actions) == ["apply 5"]
     assert isinstance(actions[0], Apply) and actions[0].batch.replace
     assert seq.last == 5 and seq.gaps == 1
@@ -164,7 +150,11 @@ def test_removed_identities_and_replace_survive_chunking() -> None:
 
 
 def test_merge_diffs_keeps_one_diff_per_identity() -> None:
-    parts = [diff(256, add=[pb_entry(1)]), diff(257, add=[pb_entry(2)]), diff(256, remove=[pb_entry(3)])]
+    parts = [
+        diff(256, add=[policy_entry(ING, 1)]),
+        diff(257, add=[policy_entry(ING, 2)]),
+        diff(256, remove=[policy_entry(ING, 3)]),
+    ]
     merged = merge_diffs(diff_from_proto(d) for d in parts)
     assert [d.identity for d in merged] == [256, 257]
     assert len(merged[0].add) == 1 and len(merged[0].remove) == 1
@@ -172,12 +162,18 @@ def test_merge_diffs_keeps_one_diff_per_identity() -> None:
 
 def test_identity_policy_diffs_and_full_replacement() -> None:
     p = IdentityPolicy.empty(256)
-    p = p.apply(diff_from_proto(diff(256, add=[pb_entry(300, 80), pb_entry(301, 81)])), 1, 10)
+    p = p.apply(diff_from_proto(diff(256, add=[policy_entry(ING, 300, 80), policy_entry(ING, 301, 81)])), 1, 10)
     assert {e.key.remote_identity for e in p.entries.values()} == {300, 301}
-    p = p.apply(diff_from_proto(diff(256, add=[pb_entry(302, 82)], remove=[pb_entry(300, 80)])), 2, 11)
+    p = p.apply(
+        diff_from_proto(diff(256, add=[policy_entry(ING, 302, 82)], remove=[policy_entry(ING, 300, 80)])), 2, 11
+    )
     assert {e.key.remote_identity for e in p.entries.values()} == {301, 302}
     p = p.apply(
-        diff_from_proto(diff(256, add=[pb_entry(303)], remove=[pb_entry(301, 81)], full=True, ingress=False)), 3, 12
+        diff_from_proto(
+            diff(256, add=[policy_entry(ING, 303)], remove=[policy_entry(ING, 301, 81)], full=True, ingress=False)
+        ),
+        3,
+        12,
     )
     assert {e.key.remote_identity for e in p.entries.values()} == {303}
     assert p.enforcement == dt.Enforcement(ingress=False, egress=False)
@@ -189,16 +185,16 @@ def test_identity_policy_diffs_and_full_replacement() -> None:
 @pytest.mark.parametrize("direction", [ING, EGR])
 def test_entry_round_trip(proto: int, verdict: int, direction: int) -> None:
     port = 8080 if proto in (6, 17, 132) else 0
-    pb = pb_entry(4242, port, proto, direction, verdict)
+    pb = policy_entry(direction, 4242, port, proto, verdict)
     if not port:
         pb.key.protocol = proto  # type: ignore[assignment]
     assert entry_to_proto(entry_from_proto(pb)) == pb
 
 
 def test_bad_entries_are_named() -> None:
-    bad = pb_entry(0, 0)
+    bad = policy_entry(ING, 0, 0)
     bad.key.protocol = 99  # type: ignore[assignment]
     with pytest.raises(OrderError, match="proto=99"):
         entry_from_proto(bad)
     with pytest.raises(OrderError, match="verdict"):
-        entry_from_proto(pb_entry(0, 0, verdict=0))
+        entry_from_proto(policy_entry(ING, 0, 0, verdict=0))

@@ -14,9 +14,10 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from palisade.v1 import common_pb2, datapath_pb2
-from testkit.harness import NatsServer, ServiceProcess, health_status
+from testkit.builders import policy_entry
+from testkit.harness import NatsServer, ServiceProcess, datapath_flags, health_status
 from tests.datapath_service.agent import control_plane
-from tests.datapath_service.controlplane import ALLOW, ING, ControlPlane, entry
+from tests.datapath_service.controlplane import ALLOW, ING, ControlPlane
 from tests.datapath_service.helpers import create_endpoint, in_thread, started
 from tests.datapath_service.pods import Pods
 
@@ -42,14 +43,7 @@ def start_datapath(
             nats_server.url,
             "--node-name",
             NODE,
-            "--policy-address",
-            cp.policy_address,
-            "--ipam-address",
-            cp.ipam_address,
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--bpffs",
-            bpffs,
+            *datapath_flags(cp.policy_address, cp.ipam_address, tmp_path / "state", bpffs),
             "--retry-backoff-max",
             "0.5",
             "--log-level",
@@ -71,7 +65,7 @@ async def test_policy_is_enforced_read_back_and_follows_a_relabel(
     pods.serve("db", 8080, 9090)
     db_ip = db.ips[0]
 
-    rev = await cp.set_policy(db.identity, [entry(ING, web.identity, 8080)])
+    rev = await cp.set_policy(db.identity, [policy_entry(ING, web.identity, 8080)])
     await cp.wait_realized(rev, [web.id, db.id, other.id])
     assert await in_thread(pods.connects, "web", db_ip, 8080)
     assert not await in_thread(pods.connects, "web", db_ip, 9090)
@@ -110,8 +104,8 @@ async def test_kill_9_keeps_enforcing_and_restart_restores_and_catches_up(
     a, b, c, d = (eps[n] for n in "abcd")
     sink = pods.serve("b", 8080)
     pods.serve("d", 8080, 9090, 7070)
-    await cp.set_policy(b.identity, [entry(ING, a.identity, 8080)])
-    rev = await cp.set_policy(d.identity, [entry(ING, c.identity, 8080)])
+    await cp.set_policy(b.identity, [policy_entry(ING, a.identity, 8080)])
+    rev = await cp.set_policy(d.identity, [policy_entry(ING, c.identity, 8080)])
     await cp.wait_realized(rev, [e.id for e in eps.values()])
 
     seconds = 14
@@ -123,7 +117,9 @@ async def test_kill_9_keeps_enforcing_and_restart_restores_and_catches_up(
     proc.kill()  # kill -9: no cleanup at all
     await asyncio.sleep(2)
     # While it is down: a policy change (its order is published, nobody is listening).
-    rev_down = await cp.set_policy(d.identity, [entry(ING, c.identity, 8080), entry(ING, c.identity, 7070)])
+    rev_down = await cp.set_policy(
+        d.identity, [policy_entry(ING, c.identity, 8080), policy_entry(ING, c.identity, 7070)]
+    )
     await asyncio.sleep(2)
     proc, stub = await started(start_datapath)
     await cp.wait_realized(rev_down, [e.id for e in eps.values()])

@@ -28,7 +28,7 @@ import yaml
 
 from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc, policy_pb2, policy_pb2_grpc
 from services.common.labels import pod_identity_labels
-from testkit.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, channel
+from testkit.harness import ROOT, EtcdServer, NatsServer, ServiceProcess, channel, datapath_flags
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -227,14 +227,7 @@ async def cluster(
         procs["datapath"] = service(
             "datapath",
             *common,
-            "--policy-address",
-            procs["policy"].address,
-            "--ipam-address",
-            procs["ipam"].address,
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--bpffs",
-            bpffs,
+            *datapath_flags(procs["policy"].address, procs["ipam"].address, tmp_path / "state", bpffs),
             "--retry-backoff-max",
             "0.5",
         )

@@ -19,17 +19,12 @@ Images cannot be pulled here: the image `make image` built is saved once per ima
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from cri_api.v1 import api_pb2, api_pb2_grpc
-
+from testkit import containerd
 from testkit.containerd import CNI_PLUGINS, SANDBOX_IMAGE, build_pause_image, cri_config
 
 #: Node paths that are the node's own (a per-test folder each), bound in its mount namespace.
@@ -110,18 +105,11 @@ class NodeRuntime:
                 f"exec containerd --config {self.root / 'config.toml'}",
             ]
         )
-        log = open(self.root / "containerd.log", "wb")  # noqa: SIM115 - the process writes it until stop
-        self.proc = subprocess.Popen(
+        self.proc = containerd.start_containerd(
             ["nsenter", f"--net=/run/netns/{self.netns}", "unshare", "--mount", "--propagation", "private",
              "sh", "-c", script],
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            self.root, self.socket, 60,
         )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while not self.socket.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"containerd did not start: {self.log_tail()}")
-            time.sleep(0.05)
         self.ctr("images", "import", "--no-unpack", str(build_pause_image(self.root / "pause")))
         self.wait_image(SANDBOX_IMAGE)
 
@@ -142,32 +130,13 @@ class NodeRuntime:
 
     def wait_image(self, image: str) -> None:
         """Until the CRI plugin sees ``image`` (it learns of imports from events)."""
-        request = api_pb2.ImageStatusRequest(image=api_pb2.ImageSpec(image=image))
-        deadline = time.monotonic() + 60
-        with grpc.insecure_channel(f"unix:{self.socket}") as channel:
-            images = api_pb2_grpc.ImageServiceStub(channel)  # type: ignore[no-untyped-call]
-            while not images.ImageStatus(request, timeout=10).image.id:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"containerd's CRI does not see the imported {image}")
-                time.sleep(0.1)
+        containerd.wait_image(self.socket, image, 60)
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join((self.root / "containerd.log").read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return ""
+        return containerd.log_tail(self.root, lines)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        # Shims outlive containerd; these are this node's (their command line names its socket).
-        for pid in _pids_naming(str(self.socket)):
-            os.kill(pid, signal.SIGKILL)
+        containerd.stop_containerd(self.proc, self.socket, 30)
         for path in reversed(self._made):
             try:
                 path.rmdir()
@@ -178,17 +147,3 @@ class NodeRuntime:
         self._made.clear()
         # The unpacked image is large (the native snapshotter copies every layer).
         shutil.rmtree(self.root / "root", ignore_errors=True)
-
-
-def _pids_naming(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "containerd-shim" in cmdline and text in cmdline:
-            found.append(int(entry.name))
-    return found

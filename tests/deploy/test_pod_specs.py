@@ -26,7 +26,6 @@ import json
 import secrets
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -42,9 +41,9 @@ from services.cli.install import MANIFESTS, load_kustomization, tls_secrets
 from services.cni.install import CONFLIST, DEFAULT_SOCKET, PLUGIN
 from services.datapath.datapath import teardown_all
 from services.devstack import hosts
+from testkit.builders import netpol
 from testkit.containerd import missing
-from testkit.harness import ROOT
-from testkit.stack import Stack, probe, running_stack, wait_for
+from testkit.stack import Stack, analyze, pod_server, probe, running_stack, wait_for
 from tests.deploy.engine import IMAGE, Engine
 from tests.deploy.kubelet import ApiObjects, Kubelet, NodeFacts, Pod, kustomized_image, pod_of
 from tests.deploy.manifests import COMPOSE_FILE
@@ -243,15 +242,7 @@ POLICIES = [
         "metadata": {"name": "default-deny", "namespace": NS},
         "spec": {"podSelector": {}, "policyTypes": ["Ingress"]},
     },
-    {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": {"name": "server-from-client", "namespace": NS},
-        "spec": {
-            "podSelector": {"matchLabels": {"app": "server"}},
-            "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "client"}}}], "ports": [{"port": 80}]}],
-        },
-    },
+    netpol("server-from-client", {"app": "server"}, {"app": "client"}, 80, NS),
 ]
 
 
@@ -262,12 +253,6 @@ def app_pod(name: str) -> Obj:
         "metadata": {"name": name, "namespace": NS, "labels": {"app": name}, "uid": f"uid-{NS}-{name}"},
         "spec": {"nodeName": NODE, "containers": [{"name": "c", "image": "i", "ports": [{"containerPort": 80}]}]},
     }
-
-
-def endpoints(stack: Stack) -> dict[str, Obj]:
-    out = stack.palisade("endpoint", "list", "-o", "json")
-    assert out.returncode == 0, out.stderr
-    return {f"{e['namespace']}/{e['pod']}": e for e in json.loads(out.stdout).get("endpoints", [])}
 
 
 def test_sandboxes_through_the_installed_conflist_are_enforced(cluster: Cluster, datapath: Pod) -> None:
@@ -282,36 +267,26 @@ def test_sandboxes_through_the_installed_conflist_are_enforced(cluster: Cluster,
     assert wait_for(lambda: stack.palisade("policy", "get", "networkpolicy", "server-from-client", "-n", NS)
                     .returncode == 0)  # fmt: skip
     pods = {n: cluster.kubelet.sandbox(app_pod(n)) for n in names}
-    servers: list[subprocess.Popen[str]] = []
     try:
-        eps = endpoints(stack)
+        eps = stack.endpoints()
         assert set(eps) == {f"{NS}/{n}" for n in names}, eps
         for name, pod in pods.items():
             assert eps[f"{NS}/{name}"]["ips"] == [cluster.kubelet.sandbox_ip(pod)]
-        assert wait_for(lambda: 5 not in {e["identity"] for e in endpoints(stack).values()}), endpoints(stack)
+        assert wait_for(lambda: 5 not in {e["identity"] for e in stack.endpoints().values()}), stack.endpoints()
         server_netns = cluster.kubelet.sandbox_netns(pods["server"])
-        server = subprocess.Popen(
-            [sys.executable, "-m", "services.devstack.podserver", "--netns", server_netns, "--name", "server",
-             "--tcp", "80"],
-            cwd=ROOT, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        servers.append(server)
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        matrix = analyzed(stack)
-        target = cluster.kubelet.sandbox_ip(pods["server"])
-        for src in ("client", "other"):
-            want = matrix[f"{NS}/{src}"][f"{NS}/server"]
-            netns = cluster.kubelet.sandbox_netns(pods[src])
-            assert wait_for(lambda n=netns, w=want: probe(n, target, 80) == w), (src, want)  # type: ignore[misc]
+        with pod_server(server_netns, "server", "--tcp", "80"):
+            matrix = analyze("-f", str(stack.manifests), "--probe", "80/TCP")["probes"][0]["matrix"]
+            target = cluster.kubelet.sandbox_ip(pods["server"])
+            for src in ("client", "other"):
+                want = matrix[f"{NS}/{src}"][f"{NS}/server"]
+                netns = cluster.kubelet.sandbox_netns(pods[src])
+                assert wait_for(lambda n=netns, w=want: probe(n, target, 80) == w), (src, want)  # type: ignore[misc]
         assert matrix[f"{NS}/client"][f"{NS}/server"] and not matrix[f"{NS}/other"][f"{NS}/server"]
     finally:
-        for proc in servers:
-            proc.terminate()
-            proc.wait(10)
         for pod in pods.values():
             cluster.kubelet.remove(pod)
         (stack.manifests / "podspec.yaml").unlink(missing_ok=True)
-    assert wait_for(lambda: endpoints(stack) == {}, 30), endpoints(stack)
+    assert wait_for(lambda: stack.endpoints() == {}, 30), stack.endpoints()
 
 
 def test_the_cli_in_the_datapath_container_reaches_every_component(cluster: Cluster, datapath: Pod) -> None:
@@ -339,16 +314,6 @@ def test_the_cli_in_the_datapath_container_reaches_every_component(cluster: Clus
     listed = json.loads(exec_in(cluster, datapath, "datapath", "palisade", "endpoint", "list", "-o", "json"))
     assert "endpoints" in listed, listed
     exec_in(cluster, datapath, "datapath", "palisade", "policy", "get")
-
-
-def analyzed(stack: Stack) -> dict[str, dict[str, bool]]:
-    out = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "analyze", "-f", str(stack.manifests), "--probe", "80/TCP",
-         "-o", "json"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    matrix: dict[str, dict[str, bool]] = json.loads(out.stdout)["probes"][0]["matrix"]
-    return matrix
 
 
 # ---------------------------------------------------------------------------

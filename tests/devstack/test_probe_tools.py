@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from testkit.harness import ROOT
+from testkit.stack import pod_server, prober
 
 pytestmark = pytest.mark.root
 
@@ -45,28 +43,7 @@ def two_pods() -> Iterator[tuple[str, str]]:
 
 def test_servers_answer_and_prober_tells_open_from_closed(two_pods: tuple[str, str]) -> None:
     a, b = two_pods
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.devstack.podserver",
-            "--netns",
-            b,
-            "--name",
-            "x/b",
-            "--tcp",
-            "80",
-            "--udp",
-            "53",
-            "--sctp",
-            "80",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+    with pod_server(b, "x/b", "--tcp", "80", "--udp", "53", "--sctp", "80"):
         targets = [
             {"id": "tcp-open", "ip": "10.99.0.2", "port": 80, "protocol": "TCP"},
             {"id": "tcp-closed", "ip": "10.99.0.2", "port": 81, "protocol": "TCP"},
@@ -78,15 +55,7 @@ def test_servers_answer_and_prober_tells_open_from_closed(two_pods: tuple[str, s
             {"id": "sctp-closed", "ip": "10.99.0.2", "port": 81, "protocol": "SCTP"},
             {"id": "sctp6-open", "ip": "fd99::2", "port": 80, "protocol": "SCTP"},
         ]
-        out = subprocess.run(
-            [sys.executable, "-m", "services.devstack.prober", "--netns", a, "--timeout", "3"],
-            cwd=ROOT,
-            input=json.dumps(targets),
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        assert json.loads(out.stdout) == {
+        assert prober(a, targets, timeout=3) == {
             "tcp-open": True,
             "tcp-closed": False,
             "udp-open": True,
@@ -97,6 +66,3 @@ def test_servers_answer_and_prober_tells_open_from_closed(two_pods: tuple[str, s
             "sctp-closed": False,
             "sctp6-open": True,
         }
-    finally:
-        server.terminate()
-        server.wait(5)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -18,22 +16,14 @@ from services.ipam.leases import NodeLeases
 from testkit.harness import EtcdCluster, creds
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    etcd = EtcdCluster(tmp_path)
-    etcd.start()
-    yield etcd
-    etcd.stop()
-
-
 def test_several_addresses_make_one_failover_target() -> None:
     assert grpc_target([("127.0.0.1", 1), ("127.0.0.2", 2)]) == "ipv4:127.0.0.1:1,127.0.0.2:2"
     assert grpc_target([("etcd.svc", 2379)]) == "etcd.svc:2379"
 
 
 @pytest.mark.parametrize("victim", [0, 1])
-async def test_allocation_goes_on_when_a_member_dies(cluster: EtcdCluster, victim: int) -> None:
-    endpoints = [("127.0.0.1", int(m.endpoint.rpartition(":")[2])) for m in cluster.members]
+async def test_allocation_goes_on_when_a_member_dies(etcd_cluster: EtcdCluster, victim: int) -> None:
+    endpoints = [("127.0.0.1", int(m.endpoint.rpartition(":")[2])) for m in etcd_cluster.members]
     client = await connect_etcd(endpoints, tls=creds("ipam"))
     store = Store(client, patience=30)
     try:
@@ -44,7 +34,7 @@ async def test_allocation_goes_on_when_a_member_dies(cluster: EtcdCluster, victi
             labels = LabelSet.of([f"k8s:app=ha-{i}", "k8s:io.kubernetes.pod.namespace=ha"])
             before[i] = (await allocator.allocate(labels, "node-a", f"pod/ha/p{i}")).identity.id
         # Member 0 is the one the client talks to (pick-first); member 1 one it does not.
-        cluster.members[victim].stop(kill=True)
+        etcd_cluster.members[victim].stop(kill=True)
         started = time.monotonic()
         after = {}
         for i in range(20, 40):

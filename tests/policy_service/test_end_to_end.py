@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import grpc
 
-from palisade.v1 import identity_pb2, identity_pb2_grpc, k8s_pb2, policy_pb2, policy_pb2_grpc
-from services.common.subjects import k8s_subject
+from palisade.v1 import identity_pb2, identity_pb2_grpc, policy_pb2, policy_pb2_grpc
 from testkit import builders
 from testkit.harness import EtcdServer, NatsServer, ServiceProcess, channel
 from testkit.policycluster import Datapath, Feed, OrderLog, eventually, start_policy
 
 NS = "shop"
-KINDS = {"Pod": (k8s_pb2.K8S_KIND_POD, "pod"), "Namespace": (k8s_pb2.K8S_KIND_NAMESPACE, "namespace")}
 
 
 def pod(name: str, app: str, node: str, ip: str) -> dict[str, Any]:
@@ -31,18 +28,7 @@ def pod(name: str, app: str, node: str, ip: str) -> dict[str, Any]:
 
 
 async def apply(feed: Feed, obj: dict[str, Any]) -> None:
-    kind, token = KINDS[obj["kind"]]
-    meta = obj["metadata"]
-    namespace = meta.get("namespace", "")
-    delta = k8s_pb2.K8sDelta(
-        kind=kind,
-        op=k8s_pb2.DELTA_OP_UPSERT,
-        namespace=namespace,
-        name=meta["name"],
-        object_json=json.dumps(obj).encode(),
-        source="test",
-    )
-    await feed.bus.publish(k8s_subject(token, namespace, meta["name"]), delta)
+    await feed.bus.publish(builders.delta_subject(obj), builders.delta(obj))
 
 
 async def resolve(channel: grpc.aio.Channel, name: str) -> identity_pb2.ResolvePodResponse | None:

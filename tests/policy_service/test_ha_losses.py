@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import grpc
-import pytest
 
 from palisade.v1 import common_pb2, common_pb2_grpc
 from services.common.bus import ALL_STREAMS, Bus
@@ -26,14 +24,6 @@ from testkit.policycluster import PATIENCE, Datapath, Feed, eventually
 from testkit.scenario import CACHE, DB, PODS, publish_world
 
 STATE_BUCKET = "PALISADE_POLICY"
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[NatsCluster]:
-    nats = NatsCluster(tmp_path / "nats")
-    nats.start()
-    yield nats
-    nats.stop()
 
 
 async def _role(address: str) -> str:
@@ -53,9 +43,9 @@ async def _stream_leader(bus: Bus, stream: str) -> str:
 
 
 async def test_losing_the_leader_and_a_nats_server_together_stops_no_replica(
-    cluster: NatsCluster, service: Callable[..., ServiceProcess]
+    nats_cluster: NatsCluster, service: Callable[..., ServiceProcess]
 ) -> None:
-    bus = await Bus.connect(cluster.urls, name="test-feed", tls=creds())
+    bus = await Bus.connect(nats_cluster.urls, name="test-feed", tls=creds())
     feed = Feed(bus)
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(feed.close)
@@ -65,7 +55,7 @@ async def test_losing_the_leader_and_a_nats_server_together_stops_no_replica(
         await feed.synced()
 
         def replica(name: str) -> ServiceProcess:
-            args = ("--nats-url", cluster.url, "--log-format", "text", "--member", name, "--leader-lease", "1.5")
+            args = ("--nats-url", nats_cluster.url, "--log-format", "text", "--member", name, "--leader-lease", "1.5")
             return service("policy", *args, wait=False)
 
         one = replica("policy-1")
@@ -81,7 +71,7 @@ async def test_losing_the_leader_and_a_nats_server_together_stops_no_replica(
         # The NATS server that leads the policy state's stream goes with the policy leader; the
         # leader comes back at once on its address and name, as the dev stack restarts it.
         victim_name = await _stream_leader(bus, f"KV_{STATE_BUCKET}")
-        victim = next(m for m in cluster.members if m.cluster is not None and m.cluster.server_name == victim_name)
+        victim = next(m for m in nats_cluster.members if m.cluster is not None and m.cluster.server_name == victim_name)
         one.kill()
         victim.stop(kill=True)
         one.start(wait=False)

@@ -10,7 +10,6 @@ fails, the revision never goes back, and every endpoint keeps its identity and a
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 
@@ -71,11 +70,7 @@ def test_status_lists_every_member_with_its_role(stack: Stack) -> None:
 
 
 def _endpoints(stack: Stack) -> dict[str, tuple[int, tuple[str, ...]]]:
-    out = stack.palisade("endpoint", "list", "-o", "json")
-    assert out.returncode == 0, out.stderr
-    return {
-        f"{e['namespace']}/{e['pod']}": (e["identity"], tuple(e["ips"])) for e in json.loads(out.stdout)["endpoints"]
-    }
+    return {key: (e["identity"], tuple(e["ips"])) for key, e in stack.endpoints().items()}
 
 
 @pytest.mark.parametrize("member", ["nats-1", "etcd-2", "ipam-1", "policy leader"])

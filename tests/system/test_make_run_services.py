@@ -10,8 +10,6 @@ import errno
 import json
 import shutil
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +19,7 @@ import pytest
 from services.datapath.netns import in_netns
 from testkit import tuplereuse
 from testkit.harness import ROOT
-from testkit.stack import Stack, running_stack, wait_for
+from testkit.stack import Stack, analyze, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -103,16 +101,9 @@ def test_probe_through_cluster_ips_matches_analyze(stack: Stack) -> None:
     # SCTP too: its ClusterIPs are load-balanced like TCP's and UDP's (raw-socket INIT and INIT-ACK where
     # the kernel has no SCTP, each checked by its receiver's CRC32c after the datapath rewrote the ports).
     probes = [a for p in ("80/TCP", "81/UDP", "82/SCTP") for a in ("--probe", p)]
-    analyzed = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "analyze", *files, *probes, "-o", "json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    expected = analyze(*files, *probes)
     probed = stack.palisade("connectivity", "probe", "--via-services", *files, *probes, "-o", "json", timeout=300)
     assert probed.returncode == 0, probed.stderr
-    expected = json.loads(analyzed.stdout)
     assert json.loads(probed.stdout) == expected
     # Not trivial: something allowed, something denied (px/b's egress to pod a admits nothing else).
     for probe in expected["probes"]:

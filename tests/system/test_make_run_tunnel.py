@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,12 +43,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def _network(stack: Stack) -> Any:
     return devstack.parse([*ARGS, "--run-dir", str(stack.run_dir)]).network
-
-
-def _endpoints(stack: Stack) -> dict[str, dict[str, Any]]:
-    out = stack.palisade("endpoint", "list", "-o", "json")
-    assert out.returncode == 0, out.stderr
-    return {f"{e['namespace']}/{e['pod']}": e for e in json.loads(out.stdout)["endpoints"]}
 
 
 def _ip_json(netns: str, *args: str) -> list[dict[str, Any]]:
@@ -87,7 +80,7 @@ def test_each_node_routes_the_others_pod_cidrs_into_the_tunnel(stack: Stack) -> 
 
 
 def test_the_example_story_holds_across_nodes_through_the_tunnel(stack: Stack) -> None:
-    endpoints = _endpoints(stack)
+    endpoints = stack.endpoints()
     front, back = endpoints["shop/frontend"]["node"], endpoints["shop/backend"]["node"]
     assert front != back, "pick pods on two nodes"
     netns = {n.name: n.netns for n in _network(stack).nodes}
@@ -113,10 +106,7 @@ def test_pods_outside_every_pod_cidr_reach_across_nodes_through_the_tunnel(stack
 
 def test_zz_ctrl_c_removes_the_router_and_the_bridges(stack: Stack) -> None:
     network = _network(stack)
-    stack.proc.send_signal(signal.SIGINT)
-    rest, _ = stack.proc.communicate(timeout=90)
-    assert stack.proc.returncode == 0, rest
-    assert "nothing left behind" in rest
+    stack.interrupt()
     assert not os.path.exists(f"/run/netns/{network.router_netns}")
     assert not [n for n in network.nodes if os.path.exists(f"/run/netns/{n.netns}")]
     for bridge in network.bridges:

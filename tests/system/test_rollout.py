@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from testkit.harness import ROOT
-from testkit.stack import Stack, running_stack
+from testkit.stack import Stack, analyze, running_stack
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -51,9 +51,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def endpoints(stack: Stack) -> dict[str, dict[str, Any]]:
-    out = stack.palisade("endpoint", "list", "-o", "json")
-    assert out.returncode == 0, out.stderr
-    eps = {f"{e['namespace']}/{e['pod']}": e for e in json.loads(out.stdout)["endpoints"]}
+    eps = stack.endpoints()
     assert len({e["node"] for e in eps.values()}) >= 2
     return eps
 
@@ -180,14 +178,7 @@ def test_diff_of_a_change_that_touches_nothing_observed_reports_nothing(
 
 
 def _analyze(folder: Path) -> dict[str, dict[str, bool]]:
-    out = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "analyze", "-f", str(folder), "--probe", "8080/TCP", "-o", "json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 0, out.stderr
-    return dict(json.loads(out.stdout)["probes"][0]["matrix"])
+    return dict(analyze("-f", str(folder), "--probe", "8080/TCP")["probes"][0]["matrix"])
 
 
 def test_diff_identity_pairs_equal_what_analyze_gives_before_and_after(

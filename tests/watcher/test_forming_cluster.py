@@ -12,9 +12,8 @@ from tests.watcher.helpers import manifest_source, running
 
 async def test_the_watcher_waits_out_a_forming_cluster_then_publishes(tmp_path: Path, manifests: Path) -> None:
     (manifests / "ns.yaml").write_text("apiVersion: v1\nkind: Namespace\nmetadata: {name: shop}\n")
-    nats = NatsCluster(tmp_path / "nats")
-    nats.members[0].start()
-    try:
+    with NatsCluster(tmp_path / "nats") as nats:
+        nats.members[0].start()
         with bus_call_failed("ensure stream") as failed:
             async with await Bus.connect(nats.urls, name="watcher", tls=creds()) as bus:
                 async with running(bus, manifest_source(manifests)) as run:
@@ -31,5 +30,3 @@ async def test_the_watcher_waits_out_a_forming_cluster_then_publishes(tmp_path: 
                     assert run.watcher.synced.is_set(), f"the watcher stopped: {run.task.exception()!r}"
                 info = await bus.js.stream_info(K8S_STREAM.name, subjects_filter="palisade.k8s.namespace.>")
                 assert info.config.num_replicas == 3 and info.state.subjects
-    finally:
-        nats.stop()

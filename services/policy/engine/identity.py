@@ -112,22 +112,11 @@ def _reserved_sel(name: str) -> EndpointSelector:
     return EndpointSelector((Requirement(LabelSource.RESERVED, name, Operator.EXISTS),))
 
 
+#: The entities that are reserved identities inside the cluster: each selects its own, and
+#: ``cluster`` selects them all (with the cluster's endpoints).
+IN_CLUSTER_ENTITIES = ("host", "remote-node", "kube-apiserver", "ingress", "init", "health", "unmanaged")
 #: Entity names accepted in from/toEntities.
-ENTITIES = (
-    "all",
-    "world",
-    "world-ipv4",
-    "world-ipv6",
-    "cluster",
-    "host",
-    "remote-node",
-    "kube-apiserver",
-    "ingress",
-    "init",
-    "health",
-    "unmanaged",
-    "none",
-)
+ENTITIES = ("all", "world", "world-ipv4", "world-ipv6", "cluster", *IN_CLUSTER_ENTITIES, "none")
 
 
 def entity_selectors(entity: str, *, cluster: str = CLUSTER_NAME_DEFAULT) -> tuple[Selector, ...] | None:
@@ -146,18 +135,7 @@ def entity_selectors(entity: str, *, cluster: str = CLUSTER_NAME_DEFAULT) -> tup
     if entity == "cluster":
         return (
             EndpointSelector((Requirement(LabelSource.K8S, LABEL_POLICY_CLUSTER, Operator.IN, (cluster,)),)),
-            *(
-                _reserved_sel(n)
-                for n in (
-                    "host",
-                    "remote-node",
-                    "kube-apiserver",
-                    "ingress",
-                    "init",
-                    "health",
-                    "unmanaged",
-                )
-            ),
+            *(_reserved_sel(n) for n in IN_CLUSTER_ENTITIES),
         )
     if entity in ENTITIES:
         return (_reserved_sel(entity),)
