@@ -16,7 +16,14 @@ server (the stack's manifest folder, where the tests' Pods and policies are writ
 
 Then pods: sandboxes created through containerd with the conflist and plugin the installer
 put on the node get endpoints, and a default-deny policy plus one allow decide real
-packets between them as `palisade analyze` says.
+packets between them as `palisade analyze` says. The policy and ipam Deployments join that
+control plane on the same node.
+
+The rest of the control plane runs from its own manifests on three more nodes (each with its
+containerd and kubelet): the NATS and etcd StatefulSets' three replicas, one per node, which
+form their clusters through the headless Service's names, and the watcher Deployment, which
+lists and watches testkit/apiserver.py in-cluster (service account token and CA, the API
+server's Service address) and publishes to that NATS.
 """
 
 from __future__ import annotations
@@ -164,9 +171,7 @@ def serve_cluster_ips(netns: str, aliases: list[Obj], backends: Backends, extra:
 
 
 @pytest.fixture(scope="module")
-def cluster(
-    archive: Path, servers_archive: tuple[Path, dict[str, str]], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Cluster]:
+def cluster(archive: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     problem = missing()
     if problem:
         pytest.skip(problem)
@@ -186,13 +191,6 @@ def cluster(
                 + datapath["spec"]["template"]["spec"]["containers"]
             }
             node.import_image(archive, IMAGE, sorted(images))
-            # NATS and etcd under the names the StatefulSets give (the local images where pulls fail).
-            servers, names = servers_archive
-            for component in ("nats", "etcd"):
-                (container,) = workload("StatefulSet", f"palisade-{component}")["spec"]["template"]["spec"][
-                    "containers"
-                ]
-                node.import_image(servers, names[component], [container["image"]])
             facts = NodeFacts(NODE, host.address, node.host_view, node.on_node)
             kubelet = Kubelet(node.socket, facts, tmp / "pods")
             try:
