@@ -241,7 +241,10 @@ class FakeApiServer:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         query = dict(request.query)
         self.requests.append((request.path, query))
-        if request.headers.get("Authorization") != f"Bearer {self.token}":
+        # The scheme is case-insensitive (RFC 7235): the Kubernetes client's in-cluster configuration
+        # sends "bearer".
+        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or credentials != self.token:
             return web.json_response(_status(401, "Unauthorized", "Unauthorized"), status=401)
         res = self._by_path.get(request.path)
         if res is None or not res.served:
