@@ -18,15 +18,18 @@ import asyncio
 import copy
 import itertools
 import json
+import ssl
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 Obj = dict[str, Any]
+T = TypeVar("T")
 
 
 @dataclass
@@ -107,17 +110,23 @@ class FakeApiServer:
         self._snapshots: dict[str, tuple[list[Obj], int]] = {}
         self._ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
+        self.host = "127.0.0.1"
+        self.scheme = "http"
         self.port = 0
 
     # -- lifecycle ----------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, host: str = "127.0.0.1", tls: ssl.SSLContext | None = None) -> None:
+        """Listen on a free port of ``host``; over HTTPS with ``tls`` (a server context), as a real
+        API server does for in-cluster clients (which verify it against their mounted CA)."""
         app = web.Application()
         app.router.add_route("GET", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, host, 0, ssl_context=tls)
         await site.start()
+        self.host = host
+        self.scheme = "https" if tls else "http"
         self.port = int(self._runner.addresses[0][1])
 
     async def stop(self) -> None:
@@ -127,7 +136,7 @@ class FakeApiServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def write_kubeconfig(self, path: Path) -> Path:
         config = {
@@ -232,7 +241,10 @@ class FakeApiServer:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         query = dict(request.query)
         self.requests.append((request.path, query))
-        if request.headers.get("Authorization") != f"Bearer {self.token}":
+        # The scheme is case-insensitive (RFC 7235): the Kubernetes client's in-cluster configuration
+        # sends "bearer".
+        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or credentials != self.token:
             return web.json_response(_status(401, "Unauthorized", "Unauthorized"), status=401)
         res = self._by_path.get(request.path)
         if res is None or not res.served:
@@ -315,3 +327,30 @@ class FakeApiServer:
         finally:
             self._watches.discard(watch)
         return response
+
+
+class ApiServerThread:
+    """A FakeApiServer on an event loop of its own thread, for synchronous tests (a kubelet stand-in's
+    containers reach it over the network). Changes go through :meth:`call`, which runs them on the
+    server's loop: its watch queues belong to that loop."""
+
+    def __init__(self, server: FakeApiServer) -> None:
+        self.server = server
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="apiserver", daemon=True)
+
+    def start(self, host: str = "127.0.0.1", tls: ssl.SSLContext | None = None) -> None:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(host, tls), self._loop).result(30)
+
+    def call(self, change: Callable[[FakeApiServer], T]) -> T:
+        async def run() -> T:
+            return change(self.server)
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(30)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+        self._loop.close()

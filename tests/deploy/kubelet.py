@@ -14,6 +14,10 @@ What kubelet makes of a pod spec, this makes the same way, from the spec itself:
   given here as the API server would serve them), ``emptyDir``; each ``volumeMount`` with its
   ``subPath``, ``readOnly`` and ``mountPropagation``;
 - the kubelet-managed ``/etc/hosts`` of a host-network pod: the node's, then ``hostAliases``;
+- the service account's credentials (unless ``automountServiceAccountToken`` is false): its
+  token, the cluster's CA and the pod's namespace, read-only at
+  ``/var/run/secrets/kubernetes.io/serviceaccount`` in every container, where in-cluster
+  clients look for them;
 - init containers in order, each run to a successful exit before the next, then the
   containers; ``exec`` probes run in the container as kubelet runs them (ExecSync, with the
   probe's ``timeoutSeconds``), ``httpGet`` and ``tcpSocket`` probes from the node.
@@ -47,6 +51,8 @@ PROPAGATION = {
     "Bidirectional": api_pb2.PROPAGATION_BIDIRECTIONAL,
 }
 #: What kubelet gives a container that declares nothing (Kubernetes' probe defaults).
+#: Where kubelet mounts a pod's service account credentials (and in-cluster clients read them).
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 PROBE_DEFAULTS = {"periodSeconds": 10, "timeoutSeconds": 1, "failureThreshold": 3, "successThreshold": 1}
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
@@ -104,6 +110,10 @@ class ApiObjects:
 
     secrets: dict[str, dict[str, bytes]] = field(default_factory=dict)
     config_maps: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: ServiceAccount name -> the token the API server issues for it (its TokenRequest).
+    tokens: dict[str, str] = field(default_factory=dict)
+    #: The cluster's CA certificate, which kubelet puts beside the token (the API server's issuer).
+    cluster_ca: bytes = b""
 
 
 def environment(container: Obj, pod: Obj, node: NodeFacts) -> dict[str, str]:
@@ -242,6 +252,35 @@ class Kubelet:
                         path.chmod(path.stat().st_mode | 0o2070)
         return out
 
+    def _service_account(self, pod: Obj, directory: Path, api: ApiObjects) -> Path | None:
+        """The folder kubelet projects for the pod's service account (token, ca.crt, namespace), or
+        None when the pod opts out (``automountServiceAccountToken: false``)."""
+        spec = pod["spec"]
+        if spec.get("automountServiceAccountToken") is False:
+            return None
+        account = spec.get("serviceAccountName", "default")
+        if account not in api.tokens or not api.cluster_ca:
+            raise PodSpecError(
+                f"spec.serviceAccountName {account}: the pod mounts its token (automountServiceAccountToken "
+                "is not false) but the kubelet was given no token for it or no cluster CA"
+            )
+        target = directory / "volumes" / "serviceaccount"
+        target.mkdir(parents=True, exist_ok=True)
+        files = {
+            "token": api.tokens[account].encode(),
+            "ca.crt": api.cluster_ca,
+            "namespace": pod["metadata"].get("namespace", "default").encode(),
+        }
+        group = pod_security(pod).get("fsGroup")
+        for name, data in files.items():
+            path = target / name
+            path.write_bytes(data)
+            # A projected volume's default mode, readable by the pod's group as kubelet sets it.
+            path.chmod(0o644)
+            if group is not None:
+                os.chown(path, -1, int(group))
+        return target
+
     def _etc_hosts(self, pod: Obj, directory: Path) -> Path:
         lines = [Path("/etc/hosts").read_text().rstrip("\n"), "", "# Entries added by HostAliases."]
         for alias in pod["spec"].get("hostAliases", []):
@@ -279,7 +318,7 @@ class Kubelet:
         )
 
     def _container_config(
-        self, pod: Obj, container: Obj, volumes: dict[str, str], hosts: Path
+        self, pod: Obj, container: Obj, volumes: dict[str, str], hosts: Path, account: Path | None = None
     ) -> api_pb2.ContainerConfig:
         name = container["name"]
         env = environment(container, pod, self.node)
@@ -321,6 +360,8 @@ class Kubelet:
         mounts = [api_pb2.Mount(container_path="/etc/hosts", host_path=str(hosts))] if pod["spec"].get(
             "hostNetwork"
         ) else []  # fmt: skip
+        if account is not None:
+            mounts.append(api_pb2.Mount(container_path=SERVICE_ACCOUNT_DIR, host_path=str(account), readonly=True))
         for m in container.get("volumeMounts", []):
             if m["name"] not in volumes:
                 raise PodSpecError(f"containers[{name}].volumeMounts[{m['name']}]: no such volume")
@@ -356,18 +397,19 @@ class Kubelet:
         (directory / "logs").mkdir(parents=True, exist_ok=True)
         volumes = self._volumes(obj, directory, api)
         hosts = self._etc_hosts(obj, directory)
+        account = self._service_account(obj, directory, api)
         sandbox_config = self._sandbox_config(obj, directory)
         sandbox = self.runtime.RunPodSandbox(api_pb2.RunPodSandboxRequest(config=sandbox_config), timeout=120)
         pod = Pod(obj, str(sandbox.pod_sandbox_id), directory)
         self.pods.append(pod)
         for container in obj["spec"].get("initContainers", []):
-            cid = self._start(pod, sandbox_config, container, volumes, hosts)
+            cid = self._start(pod, sandbox_config, container, volumes, hosts, account)
             code = self.wait_exit(cid, init_timeout)
             pod.init_exits[container["name"]] = code
             if code != 0:
                 raise AssertionError(f"init container {container['name']} exited {code}:\n{pod.log(container['name'])}")
         for container in obj["spec"]["containers"]:
-            pod.containers[container["name"]] = self._start(pod, sandbox_config, container, volumes, hosts)
+            pod.containers[container["name"]] = self._start(pod, sandbox_config, container, volumes, hosts, account)
         return pod
 
     def sandbox(self, obj: Obj) -> Pod:
@@ -393,9 +435,15 @@ class Kubelet:
         return str(status.status.network.ip)
 
     def _start(
-        self, pod: Pod, sandbox_config: api_pb2.PodSandboxConfig, container: Obj, volumes: dict[str, str], hosts: Path
+        self,
+        pod: Pod,
+        sandbox_config: api_pb2.PodSandboxConfig,
+        container: Obj,
+        volumes: dict[str, str],
+        hosts: Path,
+        account: Path | None = None,
     ) -> str:
-        config = self._container_config(pod.obj, container, volumes, hosts)
+        config = self._container_config(pod.obj, container, volumes, hosts, account)
         request = api_pb2.CreateContainerRequest(
             pod_sandbox_id=pod.sandbox, config=config, sandbox_config=sandbox_config
         )

@@ -84,9 +84,13 @@ class NodeRuntime:
             source = self.root / "node" / own.lstrip("/")
             source.mkdir(parents=True, exist_ok=True)
             if not Path(own).exists():
-                # The mount point; removed again at stop (a real node has these folders).
-                Path(own).mkdir(parents=True)
-                self._made.append(Path(own))
+                # The mount point; removed again at stop (a real node has these folders). Nodes
+                # started side by side may race to make it.
+                try:
+                    Path(own).mkdir(parents=True)
+                    self._made.append(Path(own))
+                except FileExistsError:
+                    pass
             binds.append(f"mount --bind {source} {own}")
         for plugin in CNI_PLUGINS.iterdir():
             (self.host_view("/opt/cni/bin") / plugin.name).symlink_to(plugin)
