@@ -94,6 +94,7 @@ from services.datapath.types import (
     PinnedEndpoint,
     PolicyChange,
     PolicyEntry,
+    is_local_identity,
 )
 
 log = get_logger("datapath")
@@ -133,6 +134,13 @@ class DatapathAPI(Protocol):
     def dump_policy(self, ep_id: int) -> tuple[Enforcement, list[PolicyEntry]]: ...
     def ipcache_upsert(self, prefix: str, identity: int) -> None: ...
     def ipcache_delete(self, prefix: str) -> bool: ...
+    def ipcache_lookup(self, ip: str) -> int | None:
+        """The identity the program gives ``ip`` (longest prefix), or None when no prefix holds it."""
+        with self._lock:
+            self._check_open()
+            return self.ipcache.lookup(ip)
+
+    def ipcache_lookup(self, ip: str) -> int | None: ...
     def ipcache_dump(self) -> dict[str, int]: ...
     def lb_upsert(self, service: LbService) -> LbState: ...
     def lb_delete(self, frontend: Frontend) -> bool: ...
@@ -398,13 +406,19 @@ class Datapath:
             return self._write_policy(ep_id, enforcement, writes, stale)
 
     def sync_policy(self, ep_id: int, enforcement: Enforcement, entries: Iterable[PolicyEntry]) -> PolicyChange:
-        """Full: make the kernel map hold exactly ``entries``, diffing against what the kernel has."""
+        """Full: make the kernel map hold exactly ``entries``, diffing against what the kernel has.
+
+        Entries whose remote identity is node-local (learned by the DNS proxy) are the proxy's:
+        they stay, and count in the hints."""
         desired = policymap.encode(ep_id, policymap.normalize(entries))
         with self._lock:
             self._check_open()
             current = self.policy.read(ep_id).get(ep_id, {})
+            learned = {p: v for p, v in current.items() if is_local_identity(p.identity)}
+            current = {p: v for p, v in current.items() if p not in learned}
             writes, stale = policymap.diff(current, desired)
-            return self._write_policy(ep_id, enforcement, writes, stale, exact_hints=_hints_of(desired))
+            hints = _hints_of({**desired, **learned})
+            return self._write_policy(ep_id, enforcement, writes, stale, exact_hints=hints)
 
     def _write_policy(
         self,

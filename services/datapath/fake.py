@@ -41,6 +41,7 @@ from services.datapath.types import (
     PolicyEntry,
     Reason,
     Verdict,
+    is_local_identity,
 )
 
 
@@ -143,7 +144,10 @@ class FakeDatapath:
         desired = policymap.encode(ep_id, policymap.normalize(entries))
         with self._lock:
             self._check_open()
-            writes, stale = policymap.diff(self._k.policy.get(ep_id, {}), desired)
+            held = self._k.policy.get(ep_id, {})
+            # As the real datapath: entries of node-local (learned) identities are the DNS proxy's.
+            current = {p: v for p, v in held.items() if not is_local_identity(p.identity)}
+            writes, stale = policymap.diff(current, desired)
             return self._write(ep_id, enforcement, writes, stale)
 
     def _write(self, ep_id: int, enforcement: Enforcement, writes: PrefixMap, stale: list[Prefix]) -> PolicyChange:
@@ -170,6 +174,14 @@ class FakeDatapath:
         with self._lock:
             self._check_open()
             return self._k.ipcache.pop(str(ipcachemap.parse_prefix(prefix)), None) is not None
+
+    def ipcache_lookup(self, ip: str) -> int | None:
+        address = ipaddress.ip_address(ip)
+        with self._lock:
+            self._check_open()
+            held = [ipaddress.ip_network(p) for p in self._k.ipcache]
+            best = max((n for n in held if address in n), key=lambda n: n.prefixlen, default=None)
+            return None if best is None else self._k.ipcache[str(best)]
 
     def ipcache_dump(self) -> dict[str, int]:
         with self._lock:
