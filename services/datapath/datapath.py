@@ -38,6 +38,7 @@ import dataclasses
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
@@ -50,6 +51,7 @@ from services.datapath.maps import (
     ct4map,
     ctmap,
     deliverymap,
+    dnsmap,
     endpointmap,
     enforcementmap,
     eventsmap,
@@ -67,6 +69,7 @@ from services.datapath.maps import (
 from services.datapath.maps.bpf import MapLayoutError, PinnedMap, ensure_bpffs, unpin
 from services.datapath.maps.ctmap import CtEntry, CtMap
 from services.datapath.maps.deliverymap import DeliveryMap, DeliveryTarget
+from services.datapath.maps.dnsmap import DnsSteerMap
 from services.datapath.maps.endpointmap import EndpointEntry, EndpointMap
 from services.datapath.maps.enforcementmap import EnforcementMap
 from services.datapath.maps.eventsmap import EventReader
@@ -150,6 +153,30 @@ class DatapathAPI(Protocol):
     def skip_flows(self, timeout_ms: int = 0) -> int: ...
     def take_flows(self, timeout_ms: int, limit: int) -> tuple[list[FlowEvent], int]: ...
     def pinned_endpoints(self) -> list[PinnedEndpoint]: ...
+    def open_destinations(self) -> set[str]:
+        """Remote addresses of live conntrack entries (a learned address stays while one is open)."""
+        now = time.monotonic_ns()
+        with self._lock:
+            self._check_open()
+            return {e.destination_ip for e in self.conntrack_map.entries() if e.expires_ns >= now}
+
+    # -- DNS steering (the DNS proxy's) ------------------------------------
+
+    def dns_steer_set(self, ep_id: int, port: int, protocol: int, proxy_port: int) -> None:
+        with self._lock:
+            self._check_open()
+            self.dns_steering.set(ep_id, port, protocol, proxy_port)
+
+    def dns_steer_delete(self, ep_id: int, port: int, protocol: int) -> bool:
+        with self._lock:
+            self._check_open()
+            return self.dns_steering.delete(ep_id, port, protocol)
+
+    def dns_steer_dump(self) -> dict[tuple[int, int, int], int]:
+        with self._lock:
+            self._check_open()
+            return self.dns_steering.dump()
+
     def migrate_conntrack(self, release: bool = True) -> int: ...
     def close(self) -> None: ...
     def teardown(self) -> None: ...
@@ -204,6 +231,7 @@ class Datapath:
         )
         self.lb_conntrack_map = LbCtMap(maps[lbctmap.NAME])
         self.snat_map = SnatMap(maps[snatmap.NAME])
+        self.dns_steering = DnsSteerMap(maps[dnsmap.NAME])
         self._lock = threading.RLock()
         self._events_lock = threading.Lock()
         self._closed = False

@@ -50,9 +50,7 @@ class PolicyMaps(Protocol):
     ) -> PolicyChange: ...
 
 
-def desired(
-    cache: NameCache, endpoints: Iterable[NameEndpoint]
-) -> tuple[dict[str, int], dict[int, set[PolicyEntry]]]:
+def desired(cache: NameCache, endpoints: Iterable[NameEndpoint]) -> tuple[dict[str, int], dict[int, set[PolicyEntry]]]:
     """The ipcache entries and per-endpoint policy entries the learned names give."""
     ipcache = cache.ipcache()
     pairs = cache.pairs()
@@ -96,9 +94,12 @@ class NameMaps:
             del self.ipcache[prefix]
 
     def adopt(self, ipcache: Mapping[str, int], entries: Mapping[int, set[PolicyEntry]]) -> None:
-        """What a previous run wrote (restored from disk), so the next sync removes only the stale."""
+        """What a previous run wrote (read back from the maps), so the next sync removes only the stale."""
         self.ipcache = dict(ipcache)
         self.entries = {k: set(v) for k, v in entries.items()}
+
+    def adopt_endpoint(self, ep_id: int, entries: set[PolicyEntry]) -> None:
+        self.entries[ep_id] = set(entries)
 
 
 __all__ = ["NameEndpoint", "NameMaps", "PolicyMaps", "desired", "host_prefix"]

@@ -277,8 +277,14 @@ class Template:
         )
 
     def close(self) -> None:
-        for fd in (self.from_container_fd, self.to_container_fd, self.deliver_fd, self.calls_fd, self.sctp_csum_fd,
-                   self.dns_steer_fd):
+        for fd in (
+            self.from_container_fd,
+            self.to_container_fd,
+            self.deliver_fd,
+            self.calls_fd,
+            self.sctp_csum_fd,
+            self.dns_steer_fd,
+        ):
             if fd >= 0:
                 os.close(fd)
         self.from_container_fd = self.to_container_fd = self.deliver_fd = self.calls_fd = self.sctp_csum_fd = -1

@@ -118,9 +118,7 @@ def dns_rule_from_proto(rule: common_pb2.DnsRule) -> dt.DnsRule:
     return dt.DnsRule(rule.remote_identity, protocol, rule.port, tuple(rule.selectors))
 
 
-def names_from_proto(
-    fqdn: Iterable[common_pb2.FqdnRule], dns: Iterable[common_pb2.DnsRule]
-) -> dt.NameRules:
+def names_from_proto(fqdn: Iterable[common_pb2.FqdnRule], dns: Iterable[common_pb2.DnsRule]) -> dt.NameRules:
     return dt.NameRules(
         fqdn=tuple(fqdn_rule_from_proto(r) for r in fqdn), dns=tuple(dns_rule_from_proto(r) for r in dns)
     )

@@ -1,0 +1,194 @@
+"""The DNS proxy's pure parts: name matching, the learned-name cache, its disk form, rule decoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from palisade.v1 import common_pb2
+from services.datapath import wire
+from services.datapath.dnsproxy import rule_allows, steering_of
+from services.datapath.errors import OrderError
+from services.datapath.fqdncache import MAX_LOCAL_ID, MIN_LOCAL_ID, CacheLimits, NameCache
+from services.datapath.fqdnmaps import NameEndpoint, desired
+from services.datapath.fqdnmatch import match
+from services.datapath.fqdnstore import NameStore
+from services.datapath.types import (
+    DnsRule,
+    Enforcement,
+    FqdnRule,
+    L4Proto,
+    NameRules,
+    Verdict,
+    is_local_identity,
+)
+
+
+@pytest.mark.parametrize(
+    ("selector", "name", "expected"),
+    [
+        ("api.example.test", "api.example.test", True),
+        ("api.example.test", "API.Example.Test.", True),
+        ("api.example.test", "x.api.example.test", False),
+        ("*", "anything.test", True),
+        ("*.example.test", "api.example.test", True),
+        ("*.example.test", "example.test", False),
+        ("*.example.test", "a.b.example.test", False),
+        ("api-*.example.test", "api-eu1.example.test", True),
+        ("api-*.example.test", "api.example.test", False),
+        ("*.example.test", "apiexample.test", False),
+    ],
+)
+def test_match(selector: str, name: str, expected: bool) -> None:
+    assert match(selector, name) is expected
+
+
+def test_local_identities_never_collide_with_cluster_or_cidr_ones() -> None:
+    from services.ipam import model
+
+    assert MIN_LOCAL_ID > model.MAX_CIDR_ID and MIN_LOCAL_ID > model.MAX_CLUSTER_ID
+    assert is_local_identity(MIN_LOCAL_ID) and is_local_identity(MAX_LOCAL_ID)
+    assert not is_local_identity(model.MAX_CIDR_ID) and not is_local_identity(MAX_LOCAL_ID + 1)
+
+
+def test_ttl_floor_and_expiry_kept_while_in_use() -> None:
+    cache = NameCache(CacheLimits(min_ttl=30))
+    cache.learn(1, "a.test", [("192.0.2.1", 1)], now=100)
+    assert cache.expire(now=120, in_use=set()) == [], "raised to the 30 s floor"
+    assert cache.expire(now=131, in_use={"192.0.2.1"}) == [], "an open connection keeps it"
+    assert cache.expire(now=131, in_use=set()) == [("a.test", "192.0.2.1")]
+    assert cache.ipcache() == {}
+
+
+def test_per_name_bound_evicts_the_oldest() -> None:
+    cache = NameCache(CacheLimits(max_per_name=2))
+    lookup = cache.learn(1, "s3.test", [("192.0.2.1", 60), ("192.0.2.2", 60), ("192.0.2.3", 60)], now=0)
+    assert lookup.evicted == (("s3.test", "192.0.2.1"),)
+    cache.learn(1, "s3.test", [("192.0.2.2", 60)], now=1)  # re-answered: now the newest
+    cache.learn(1, "s3.test", [("192.0.2.4", 60)], now=2)
+    assert cache.names() == {"s3.test": ["192.0.2.2", "192.0.2.4"]}
+
+
+def test_per_endpoint_bound_releases_only_that_endpoints_hold() -> None:
+    cache = NameCache(CacheLimits(max_per_endpoint=2))
+    cache.learn(2, "a.test", [("192.0.2.1", 60)], now=0)
+    cache.learn(1, "a.test", [("192.0.2.1", 60)], now=0)
+    cache.learn(1, "b.test", [("192.0.2.2", 60)], now=1)
+    cache.learn(1, "c.test", [("192.0.2.3", 60)], now=2)
+    # Endpoint 1 let go of a.test's pair, which endpoint 2 still holds.
+    assert cache.names() == {"a.test": ["192.0.2.1"], "b.test": ["192.0.2.2"], "c.test": ["192.0.2.3"]}
+    cache.learn(1, "d.test", [("192.0.2.4", 60)], now=3)
+    assert "b.test" not in cache.names()
+
+
+def test_one_identity_per_address_freed_when_unused() -> None:
+    cache = NameCache()
+    cache.learn(1, "a.test", [("192.0.2.1", 1)], now=0)
+    cache.learn(1, "b.test", [("192.0.2.1", 60)], now=0)
+    ident = cache.identity("192.0.2.1")
+    assert ident is not None and is_local_identity(ident)
+    cache.expire(now=10, in_use=set())
+    assert cache.identity("192.0.2.1") == ident, "b.test still holds the address"
+    cache.expire(now=100, in_use=set())
+    assert cache.identity("192.0.2.1") is None
+
+
+def test_store_restores_snapshot_and_journal(tmp_path: pytest.TempPathFactory) -> None:
+    limits = CacheLimits(min_ttl=0, max_per_name=2)
+    store = NameStore(str(tmp_path))
+    cache = NameCache(limits)
+    cache.learn(7, "a.test", [("192.0.2.1", 60)], now=10)
+    store.compact(cache, now=10, wall=1000)
+    for ip in ("192.0.2.2", "192.0.2.3"):
+        cache.learn(7, "a.test", [(ip, 60)], now=11)
+        store.append(7, "a.test", [(ip, 60)], wall=1001)
+    store.close()
+    with open(store.journal_path, "a") as f:
+        f.write('{"endpoint": 7, "name"')  # cut short by a kill
+    restored = NameStore(str(tmp_path)).load(limits, now=500, wall=1010)
+    assert restored.names() == cache.names() == {"a.test": ["192.0.2.2", "192.0.2.3"]}
+    assert restored.identity("192.0.2.2") == cache.identity("192.0.2.2")
+    # Expiries carried over in wall-clock time: learned 9 s before the restart, 60 s TTL.
+    assert restored.expire(now=500 + 50, in_use=set()) == []
+    assert len(restored.expire(now=500 + 52, in_use=set())) == 2
+
+
+def test_store_rejects_a_bad_snapshot_by_name(tmp_path: pytest.TempPathFactory) -> None:
+    store = NameStore(str(tmp_path))
+    with open(store.snapshot_path, "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match=r"fqdn\.json.*move the file away"):
+        store.load(CacheLimits(), now=0, wall=0)
+
+
+RULES = NameRules(
+    fqdn=(FqdnRule("*.example.test", L4Proto.TCP, 443),),
+    dns=(DnsRule(0, L4Proto.ANY, 53, ("*.example.test",)), DnsRule(0, L4Proto.UDP, 5353, ("*",))),
+)
+
+
+def test_desired_entries_for_every_selecting_endpoint() -> None:
+    cache = NameCache()
+    cache.learn(1, "api.example.test", [("192.0.2.1", 60)], now=0)
+    cache.learn(1, "other.test", [("192.0.2.9", 60)], now=0)
+    eps = [
+        NameEndpoint(1, 1001, ("10.0.0.1",), Enforcement(egress=True), RULES),
+        NameEndpoint(2, 1002, ("10.0.0.2",), Enforcement(egress=True), RULES),
+        NameEndpoint(3, 1003, ("10.0.0.3",), Enforcement(egress=True), NameRules()),
+    ]
+    ipcache, entries = desired(cache, eps)
+    ident = cache.identity("192.0.2.1")
+    assert ident is not None
+    assert ipcache["192.0.2.1/32"] == ident
+    assert entries[1] == entries[2] == {FqdnRule("*.example.test", L4Proto.TCP, 443).entry(ident)}
+    assert entries[3] == set()
+
+
+def test_steering_and_rule_checks() -> None:
+    keys, problems = steering_of([NameEndpoint(1, 1001, ("10.0.0.1",), Enforcement(), RULES)])
+    assert keys == {(1, 53, 17), (1, 53, 6)}
+    assert len(problems) == 1 and "port 5353 is not steered" in problems[0]
+    assert rule_allows(RULES.dns, 2, 53, L4Proto.UDP, "api.example.test")
+    assert not rule_allows(RULES.dns, 2, 53, L4Proto.UDP, "api.other.test")
+    server_rule = (DnsRule(4242, L4Proto.UDP, 53, ("*",)),)
+    assert rule_allows(server_rule, 4242, 53, L4Proto.UDP, "x.test")
+    assert not rule_allows(server_rule, 2, 53, L4Proto.UDP, "x.test"), "another server"
+    assert not rule_allows(server_rule, 4242, 53, L4Proto.TCP, "x.test"), "another protocol"
+
+
+def test_wire_decodes_name_rules() -> None:
+    diff = common_pb2.IdentityPolicyDiff(
+        identity=1001,
+        full=True,
+        names_changed=True,
+        fqdn_rules=[common_pb2.FqdnRule(selector="*.example.test", protocol=6, port_low=443, verdict=1)],
+        dns_rules=[common_pb2.DnsRule(remote_identity=0, protocol=17, port=53, selectors=["*.example.test"])],
+    )
+    names = wire.diff_from_proto(diff).names
+    assert names == NameRules(
+        fqdn=(FqdnRule("*.example.test", L4Proto.TCP, 443, 0, Verdict.ALLOW),),
+        dns=(DnsRule(0, L4Proto.UDP, 53, ("*.example.test",)),),
+    )
+    unchanged = common_pb2.IdentityPolicyDiff(identity=1001)
+    assert wire.diff_from_proto(unchanged).names is None
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        (common_pb2.FqdnRule(selector="API.test", verdict=1), "lower-case"),
+        (common_pb2.FqdnRule(selector="api.test.", verdict=1), "trailing dot"),
+        (common_pb2.FqdnRule(selector="api.test", verdict=2), "not allow"),
+        (common_pb2.FqdnRule(selector="api.test", protocol=1, port_low=80, verdict=1), "has no ports"),
+    ],
+)
+def test_wire_rejects_bad_fqdn_rules(rule: common_pb2.FqdnRule, message: str) -> None:
+    policy = common_pb2.IdentityPolicy(identity=1001, fqdn_rules=[rule])
+    with pytest.raises(OrderError, match=message):
+        wire.snapshot_from_proto(policy)
+
+
+def test_wire_rejects_bad_dns_rules() -> None:
+    with pytest.raises(OrderError, match="UDP, TCP or ANY"):
+        wire.snapshot_from_proto(common_pb2.IdentityPolicy(dns_rules=[common_pb2.DnsRule(protocol=1, port=53)]))
+    with pytest.raises(OrderError, match="1-65535"):
+        wire.snapshot_from_proto(common_pb2.IdentityPolicy(dns_rules=[common_pb2.DnsRule(protocol=17, port=0)]))
