@@ -98,7 +98,9 @@ class DnsServer:
             writer.close()
 
 
-def query(ns: str, server: str, name: str, *, tcp: bool = False, rdtype: str = "A", timeout: float = 3.0) -> dns.message.Message | None:
+def query(
+    ns: str, server: str, name: str, *, tcp: bool = False, rdtype: str = "A", timeout: float = 3.0
+) -> dns.message.Message | None:
     """A lookup from namespace ``ns`` (as a pod's resolver sends it); None if nothing came back."""
     message = dns.message.make_query(name, rdtype)
     wire = message.to_wire()

@@ -137,12 +137,6 @@ class DatapathAPI(Protocol):
     def dump_policy(self, ep_id: int) -> tuple[Enforcement, list[PolicyEntry]]: ...
     def ipcache_upsert(self, prefix: str, identity: int) -> None: ...
     def ipcache_delete(self, prefix: str) -> bool: ...
-    def ipcache_lookup(self, ip: str) -> int | None:
-        """The identity the program gives ``ip`` (longest prefix), or None when no prefix holds it."""
-        with self._lock:
-            self._check_open()
-            return self.ipcache.lookup(ip)
-
     def ipcache_lookup(self, ip: str) -> int | None: ...
     def ipcache_dump(self) -> dict[str, int]: ...
     def lb_upsert(self, service: LbService) -> LbState: ...
@@ -153,30 +147,6 @@ class DatapathAPI(Protocol):
     def skip_flows(self, timeout_ms: int = 0) -> int: ...
     def take_flows(self, timeout_ms: int, limit: int) -> tuple[list[FlowEvent], int]: ...
     def pinned_endpoints(self) -> list[PinnedEndpoint]: ...
-    def open_destinations(self) -> set[str]:
-        """Remote addresses of live conntrack entries (a learned address stays while one is open)."""
-        now = time.monotonic_ns()
-        with self._lock:
-            self._check_open()
-            return {e.destination_ip for e in self.conntrack_map.entries() if e.expires_ns >= now}
-
-    # -- DNS steering (the DNS proxy's) ------------------------------------
-
-    def dns_steer_set(self, ep_id: int, port: int, protocol: int, proxy_port: int) -> None:
-        with self._lock:
-            self._check_open()
-            self.dns_steering.set(ep_id, port, protocol, proxy_port)
-
-    def dns_steer_delete(self, ep_id: int, port: int, protocol: int) -> bool:
-        with self._lock:
-            self._check_open()
-            return self.dns_steering.delete(ep_id, port, protocol)
-
-    def dns_steer_dump(self) -> dict[tuple[int, int, int], int]:
-        with self._lock:
-            self._check_open()
-            return self.dns_steering.dump()
-
     def migrate_conntrack(self, release: bool = True) -> int: ...
     def close(self) -> None: ...
     def teardown(self) -> None: ...
@@ -504,6 +474,12 @@ class Datapath:
                 self.state.bump_epoch()
             return deleted
 
+    def ipcache_lookup(self, ip: str) -> int | None:
+        """The identity the program gives ``ip`` (longest prefix), or None when no prefix holds it."""
+        with self._lock:
+            self._check_open()
+            return self.ipcache.lookup(ip)
+
     def ipcache_dump(self) -> dict[str, int]:
         with self._lock:
             self._check_open()
@@ -562,6 +538,30 @@ class Datapath:
         with self._lock:
             self._check_open()
             return self.conntrack_map.entries(ep_id)
+
+    def open_destinations(self) -> set[str]:
+        """Remote addresses of live conntrack entries (a learned address stays while one is open)."""
+        now = time.monotonic_ns()
+        with self._lock:
+            self._check_open()
+            return {e.destination_ip for e in self.conntrack_map.entries() if e.expires_ns >= now}
+
+    # -- DNS steering (the DNS proxy's) ------------------------------------
+
+    def dns_steer_set(self, ep_id: int, port: int, protocol: int, proxy_port: int) -> None:
+        with self._lock:
+            self._check_open()
+            self.dns_steering.set(ep_id, port, protocol, proxy_port)
+
+    def dns_steer_delete(self, ep_id: int, port: int, protocol: int) -> bool:
+        with self._lock:
+            self._check_open()
+            return self.dns_steering.delete(ep_id, port, protocol)
+
+    def dns_steer_dump(self) -> dict[tuple[int, int, int], int]:
+        with self._lock:
+            self._check_open()
+            return self.dns_steering.dump()
 
     def migrate_conntrack(self, release: bool = True) -> int:
         """Copy the IPv4 conntrack entries an older program kept in the IPv6 map to the IPv4 map

@@ -86,7 +86,7 @@ class ProxyConfig:
     #: The answer to a query for a name no DNS rule allows.
     refuse: RefuseCode = RefuseCode.REFUSED
     #: TTL floor and address bounds of the learned names.
-    limits: CacheLimits = CacheLimits()
+    limits: CacheLimits = dataclasses.field(default_factory=CacheLimits)
     #: Seconds to wait for the original server's answer (the client retries after its own timeout).
     upstream_timeout: float = 2.0
     #: Seconds between passes that expire learned addresses.

@@ -41,7 +41,15 @@ def install() -> None:
                     fwmask=dnsmap.PROXY_MARK_MASK,
                 )
             try:
-                ipr.route("add", family=family, dst=dst, table=TABLE, type="local", scope=254, oif=ipr.link_lookup(ifname="lo")[0])
+                ipr.route(
+                    "add",
+                    family=family,
+                    dst=dst,
+                    table=TABLE,
+                    type="local",
+                    scope=254,
+                    oif=ipr.link_lookup(ifname="lo")[0],
+                )
             except NetlinkError as exc:
                 if exc.code != errno.EEXIST:
                     raise
@@ -72,4 +80,12 @@ def remove() -> None:
                     fwmask=dnsmap.PROXY_MARK_MASK,
                 )
             with contextlib.suppress(NetlinkError, IndexError):
-                ipr.route("del", family=family, dst=dst, table=TABLE, type="local", scope=254, oif=ipr.link_lookup(ifname="lo")[0])
+                ipr.route(
+                    "del",
+                    family=family,
+                    dst=dst,
+                    table=TABLE,
+                    type="local",
+                    scope=254,
+                    oif=ipr.link_lookup(ifname="lo")[0],
+                )

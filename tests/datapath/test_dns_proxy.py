@@ -1,0 +1,282 @@
+"""The node's DNS proxy with real packets: a pod resolves through its steered queries, then connects.
+
+The session node's pod a resolves names at a table DNS server in the outside namespace (ext);
+its queries to port 53 are steered in BPF to the proxy (bpf_sk_assign), which answers from the
+server and writes what it learned before releasing the answer. Pod a's egress allows only DNS
+(to world, port 53) and, by its toFQDNs rule, TCP 8080 to names under example.test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from services.datapath import dnsrouting
+from services.datapath.datapath import Datapath
+from services.datapath.dnsproxy import DnsProxy, ProxyConfig, RefuseCode
+from services.datapath.fqdncache import CacheLimits
+from services.datapath.fqdnmaps import NameEndpoint
+from services.datapath.types import (
+    IDENTITY_WORLD,
+    Direction,
+    DnsRule,
+    Enforcement,
+    FqdnRule,
+    L4Proto,
+    NameRules,
+    PolicyEntry,
+    PolicyKey,
+    is_local_identity,
+)
+from testkit.datapathnode import Node
+from testkit.dnsserver import DnsServer, Record, addresses, query
+from testkit.traffic import DENY_TIMEOUT, Stream, tcp_exchange
+
+pytestmark = [pytest.mark.root, pytest.mark.bcc]
+
+T = TypeVar("T")
+PORT = 8080
+RULES = NameRules(
+    fqdn=(FqdnRule("*.example.test", L4Proto.TCP, PORT),),
+    dns=(DnsRule(0, L4Proto.ANY, 53, ("*.example.test",)),),
+)
+DNS_ALLOWED = [
+    PolicyEntry(PolicyKey(Direction.EGRESS, IDENTITY_WORLD, L4Proto.UDP, 53)),
+    PolicyEntry(PolicyKey(Direction.EGRESS, IDENTITY_WORLD, L4Proto.TCP, 53)),
+]
+
+
+class Loop:
+    """An asyncio loop in a thread: the proxy and the DNS server run there while the test's
+    blocking sockets run here."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="dns-test-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        async def wrapped() -> T:
+            return fn(*args)
+
+        return self.run(wrapped())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+@dataclasses.dataclass
+class Clock:
+    now: float
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclasses.dataclass
+class World:
+    node: Node
+    loop: Loop
+    server: DnsServer
+    clock: Clock
+    port: int
+
+    @property
+    def dns(self) -> str:
+        return self.node.ext_in
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("0.0.0.0", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def world(node: Node) -> Iterator[World]:
+    """One DNS server and the node's steering routes for the module."""
+    dnsrouting.install()
+    loop = Loop()
+    server = DnsServer(node.ext.name, node.ext_in)
+    loop.run(server.start())
+    try:
+        yield World(node, loop, server, Clock(time.monotonic()), _free_port())
+    finally:
+        loop.run(server.stop())
+        loop.close()
+        dnsrouting.remove()
+
+
+def _clean(dp: Datapath, ep_ids: list[int]) -> None:
+    """What the proxy wrote, removed (the session's other tests expect no learned entries)."""
+    for key in dp.dns_steer_dump():
+        dp.dns_steer_delete(*key)
+    for ep_id in ep_ids:
+        enforcement, entries = dp.dump_policy(ep_id)
+        learned = [e for e in entries if is_local_identity(e.key.remote_identity)]
+        dp.apply_policy(ep_id, enforcement, remove=learned)
+    for prefix, ident in dp.ipcache_dump().items():
+        if is_local_identity(ident):
+            dp.ipcache_delete(prefix)
+
+
+class Proxies:
+    """Starts proxies on the world's loop with one state dir; stops them at the end."""
+
+    def __init__(self, world: World, state_dir: Path) -> None:
+        self.world = world
+        self.state_dir = state_dir
+        self.running: list[DnsProxy] = []
+
+    def start(self, **settings: Any) -> DnsProxy:
+        w = self.world
+        config = ProxyConfig(state_dir=str(self.state_dir), port=w.port, **settings)
+        proxy = DnsProxy(config, w.node.dp, clock=w.clock)
+        w.loop.run(proxy.start())
+        a = w.node.a
+        ep = NameEndpoint(a.ep_id, a.identity, (a.v4, a.v6), Enforcement(egress=True), RULES)
+        w.loop.call(proxy.set_endpoints, [ep])
+        self.running.append(proxy)
+        return proxy
+
+    def stop(self, proxy: DnsProxy) -> None:
+        self.world.loop.run(proxy.stop())
+        self.running.remove(proxy)
+
+    def close(self) -> None:
+        for proxy in list(self.running):
+            self.stop(proxy)
+
+
+@pytest.fixture
+def proxies(world: World, net: Node, tmp_path: Path) -> Iterator[Proxies]:
+    net.dp.sync_policy(net.a.ep_id, Enforcement(egress=True), DNS_ALLOWED)
+    world.server.table.clear()
+    world.server.queries.clear()
+    made = Proxies(world, tmp_path)
+    try:
+        yield made
+    finally:
+        made.close()
+        _clean(net.dp, [p.ep_id for p in net.pods])
+
+
+def test_first_connection_after_each_lookup(world: World, proxies: Proxies) -> None:
+    """Every lookup's address is allowed before the answer arrives, UDP and TCP lookups alike;
+    with one address per name, each answer evicts the last one (a fresh identity each time)."""
+    node, a = world.node, world.node.a
+    proxy = proxies.start(limits=CacheLimits(max_per_name=1))
+    # Not the DNS server's own address: a learned /32 takes the place of its world identity.
+    targets = [node.ext_outside, node.ext_except]
+    assert not tcp_exchange(a.name, node.ext_outside, PORT, timeout=DENY_TIMEOUT), "no name resolved yet"
+    identities = set()
+    for i in range(12):
+        target = targets[i % len(targets)]
+        world.server.table["api.example.test"] = Record([target], ttl=60)
+        answer = query(a.name, world.dns, "api.example.test", tcp=i % 2 == 1)
+        assert addresses(answer) == [target], f"lookup {i}"
+        assert tcp_exchange(a.name, target, PORT), f"first connection after lookup {i}"
+        identities.add(node.dp.ipcache_lookup(target))
+        stale = targets[(i - 1) % len(targets)]
+        if i:
+            assert not tcp_exchange(a.name, stale, PORT, timeout=DENY_TIMEOUT), f"evicted {stale} after lookup {i}"
+    assert len(identities) == 12 and all(is_local_identity(x or 0) for x in identities)
+    assert proxy.stats.forwarded == 12
+
+
+@pytest.mark.parametrize("refuse", [RefuseCode.REFUSED, RefuseCode.NXDOMAIN])
+def test_name_no_rule_allows_is_refused(world: World, proxies: Proxies, refuse: RefuseCode) -> None:
+    a = world.node.a
+    world.server.table["api.other.test"] = Record([world.node.ext_outside])
+    proxy = proxies.start(refuse=refuse)
+    answer = query(a.name, world.dns, "api.other.test")
+    assert answer is not None and answer.rcode() == refuse.rcode
+    answer = query(a.name, world.dns, "api.other.test", tcp=True)
+    assert answer is not None and answer.rcode() == refuse.rcode
+    assert world.server.queries == [], "never forwarded"
+    assert proxy.stats.refused == 2
+
+
+def test_ttl_expiry_waits_for_open_connections(world: World, proxies: Proxies) -> None:
+    node, a = world.node, world.node.a
+    proxy = proxies.start(limits=CacheLimits(min_ttl=5))
+    world.server.table["api.example.test"] = Record([node.ext_outside], ttl=1)
+    assert addresses(query(a.name, world.dns, "api.example.test")) == [node.ext_outside]
+    stream = Stream(a.name, node.ext_outside, PORT)
+    try:
+        assert stream.ping()
+        world.clock.now += 4
+        assert world.loop.call(proxy.expire) == 0, "the 5 s floor, not the 1 s TTL"
+        world.clock.now += 2
+        assert world.loop.call(proxy.expire) == 0, "an open connection keeps the address"
+        assert stream.ping(), "a long-lived connection across the TTL"
+    finally:
+        stream.close()
+    node.dp.flush_conntrack(a.ep_id)
+    assert world.loop.call(proxy.expire) == 1
+    assert not tcp_exchange(a.name, node.ext_outside, PORT, timeout=DENY_TIMEOUT), "expired and unused"
+    # The name moved: the next answer allows the new address only.
+    world.server.table["api.example.test"] = Record([node.ext_except], ttl=1)
+    assert addresses(query(a.name, world.dns, "api.example.test")) == [node.ext_except]
+    assert tcp_exchange(a.name, node.ext_except, PORT)
+    assert not tcp_exchange(a.name, node.ext_outside, PORT, timeout=DENY_TIMEOUT)
+
+
+def test_many_addresses_bounded_per_name(world: World, proxies: Proxies) -> None:
+    """An S3-like name whose answers rotate through addresses: the oldest learned goes first."""
+    node, a = world.node, world.node.a
+    proxies.start(limits=CacheLimits(max_per_name=2))
+    table = world.server.table
+    table["bucket.example.test"] = Record([node.ext_except, node.ext_v6])
+    assert addresses(query(a.name, world.dns, "bucket.example.test")) == [node.ext_except]
+    table["bucket.example.test"] = Record([node.ext_outside, node.ext_v6])
+    assert addresses(query(a.name, world.dns, "bucket.example.test")) == [node.ext_outside]
+    assert tcp_exchange(a.name, node.ext_except, PORT), "two addresses fit"
+    assert addresses(query(a.name, world.dns, "bucket.example.test", rdtype="AAAA")) == [node.ext_v6]
+    assert tcp_exchange(a.name, node.ext_v6, PORT)
+    assert tcp_exchange(a.name, node.ext_outside, PORT)
+    assert not tcp_exchange(a.name, node.ext_except, PORT, timeout=DENY_TIMEOUT), "the oldest, evicted"
+
+
+def test_restart_restores_learned_names_and_keeps_steering(world: World, proxies: Proxies) -> None:
+    node, a = world.node, world.node.a
+    proxy = proxies.start()
+    world.server.table["api.example.test"] = Record([node.ext_outside])
+    assert addresses(query(a.name, world.dns, "api.example.test")) == [node.ext_outside]
+    ident = node.dp.ipcache_lookup(node.ext_outside)
+    proxies.stop(proxy)
+    # While no proxy serves: what it learned stays allowed, and queries are not sent past it.
+    assert tcp_exchange(a.name, node.ext_outside, PORT)
+    world.server.queries.clear()
+    assert query(a.name, world.dns, "api.example.test", timeout=0.5) is None
+    assert world.server.queries == []
+    restarted = proxies.start()
+    assert restarted.cache.names() == {"api.example.test": [node.ext_outside]}
+    assert node.dp.ipcache_lookup(node.ext_outside) == ident, "the same identity: open flows keep their verdict"
+    assert tcp_exchange(a.name, node.ext_outside, PORT)
+    world.server.table["www.example.test"] = Record([node.ext_except])
+    assert addresses(query(a.name, world.dns, "www.example.test")) == [node.ext_except]
+    assert tcp_exchange(a.name, node.ext_except, PORT)
+
+
+def test_full_policy_sync_keeps_learned_entries(world: World, proxies: Proxies) -> None:
+    """The realizer's full syncs own the policy service's entries only."""
+    node, a = world.node, world.node.a
+    proxies.start()
+    world.server.table["api.example.test"] = Record([node.ext_outside])
+    assert addresses(query(a.name, world.dns, "api.example.test")) == [node.ext_outside]
+    node.dp.sync_policy(a.ep_id, Enforcement(egress=True), DNS_ALLOWED)
+    assert tcp_exchange(a.name, node.ext_outside, PORT)
