@@ -36,7 +36,7 @@ from services.datapath.types import (
     PolicyKey,
     is_local_identity,
 )
-from testkit.datapathnode import Node
+from testkit.datapathnode import Node, drops
 from testkit.dnsserver import DnsServer, Record, addresses, query
 from testkit.traffic import DENY_TIMEOUT, Stream, tcp_exchange
 
@@ -188,7 +188,9 @@ def test_first_connection_after_each_lookup(world: World, proxies: Proxies) -> N
         world.server.table["api.example.test"] = Record([target], ttl=60)
         answer = query(a.name, world.dns, "api.example.test", tcp=i % 2 == 1)
         assert addresses(answer) == [target], f"lookup {i}"
-        assert tcp_exchange(a.name, target, PORT), f"first connection after lookup {i}"
+        dropped = drops(node.dp, a.ep_id)
+        assert tcp_exchange(a.name, target, PORT), f"connection after lookup {i}"
+        assert drops(node.dp, a.ep_id) == dropped, f"the first SYN after lookup {i} passed (no retransmission)"
         identities.add(node.dp.ipcache_lookup(target))
         stale = targets[(i - 1) % len(targets)]
         if i:
