@@ -403,6 +403,20 @@ class Datapath:
             self._check_open()
             return self._write_policy(ep_id, enforcement, writes, stale)
 
+    def apply_entries(
+        self,
+        ep_id: int,
+        add: Iterable[PolicyEntry] = (),
+        remove: Iterable[PolicyEntry] = (),
+        keep: Iterable[PolicyEntry] = (),
+    ) -> PolicyChange:
+        """Like :meth:`apply_policy`, keeping the enforcement the map holds (the DNS proxy's writes:
+        the realizer owns enforcement)."""
+        writes, stale = policymap.encode_delta(ep_id, add, remove, keep)
+        with self._lock:
+            self._check_open()
+            return self._write_policy(ep_id, self.enforcement.get(ep_id), writes, stale)
+
     def sync_policy(self, ep_id: int, enforcement: Enforcement, entries: Iterable[PolicyEntry]) -> PolicyChange:
         """Full: make the kernel map hold exactly ``entries``, diffing against what the kernel has.
 

@@ -17,7 +17,7 @@ from typing import Protocol
 from services.common.log import get_logger
 from services.datapath import fqdnmatch
 from services.datapath.fqdncache import NameCache, host_prefix
-from services.datapath.types import Enforcement, NameRules, PolicyChange, PolicyEntry
+from services.datapath.types import NameRules, PolicyChange, PolicyEntry
 
 log = get_logger("fqdn")
 
@@ -29,7 +29,6 @@ class NameEndpoint:
     ep_id: int
     identity: int
     ips: tuple[str, ...]
-    enforcement: Enforcement
     rules: NameRules
 
 
@@ -40,10 +39,9 @@ class PolicyMaps(Protocol):
 
     def ipcache_delete(self, prefix: str) -> bool: ...
 
-    def apply_policy(
+    def apply_entries(
         self,
         ep_id: int,
-        enforcement: Enforcement,
         add: Iterable[PolicyEntry] = (),
         remove: Iterable[PolicyEntry] = (),
         keep: Iterable[PolicyEntry] = (),
@@ -85,7 +83,7 @@ class NameMaps:
             have = self.entries.get(ep_id, set())
             if want != have:
                 keep = want & have
-                self._maps.apply_policy(ep_id, eps[ep_id].enforcement, add=want - have, remove=have - want, keep=keep)
+                self._maps.apply_entries(ep_id, add=want - have, remove=have - want, keep=keep)
                 self.entries[ep_id] = want
         for ep_id in [e for e in self.entries if e not in eps]:
             del self.entries[ep_id]  # the endpoint is gone, and its policy map with it

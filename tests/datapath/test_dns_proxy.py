@@ -147,7 +147,7 @@ class Proxies:
         proxy = DnsProxy(config, w.node.dp, clock=w.clock)
         w.loop.run(proxy.start())
         a = w.node.a
-        ep = NameEndpoint(a.ep_id, a.identity, (a.v4, a.v6), Enforcement(egress=True), RULES)
+        ep = NameEndpoint(a.ep_id, a.identity, (a.v4, a.v6), RULES)
         w.loop.call(proxy.set_endpoints, [ep])
         self.running.append(proxy)
         return proxy

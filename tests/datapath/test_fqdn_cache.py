@@ -5,16 +5,22 @@ from __future__ import annotations
 import pytest
 
 from palisade.v1 import common_pb2
+from palisade.v1 import common_pb2 as pb
 from services.datapath import wire
 from services.datapath.dnsproxy import rule_allows, steering_of
 from services.datapath.errors import OrderError
-from services.datapath.fqdncache import MAX_LOCAL_ID, MIN_LOCAL_ID, CacheLimits, NameCache
+from services.datapath.fqdncache import CacheLimits, NameCache
 from services.datapath.fqdnmaps import NameEndpoint, desired
 from services.datapath.fqdnmatch import match
 from services.datapath.fqdnstore import NameStore
 from services.datapath.types import (
+    MAX_LOCAL_IDENTITY as MAX_LOCAL_ID,
+)
+from services.datapath.types import (
+    MIN_LOCAL_IDENTITY as MIN_LOCAL_ID,
+)
+from services.datapath.types import (
     DnsRule,
-    Enforcement,
     FqdnRule,
     L4Proto,
     NameRules,
@@ -131,9 +137,9 @@ def test_desired_entries_for_every_selecting_endpoint() -> None:
     cache.learn(1, "api.example.test", [("192.0.2.1", 60)], now=0)
     cache.learn(1, "other.test", [("192.0.2.9", 60)], now=0)
     eps = [
-        NameEndpoint(1, 1001, ("10.0.0.1",), Enforcement(egress=True), RULES),
-        NameEndpoint(2, 1002, ("10.0.0.2",), Enforcement(egress=True), RULES),
-        NameEndpoint(3, 1003, ("10.0.0.3",), Enforcement(egress=True), NameRules()),
+        NameEndpoint(1, 1001, ("10.0.0.1",), RULES),
+        NameEndpoint(2, 1002, ("10.0.0.2",), RULES),
+        NameEndpoint(3, 1003, ("10.0.0.3",), NameRules()),
     ]
     ipcache, entries = desired(cache, eps)
     ident = cache.identity("192.0.2.1")
@@ -144,7 +150,7 @@ def test_desired_entries_for_every_selecting_endpoint() -> None:
 
 
 def test_steering_and_rule_checks() -> None:
-    keys, problems = steering_of([NameEndpoint(1, 1001, ("10.0.0.1",), Enforcement(), RULES)])
+    keys, problems = steering_of([NameEndpoint(1, 1001, ("10.0.0.1",), RULES)])
     assert keys == {(1, 53, 17), (1, 53, 6)}
     assert len(problems) == 1 and "port 5353 is not steered" in problems[0]
     assert rule_allows(RULES.dns, 2, 53, L4Proto.UDP, "api.example.test")
@@ -160,8 +166,17 @@ def test_wire_decodes_name_rules() -> None:
         identity=1001,
         full=True,
         names_changed=True,
-        fqdn_rules=[common_pb2.FqdnRule(selector="*.example.test", protocol=6, port_low=443, verdict=1)],
-        dns_rules=[common_pb2.DnsRule(remote_identity=0, protocol=17, port=53, selectors=["*.example.test"])],
+        fqdn_rules=[
+            common_pb2.FqdnRule(
+                selector="*.example.test",
+                protocol=pb.PROTOCOL_TCP,
+                port_low=443,
+                verdict=pb.VERDICT_ALLOW,
+            )
+        ],
+        dns_rules=[
+            common_pb2.DnsRule(remote_identity=0, protocol=pb.PROTOCOL_UDP, port=53, selectors=["*.example.test"])
+        ],
     )
     names = wire.diff_from_proto(diff).names
     assert names == NameRules(
@@ -175,10 +190,13 @@ def test_wire_decodes_name_rules() -> None:
 @pytest.mark.parametrize(
     ("rule", "message"),
     [
-        (common_pb2.FqdnRule(selector="API.test", verdict=1), "lower-case"),
-        (common_pb2.FqdnRule(selector="api.test.", verdict=1), "trailing dot"),
-        (common_pb2.FqdnRule(selector="api.test", verdict=2), "not allow"),
-        (common_pb2.FqdnRule(selector="api.test", protocol=1, port_low=80, verdict=1), "has no ports"),
+        (common_pb2.FqdnRule(selector="API.test", verdict=pb.VERDICT_ALLOW), "lower-case"),
+        (common_pb2.FqdnRule(selector="api.test.", verdict=pb.VERDICT_ALLOW), "trailing dot"),
+        (common_pb2.FqdnRule(selector="api.test", verdict=pb.VERDICT_DENY), "not allow"),
+        (
+            common_pb2.FqdnRule(selector="api.test", protocol=pb.PROTOCOL_ICMP, port_low=80, verdict=pb.VERDICT_ALLOW),
+            "has no ports",
+        ),
     ],
 )
 def test_wire_rejects_bad_fqdn_rules(rule: common_pb2.FqdnRule, message: str) -> None:
@@ -189,6 +207,10 @@ def test_wire_rejects_bad_fqdn_rules(rule: common_pb2.FqdnRule, message: str) ->
 
 def test_wire_rejects_bad_dns_rules() -> None:
     with pytest.raises(OrderError, match="UDP, TCP or ANY"):
-        wire.snapshot_from_proto(common_pb2.IdentityPolicy(dns_rules=[common_pb2.DnsRule(protocol=1, port=53)]))
+        wire.snapshot_from_proto(
+            common_pb2.IdentityPolicy(dns_rules=[common_pb2.DnsRule(protocol=pb.PROTOCOL_ICMP, port=53)])
+        )
     with pytest.raises(OrderError, match="1-65535"):
-        wire.snapshot_from_proto(common_pb2.IdentityPolicy(dns_rules=[common_pb2.DnsRule(protocol=17, port=0)]))
+        wire.snapshot_from_proto(
+            common_pb2.IdentityPolicy(dns_rules=[common_pb2.DnsRule(protocol=pb.PROTOCOL_UDP, port=0)])
+        )
