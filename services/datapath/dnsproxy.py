@@ -38,10 +38,10 @@ import dns.rdatatype
 
 from services.common.log import get_logger
 from services.datapath import fqdnmatch
+from services.datapath.dnsnames import NameSource
 from services.datapath.fqdncache import CacheLimits, NameCache
 from services.datapath.fqdnmaps import NameEndpoint, NameMaps, PolicyMaps
 from services.datapath.fqdnstore import NameStore
-from services.datapath.maps.dnsmap import DNS_PORT
 from services.datapath.types import (
     IDENTITY_ANY,
     IDENTITY_WORLD,
@@ -112,12 +112,6 @@ class ProxyMaps(PolicyMaps, Protocol):
 
     def open_destinations(self) -> set[str]: ...
 
-    def dns_steer_set(self, ep_id: int, port: int, protocol: int, proxy_port: int) -> None: ...
-
-    def dns_steer_delete(self, ep_id: int, port: int, protocol: int) -> bool: ...
-
-    def dns_steer_dump(self) -> dict[tuple[int, int, int], int]: ...
-
 
 @dataclasses.dataclass
 class ProxyStats:
@@ -127,23 +121,6 @@ class ProxyStats:
     failed: int = 0
     learned: int = 0
     expired: int = 0
-
-
-def steering_of(endpoints: Iterable[NameEndpoint]) -> tuple[set[tuple[int, int, int]], list[str]]:
-    """The dns_steering keys the endpoints' DNS rules need, and what cannot be steered. Pure."""
-    keys: set[tuple[int, int, int]] = set()
-    problems: list[str] = []
-    for ep in endpoints:
-        for rule in ep.rules.dns:
-            if rule.port != DNS_PORT:
-                problems.append(
-                    f"endpoint {ep.ep_id}: a DNS rule on port {rule.port} is not steered to the DNS proxy "
-                    f"(only port {DNS_PORT} is); its queries are allowed but not filtered or learned"
-                )
-                continue
-            protocols = (L4Proto.UDP, L4Proto.TCP) if rule.protocol is L4Proto.ANY else (rule.protocol,)
-            keys.update((ep.ep_id, rule.port, p.number) for p in protocols)
-    return keys, problems
 
 
 def rule_allows(rules: Sequence[DnsRule], server_identity: int, port: int, protocol: L4Proto, name: str) -> bool:
@@ -166,10 +143,13 @@ class DnsProxy:
         config: ProxyConfig,
         maps: ProxyMaps,
         *,
+        source: NameSource | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
+        #: Where the datapath publishes the endpoints (None: they come through set_endpoints).
+        self._source = source
         self._maps = maps
         self._clock = clock
         self._wall = wall
@@ -178,7 +158,6 @@ class DnsProxy:
         self._names = NameMaps(maps)
         self._endpoints: dict[int, NameEndpoint] = {}
         self._by_ip: dict[str, NameEndpoint] = {}
-        self.problems: list[str] = []
         self.stats = ProxyStats()
         self._since_compact = 0
         self._sockets: list[socket.socket] = []
@@ -202,6 +181,7 @@ class DnsProxy:
         self._loop = asyncio.get_running_loop()
         self.cache = self._store.load(self.config.limits, self._clock(), self._wall())
         self._adopt_maps()
+        self.reload()
         self._sync_maps()
         self._store.compact(self.cache, self._clock(), self._wall())
         self._open_udp(socket.AF_INET, "0.0.0.0")
@@ -244,23 +224,22 @@ class DnsProxy:
     # -- endpoints -----------------------------------------------------------------------------
 
     def set_endpoints(self, endpoints: Iterable[NameEndpoint]) -> None:
-        """The local endpoints and their name rules, whole; steering and policy entries follow."""
+        """The local endpoints and their name rules, whole; their learned policy entries follow."""
         self._endpoints = {ep.ep_id: ep for ep in endpoints}
         for ep_id in self._endpoints.keys() - self._names.entries.keys():
             self._adopt_endpoint(ep_id)
         self._by_ip = {str(ipaddress.ip_address(ip)): ep for ep in self._endpoints.values() for ip in ep.ips}
         for gone in set().union(*(p.endpoints for p in self.cache.pairs())) - self._endpoints.keys():
             self.cache.forget_endpoint(gone)
-        keys, self.problems = steering_of(self._endpoints.values())
-        for problem in self.problems:
-            log.error("DNS rule not steered", problem=problem)
-        held = self._maps.dns_steer_dump()
-        for key in keys:
-            if held.get(key) != self.config.port:
-                self._maps.dns_steer_set(*key, self.config.port)
-        for key in held.keys() - keys:
-            self._maps.dns_steer_delete(*key)
         self._sync_maps()
+
+    def reload(self) -> bool:
+        """Takes the published endpoints if they changed; True if they did."""
+        endpoints = None if self._source is None else self._source.read_if_changed()
+        if endpoints is None:
+            return False
+        self.set_endpoints(endpoints)
+        return True
 
     def _sync_maps(self) -> None:
         self._names.sync(self.cache, self._endpoints.values())
@@ -275,10 +254,13 @@ class DnsProxy:
         except dns.exception.DNSException as exc:
             log.warning("unparsable DNS query dropped", client=client[0], error=str(exc))
             return None
-        ep = self._by_ip.get(str(ipaddress.ip_address(client[0])))
         name = fqdnmatch.normalize(message.question[0].name.to_text()) if message.question else ""
         server_identity = self._maps.ipcache_lookup(server[0]) or IDENTITY_WORLD
-        if ep is None or not name or not rule_allows(ep.rules.dns, server_identity, server[1], protocol, name):
+        ep = self._allowing(client[0], server_identity, server[1], protocol, name)
+        if ep is None and self.reload():
+            # The datapath published the endpoint (or its rules) after this proxy last looked.
+            ep = self._allowing(client[0], server_identity, server[1], protocol, name)
+        if ep is None:
             self.stats.refused += 1
             log.debug("DNS query refused", client=client[0], name=name, server=server[0])
             return self._refusal(message)
@@ -302,6 +284,15 @@ class DnsProxy:
         if answers and self._selected(name):
             self._learn(ep.ep_id, name, answers)
         return raw
+
+    def _allowing(
+        self, client: str, server_identity: int, port: int, protocol: L4Proto, name: str
+    ) -> NameEndpoint | None:
+        """The client's endpoint if one of its DNS rules allows the query."""
+        ep = self._by_ip.get(str(ipaddress.ip_address(client)))
+        if ep is None or not name or not rule_allows(ep.rules.dns, server_identity, port, protocol, name):
+            return None
+        return ep
 
     def _selected(self, name: str) -> bool:
         return any(fqdnmatch.match(r.selector, name) for ep in self._endpoints.values() for r in ep.rules.fqdn)
@@ -359,9 +350,11 @@ class DnsProxy:
         return len(gone)
 
     async def _expire_loop(self) -> None:
+        """Expiry, and the published endpoints (an endpoint gone, rules changed: entries follow)."""
         while True:
             await asyncio.sleep(self.config.expire_interval)
             try:
+                self.reload()
                 self.expire()
             except OSError as exc:
                 log.error("learned addresses not expired", error=str(exc))

@@ -476,6 +476,10 @@ class NameRules:
     dns: tuple[DnsRule, ...] = ()
 
 
+#: An identity without name rules.
+NO_NAMES = NameRules()
+
+
 @dataclasses.dataclass(frozen=True)
 class IdentityPolicyDiff:
     """A change of one identity's policy: ``full`` replaces it; otherwise removes, then adds."""
@@ -496,7 +500,7 @@ class PolicySnapshot:
     identity: int
     enforcement: Enforcement
     entries: tuple[PolicyEntry, ...] = ()
-    names: NameRules = NameRules()
+    names: NameRules = NO_NAMES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ import pytest
 
 from services.datapath import dnsrouting
 from services.datapath.datapath import Datapath
+from services.datapath.dnsnames import NamePublisher, NameSource
 from services.datapath.dnsproxy import DnsProxy, ProxyConfig, RefuseCode
 from services.datapath.fqdncache import CacheLimits
 from services.datapath.fqdnmaps import NameEndpoint
@@ -144,11 +145,13 @@ class Proxies:
     def start(self, **settings: Any) -> DnsProxy:
         w = self.world
         config = ProxyConfig(state_dir=str(self.state_dir), port=w.port, **settings)
-        proxy = DnsProxy(config, w.node.dp, clock=w.clock)
-        w.loop.run(proxy.start())
+        # As the datapath does: the endpoints with name rules published, their queries steered.
         a = w.node.a
-        ep = NameEndpoint(a.ep_id, a.identity, (a.v4, a.v6), RULES)
-        w.loop.call(proxy.set_endpoints, [ep])
+        NamePublisher(str(self.state_dir), w.node.dp, w.port).publish(
+            [NameEndpoint(a.ep_id, a.identity, (a.v4, a.v6), RULES)]
+        )
+        proxy = DnsProxy(config, w.node.dp, source=NameSource(str(self.state_dir)), clock=w.clock)
+        w.loop.run(proxy.start())
         self.running.append(proxy)
         return proxy
 

@@ -7,7 +7,8 @@ import pytest
 from palisade.v1 import common_pb2
 from palisade.v1 import common_pb2 as pb
 from services.datapath import wire
-from services.datapath.dnsproxy import rule_allows, steering_of
+from services.datapath.dnsnames import decode, encode, steering_of
+from services.datapath.dnsproxy import rule_allows
 from services.datapath.errors import OrderError
 from services.datapath.fqdncache import CacheLimits, NameCache
 from services.datapath.fqdnmaps import NameEndpoint, desired
@@ -214,3 +215,8 @@ def test_wire_rejects_bad_dns_rules() -> None:
         wire.snapshot_from_proto(
             common_pb2.IdentityPolicy(dns_rules=[common_pb2.DnsRule(protocol=pb.PROTOCOL_UDP, port=0)])
         )
+
+
+def test_published_endpoints_round_trip() -> None:
+    eps = [NameEndpoint(2, 1002, ("10.0.0.2", "fd00::2"), RULES), NameEndpoint(1, 1001, ("10.0.0.1",), NameRules())]
+    assert decode(encode(eps)) == sorted(eps, key=lambda e: e.ep_id)
