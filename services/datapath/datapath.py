@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import fcntl
 import os
 import shutil
 import threading
@@ -139,6 +140,9 @@ class DatapathAPI(Protocol):
     def ipcache_delete(self, prefix: str) -> bool: ...
     def ipcache_lookup(self, ip: str) -> int | None: ...
     def ipcache_dump(self) -> dict[str, int]: ...
+    def dns_steer_set(self, ep_id: int, port: int, protocol: int, proxy_port: int) -> None: ...
+    def dns_steer_delete(self, ep_id: int, port: int, protocol: int) -> bool: ...
+    def dns_steer_dump(self) -> dict[tuple[int, int, int], int]: ...
     def lb_upsert(self, service: LbService) -> LbState: ...
     def lb_delete(self, frontend: Frontend) -> bool: ...
     def lb_services(self) -> list[LbState]: ...
@@ -202,7 +206,7 @@ class Datapath:
         self.lb_conntrack_map = LbCtMap(maps[lbctmap.NAME])
         self.snat_map = SnatMap(maps[snatmap.NAME])
         self.dns_steering = DnsSteerMap(maps[dnsmap.NAME])
-        self._lock = threading.RLock()
+        self._lock = WriterLock(base_dir)
         self._events_lock = threading.Lock()
         self._closed = False
         # The endpoints the kernel holds, as written to endpoint_map (policy is not cached: the realizer owns it).
@@ -440,29 +444,7 @@ class Datapath:
         stale: list[Prefix],
         exact_hints: int | None = None,
     ) -> PolicyChange:
-        """Adds, then enforcement, then removals. Hints widen before the adds (a lookup the
-        program skips is never one the map can answer) and narrow, when the caller knows the
-        whole map (``exact_hints``), after the removals; an incremental change only widens them."""
-        flags = self.enforcement.flags(ep_id)
-        held = None if flags is None else enforcementmap.from_flags(flags)
-        # The kernel's hints, not a copy: another writer of the same pins may have widened them.
-        known = enforcementmap.hints_held(flags)
-        widened = known | _hints_of(writes)
-        final = widened if exact_hints is None else exact_hints
-        if widened != known:
-            self.enforcement.set(ep_id, held or Enforcement(), widened)
-        self.policy.write(writes)
-        enforcement_changed = held != enforcement
-        if enforcement_changed:
-            self.enforcement.set(ep_id, enforcement, widened)
-        self.policy.delete(stale)
-        if final != widened:
-            self.enforcement.set(ep_id, enforcement, final)
-        change = PolicyChange(added=len(writes), removed=len(stale), enforcement_changed=enforcement_changed)
-        if change.changed:
-            self.state.bump_epoch()
-            log.debug("policy written", endpoint=ep_id, added=change.added, removed=change.removed)
-        return change
+        return write_policy(self.policy, self.enforcement, self.state, ep_id, enforcement, writes, stale, exact_hints)
 
     def dump_policy(self, ep_id: int) -> tuple[Enforcement, list[PolicyEntry]]:
         """Enforcement and entries as read back from the kernel maps (ranges re-assembled)."""
@@ -625,6 +607,7 @@ class Datapath:
                 m.close()
             self._loader.close()
             log.info("datapath closed", base_dir=self.base_dir)
+        self._lock.close()
 
     def teardown(self) -> None:
         """Detach every endpoint's programs and remove every pin under ``base_dir``."""
@@ -642,6 +625,72 @@ class Datapath:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def write_policy(
+    policy: PolicyMap,
+    enforcement_map: EnforcementMap,
+    state: StateMap,
+    ep_id: int,
+    enforcement: Enforcement,
+    writes: PrefixMap,
+    stale: list[Prefix],
+    exact_hints: int | None = None,
+) -> PolicyChange:
+    """Adds, then enforcement, then removals. Hints widen before the adds (a lookup the
+    program skips is never one the map can answer) and narrow, when the caller knows the
+    whole map (``exact_hints``), after the removals; an incremental change only widens them.
+    Callers hold the maps' :class:`WriterLock` (the datapath and the DNS proxy both write)."""
+    flags = enforcement_map.flags(ep_id)
+    held = None if flags is None else enforcementmap.from_flags(flags)
+    # The kernel's hints, not a copy: another writer of the same pins may have widened them.
+    known = enforcementmap.hints_held(flags)
+    widened = known | _hints_of(writes)
+    final = widened if exact_hints is None else exact_hints
+    if widened != known:
+        enforcement_map.set(ep_id, held or Enforcement(), widened)
+    policy.write(writes)
+    enforcement_changed = held != enforcement
+    if enforcement_changed:
+        enforcement_map.set(ep_id, enforcement, widened)
+    policy.delete(stale)
+    if final != widened:
+        enforcement_map.set(ep_id, enforcement, final)
+    change = PolicyChange(added=len(writes), removed=len(stale), enforcement_changed=enforcement_changed)
+    if change.changed:
+        state.bump_epoch()
+        log.debug("policy written", endpoint=ep_id, added=change.added, removed=change.removed)
+    return change
+
+
+class WriterLock:
+    """This process's lock (re-entrant) and, around it, an exclusive ``flock`` on the pin directory:
+    the datapath and the DNS proxy process write the same maps (hints, the policy epoch)."""
+
+    def __init__(self, base_dir: str) -> None:
+        self._thread = threading.RLock()
+        self._fd = os.open(base_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._depth = 0
+
+    def __enter__(self) -> WriterLock:
+        self._thread.acquire()
+        if self._depth == 0 and self._fd >= 0:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._fd >= 0:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._thread.release()
+
+    def close(self) -> None:
+        """Once its holder is closed (the process lock alone then guards the closed check)."""
+        with self._thread:
+            if self._fd >= 0 and self._depth == 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 def _hints_of(prefixes: Iterable[Prefix]) -> int:

@@ -58,6 +58,8 @@ class _FakeKernel:
     flows: list[FlowEvent] = dataclasses.field(default_factory=list)
     services: dict[Frontend, LbState] = dataclasses.field(default_factory=dict)
     next_backend: int = 1
+    #: dns_steering: (endpoint, port, protocol) -> the DNS proxy's port.
+    dns_steering: dict[tuple[int, int, int], int] = dataclasses.field(default_factory=dict)
 
 
 class FakeDatapath:
@@ -174,6 +176,21 @@ class FakeDatapath:
         with self._lock:
             self._check_open()
             return self._k.ipcache.pop(str(ipcachemap.parse_prefix(prefix)), None) is not None
+
+    def dns_steer_set(self, ep_id: int, port: int, protocol: int, proxy_port: int) -> None:
+        with self._lock:
+            self._check_open()
+            self._k.dns_steering[(ep_id, port, protocol)] = proxy_port
+
+    def dns_steer_delete(self, ep_id: int, port: int, protocol: int) -> bool:
+        with self._lock:
+            self._check_open()
+            return self._k.dns_steering.pop((ep_id, port, protocol), None) is not None
+
+    def dns_steer_dump(self) -> dict[tuple[int, int, int], int]:
+        with self._lock:
+            self._check_open()
+            return dict(self._k.dns_steering)
 
     def ipcache_lookup(self, ip: str) -> int | None:
         address = ipaddress.ip_address(ip)

@@ -48,6 +48,7 @@ from services.datapath.errors import (
     UpstreamError,
     UpstreamUnavailable,
 )
+from services.datapath.fqdnmaps import NameEndpoint
 from services.datapath.ipamclient import IpamPort, NodeIpam
 from services.datapath.netns import PodLink
 from services.datapath.realizer import IdentityPolicy, RealizationSink, Realizer
@@ -115,6 +116,7 @@ class EndpointManager:
         policy: PolicySource,
         reporter: RealizationSink,
         backoff_max: float = 5.0,
+        names: Callable[[list[NameEndpoint]], object] | None = None,
     ) -> None:
         self.node = node
         self._dp = datapath
@@ -132,6 +134,8 @@ class EndpointManager:
         self._busy_ids: set[int] = set()
         self._busy_pods: set[str] = set()
         self._releases: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()
+        #: Told the endpoints and their name rules after every command (the DNS proxy's publisher).
+        self._names = names
 
     # --- the owning task ---------------------------------------------------------------------
 
@@ -149,6 +153,24 @@ class EndpointManager:
             else:
                 if not command.done.done():
                     command.done.set_result(result)
+            self._publish_names()
+
+    def name_endpoints(self) -> list[NameEndpoint]:
+        """Every local endpoint with its identity's name rules (none until its policy is known)."""
+        out = []
+        for ep in self.endpoints.values():
+            policy = self.realizer.policies.get(ep.identity)
+            names = policy.names if policy is not None else dt.NO_NAMES
+            out.append(NameEndpoint(ep.id, ep.identity, ep.record.ips, names))
+        return out
+
+    def _publish_names(self) -> None:
+        if self._names is None:
+            return
+        try:
+            self._names(self.name_endpoints())
+        except OSError as exc:
+            log.error("DNS proxy endpoints not published", error=str(exc))
 
     async def _do(self, fn: Callable[[], Awaitable[T]]) -> T:
         done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
