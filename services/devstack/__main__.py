@@ -246,6 +246,19 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
         for node in dev_nodes(args, run_dir)
         if not args.no_datapath
     ]  # fmt: skip
+    # Each node's DNS proxy, a process of its own beside the datapath (as a second container of the
+    # DaemonSet): it outlives a datapath restart, and waits for the datapath's maps when it starts first.
+    dnsproxies = [
+        Child(
+            f"{node.child}-dnsproxy",
+            [sys.executable, "-m", *node.launcher, "services.datapath.dnsproxyd", "--state-dir", str(node.state_dir),
+             "--bpffs", node.bpffs, "--log-format", "json"],
+            logs / f"{node.child}-dnsproxy.log",
+            env=env,
+        )
+        for node in dev_nodes(args, run_dir)
+        if not args.no_datapath
+    ]  # fmt: skip
     addresses = {
         "watcher": grpc_address(args, "watcher"),
         "policy": policy_addresses,
@@ -275,6 +288,7 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
         *ipams,
         *policies,
         *datapaths,
+        *dnsproxies,
     ]
 
 
