@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import dns.message
 import pytest
 
 from services.datapath import dnsrouting
@@ -285,3 +288,50 @@ def test_full_policy_sync_keeps_learned_entries(world: World, proxies: Proxies) 
     assert addresses(query(a.name, world.dns, "api.example.test")) == [node.ext_outside]
     node.dp.sync_policy(a.ep_id, Enforcement(egress=True), DNS_ALLOWED)
     assert tcp_exchange(a.name, node.ext_outside, PORT)
+
+
+def _serving(a_name: str, server: str, name: str, attempts: int = 50) -> dns.message.Message | None:
+    """The first answer a freshly started proxy process gives (it opens its sockets once restored)."""
+    for _ in range(attempts):
+        answer = query(a_name, server, name, timeout=0.2)
+        if answer is not None:
+            return answer
+    return None
+
+
+def test_proxy_process_killed_and_restarted(world: World, proxies: Proxies, bpf_base: str, tmp_path: Path) -> None:
+    """The proxy as the node runs it (its own process): kill -9 keeps the steering and what it
+    learned; queries in the gap are dropped, never sent past it; the restart restores the names."""
+    node, a = world.node, world.node.a
+    state = tmp_path / "state"
+    state.mkdir()
+    NamePublisher(str(state), node.dp, world.port).publish([NameEndpoint(a.ep_id, a.identity, (a.v4, a.v6), RULES)])
+    cmd = [sys.executable, "-m", "services.datapath.dnsproxyd", "--bpffs", bpf_base, "--state-dir", str(state),
+           "--dns-proxy-port", str(world.port), "--log-format", "text"]  # fmt: skip
+    log = open(tmp_path / "dnsproxy.log", "ab")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        world.server.table["api.example.test"] = Record([node.ext_outside])
+        assert addresses(_serving(a.name, world.dns, "api.example.test")) == [node.ext_outside]
+        dropped = drops(node.dp, a.ep_id)
+        assert tcp_exchange(a.name, node.ext_outside, PORT)
+        assert drops(node.dp, a.ep_id) == dropped
+        ident = node.dp.ipcache_lookup(node.ext_outside)
+
+        proc.kill()
+        proc.wait(10)
+        world.server.queries.clear()
+        assert query(a.name, world.dns, "api.example.test", timeout=0.5) is None
+        assert world.server.queries == [], "not sent past the proxy"
+        assert tcp_exchange(a.name, node.ext_outside, PORT), "learned entries stay in the pinned maps"
+
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        world.server.table["www.example.test"] = Record([node.ext_except])
+        assert addresses(_serving(a.name, world.dns, "www.example.test")) == [node.ext_except]
+        assert tcp_exchange(a.name, node.ext_except, PORT)
+        assert node.dp.ipcache_lookup(node.ext_outside) == ident, "restored with its identity"
+        assert tcp_exchange(a.name, node.ext_outside, PORT)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
