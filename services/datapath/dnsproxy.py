@@ -157,6 +157,9 @@ class DnsProxy:
         self.cache = NameCache(config.limits)
         self._names = NameMaps(maps)
         self._endpoints: dict[int, NameEndpoint] = {}
+        #: The endpoints with toFQDNs rules, and the selectors they use.
+        self._fqdn_endpoints: list[NameEndpoint] = []
+        self._selectors: list[str] = []
         self._by_ip: dict[str, NameEndpoint] = {}
         self.stats = ProxyStats()
         self._since_compact = 0
@@ -229,7 +232,9 @@ class DnsProxy:
         for ep_id in self._endpoints.keys() - self._names.entries.keys():
             self._adopt_endpoint(ep_id)
         self._by_ip = {str(ipaddress.ip_address(ip)): ep for ep in self._endpoints.values() for ip in ep.ips}
-        for gone in set().union(*(p.endpoints for p in self.cache.pairs())) - self._endpoints.keys():
+        self._fqdn_endpoints = [ep for ep in self._endpoints.values() if ep.rules.fqdn]
+        self._selectors = sorted({r.selector for ep in self._fqdn_endpoints for r in ep.rules.fqdn})
+        for gone in self.cache.endpoints() - self._endpoints.keys():
             self.cache.forget_endpoint(gone)
         self._sync_maps()
 
@@ -295,13 +300,14 @@ class DnsProxy:
         return ep
 
     def _selected(self, name: str) -> bool:
-        return any(fqdnmatch.match(r.selector, name) for ep in self._endpoints.values() for r in ep.rules.fqdn)
+        return any(fqdnmatch.match(selector, name) for selector in self._selectors)
 
     def _learn(self, ep_id: int, name: str, answers: list[tuple[str, float]]) -> None:
         now, wall = self._clock(), self._wall()
-        self.cache.learn(ep_id, name, answers, now)
+        lookup = self.cache.learn(ep_id, name, answers, now)
         self._store.append(ep_id, name, answers, wall)
-        self._sync_maps()
+        if lookup.added or lookup.evicted:
+            self._names.change(self.cache, self._fqdn_endpoints, lookup.added, lookup.evicted)
         self.stats.learned += len(answers)
         self._since_compact += 1
         if self._since_compact >= self.config.compact_every:
@@ -340,11 +346,11 @@ class DnsProxy:
     def expire(self) -> int:
         """One pass: pairs past their TTL whose address no open connection uses are removed."""
         now = self._clock()
-        if not any(p.expires <= now for p in self.cache.pairs()):
+        if not self.cache.has_expired(now):
             return 0
         gone = self.cache.expire(now, self._maps.open_destinations())
         if gone:
-            self._sync_maps()
+            self._names.change(self.cache, self._fqdn_endpoints, (), gone)
             self.stats.expired += len(gone)
             log.debug("learned addresses expired", count=len(gone))
         return len(gone)

@@ -61,7 +61,7 @@ class Learned:
 
 @dataclasses.dataclass(frozen=True)
 class Lookup:
-    """The outcome of learning one answer: the pairs added and the ones evicted to make room."""
+    """The outcome of learning one answer: the pairs added, then the ones evicted to make room."""
 
     added: tuple[tuple[str, str], ...] = ()
     evicted: tuple[tuple[str, str], ...] = ()
@@ -73,10 +73,19 @@ def host_prefix(ip: str) -> str:
 
 
 class NameCache:
+    """Indexed by name, address and endpoint, so one answer costs work in its own size, not the
+    cache's (an S3-like name rotating through thousands of addresses stays cheap)."""
+
     def __init__(self, limits: CacheLimits = CacheLimits()) -> None:
         self.limits = limits
         self._pairs: dict[tuple[str, str], Learned] = {}
+        self._by_name: dict[str, dict[str, Learned]] = {}
+        #: Pairs holding each address.
+        self._ip_refs: dict[str, int] = {}
+        #: Each endpoint's pairs, oldest learned first.
+        self._by_endpoint: dict[int, dict[tuple[str, str], None]] = {}
         self._identities: dict[str, int] = {}
+        self._ids_in_use: set[int] = set()
         self._next_id = MIN_LOCAL_ID
         self._seq = 0
 
@@ -91,6 +100,9 @@ class NameCache:
             out.setdefault(pair.name, []).append(pair.ip)
         return out
 
+    def __len__(self) -> int:
+        return len(self._pairs)
+
     def identity(self, ip: str) -> int | None:
         return self._identities.get(ip)
 
@@ -103,6 +115,7 @@ class NameCache:
     def learn(self, endpoint: int, name: str, answers: Iterable[tuple[str, float]], now: float) -> Lookup:
         """Pairs for ``name`` from one answer (address, TTL seconds), held by ``endpoint``."""
         added: list[tuple[str, str]] = []
+        held = self._by_endpoint.setdefault(endpoint, {})
         for ip, ttl in answers:
             ip = str(ipaddress.ip_address(ip))
             key = (name, ip)
@@ -111,14 +124,20 @@ class NameCache:
             pair = self._pairs.get(key)
             if pair is None:
                 pair = self._pairs[key] = Learned(name, ip, expires, self._seq)
+                self._by_name.setdefault(name, {})[ip] = pair
+                self._ip_refs[ip] = self._ip_refs.get(ip, 0) + 1
+                self._allocate(ip)
                 added.append(key)
             else:
                 pair.expires = max(pair.expires, expires)
                 pair.seq = self._seq
             pair.endpoints.add(endpoint)
-            self._allocate(ip)
+            held.pop(key, None)
+            held[key] = None  # the newest of this endpoint's
         evicted = self._bound_name(name) + self._bound_endpoint(endpoint)
-        return Lookup(tuple(k for k in added if k in self._pairs), tuple(evicted))
+        # Added pairs include any this answer's own bounds evicted (in ``evicted`` too): a consumer
+        # that applies both, added first, ends where the cache is.
+        return Lookup(tuple(added), tuple(evicted))
 
     def expire(self, now: float, in_use: set[str]) -> list[tuple[str, str]]:
         """Removes pairs past their TTL whose address no open connection uses."""
@@ -127,49 +146,71 @@ class NameCache:
             self._drop(key)
         return gone
 
+    def has_expired(self, now: float) -> bool:
+        return any(p.expires <= now for p in self._pairs.values())
+
     def forget_endpoint(self, endpoint: int) -> list[tuple[str, str]]:
         """The endpoint is gone: pairs only it held are removed."""
         gone = []
-        for key, pair in list(self._pairs.items()):
+        for key in self._by_endpoint.pop(endpoint, {}):
+            pair = self._pairs[key]
             pair.endpoints.discard(endpoint)
             if not pair.endpoints:
                 gone.append(key)
                 self._drop(key)
         return gone
 
+    def endpoints(self) -> set[int]:
+        return set(self._by_endpoint)
+
     def _allocate(self, ip: str) -> None:
         if ip in self._identities:
             return
-        used = set(self._identities.values())
         for _ in range(MAX_LOCAL_ID - MIN_LOCAL_ID + 1):
             candidate = self._next_id
             self._next_id = MIN_LOCAL_ID if candidate >= MAX_LOCAL_ID else candidate + 1
-            if candidate not in used:
+            if candidate not in self._ids_in_use:
                 self._identities[ip] = candidate
+                self._ids_in_use.add(candidate)
                 return
         raise RuntimeError("every node-local identity is in use; lower the DNS cache limits")
 
     def _drop(self, key: tuple[str, str]) -> None:
-        del self._pairs[key]
-        ip = key[1]
-        if not any(p.ip == ip for p in self._pairs.values()):
-            self._identities.pop(ip, None)
+        pair = self._pairs.pop(key)
+        name, ip = key
+        by_name = self._by_name[name]
+        del by_name[ip]
+        if not by_name:
+            del self._by_name[name]
+        for endpoint in pair.endpoints:
+            self._by_endpoint.get(endpoint, {}).pop(key, None)
+        refs = self._ip_refs[ip] - 1
+        if refs:
+            self._ip_refs[ip] = refs
+        else:
+            del self._ip_refs[ip]
+            ident = self._identities.pop(ip, None)
+            if ident is not None:
+                self._ids_in_use.discard(ident)
 
     def _bound_name(self, name: str) -> list[tuple[str, str]]:
-        mine = sorted((p for p in self._pairs.values() if p.name == name), key=lambda p: p.seq)
+        mine = sorted(self._by_name.get(name, {}).values(), key=lambda p: p.seq)
         over = mine[: max(0, len(mine) - self.limits.max_per_name)]
         for pair in over:
             self._drop((pair.name, pair.ip))
         return [(p.name, p.ip) for p in over]
 
     def _bound_endpoint(self, endpoint: int) -> list[tuple[str, str]]:
-        mine = sorted((p for p in self._pairs.values() if endpoint in p.endpoints), key=lambda p: p.seq)
+        held = self._by_endpoint.get(endpoint, {})
         evicted = []
-        for pair in mine[: max(0, len(mine) - self.limits.max_per_endpoint)]:
+        while len(held) > self.limits.max_per_endpoint:
+            key = next(iter(held))
+            del held[key]
+            pair = self._pairs[key]
             pair.endpoints.discard(endpoint)
             if not pair.endpoints:
-                self._drop((pair.name, pair.ip))
-                evicted.append((pair.name, pair.ip))
+                self._drop(key)
+                evicted.append(key)
         return evicted
 
     # -- disk ----------------------------------------------------------------------------------
@@ -192,6 +233,10 @@ class NameCache:
             raise ValueError(f"DNS cache format {data.get('format')!r} is not {FORMAT}")
         cache = cls(limits)
         cache._next_id = int(data["next_id"])
+        identities = {str(ip): int(ident) for ip, ident in data["identities"].items()}
+        for ip, ident in identities.items():
+            if not MIN_LOCAL_ID <= ident <= MAX_LOCAL_ID:
+                raise ValueError(f"DNS cache: identity {ident} of {ip} is outside the node-local range")
         for raw in data["pairs"]:
             cache._seq += 1
             pair = Learned(
@@ -201,13 +246,14 @@ class NameCache:
                 cache._seq,
                 {int(e) for e in raw["endpoints"]},
             )
-            cache._pairs[(pair.name, pair.ip)] = pair
-        identities = {str(ip): int(ident) for ip, ident in data["identities"].items()}
-        for ip, ident in identities.items():
-            if not MIN_LOCAL_ID <= ident <= MAX_LOCAL_ID:
-                raise ValueError(f"DNS cache: identity {ident} of {ip} is outside the node-local range")
-        held = {p.ip for p in cache._pairs.values()}
-        cache._identities = {ip: ident for ip, ident in identities.items() if ip in held}
-        for ip in held - cache._identities.keys():
+            key = (pair.name, pair.ip)
+            cache._pairs[key] = pair
+            cache._by_name.setdefault(pair.name, {})[pair.ip] = pair
+            cache._ip_refs[pair.ip] = cache._ip_refs.get(pair.ip, 0) + 1
+            for endpoint in pair.endpoints:
+                cache._by_endpoint.setdefault(endpoint, {})[key] = None
+        cache._identities = {ip: ident for ip, ident in identities.items() if ip in cache._ip_refs}
+        cache._ids_in_use = set(cache._identities.values())
+        for ip in cache._ip_refs.keys() - cache._identities.keys():
             cache._allocate(ip)
         return cache

@@ -11,6 +11,7 @@ pod can use it, and one that expired is removed from policies before its identit
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
@@ -48,29 +49,37 @@ class PolicyMaps(Protocol):
     ) -> PolicyChange: ...
 
 
-def desired(cache: NameCache, endpoints: Iterable[NameEndpoint]) -> tuple[dict[str, int], dict[int, set[PolicyEntry]]]:
-    """The ipcache entries and per-endpoint policy entries the learned names give."""
+def desired(
+    cache: NameCache, endpoints: Iterable[NameEndpoint]
+) -> tuple[dict[str, int], dict[int, Counter[PolicyEntry]]]:
+    """The ipcache entries, and per endpoint its policy entries, each with how many learned
+    (name, address) pairs call for it."""
     ipcache = cache.ipcache()
     pairs = cache.pairs()
-    entries: dict[int, set[PolicyEntry]] = {}
+    entries: dict[int, Counter[PolicyEntry]] = {}
     for ep in endpoints:
-        mine: set[PolicyEntry] = set()
-        for rule in ep.rules.fqdn:
-            for pair in pairs:
-                ident = cache.identity(pair.ip)
-                if ident is not None and fqdnmatch.match(rule.selector, pair.name):
-                    mine.add(rule.entry(ident))
+        mine: Counter[PolicyEntry] = Counter()
+        for pair in pairs:
+            mine.update(_entries_for(ep, pair.name, cache.identity(pair.ip)))
         entries[ep.ep_id] = mine
     return ipcache, entries
 
 
+def _entries_for(ep: NameEndpoint, name: str, ident: int | None) -> list[PolicyEntry]:
+    if ident is None:
+        return []
+    return [rule.entry(ident) for rule in ep.rules.fqdn if fqdnmatch.match(rule.selector, name)]
+
+
 class NameMaps:
-    """Keeps the maps equal to :func:`desired`, writing only differences."""
+    """Keeps the maps equal to :func:`desired`: incrementally for an answer or an expiry
+    (:meth:`change`, work in the change's size), fully for new endpoints or rules (:meth:`sync`)."""
 
     def __init__(self, maps: PolicyMaps) -> None:
         self._maps = maps
         self.ipcache: dict[str, int] = {}
-        self.entries: dict[int, set[PolicyEntry]] = {}
+        #: Per endpoint, the entries written and how many learned pairs call for each.
+        self.entries: dict[int, Counter[PolicyEntry]] = {}
 
     def sync(self, cache: NameCache, endpoints: Iterable[NameEndpoint]) -> None:
         eps = {ep.ep_id: ep for ep in endpoints}
@@ -80,24 +89,64 @@ class NameMaps:
                 self._maps.ipcache_upsert(prefix, ident)
                 self.ipcache[prefix] = ident
         for ep_id, want in entries.items():
-            have = self.entries.get(ep_id, set())
-            if want != have:
-                keep = want & have
-                self._maps.apply_entries(ep_id, add=want - have, remove=have - want, keep=keep)
-                self.entries[ep_id] = want
+            have = self.entries.get(ep_id, Counter())
+            self._write(ep_id, set(have), set(want))
+            self.entries[ep_id] = want
         for ep_id in [e for e in self.entries if e not in eps]:
             del self.entries[ep_id]  # the endpoint is gone, and its policy map with it
         for prefix in [p for p in self.ipcache if p not in ipcache]:
             self._maps.ipcache_delete(prefix)
             del self.ipcache[prefix]
 
+    def change(
+        self,
+        cache: NameCache,
+        endpoints: Iterable[NameEndpoint],
+        added: Iterable[tuple[str, str]],
+        removed: Iterable[tuple[str, str]],
+    ) -> None:
+        """Pairs the cache gained and lost: new addresses and entries first, then removals."""
+        eps = list(endpoints)
+        added, removed = list(added), list(removed)
+        before = {ep.ep_id: set(self.entries.get(ep.ep_id, ())) for ep in eps}
+        for name, ip in added:
+            ident = cache.identity(ip)
+            prefix = host_prefix(ip)
+            if ident is not None and self.ipcache.get(prefix) != ident:
+                self._maps.ipcache_upsert(prefix, ident)
+                self.ipcache[prefix] = ident
+            for ep in eps:
+                self.entries.setdefault(ep.ep_id, Counter()).update(_entries_for(ep, name, ident))
+        for name, ip in removed:
+            ident = self.ipcache.get(host_prefix(ip))
+            for ep in eps:
+                counts = self.entries.setdefault(ep.ep_id, Counter())
+                counts.subtract(_entries_for(ep, name, ident))
+                for entry in [e for e, n in counts.items() if n <= 0]:
+                    del counts[entry]
+        for ep in eps:
+            self._write(ep.ep_id, before[ep.ep_id], set(self.entries.get(ep.ep_id, ())))
+        for _, ip in removed:
+            prefix = host_prefix(ip)
+            if cache.identity(ip) is None and prefix in self.ipcache:
+                self._maps.ipcache_delete(prefix)
+                del self.ipcache[prefix]
+
+    def _write(self, ep_id: int, have: set[PolicyEntry], want: set[PolicyEntry]) -> None:
+        if want == have:
+            return
+        add, remove = want - have, have - want
+        groups = {(e.key.remote_identity, e.key.protocol, e.verdict) for e in add | remove}
+        keep = {e for e in want & have if (e.key.remote_identity, e.key.protocol, e.verdict) in groups}
+        self._maps.apply_entries(ep_id, add=add, remove=remove, keep=keep)
+
     def adopt(self, ipcache: Mapping[str, int], entries: Mapping[int, set[PolicyEntry]]) -> None:
         """What a previous run wrote (read back from the maps), so the next sync removes only the stale."""
         self.ipcache = dict(ipcache)
-        self.entries = {k: set(v) for k, v in entries.items()}
+        self.entries = {k: Counter(v) for k, v in entries.items()}
 
     def adopt_endpoint(self, ep_id: int, entries: set[PolicyEntry]) -> None:
-        self.entries[ep_id] = set(entries)
+        self.entries[ep_id] = Counter(entries)
 
 
 __all__ = ["NameEndpoint", "NameMaps", "PolicyMaps", "desired", "host_prefix"]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from palisade.v1 import common_pb2
 from palisade.v1 import common_pb2 as pb
@@ -11,7 +15,7 @@ from services.datapath.dnsnames import decode, encode, steering_of
 from services.datapath.dnsproxy import rule_allows
 from services.datapath.errors import OrderError
 from services.datapath.fqdncache import CacheLimits, NameCache
-from services.datapath.fqdnmaps import NameEndpoint, desired
+from services.datapath.fqdnmaps import NameEndpoint, NameMaps, desired
 from services.datapath.fqdnmatch import match
 from services.datapath.fqdnstore import NameStore
 from services.datapath.types import (
@@ -25,6 +29,8 @@ from services.datapath.types import (
     FqdnRule,
     L4Proto,
     NameRules,
+    PolicyChange,
+    PolicyEntry,
     Verdict,
     is_local_identity,
 )
@@ -146,8 +152,8 @@ def test_desired_entries_for_every_selecting_endpoint() -> None:
     ident = cache.identity("192.0.2.1")
     assert ident is not None
     assert ipcache["192.0.2.1/32"] == ident
-    assert entries[1] == entries[2] == {FqdnRule("*.example.test", L4Proto.TCP, 443).entry(ident)}
-    assert entries[3] == set()
+    assert set(entries[1]) == set(entries[2]) == {FqdnRule("*.example.test", L4Proto.TCP, 443).entry(ident)}
+    assert not entries[3]
 
 
 def test_steering_and_rule_checks() -> None:
@@ -220,3 +226,76 @@ def test_wire_rejects_bad_dns_rules() -> None:
 def test_published_endpoints_round_trip() -> None:
     eps = [NameEndpoint(2, 1002, ("10.0.0.2", "fd00::2"), RULES), NameEndpoint(1, 1001, ("10.0.0.1",), NameRules())]
     assert decode(encode(eps)) == sorted(eps, key=lambda e: e.ep_id)
+
+
+class RecordingMaps:
+    """The maps as the proxy writes them: ipcache and each endpoint's entries."""
+
+    def __init__(self) -> None:
+        self.ipcache: dict[str, int] = {}
+        self.entries: dict[int, set[PolicyEntry]] = {}
+
+    def ipcache_upsert(self, prefix: str, identity: int) -> None:
+        self.ipcache[prefix] = identity
+
+    def ipcache_delete(self, prefix: str) -> bool:
+        return self.ipcache.pop(prefix, None) is not None
+
+    def apply_entries(
+        self,
+        ep_id: int,
+        add: Iterable[PolicyEntry] = (),
+        remove: Iterable[PolicyEntry] = (),
+        keep: Iterable[PolicyEntry] = (),
+    ) -> PolicyChange:
+        held = self.entries.setdefault(ep_id, set())
+        added, removed = set(add), set(remove)
+        assert not added & held, "an entry written twice"
+        assert removed <= held, "an entry removed that was not written"
+        held |= added
+        held -= removed
+        return PolicyChange(added=len(added), removed=len(removed), enforcement_changed=False)
+
+
+NAMES = ["a.example.test", "b.example.test", "api.other.test"]
+ADDRESSES = [f"192.0.2.{i}" for i in range(1, 7)]
+EPS = [
+    NameEndpoint(1, 1001, ("10.0.0.1",), NameRules(fqdn=(FqdnRule("*.example.test", L4Proto.TCP, 443),))),
+    NameEndpoint(2, 1002, ("10.0.0.2",), NameRules(fqdn=(FqdnRule("a.example.test"), FqdnRule("*.test")))),
+]
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("learn"),
+                st.sampled_from([1, 2]),
+                st.sampled_from(NAMES),
+                st.lists(st.sampled_from(ADDRESSES), min_size=1, max_size=4, unique=True),
+                st.integers(1, 20),
+            ),
+            st.tuples(st.just("expire"), st.integers(0, 30)),
+        ),
+        max_size=25,
+    )
+)
+def test_incremental_writes_match_a_full_sync(steps: list[tuple]) -> None:  # type: ignore[type-arg]
+    """Answers and expiries applied incrementally leave the maps where a full sync would."""
+    cache = NameCache(CacheLimits(min_ttl=0, max_per_name=3, max_per_endpoint=4))
+    maps = RecordingMaps()
+    names = NameMaps(maps)
+    names.sync(cache, EPS)
+    now = 0.0
+    for step in steps:
+        now += 1
+        if step[0] == "learn":
+            _, ep, name, ips, ttl = step
+            lookup = cache.learn(ep, name, [(ip, ttl) for ip in ips], now)
+            names.change(cache, EPS, lookup.added, lookup.evicted)
+        else:
+            gone = cache.expire(now + step[1], in_use=set())
+            names.change(cache, EPS, (), gone)
+        ipcache, entries = desired(cache, EPS)
+        assert maps.ipcache == ipcache
+        assert {ep: maps.entries.get(ep, set()) for ep in entries} == {ep: set(c) for ep, c in entries.items()}
