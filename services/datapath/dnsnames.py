@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from services.common.log import get_logger
 from services.datapath.fqdnmaps import NameEndpoint
 from services.datapath.maps.dnsmap import DNS_PORT
-from services.datapath.types import DnsRule, FqdnRule, L4Proto, NameRules, Verdict
+from services.datapath.types import Direction, DnsRule, FqdnRule, L4Proto, NameRules, PolicyEntry, PolicyKey, Verdict
 
 log = get_logger("dnsproxy")
 
@@ -60,9 +60,29 @@ def _rules_from_json(data: dict[str, Any]) -> NameRules:
     )
 
 
+def _entry_to_json(e: PolicyEntry) -> list[Any]:
+    k = e.key
+    return [k.direction.value, k.remote_identity, k.protocol.value, k.port_low, k.port_high, e.verdict.value, k.audit]
+
+
+def _entry_from_json(raw: list[Any]) -> PolicyEntry:
+    direction, remote, protocol, low, high, verdict, audit = raw
+    key = PolicyKey(Direction(direction), int(remote), L4Proto(protocol), int(low), int(high), bool(audit))
+    return PolicyEntry(key, Verdict(verdict))
+
+
 def encode(endpoints: Iterable[NameEndpoint]) -> str:
     eps = sorted(endpoints, key=lambda e: e.ep_id)
-    body = [{"id": e.ep_id, "identity": e.identity, "ips": list(e.ips), "rules": _rules_to_json(e.rules)} for e in eps]
+    body = [
+        {
+            "id": e.ep_id,
+            "identity": e.identity,
+            "ips": list(e.ips),
+            "rules": _rules_to_json(e.rules),
+            "aliased": [_entry_to_json(x) for x in sorted(e.aliased)],
+        }
+        for e in eps
+    ]
     return json.dumps({"format": FORMAT, "endpoints": body}, sort_keys=True)
 
 
@@ -71,7 +91,13 @@ def decode(text: str) -> list[NameEndpoint]:
     if data.get("format") != FORMAT:
         raise ValueError(f"format {data.get('format')!r} is not {FORMAT}")
     return [
-        NameEndpoint(int(e["id"]), int(e["identity"]), tuple(e["ips"]), _rules_from_json(e["rules"]))
+        NameEndpoint(
+            int(e["id"]),
+            int(e["identity"]),
+            tuple(e["ips"]),
+            _rules_from_json(e["rules"]),
+            tuple(_entry_from_json(x) for x in e["aliased"]),
+        )
         for e in data["endpoints"]
     ]
 
@@ -124,7 +150,8 @@ class NamePublisher:
 
     def publish(self, endpoints: Sequence[NameEndpoint]) -> bool:
         """False when nothing changed since the last publication."""
-        text = encode(e for e in endpoints if e.rules.fqdn or e.rules.dns)
+        # Endpoints without name rules still take learned addresses' former entries (aliased).
+        text = encode(e for e in endpoints if e.rules.fqdn or e.rules.dns or e.aliased)
         if text == self._last:
             return False
         tmp = self.path + ".tmp"

@@ -155,7 +155,10 @@ class DnsProxy:
         self._wall = wall
         self._store = NameStore(config.state_dir)
         self.cache = NameCache(config.limits)
-        self._names = NameMaps(maps)
+        self._names = NameMaps(maps, self._base_identity)
+        #: Learned addresses' former identities (see NameEndpoint.aliased).
+        self._base_ids: dict[str, int] = {}
+        self._non_local: list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, int]] | None = None
         self._endpoints: dict[int, NameEndpoint] = {}
         #: The endpoints with toFQDNs rules, and the selectors they use.
         self._fqdn_endpoints: list[NameEndpoint] = []
@@ -232,7 +235,7 @@ class DnsProxy:
         for ep_id in self._endpoints.keys() - self._names.entries.keys():
             self._adopt_endpoint(ep_id)
         self._by_ip = {str(ipaddress.ip_address(ip)): ep for ep in self._endpoints.values() for ip in ep.ips}
-        self._fqdn_endpoints = [ep for ep in self._endpoints.values() if ep.rules.fqdn]
+        self._fqdn_endpoints = [ep for ep in self._endpoints.values() if ep.rules.fqdn or ep.aliased]
         self._selectors = sorted({r.selector for ep in self._fqdn_endpoints for r in ep.rules.fqdn})
         for gone in self.cache.endpoints() - self._endpoints.keys():
             self.cache.forget_endpoint(gone)
@@ -341,6 +344,23 @@ class DnsProxy:
                 if raw[:2] == query[:2]:
                     return raw
 
+    def _base_identity(self, ip: str) -> int:
+        """The identity ``ip`` had before it was learned: the longest ipcache prefix's, else world."""
+        known = self._base_ids.get(ip)
+        if known is not None:
+            return known
+        found = self._maps.ipcache_lookup(ip)
+        if found is not None and is_local_identity(found):
+            # Learned by an earlier run: the prefixes under its /32, from one read of the ipcache.
+            if self._non_local is None:
+                held = self._maps.ipcache_dump().items()
+                self._non_local = [(ipaddress.ip_network(p), i) for p, i in held if not is_local_identity(i)]
+            address = ipaddress.ip_address(ip)
+            holding = [(n.prefixlen, i) for n, i in self._non_local if address in n]
+            found = max(holding)[1] if holding else None
+        self._base_ids[ip] = base = IDENTITY_WORLD if found is None else found
+        return base
+
     # -- expiry --------------------------------------------------------------------------------
 
     def expire(self) -> int:
@@ -351,6 +371,7 @@ class DnsProxy:
         gone = self.cache.expire(now, self._maps.open_destinations())
         if gone:
             self._names.change(self.cache, self._fqdn_endpoints, (), gone)
+            self._base_ids = {ip: i for ip, i in self._base_ids.items() if self.cache.identity(ip) is not None}
             self.stats.expired += len(gone)
             log.debug("learned addresses expired", count=len(gone))
         return len(gone)

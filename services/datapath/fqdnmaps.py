@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from services.common.log import get_logger
@@ -31,6 +31,9 @@ class NameEndpoint:
     identity: int
     ips: tuple[str, ...]
     rules: NameRules
+    #: The endpoint's entries whose remote identity is world or a CIDR identity: a learned address
+    #: keeps what its former identity (the longest ipcache prefix holding it, else world) allowed.
+    aliased: tuple[PolicyEntry, ...] = ()
 
 
 class PolicyMaps(Protocol):
@@ -49,8 +52,12 @@ class PolicyMaps(Protocol):
     ) -> PolicyChange: ...
 
 
+#: The identity an address had before it was learned (world, or its longest CIDR prefix's).
+BaseIdentity = Callable[[str], int]
+
+
 def desired(
-    cache: NameCache, endpoints: Iterable[NameEndpoint]
+    cache: NameCache, endpoints: Iterable[NameEndpoint], base: BaseIdentity
 ) -> tuple[dict[str, int], dict[int, Counter[PolicyEntry]]]:
     """The ipcache entries, and per endpoint its policy entries, each with how many learned
     (name, address) pairs call for it."""
@@ -60,30 +67,42 @@ def desired(
     for ep in endpoints:
         mine: Counter[PolicyEntry] = Counter()
         for pair in pairs:
-            mine.update(_entries_for(ep, pair.name, cache.identity(pair.ip)))
+            mine.update(_entries_for(ep, pair.name, pair.ip, cache.identity(pair.ip), base))
         entries[ep.ep_id] = mine
     return ipcache, entries
 
 
-def _entries_for(ep: NameEndpoint, name: str, ident: int | None) -> list[PolicyEntry]:
+def _entries_for(ep: NameEndpoint, name: str, ip: str, ident: int | None, base: BaseIdentity) -> list[PolicyEntry]:
+    """What one learned pair gives the endpoint: its toFQDNs rules' entries for the address's
+    identity, and the entries its former identity had (so a learned address never loses what a
+    world or CIDR rule allowed, nor escapes what one denied)."""
     if ident is None:
         return []
-    return [rule.entry(ident) for rule in ep.rules.fqdn if fqdnmatch.match(rule.selector, name)]
+    out = [rule.entry(ident) for rule in ep.rules.fqdn if fqdnmatch.match(rule.selector, name)]
+    if ep.aliased:
+        former = base(ip)
+        out += [
+            dataclasses.replace(e, key=dataclasses.replace(e.key, remote_identity=ident))
+            for e in ep.aliased
+            if e.key.remote_identity == former
+        ]
+    return out
 
 
 class NameMaps:
     """Keeps the maps equal to :func:`desired`: incrementally for an answer or an expiry
     (:meth:`change`, work in the change's size), fully for new endpoints or rules (:meth:`sync`)."""
 
-    def __init__(self, maps: PolicyMaps) -> None:
+    def __init__(self, maps: PolicyMaps, base: BaseIdentity) -> None:
         self._maps = maps
+        self._base = base
         self.ipcache: dict[str, int] = {}
         #: Per endpoint, the entries written and how many learned pairs call for each.
         self.entries: dict[int, Counter[PolicyEntry]] = {}
 
     def sync(self, cache: NameCache, endpoints: Iterable[NameEndpoint]) -> None:
         eps = {ep.ep_id: ep for ep in endpoints}
-        ipcache, entries = desired(cache, eps.values())
+        ipcache, entries = desired(cache, eps.values(), self._base)
         for prefix, ident in ipcache.items():
             if self.ipcache.get(prefix) != ident:
                 self._maps.ipcache_upsert(prefix, ident)
@@ -112,16 +131,17 @@ class NameMaps:
         for name, ip in added:
             ident = cache.identity(ip)
             prefix = host_prefix(ip)
+            self._base(ip)  # the former identity, asked before the /32 hides it
             if ident is not None and self.ipcache.get(prefix) != ident:
                 self._maps.ipcache_upsert(prefix, ident)
                 self.ipcache[prefix] = ident
             for ep in eps:
-                self.entries.setdefault(ep.ep_id, Counter()).update(_entries_for(ep, name, ident))
+                self.entries.setdefault(ep.ep_id, Counter()).update(_entries_for(ep, name, ip, ident, self._base))
         for name, ip in removed:
             ident = self.ipcache.get(host_prefix(ip))
             for ep in eps:
                 counts = self.entries.setdefault(ep.ep_id, Counter())
-                counts.subtract(_entries_for(ep, name, ident))
+                counts.subtract(_entries_for(ep, name, ip, ident, self._base))
                 for entry in [e for e, n in counts.items() if n <= 0]:
                     del counts[entry]
         for ep in eps:

@@ -57,6 +57,11 @@ from services.datapath.validate import validate_labels, validate_request
 
 log = get_logger("endpoints")
 
+def _aliased(remote: int) -> bool:
+    """Entries a learned address inherits from its former identity: world's and CIDRs'."""
+    return remote == dt.IDENTITY_WORLD or dt.MIN_CIDR_IDENTITY <= remote <= dt.MAX_CIDR_IDENTITY
+
+
 T = TypeVar("T")
 
 
@@ -160,8 +165,11 @@ class EndpointManager:
         out = []
         for ep in self.endpoints.values():
             policy = self.realizer.policies.get(ep.identity)
-            names = policy.names if policy is not None else dt.NO_NAMES
-            out.append(NameEndpoint(ep.id, ep.identity, ep.record.ips, names))
+            if policy is None:
+                out.append(NameEndpoint(ep.id, ep.identity, ep.record.ips, dt.NO_NAMES))
+                continue
+            aliased = tuple(e for e in policy.entries.values() if _aliased(e.key.remote_identity))
+            out.append(NameEndpoint(ep.id, ep.identity, ep.record.ips, policy.names, aliased))
         return out
 
     def _publish_names(self) -> None:

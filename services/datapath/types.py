@@ -28,6 +28,9 @@ MAX_IDENTITY = 0xFFFF_FFFF
 #: starts at 1 << 24; ipam's cluster-wide CIDR identities take 1 << 24 .. (1 << 25) - 1, so the node
 #: takes the next block). Entries with these remote identities are the proxy's: the realizer's full
 #: syncs and the ipcache's prune leave them alone.
+#: ipam's CIDR identities (cluster-wide, every node agrees on them).
+MIN_CIDR_IDENTITY = 1 << 24
+MAX_CIDR_IDENTITY = (1 << 25) - 1
 MIN_LOCAL_IDENTITY = 1 << 25
 MAX_LOCAL_IDENTITY = (1 << 26) - 1
 

@@ -145,13 +145,13 @@ class Proxies:
         self.state_dir = state_dir
         self.running: list[DnsProxy] = []
 
-    def start(self, **settings: Any) -> DnsProxy:
+    def start(self, *others: NameEndpoint, **settings: Any) -> DnsProxy:
         w = self.world
         config = ProxyConfig(state_dir=str(self.state_dir), port=w.port, **settings)
         # As the datapath does: the endpoints with name rules published, their queries steered.
         a = w.node.a
         NamePublisher(str(self.state_dir), w.node.dp, w.port).publish(
-            [NameEndpoint(a.ep_id, a.identity, (a.v4, a.v6), RULES)]
+            [NameEndpoint(a.ep_id, a.identity, (a.v4, a.v6), RULES), *others]
         )
         proxy = DnsProxy(config, w.node.dp, source=NameSource(str(self.state_dir)), clock=w.clock)
         w.loop.run(proxy.start())
@@ -335,3 +335,18 @@ def test_proxy_process_killed_and_restarted(world: World, proxies: Proxies, bpf_
         proc.terminate()
         proc.wait(10)
         log.close()
+
+
+def test_learned_address_keeps_other_endpoints_world_rules(world: World, proxies: Proxies) -> None:
+    """Pod b may reach the world on 8080 and has no name rules: an address pod a learned (now a
+    node-local identity) stays reachable for b, as world was."""
+    node, a, b = world.node, world.node.a, world.node.b
+    world_8080 = PolicyEntry(PolicyKey(Direction.EGRESS, IDENTITY_WORLD, L4Proto.TCP, PORT))
+    node.dp.sync_policy(b.ep_id, Enforcement(egress=True), [world_8080])
+    proxies.start(NameEndpoint(b.ep_id, b.identity, (b.v4, b.v6), NameRules(), (world_8080,)))
+    assert tcp_exchange(b.name, node.ext_outside, PORT)
+    world.server.table["api.example.test"] = Record([node.ext_outside])
+    assert addresses(query(a.name, world.dns, "api.example.test")) == [node.ext_outside]
+    assert is_local_identity(node.dp.ipcache_lookup(node.ext_outside) or 0)
+    assert tcp_exchange(b.name, node.ext_outside, PORT), "world's allow carried to the learned identity"
+    assert not tcp_exchange(b.name, node.ext_outside, 9000, timeout=DENY_TIMEOUT), "and nothing more"

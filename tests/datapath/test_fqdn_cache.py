@@ -19,20 +19,23 @@ from services.datapath.fqdnmaps import NameEndpoint, NameMaps, desired
 from services.datapath.fqdnmatch import match
 from services.datapath.fqdnstore import NameStore
 from services.datapath.types import (
-    MAX_LOCAL_IDENTITY as MAX_LOCAL_ID,
-)
-from services.datapath.types import (
-    MIN_LOCAL_IDENTITY as MIN_LOCAL_ID,
-)
-from services.datapath.types import (
+    IDENTITY_WORLD,
+    Direction,
     DnsRule,
     FqdnRule,
     L4Proto,
     NameRules,
     PolicyChange,
     PolicyEntry,
+    PolicyKey,
     Verdict,
     is_local_identity,
+)
+from services.datapath.types import (
+    MAX_LOCAL_IDENTITY as MAX_LOCAL_ID,
+)
+from services.datapath.types import (
+    MIN_LOCAL_IDENTITY as MIN_LOCAL_ID,
 )
 
 
@@ -148,7 +151,7 @@ def test_desired_entries_for_every_selecting_endpoint() -> None:
         NameEndpoint(2, 1002, ("10.0.0.2",), RULES),
         NameEndpoint(3, 1003, ("10.0.0.3",), NameRules()),
     ]
-    ipcache, entries = desired(cache, eps)
+    ipcache, entries = desired(cache, eps, lambda ip: IDENTITY_WORLD)
     ident = cache.identity("192.0.2.1")
     assert ident is not None
     assert ipcache["192.0.2.1/32"] == ident
@@ -259,10 +262,27 @@ class RecordingMaps:
 
 NAMES = ["a.example.test", "b.example.test", "api.other.test"]
 ADDRESSES = [f"192.0.2.{i}" for i in range(1, 7)]
+CIDR_ID = 1 << 24
 EPS = [
     NameEndpoint(1, 1001, ("10.0.0.1",), NameRules(fqdn=(FqdnRule("*.example.test", L4Proto.TCP, 443),))),
     NameEndpoint(2, 1002, ("10.0.0.2",), NameRules(fqdn=(FqdnRule("a.example.test"), FqdnRule("*.test")))),
+    # No name rules: a world allow and a CIDR deny, which learned addresses keep.
+    NameEndpoint(
+        3,
+        1003,
+        ("10.0.0.3",),
+        NameRules(),
+        (
+            PolicyEntry(PolicyKey(Direction.EGRESS, IDENTITY_WORLD, L4Proto.TCP, 80)),
+            PolicyEntry(PolicyKey(Direction.EGRESS, CIDR_ID), Verdict.DENY),
+        ),
+    ),
 ]
+
+
+def former(ip: str) -> int:
+    """Half the addresses sit in a CIDR prefix, the rest are world."""
+    return CIDR_ID if int(ip.rsplit(".", 1)[1]) % 2 else IDENTITY_WORLD
 
 
 @given(
@@ -270,7 +290,7 @@ EPS = [
         st.one_of(
             st.tuples(
                 st.just("learn"),
-                st.sampled_from([1, 2]),
+                st.sampled_from([1, 2, 3]),
                 st.sampled_from(NAMES),
                 st.lists(st.sampled_from(ADDRESSES), min_size=1, max_size=4, unique=True),
                 st.integers(1, 20),
@@ -284,7 +304,7 @@ def test_incremental_writes_match_a_full_sync(steps: list[tuple]) -> None:  # ty
     """Answers and expiries applied incrementally leave the maps where a full sync would."""
     cache = NameCache(CacheLimits(min_ttl=0, max_per_name=3, max_per_endpoint=4))
     maps = RecordingMaps()
-    names = NameMaps(maps)
+    names = NameMaps(maps, former)
     names.sync(cache, EPS)
     now = 0.0
     for step in steps:
@@ -296,6 +316,22 @@ def test_incremental_writes_match_a_full_sync(steps: list[tuple]) -> None:  # ty
         else:
             gone = cache.expire(now + step[1], in_use=set())
             names.change(cache, EPS, (), gone)
-        ipcache, entries = desired(cache, EPS)
+        ipcache, entries = desired(cache, EPS, former)
         assert maps.ipcache == ipcache
         assert {ep: maps.entries.get(ep, set()) for ep in entries} == {ep: set(c) for ep, c in entries.items()}
+
+
+def test_learned_address_keeps_its_former_identitys_entries() -> None:
+    cache = NameCache()
+    cache.learn(1, "a.example.test", [("192.0.2.1", 60), ("192.0.2.2", 60)], now=0)
+    _, entries = desired(cache, EPS, former)
+    one, two = cache.identity("192.0.2.1"), cache.identity("192.0.2.2")
+    assert one is not None and two is not None
+    assert set(entries[3]) == {
+        PolicyEntry(PolicyKey(Direction.EGRESS, one), Verdict.DENY),  # .1 was in the denied CIDR
+        PolicyEntry(PolicyKey(Direction.EGRESS, two, L4Proto.TCP, 80)),  # .2 was world
+    }
+
+
+def test_published_aliased_entries_round_trip() -> None:
+    assert decode(encode(EPS)) == EPS
