@@ -173,7 +173,9 @@ class EndpointManager:
         return out
 
     def _publish_names(self) -> None:
-        if self._names is None:
+        # Not before the first resync: restored endpoints without their rules would withdraw the
+        # steering and the proxy's learned names until the policy came back.
+        if self._names is None or not self.realizer.synced:
             return
         try:
             self._names(self.name_endpoints())
