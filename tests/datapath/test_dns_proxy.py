@@ -97,6 +97,8 @@ class World:
     server: DnsServer
     clock: Clock
     port: int
+    #: The same table served on ext's IPv6 address.
+    server6: DnsServer
 
     @property
     def dns(self) -> str:
@@ -116,10 +118,14 @@ def world(node: Node) -> Iterator[World]:
     loop = Loop()
     server = DnsServer(node.ext.name, node.ext_in)
     loop.run(server.start())
+    server6 = DnsServer(node.ext.name, node.ext_v6)
+    server6.table = server.table
+    loop.run(server6.start())
     try:
-        yield World(node, loop, server, Clock(time.monotonic()), _free_port())
+        yield World(node, loop, server, Clock(time.monotonic()), _free_port(), server6)
     finally:
         loop.run(server.stop())
+        loop.run(server6.stop())
         loop.close()
         dnsrouting.remove()
 
@@ -350,3 +356,15 @@ def test_learned_address_keeps_other_endpoints_world_rules(world: World, proxies
     assert is_local_identity(node.dp.ipcache_lookup(node.ext_outside) or 0)
     assert tcp_exchange(b.name, node.ext_outside, PORT), "world's allow carried to the learned identity"
     assert not tcp_exchange(b.name, node.ext_outside, 9000, timeout=DENY_TIMEOUT), "and nothing more"
+
+
+def test_steered_over_ipv6(world: World, proxies: Proxies) -> None:
+    """A query to an IPv6 server, UDP and TCP: steered, answered from the server's address, learned."""
+    node, a = world.node, world.node.a
+    proxy = proxies.start()
+    world.server.table["api.example.test"] = Record([node.ext_outside])
+    for tcp in (False, True):
+        answer = query(a.name, node.ext_v6, "api.example.test", tcp=tcp)
+        assert addresses(answer) == [node.ext_outside], f"tcp={tcp}"
+    assert proxy.stats.forwarded == 2
+    assert tcp_exchange(a.name, node.ext_outside, PORT)

@@ -29,7 +29,8 @@ BPF_TABLE_PINNED("hash", struct dns_steer_key, struct dns_steer_value, dns_steer
                  PIN_DIR "/dns_steering");
 
 #define DNS_CB_PORT 4  /* skb->cb slot where handle() leaves the destination port (cb[0-3]: delivery) */
-#define DNS_PASS -1  /* not steered: the caller goes on */
+#define DNS_PASS -1
+#define DNS_TCP_FLAGS_OFF 13  /* the flags byte in a TCP header */  /* not steered: the caller goes on */
 
 /* Steers the packet to the proxy when its endpoint, port and protocol are in dns_steer: TC_ACT_OK
  * with the proxy's socket assigned, TC_ACT_SHOT when the proxy has no socket, DNS_PASS otherwise.
@@ -88,12 +89,13 @@ static __always_inline int dns_steer_to_proxy(struct __sk_buff *skb)
         t.ipv6.dport = ports[1];
     }
     if (proto == IPPROTO_TCP) {
-        /* A connection the proxy accepted already has a socket of the packet's own tuple. */
-        sk = bpf_skc_lookup_tcp(skb, &t, tuple_len, BPF_F_CURRENT_NETNS, 0);
-        if (sk && sk->state != BPF_TCP_LISTEN)
-            goto assign;
-        if (sk)
-            bpf_sk_release(sk);
+        /* Only a SYN needs the proxy's listener: the connection it accepts has the packet's own
+         * tuple, which the local stack finds for every later packet (as TPROXY's). */
+        u8 *flags = (u8 *)ports + DNS_TCP_FLAGS_OFF;
+        if ((void *)(flags + 1) > data_end)
+            return TC_ACT_SHOT;
+        if ((*flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) != TCP_FLAG_SYN)
+            goto mark;
     }
     if (tuple_len == sizeof(t.ipv4))
         t.ipv4.dport = bpf_htons(v->proxy_port);
@@ -105,11 +107,11 @@ static __always_inline int dns_steer_to_proxy(struct __sk_buff *skb)
         sk = bpf_sk_lookup_udp(skb, &t, tuple_len, BPF_F_CURRENT_NETNS, 0);
     if (!sk)
         return TC_ACT_SHOT;  /* no proxy now: the client retries */
-assign:;
     long err = bpf_sk_assign(skb, sk, 0);
     bpf_sk_release(sk);
     if (err)
         return TC_ACT_SHOT;
+mark:
     skb->mark = (skb->mark & ~DNS_PROXY_MARK_MASK) | DNS_PROXY_MARK;
     return TC_ACT_OK;
 }
