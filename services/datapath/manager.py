@@ -57,6 +57,7 @@ from services.datapath.validate import validate_labels, validate_request
 
 log = get_logger("endpoints")
 
+
 def _aliased(remote: int) -> bool:
     """Entries a learned address inherits from its former identity: world's and CIDRs'."""
     return remote == dt.IDENTITY_WORLD or dt.MIN_CIDR_IDENTITY <= remote <= dt.MAX_CIDR_IDENTITY
