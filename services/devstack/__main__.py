@@ -325,7 +325,7 @@ def dev_nodes(args: argparse.Namespace, run_dir: Path) -> list[DevNodeSpec]:
 def banner(args: argparse.Namespace, children: list[Child], nodes: list[DevNode], started: float) -> str:
     lines = [f"Palisade is running ({time.monotonic() - started:.1f}s to start). Logs: {args.run_dir}/{LOGS}", ""]
     for c in children:
-        where = c.grpc_address or f"{c.tcp_host}:{c.tcp_port}"
+        where = c.grpc_address or (f"{c.tcp_host}:{c.tcp_port}" if c.tcp_port else "(pod DNS)")
         lines.append(f"  {c.name:9} {where:18} pid {c.proc.pid if c.proc else '-'}")
     for node in nodes:
         lines += ["", f"Pods on {node.name}:"]
@@ -353,6 +353,8 @@ async def main_async(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
     children = build(args, run_dir)
     for c in children:
+        if not c.tcp_port and not c.grpc_address:
+            continue  # listens on no port of the host (the DNS proxy: steered pod traffic only)
         port = c.tcp_port or int(c.grpc_address.rpartition(":")[2])
         if not port_free(port):
             raise StackError(
