@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -422,7 +423,15 @@ async def main_async(args: argparse.Namespace) -> int:
                 # A node's namespace takes its pods' veths and routes with it.
                 left += await asyncio.to_thread(hosts.remove, args.network)
             for spec in [] if args.no_datapath else dev_nodes(args, run_dir):
-                left += await asyncio.to_thread(clean, spec.bpffs, spec.state_dir, pod_netns.get(spec.name, []))
+                left += await asyncio.to_thread(
+                    functools.partial(
+                        clean,
+                        spec.bpffs,
+                        spec.state_dir,
+                        pod_netns.get(spec.name, []),
+                        dns_routing=args.network is None,
+                    )
+                )
             clear_run_dir(run_dir)
             kept = f"the logs of this run are kept in {run_dir / LOGS} until the next start"
             if left:
