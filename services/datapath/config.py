@@ -90,6 +90,11 @@ class DatapathConfig(CommonConfig):
         "they are counted, not recorded, so a flood of drops does not take the CPU the packets need.",
         default=5000,
     )
+    dns_proxy_port: int = setting(
+        "Port of the node's DNS proxy (services.datapath.dnsproxyd, the same setting there): DNS queries "
+        "of endpoints a DNS rule selects are steered to it.",
+        default=10053,
+    )
     cni_socket: str = setting(
         "Unix socket the CNI plugin calls (owner-only; its directory also holds the plugin's queue of "
         "deletions made while the datapath was down); default <state-dir>/cni.sock.",

@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import fcntl
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
@@ -50,6 +52,7 @@ from services.datapath.maps import (
     ct4map,
     ctmap,
     deliverymap,
+    dnsmap,
     endpointmap,
     enforcementmap,
     eventsmap,
@@ -67,6 +70,7 @@ from services.datapath.maps import (
 from services.datapath.maps.bpf import MapLayoutError, PinnedMap, ensure_bpffs, unpin
 from services.datapath.maps.ctmap import CtEntry, CtMap
 from services.datapath.maps.deliverymap import DeliveryMap, DeliveryTarget
+from services.datapath.maps.dnsmap import DnsSteerMap
 from services.datapath.maps.endpointmap import EndpointEntry, EndpointMap
 from services.datapath.maps.enforcementmap import EnforcementMap
 from services.datapath.maps.eventsmap import EventReader
@@ -94,6 +98,7 @@ from services.datapath.types import (
     PinnedEndpoint,
     PolicyChange,
     PolicyEntry,
+    is_local_identity,
 )
 
 log = get_logger("datapath")
@@ -133,7 +138,11 @@ class DatapathAPI(Protocol):
     def dump_policy(self, ep_id: int) -> tuple[Enforcement, list[PolicyEntry]]: ...
     def ipcache_upsert(self, prefix: str, identity: int) -> None: ...
     def ipcache_delete(self, prefix: str) -> bool: ...
+    def ipcache_lookup(self, ip: str) -> int | None: ...
     def ipcache_dump(self) -> dict[str, int]: ...
+    def dns_steer_set(self, ep_id: int, port: int, protocol: int, proxy_port: int) -> None: ...
+    def dns_steer_delete(self, ep_id: int, port: int, protocol: int) -> bool: ...
+    def dns_steer_dump(self) -> dict[tuple[int, int, int], int]: ...
     def lb_upsert(self, service: LbService) -> LbState: ...
     def lb_delete(self, frontend: Frontend) -> bool: ...
     def lb_services(self) -> list[LbState]: ...
@@ -196,7 +205,8 @@ class Datapath:
         )
         self.lb_conntrack_map = LbCtMap(maps[lbctmap.NAME])
         self.snat_map = SnatMap(maps[snatmap.NAME])
-        self._lock = threading.RLock()
+        self.dns_steering = DnsSteerMap(maps[dnsmap.NAME])
+        self._lock = WriterLock(base_dir)
         self._events_lock = threading.Lock()
         self._closed = False
         # The endpoints the kernel holds, as written to endpoint_map (policy is not cached: the realizer owns it).
@@ -397,14 +407,34 @@ class Datapath:
             self._check_open()
             return self._write_policy(ep_id, enforcement, writes, stale)
 
+    def apply_entries(
+        self,
+        ep_id: int,
+        add: Iterable[PolicyEntry] = (),
+        remove: Iterable[PolicyEntry] = (),
+        keep: Iterable[PolicyEntry] = (),
+    ) -> PolicyChange:
+        """Like :meth:`apply_policy`, keeping the enforcement the map holds (the DNS proxy's writes:
+        the realizer owns enforcement)."""
+        writes, stale = policymap.encode_delta(ep_id, add, remove, keep)
+        with self._lock:
+            self._check_open()
+            return self._write_policy(ep_id, self.enforcement.get(ep_id), writes, stale)
+
     def sync_policy(self, ep_id: int, enforcement: Enforcement, entries: Iterable[PolicyEntry]) -> PolicyChange:
-        """Full: make the kernel map hold exactly ``entries``, diffing against what the kernel has."""
+        """Full: make the kernel map hold exactly ``entries``, diffing against what the kernel has.
+
+        Entries whose remote identity is node-local (learned by the DNS proxy) are the proxy's:
+        they stay, and count in the hints."""
         desired = policymap.encode(ep_id, policymap.normalize(entries))
         with self._lock:
             self._check_open()
             current = self.policy.read(ep_id).get(ep_id, {})
+            learned = {p: v for p, v in current.items() if is_local_identity(p.identity)}
+            current = {p: v for p, v in current.items() if p not in learned}
             writes, stale = policymap.diff(current, desired)
-            return self._write_policy(ep_id, enforcement, writes, stale, exact_hints=_hints_of(desired))
+            hints = _hints_of({**desired, **learned})
+            return self._write_policy(ep_id, enforcement, writes, stale, exact_hints=hints)
 
     def _write_policy(
         self,
@@ -414,29 +444,7 @@ class Datapath:
         stale: list[Prefix],
         exact_hints: int | None = None,
     ) -> PolicyChange:
-        """Adds, then enforcement, then removals. Hints widen before the adds (a lookup the
-        program skips is never one the map can answer) and narrow, when the caller knows the
-        whole map (``exact_hints``), after the removals; an incremental change only widens them."""
-        flags = self.enforcement.flags(ep_id)
-        held = None if flags is None else enforcementmap.from_flags(flags)
-        # The kernel's hints, not a copy: another writer of the same pins may have widened them.
-        known = enforcementmap.hints_held(flags)
-        widened = known | _hints_of(writes)
-        final = widened if exact_hints is None else exact_hints
-        if widened != known:
-            self.enforcement.set(ep_id, held or Enforcement(), widened)
-        self.policy.write(writes)
-        enforcement_changed = held != enforcement
-        if enforcement_changed:
-            self.enforcement.set(ep_id, enforcement, widened)
-        self.policy.delete(stale)
-        if final != widened:
-            self.enforcement.set(ep_id, enforcement, final)
-        change = PolicyChange(added=len(writes), removed=len(stale), enforcement_changed=enforcement_changed)
-        if change.changed:
-            self.state.bump_epoch()
-            log.debug("policy written", endpoint=ep_id, added=change.added, removed=change.removed)
-        return change
+        return write_policy(self.policy, self.enforcement, self.state, ep_id, enforcement, writes, stale, exact_hints)
 
     def dump_policy(self, ep_id: int) -> tuple[Enforcement, list[PolicyEntry]]:
         """Enforcement and entries as read back from the kernel maps (ranges re-assembled)."""
@@ -461,6 +469,12 @@ class Datapath:
             if deleted:
                 self.state.bump_epoch()
             return deleted
+
+    def ipcache_lookup(self, ip: str) -> int | None:
+        """The identity the program gives ``ip`` (longest prefix), or None when no prefix holds it."""
+        with self._lock:
+            self._check_open()
+            return self.ipcache.lookup(ip)
 
     def ipcache_dump(self) -> dict[str, int]:
         with self._lock:
@@ -521,6 +535,30 @@ class Datapath:
             self._check_open()
             return self.conntrack_map.entries(ep_id)
 
+    def open_destinations(self) -> set[str]:
+        """Remote addresses of live conntrack entries (a learned address stays while one is open)."""
+        now = time.monotonic_ns()
+        with self._lock:
+            self._check_open()
+            return {e.destination_ip for e in self.conntrack_map.entries() if e.expires_ns >= now}
+
+    # -- DNS steering (the DNS proxy's) ------------------------------------
+
+    def dns_steer_set(self, ep_id: int, port: int, protocol: int, proxy_port: int) -> None:
+        with self._lock:
+            self._check_open()
+            self.dns_steering.set(ep_id, port, protocol, proxy_port)
+
+    def dns_steer_delete(self, ep_id: int, port: int, protocol: int) -> bool:
+        with self._lock:
+            self._check_open()
+            return self.dns_steering.delete(ep_id, port, protocol)
+
+    def dns_steer_dump(self) -> dict[tuple[int, int, int], int]:
+        with self._lock:
+            self._check_open()
+            return self.dns_steering.dump()
+
     def migrate_conntrack(self, release: bool = True) -> int:
         """Copy the IPv4 conntrack entries an older program kept in the IPv6 map to the IPv4 map
         (see ``ctmap``); ``release`` also removes them there. Open copies without releasing: the
@@ -569,6 +607,7 @@ class Datapath:
                 m.close()
             self._loader.close()
             log.info("datapath closed", base_dir=self.base_dir)
+        self._lock.close()
 
     def teardown(self) -> None:
         """Detach every endpoint's programs and remove every pin under ``base_dir``."""
@@ -586,6 +625,72 @@ class Datapath:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def write_policy(
+    policy: PolicyMap,
+    enforcement_map: EnforcementMap,
+    state: StateMap,
+    ep_id: int,
+    enforcement: Enforcement,
+    writes: PrefixMap,
+    stale: list[Prefix],
+    exact_hints: int | None = None,
+) -> PolicyChange:
+    """Adds, then enforcement, then removals. Hints widen before the adds (a lookup the
+    program skips is never one the map can answer) and narrow, when the caller knows the
+    whole map (``exact_hints``), after the removals; an incremental change only widens them.
+    Callers hold the maps' :class:`WriterLock` (the datapath and the DNS proxy both write)."""
+    flags = enforcement_map.flags(ep_id)
+    held = None if flags is None else enforcementmap.from_flags(flags)
+    # The kernel's hints, not a copy: another writer of the same pins may have widened them.
+    known = enforcementmap.hints_held(flags)
+    widened = known | _hints_of(writes)
+    final = widened if exact_hints is None else exact_hints
+    if widened != known:
+        enforcement_map.set(ep_id, held or Enforcement(), widened)
+    policy.write(writes)
+    enforcement_changed = held != enforcement
+    if enforcement_changed:
+        enforcement_map.set(ep_id, enforcement, widened)
+    policy.delete(stale)
+    if final != widened:
+        enforcement_map.set(ep_id, enforcement, final)
+    change = PolicyChange(added=len(writes), removed=len(stale), enforcement_changed=enforcement_changed)
+    if change.changed:
+        state.bump_epoch()
+        log.debug("policy written", endpoint=ep_id, added=change.added, removed=change.removed)
+    return change
+
+
+class WriterLock:
+    """This process's lock (re-entrant) and, around it, an exclusive ``flock`` on the pin directory:
+    the datapath and the DNS proxy process write the same maps (hints, the policy epoch)."""
+
+    def __init__(self, base_dir: str) -> None:
+        self._thread = threading.RLock()
+        self._fd = os.open(base_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._depth = 0
+
+    def __enter__(self) -> WriterLock:
+        self._thread.acquire()
+        if self._depth == 0 and self._fd >= 0:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._fd >= 0:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._thread.release()
+
+    def close(self) -> None:
+        """Once its holder is closed (the process lock alone then guards the closed check)."""
+        with self._thread:
+            if self._fd >= 0 and self._depth == 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 def _hints_of(prefixes: Iterable[Prefix]) -> int:

@@ -41,6 +41,7 @@ from services.datapath.types import (
     PolicyEntry,
     Reason,
     Verdict,
+    is_local_identity,
 )
 
 
@@ -57,6 +58,8 @@ class _FakeKernel:
     flows: list[FlowEvent] = dataclasses.field(default_factory=list)
     services: dict[Frontend, LbState] = dataclasses.field(default_factory=dict)
     next_backend: int = 1
+    #: dns_steering: (endpoint, port, protocol) -> the DNS proxy's port.
+    dns_steering: dict[tuple[int, int, int], int] = dataclasses.field(default_factory=dict)
 
 
 class FakeDatapath:
@@ -143,7 +146,10 @@ class FakeDatapath:
         desired = policymap.encode(ep_id, policymap.normalize(entries))
         with self._lock:
             self._check_open()
-            writes, stale = policymap.diff(self._k.policy.get(ep_id, {}), desired)
+            held = self._k.policy.get(ep_id, {})
+            # As the real datapath: entries of node-local (learned) identities are the DNS proxy's.
+            current = {p: v for p, v in held.items() if not is_local_identity(p.identity)}
+            writes, stale = policymap.diff(current, desired)
             return self._write(ep_id, enforcement, writes, stale)
 
     def _write(self, ep_id: int, enforcement: Enforcement, writes: PrefixMap, stale: list[Prefix]) -> PolicyChange:
@@ -170,6 +176,29 @@ class FakeDatapath:
         with self._lock:
             self._check_open()
             return self._k.ipcache.pop(str(ipcachemap.parse_prefix(prefix)), None) is not None
+
+    def dns_steer_set(self, ep_id: int, port: int, protocol: int, proxy_port: int) -> None:
+        with self._lock:
+            self._check_open()
+            self._k.dns_steering[(ep_id, port, protocol)] = proxy_port
+
+    def dns_steer_delete(self, ep_id: int, port: int, protocol: int) -> bool:
+        with self._lock:
+            self._check_open()
+            return self._k.dns_steering.pop((ep_id, port, protocol), None) is not None
+
+    def dns_steer_dump(self) -> dict[tuple[int, int, int], int]:
+        with self._lock:
+            self._check_open()
+            return dict(self._k.dns_steering)
+
+    def ipcache_lookup(self, ip: str) -> int | None:
+        address = ipaddress.ip_address(ip)
+        with self._lock:
+            self._check_open()
+            held = [ipaddress.ip_network(p) for p in self._k.ipcache]
+            best = max((n for n in held if address in n), key=lambda n: n.prefixlen, default=None)
+            return None if best is None else self._k.ipcache[str(best)]
 
     def ipcache_dump(self) -> dict[str, int]:
         with self._lock:

@@ -23,6 +23,7 @@ from palisade.v1 import identity_pb2
 from services.common.bus import Bus, Follower
 from services.common.labels import ReservedIdentity
 from services.common.log import get_logger
+from services.datapath.types import is_local_identity
 
 log = get_logger("ipcache")
 
@@ -113,7 +114,8 @@ class IpcacheSync:
     async def _prune(self) -> int:
         held = await asyncio.to_thread(self._dp.ipcache_dump)
         keep = set(self.entries) | set(self._endpoints.local_prefixes())
-        stale = [p for p in held if normalize(p) not in keep]
+        # Node-local identities are the DNS proxy's learned addresses, not the stream's.
+        stale = [p for p, ident in held.items() if normalize(p) not in keep and not is_local_identity(ident)]
         for prefix in stale:
             await asyncio.to_thread(self._dp.ipcache_delete, prefix)
         return len(stale)

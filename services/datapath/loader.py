@@ -89,13 +89,15 @@ FROM_CONTAINER = "from_container"
 TO_CONTAINER = "to_container"
 DELIVER = "deliver"
 SCTP_CSUM = "sctp_csum"
+DNS_STEER = "dns_steer"
 #: The programs of a template, as pinned, and the pinned program array holding the tail-called ones.
-PROGRAMS = (FROM_CONTAINER, TO_CONTAINER, DELIVER, SCTP_CSUM)
+PROGRAMS = (FROM_CONTAINER, TO_CONTAINER, DELIVER, SCTP_CSUM, DNS_STEER)
 CALLS = "calls"
 #: Slots of ``calls`` (shared with the program: see program_constants).
 CALL_DELIVER = 0
 CALL_SCTP_CSUM = 1
-CALL_SLOTS = {DELIVER: CALL_DELIVER, SCTP_CSUM: CALL_SCTP_CSUM}
+CALL_DNS_STEER = 2
+CALL_SLOTS = {DELIVER: CALL_DELIVER, SCTP_CSUM: CALL_SCTP_CSUM, DNS_STEER: CALL_DNS_STEER}
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 # clsact hooks: TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_INGRESS / TC_H_MIN_EGRESS).
@@ -127,6 +129,7 @@ def program_constants() -> tuple[constants.Shared, ...]:
         *constants.shared(),
         constants.Shared("CALL_DELIVER", CALL_DELIVER, "loader.CALL_DELIVER"),
         constants.Shared("CALL_SCTP_CSUM", CALL_SCTP_CSUM, "loader.CALL_SCTP_CSUM"),
+        constants.Shared("CALL_DNS_STEER", CALL_DNS_STEER, "loader.CALL_DNS_STEER"),
         constants.Shared("CALL_SLOTS", len(CALL_SLOTS), "loader.CALL_SLOTS"),
     )
 
@@ -172,6 +175,7 @@ class ProgramConfig:
             f"-DLB_AFFINITY_MAX={s.lb_affinity}",
             f"-DLB_CT_MAX={s.lb_conntrack}",
             f"-DSNAT_MAX={s.snat}",
+            f"-DDNS_STEER_MAX={s.dns_steer}",
             f"-DEVENTS_BYTES={s.events_bytes}",
             f"-DEVENTS_WAKEUP_BYTES={maps.eventsmap.wakeup_bytes(s)}",
             *constants.defines(program_constants()),
@@ -239,6 +243,8 @@ class Template:
     compile_seconds: float
     #: The program the others tail-call for a translated SCTP packet's checksum (attached nowhere).
     sctp_csum_fd: int = -1
+    #: The program from_container tail-calls for a DNS query policy passed (attached nowhere).
+    dns_steer_fd: int = -1
 
     @property
     def short(self) -> str:
@@ -250,6 +256,7 @@ class Template:
             TO_CONTAINER: self.to_container_fd,
             DELIVER: self.deliver_fd,
             SCTP_CSUM: self.sctp_csum_fd,
+            DNS_STEER: self.dns_steer_fd,
         }
         return fds[name]
 
@@ -266,10 +273,18 @@ class Template:
             origin=origin,
             compile_seconds=compile_seconds,
             sctp_csum_fd=by_name[SCTP_CSUM],
+            dns_steer_fd=by_name[DNS_STEER],
         )
 
     def close(self) -> None:
-        for fd in (self.from_container_fd, self.to_container_fd, self.deliver_fd, self.calls_fd, self.sctp_csum_fd):
+        for fd in (
+            self.from_container_fd,
+            self.to_container_fd,
+            self.deliver_fd,
+            self.calls_fd,
+            self.sctp_csum_fd,
+            self.dns_steer_fd,
+        ):
             if fd >= 0:
                 os.close(fd)
         self.from_container_fd = self.to_container_fd = self.deliver_fd = self.calls_fd = self.sctp_csum_fd = -1

@@ -48,6 +48,7 @@ from services.datapath.errors import (
     UpstreamError,
     UpstreamUnavailable,
 )
+from services.datapath.fqdnmaps import NameEndpoint
 from services.datapath.ipamclient import IpamPort, NodeIpam
 from services.datapath.netns import PodLink
 from services.datapath.realizer import IdentityPolicy, RealizationSink, Realizer
@@ -55,6 +56,12 @@ from services.datapath.state import EndpointRecord, EndpointStore
 from services.datapath.validate import validate_labels, validate_request
 
 log = get_logger("endpoints")
+
+
+def _aliased(remote: int) -> bool:
+    """Entries a learned address inherits from its former identity: world's and CIDRs'."""
+    return remote == dt.IDENTITY_WORLD or dt.MIN_CIDR_IDENTITY <= remote <= dt.MAX_CIDR_IDENTITY
+
 
 T = TypeVar("T")
 
@@ -115,6 +122,7 @@ class EndpointManager:
         policy: PolicySource,
         reporter: RealizationSink,
         backoff_max: float = 5.0,
+        names: Callable[[list[NameEndpoint]], object] | None = None,
     ) -> None:
         self.node = node
         self._dp = datapath
@@ -132,6 +140,8 @@ class EndpointManager:
         self._busy_ids: set[int] = set()
         self._busy_pods: set[str] = set()
         self._releases: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()
+        #: Told the endpoints and their name rules after every command (the DNS proxy's publisher).
+        self._names = names
 
     # --- the owning task ---------------------------------------------------------------------
 
@@ -149,6 +159,29 @@ class EndpointManager:
             else:
                 if not command.done.done():
                     command.done.set_result(result)
+            self._publish_names()
+
+    def name_endpoints(self) -> list[NameEndpoint]:
+        """Every local endpoint with its identity's name rules (none until its policy is known)."""
+        out = []
+        for ep in self.endpoints.values():
+            policy = self.realizer.policies.get(ep.identity)
+            if policy is None:
+                out.append(NameEndpoint(ep.id, ep.identity, ep.record.ips, dt.NO_NAMES))
+                continue
+            aliased = tuple(e for e in policy.entries.values() if _aliased(e.key.remote_identity))
+            out.append(NameEndpoint(ep.id, ep.identity, ep.record.ips, policy.names, aliased))
+        return out
+
+    def _publish_names(self) -> None:
+        # Not before the first resync: restored endpoints without their rules would withdraw the
+        # steering and the proxy's learned names until the policy came back.
+        if self._names is None or not self.realizer.synced:
+            return
+        try:
+            self._names(self.name_endpoints())
+        except OSError as exc:
+            log.error("DNS proxy endpoints not published", error=str(exc))
 
     async def _do(self, fn: Callable[[], Awaitable[T]]) -> T:
         done: asyncio.Future[T] = asyncio.get_running_loop().create_future()

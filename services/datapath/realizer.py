@@ -66,6 +66,8 @@ class IdentityPolicy:
     base: int = 0
     added: tuple[dt.PolicyEntry, ...] = ()
     removed: tuple[dt.PolicyEntry, ...] = ()
+    #: The identity's toFQDNs and DNS rules (the node's DNS proxy applies them).
+    names: dt.NameRules = dt.NO_NAMES
 
     @classmethod
     def build(
@@ -75,13 +77,14 @@ class IdentityPolicy:
         entries: Iterable[dt.PolicyEntry],
         sequence: int,
         revision: int,
+        names: dt.NameRules = dt.NO_NAMES,
     ) -> IdentityPolicy:
         by_key = {e.key: e for e in entries}
         groups: dict[Group, set[dt.PolicyEntry]] = {}
         for entry in by_key.values():
             groups.setdefault(group_of(entry), set()).add(entry)
         frozen = {g: frozenset(members) for g, members in groups.items()}
-        return cls(identity, enforcement, by_key, sequence, revision, frozen)
+        return cls(identity, enforcement, by_key, sequence, revision, frozen, names=names)
 
     @classmethod
     def empty(cls, identity: int, sequence: int = 0, revision: int = 0) -> IdentityPolicy:
@@ -89,12 +92,13 @@ class IdentityPolicy:
 
     @classmethod
     def of(cls, snapshot: dt.PolicySnapshot, sequence: int, revision: int) -> IdentityPolicy:
-        return cls.build(snapshot.identity, snapshot.enforcement, snapshot.entries, sequence, revision)
+        return cls.build(snapshot.identity, snapshot.enforcement, snapshot.entries, sequence, revision, snapshot.names)
 
     def apply(self, diff: dt.IdentityPolicyDiff, sequence: int, revision: int) -> IdentityPolicy:
         """This policy after ``diff`` (full replaces; otherwise removes, then adds), with the net change. Pure."""
+        names = self.names if diff.names is None else diff.names
         if diff.full:
-            new = IdentityPolicy.build(diff.identity, diff.enforcement, diff.add, sequence, revision)
+            new = IdentityPolicy.build(diff.identity, diff.enforcement, diff.add, sequence, revision, names)
             added = tuple(e for k, e in new.entries.items() if self.entries.get(k) != e)
             removed = tuple(e for k, e in self.entries.items() if new.entries.get(k) != e)
             return dataclasses.replace(new, base=self.version, added=added, removed=removed)
@@ -133,6 +137,7 @@ class IdentityPolicy:
             base=self.version,
             added=tuple(sorted(added_list)),
             removed=tuple(sorted(removed_list)),
+            names=names,
         )
 
     def neighbours(self, changed: Iterable[dt.PolicyEntry], exclude: Iterable[dt.PolicyEntry]) -> list[dt.PolicyEntry]:

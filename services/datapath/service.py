@@ -32,6 +32,7 @@ from services.common.runner import ServiceContext, run_service
 from services.datapath import deletequeue, requirements
 from services.datapath.config import DatapathConfig
 from services.datapath.datapath import Datapath, DatapathAPI
+from services.datapath.dnsnames import NamePublisher
 from services.datapath.flows import FlowHub
 from services.datapath.ipamclient import GrpcIpam, IpamPort
 from services.datapath.ipcachesync import IpcacheSync
@@ -146,6 +147,7 @@ async def start_agent(
         policy=policy,
         reporter=reporter,
         backoff_max=cfg.retry_backoff_max,
+        names=NamePublisher(cfg.state_dir, datapath, cfg.dns_proxy_port).publish,
     )
     consumer = OrderConsumer(node, policy, manager, backoff_max=cfg.retry_backoff_max)
     ipcache = IpcacheSync(datapath, manager, cfg.node_name)

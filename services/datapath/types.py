@@ -24,6 +24,20 @@ IDENTITY_INIT = 5
 MAX_PORT = 0xFFFF
 MAX_IDENTITY = 0xFFFF_FFFF
 
+#: Node-local identities of addresses the node's DNS proxy learned (Cilium's local identity scope
+#: starts at 1 << 24; ipam's cluster-wide CIDR identities take 1 << 24 .. (1 << 25) - 1, so the node
+#: takes the next block). Entries with these remote identities are the proxy's: the realizer's full
+#: syncs and the ipcache's prune leave them alone.
+#: ipam's CIDR identities (cluster-wide, every node agrees on them).
+MIN_CIDR_IDENTITY = 1 << 24
+MAX_CIDR_IDENTITY = (1 << 25) - 1
+MIN_LOCAL_IDENTITY = 1 << 25
+MAX_LOCAL_IDENTITY = (1 << 26) - 1
+
+
+def is_local_identity(identity: int) -> bool:
+    return MIN_LOCAL_IDENTITY <= identity <= MAX_LOCAL_IDENTITY
+
 
 class Direction(StrEnum):
     """Traffic direction seen from the local endpoint."""
@@ -427,6 +441,49 @@ class EndpointRequest:
 
 
 @dataclasses.dataclass(frozen=True)
+class FqdnRule:
+    """Egress to the addresses learned for names ``selector`` matches (a ``toFQDNs`` rule)."""
+
+    #: Lower-case, no trailing dot: an exact name or a pattern (``*`` any name, ``*`` in a label).
+    selector: str
+    #: ANY with ports 0-0: every port.
+    protocol: L4Proto = L4Proto.ANY
+    port_low: int = 0
+    port_high: int = 0
+    #: ALLOW, or AUDIT_ALLOW for a policy in audit mode.
+    verdict: Verdict = Verdict.ALLOW
+
+    def entry(self, remote_identity: int) -> PolicyEntry:
+        """The egress entry this rule gives a learned address's identity."""
+        key = PolicyKey(Direction.EGRESS, remote_identity, self.protocol, self.port_low, self.port_high)
+        return PolicyEntry(key, self.verdict)
+
+
+@dataclasses.dataclass(frozen=True)
+class DnsRule:
+    """DNS traffic the node's proxy must see: queries to this server and port, names allowed."""
+
+    #: The DNS server's identity; 0: any.
+    remote_identity: int
+    protocol: L4Proto
+    port: int
+    #: Selectors in ``FqdnRule.selector``'s form; a query must match one.
+    selectors: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class NameRules:
+    """One identity's FQDN and DNS rules: what its pods may resolve and reach by name."""
+
+    fqdn: tuple[FqdnRule, ...] = ()
+    dns: tuple[DnsRule, ...] = ()
+
+
+#: An identity without name rules.
+NO_NAMES = NameRules()
+
+
+@dataclasses.dataclass(frozen=True)
 class IdentityPolicyDiff:
     """A change of one identity's policy: ``full`` replaces it; otherwise removes, then adds."""
 
@@ -435,6 +492,8 @@ class IdentityPolicyDiff:
     add: tuple[PolicyEntry, ...] = ()
     remove: tuple[PolicyKey, ...] = ()
     full: bool = False
+    #: The identity's name rules when they changed (they replace the node's whole set); None: unchanged.
+    names: NameRules | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,6 +503,7 @@ class PolicySnapshot:
     identity: int
     enforcement: Enforcement
     entries: tuple[PolicyEntry, ...] = ()
+    names: NameRules = NO_NAMES
 
 
 @dataclasses.dataclass(frozen=True)

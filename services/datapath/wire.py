@@ -11,6 +11,7 @@ cannot represent raises :class:`OrderError` here, before any of it is applied.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from palisade.v1 import common_pb2, datapath_pb2, ipam_pb2, policy_pb2
 from services.datapath import netns
@@ -88,6 +89,41 @@ def _removal(entry: common_pb2.PolicyEntry) -> dt.PolicyKey:
     return dataclasses.replace(key, audit=True) if audit else key
 
 
+def fqdn_rule_from_proto(rule: common_pb2.FqdnRule) -> dt.FqdnRule:
+    where = f"toFQDNs rule {rule.selector!r}"
+    if not rule.selector or rule.selector != rule.selector.lower() or rule.selector.endswith("."):
+        raise OrderError(f"{where}: the selector must be a lower-case name without a trailing dot")
+    try:
+        verdict = dt.Verdict.from_wire(rule.verdict)
+        if verdict not in (dt.Verdict.ALLOW, dt.Verdict.AUDIT_ALLOW):
+            raise ValueError(f"verdict {verdict} is not allow or audit-allow")
+        out = dt.FqdnRule(rule.selector, dt.L4Proto.from_number(rule.protocol), rule.port_low, rule.port_high, verdict)
+        out.entry(dt.IDENTITY_ANY)  # validates the ports as a policy key would
+    except ValueError as exc:
+        raise OrderError(f"{where}: {exc}; the policy service sent a bad rule") from None
+    return out
+
+
+def dns_rule_from_proto(rule: common_pb2.DnsRule) -> dt.DnsRule:
+    where = f"DNS rule (server id={rule.remote_identity} port={rule.port})"
+    try:
+        protocol = dt.L4Proto.from_number(rule.protocol)
+    except ValueError as exc:
+        raise OrderError(f"{where}: {exc}") from None
+    if protocol not in (dt.L4Proto.UDP, dt.L4Proto.TCP, dt.L4Proto.ANY) or not 0 < rule.port <= dt.MAX_PORT:
+        raise OrderError(f"{where}: DNS rules need UDP, TCP or ANY and a port in 1-65535")
+    for selector in rule.selectors:
+        if not selector or selector != selector.lower() or selector.endswith("."):
+            raise OrderError(f"{where}: selector {selector!r} must be a lower-case name without a trailing dot")
+    return dt.DnsRule(rule.remote_identity, protocol, rule.port, tuple(rule.selectors))
+
+
+def names_from_proto(fqdn: Iterable[common_pb2.FqdnRule], dns: Iterable[common_pb2.DnsRule]) -> dt.NameRules:
+    return dt.NameRules(
+        fqdn=tuple(fqdn_rule_from_proto(r) for r in fqdn), dns=tuple(dns_rule_from_proto(r) for r in dns)
+    )
+
+
 def diff_from_proto(diff: common_pb2.IdentityPolicyDiff) -> dt.IdentityPolicyDiff:
     return dt.IdentityPolicyDiff(
         identity=diff.identity,
@@ -95,6 +131,7 @@ def diff_from_proto(diff: common_pb2.IdentityPolicyDiff) -> dt.IdentityPolicyDif
         add=tuple(entry_from_proto(e) for e in diff.add),
         remove=tuple(_removal(e) for e in diff.remove),
         full=diff.full,
+        names=names_from_proto(diff.fqdn_rules, diff.dns_rules) if diff.names_changed else None,
     )
 
 
@@ -103,6 +140,7 @@ def snapshot_from_proto(policy: common_pb2.IdentityPolicy) -> dt.PolicySnapshot:
         identity=policy.identity,
         enforcement=enforcement_from_proto(policy.enforcement),
         entries=tuple(entry_from_proto(e) for e in policy.entries),
+        names=names_from_proto(policy.fqdn_rules, policy.dns_rules),
     )
 
 

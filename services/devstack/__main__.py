@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -246,6 +247,19 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
         for node in dev_nodes(args, run_dir)
         if not args.no_datapath
     ]  # fmt: skip
+    # Each node's DNS proxy, a process of its own beside the datapath (as a second container of the
+    # DaemonSet): it outlives a datapath restart, and waits for the datapath's maps when it starts first.
+    dnsproxies = [
+        Child(
+            f"{node.child}-dnsproxy",
+            [sys.executable, "-m", *node.launcher, "services.datapath.dnsproxyd", "--state-dir", str(node.state_dir),
+             "--bpffs", node.bpffs, "--log-format", "json"],
+            logs / f"{node.child}-dnsproxy.log",
+            env=env,
+        )
+        for node in dev_nodes(args, run_dir)
+        if not args.no_datapath
+    ]  # fmt: skip
     addresses = {
         "watcher": grpc_address(args, "watcher"),
         "policy": policy_addresses,
@@ -275,6 +289,7 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
         *ipams,
         *policies,
         *datapaths,
+        *dnsproxies,
     ]
 
 
@@ -311,7 +326,7 @@ def dev_nodes(args: argparse.Namespace, run_dir: Path) -> list[DevNodeSpec]:
 def banner(args: argparse.Namespace, children: list[Child], nodes: list[DevNode], started: float) -> str:
     lines = [f"Palisade is running ({time.monotonic() - started:.1f}s to start). Logs: {args.run_dir}/{LOGS}", ""]
     for c in children:
-        where = c.grpc_address or f"{c.tcp_host}:{c.tcp_port}"
+        where = c.grpc_address or (f"{c.tcp_host}:{c.tcp_port}" if c.tcp_port else "(pod DNS)")
         lines.append(f"  {c.name:9} {where:18} pid {c.proc.pid if c.proc else '-'}")
     for node in nodes:
         lines += ["", f"Pods on {node.name}:"]
@@ -339,6 +354,8 @@ async def main_async(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
     children = build(args, run_dir)
     for c in children:
+        if not c.tcp_port and not c.grpc_address:
+            continue  # listens on no port of the host (the DNS proxy: steered pod traffic only)
         port = c.tcp_port or int(c.grpc_address.rpartition(":")[2])
         if not port_free(port):
             raise StackError(
@@ -406,7 +423,15 @@ async def main_async(args: argparse.Namespace) -> int:
                 # A node's namespace takes its pods' veths and routes with it.
                 left += await asyncio.to_thread(hosts.remove, args.network)
             for spec in [] if args.no_datapath else dev_nodes(args, run_dir):
-                left += await asyncio.to_thread(clean, spec.bpffs, spec.state_dir, pod_netns.get(spec.name, []))
+                left += await asyncio.to_thread(
+                    functools.partial(
+                        clean,
+                        spec.bpffs,
+                        spec.state_dir,
+                        pod_netns.get(spec.name, []),
+                        dns_routing=args.network is None,
+                    )
+                )
             clear_run_dir(run_dir)
             kept = f"the logs of this run are kept in {run_dir / LOGS} until the next start"
             if left:

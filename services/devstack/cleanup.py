@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from services.common.log import get_logger
+from services.datapath import dnsrouting
 from services.datapath import netns as netns_mod
 from services.datapath.datapath import teardown_all
 from services.datapath.endpoint import link_of
@@ -23,8 +24,11 @@ from services.datapath.state import EndpointStore
 log = get_logger("devstack")
 
 
-def clean(bpffs: str, state_dir: Path, netns_paths: Iterable[str] = ()) -> list[str]:
-    """Remove the stack's pods, veths, routes and pins; returns what is still there (empty: nothing)."""
+def clean(bpffs: str, state_dir: Path, netns_paths: Iterable[str] = (), *, dns_routing: bool = False) -> list[str]:
+    """Remove the stack's pods, veths, routes and pins; returns what is still there (empty: nothing).
+
+    ``dns_routing``: the node is this namespace (the single dev node): its DNS proxy's policy
+    routing goes too (a dev cluster's nodes take theirs with their namespaces)."""
     records, broken = EndpointStore(state_dir).load_all() if state_dir.is_dir() else ([], [])
     for err in broken:
         log.warning("endpoint record unreadable; its pod is cleaned by name if known", error=str(err))
@@ -44,6 +48,11 @@ def clean(bpffs: str, state_dir: Path, netns_paths: Iterable[str] = ()) -> list[
         teardown_all(bpffs)
     except OSError as exc:
         log.warning("pinned maps not removed", bpffs=bpffs, error=str(exc))
+    if dns_routing:
+        try:
+            dnsrouting.remove()
+        except OSError as exc:
+            log.warning("DNS proxy routing not removed", error=str(exc))
     shutil.rmtree(state_dir, ignore_errors=True)
     return left_behind(bpffs, owned, [link.host_ifname for link in links])
 

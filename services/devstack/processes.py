@@ -118,6 +118,8 @@ class Child:
             if self.proc is None or self.proc.poll() is not None:
                 code = self.proc.returncode if self.proc else None
                 raise StackError(f"{self.name} exited ({code}) during startup; its log {self.log} ends:\n{self.tail()}")
+            if not self.grpc_address and not self.tcp_port:
+                return  # no probe (the DNS proxy serves only steered pod traffic): running is ready
             if self.grpc_address and serving(self.grpc_address, self.component or self.name, self.credentials):
                 return
             if self.tcp_port and not self.grpc_address:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from palisade.v1 import identity_pb2
 from services.common.labels import ReservedIdentity
 from services.datapath.ipcachesync import IpcacheSync
+from services.datapath.types import MIN_LOCAL_IDENTITY
 
 
 class RecordingMap:
@@ -51,3 +52,13 @@ async def test_node_addresses_are_host_on_their_own_node_and_remote_node_elsewhe
     }
     await sync._on_entry("palisade.ipcache.a", _node_entry("192.168.7.10/32", "node-a", deleted=True))
     assert "192.168.7.10/32" not in bpf.prefixes
+
+
+async def test_prune_keeps_the_dns_proxys_learned_addresses() -> None:
+    """After the replay, prefixes the stream no longer has are removed, but not learned ones
+    (node-local identities): they are the DNS proxy's, not the stream's."""
+    bpf = RecordingMap()
+    bpf.prefixes = {"198.51.100.7/32": MIN_LOCAL_IDENTITY + 3, "203.0.113.0/24": (1 << 24) + 5}
+    sync = IpcacheSync(bpf, NoEndpoints(), "node-a")
+    assert await sync._prune() == 1
+    assert bpf.prefixes == {"198.51.100.7/32": MIN_LOCAL_IDENTITY + 3}

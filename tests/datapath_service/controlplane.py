@@ -43,6 +43,8 @@ def _key(e: common_pb2.PolicyEntry) -> bytes:
 class _Policy:
     enforcement: common_pb2.Enforcement
     entries: dict[bytes, common_pb2.PolicyEntry]
+    fqdn_rules: tuple[common_pb2.FqdnRule, ...] = ()
+    dns_rules: tuple[common_pb2.DnsRule, ...] = ()
 
 
 class ControlPlane(
@@ -123,6 +125,28 @@ class ControlPlane(
         )
         return await self._publish([diff], publish=publish)
 
+    async def set_names(
+        self,
+        identity: int,
+        fqdn_rules: Iterable[common_pb2.FqdnRule],
+        dns_rules: Iterable[common_pb2.DnsRule],
+        publish: bool = True,
+    ) -> int:
+        """Replace an identity's FQDN and DNS rules: a full diff with names_changed, as the contract says."""
+        old = self.policies.get(identity, _Policy(common_pb2.Enforcement(), {}))
+        new = dataclasses.replace(old, fqdn_rules=tuple(fqdn_rules), dns_rules=tuple(dns_rules))
+        self.policies[identity] = new
+        diff = common_pb2.IdentityPolicyDiff(
+            identity=identity,
+            enforcement=new.enforcement,
+            add=list(new.entries.values()),
+            full=True,
+            names_changed=True,
+            fqdn_rules=new.fqdn_rules,
+            dns_rules=new.dns_rules,
+        )
+        return await self._publish([diff], publish=publish)
+
     async def bump(self, publish: bool = True) -> int:
         """A revision that changes nothing on this node (a pure revision bump)."""
         return await self._publish([], publish=publish)
@@ -165,7 +189,11 @@ class ControlPlane(
                 continue
             out.policies.append(
                 common_pb2.IdentityPolicy(
-                    identity=identity, enforcement=policy.enforcement, entries=list(policy.entries.values())
+                    identity=identity,
+                    enforcement=policy.enforcement,
+                    entries=list(policy.entries.values()),
+                    fqdn_rules=policy.fqdn_rules,
+                    dns_rules=policy.dns_rules,
                 )
             )
         return out

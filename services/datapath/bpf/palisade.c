@@ -110,6 +110,7 @@
 #include "snat.h"       /* a port of Palisade's for a clashing tuple */
 #include "delivery.h"   /* local delivery: straight into another local pod */
 #include "translate.h"  /* handle()'s steps for services, clashing tuples and replies */
+#include "dns.h"        /* DNS queries policy passed, to the node's DNS proxy */
 
 /* The policy of endpoint veth ``ifindex`` (skb->ifindex, or the destination's in "deliver") for
  * the packet in direction ``dir``, in the steps of the header comment: the endpoint, the packet's
@@ -138,6 +139,9 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
         drop_event(skb, ifindex, &f, ep_id, local_id, 0, dir, REASON_INVALID);
         return TC_ACT_SHOT;
     }
+    /* For from_container's DNS check, in the context (a branch here would double the paths the
+     * verifier walks through the rest of handle()). */
+    skb->cb[DNS_CB_PORT] = f.dport;
 
     /* Lifetimes are seconds: the coarse clock (CLOCK_MONOTONIC_COARSE, a tick or two behind at
      * most) is precise enough and costs a fraction of the precise one on every packet. */
@@ -226,6 +230,8 @@ int from_container(struct __sk_buff *skb)
     }
     if (unlikely(verdict == TC_ACT_OK && (host_flow & OUT_HAIRPIN)))
         return hairpin_back(skb);
+    if (unlikely(verdict == TC_ACT_OK && !host_flow && skb->cb[DNS_CB_PORT] == bpf_htons(DNS_PORT)))
+        calls.call(skb, CALL_DNS_STEER);  /* returns only if the slot is empty */
 #if LOCAL_DELIVERY
     if (verdict == TC_ACT_OK && !host_flow && delivery_of(skb))
         calls.call(skb, CALL_DELIVER);  /* returns only if the slot is empty */
@@ -263,6 +269,20 @@ int deliver(struct __sk_buff *skb)
             return sctp_hand_off(skb, fix, SCTP_NEXT_REDIRECT, d.ifindex);
     }
     return bpf_redirect_peer(d.ifindex, 0);
+}
+
+/* A packet to port DNS_PORT from_container passed (nothing else to do with it): to the DNS proxy when
+ * dns_steer names its endpoint (tail-called, slot CALL_DNS_STEER), else on as from_container goes. */
+int dns_steer(struct __sk_buff *skb)
+{
+    int steered = dns_steer_to_proxy(skb);
+    if (steered != DNS_PASS)
+        return steered;
+#if LOCAL_DELIVERY
+    if (delivery_of(skb))
+        calls.call(skb, CALL_DELIVER);  /* returns only if the slot is empty: the host's path */
+#endif
+    return TC_ACT_OK;
 }
 
 /* A translated SCTP packet's checksum (tail-called, slot CALL_SCTP_CSUM, with what to do next in

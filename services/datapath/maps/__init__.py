@@ -15,6 +15,7 @@ from services.datapath.maps import (
     ct4map,
     ctmap,
     deliverymap,
+    dnsmap,
     endpointmap,
     enforcementmap,
     eventsmap,
@@ -67,4 +68,5 @@ ALL: tuple[MapModule, ...] = (
     lbctmap,
     deliverymap,
     snatmap,
+    dnsmap,
 )

@@ -19,6 +19,7 @@ from services.datapath.maps import (
     addresses,
     ctmap,
     deliverymap,
+    dnsmap,
     enforcementmap,
     ipcachemap,
     lbservicemap,
@@ -98,6 +99,9 @@ def shared() -> tuple[Shared, ...]:
         Shared("POLICY_FULL_PREFIX", policymap.FULL_PREFIX, "policymap.FULL_PREFIX"),
         Shared("EP_GENERATION", deliverymap.GENERATION, "deliverymap.GENERATION"),
         Shared("HOST_ID", IDENTITY_HOST, "types.IDENTITY_HOST"),
+        Shared("DNS_PORT", dnsmap.DNS_PORT, "dnsmap.DNS_PORT"),
+        Shared("DNS_PROXY_MARK", dnsmap.PROXY_MARK, "dnsmap.PROXY_MARK"),
+        Shared("DNS_PROXY_MARK_MASK", dnsmap.PROXY_MARK_MASK, "dnsmap.PROXY_MARK_MASK"),
     )
 
 
@@ -115,6 +119,7 @@ INVARIANTS: tuple[tuple[str, str], ...] = (
         "the four hint groups must sit between ENFORCE_* and HINTS_VALID (bit 31)",
     ),
     ("HINTS_GROUP_BITS == 4", "a hint group has one bit for each of policy_match()'s four lookups"),
+    ("(DNS_PROXY_MARK & ~DNS_PROXY_MARK_MASK) == 0", "DNS_PROXY_MARK must lie within DNS_PROXY_MARK_MASK"),
     ("SNAT_PORT_MIN <= SNAT_PORT_MAX && SNAT_PORT_MAX <= 0xffff", "SNAT_PORT_MIN..SNAT_PORT_MAX must be ports"),
 )
 

@@ -30,5 +30,7 @@ class MapSizes:
     #: Connections given a source port of their own because another flow held their tuple (LRU; two
     #: entries each).
     snat: int = 65536
+    #: DNS steering entries: (endpoint, DNS port, protocol) of endpoints a DNS rule selects.
+    dns_steer: int = 16384
     #: Ring buffer size in bytes (a power of two).
     events_bytes: int = 1 << 22

@@ -1,0 +1,137 @@
+"""A small authoritative DNS server answering A/AAAA queries from a table, UDP and TCP.
+
+Its sockets are made in a network namespace (the "outside world" of a test); it is served by
+an asyncio loop the caller runs. Names not in the table get NXDOMAIN. The table can change
+while it serves (an address change at TTL expiry), and it counts the queries it saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import socket
+import struct
+
+import dns.message
+import dns.rcode
+import dns.rdataclass
+import dns.rdatatype
+import dns.rrset
+
+from testkit.traffic import socket_in
+
+
+@dataclasses.dataclass
+class Record:
+    addresses: list[str]
+    ttl: int = 60
+
+
+class DnsServer:
+    def __init__(self, ns: str, address: str, port: int = 53) -> None:
+        self.ns = ns
+        self.address = address
+        self.port = port
+        self.table: dict[str, Record] = {}
+        self.queries: list[str] = []
+        self._udp: socket.socket | None = None
+        self._tcp: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        family = socket.AF_INET6 if ipaddress.ip_address(self.address).version == 6 else socket.AF_INET
+        udp = socket_in(self.ns, family, socket.SOCK_DGRAM)
+        udp.bind((self.address, self.port))
+        udp.setblocking(False)
+        self._udp = udp
+        loop = asyncio.get_running_loop()
+        loop.add_reader(udp.fileno(), self._on_udp)
+        tcp = socket_in(self.ns, family, socket.SOCK_STREAM)
+        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        tcp.bind((self.address, self.port))
+        tcp.listen(64)
+        tcp.setblocking(False)
+        self._tcp = await asyncio.start_server(self._on_tcp, sock=tcp)
+
+    async def stop(self) -> None:
+        if self._udp is not None:
+            asyncio.get_running_loop().remove_reader(self._udp.fileno())
+            self._udp.close()
+        if self._tcp is not None:
+            self._tcp.close()
+
+    def answer(self, wire: bytes) -> bytes:
+        query = dns.message.from_wire(wire)
+        response = dns.message.make_response(query)
+        question = query.question[0]
+        name = question.name.to_text(omit_final_dot=True).lower()
+        self.queries.append(name)
+        record = self.table.get(name)
+        if record is None:
+            response.set_rcode(dns.rcode.NXDOMAIN)
+            return response.to_wire()
+        wanted = 4 if question.rdtype == dns.rdatatype.A else 6
+        addresses = [a for a in record.addresses if ipaddress.ip_address(a).version == wanted]
+        if addresses:
+            rdtype = "A" if wanted == 4 else "AAAA"
+            response.answer.append(dns.rrset.from_text_list(question.name, record.ttl, "IN", rdtype, addresses))
+        return response.to_wire()
+
+    def _on_udp(self) -> None:
+        assert self._udp is not None
+        try:
+            data, client = self._udp.recvfrom(65535)
+        except BlockingIOError:
+            return
+        self._udp.sendto(self.answer(data), client)
+
+    async def _on_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                size = struct.unpack("!H", await reader.readexactly(2))[0]
+                reply = self.answer(await reader.readexactly(size))
+                writer.write(struct.pack("!H", len(reply)) + reply)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def query(
+    ns: str, server: str, name: str, *, tcp: bool = False, rdtype: str = "A", timeout: float = 3.0
+) -> dns.message.Message | None:
+    """A lookup from namespace ``ns`` (as a pod's resolver sends it); None if nothing came back."""
+    message = dns.message.make_query(name, rdtype)
+    wire = message.to_wire()
+    family = socket.AF_INET6 if ipaddress.ip_address(server).version == 6 else socket.AF_INET
+    with socket_in(ns, family, socket.SOCK_STREAM if tcp else socket.SOCK_DGRAM) as s:
+        s.settimeout(timeout)
+        try:
+            if tcp:
+                s.connect((server, 53))
+                s.sendall(struct.pack("!H", len(wire)) + wire)
+                size = struct.unpack("!H", _exact(s, 2))[0]
+                raw = _exact(s, size)
+            else:
+                s.sendto(wire, (server, 53))
+                raw = s.recv(65535)
+        except OSError:
+            return None
+    return dns.message.from_wire(raw)
+
+
+def _exact(s: socket.socket, size: int) -> bytes:
+    out = b""
+    while len(out) < size:
+        chunk = s.recv(size - len(out))
+        if not chunk:
+            raise ConnectionError("closed")
+        out += chunk
+    return out
+
+
+def addresses(response: dns.message.Message | None) -> list[str]:
+    if response is None:
+        return []
+    return [rd.address for rrset in response.answer for rd in rrset]

@@ -1,0 +1,142 @@
+"""The node's DNS proxy beside the datapath service process, with real BPF and packets (root, bcc).
+
+A pod made by the datapath resolves names at a table DNS server in a namespace of the test's
+(the outside world) and connects to the answers, steadily, while the datapath is killed (-9) and
+started again: the proxy is a process of its own, so no lookup and no connection fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from palisade.v1 import common_pb2
+from services.datapath import dnsrouting, netns
+from services.datapath.types import IDENTITY_WORLD
+from testkit.dnsserver import DnsServer, Record, addresses, query
+from testkit.harness import ServiceProcess
+from testkit.traffic import EchoServer, tcp_exchange
+from tests.datapath_service.controlplane import ControlPlane, entry
+from tests.datapath_service.helpers import create_endpoint, started
+from tests.datapath_service.pods import Pods
+from tests.datapath_service.test_service_root import cp, start_datapath
+
+pytestmark = [pytest.mark.root, pytest.mark.bcc]
+
+__all__ = ["cp", "start_datapath"]
+
+EGR = common_pb2.DIRECTION_EGRESS
+UDP, TCP = common_pb2.PROTOCOL_UDP, common_pb2.PROTOCOL_TCP
+PORT = 8080
+
+
+FQDN = common_pb2.FqdnRule(selector="*.example.test", protocol=TCP, port_low=PORT, verdict=common_pb2.VERDICT_ALLOW)
+DNS = common_pb2.DnsRule(protocol=common_pb2.PROTOCOL_ANY, port=53, selectors=["*.example.test"])
+
+
+def _start_proxy(bpffs: str, tmp_path: Path) -> subprocess.Popen[bytes]:
+    """The node's DNS proxy process, as a DaemonSet's second container runs it."""
+    cmd = [sys.executable, "-m", "services.datapath.dnsproxyd", "--bpffs", bpffs, "--state-dir",
+           str(tmp_path / "state"), "--log-format", "text"]  # fmt: skip
+    with open(tmp_path / "dnsproxy.log", "ab") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+async def outside() -> AsyncIterator[tuple[str, str, str]]:
+    """A namespace standing for the outside world: a DNS server address and a server address."""
+    name = "pdx" + secrets.token_hex(2)
+    o3 = secrets.randbelow(250)
+    dns_ip, server_ip = f"10.252.{o3}.53", f"10.252.{o3}.80"
+    link = await asyncio.to_thread(netns.create_pod, name, name, [dns_ip, server_ip])
+    echo = EchoServer(link.name, (PORT,), ())
+    try:
+        yield link.name, dns_ip, server_ip
+    finally:
+        echo.close()
+        await asyncio.to_thread(netns.delete_pod, link)
+
+
+async def test_datapath_kill_9_loses_no_lookup(
+    start_datapath: Callable[[], ServiceProcess],
+    cp: ControlPlane,
+    pods: Pods,
+    outside: tuple[str, str, str],
+    bpffs: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    port = _free_port()
+    monkeypatch.setenv("PALISADE_DNS_PROXY_PORT", str(port))  # both processes read it
+    proc, stub = await started(start_datapath)
+    ext, dns_ip, server_ip = outside
+    server = DnsServer(ext, dns_ip)
+    server.table["api.example.test"] = Record([server_ip])
+    await server.start()
+    proxy = await asyncio.to_thread(_start_proxy, bpffs, tmp_path)
+    try:
+        a = await create_endpoint(stub, pods.namespace, "a", "a")
+        pod = pods.netns("a")
+        dns_allowed = [entry(EGR, IDENTITY_WORLD, 53, UDP), entry(EGR, IDENTITY_WORLD, 53, TCP)]
+        await cp.set_policy(a.identity, dns_allowed, ingress=False, egress=True)
+        rev = await cp.set_names(a.identity, [FQDN], [DNS])
+        await cp.wait_realized(rev, [a.id])
+        assert not await asyncio.to_thread(tcp_exchange, pod, server_ip, PORT, 0.5), "not resolved yet"
+        first = None
+        for _ in range(50):  # the proxy opens its sockets once it has the maps and its names
+            first = await asyncio.to_thread(query, pod, dns_ip, "api.example.test", timeout=0.2)
+            if first is not None:
+                break
+        assert addresses(first) == [server_ip]
+
+        failures: list[str] = []
+        rounds = 0
+        stop = threading.Event()
+
+        def load() -> None:
+            nonlocal rounds
+            while not stop.is_set():
+                rounds += 1
+                # One client retry: a stub resolver's 1 s timeout, then a second try.
+                answer = query(pod, dns_ip, "api.example.test", timeout=1.0) or query(
+                    pod, dns_ip, "api.example.test", timeout=1.0
+                )
+                if addresses(answer) != [server_ip]:
+                    failures.append(f"lookup {rounds}")
+                elif not tcp_exchange(pod, server_ip, PORT, timeout=2.0):
+                    failures.append(f"connection {rounds}")
+                time.sleep(0.05)
+
+        worker = threading.Thread(target=load)
+        worker.start()
+        try:
+            await asyncio.sleep(1)
+            proc.kill()  # kill -9 of the datapath
+            await asyncio.sleep(2)
+            proc, stub = await started(start_datapath)
+            await asyncio.sleep(2)
+        finally:
+            stop.set()
+            await asyncio.to_thread(worker.join)
+        assert rounds > 20 and failures == [], failures
+        assert proc.terminate() == 0, proc.logs()[-3000:]
+    finally:
+        proxy.terminate()
+        await asyncio.to_thread(proxy.wait, 10)
+        await server.stop()
+        await asyncio.to_thread(dnsrouting.remove)
