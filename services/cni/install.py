@@ -171,6 +171,10 @@ def uninstall(args: argparse.Namespace) -> None:
             shutil.rmtree(args.bpffs, ignore_errors=True)
         done = "datapath programs detached and maps removed" if found else "no datapath"
         print(f"{done} ({args.bpffs})")
+        from services.datapath import dnsrouting
+
+        dnsrouting.remove()  # the DNS proxy's policy routing on the node
+        print("DNS proxy routing removed")
     if args.state_dir:
         shutil.rmtree(args.state_dir, ignore_errors=True)
         print(f"endpoint state removed ({args.state_dir})")

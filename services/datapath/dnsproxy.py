@@ -5,7 +5,7 @@ destination, so its sockets are transparent and it reads the original server fro
 (``IP_RECVORIGDSTADDR`` for UDP, the accepted socket's own address for TCP). Per query:
 
 1. the client is a local endpoint, and one of its identity's DNS rules covers the server
-   (identity, port, protocol) and allows the name (``fqdnmatch``); otherwise the answer is the
+   (identity, port, protocol) and allows the name (``services.common.fqdn``); otherwise the answer is the
    configured refusal (REFUSED or NXDOMAIN: musl treats REFUSED as final);
 2. the query goes to the original server, over the protocol it came in;
 3. the A/AAAA records of the answer, for a name some local endpoint's FQDN rules select, are
@@ -36,8 +36,8 @@ import dns.message
 import dns.rcode
 import dns.rdatatype
 
+from services.common import fqdn
 from services.common.log import get_logger
-from services.datapath import fqdnmatch
 from services.datapath.dnsnames import NameSource
 from services.datapath.fqdncache import CacheLimits, NameCache
 from services.datapath.fqdnmaps import NameEndpoint, NameMaps, PolicyMaps
@@ -117,22 +117,43 @@ class ProxyMaps(PolicyMaps, Protocol):
 class ProxyStats:
     queries: int = 0
     refused: int = 0
+    #: Forwarded although no rule allows the name, because only audited rules cover the server.
+    audited: int = 0
     forwarded: int = 0
     failed: int = 0
     learned: int = 0
     expired: int = 0
 
 
+class Decision(StrEnum):
+    """What the proxy does with a query."""
+
+    ALLOW = "allow"
+    #: Only rules of policies in audit mode cover the server, and none allows the name: the query
+    #: is forwarded and reported as one an enforced policy would refuse.
+    AUDIT = "audit"
+    REFUSE = "refuse"
+
+
+def judge(rules: Sequence[DnsRule], server_identity: int, port: int, protocol: L4Proto, name: str) -> Decision:
+    """Whether the DNS rules that cover the server allow the name. Pure."""
+    covering = [
+        rule
+        for rule in rules
+        if rule.remote_identity in (IDENTITY_ANY, server_identity)
+        and rule.port == port
+        and rule.protocol in (L4Proto.ANY, protocol)
+    ]
+    if any(fqdn.selects_any(rule.selectors, name) is not None for rule in covering):
+        return Decision.ALLOW
+    if covering and all(rule.audit for rule in covering):
+        return Decision.AUDIT
+    return Decision.REFUSE
+
+
 def rule_allows(rules: Sequence[DnsRule], server_identity: int, port: int, protocol: L4Proto, name: str) -> bool:
-    """Whether one DNS rule covers the server and allows the name. Pure."""
-    for rule in rules:
-        if rule.remote_identity not in (IDENTITY_ANY, server_identity) or rule.port != port:
-            continue
-        if rule.protocol not in (L4Proto.ANY, protocol):
-            continue
-        if fqdnmatch.any_match(rule.selectors, name):
-            return True
-    return False
+    """Whether the query gets an answer from the server (allowed, or only audited). Pure."""
+    return judge(rules, server_identity, port, protocol, name) is not Decision.REFUSE
 
 
 class DnsProxy:
@@ -262,7 +283,7 @@ class DnsProxy:
         except dns.exception.DNSException as exc:
             log.warning("unparsable DNS query dropped", client=client[0], error=str(exc))
             return None
-        name = fqdnmatch.normalize(message.question[0].name.to_text()) if message.question else ""
+        name = fqdn.normalize(message.question[0].name.to_text()) if message.question else ""
         server_identity = self._maps.ipcache_lookup(server[0]) or IDENTITY_WORLD
         ep = self._allowing(client[0], server_identity, server[1], protocol, name)
         if ep is None and self.reload():
@@ -272,6 +293,9 @@ class DnsProxy:
             self.stats.refused += 1
             log.debug("DNS query refused", client=client[0], name=name, server=server[0])
             return self._refusal(message)
+        if judge(ep.rules.dns, server_identity, server[1], protocol, name) is Decision.AUDIT:
+            self.stats.audited += 1
+            log.info("DNS query an enforced policy would refuse (audit)", client=client[0], name=name, server=server[0])
         try:
             raw = await self._forward(query, server, protocol)
         except (OSError, TimeoutError, EOFError, asyncio.IncompleteReadError) as exc:
@@ -303,7 +327,7 @@ class DnsProxy:
         return ep
 
     def _selected(self, name: str) -> bool:
-        return any(fqdnmatch.match(selector, name) for selector in self._selectors)
+        return fqdn.selects_any(self._selectors, name) is not None
 
     def _learn(self, ep_id: int, name: str, answers: list[tuple[str, float]]) -> None:
         now, wall = self._clock(), self._wall()

@@ -15,8 +15,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
+from services.common import fqdn
 from services.common.log import get_logger
-from services.datapath import fqdnmatch
 from services.datapath.fqdncache import NameCache, host_prefix
 from services.datapath.types import NameRules, PolicyChange, PolicyEntry
 
@@ -78,7 +78,7 @@ def _entries_for(ep: NameEndpoint, name: str, ip: str, ident: int | None, base: 
     world or CIDR rule allowed, nor escapes what one denied)."""
     if ident is None:
         return []
-    out = [rule.entry(ident) for rule in ep.rules.fqdn if fqdnmatch.match(rule.selector, name)]
+    out = [rule.entry(ident) for rule in ep.rules.fqdn if fqdn.matches(rule.selector, name)]
     if ep.aliased:
         former = base(ip)
         out += [

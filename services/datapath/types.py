@@ -469,6 +469,8 @@ class DnsRule:
     port: int
     #: Selectors in ``FqdnRule.selector``'s form; a query must match one.
     selectors: tuple[str, ...] = ()
+    #: Of a policy in audit mode: a name it does not allow is forwarded and reported, not refused.
+    audit: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

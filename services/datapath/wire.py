@@ -115,7 +115,10 @@ def dns_rule_from_proto(rule: common_pb2.DnsRule) -> dt.DnsRule:
     for selector in rule.selectors:
         if not selector or selector != selector.lower() or selector.endswith("."):
             raise OrderError(f"{where}: selector {selector!r} must be a lower-case name without a trailing dot")
-    return dt.DnsRule(rule.remote_identity, protocol, rule.port, tuple(rule.selectors))
+    if rule.verdict not in (common_pb2.VERDICT_UNSPECIFIED, common_pb2.VERDICT_ALLOW, common_pb2.VERDICT_AUDIT_ALLOW):
+        raise OrderError(f"{where}: verdict {rule.verdict} is neither ALLOW nor AUDIT_ALLOW")
+    audit = rule.verdict == common_pb2.VERDICT_AUDIT_ALLOW
+    return dt.DnsRule(rule.remote_identity, protocol, rule.port, tuple(rule.selectors), audit)
 
 
 def names_from_proto(fqdn: Iterable[common_pb2.FqdnRule], dns: Iterable[common_pb2.DnsRule]) -> dt.NameRules:

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the datapath's state directory (its endpoint records)",
     )
     args = parser.parse_args(argv)
-    left = clean(args.bpffs, args.state_dir)
+    left = clean(args.bpffs, args.state_dir, dns_routing=True)
     for item in left:
         print(f"left behind: {item}")
     print("nothing left behind" if not left else f"{len(left)} left behind")

@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 
 from palisade.v1 import common_pb2
 from palisade.v1 import common_pb2 as pb
+from services.common.fqdn import matches as match
 from services.datapath import wire
 from services.datapath.dnsnames import decode, encode, steering_of
-from services.datapath.dnsproxy import rule_allows
+from services.datapath.dnsproxy import Decision, judge, rule_allows
 from services.datapath.errors import OrderError
 from services.datapath.fqdncache import CacheLimits, NameCache
 from services.datapath.fqdnmaps import NameEndpoint, NameMaps, desired
-from services.datapath.fqdnmatch import match
 from services.datapath.fqdnstore import NameStore
 from services.datapath.types import (
     IDENTITY_WORLD,
@@ -169,6 +169,42 @@ def test_steering_and_rule_checks() -> None:
     assert rule_allows(server_rule, 4242, 53, L4Proto.UDP, "x.test")
     assert not rule_allows(server_rule, 2, 53, L4Proto.UDP, "x.test"), "another server"
     assert not rule_allows(server_rule, 4242, 53, L4Proto.TCP, "x.test"), "another protocol"
+
+
+@pytest.mark.parametrize(
+    ("rules", "name", "expected"),
+    [
+        ((DnsRule(0, L4Proto.UDP, 53, ("a.test",), audit=True),), "a.test", Decision.ALLOW),
+        ((DnsRule(0, L4Proto.UDP, 53, ("a.test",), audit=True),), "b.test", Decision.AUDIT),
+        # An enforced rule covering the same server decides: audited rules never widen it.
+        (
+            (DnsRule(0, L4Proto.UDP, 53, ("a.test",), audit=True), DnsRule(0, L4Proto.UDP, 53, ("c.test",))),
+            "b.test",
+            Decision.REFUSE,
+        ),
+        (
+            (DnsRule(0, L4Proto.UDP, 53, ("b.test",), audit=True), DnsRule(0, L4Proto.UDP, 53, ("c.test",))),
+            "b.test",
+            Decision.ALLOW,
+        ),
+        ((DnsRule(0, L4Proto.UDP, 53, ("a.test",)),), "b.test", Decision.REFUSE),
+        ((), "a.test", Decision.REFUSE),
+    ],
+)
+def test_audited_dns_rules_forward_what_they_would_refuse(
+    rules: tuple[DnsRule, ...], name: str, expected: Decision
+) -> None:
+    assert judge(rules, 7, 53, L4Proto.UDP, name) is expected
+
+
+def test_wire_decodes_an_audited_dns_rule() -> None:
+    rule = common_pb2.DnsRule(
+        protocol=common_pb2.PROTOCOL_UDP, port=53, selectors=["a.test"], verdict=common_pb2.VERDICT_AUDIT_ALLOW
+    )
+    assert wire.dns_rule_from_proto(rule).audit is True
+    rule.verdict = common_pb2.VERDICT_DENY
+    with pytest.raises(OrderError, match="neither ALLOW nor AUDIT_ALLOW"):
+        wire.dns_rule_from_proto(rule)
 
 
 def test_wire_decodes_name_rules() -> None:

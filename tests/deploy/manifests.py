@@ -184,3 +184,20 @@ def compose_mounts(svc: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                 mount["bind"] = {"propagation": propagation[0]}
             out[target] = mount
     return out
+
+
+#: The node's DNS proxy: a process beside the datapath (its own container), not one of the services.
+DNS_PROXY = ["python", "-m", "services.datapath.dnsproxyd"]
+
+
+def check_dns_proxy(where: str, env: Mapping[str, str], datapath_env: Mapping[str, str]) -> None:
+    """The proxy's environment is its settings and names the datapath's pins and state folder."""
+    from services.datapath.dnsproxyd import DnsProxyDaemonConfig
+
+    palisade_env = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
+    unknown = set(palisade_env) - env_names(DnsProxyDaemonConfig)
+    assert not unknown, f"{where}: {sorted(unknown)} are no settings of the DNS proxy"
+    config = load_config(DnsProxyDaemonConfig, argv=[], env=palisade_env)
+    for name in ("PALISADE_STATE_DIR", "PALISADE_BPFFS"):
+        assert env.get(name) == datapath_env.get(name), f"{where}: {name} differs from the datapath's"
+    assert config.state_dir and config.bpffs

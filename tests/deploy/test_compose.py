@@ -23,9 +23,11 @@ from services.datapath.netns import NETNS_DIR
 from testkit.harness import ROOT
 from tests.deploy.manifests import (
     COMPOSE_FILE,
+    DNS_PROXY,
     SERVICES,
     Upstream,
     check_container_config,
+    check_dns_proxy,
     compose_mounts,
     disagreements,
     image_of,
@@ -103,6 +105,19 @@ def test_every_palisade_container_runs_its_service_with_known_settings(services:
         service, config = check_container_config(f"compose service {name}", svc["command"], _env(svc))
         assert service == name
         assert port_of(config.grpc_listen) == DEFAULT_GRPC_PORTS[name]
+
+
+def test_the_dns_proxy_runs_beside_the_datapath_on_its_pins_and_state(services: dict[str, dict[str, Any]]) -> None:
+    proxy, datapath = services["dns-proxy"], services["datapath"]
+    assert proxy["command"] == DNS_PROXY and image_of(proxy) == image_of(datapath)
+    check_dns_proxy("compose service dns-proxy", _env(proxy), _env(datapath))
+    assert proxy["network_mode"] == "host" and proxy["privileged"] is True
+    assert "/sys/fs/bpf" in _mounts(proxy)
+    assert (
+        "datapath-state:/var/run/palisade" in proxy["volumes"]
+        and "datapath-state:/var/run/palisade" in datapath["volumes"]
+    )
+    assert proxy["depends_on"]["datapath"] == {"condition": "service_healthy"}
 
 
 def _published(services: dict[str, dict[str, Any]]) -> dict[int, tuple[str, int]]:

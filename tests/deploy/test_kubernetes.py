@@ -25,10 +25,12 @@ from services.common.trust import Credentials
 from services.datapath.netns import NETNS_DIR
 from testkit.harness import ROOT
 from tests.deploy.manifests import (
+    DNS_PROXY,
     KUBERNETES_DIR,
     SERVICES,
     Upstream,
     check_container_config,
+    check_dns_proxy,
     disagreements,
     load_documents,
     load_yaml,
@@ -101,7 +103,7 @@ def _palisade_containers() -> dict[str, tuple[Obj, Obj]]:
     for workload in _of_kind(*WORKLOAD_KINDS):
         pod = _pod_spec(workload)
         for container in pod.get("initContainers", []) + pod["containers"]:
-            if container["image"].partition(":")[0] != "palisade" or container["command"] == CNI_INSTALL:
+            if container["image"].partition(":")[0] != "palisade" or container["command"] in (CNI_INSTALL, DNS_PROXY):
                 continue
             name, _ = _check(workload, container)
             assert name not in out, f"services.{name} runs in two containers"
@@ -110,6 +112,21 @@ def _palisade_containers() -> dict[str, tuple[Obj, Obj]]:
 
 
 CNI_INSTALL = ["python", "-m", "services.cni.install"]
+
+
+def test_the_dns_proxy_runs_beside_the_datapath_on_its_pins_and_state() -> None:
+    (daemonset,) = [w for w in _of_kind("DaemonSet") if w["metadata"]["name"] == "palisade-datapath"]
+    containers = {c["name"]: c for c in _pod_spec(daemonset)["containers"]}
+    proxy, datapath = containers["dns-proxy"], containers["datapath"]
+    assert proxy["command"] == DNS_PROXY and proxy["image"] == datapath["image"]
+
+    def env(c: Obj) -> dict[str, str]:
+        return {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+
+    check_dns_proxy("the DNS proxy container", env(proxy), env(datapath))
+    mounts = {m["name"]: m["mountPath"] for m in proxy["volumeMounts"]}
+    assert mounts == {"bpffs": "/sys/fs/bpf", "state": "/var/run/palisade"}
+    assert proxy["securityContext"]["privileged"] is True  # transparent sockets, the node's routing
 
 
 def test_the_datapath_installs_the_cni_plugin_on_its_node() -> None:
