@@ -3,9 +3,15 @@
 Pure bookkeeping. Endpoints come from the ipcache (pods on nodes) and from the
 datapaths' reports. A revision *affects* an endpoint when some order up to that
 revision changed the policy of the endpoint's identity on its node after the
-revision the endpoint last realized, or when the endpoint appeared and never
-reported. Revision bumps (orders with no diff for an identity) affect nobody,
-like Cilium's endpointsToBumpRevision: an endpoint need not report them.
+endpoint appeared and after the revision it last realized. Revision bumps (orders
+with no diff for an identity) affect nobody, like Cilium's endpointsToBumpRevision:
+an endpoint need not report them, and one that never reported is behind only the
+changes made since it appeared, not every revision (with bumps held back, an
+endpoint with nothing to realize may report nothing for a long time). A new
+endpoint's first policy is such a change: the full policy an order brings when its
+identity comes to the node, or, when the node already held it (fetched by the
+datapath for the endpoint, or another endpoint of that identity), the commit that
+made the endpoint known if the node's history of that identity holds no change yet.
 
 A datapath may report that an endpoint could not realize a revision (its maps
 could not be written): the endpoint keeps its last realized revision and is
@@ -146,6 +152,9 @@ class RealizedTable:
         #: Every endpoint whose last report was a failure (and maybe some since recovered or gone:
         #: pruned as :meth:`settled` meets them), so a wait finds failures without a scan.
         self._failing: set[EndpointKey] = set()
+        #: (node, identity) pairs of endpoints that appeared with no change recorded for the pair:
+        #: the next :meth:`record_changes` records their first policy.
+        self._first: set[tuple[str, int]] = set()
 
     def __len__(self) -> int:
         return len(self._endpoints)
@@ -177,6 +186,7 @@ class RealizedTable:
         ep = self._endpoints.get((node, pod))
         if ep is None:
             self._add(Endpoint(node, pod, identity, since=revision, in_ipcache=True))
+            self._appeared(node, identity)
             return
         self._unindex(ep)
         ep.in_ipcache = True
@@ -185,7 +195,14 @@ class RealizedTable:
             ep.realized = 0
             ep.since = revision
             ep.failed, ep.error = 0, ""
+            self._appeared(node, identity)
         self._index(ep)
+
+    def _appeared(self, node: str, identity: int) -> None:
+        """An endpoint of ``identity`` is new on ``node``: unless its policy there has a recorded
+        change, the next commit's is its first policy, which it must realize."""
+        if not self._changes.get((node, identity)):
+            self._first.add((node, identity))
 
     def remove_endpoint(self, node: str, key: str) -> Endpoint | None:
         ep = self._endpoints.pop((node, key), None)
@@ -257,9 +274,11 @@ class RealizedTable:
     # --- changes and reports ------------------------------------------------------------
 
     def record_changes(self, revision: int, pairs: Iterable[tuple[str, int]], caused_at: float) -> None:
-        """Orders at ``revision`` changed the policy of these (node, identity) pairs."""
+        """Orders at ``revision`` changed the policy of these (node, identity) pairs (and the first
+        policy of endpoints that appeared since the last call is recorded at ``revision``)."""
         waiting: set[EndpointKey] = set()
-        for pair in pairs:
+        first, self._first = self._first, set()
+        for pair in {*pairs, *first}:
             revs = self._changes.setdefault(pair, [])
             if not revs or revs[-1] < revision:
                 revs.append(revision)
@@ -328,6 +347,7 @@ class RealizedTable:
             self._add(
                 Endpoint(report.node, key[1], report.identity, since=current_revision, endpoint_id=report.endpoint_id)
             )
+            self._appeared(report.node, report.identity)
             return key
         changed_id = bool(report.endpoint_id) and ep.endpoint_id != report.endpoint_id
         relabeled = not ep.in_ipcache and ep.identity != report.identity
@@ -338,22 +358,25 @@ class RealizedTable:
             if relabeled:
                 ep.identity = report.identity
                 ep.realized = 0
+                ep.since = current_revision
                 ep.failed, ep.error = 0, ""
+                self._appeared(report.node, report.identity)
             self._index(ep)
         return key
 
     # --- queries ------------------------------------------------------------------------
 
     def is_behind(self, ep: Endpoint, revision: int) -> bool:
-        """Whether ``revision`` affects ``ep`` and ``ep`` has not realized it."""
-        if ep.realized >= revision or ep.since > revision:
+        """Whether ``revision`` affects ``ep`` and ``ep`` has not realized it: a change of its
+        identity's policy on its node, made after it appeared and after what it realized, is at
+        or below ``revision``. An endpoint that never reported is no exception: it waits for
+        the changes made since it appeared (its first policy among them), not for every revision."""
+        if ep.realized >= revision or ep.since >= revision:
             return False
-        if ep.realized == 0:
-            return True
         revs = self._changes.get((ep.node, ep.identity))
         if not revs:
             return False
-        i = bisect.bisect_right(revs, ep.realized)
+        i = bisect.bisect_right(revs, max(ep.realized, ep.since))
         return i < len(revs) and revs[i] <= revision
 
     def has_failed(self, ep: Endpoint, revision: int) -> bool:
