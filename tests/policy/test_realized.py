@@ -90,6 +90,11 @@ CASES = {
         (*SETTLED, Appear("x/web", WEB, 2), Commit(3, (WEB,))),
         {2: [], 3: ["x/web"], 7: ["x/web"]},
     ),
+    # Orders with no new revision (an ipcache change that moved none) still bring policies.
+    "a pod whose identity's policy comes in a commit that moved no revision waits for it": (
+        (*SETTLED, Appear("x/web", WEB, 2), Commit(2, (WEB,))),
+        {1: [], 2: ["x/web"], 3: ["x/web"]},
+    ),
     "a change of its identity after it appeared holds a pod that never reported": (
         (*ONE_WEB, Appear("x/web-2", WEB, 2), Commit(5, (WEB,))),
         {4: [], 5: ["x/web", "x/web-2"]},
@@ -117,9 +122,12 @@ def test_who_is_behind(script: tuple[Step, ...], behind: dict[int, list[str]]) -
         assert table.settled(revision) == (not pods, table.settled(revision)[1])
 
 
-def test_a_first_policy_is_recorded_once() -> None:
-    """The first policy is recorded only for an identity with no history on the node."""
+def test_each_pod_of_an_identity_no_order_brought_realizes_the_commit_that_names_it() -> None:
+    """With no change of its identity recorded on the node, every new pod's first policy is the
+    commit that names it (the first pod's report does not stand for the next pod's)."""
     table = play((*SETTLED, Appear("x/web", WEB, 2), Commit(3), Reported("x/web", WEB, 3)))
     table.upsert_endpoint(NODE, "x/web-2", WEB, 3)
-    table.record_changes(4, [], 0.0)
-    assert [lag.pod for lag in table.behind(4)] == []
+    table.record_changes(3, [], 0.0)  # a commit that moved no revision
+    assert [lag.pod for lag in table.behind(3)] == ["x/web-2"]
+    table.report(Report(NODE, 0, WEB, 3, "x/web-2"), 3)
+    assert table.behind(3) == []

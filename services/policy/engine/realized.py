@@ -50,7 +50,8 @@ class Endpoint:
     #: "namespace/name" of the pod, or "#<endpoint id>" when a datapath reported no pod.
     key: str
     identity: int
-    #: Revision current when the endpoint became known.
+    #: Revision current when the endpoint became known; from the first commit after, that commit's:
+    #: the changes of its identity's policy above it are the ones it must realize.
     since: int
     endpoint_id: int = 0
     #: Highest revision reported for ``identity``; 0 when none yet.
@@ -61,6 +62,8 @@ class Endpoint:
     failed: int = 0
     #: Why, as the datapath reported it.
     error: str = ""
+    #: Revision of its first policy, which it must realize (0: none); see :meth:`RealizedTable.record_changes`.
+    first: int = 0
 
     @property
     def pod(self) -> str:
@@ -152,9 +155,8 @@ class RealizedTable:
         #: Every endpoint whose last report was a failure (and maybe some since recovered or gone:
         #: pruned as :meth:`settled` meets them), so a wait finds failures without a scan.
         self._failing: set[EndpointKey] = set()
-        #: (node, identity) pairs of endpoints that appeared with no change recorded for the pair:
-        #: the next :meth:`record_changes` records their first policy.
-        self._first: set[tuple[str, int]] = set()
+        #: Endpoints that appeared (or changed identity) since the last :meth:`record_changes`.
+        self._appearing: set[EndpointKey] = set()
 
     def __len__(self) -> int:
         return len(self._endpoints)
@@ -186,7 +188,7 @@ class RealizedTable:
         ep = self._endpoints.get((node, pod))
         if ep is None:
             self._add(Endpoint(node, pod, identity, since=revision, in_ipcache=True))
-            self._appeared(node, identity)
+            self._appearing.add((node, pod))
             return
         self._unindex(ep)
         ep.in_ipcache = True
@@ -194,15 +196,10 @@ class RealizedTable:
             ep.identity = identity
             ep.realized = 0
             ep.since = revision
+            ep.first = 0
             ep.failed, ep.error = 0, ""
-            self._appeared(node, identity)
+            self._appearing.add((node, pod))
         self._index(ep)
-
-    def _appeared(self, node: str, identity: int) -> None:
-        """An endpoint of ``identity`` is new on ``node``: unless its policy there has a recorded
-        change, the next commit's is its first policy, which it must realize."""
-        if not self._changes.get((node, identity)):
-            self._first.add((node, identity))
 
     def remove_endpoint(self, node: str, key: str) -> Endpoint | None:
         ep = self._endpoints.pop((node, key), None)
@@ -274,11 +271,28 @@ class RealizedTable:
     # --- changes and reports ------------------------------------------------------------
 
     def record_changes(self, revision: int, pairs: Iterable[tuple[str, int]], caused_at: float) -> None:
-        """Orders at ``revision`` changed the policy of these (node, identity) pairs (and the first
-        policy of endpoints that appeared since the last call is recorded at ``revision``)."""
+        """Orders at ``revision`` changed the policy of these (node, identity) pairs.
+
+        The endpoints that appeared since the last call count their changes from here on. This
+        commit brings the first policy of those whose identity it changed on their node (an
+        identity new to the node comes with its whole policy), and of those whose node has no
+        change of their identity recorded (the datapath fetched the policy for the endpoint): a
+        change each must realize. Others found their identity's policy on their node already;
+        only its later changes wait for them.
+        """
         waiting: set[EndpointKey] = set()
-        first, self._first = self._first, set()
-        for pair in {*pairs, *first}:
+        pairs = set(pairs)
+        appearing, self._appearing = self._appearing, set()
+        for key in appearing:
+            ep = self._endpoints.get(key)
+            if ep is None:
+                continue
+            pair = (ep.node, ep.identity)
+            ep.since = max(ep.since, revision)
+            if ep.realized < revision and (pair in pairs or not self._changes.get(pair)):
+                ep.first = revision
+                waiting.add(key)
+        for pair in pairs:
             revs = self._changes.setdefault(pair, [])
             if not revs or revs[-1] < revision:
                 revs.append(revision)
@@ -347,7 +361,7 @@ class RealizedTable:
             self._add(
                 Endpoint(report.node, key[1], report.identity, since=current_revision, endpoint_id=report.endpoint_id)
             )
-            self._appeared(report.node, report.identity)
+            self._appearing.add(key)
             return key
         changed_id = bool(report.endpoint_id) and ep.endpoint_id != report.endpoint_id
         relabeled = not ep.in_ipcache and ep.identity != report.identity
@@ -359,8 +373,9 @@ class RealizedTable:
                 ep.identity = report.identity
                 ep.realized = 0
                 ep.since = current_revision
+                ep.first = 0
                 ep.failed, ep.error = 0, ""
-                self._appeared(report.node, report.identity)
+                self._appearing.add(key)
             self._index(ep)
         return key
 
@@ -371,7 +386,11 @@ class RealizedTable:
         identity's policy on its node, made after it appeared and after what it realized, is at
         or below ``revision``. An endpoint that never reported is no exception: it waits for
         the changes made since it appeared (its first policy among them), not for every revision."""
-        if ep.realized >= revision or ep.since >= revision:
+        if ep.realized >= revision:
+            return False
+        if ep.realized < ep.first <= revision:
+            return True
+        if ep.since >= revision:
             return False
         revs = self._changes.get((ep.node, ep.identity))
         if not revs:
