@@ -152,7 +152,9 @@ def ports(events: Sequence[datapath_pb2.FlowEvent]) -> list[int]:
     return [e.destination_port for e in events]
 
 
-async def subscribe(hub: FlowHub, stream: AsyncIterator[datapath_pb2.FlowEvent]) -> asyncio.Future[datapath_pb2.FlowEvent]:
+async def subscribe(
+    hub: FlowHub, stream: AsyncIterator[datapath_pb2.FlowEvent]
+) -> asyncio.Future[datapath_pb2.FlowEvent]:
     """Start ``stream`` (it subscribes on its first step) and return its first item to come."""
     before = hub.clients
     first = asyncio.ensure_future(anext(stream))
