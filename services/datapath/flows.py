@@ -20,6 +20,7 @@ from palisade.v1 import common_pb2, datapath_pb2
 from services.common.log import get_logger
 from services.common.retry import retry
 from services.datapath import types as dt
+from services.datapath.config import DatapathConfig
 
 log = get_logger("flows")
 
@@ -236,10 +237,37 @@ class FlowHub:
         self._buffer = buffer
         self._subs: set[Subscription] = set()
         self._joined = asyncio.Event()  # a client subscribed: stop skipping
-        self._reading = False  # the hub decodes and fans out (it skips while nobody observes)
+        #: The read in flight hands every event it consumes to the subscribers. A skip (nobody
+        #: observes) or a take for the ring alone (its rate) consumes events it does not decode:
+        #: a client that subscribes meanwhile is served from the next read on.
+        self._lossless = False
         self.events = 0
         #: Events dropped from the buffers of Observe clients that could not keep up.
         self.dropped = 0
+
+    @classmethod
+    def configured(
+        cls,
+        source: FlowSource,
+        cfg: DatapathConfig,
+        *,
+        node: str,
+        pod_of: Callable[[int], str],
+        pod_at: Callable[[str], str] = lambda ip: "",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> FlowHub:
+        """The agent's hub: its poll, client buffers and ring (size and rate) from the datapath's settings."""
+        return cls(
+            source,
+            node=node,
+            pod_of=pod_of,
+            pod_at=pod_at,
+            poll_ms=cfg.flow_poll_ms,
+            buffer=cfg.observe_buffer,
+            ring=cfg.flow_ring_size,
+            ring_rate=cfg.flow_ring_rate,
+            clock=clock,
+        )
 
     async def run(self) -> None:
         while True:
@@ -270,7 +298,7 @@ class FlowHub:
             # The events are consumed (so a client that comes gets new ones, not a backlog) and
             # counted, never decoded; then the hub waits for a client or the next poll,
             # whichever comes first.
-            self._reading = False
+            self._lossless = False
             skipped = await asyncio.to_thread(self._source.skip_flows, 0)
             self.events += skipped
             if self.ring.size:
@@ -278,10 +306,11 @@ class FlowHub:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._joined.wait(), self._poll_ms / 1000)
             return ()
-        self._reading = True
         if self._subs or not self._ring_rate:
+            self._lossless = True
             return await asyncio.to_thread(self._source.read_flows, self._poll_ms)
         # For the ring alone: no more than this second's share is decoded.
+        self._lossless = False
         share = self._ring_rate - self._window_events
         batch, skipped = await asyncio.to_thread(self._source.take_flows, self._poll_ms, share)
         self.events += skipped
@@ -336,9 +365,16 @@ class FlowHub:
                 log.info("observe client lost events", lost=sub.lost)
 
     @property
+    def clients(self) -> int:
+        """Clients subscribed, served or not yet."""
+        return len(self._subs)
+
+    @property
     def subscribers(self) -> int:
-        """Clients being served: subscribed, with the hub reading for them (no longer skipping)."""
-        return len(self._subs) if self._reading else 0
+        """Clients being served: subscribed, and the read in flight hands them every event it
+        consumes (it is no skip or rate-limited take begun before they came, which could
+        consume their events undecoded); 0 until then."""
+        return len(self._subs) if self._lossless else 0
 
 
 VERDICTS = {common_pb2.VERDICT_ALLOW, common_pb2.VERDICT_DENY, common_pb2.VERDICT_AUDIT}

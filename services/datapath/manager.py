@@ -449,6 +449,9 @@ class EndpointManager:
             raise DatapathFailure(f"cannot attach BPF programs for {record.key}: {exc}") from exc
         self.endpoints[record.id] = ep
         await self.realizer.realize(ep, full=True)
+        # Reported at once: orders applied before it existed did not report it, and the next one
+        # may be long in coming (bumps are held back), while PolicyService waits for its first policy.
+        self.realizer.report([ep])
         return ep
 
     # --- delete --------------------------------------------------------------------------------

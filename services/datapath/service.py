@@ -157,16 +157,7 @@ async def start_agent(
         ep = manager.endpoints.get(endpoint_id)
         return ep.record.key if ep is not None else ""
 
-    flows = FlowHub(
-        datapath,
-        node=node,
-        pod_of=pod_of,
-        pod_at=lambda ip: ipcache.pods.get(ip, ""),
-        poll_ms=cfg.flow_poll_ms,
-        buffer=cfg.observe_buffer,
-        ring=cfg.flow_ring_size,
-        ring_rate=cfg.flow_ring_rate,
-    )
+    flows = FlowHub.configured(datapath, cfg, node=node, pod_of=pod_of, pod_at=lambda ip: ipcache.pods.get(ip, ""))
 
     spawn(manager.run(), "endpoints")
     spawn(manager.run_releases(), "releases")

@@ -528,3 +528,15 @@ async def test_no_endpoint_id_past_what_the_metrics_map_counts_is_handed_out(
     finally:
         await runner.stop()
         FakeDatapath.open(runner.config.bpffs).teardown()
+
+
+async def test_a_new_endpoint_reports_its_policy_without_waiting_for_an_order(
+    agent: InProcessAgent, cp: ControlPlane
+) -> None:
+    """Orders applied before an endpoint existed did not report it: it reports once its map is written."""
+    web = await create(agent, "web", app="web")
+    rev = await cp.bump()
+    await cp.wait_realized(rev, [web.id])
+    db = await create(agent, "db", app="db")  # no order comes after it
+    await cp.wait_realized(rev, [db.id])
+    assert cp.realized[db.id] == (db.identity, rev)

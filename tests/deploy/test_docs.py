@@ -130,6 +130,7 @@ EXPECTED_EXIT = {"policy trace": {1}, "policy diff": {0, 3}}
 @pytest.mark.bcc
 def test_the_readme_walkthrough_runs(stack: Stack, tmp_path: Path) -> None:
     ran = 0
+    waited: list[str] = []
     for command in commands("README.md"):
         args = palisade_args(command)
         if args is None:
@@ -156,8 +157,13 @@ def test_the_readme_walkthrough_runs(stack: Stack, tmp_path: Path) -> None:
         )
         want = EXPECTED_EXIT.get(" ".join(args[:2]), {0})
         assert result.returncode in want, f"`{command}`: {result.stdout}{result.stderr}"
+        if args[:2] == ["policy", "import"] and "--wait" in args:
+            # It returned 0: every endpoint the import touched realized its revision in time.
+            waited.append(command)
         ran += 1
     assert ran >= 9
+    # The rollout's step 2 imports the audited policy and waits for it to be realized.
+    assert [c for c in waited if "docs/rollout/db-audit.yaml" in c], "the walkthrough's audit import does not --wait"
 
 
 def stack_env(stack: Stack) -> dict[str, str]:

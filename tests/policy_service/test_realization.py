@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 import grpc
 import pytest
@@ -190,3 +191,63 @@ async def test_a_heartbeat_is_a_report_with_only_the_node(env: Env) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.ReportRealized(policy_pb2.ReportRealizedRequest(node="Not_A_Node"), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "node" in (err.value.details() or "")
+
+
+async def test_an_import_in_audit_mode_is_realized_though_a_pod_never_reported(env: Env) -> None:
+    """`policy import --wait` of a policy in audit mode: a pod that appeared on n1 after its
+    datapath's last report (an identity n1 already holds, so no order brings it anything) reports
+    nothing, and the held-back bumps give it nothing to report; the wait does not wait for it."""
+    ready = await import_policy(env, builders.cnp("web-in", {"app": "web"}, {"app": "db"}, 8443))
+    await env.settled(ready.revision)
+    await env.feed.pod("10.0.1.9", WEB, "n1", "web-9")  # the played n1 never reports it
+    ref = common_pb2.ObjectRef(kind="CiliumNetworkPolicy", namespace="default", name="web-in")
+
+    async def n1_endpoints() -> int:
+        status = await env.api.GetPolicy(policy_pb2.GetPolicyRequest(ref=ref, source=policy_pb2.POLICY_SOURCE_API))
+        return sum(n.endpoints for n in status.nodes if n.node == "n1")
+
+    await eventually(lambda: _equals(n1_endpoints(), 2), "the policy service knowing the new pod")
+    audited = builders.netpol("db-audit", {"app": "db"}, {"app": "web"}, 5433)
+    audited["metadata"]["annotations"] = {"policy.palisade.io/mode": "audit"}
+    answer = await import_policy(env, audited)
+    waited = await env.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=answer.revision, timeout_seconds=20), timeout=30
+    )
+    assert waited.realized and not waited.behind
+
+    # A change of the pod's identity does wait for it, named, until its datapath reports it.
+    changed = await import_policy(env, builders.cnp("web-in", {"app": "web"}, {"app": "db"}, 8444))
+    waited = await env.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=changed.revision, timeout_seconds=0.5), timeout=30
+    )
+    assert not waited.realized
+    assert [(b.node, b.pod, b.realized_revision) for b in waited.behind] == [("n1", "default/web-9", 0)]
+    env.datapaths["n1"].endpoints["default/web-9"] = (19, WEB)
+    await env.datapaths["n1"].resync()
+    waited = await env.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=changed.revision, timeout_seconds=20), timeout=30
+    )
+    assert waited.realized
+
+
+async def test_a_pod_of_an_identity_new_to_its_node_is_waited_for_until_it_reports(env: Env) -> None:
+    """Its first policy (the order that brings the identity to the node) is a change it must realize."""
+    await env.feed.pod("10.0.2.9", WEB, "n2", "web-9")  # web is new on n2
+    orders = await eventually(
+        lambda: next((o for o in env.log.all() if o.node == "n2" and WEB in [d.identity for d in o.diffs]), None),
+        "the order bringing web's policy to n2",
+    )
+    waited = await env.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=orders.revision, timeout_seconds=0.5), timeout=30
+    )
+    assert [(b.node, b.pod) for b in waited.behind] == [("n2", "default/web-9")]
+    env.datapaths["n2"].endpoints["default/web-9"] = (29, WEB)
+    await env.datapaths["n2"].resync()
+    waited = await env.api.WaitForRevision(
+        policy_pb2.WaitForRevisionRequest(revision=orders.revision, timeout_seconds=20), timeout=30
+    )
+    assert waited.realized
+
+
+async def _equals(value: Awaitable[int], expected: int) -> bool:
+    return await value == expected

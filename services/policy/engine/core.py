@@ -540,7 +540,7 @@ class PolicyCore:
                 if current is None:
                     self.realized.remove_endpoint(*ep)
                 else:
-                    self.realized.upsert_endpoint(ep[0], ep[1], current, self.revision)
+                    self.realized.upsert_endpoint(ep[0], ep[1], current, self.engine.committed_revision)
                 if declared is not None and declared != current:
                     # The datapath's word for this endpoint gave way to the ipcache's.
                     self._dirty.add((ep[0], declared))
@@ -604,7 +604,7 @@ class PolicyCore:
                 )
             known = self.hosts(r.node, r.identity)
             before = self.realized.identity_of(*self.realized.key_of(r))
-            done.extend(self.realized.report(r, self.revision))
+            done.extend(self.realized.report(r, self.engine.committed_revision))
             if before is not None and before != r.identity and not self.hosts(r.node, before):
                 self._change(now)
                 self._dirty.add((r.node, before))

@@ -222,6 +222,12 @@ class PolicyEngine:
         return self._repo.revision
 
     @property
+    def committed_revision(self) -> int:
+        """The revision before the open batch (the current one when none is open): the newest
+        whose changes are computed; the open batch's changes come above it."""
+        return self._batch_start_revision if self._batching else self.revision
+
+    @property
     def repository(self) -> Repository:
         return self._repo
 

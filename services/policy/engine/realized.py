@@ -3,9 +3,15 @@
 Pure bookkeeping. Endpoints come from the ipcache (pods on nodes) and from the
 datapaths' reports. A revision *affects* an endpoint when some order up to that
 revision changed the policy of the endpoint's identity on its node after the
-revision the endpoint last realized, or when the endpoint appeared and never
-reported. Revision bumps (orders with no diff for an identity) affect nobody,
-like Cilium's endpointsToBumpRevision: an endpoint need not report them.
+endpoint appeared and after the revision it last realized. Revision bumps (orders
+with no diff for an identity) affect nobody, like Cilium's endpointsToBumpRevision:
+an endpoint need not report them, and one that never reported is behind only the
+changes made since it appeared, not every revision (with bumps held back, an
+endpoint with nothing to realize may report nothing for a long time). A new
+endpoint's first policy is such a change: the full policy an order brings when its
+identity comes to the node, or, when the node already held it (fetched by the
+datapath for the endpoint, or another endpoint of that identity), the commit that
+made the endpoint known if the node's history of that identity holds no change yet.
 
 A datapath may report that an endpoint could not realize a revision (its maps
 could not be written): the endpoint keeps its last realized revision and is
@@ -44,7 +50,8 @@ class Endpoint:
     #: "namespace/name" of the pod, or "#<endpoint id>" when a datapath reported no pod.
     key: str
     identity: int
-    #: Revision current when the endpoint became known.
+    #: Revision current when the endpoint became known; from the first commit after, that commit's:
+    #: the changes of its identity's policy above it are the ones it must realize.
     since: int
     endpoint_id: int = 0
     #: Highest revision reported for ``identity``; 0 when none yet.
@@ -55,6 +62,8 @@ class Endpoint:
     failed: int = 0
     #: Why, as the datapath reported it.
     error: str = ""
+    #: Revision of its first policy, which it must realize (0: none); see :meth:`RealizedTable.record_changes`.
+    first: int = 0
 
     @property
     def pod(self) -> str:
@@ -146,6 +155,8 @@ class RealizedTable:
         #: Every endpoint whose last report was a failure (and maybe some since recovered or gone:
         #: pruned as :meth:`settled` meets them), so a wait finds failures without a scan.
         self._failing: set[EndpointKey] = set()
+        #: Endpoints that appeared (or changed identity) since the last :meth:`record_changes`.
+        self._appearing: set[EndpointKey] = set()
 
     def __len__(self) -> int:
         return len(self._endpoints)
@@ -177,6 +188,7 @@ class RealizedTable:
         ep = self._endpoints.get((node, pod))
         if ep is None:
             self._add(Endpoint(node, pod, identity, since=revision, in_ipcache=True))
+            self._appearing.add((node, pod))
             return
         self._unindex(ep)
         ep.in_ipcache = True
@@ -184,7 +196,9 @@ class RealizedTable:
             ep.identity = identity
             ep.realized = 0
             ep.since = revision
+            ep.first = 0
             ep.failed, ep.error = 0, ""
+            self._appearing.add((node, pod))
         self._index(ep)
 
     def remove_endpoint(self, node: str, key: str) -> Endpoint | None:
@@ -257,8 +271,27 @@ class RealizedTable:
     # --- changes and reports ------------------------------------------------------------
 
     def record_changes(self, revision: int, pairs: Iterable[tuple[str, int]], caused_at: float) -> None:
-        """Orders at ``revision`` changed the policy of these (node, identity) pairs."""
+        """Orders at ``revision`` changed the policy of these (node, identity) pairs.
+
+        The endpoints that appeared since the last call count their changes from here on. This
+        commit brings the first policy of those whose identity it changed on their node (an
+        identity new to the node comes with its whole policy), and of those whose node has no
+        change of their identity recorded (the datapath fetched the policy for the endpoint): a
+        change each must realize. Others found their identity's policy on their node already;
+        only its later changes wait for them.
+        """
         waiting: set[EndpointKey] = set()
+        pairs = set(pairs)
+        appearing, self._appearing = self._appearing, set()
+        for key in appearing:
+            ep = self._endpoints.get(key)
+            if ep is None:
+                continue
+            pair = (ep.node, ep.identity)
+            ep.since = max(ep.since, revision)
+            if ep.realized < revision and (pair in pairs or not self._changes.get(pair)):
+                ep.first = revision
+                waiting.add(key)
         for pair in pairs:
             revs = self._changes.setdefault(pair, [])
             if not revs or revs[-1] < revision:
@@ -328,6 +361,7 @@ class RealizedTable:
             self._add(
                 Endpoint(report.node, key[1], report.identity, since=current_revision, endpoint_id=report.endpoint_id)
             )
+            self._appearing.add(key)
             return key
         changed_id = bool(report.endpoint_id) and ep.endpoint_id != report.endpoint_id
         relabeled = not ep.in_ipcache and ep.identity != report.identity
@@ -338,22 +372,30 @@ class RealizedTable:
             if relabeled:
                 ep.identity = report.identity
                 ep.realized = 0
+                ep.since = current_revision
+                ep.first = 0
                 ep.failed, ep.error = 0, ""
+                self._appearing.add(key)
             self._index(ep)
         return key
 
     # --- queries ------------------------------------------------------------------------
 
     def is_behind(self, ep: Endpoint, revision: int) -> bool:
-        """Whether ``revision`` affects ``ep`` and ``ep`` has not realized it."""
-        if ep.realized >= revision or ep.since > revision:
+        """Whether ``revision`` affects ``ep`` and ``ep`` has not realized it: a change of its
+        identity's policy on its node, made after it appeared and after what it realized, is at
+        or below ``revision``. An endpoint that never reported is no exception: it waits for
+        the changes made since it appeared (its first policy among them), not for every revision."""
+        if ep.realized >= revision:
             return False
-        if ep.realized == 0:
+        if ep.realized < ep.first <= revision:
             return True
+        if ep.since >= revision:
+            return False
         revs = self._changes.get((ep.node, ep.identity))
         if not revs:
             return False
-        i = bisect.bisect_right(revs, ep.realized)
+        i = bisect.bisect_right(revs, max(ep.realized, ep.since))
         return i < len(revs) and revs[i] <= revision
 
     def has_failed(self, ep: Endpoint, revision: int) -> bool:
