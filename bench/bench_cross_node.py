@@ -311,13 +311,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of 1-second samples")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 round of 1-second samples")
     p.add_argument("--rounds", type=int, default=None, help="rounds per mode (default 8; even balances the order)")
     p.add_argument("--seconds", type=int, default=None, help="seconds per sample (iperf3 -t) (default 3)")
     p.add_argument("--modes", type=lambda s: tuple(s.split(",")), default=MODES, help="comma-separated (default both)")
     args = p.parse_args(argv)
     if args.rounds is None:
-        args.rounds = 2 if args.quick else 8
+        args.rounds = 1 if args.quick else 8
     if args.seconds is None:
         args.seconds = 1 if args.quick else 3
     if args.rounds < 1 or args.seconds < 1:

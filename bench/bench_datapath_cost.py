@@ -3,7 +3,7 @@
 Run as root on a machine with bcc, iperf3 and iptables:
 
     .venv/bin/python bench/bench_datapath_cost.py            # about 15 minutes
-    .venv/bin/python bench/bench_datapath_cost.py --quick    # about 1 minute, a smoke run
+    .venv/bin/python bench/bench_datapath_cost.py --quick    # under a minute, a smoke run
 
 Two pods (network namespaces joined to the host by veths and routed through
 it, as Palisade wires pods) exchange traffic under three kinds of variant,
@@ -874,7 +874,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of 1-second samples (about 1 minute)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 round of 1-second samples (under a minute)")
     p.add_argument(
         "--rounds",
         type=int,
@@ -897,7 +897,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     if args.rounds is None:
-        args.rounds = 2 if args.quick else 12
+        args.rounds = 1 if args.quick else 12
     if args.bpf_stats_rounds is None:
         args.bpf_stats_rounds = 1 if args.quick else 5
     if args.seconds is None:
