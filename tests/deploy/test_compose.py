@@ -120,6 +120,15 @@ def test_the_dns_proxy_runs_beside_the_datapath_on_its_pins_and_state(services: 
     assert proxy["depends_on"]["datapath"] == {"condition": "service_healthy"}
 
 
+def test_the_capabilities_override_covers_every_privileged_service(services: dict[str, dict[str, Any]]) -> None:
+    # Where privileged cannot be given, a privileged service the override forgets fails to start.
+    override = load_yaml(COMPOSE_FILE.parent / "docker-compose.capabilities.yml")["services"]
+    privileged = {name for name, svc in services.items() if svc.get("privileged")}
+    assert privileged == set(override), f"privileged: {sorted(privileged)}, in the override: {sorted(override)}"
+    for name in privileged:
+        assert override[name]["privileged"] is False and override[name]["cap_add"] == ["ALL"], name
+
+
 def _published(services: dict[str, dict[str, Any]]) -> dict[int, tuple[str, int]]:
     """Host port -> (service, container port) for ports published on the host's loopback."""
     out: dict[int, tuple[str, int]] = {}
