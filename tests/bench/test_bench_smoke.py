@@ -119,7 +119,7 @@ def test_cross_node_quick() -> None:
         for variant in ("palisade", "bare"):
             for metric in ("tcp_throughput", "udp_64b_rate"):
                 samples = mode["samples"][variant][metric]
-                assert len(samples) == 2 and all(x > 0 for x in samples), (variant, metric, samples)
+                assert len(samples) == 1 and samples[0] > 0, (variant, metric, samples)  # --quick: one round
         assert all(r > 0 for r in mode["ratios"].values()), mode["ratios"]
     ratios = [r["metric"] for r in out["summary"] if r["unit"] == "ratio"]
     assert len(ratios) == 4 and all("Palisade / no program" in m for m in ratios), ratios
