@@ -3,7 +3,7 @@
 The datapath creates the maps and loads the program; the proxy (``dnsproxyd``) opens the pins
 it needs (ipcache, policy, enforcement, state, conntrack) and writes only learned entries:
 ipcache prefixes and policy entries of node-local identities. Both processes serialize writes
-with the pin directory's :class:`~services.datapath.datapath.WriterLock`, and the proxy's
+with the pin directory's :class:`~services.datapath.policywriter.WriterLock`, and the proxy's
 policy writes keep the enforcement the datapath set (:meth:`LearnedMaps.apply_entries`).
 """
 
@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Iterable
 
-from services.datapath.datapath import WriterLock, write_policy
 from services.datapath.maps import ct4map, ctmap, enforcementmap, ipcachemap, policymap, statemap
 from services.datapath.maps.bpf import PinnedMap
 from services.datapath.maps.ctmap import CtMap
@@ -22,6 +21,7 @@ from services.datapath.maps.ipcachemap import IPCacheMap
 from services.datapath.maps.policymap import PolicyMap
 from services.datapath.maps.sizes import MapSizes
 from services.datapath.maps.statemap import StateMap
+from services.datapath.policywriter import WriterLock, write_policy
 from services.datapath.types import Enforcement, PolicyChange, PolicyEntry
 
 _NEEDED = (ipcachemap, policymap, enforcementmap, statemap, ctmap, ct4map)

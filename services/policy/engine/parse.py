@@ -46,7 +46,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from services.common.fqdn import FqdnError, validate_name, validate_pattern
 from services.common.labels import (
     CLUSTER_NAME_DEFAULT,
     LABEL_NAMESPACE_LABELS_PREFIX,
@@ -75,6 +74,10 @@ from services.policy.engine.model import (
     ServiceRef,
     Verdict,
 )
+from services.policy.engine.parsecontext import ParseContext as _Ctx
+from services.policy.engine.parsecontext import as_list as _as_list
+from services.policy.engine.parsecontext import as_map as _as_map
+from services.policy.engine.parsenames import check_dns_port, dns_items, fqdn_selectors
 from services.policy.engine.selector import (
     CIDRSelector,
     EndpointSelector,
@@ -100,39 +103,6 @@ _L3_FIELDS = ("toEndpoints", "toCIDR", "toCIDRSet", "toEntities", "toServices", 
 
 def is_policy_document(doc: Any) -> bool:
     return isinstance(doc, Mapping) and doc.get("kind") in POLICY_KINDS
-
-
-class _Ctx:
-    """Per-object parse state: the object's name for errors, and the reports."""
-
-    def __init__(self, key: PolicyRef, cluster: str) -> None:
-        self.key = key
-        self.obj = str(key)
-        self.cluster = cluster
-        self.unsupported: list[str] = []
-        self.warnings: list[str] = []
-
-    def error(self, path: str, message: str) -> PolicyValidationError:
-        return PolicyValidationError(self.obj, path, message)
-
-    def unsupported_feature(self, path: str, feature: str) -> None:
-        self.unsupported.append(f"{path}: {feature}")
-
-
-def _as_list(ctx: _Ctx, value: Any, path: str) -> list[Any]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise ctx.error(path, "must be a list")
-    return value
-
-
-def _as_map(ctx: _Ctx, value: Any, path: str) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ctx.error(path, "must be an object")
-    return value
 
 
 def parse_policy(doc: Mapping[str, Any], *, cluster: str = CLUSTER_NAME_DEFAULT) -> Policy:
@@ -492,7 +462,7 @@ def _cilium_peer_rule(
     fqdns: tuple[str, ...] = ()
     if direction is Direction.EGRESS and item.get("toFQDNs"):
         peer_fields_present = True
-        fqdns = _fqdn_selectors(ctx, _as_list(ctx, item.get("toFQDNs"), f"{path}.toFQDNs"), f"{path}.toFQDNs")
+        fqdns = fqdn_selectors(ctx, _as_list(ctx, item.get("toFQDNs"), f"{path}.toFQDNs"), f"{path}.toFQDNs")
         others = [f for f in _L3_FIELDS if item.get(f)]
         if others:
             raise ctx.error(
@@ -552,31 +522,6 @@ def _cilium_peer_rule(
     )
 
 
-def _fqdn_selectors(ctx: _Ctx, items: list[Any], path: str) -> tuple[str, ...]:
-    """The selectors of a ``toFQDNs`` list or a ``rules.dns`` list, in normal form (see ``fqdn``)."""
-    out: list[str] = []
-    for j, raw in enumerate(items):
-        spath = f"{path}[{j}]"
-        sel = _as_map(ctx, raw, spath)
-        given = [f for f in ("matchName", "matchPattern") if sel.get(f) not in (None, "")]
-        if len(given) != 1:
-            raise ctx.error(
-                spath,
-                "give exactly one of matchName or matchPattern"
-                if given
-                else "empty selector: give matchName (one name) or matchPattern (a pattern with *)",
-            )
-        field = given[0]
-        value = sel[field]
-        if not isinstance(value, str):
-            raise ctx.error(f"{spath}.{field}", "must be a string")
-        try:
-            out.append(validate_name(value) if field == "matchName" else validate_pattern(value))
-        except FqdnError as err:
-            raise ctx.error(f"{spath}.{field}", str(err)) from None
-    return tuple(dict.fromkeys(out))
-
-
 def _service_ref(ctx: _Ctx, item: Mapping[str, Any], path: str) -> ServiceRef | None:
     """A ``toServices`` item; an empty one names no Service (and selects nothing)."""
     if "k8sService" in item and "k8sServiceSelector" in item:
@@ -618,7 +563,7 @@ def _cilium_ports(
     for j, tp in enumerate(to_ports):
         tpath = f"{path}.toPorts[{j}]"
         tp = _as_map(ctx, tp, tpath)
-        dns_items = _dns_items(ctx, tp, tpath, direction)
+        dns_selectors = dns_items(ctx, tp, tpath, direction)
         for f in _L7_FIELDS:
             if tp.get(f):
                 what = f
@@ -630,7 +575,7 @@ def _cilium_ports(
                 ctx.unsupported_feature(f"{tpath}.{f}", f"L7 {what}; L3/L4 part enforced")
         ports = _as_list(ctx, tp.get("ports"), f"{tpath}.ports")
         if not ports:
-            if dns_items is not None:
+            if dns_selectors is not None:
                 raise ctx.error(f"{tpath}.ports", "DNS rules need the DNS server port, as {port: '53'}")
             specs.append(ALL_PORTS)
             continue
@@ -641,12 +586,12 @@ def _cilium_ports(
             if spec is None:
                 dropped = True
             else:
-                if dns_items is not None:
-                    _check_dns_port(ctx, spec, ppath)
+                if dns_selectors is not None:
+                    check_dns_port(ctx, spec, ppath)
                 element.extend(spec)
         specs.extend(element)
-        if dns_items is not None and element:
-            dns.append(DnsPorts(tuple(dict.fromkeys(element)), dns_items))
+        if dns_selectors is not None and element:
+            dns.append(DnsPorts(tuple(dict.fromkeys(element)), dns_selectors))
     for j, ic in enumerate(_as_list(ctx, item.get("icmps"), f"{path}.icmps")):
         ipath = f"{path}.icmps[{j}]"
         for k, fld in enumerate(_as_list(ctx, _as_map(ctx, ic, ipath).get("fields"), f"{ipath}.fields")):
@@ -654,29 +599,6 @@ def _cilium_ports(
     if not specs:
         return (None if dropped else (ALL_PORTS,)), tuple(dns)
     return tuple(dict.fromkeys(specs)), tuple(dns)
-
-
-def _dns_items(ctx: _Ctx, tp: Mapping[str, Any], tpath: str, direction: Direction) -> tuple[str, ...] | None:
-    """The selectors of a ``toPorts`` element's ``rules.dns`` (None when it has none)."""
-    rules = _as_map(ctx, tp.get("rules"), f"{tpath}.rules")
-    if "dns" not in rules:
-        return None
-    dpath = f"{tpath}.rules.dns"
-    if direction is Direction.INGRESS:
-        raise ctx.error(dpath, "DNS rules are only allowed in egress rules (they filter the subject's own queries)")
-    others = sorted(str(k) for k, v in rules.items() if k != "dns" and v)
-    if others:
-        raise ctx.error(f"{tpath}.rules", f"dns cannot be combined with {', '.join(others)} in one toPorts element")
-    items = _as_list(ctx, rules.get("dns"), dpath)
-    return _fqdn_selectors(ctx, items, dpath)
-
-
-def _check_dns_port(ctx: _Ctx, specs: list[PortSpec], path: str) -> None:
-    for spec in specs:
-        if spec.name or spec.port_low == 0:
-            raise ctx.error(f"{path}.port", "DNS rules need a port number (the DNS server's, usually 53)")
-        if spec.port_low != spec.port_high:
-            raise ctx.error(f"{path}.endPort", "DNS rules apply to one port, not a range")
 
 
 def _cilium_port(ctx: _Ctx, pp: Mapping[str, Any], path: str) -> list[PortSpec] | None:
