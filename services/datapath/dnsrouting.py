@@ -23,6 +23,15 @@ TABLE = 2005
 #: The rule's priority (before the main table's 32766).
 PRIORITY = 9000
 
+#: The rule that sends marked packets to TABLE, and TABLE's local default route (added and removed alike).
+_RULE: dict[str, Any] = {
+    "table": TABLE,
+    "priority": PRIORITY,
+    "fwmark": dnsmap.PROXY_MARK,
+    "fwmask": dnsmap.PROXY_MARK_MASK,
+}
+_ROUTE: dict[str, Any] = {"table": TABLE, "type": "local", "scope": 254}
+
 
 def install() -> None:
     """Adds the rule and the local default route of both families where they are missing."""
@@ -32,24 +41,9 @@ def install() -> None:
     with IPRoute() as ipr:
         for family, dst in ((socket.AF_INET, "0.0.0.0/0"), (socket.AF_INET6, "::/0")):
             if not _has_rule(ipr, family):
-                ipr.rule(
-                    "add",
-                    family=family,
-                    table=TABLE,
-                    priority=PRIORITY,
-                    fwmark=dnsmap.PROXY_MARK,
-                    fwmask=dnsmap.PROXY_MARK_MASK,
-                )
+                ipr.rule("add", family=family, **_RULE)
             try:
-                ipr.route(
-                    "add",
-                    family=family,
-                    dst=dst,
-                    table=TABLE,
-                    type="local",
-                    scope=254,
-                    oif=ipr.link_lookup(ifname="lo")[0],
-                )
+                ipr.route("add", family=family, dst=dst, oif=ipr.link_lookup(ifname="lo")[0], **_ROUTE)
             except NetlinkError as exc:
                 if exc.code != errno.EEXIST:
                     raise
@@ -71,21 +65,6 @@ def remove() -> None:
     with IPRoute() as ipr:
         for family, dst in ((socket.AF_INET, "0.0.0.0/0"), (socket.AF_INET6, "::/0")):
             while _has_rule(ipr, family):
-                ipr.rule(
-                    "del",
-                    family=family,
-                    table=TABLE,
-                    priority=PRIORITY,
-                    fwmark=dnsmap.PROXY_MARK,
-                    fwmask=dnsmap.PROXY_MARK_MASK,
-                )
+                ipr.rule("del", family=family, **_RULE)
             with contextlib.suppress(NetlinkError, IndexError):
-                ipr.route(
-                    "del",
-                    family=family,
-                    dst=dst,
-                    table=TABLE,
-                    type="local",
-                    scope=254,
-                    oif=ipr.link_lookup(ifname="lo")[0],
-                )
+                ipr.route("del", family=family, dst=dst, oif=ipr.link_lookup(ifname="lo")[0], **_ROUTE)
