@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from testkit.harness import ROOT
 from testkit.stack import Stack, analyze, running_stack
@@ -72,12 +73,19 @@ def observe(stack: Stack, *args: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
 
+def nanos(rfc3339: str) -> int:
+    ts = Timestamp()
+    ts.FromJsonString(rfc3339)
+    return ts.ToNanoseconds()
+
+
 def test_observe_merges_every_nodes_ring_in_time_order(
     stack: Stack, endpoints: dict[str, dict[str, Any]], traffic: None
 ) -> None:
     flows = observe(stack, "--last", "200")
     assert len({f["node"] for f in flows}) >= 2
-    times = [f["time"] for f in flows]
+    # protobuf's JSON time drops trailing zeros ("...49.532Z"), so the strings do not sort as times
+    times = [nanos(f["time"]) for f in flows]
     assert times == sorted(times)
     assert len(observe(stack, "--last", "3")) == 3
     assert observe(stack, "--last", "3") == flows[-3:]
