@@ -404,7 +404,10 @@ async def test_diff_previews_a_change_against_live_identities_and_observed_flows
 async def test_a_policy_in_audit_mode_is_shown_never_enforced_and_enforced_by_an_edit(env: Env) -> None:
     closed = builders.netpol("web-closed", {"app": "web"}, {"app": "cache"}, 80)
     closed["metadata"]["annotations"] = {"policy.palisade.io/mode": "audit"}
+    before = max(dp.state.revision for dp in env.datapaths.values())
     answer = await env.api.ImportPolicies(policy_pb2.ImportPoliciesRequest(documents=yaml.safe_dump(closed)))
+    # An import of an audited policy is a change like any other: a revision to wait for.
+    assert answer.revision > before
     await env.settled(answer.revision)
     status = await env.api.GetPolicy(
         policy_pb2.GetPolicyRequest(ref=ref("web-closed"), source=policy_pb2.POLICY_SOURCE_API)
@@ -445,6 +448,11 @@ async def test_a_policy_in_audit_mode_is_shown_never_enforced_and_enforced_by_an
     await env.settled(back.revision)
     assert env.datapaths["n1"].state.policies[WEB] == ((False, False), audited)
     assert await env.all_match_resync()
+    # Deleting the audited policy is a new revision too, after which web holds nothing of it.
+    gone = await env.api.DeletePolicy(policy_pb2.DeletePolicyRequest(ref=ref("web-closed")))
+    assert gone.revision > back.revision
+    await env.settled(gone.revision)
+    assert env.datapaths["n1"].state.policies.get(WEB, ((False, False), {})) == ((False, False), {})
 
     # A mistyped mode names the annotation.
     closed["metadata"]["annotations"] = {"policy.palisade.io/mode": "audti"}

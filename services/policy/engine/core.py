@@ -159,6 +159,11 @@ class PolicyCore:
         """Nodes hosting at least one identity."""
         return set(self.ipcache.nodes()) | set(self._requested) | self.realized.declaring()
 
+    def _audit_edit(self) -> None:
+        """An audited policy changed, which the enforcing engine does not see: still a new revision,
+        so that an import answers one its caller can wait for, and the nodes' orders carry it."""
+        self.engine.repository.bump()
+
     def _change(self, now: float) -> None:
         if not self._batch_open:
             self.engine.begin_batch()
@@ -445,6 +450,8 @@ class PolicyCore:
             if audited:
                 if held:
                     self.engine.delete_policy(policy.key)
+                else:
+                    self._audit_edit()
             else:
                 self.engine.upsert_policy(policy)
         old = self.registry.get(source, key)
@@ -483,6 +490,8 @@ class PolicyCore:
             self._api_changes.append((key, None))
         if record.policy is not None:
             self._change(now)
+            if self.engine.declared_policy(engine_key(source, key)) is None:
+                self._audit_edit()  # an audited policy: never in the enforcing engine
             self.engine.delete_policy(engine_key(source, key))
         log.info("policy deleted", source=source.value, policy=str(key))
         return True
