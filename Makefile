@@ -4,6 +4,9 @@ PY := $(VENV)/bin/python
 PROTOS := $(wildcard proto/palisade/v1/*.proto)
 PROTO_OUT := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
 PYTEST_ARGS ?=
+# Two pytest workers: one runs every test that needs the kernel (root) in turn, the other the rest
+# beside it (tests/conftest.py groups them).
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup proto run test lint fmt bench image clean
 
@@ -22,7 +25,7 @@ run: setup
 	@$(PY) -m services.devstack $(RUN_ARGS)
 
 test: setup
-	@$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: setup
 	@$(VENV)/bin/ruff check .

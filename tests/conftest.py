@@ -11,11 +11,16 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from hypothesis import settings
 
 from testkit import leftovers
 from testkit.harness import EtcdCluster, EtcdServer, NatsCluster, NatsServer, ServiceProcess, bcc_problem, is_root, pki
 
 _LOCK = pytest.StashKey[IO[str]]()
+
+# Tests assert behaviour, never wall-clock time: no example fails for being slow on a busy machine.
+settings.register_profile("palisade", deadline=None)
+settings.load_profile("palisade")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -35,9 +40,27 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         handle.close()
 
 
+#: Test folders about the node: namespaces, links, BPF, routes, containers, whole dev stacks.
+KERNEL_FOLDERS = {"bench", "cni", "datapath", "datapath_service", "deploy", "devstack", "system"}
+
+
+def test_group(item: pytest.Item) -> str:
+    """``make test`` runs two workers (pytest-xdist, ``--dist loadgroup``), each one of two groups.
+
+    "kernel": what changes the host's kernel state shares names, addresses, pins and the checks that
+    nothing is left behind, so those tests run in turn, in the order they are collected. "unit": the
+    rest (real NATS, etcd and service processes on free loopback ports) runs beside them.
+    """
+    folder = item.path.relative_to(Path(__file__).parent).parts[0]
+    kernel = folder in KERNEL_FOLDERS or "root" in item.keywords or "kernel" in item.keywords
+    return "kernel" if kernel else "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     bcc_reason = bcc_problem()
     for item in items:
+        item.add_marker(pytest.mark.xdist_group(test_group(item)))
         if "root" in item.keywords and not is_root():
             item.add_marker(pytest.mark.skip(reason="needs root (network namespaces); run `make test` as root"))
         if "bcc" in item.keywords and bcc_reason:

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from palisade.v1 import common_pb2, common_pb2_grpc
@@ -21,6 +22,9 @@ from testkit.harness import (
     free_port,
     sync_channel,
 )
+
+# With root, a datapath serves on the host beside the others: in turn with the kernel's tests.
+pytestmark = pytest.mark.kernel
 
 EXPECTED = {
     "watcher": {"palisade.v1.StatusService"},

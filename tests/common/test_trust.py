@@ -29,6 +29,9 @@ from services.common.store import connect_etcd
 from services.common.trust import COMPONENTS, Credentials, ensure_pki
 from testkit.harness import EtcdServer, NatsServer, ServiceProcess, bcc_problem, creds, is_root, pki
 
+# With root, a datapath serves on the host beside the others: in turn with the kernel's tests.
+pytestmark = pytest.mark.kernel
+
 #: Which server serves which API (its certificate's name).
 SERVERS = {
     "palisade.v1.PolicyService": "policy",
