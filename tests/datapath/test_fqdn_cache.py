@@ -13,7 +13,7 @@ from palisade.v1 import common_pb2 as pb
 from services.common.fqdn import matches as match
 from services.datapath import wire
 from services.datapath.dnsnames import decode, encode, steering_of
-from services.datapath.dnsproxy import Decision, judge, rule_allows
+from services.datapath.dnsproxy import Decision, ProxyConfig, judge, rule_allows
 from services.datapath.errors import OrderError
 from services.datapath.fqdncache import CacheLimits, NameCache
 from services.datapath.fqdnmaps import NameEndpoint, NameMaps, desired
@@ -371,3 +371,25 @@ def test_learned_address_keeps_its_former_identitys_entries() -> None:
 
 def test_published_aliased_entries_round_trip() -> None:
     assert decode(encode(EPS)) == EPS
+
+
+@pytest.mark.parametrize(
+    ("journaled", "pairs", "due"),
+    [
+        (1999, 0, False),  # a small cache: every compact_every answers
+        (2000, 0, True),
+        (2000, 400, True),
+        (2000, 10_000, False),  # a large one: in proportion to it (a snapshot of it costs more)
+        (39_999, 10_000, False),
+        (40_000, 10_000, True),
+    ],
+)
+def test_snapshots_are_made_in_proportion_to_the_cache(journaled: int, pairs: int, due: bool) -> None:
+    config = ProxyConfig(state_dir="/nonexistent", compact_every=2000, compact_ratio=4.0)
+    assert config.compact_due(journaled, pairs) is due
+
+
+@pytest.mark.parametrize("settings", [{"compact_every": 0}, {"compact_ratio": -1.0}])
+def test_compaction_settings_out_of_range_are_refused(settings: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="compact"):
+        ProxyConfig(state_dir="/nonexistent", **settings)  # type: ignore[arg-type]
