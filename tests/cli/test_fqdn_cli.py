@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -66,7 +67,8 @@ def test_cache_rows_one_per_node_name_and_address() -> None:
 
 
 def test_cache_json_names_each_node() -> None:
-    (entry,) = cache_json(_cache())["names"]  # type: ignore[misc]
+    names: list[dict[str, Any]] = cache_json(_cache())["names"]  # type: ignore[assignment]
+    (entry,) = names
     assert entry["node"] == "n1" and entry["name"] == "api.example.test"
     first = entry["addresses"][0]
     assert first["ip"] == "192.0.2.1" and first["ttl_seconds"] == 30 and first["pods"] == ["x/a", "x/b"]

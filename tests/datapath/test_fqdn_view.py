@@ -5,14 +5,16 @@ from __future__ import annotations
 import pytest
 
 from services.common.fqdn import FqdnError
-from services.datapath.fqdncache import MIN_LOCAL_ID, CacheLimits, NameCache
+from services.datapath.fqdncache import CacheLimits, NameCache
 from services.datapath.fqdnmaps import NameEndpoint
 from services.datapath.fqdnview import NamesView, name_filter, view
-from services.datapath.types import FqdnRule, NameRules
+from services.datapath.types import MIN_LOCAL_IDENTITY, FqdnRule, NameRules
 
 
 def _endpoint(ep_id: int, *selectors: str) -> NameEndpoint:
-    return NameEndpoint(ep_id, 1000 + ep_id, (f"10.0.0.{ep_id}",), NameRules(fqdn=tuple(FqdnRule(s) for s in selectors)))
+    return NameEndpoint(
+        ep_id, 1000 + ep_id, (f"10.0.0.{ep_id}",), NameRules(fqdn=tuple(FqdnRule(s) for s in selectors))
+    )
 
 
 @pytest.fixture
@@ -35,7 +37,7 @@ def test_every_pair_with_its_identity_ttl_left_and_endpoints(names: NamesView) -
         ("cdn.other.test", "2001:db8::7", 290.0, 1_000_290.0, (2,)),
     ]
     assert len({a.identity for a in names.addresses}) == 4
-    assert all(a.identity >= MIN_LOCAL_ID for a in names.addresses)
+    assert all(a.identity >= MIN_LOCAL_IDENTITY for a in names.addresses)
 
 
 @pytest.mark.parametrize(
