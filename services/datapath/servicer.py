@@ -192,43 +192,44 @@ class DatapathServicer(datapath_pb2_grpc.DatapathServiceServicer):
             async for event in stream:
                 yield await self._named(event)
             return
-        # Names are known only here: the hub filters on the rest, and last and limit count what
-        # the names let through.
-        hub_filter = dataclasses.replace(flt, fqdns=frozenset())
-        replay = bool(since_ns or request.last)
+        async for event in self._by_names(flt, request, since_ns):
+            yield event
+
+    async def _by_names(
+        self, flt: FlowFilter, request: datapath_pb2.ObserveRequest, since_ns: int
+    ) -> AsyncIterator[datapath_pb2.FlowEvent]:
+        """Observe with ``fqdns``: names are known only here, so the hub filters on the rest and
+        hands over its whole history; ``last`` and ``limit`` count the flows the names let through."""
         stream = self._flows.stream(
-            hub_filter, 0, since_ns=since_ns or (1 if request.last else 0), follow=request.follow
+            dataclasses.replace(flt, fqdns=frozenset()),
+            0,
+            since_ns=since_ns or (1 if request.last else 0),
+            follow=request.follow,
         )
-        history: list[datapath_pb2.FlowEvent] = []
+
+        def newest(events: list[datapath_pb2.FlowEvent]) -> list[datapath_pb2.FlowEvent]:
+            return events[-request.last :] if request.last else events
+
+        history: list[datapath_pb2.FlowEvent] | None = [] if since_ns or request.last else None
         sent = 0
-        in_history = replay
         async for event in stream:
             if event.history_end:
-                in_history = False
+                out, history = [*newest(history or []), event], None
             else:
                 event = await self._named(event)
                 if not flt.matches_names(event):
                     continue
-                if in_history:
+                if history is not None:
                     history.append(event)
                     continue
-            if history or event.history_end:
-                for old in history[-request.last :] if request.last else history:
-                    yield old
-                    sent += 1
-                    if request.limit and sent >= request.limit:
-                        return
-                history = []
-            yield event
-            if not event.history_end:
-                sent += 1
-            if request.limit and sent >= request.limit:
-                return
-        for old in history[-request.last :] if request.last else history:
-            if request.limit and sent >= request.limit:
-                return
-            yield old
-            sent += 1
+                out = [event]
+            for ev in out:
+                yield ev
+                sent += 0 if ev.history_end else 1
+                if request.limit and sent >= request.limit:
+                    return
+        for ev in newest(history or [])[: request.limit or None]:  # not following: the history alone
+            yield ev
 
     async def _named(self, event: datapath_pb2.FlowEvent) -> datapath_pb2.FlowEvent:
         if self._flow_names is None or event.history_end:

@@ -138,3 +138,14 @@ async def test_flows_carry_learned_names_and_filter_on_them(agent: InProcessAgen
         ["api.example.test"],
         ["www.example.test"],
     ]
+
+    # Following after the history: its newest match, the end-of-history mark, then live matches.
+    follow = agent.stub.Observe(datapath_pb2.ObserveRequest(last=1, follow=True, limit=2, filter=flt))
+    old, mark = await follow.read(), await follow.read()
+    assert isinstance(old, datapath_pb2.FlowEvent) and isinstance(mark, datapath_pb2.FlowEvent)
+    assert (list(old.destination_names), mark.history_end) == (["www.example.test"], True)
+    agent.datapath.simulate_flow(web.id, dt.Direction.EGRESS, "198.51.100.7", dt.L4Proto.TCP, 443)
+    agent.datapath.simulate_flow(web.id, dt.Direction.EGRESS, "192.0.2.1", dt.L4Proto.TCP, 443)
+    live = await follow.read()
+    assert isinstance(live, datapath_pb2.FlowEvent) and list(live.destination_names) == ["api.example.test"]
+    assert await follow.read() is grpc.aio.EOF  # its limit: two flows
