@@ -47,8 +47,12 @@ class NamesApi:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # a killed run's
-        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
-        os.chmod(self.path, 0o600)
+        try:
+            self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+            os.chmod(self.path, 0o600)
+        except OSError as exc:
+            # DNS goes on: only the CLI's view of the learned names is missing (and says why).
+            log.error("learned names not served to the datapath", path=self.path, error=str(exc))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
