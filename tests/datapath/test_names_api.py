@@ -3,6 +3,7 @@ cannot be opened leaves the proxy serving DNS, and the datapath's error names th
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 from pathlib import Path
@@ -17,12 +18,12 @@ VIEW = NamesView((LearnedAddress("api.example.test", "192.0.2.1", 1 << 25, 30.0,
 
 async def test_the_datapath_reads_the_proxys_view(tmp_path: Path) -> None:
     path = socket_path(str(tmp_path))
-    Path(path).write_text("a killed run's socket")
+    await asyncio.to_thread(Path(path).write_text, "a killed run's socket")
     async with NamesApi(path, lambda: VIEW):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert await read_names(path) == VIEW
         assert await read_names(path) == VIEW
-    assert not os.path.exists(path)
+    assert not await asyncio.to_thread(os.path.exists, path)
     with pytest.raises(NamesUnavailable, match=f"the node's DNS proxy does not answer at {path}"):
         await read_names(path)
 
