@@ -16,6 +16,7 @@ COMMANDS = (
     "endpoint",
     "service",
     "bpf",
+    "fqdn",
     "observe",
     "analyze",
     "connectivity",

@@ -33,6 +33,7 @@ from services.cli.client import (
     run,
     to_dict,
 )
+from services.common import fqdn
 from services.policy.engine.model import Direction, PolicyValidationError, Verdict
 from services.policy.engine.parse import parse_policy
 
@@ -101,6 +102,12 @@ def flow_filter(args: argparse.Namespace) -> datapath_pb2.FlowFilter:
     for port in args.port or []:
         if not 0 < port < 65536:
             raise CLIError(f"--port {port}: give a port 1-65535", 2)
+    fqdns = []
+    for pattern in args.fqdn or []:
+        try:
+            fqdns.append(fqdn.validate_pattern(pattern))
+        except fqdn.FqdnError as exc:
+            raise CLIError(f"--fqdn: {exc}", 2) from None
     namespaces = args.namespace or []
     ns = namespaces[0] if len(namespaces) == 1 else ""
     return datapath_pb2.FlowFilter(
@@ -113,6 +120,7 @@ def flow_filter(args: argparse.Namespace) -> datapath_pb2.FlowFilter:
         to_identities=args.to_identity or [],
         ports=args.port or [],
         protocols=protocols,
+        fqdns=fqdns,
     )
 
 
@@ -179,6 +187,14 @@ class AuditNames:
         ev.audit_policies.extend(self._names.get((local, ev.direction, deny), []))
 
 
+def _peer(pod: str, ip: str, names: Iterable[str]) -> str:
+    """A pod by its name; a learned address by its DNS names, then the address."""
+    if pod:
+        return pod
+    known = ",".join(names)
+    return f"{known} ({ip})" if known else ip
+
+
 def line(ev: datapath_pb2.FlowEvent) -> str:
     proto = (
         common_pb2.Protocol.Name(ev.protocol).removeprefix("PROTOCOL_")
@@ -189,8 +205,11 @@ def line(ev: datapath_pb2.FlowEvent) -> str:
     reason = datapath_pb2.FlowReason.Name(ev.reason).removeprefix("FLOW_REASON_").lower()
     direction = common_pb2.Direction.Name(ev.direction).removeprefix("DIRECTION_").lower()
     when = ev.time.ToDatetime().strftime("%H:%M:%S.%f")[:-3]
-    src = f"{ev.source_pod or ev.source_ip}:{ev.source_port} (id {ev.source_identity})"
-    dst = f"{ev.destination_pod or ev.destination_ip}:{ev.destination_port} (id {ev.destination_identity})"
+    src = f"{_peer(ev.source_pod, ev.source_ip, ev.source_names)}:{ev.source_port} (id {ev.source_identity})"
+    dst = (
+        f"{_peer(ev.destination_pod, ev.destination_ip, ev.destination_names)}:{ev.destination_port} "
+        f"(id {ev.destination_identity})"
+    )
     audit = f" by {','.join(ev.audit_policies)}" if ev.audit_policies else ""
     return f"{when} {ev.node} {verdict:9} {direction:7} {src} -> {dst} {proto} {reason}{audit}"
 
@@ -336,6 +355,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--to-identity", type=int, action="append", help="flows to this identity (repeatable)")
     p.add_argument("--port", type=int, action="append", help="flows to or from this port (repeatable)")
     p.add_argument("--protocol", action="append", help="tcp, udp, sctp, icmp, icmpv6 (repeatable)")
+    p.add_argument(
+        "--fqdn",
+        action="append",
+        help="flows from or to an address learned for a name this selects: a name or a pattern such as "
+        "*.example.com (repeatable)",
+    )
     p.add_argument("--node", help="only this node's datapath")
     p.add_argument("--since", help="recorded flows since a duration ago (30s, 5m, 1h) or an RFC 3339 time")
     p.add_argument("--last", type=int, help="the N most recent recorded flows (of the cluster)")

@@ -42,6 +42,8 @@ from services.datapath.dnsnames import NameSource
 from services.datapath.fqdncache import CacheLimits, NameCache
 from services.datapath.fqdnmaps import NameEndpoint, NameMaps, PolicyMaps
 from services.datapath.fqdnstore import NameStore
+from services.datapath.fqdnview import NamesView
+from services.datapath.fqdnview import view as names_view
 from services.datapath.types import (
     IDENTITY_ANY,
     IDENTITY_WORLD,
@@ -272,6 +274,10 @@ class DnsProxy:
         for gone in self.cache.endpoints() - self._endpoints.keys():
             self.cache.forget_endpoint(gone)
         self._sync_maps()
+
+    def view(self) -> NamesView:
+        """What the proxy learned and the selectors in use (for the CLI, through the datapath)."""
+        return names_view(self.cache, self._endpoints.values(), self._clock(), self._wall())
 
     def reload(self) -> bool:
         """Takes the published endpoints if they changed; True if they did."""

@@ -8,7 +8,8 @@ in place, so queries in the gap are dropped and retried by the client (never sen
 and the learned names are restored from disk before its sockets open.
 
 It waits for the datapath to create the maps, installs the node's policy routing for steered
-packets (``dnsrouting``), and follows the endpoints the datapath publishes (``dnsnames``).
+packets (``dnsrouting``), and follows the endpoints the datapath publishes (``dnsnames``). What
+it learned, the datapath reads from it through a root-only socket in the state dir (``namesapi``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from services.datapath.dnsnames import NameSource
 from services.datapath.dnsproxy import DnsProxy, ProxyConfig, RefuseCode
 from services.datapath.fqdncache import CacheLimits
 from services.datapath.learnedmaps import LearnedMaps, MapsMissing
+from services.datapath.namesapi import NamesApi, socket_path
 
 log = get_logger("dnsproxy")
 
@@ -85,7 +87,7 @@ async def serve(cfg: DnsProxyDaemonConfig) -> None:
     try:
         await asyncio.to_thread(dnsrouting.install)
         proxy = DnsProxy(cfg.proxy(), maps, source=NameSource(cfg.state_dir))
-        async with proxy:
+        async with proxy, NamesApi(socket_path(cfg.state_dir), proxy.view):
             await stop.wait()
             log.info("DNS proxy stopping", stats=str(proxy.stats))
     finally:

@@ -17,6 +17,7 @@ from typing import Protocol
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from palisade.v1 import common_pb2, datapath_pb2
+from services.common import fqdn
 from services.common.log import get_logger
 from services.common.retry import retry
 from services.datapath import types as dt
@@ -78,6 +79,9 @@ class FlowFilter:
     to_identities: frozenset[int] = frozenset()
     ports: frozenset[int] = frozenset()
     protocols: frozenset[int] = frozenset()
+    #: Names or matchPatterns, one of which must select a source or destination name of the flow.
+    #: Checked by :meth:`matches_names` once the names are known (the hub's events carry none).
+    fqdns: frozenset[str] = frozenset()
 
     @classmethod
     def from_request(cls, request: datapath_pb2.ObserveRequest) -> FlowFilter:
@@ -93,6 +97,7 @@ class FlowFilter:
             to_identities=frozenset(f.to_identities),
             ports=frozenset(f.ports),
             protocols=frozenset(int(p) for p in f.protocols),
+            fqdns=frozenset(fqdn.normalize(x) for x in f.fqdns),
         )
 
     def problems(self) -> list[str]:
@@ -103,9 +108,22 @@ class FlowFilter:
                 if pod.count("/") != 1 or pod.startswith("/") or pod.endswith("/"):
                     out.append(f"{field}: {pod!r} is not namespace/name")
         out += [f"ports: {p} is not a port (1-65535)" for p in sorted(self.ports) if not 0 < p < 65536]
+        for selector in sorted(self.fqdns):
+            try:
+                fqdn.validate_pattern(selector)
+            except fqdn.FqdnError as exc:
+                out.append(f"fqdns: {exc}")
         return out
 
+    def matches_names(self, event: datapath_pb2.FlowEvent) -> bool:
+        """Whether one of :attr:`fqdns` (if any) selects a source or destination name of ``event``."""
+        if not self.fqdns:
+            return True
+        names = [*event.source_names, *event.destination_names]
+        return any(fqdn.matches(s, n) for s in self.fqdns for n in names)
+
     def matches(self, event: datapath_pb2.FlowEvent) -> bool:
+        """Every field but :attr:`fqdns` (see :meth:`matches_names`)."""
         if self.verdicts and event.verdict not in self.verdicts:
             return False
         if self.pods and event.source_pod not in self.pods and event.destination_pod not in self.pods:

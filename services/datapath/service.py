@@ -40,6 +40,7 @@ from services.datapath.loader import ProgramConfig
 from services.datapath.manager import EndpointManager, PodNetwork
 from services.datapath.masquerade import NftMasquerade
 from services.datapath.metrics import AgentParts, DatapathMetrics
+from services.datapath.namesapi import read_names, socket_path
 from services.datapath.netns import NetnsPodNetwork
 from services.datapath.nodes import MasqueradePort, NodeCidrs, NodeRoutes, RoutingPort
 from services.datapath.orders import GrpcPolicyClient, OrderConsumer, PolicyPort, Reporter
@@ -195,7 +196,8 @@ async def start_agent(
         await nodes.start(bus)
         stack.push_async_callback(nodes.stop)
         spawn(nodes.run(), "node-routes")
-    servicer = DatapathServicer(manager, flows, datapath, services)
+    names_socket = socket_path(cfg.state_dir)
+    servicer = DatapathServicer(manager, flows, datapath, services, names=lambda: read_names(names_socket))
     return Agent(node, manager, consumer, ipcache, services, reporter, flows, servicer, nodes)
 
 

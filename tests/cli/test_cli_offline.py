@@ -22,6 +22,8 @@ COMMANDS = [
     ["endpoint", "list"],
     ["endpoint", "get"],
     ["bpf", "policy", "get"],
+    ["fqdn", "cache", "list"],
+    ["fqdn", "names"],
     ["observe"],
     ["analyze"],
     ["connectivity", "probe"],

@@ -2,12 +2,16 @@
 
 A pod made by the datapath resolves names at a table DNS server in a namespace of the test's
 (the outside world) and connects to the answers, steadily, while the datapath is killed (-9) and
-started again: the proxy is a process of its own, so no lookup and no connection fails.
+started again: the proxy is a process of its own, so no lookup and no connection fails. And what
+the proxy learned is what `palisade fqdn cache list`, `fqdn names` and `observe` show.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import json
 import secrets
 import socket
 import subprocess
@@ -19,12 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from palisade.v1 import common_pb2
+from palisade.v1 import common_pb2, datapath_pb2
+from services.cli.main import main as palisade
 from services.datapath import dnsrouting, netns
 from services.datapath.types import IDENTITY_WORLD
 from testkit.builders import policy_entry as entry
 from testkit.dnsserver import DnsServer, Record, addresses, query
-from testkit.harness import ServiceProcess
+from testkit.harness import ServiceProcess, pki
 from testkit.traffic import EchoServer, tcp_exchange
 from tests.datapath_service.controlplane import ControlPlane
 from tests.datapath_service.helpers import create_endpoint, started
@@ -136,6 +141,86 @@ async def test_datapath_kill_9_loses_no_lookup(
             await asyncio.to_thread(worker.join)
         assert rounds > 20 and failures == [], failures
         assert proc.terminate() == 0, proc.logs()[-3000:]
+    finally:
+        proxy.terminate()
+        await asyncio.to_thread(proxy.wait, 10)
+        await server.stop()
+        await asyncio.to_thread(dnsrouting.remove)
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    """`palisade ARGV` in this process: exit code, stdout, stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = palisade(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+async def test_fqdn_cli_shows_what_the_proxy_learned(
+    start_datapath: Callable[[], ServiceProcess],
+    cp: ControlPlane,
+    pods: Pods,
+    outside: tuple[str, str, str],
+    bpffs: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PALISADE_DNS_PROXY_PORT", str(_free_port()))
+    proc, stub = await started(start_datapath)
+    ext, dns_ip, server_ip = outside
+    server = DnsServer(ext, dns_ip)
+    server.table["api.example.test"] = Record([server_ip], ttl=120)
+    await server.start()
+    proxy = await asyncio.to_thread(_start_proxy, bpffs, tmp_path)
+    try:
+        a = await create_endpoint(stub, pods.namespace, "a", "a")
+        pod = pods.netns("a")
+        dns_allowed = [entry(EGR, IDENTITY_WORLD, 53, UDP), entry(EGR, IDENTITY_WORLD, 53, TCP)]
+        await cp.set_policy(a.identity, dns_allowed, ingress=False, egress=True)
+        await cp.wait_realized(await cp.set_names(a.identity, [FQDN], [DNS]), [a.id])
+        answer = None
+        for _ in range(50):  # the proxy opens its sockets once it has the maps and its names
+            answer = await asyncio.to_thread(query, pod, dns_ip, "api.example.test", timeout=0.2)
+            if answer is not None:
+                break
+        assert addresses(answer) == [server_ip]
+        assert await asyncio.to_thread(tcp_exchange, pod, server_ip, PORT, 2.0)
+
+        flags = ("--datapath-address", proc.address, "--tls-dir", str(pki()))
+        code, out, err = await asyncio.to_thread(_cli, "fqdn", "cache", "list", *flags, "-o", "json")
+        assert code == 0, err
+        (name,) = json.loads(out)["names"]
+        (learned,) = name["addresses"]
+        assert (name["node"], name["name"], learned["ip"], learned["pods"]) == (
+            "node-a", "api.example.test", server_ip, [f"{pods.namespace}/a"]
+        )  # fmt: skip
+        assert 100 <= learned["ttl_seconds"] <= 120 and learned["endpoint_ids"] == [str(a.id)]
+        identity = learned["identity"]
+        code, out, _ = await asyncio.to_thread(_cli, "fqdn", "cache", "list", *flags, "--pod", f"{pods.namespace}/a")
+        assert code == 0 and f"node-a  api.example.test  {server_ip}  {identity}" in out
+        code, _, err = await asyncio.to_thread(_cli, "fqdn", "cache", "list", *flags, "--pod", f"{pods.namespace}/zz")
+        assert code == 2 and f"{pods.namespace}/zz" in err
+        code, _, err = await asyncio.to_thread(_cli, "fqdn", "cache", "list", *flags, "--node", "node-b")
+        assert code == 2 and "no datapath serves node 'node-b'; the nodes are: node-a" in err
+
+        code, out, err = await asyncio.to_thread(_cli, "fqdn", "names", *flags, "-o", "json")
+        assert code == 0, err
+        (selector,) = json.loads(out)["selectors"]
+        assert selector["selector"] == "*.example.test" and selector["pods"] == [f"{pods.namespace}/a"]
+        assert selector["selected"] == [{"identity": identity, "ip": server_ip, "names": ["api.example.test"]}]
+
+        # The connection's flow, from the datapath's ring: to the learned address, by its name.
+        code, out, err = await asyncio.to_thread(
+            _cli, "observe", *flags, "--last", "1", "--fqdn", "*.example.test", "-o", "json"
+        )
+        assert code == 0, err
+        (flow,) = [json.loads(x) for x in out.splitlines()]
+        assert (flow["destination_ip"], flow["destination_names"]) == (server_ip, ["api.example.test"])
+        assert flow["destination_identity"] == identity and flow["verdict"] == "VERDICT_ALLOW"
+        code, out, _ = await asyncio.to_thread(_cli, "observe", *flags, "--last", "1", "--fqdn", "*.example.test")
+        assert code == 0 and f"-> api.example.test ({server_ip}):{PORT} (id {identity})" in out
+        flows = [e async for e in stub.Observe(datapath_pb2.ObserveRequest(last=100))]
+        assert {tuple(e.destination_names) for e in flows if e.destination_ip == server_ip} == {("api.example.test",)}
     finally:
         proxy.terminate()
         await asyncio.to_thread(proxy.wait, 10)
