@@ -11,13 +11,13 @@ through it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 from collections.abc import Callable
 
 from services.common.errors import Code, PalisadeError
 from services.common.log import get_logger
+from services.common.unixserver import close_unix_server, start_unix_server
 from services.datapath.fqdnview import NamesView
 
 log = get_logger("dnsproxy")
@@ -44,23 +44,15 @@ class NamesApi:
         self._server: asyncio.Server | None = None
 
     async def __aenter__(self) -> NamesApi:
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # a killed run's
         try:
-            self._server = await asyncio.start_unix_server(self._serve, path=self.path)
-            os.chmod(self.path, 0o600)
+            self._server = await start_unix_server(self.path, self._serve)
         except OSError as exc:
             # DNS goes on: only the CLI's view of the learned names is missing (and says why).
             log.error("learned names not served to the datapath", path=self.path, error=str(exc))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        await close_unix_server(self._server, self.path)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

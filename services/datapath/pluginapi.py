@@ -13,9 +13,7 @@ can never disagree. It listens beside the gRPC node socket (``plugin.sock`` in i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,6 +25,7 @@ from services.cni.spec import plugin_socket
 from services.common.errors import Code, clip
 from services.common.grpcserver import ErrorInterceptor
 from services.common.log import get_logger
+from services.common.unixserver import close_unix_server, start_unix_server
 from services.datapath.servicer import DatapathServicer
 
 __all__ = ["PluginApi", "plugin_socket"]
@@ -54,21 +53,11 @@ class PluginApi:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # a previous run's: nobody listens on it
-        old = os.umask(0o177)  # root only, as the node socket: no window with a wider mode
-        try:
-            self._server = await asyncio.start_unix_server(self._serve, self.path, limit=MAX_REQUEST)
-        finally:
-            os.umask(old)
+        self._server = await start_unix_server(self.path, self._serve, limit=MAX_REQUEST)
         log.info("serving the CNI plugin", socket=self.path)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        await close_unix_server(self._server, self.path)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
