@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -148,3 +149,27 @@ def test_scale_quick() -> None:
         "policy service RSS peak",
     }
     assert scale_runs() <= before, "temporary directory left behind"
+
+
+def dns_bench_leftovers() -> set[str]:
+    """bench_dnsproxy's bpffs directories and namespaces (``pb`` and four hex digits)."""
+    pins = {p.name for p in Path("/sys/fs/bpf").iterdir() if re.fullmatch(r"palisade-pb[0-9a-f]{4}", p.name)}
+    netns = Path("/run/netns")
+    names = {n.name for n in netns.iterdir()} if netns.is_dir() else set()
+    return pins | {n for n in names if re.fullmatch(r"pb[0-9a-f]{4}[ax]", n)}
+
+
+@pytest.mark.root
+@pytest.mark.bcc
+@pytest.mark.timeout(240)
+def test_dnsproxy_quick() -> None:
+    """Every lookup answered through the proxy, each figure measured, the paced p99 against its target."""
+    before = dns_bench_leftovers()
+    out = run_bench("bench_dnsproxy", "--quick", timeout=200)
+    assert "error" not in out, out["error"]
+    rows = {row["metric"]: row for row in out["summary"]}
+    assert rows["proxy latency added p99 at 1000/s"]["target"] == {"op": "<=", "value": 5.0}
+    assert out["paced_answered"] > 0 and out["direct_paced_answered"] > 0
+    assert out["learned_addresses"] >= out["paced_answered"]  # every proxied answer named a fresh address
+    assert out["throughput_lookups_per_s"] > 0 and out["restart_gap_ms"] > 0
+    assert dns_bench_leftovers() <= before, "pins or namespaces left behind"
