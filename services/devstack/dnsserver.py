@@ -5,8 +5,8 @@ over UDP and TCP); any other name is NXDOMAIN. It stands for the DNS of the worl
 cluster (and for cluster DNS: pods resolve through it), never for Palisade: a pod's query
 reaches it through the pod's node, whose DNS proxy judges it when a DNS rule selects it.
 
-The zone file is YAML (see :func:`parse_zone`) and is read again whenever it changed, checked
-at every query, so whoever edits it (a user, a test) changes the world while it serves: an
+The zone file is YAML (see :func:`parse_zone`) and is read at every query (parsed again when
+it changed), so whoever edits it (a user, a test) changes the world while it serves: an
 address changed at TTL expiry, many addresses for one name. A file that cannot be used is
 logged with what is wrong and what to do, and the last valid table keeps being served.
 """
@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import dataclasses
 import ipaddress
-import os
 import signal
 import struct
 import sys
@@ -154,28 +153,28 @@ def answer(table: Table, wire: bytes) -> tuple[str, bytes] | None:
 
 
 class ZoneFile:
-    """The table of a zone file, read again when the file changed (its identity, size or time)."""
+    """The table of a zone file, parsed again when its bytes changed (read at every call: a zone file is
+    small, and no edit is missed however quickly it follows the last)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._seen: tuple[int, int, int, int] | None = None
+        self._seen: bytes | None = None
         self._table: dict[str, Record] = {}
 
     def table(self) -> Table:
         try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
+            raw = self.path.read_bytes()
+        except OSError as exc:
             if self._seen is not None:
-                log.error("zone file gone; serving its last table", path=str(self.path))
+                log.error("zone file unreadable; serving its last table", path=str(self.path), error=str(exc))
                 self._seen = None
             return self._table
-        seen = (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns)
-        if seen != self._seen:
-            self._seen = seen
+        if raw != self._seen:
+            self._seen = raw
             try:
-                self._table = parse_zone(self.path.read_text(), str(self.path))
+                self._table = parse_zone(raw.decode("utf-8", errors="replace"), str(self.path))
                 log.info("zone loaded", path=str(self.path), names=len(self._table))
-            except (ZoneError, OSError) as exc:
+            except ZoneError as exc:
                 log.error("zone file not used; serving its last valid table", error=str(exc))
         return self._table
 

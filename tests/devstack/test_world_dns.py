@@ -67,8 +67,11 @@ def test_the_zone_file_is_read_again_when_it_changes_and_a_bad_edit_keeps_the_la
     assert zone.table() == {"a.test": Record(("192.0.2.1",))}
     path.write_text(render_zone({"a.test": Record(("192.0.2.2", "192.0.2.3"))}))
     assert zone.table() == {"a.test": Record(("192.0.2.2", "192.0.2.3"))}
+    # An edit of the same size right after the last one is seen too.
+    path.write_text(render_zone({"a.test": Record(("192.0.2.4", "192.0.2.5"))}))
+    assert zone.table() == {"a.test": Record(("192.0.2.4", "192.0.2.5"))}
     path.write_text("names: {a.test: {addresses: [nope]}}")
-    assert zone.table() == {"a.test": Record(("192.0.2.2", "192.0.2.3"))}
+    assert zone.table() == {"a.test": Record(("192.0.2.4", "192.0.2.5"))}
 
 
 def test_the_server_answers_over_udp_and_tcp(tmp_path: Path) -> None:
