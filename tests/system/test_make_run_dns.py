@@ -63,8 +63,9 @@ MANIFESTS = [
             "endpointSelector": {"matchLabels": {"app": "client"}},
             "egress": [
                 {
-                    # The world's DNS (a toCIDR naming it selects nothing live: no component allocates
-                    # CIDR identities for the prefixes policies name; see the module's report).
+                    # The world's DNS server. Not toCIDR 192.0.2.53/32: on a running cluster a CIDR
+                    # rule for an address outside it selects nothing yet (no service allocates the
+                    # CIDR identities of the prefixes policies name; analyze allocates its own).
                     "toEntities": ["world"],
                     "toPorts": [
                         {
