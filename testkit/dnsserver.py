@@ -1,8 +1,9 @@
 """A small authoritative DNS server answering A/AAAA queries from a table, UDP and TCP.
 
-Its sockets are made in a network namespace (the "outside world" of a test); it is served by
-an asyncio loop the caller runs. Names not in the table get NXDOMAIN. The table can change
-while it serves (an address change at TTL expiry), and it counts the queries it saw.
+Its answers are the dev cluster's world DNS server's (:func:`services.devstack.dnsserver.answer`);
+this one is served by an asyncio loop the caller runs, its sockets made in a network namespace
+(the "outside world" of a test). Names not in the table get NXDOMAIN. The table can change in
+place while it serves (an address change at TTL expiry), and it counts the queries it saw.
 """
 
 from __future__ import annotations
@@ -14,11 +15,8 @@ import socket
 import struct
 
 import dns.message
-import dns.rcode
-import dns.rdataclass
-import dns.rdatatype
-import dns.rrset
 
+from services.devstack import dnsserver as devdns
 from testkit.traffic import socket_in
 
 
@@ -61,21 +59,12 @@ class DnsServer:
             self._tcp.close()
 
     def answer(self, wire: bytes) -> bytes:
-        query = dns.message.from_wire(wire)
-        response = dns.message.make_response(query)
-        question = query.question[0]
-        name = question.name.to_text(omit_final_dot=True).lower()
-        self.queries.append(name)
-        record = self.table.get(name)
-        if record is None:
-            response.set_rcode(dns.rcode.NXDOMAIN)
-            return response.to_wire()
-        wanted = 4 if question.rdtype == dns.rdatatype.A else 6
-        addresses = [a for a in record.addresses if ipaddress.ip_address(a).version == wanted]
-        if addresses:
-            rdtype = "A" if wanted == 4 else "AAAA"
-            response.answer.append(dns.rrset.from_text_list(question.name, record.ttl, "IN", rdtype, addresses))
-        return response.to_wire()
+        """The response to ``wire`` (b"": not a query, nothing is sent)."""
+        got = devdns.answer(self.table, wire)
+        if got is None:
+            return b""
+        self.queries.append(got[0])
+        return got[1]
 
     def _on_udp(self) -> None:
         assert self._udp is not None
@@ -83,13 +72,17 @@ class DnsServer:
             data, client = self._udp.recvfrom(65535)
         except BlockingIOError:
             return
-        self._udp.sendto(self.answer(data), client)
+        reply = self.answer(data)
+        if reply:
+            self._udp.sendto(reply, client)
 
     async def _on_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
                 size = struct.unpack("!H", await reader.readexactly(2))[0]
                 reply = self.answer(await reader.readexactly(size))
+                if not reply:
+                    break
                 writer.write(struct.pack("!H", len(reply)) + reply)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):

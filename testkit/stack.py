@@ -274,11 +274,21 @@ def probe(netns: str, ip: str, port: int, protocol: str = "TCP") -> bool:
     return prober(netns, [{"id": "t", "ip": ip, "port": port, "protocol": protocol}])["t"]
 
 
-def prober(netns: str, targets: list[dict[str, Any]], timeout: float = 1.5) -> dict[str, bool]:
+def prober(netns: str, targets: list[dict[str, Any]], timeout: float = 1.5, resolver: str = "") -> dict[str, bool]:
     """The dev cluster's prober from inside ``netns``: each target's id (targets as
-    ``{"id", "ip", "port", "protocol"}``), True where a connection got through within ``timeout``."""
+    ``{"id", "ip", "port", "protocol"}``, or ``"name"`` for ``"ip"``: resolved through ``resolver``
+    first), True where a connection got through within ``timeout``."""
     out = subprocess.run(
-        [sys.executable, "-m", "services.devstack.prober", "--netns", netns, "--timeout", str(timeout)],
+        [
+            sys.executable,
+            "-m",
+            "services.devstack.prober",
+            "--netns",
+            netns,
+            "--timeout",
+            str(timeout),
+            *(("--resolver", resolver) if resolver else ()),
+        ],
         cwd=ROOT,
         input=json.dumps(targets),
         capture_output=True,

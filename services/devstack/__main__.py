@@ -28,7 +28,7 @@ from services.common.bus import Bus
 from services.common.config import DEFAULT_GRPC_PORTS
 from services.common.log import get_logger, setup_logging
 from services.common.trust import Credentials, ensure_pki
-from services.devstack import hosts
+from services.devstack import hosts, world
 from services.devstack.cniexec import CniRuntime
 from services.devstack.hosts import HostsError
 from services.devstack.node import DevNode
@@ -92,6 +92,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default="10.96.0.0/16",
         help="the dev cluster's Service range: Services written without a clusterIP get one from it",
     )
+    p.add_argument(
+        "--dns-min-ttl",
+        type=float,
+        default=None,
+        help="the nodes' DNS proxies keep learned addresses at least this many seconds (default: the proxy's)",
+    )
+    p.add_argument(
+        "--dns-refuse",
+        choices=("refused", "nxdomain"),
+        default=None,
+        help="the nodes' DNS proxies' answer to a name no DNS rule allows (default: the proxy's, refused)",
+    )
     p.add_argument("--keep-state", action="store_true", help="keep pinned maps, namespaces and data on exit")
     p.add_argument("--no-pods", action="store_true", help="do not create the dev node's pods")
     p.add_argument(
@@ -115,6 +127,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.no_datapath and not args.no_pods:
         p.error("--no-datapath: the dev node makes its pods through its datapath; add --no-pods")
     args.network = None
+    args.world = None
     args.host = "127.0.0.1"
     if args.nodes > 1 or args.no_datapath:
         tag = hosts.tag_of(args.run_dir)
@@ -124,6 +137,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         except (HostsError, ValueError) as exc:
             p.error(str(exc))
         args.host = args.network.gateway  # reachable from the root namespace and from every node
+        # The outside world and its DNS, which the pods resolve through (see services/devstack/world.py).
+        args.world = world.plan(args.network, tag)
     return args
 
 
@@ -253,7 +268,7 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
         Child(
             f"{node.child}-dnsproxy",
             [sys.executable, "-m", *node.launcher, "services.datapath.dnsproxyd", "--state-dir", str(node.state_dir),
-             "--bpffs", node.bpffs, "--log-format", "json"],
+             "--bpffs", node.bpffs, "--log-format", "json", *dns_flags(args)],
             logs / f"{node.child}-dnsproxy.log",
             env=env,
         )
@@ -270,10 +285,17 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
         # The dev cluster's API server is this folder: `connectivity probe --via-services` applies Services to it.
         "manifests": str(Path(args.manifests).resolve()),
     }
+    outside = world_children(args, run_dir, logs)
+    if args.world is not None:
+        # The pods' resolver and the file of names it answers (edited while the cluster runs).
+        addresses["dns"] = args.world.dns
+        addresses["dns_zone"] = str(zone_path(run_dir))
     # The CLI reads them from here (every replica, so it reaches the survivors of a failover;
     # every node's datapath, so `palisade endpoint list` shows the whole cluster).
     (run_dir / "addresses.json").write_text(json.dumps(addresses, indent=2) + "\n")
     return [
+        # The world is there before the cluster, as the internet is.
+        *outside,
         *children,
         # Upstreams first: each service reports SERVING only once what it consumes is synced.
         svc(
@@ -291,6 +313,38 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
         *datapaths,
         *dnsproxies,
     ]
+
+
+def dns_flags(args: argparse.Namespace) -> list[str]:
+    """The DNS proxies' settings given to the stack."""
+    flags = []
+    if args.dns_min_ttl is not None:
+        flags += ["--dns-min-ttl", str(args.dns_min_ttl)]
+    if args.dns_refuse is not None:
+        flags += ["--dns-refuse", args.dns_refuse]
+    return flags
+
+
+def zone_path(run_dir: Path) -> Path:
+    """The outside world's zone file: the names its DNS server answers."""
+    return run_dir / "dns" / "zone.yaml"
+
+
+def world_children(args: argparse.Namespace, run_dir: Path, logs: Path) -> list[Child]:
+    """The outside world's DNS server and its servers, in the world's namespace (none without --nodes)."""
+    if args.world is None:
+        return []
+    zone = zone_path(run_dir)
+    world.write_zone(zone)
+    ports = [a for port in world.PORTS for a in ("--tcp", str(port))]
+    return [
+        Child("world-dns", [sys.executable, "-m", "services.devstack.innetns", args.world.netns,
+                            "services.devstack.dnsserver", "--zone", str(zone), "--listen", args.world.dns],
+              logs / "world-dns.log", shows=f"{args.world.dns}:53"),
+        Child("world", [sys.executable, "-m", "services.devstack.podserver", "--netns", args.world.netns,
+                        "--name", "world", *ports],
+              logs / "world.log", shows="documentation ranges"),
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -326,12 +380,15 @@ def dev_nodes(args: argparse.Namespace, run_dir: Path) -> list[DevNodeSpec]:
 def banner(args: argparse.Namespace, children: list[Child], nodes: list[DevNode], started: float) -> str:
     lines = [f"Palisade is running ({time.monotonic() - started:.1f}s to start). Logs: {args.run_dir}/{LOGS}", ""]
     for c in children:
-        where = c.grpc_address or (f"{c.tcp_host}:{c.tcp_port}" if c.tcp_port else "(pod DNS)")
+        where = c.grpc_address or (f"{c.tcp_host}:{c.tcp_port}" if c.tcp_port else c.shows or "(pod DNS)")
         lines.append(f"  {c.name:9} {where:18} pid {c.proc.pid if c.proc else '-'}")
     for node in nodes:
         lines += ["", f"Pods on {node.name}:"]
         for key, ep in sorted(node.endpoints.items()):
             lines.append(f"  {key:24} {','.join(ep.ips):16} identity {ep.identity}  endpoint {ep.id}")
+    if args.world is not None:
+        lines += ["", f"The outside world: pods resolve through {args.world.dns}, which answers the names of "
+                      f"{zone_path(Path(args.run_dir))} (edit it while the cluster runs)."]  # fmt: skip
     lines += [
         "",
         "Try:",
@@ -373,6 +430,8 @@ async def main_async(args: argparse.Namespace) -> int:
     try:
         if args.network is not None:
             await asyncio.to_thread(hosts.create, args.network)
+        if args.world is not None:
+            await asyncio.to_thread(world.create, args.world)
         # In order; the members of a cluster start together, then each is waited for.
         for i, c in enumerate(children):
             print(f"starting {c.name}...", flush=True)
@@ -419,6 +478,8 @@ async def main_async(args: argparse.Namespace) -> int:
             from services.devstack.cleanup import clean  # the datapath's modules, only at the end
 
             left: list[str] = []
+            if args.world is not None:
+                left += await asyncio.to_thread(world.remove, args.world)
             if args.network is not None:
                 # A node's namespace takes its pods' veths and routes with it.
                 left += await asyncio.to_thread(hosts.remove, args.network)

@@ -81,7 +81,7 @@ class HostNetwork:
         return next(n for n in self.nodes if n.name == name)
 
 
-def _ip(*args: str, netns: str = "", check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_ip(*args: str, netns: str = "", check: bool = True) -> subprocess.CompletedProcess[str]:
     cmd = ["ip", *(("-n", netns) if netns else ()), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if check and done.returncode != 0:
@@ -141,41 +141,41 @@ def create(network: HostNetwork) -> None:
     """Make the bridges, the router and every node namespace (removing a previous run's first)."""
     remove(network)
     for bridge in network.bridges:
-        _ip("link", "add", bridge, "type", "bridge")
-        _ip("link", "set", bridge, "up")
+        run_ip("link", "add", bridge, "type", "bridge")
+        run_ip("link", "set", bridge, "up")
     for node in network.nodes:
         if node.gateway not in _root_addresses():
-            _ip("addr", "add", f"{node.gateway}/{node.prefix_len}", "dev", node.bridge)
+            run_ip("addr", "add", f"{node.gateway}/{node.prefix_len}", "dev", node.bridge)
     if network.router_netns:
-        _ip("netns", "add", network.router_netns)
-        _ip("link", "set", "lo", "up", netns=network.router_netns)
-        _sysctl(network.router_netns, "net.ipv4.ip_forward=1")
+        run_ip("netns", "add", network.router_netns)
+        run_ip("link", "set", "lo", "up", netns=network.router_netns)
+        sysctl(network.router_netns, "net.ipv4.ip_forward=1")
         for i, node in enumerate(network.nodes):
             leg = f"leg{i}"
-            _ip("link", "add", node.router_link, "type", "veth", "peer", "name", leg, "netns", network.router_netns)
-            _ip("link", "set", node.router_link, "master", node.bridge, "up")
-            _ip("addr", "add", f"{node.router}/{node.prefix_len}", "dev", leg, netns=network.router_netns)
-            _ip("link", "set", leg, "up", netns=network.router_netns)
+            run_ip("link", "add", node.router_link, "type", "veth", "peer", "name", leg, "netns", network.router_netns)
+            run_ip("link", "set", node.router_link, "master", node.bridge, "up")
+            run_ip("addr", "add", f"{node.router}/{node.prefix_len}", "dev", leg, netns=network.router_netns)
+            run_ip("link", "set", leg, "up", netns=network.router_netns)
     for node in network.nodes:
-        _ip("netns", "add", node.netns)
-        _ip("link", "add", node.link, "type", "veth", "peer", "name", NODE_IFNAME, "netns", node.netns)
-        _ip("link", "set", node.link, "master", node.bridge, "up")
-        _ip("link", "set", "lo", "up", netns=node.netns)
-        _ip("addr", "add", f"{node.address}/{node.prefix_len}", "dev", NODE_IFNAME, netns=node.netns)
-        _ip("link", "set", NODE_IFNAME, "up", netns=node.netns)
-        _ip("route", "add", "default", "via", node.gateway, netns=node.netns)
+        run_ip("netns", "add", node.netns)
+        run_ip("link", "add", node.link, "type", "veth", "peer", "name", NODE_IFNAME, "netns", node.netns)
+        run_ip("link", "set", node.link, "master", node.bridge, "up")
+        run_ip("link", "set", "lo", "up", netns=node.netns)
+        run_ip("addr", "add", f"{node.address}/{node.prefix_len}", "dev", NODE_IFNAME, netns=node.netns)
+        run_ip("link", "set", NODE_IFNAME, "up", netns=node.netns)
+        run_ip("route", "add", "default", "via", node.gateway, netns=node.netns)
         if node.router:
             # The other nodes are behind the router; the control plane stays behind the gateway.
-            _ip("route", "add", network.subnet, "via", node.router, netns=node.netns)
+            run_ip("route", "add", network.subnet, "via", node.router, netns=node.netns)
     log.info("dev hosts up", bridges=",".join(network.bridges), nodes=",".join(n.name for n in network.nodes))
 
 
 def _root_addresses() -> set[str]:
-    done = _ip("-o", "-4", "addr", "show", check=False)
+    done = run_ip("-o", "-4", "addr", "show", check=False)
     return {line.split()[3].partition("/")[0] for line in done.stdout.splitlines() if len(line.split()) > 3}
 
 
-def _sysctl(netns: str, setting: str) -> None:
+def sysctl(netns: str, setting: str) -> None:
     cmd = ["ip", "netns", "exec", netns, "sysctl", "-qw", setting]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -190,15 +190,15 @@ def remove(network: HostNetwork) -> list[str]:
     spaces = [n.netns for n in network.nodes] + ([network.router_netns] if network.router_netns else [])
     for netns in spaces:
         if os.path.exists(f"/run/netns/{netns}"):
-            _ip("netns", "del", netns, check=False)
+            run_ip("netns", "del", netns, check=False)
     for node in network.nodes:
-        _ip("link", "del", node.link, check=False)
+        run_ip("link", "del", node.link, check=False)
         if node.router_link:
-            _ip("link", "del", node.router_link, check=False)
+            run_ip("link", "del", node.router_link, check=False)
     for bridge in network.bridges:
-        _ip("link", "del", bridge, check=False)
+        run_ip("link", "del", bridge, check=False)
     left = [f"network namespace {n} (ip netns del {n})" for n in spaces if os.path.exists(f"/run/netns/{n}")]
     for bridge in network.bridges:
-        if _ip("link", "show", bridge, check=False).returncode == 0:
+        if run_ip("link", "show", bridge, check=False).returncode == 0:
             left.append(f"bridge {bridge} (ip link del {bridge})")
     return left

@@ -3,9 +3,12 @@
     python -m services.devstack.prober --netns /run/netns/x --timeout 1.5 < targets.json
 
 Reads a JSON list of {"id", "ip", "port", "protocol"} on stdin and prints a JSON object
-{id: allowed}. TCP: the connection is established and the server's greeting arrives.
-UDP: the server's echo arrives. SCTP: the association comes up or, on kernels without
-SCTP, the server's INIT-ACK answers a raw INIT (see :mod:`services.devstack.sctp`).
+{id: allowed}. A target may give "name" instead of "ip": the prober resolves it first, as the
+pod's resolver would, through the server ``--resolver`` names (an A query over UDP, retried once),
+and connects to the answer's first address; a name that does not resolve is not reached.
+TCP: the connection is established and the server's greeting arrives. UDP: the server's echo
+arrives. SCTP: the association comes up or, on kernels without SCTP, the server's INIT-ACK
+answers a raw INIT (see :mod:`services.devstack.sctp`).
 Every target is probed concurrently, so denied ones cost one timeout in all.
 """
 
@@ -17,6 +20,12 @@ import json
 import socket
 import sys
 from typing import Any
+
+import dns.asyncquery
+import dns.exception
+import dns.message
+import dns.rcode
+import dns.rdatatype
 
 from services.devstack import sctp
 from services.devstack.netnsexec import enter
@@ -89,12 +98,34 @@ async def probe_sctp(ip: str, port: int, timeout: float) -> bool:
         sock.close()
 
 
+async def resolve(resolver: str, name: str, timeout: float) -> list[str]:
+    """The IPv4 addresses ``name`` has, asked of ``resolver`` as a stub resolver does; [] if none came."""
+    query = dns.message.make_query(name, dns.rdatatype.A)
+    for _ in range(2):  # as a stub resolver: a second try when the first is lost
+        try:
+            response = await dns.asyncquery.udp(query, resolver, timeout=timeout / 2)
+        except (dns.exception.Timeout, OSError):
+            continue
+        if response.rcode() != dns.rcode.NOERROR:
+            return []
+        return [rd.address for rrset in response.answer if rrset.rdtype == dns.rdatatype.A for rd in rrset]
+    return []
+
+
 PROBES = {"TCP": probe_tcp, "UDP": probe_udp, "SCTP": probe_sctp}
 
 
-async def run(targets: list[dict[str, Any]], timeout: float) -> dict[str, bool]:
+async def run(targets: list[dict[str, Any]], timeout: float, resolver: str = "") -> dict[str, bool]:
     async def one(t: dict[str, Any]) -> tuple[str, bool]:
-        return str(t["id"]), await PROBES[str(t["protocol"]).upper()](str(t["ip"]), int(t["port"]), timeout)
+        ip = str(t.get("ip") or "")
+        if not ip:
+            if not resolver:
+                raise RuntimeError(f"target {t['id']!r} names {t.get('name')!r}: give --resolver")
+            found = await resolve(resolver, str(t["name"]), timeout)
+            if not found:
+                return str(t["id"]), False
+            ip = found[0]
+        return str(t["id"]), await PROBES[str(t["protocol"]).upper()](ip, int(t["port"]), timeout)
 
     return dict(await asyncio.gather(*(one(t) for t in targets)))
 
@@ -103,11 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.devstack.prober")
     p.add_argument("--netns", required=True)
     p.add_argument("--timeout", type=float, default=1.5)
+    p.add_argument("--resolver", default="", help="the DNS server targets given by name are resolved through")
     args = p.parse_args(argv)
     targets = json.load(sys.stdin)
     enter(args.netns)
     try:
-        result = asyncio.run(run(targets, args.timeout))
+        result = asyncio.run(run(targets, args.timeout, args.resolver))
     except RuntimeError as exc:
         print(f"prober: {exc}", file=sys.stderr)
         return 2

@@ -70,6 +70,8 @@ class Child:
     credentials: Credentials | None = None
     #: The component it is (its certificate's name) when several children are one ("ipam-2").
     component: str = ""
+    #: Where the banner says it serves, for a child without a port of the host (the world's DNS).
+    shows: str = ""
     #: Children of one group start together before any is waited for (members of a cluster
     #: wait for each other's quorum).
     group: str = ""
