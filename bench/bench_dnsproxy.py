@@ -17,6 +17,9 @@ entries before its answer is released. Measured:
 - ``paced``: lookups sent at ``--rate`` per second from several clients, latency percentiles,
   straight to the server and through the proxy; the proxy's cost is the difference (target:
   p99 added <= 5 ms at 1,000 lookups/s);
+- ``first_connections``: lookups of fresh names, each followed at once by a connection to the
+  address it answered, on the port only the toFQDNs rule allows: the failures (target: none of
+  10,000; a first SYN dropped would wait out the 1 s retransmission, past the 0.9 s timeout);
 - ``throughput``: lookups per second answered with several clients sending back to back;
 - ``memory``: the proxy process's RSS growth per 10,000 learned addresses (its cache and journal);
 - ``restart_gap``: a client looking up every 10 ms; the proxy process is killed (-9) and started
@@ -74,19 +77,21 @@ from services.datapath.types import (
 from testkit.controlplane import control_plane
 from testkit.dnsserver import DnsServer, Record, query
 from testkit.harness import NatsServer, ServiceProcess, datapath_flags, sync_channel
-from testkit.traffic import socket_in
+from testkit.traffic import EchoServer, socket_in
 
 log = logger("dnsproxy")
 
 RULES = NameRules(
     fqdn=(FqdnRule("*.example.test", L4Proto.TCP, 443),), dns=(DnsRule(0, L4Proto.ANY, 53, ("*.example.test",)),)
 )
-#: Documentation addresses stand for the outside world (never reached: lookups only).
-OUTSIDE = [str(ip) for net in ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24") for ip in ipaddress.ip_network(net)]
+#: The outside world's addresses: every answer names the next one, so each lookup learns a fresh
+#: address (65,534 before one repeats). The outside namespace holds the whole block (a local route),
+#: so a connection to any of them is answered.
+OUTSIDE = ipaddress.ip_network("10.253.0.0/16")
 
 
 class Table(dict[str, Record]):
-    """Every name under example.test answers with the next documentation address (``answered``:
+    """Every name under example.test answers with the next address of :data:`OUTSIDE` (``answered``:
     shared with the benchmark's process, which counts the addresses the proxy learned)."""
 
     def __init__(self, answered: Synchronized[int]) -> None:
@@ -97,7 +102,7 @@ class Table(dict[str, Record]):
         if not name.endswith(".example.test"):
             return None
         self.answered.value += 1
-        return Record([OUTSIDE[self.answered.value % len(OUTSIDE)]], ttl=300)
+        return Record([str(OUTSIDE[1 + self.answered.value % (OUTSIDE.num_addresses - 2)])], ttl=300)
 
 
 def _serve_dns(ns: str, address: str, answered: Synchronized[int]) -> None:
@@ -125,6 +130,10 @@ class Resolver:
         self.server = (server, 53)
 
     def lookup(self, name: str, timeout: float) -> bool:
+        return self.answer(name, timeout) is not None
+
+    def answer(self, name: str, timeout: float) -> bytes | None:
+        """The answer's bytes; None when none came within ``timeout``."""
         wire = dns.message.make_query(name, "A").to_wire()
         self.sock.settimeout(timeout)
         self.sock.sendto(wire, self.server)
@@ -133,10 +142,10 @@ class Resolver:
             while True:
                 raw = self.sock.recv(65535)
                 if raw[:2] == wire[:2]:
-                    return True
+                    return raw
                 self.sock.settimeout(max(0.001, deadline - time.perf_counter()))
         except OSError:
-            return False
+            return None
 
     def close(self) -> None:
         self.sock.close()
@@ -153,6 +162,32 @@ def _lookups(pod: str, server: str, count: int, prefix: str, timeout: float = 2.
     finally:
         resolver.close()
     return out
+
+
+def _first_connections(pod: str, server: str, count: int) -> tuple[int, int]:
+    """``count`` lookups of fresh names, each followed at once by a connection to the address it
+    answered (port 443, which only the toFQDNs rule allows): (connected, failed). A connection
+    fails if its first SYN was dropped (the retransmission comes after 1 s, past the timeout)."""
+    resolver = Resolver(pod, server)
+    connected = failed = 0
+    try:
+        for i in range(count):
+            raw = resolver.answer(f"first{i}.example.test", 2.0)
+            answer = dns.message.from_wire(raw) if raw is not None else None
+            ips = [rd.address for rrset in answer.answer for rd in rrset] if answer is not None else []
+            if not ips:
+                failed += 1
+                continue
+            with socket_in(pod, socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.settimeout(0.9)
+                try:
+                    sock.connect((ips[0], 443))
+                    connected += 1
+                except OSError:
+                    failed += 1
+    finally:
+        resolver.close()
+    return connected, failed
 
 
 def _clients(fn: Callable[[int], list[float]], clients: int) -> list[float]:
@@ -310,6 +345,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     answered = multiprocessing.get_context("fork").Value("q", 0)
     server = multiprocessing.get_context("fork").Process(target=_serve_dns, args=(ext.name, server_ip, answered))
     server.start()
+    # The outside world holds all of OUTSIDE and answers on 443; the host routes the block to it.
+    subprocess.run(["ip", "-n", ext.name, "route", "add", "local", str(OUTSIDE), "dev", "lo"], check=True)
+    subprocess.run(["ip", "route", "replace", str(OUTSIDE), "dev", ext.host_ifname], check=True)
+    web = EchoServer(ext.name, (443,), ())
     state = Path(tempfile.mkdtemp(prefix="palisade-dnsbench-"))
     port = 20000 + secrets.randbelow(20000)
     proc: subprocess.Popen[bytes] | None = None
@@ -358,6 +397,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         learned_before = answered.value
         log(f"proxied: {n} lookups, each a fresh name")
         proxied = _lookups(pod.name, server_ip, n, "fresh")
+
+        firsts = 200 if args.quick else args.first_connections
+        log(f"first connections: {firsts} lookups, each followed at once by a connection to its answer")
+        first_ok, first_failed = _first_connections(pod.name, server_ip, firsts)
 
         log(f"throughput: {clients} clients back to back")
         started = time.perf_counter()
@@ -419,6 +462,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "learned_addresses": learned,
             "rss_mib": {"before": round(rss_before, 1), "after": round(rss_after, 1)},
             "restart_gap_ms": round(gap, 1),
+            "first_connections": {"connected": first_ok, "failed": first_failed},
             **killed,
             "summary": [
                 {"metric": "proxy latency added p50", "value": added_p50, "unit": "ms"},
@@ -432,6 +476,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 },
                 {"metric": f"lookup p99 at {args.rate:g}/s, proxied", "value": lat_paced["p99"], "unit": "ms"},
                 {"metric": f"lookup p99 at {args.rate:g}/s, straight", "value": lat_direct_paced["p99"], "unit": "ms"},
+                {
+                    "metric": f"first connections after a lookup failed (of {firsts}, each a fresh address)",
+                    "value": first_failed,
+                    "unit": "connections",
+                    "target": target("<=", 0.0),
+                },
                 {"metric": "lookups/s (one node)", "value": round(rate, 1), "unit": "1/s"},
                 {"metric": "proxy RSS per 10,000 learned addresses", "value": round(per_10k, 1), "unit": "MiB"},
                 {"metric": "longest DNS gap, proxy kill -9 + restart", "value": round(gap, 1), "unit": "ms"},
@@ -454,6 +504,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             proc.wait()
         server.kill()
         server.join(5)
+        web.close()
         for link in (pod, ext):
             netns.delete_pod(link)
         dp.teardown()
@@ -467,6 +518,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (throughput, paced)")
     p.add_argument("--rate", type=float, default=1000.0, help="paced lookups per second")
     p.add_argument("--seconds", type=float, default=5.0, help="length of the paced run")
+    p.add_argument(
+        "--first-connections", type=int, default=10_000, help="lookups each followed by a connection to the answer"
+    )
     p.add_argument("--gap-seconds", type=float, default=3.0, help="probing time after the restart")
     return p.parse_args(argv)
 
