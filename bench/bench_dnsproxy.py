@@ -17,12 +17,17 @@ entries before its answer is released. Measured:
 - ``paced``: lookups sent at ``--rate`` per second from several clients, latency percentiles,
   straight to the server and through the proxy; the proxy's cost is the difference (target:
   p99 added <= 5 ms at 1,000 lookups/s);
+- ``first_connections``: lookups of fresh names, each followed at once by a connection to the
+  address it answered, on the port only the toFQDNs rule allows: the failures (target: none of
+  10,000; a first SYN dropped would wait out the 1 s retransmission, past the 0.9 s timeout);
 - ``throughput``: lookups per second answered with several clients sending back to back;
 - ``memory``: the proxy process's RSS growth per 10,000 learned addresses (its cache and journal);
 - ``restart_gap``: a client looking up every 10 ms; the proxy process is killed (-9) and started
-  again at once; the longest time between two answers. The datapath process plays no part in a
-  lookup (the proxy needs only the pins and the published endpoints), so its kill -9 leaves
-  lookups untouched by construction.
+  again at once; the longest time between two answers;
+- ``datapath_kill``: the same client while the datapath service process (run as a node runs it,
+  with a control plane on a real NATS, the proxy beside it) is killed (-9) and started again: the
+  longest gap and the lookups that got no answer (the proxy needs only the pins and the published
+  endpoints, so the target is none).
 
 The DNS server runs in a process of its own: in the clients' process, its answers would wait for
 their threads (one interpreter lock), and the wait would count as the proxy's.
@@ -43,17 +48,18 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import dns.message
 
 from bench.output import logger, run_as_json
 from bench.stats import rss_mib, stats_ms, target
+from palisade.v1 import common_pb2, datapath_pb2, datapath_pb2_grpc
 from services.datapath import dnsrouting, netns
-from services.datapath.datapath import Datapath
+from services.datapath.datapath import Datapath, teardown_all
 from services.datapath.dnsnames import NamePublisher
 from services.datapath.fqdnmaps import NameEndpoint
 from services.datapath.types import (
@@ -68,20 +74,24 @@ from services.datapath.types import (
     PolicyEntry,
     PolicyKey,
 )
+from testkit.controlplane import control_plane
 from testkit.dnsserver import DnsServer, Record, query
-from testkit.traffic import socket_in
+from testkit.harness import NatsServer, ServiceProcess, datapath_flags, sync_channel
+from testkit.traffic import EchoServer, socket_in
 
 log = logger("dnsproxy")
 
 RULES = NameRules(
     fqdn=(FqdnRule("*.example.test", L4Proto.TCP, 443),), dns=(DnsRule(0, L4Proto.ANY, 53, ("*.example.test",)),)
 )
-#: Documentation addresses stand for the outside world (never reached: lookups only).
-OUTSIDE = [str(ip) for net in ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24") for ip in ipaddress.ip_network(net)]
+#: The outside world's addresses: every answer names the next one, so each lookup learns a fresh
+#: address (65,534 before one repeats). The outside namespace holds the whole block (a local route),
+#: so a connection to any of them is answered.
+OUTSIDE = ipaddress.ip_network("10.253.0.0/16")
 
 
 class Table(dict[str, Record]):
-    """Every name under example.test answers with the next documentation address (``answered``:
+    """Every name under example.test answers with the next address of :data:`OUTSIDE` (``answered``:
     shared with the benchmark's process, which counts the addresses the proxy learned)."""
 
     def __init__(self, answered: Synchronized[int]) -> None:
@@ -92,7 +102,7 @@ class Table(dict[str, Record]):
         if not name.endswith(".example.test"):
             return None
         self.answered.value += 1
-        return Record([OUTSIDE[self.answered.value % len(OUTSIDE)]], ttl=300)
+        return Record([str(OUTSIDE[1 + self.answered.value % (OUTSIDE.num_addresses - 2)])], ttl=300)
 
 
 def _serve_dns(ns: str, address: str, answered: Synchronized[int]) -> None:
@@ -120,6 +130,10 @@ class Resolver:
         self.server = (server, 53)
 
     def lookup(self, name: str, timeout: float) -> bool:
+        return self.answer(name, timeout) is not None
+
+    def answer(self, name: str, timeout: float) -> bytes | None:
+        """The answer's bytes; None when none came within ``timeout``."""
         wire = dns.message.make_query(name, "A").to_wire()
         self.sock.settimeout(timeout)
         self.sock.sendto(wire, self.server)
@@ -128,10 +142,10 @@ class Resolver:
             while True:
                 raw = self.sock.recv(65535)
                 if raw[:2] == wire[:2]:
-                    return True
+                    return raw
                 self.sock.settimeout(max(0.001, deadline - time.perf_counter()))
         except OSError:
-            return False
+            return None
 
     def close(self) -> None:
         self.sock.close()
@@ -150,6 +164,32 @@ def _lookups(pod: str, server: str, count: int, prefix: str, timeout: float = 2.
     return out
 
 
+def _first_connections(pod: str, server: str, count: int) -> tuple[int, int]:
+    """``count`` lookups of fresh names, each followed at once by a connection to the address it
+    answered (port 443, which only the toFQDNs rule allows): (connected, failed). A connection
+    fails if its first SYN was dropped (the retransmission comes after 1 s, past the timeout)."""
+    resolver = Resolver(pod, server)
+    connected = failed = 0
+    try:
+        for i in range(count):
+            raw = resolver.answer(f"first{i}.example.test", 2.0)
+            answer = dns.message.from_wire(raw) if raw is not None else None
+            ips = [rd.address for rrset in answer.answer for rd in rrset] if answer is not None else []
+            if not ips:
+                failed += 1
+                continue
+            with socket_in(pod, socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.settimeout(0.9)
+                try:
+                    sock.connect((ips[0], 443))
+                    connected += 1
+                except OSError:
+                    failed += 1
+    finally:
+        resolver.close()
+    return connected, failed
+
+
 def _clients(fn: Callable[[int], list[float]], clients: int) -> list[float]:
     results: list[list[float]] = [[] for _ in range(clients)]
 
@@ -164,6 +204,135 @@ def _clients(fn: Callable[[int], list[float]], clients: int) -> list[float]:
     return [x for r in results for x in r]
 
 
+NODE = "bench-node"
+T = TypeVar("T")
+
+
+def _datapath_kill_gap(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The datapath service process (as a node runs it, with a control plane on a real NATS) and the
+    proxy beside it; a client looks up every 10 ms while the datapath is killed (-9) and started
+    again: the longest time between two answers, and the lookups that got no answer."""
+    loop = asyncio.new_event_loop()  # the control plane's gRPC servers and bus client live on it
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def run(coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+
+    nats = NatsServer(work / "nats")
+    nats.start()
+    run_id = "pb" + secrets.token_hex(2)
+    bpffs = f"/sys/fs/bpf/palisade-{run_id}"
+    state = work / "state"
+    o3 = secrets.randbelow(250)
+    outside, dns_ip = f"{run_id}x", f"10.252.{o3}.53"
+    world = netns.create_pod(outside, outside, [dns_ip])
+    answered = multiprocessing.get_context("fork").Value("q", 0)
+    server = multiprocessing.get_context("fork").Process(target=_serve_dns, args=(world.name, dns_ip, answered))
+    server.start()
+    port = 20000 + secrets.randbelow(20000)
+    env = {"PALISADE_DNS_PROXY_PORT": str(port)}  # both processes read it
+    proxy: subprocess.Popen[bytes] | None = None
+    datapath: ServiceProcess | None = None
+    plane = control_plane(nats.url, NODE, cidr=f"10.251.{o3}.0/24")
+    cp = run(plane.__aenter__())
+    try:
+        flags = ["--nats-url", nats.url, "--node-name", NODE,
+                 *datapath_flags(cp.policy_address, cp.ipam_address, state, bpffs),
+                 "--retry-backoff-max", "0.5", "--log-level", "warning"]  # fmt: skip
+
+        def start_datapath() -> ServiceProcess:
+            proc = ServiceProcess("datapath", work, flags, env)
+            proc.start()
+            return proc
+
+        datapath = start_datapath()
+        with sync_channel(datapath.address, "datapath") as ch:
+            request = datapath_pb2.CreateEndpointRequest(
+                namespace=run_id, pod="a", labels=[common_pb2.Label(source="k8s", key="app", value="a")]
+            )
+            ep = datapath_pb2_grpc.DatapathServiceStub(ch).CreateEndpoint(request, timeout=60)
+        run(cp.set_policy(ep.identity, _dns_allowed(), ingress=False, egress=True))
+        names = common_pb2.DnsRule(protocol=common_pb2.PROTOCOL_ANY, port=53, selectors=["*.example.test"])
+        fqdn = common_pb2.FqdnRule(
+            selector="*.example.test", protocol=common_pb2.PROTOCOL_TCP, port_low=443, verdict=common_pb2.VERDICT_ALLOW
+        )
+        run(cp.wait_realized(run(cp.set_names(ep.identity, [fqdn], [names])), [ep.id]))
+        cmd = [sys.executable, "-m", "services.datapath.dnsproxyd", "--bpffs", bpffs, "--state-dir", str(state),
+               "--dns-proxy-port", str(port), "--log-level", "warning"]  # fmt: skip
+        proxy = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+        pod = f"pal_{run_id}_a"
+        while query(pod, dns_ip, "warmup.example.test", timeout=0.2) is None:
+            time.sleep(0.05)
+        before = answered.value
+
+        answers: list[float] = []
+        sent = 0
+        stop = threading.Event()
+
+        def prober() -> None:
+            nonlocal sent
+            resolver = Resolver(pod, dns_ip)
+            while not stop.is_set():
+                sent += 1
+                if resolver.lookup(f"dpgap{sent}.example.test", 0.05):
+                    answers.append(time.perf_counter())
+                time.sleep(0.01)
+            resolver.close()
+
+        log("datapath kill: kill -9 of the datapath process under lookups, started again at once")
+        t = threading.Thread(target=prober)
+        t.start()
+        try:
+            time.sleep(0.5)
+            datapath.kill()
+            datapath = start_datapath()
+            time.sleep(args.gap_seconds)
+        finally:
+            stop.set()
+            t.join()
+        gap = max((b - a for a, b in itertools.pairwise(answers)), default=float("nan")) * 1000
+        return {
+            "datapath_kill_gap_ms": round(gap, 1),
+            "datapath_kill_lookups": sent,
+            "datapath_kill_unanswered": sent - len(answers),
+            "datapath_kill_proxied": answered.value - before,
+        }
+    finally:
+        if proxy is not None:
+            proxy.kill()
+            proxy.wait()
+        if datapath is not None:
+            datapath.kill()
+        run(plane.__aexit__(None, None, None))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        server.kill()
+        server.join(5)
+        nats.stop()
+        netns.delete_pod(world)
+        for name in os.listdir("/run/netns") if os.path.isdir("/run/netns") else []:
+            if name.startswith(f"pal_{run_id}_"):
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        if os.path.isdir(bpffs):
+            teardown_all(bpffs)
+        dnsrouting.remove()
+
+
+def _dns_allowed() -> list[common_pb2.PolicyEntry]:
+    """Egress to the world on port 53, UDP and TCP (the lookups may leave)."""
+    return [
+        common_pb2.PolicyEntry(
+            key=common_pb2.PolicyKey(
+                direction=common_pb2.DIRECTION_EGRESS, remote_identity=IDENTITY_WORLD, protocol=proto,
+                port_low=53, port_high=53,
+            ),
+            verdict=common_pb2.VERDICT_ALLOW,
+        )
+        for proto in (common_pb2.PROTOCOL_UDP, common_pb2.PROTOCOL_TCP)
+    ]  # fmt: skip
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     run_id = "pb" + secrets.token_hex(2)
     base = f"/sys/fs/bpf/palisade-{run_id}"
@@ -176,6 +345,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     answered = multiprocessing.get_context("fork").Value("q", 0)
     server = multiprocessing.get_context("fork").Process(target=_serve_dns, args=(ext.name, server_ip, answered))
     server.start()
+    # The outside world holds all of OUTSIDE and answers on 443; the host routes the block to it.
+    subprocess.run(["ip", "-n", ext.name, "route", "add", "local", str(OUTSIDE), "dev", "lo"], check=True)
+    subprocess.run(["ip", "route", "replace", str(OUTSIDE), "dev", ext.host_ifname], check=True)
+    web = EchoServer(ext.name, (443,), ())
     state = Path(tempfile.mkdtemp(prefix="palisade-dnsbench-"))
     port = 20000 + secrets.randbelow(20000)
     proc: subprocess.Popen[bytes] | None = None
@@ -225,6 +398,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         log(f"proxied: {n} lookups, each a fresh name")
         proxied = _lookups(pod.name, server_ip, n, "fresh")
 
+        firsts = 200 if args.quick else args.first_connections
+        log(f"first connections: {firsts} lookups, each followed at once by a connection to its answer")
+        first_ok, first_failed = _first_connections(pod.name, server_ip, firsts)
+
         log(f"throughput: {clients} clients back to back")
         started = time.perf_counter()
         done = _clients(lambda i: _lookups(pod.name, server_ip, n // clients, f"t{i}-"), clients)
@@ -261,6 +438,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         t.join()
         gap = max((b - a for a, b in itertools.pairwise(answers)), default=float("nan")) * 1000
 
+        proc.kill()
+        proc.wait()
+        proc = None
+        with tempfile.TemporaryDirectory(prefix="palisade-dnsbench-dp-") as work:
+            killed = _datapath_kill_gap(args, Path(work))
+
         lat_direct, lat_proxied, lat_paced = stats_ms(direct), stats_ms(proxied), stats_ms(paced_ms)
         lat_direct_paced = stats_ms(direct_paced)
         added_p50 = round(lat_proxied["p50"] - lat_direct["p50"], 3)
@@ -279,6 +462,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "learned_addresses": learned,
             "rss_mib": {"before": round(rss_before, 1), "after": round(rss_after, 1)},
             "restart_gap_ms": round(gap, 1),
+            "first_connections": {"connected": first_ok, "failed": first_failed},
+            **killed,
             "summary": [
                 {"metric": "proxy latency added p50", "value": added_p50, "unit": "ms"},
                 {"metric": "proxy latency added p99", "value": added_p99, "unit": "ms"},
@@ -291,9 +476,26 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 },
                 {"metric": f"lookup p99 at {args.rate:g}/s, proxied", "value": lat_paced["p99"], "unit": "ms"},
                 {"metric": f"lookup p99 at {args.rate:g}/s, straight", "value": lat_direct_paced["p99"], "unit": "ms"},
+                {
+                    "metric": f"first connections after a lookup failed (of {firsts}, each a fresh address)",
+                    "value": first_failed,
+                    "unit": "connections",
+                    "target": target("<=", 0.0),
+                },
                 {"metric": "lookups/s (one node)", "value": round(rate, 1), "unit": "1/s"},
                 {"metric": "proxy RSS per 10,000 learned addresses", "value": round(per_10k, 1), "unit": "MiB"},
                 {"metric": "longest DNS gap, proxy kill -9 + restart", "value": round(gap, 1), "unit": "ms"},
+                {
+                    "metric": "longest DNS gap, datapath kill -9 + restart",
+                    "value": killed["datapath_kill_gap_ms"],
+                    "unit": "ms",
+                },
+                {
+                    "metric": "lookups unanswered across the datapath kill -9",
+                    "value": killed["datapath_kill_unanswered"],
+                    "unit": "lookups",
+                    "target": target("<=", 0.0),
+                },
             ],
         }
     finally:
@@ -302,6 +504,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             proc.wait()
         server.kill()
         server.join(5)
+        web.close()
         for link in (pod, ext):
             netns.delete_pod(link)
         dp.teardown()
@@ -315,6 +518,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (throughput, paced)")
     p.add_argument("--rate", type=float, default=1000.0, help="paced lookups per second")
     p.add_argument("--seconds", type=float, default=5.0, help="length of the paced run")
+    p.add_argument(
+        "--first-connections", type=int, default=10_000, help="lookups each followed by a connection to the answer"
+    )
     p.add_argument("--gap-seconds", type=float, default=3.0, help="probing time after the restart")
     return p.parse_args(argv)
 

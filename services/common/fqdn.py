@@ -37,6 +37,9 @@ __all__ = [
 
 #: The longest name DNS can carry, in its text form without the trailing dot.
 MAX_NAME_LENGTH = 253
+#: The one destination port a node steers to its DNS proxy (the BPF program's pre-check; a DNS rule
+#: on another port is allowed at L4, its names neither filtered nor learned, and reported so).
+DNS_PORT = 53
 #: The longest label.
 MAX_LABEL_LENGTH = 63
 

@@ -172,4 +172,11 @@ def test_dnsproxy_quick() -> None:
     assert out["paced_answered"] > 0 and out["direct_paced_answered"] > 0
     assert out["learned_addresses"] >= out["paced_answered"]  # every proxied answer named a fresh address
     assert out["throughput_lookups_per_s"] > 0 and out["restart_gap_ms"] > 0
+    first = out["first_connections"]
+    assert first["connected"] > 0 and first["connected"] + first["failed"] == 200
+    # The datapath's kill -9: lookups went on through the proxy (that none fails within a client's
+    # retry is tests/datapath_service/test_dns_proxy_root.py's; these lookups wait 50 ms).
+    assert out["datapath_kill_lookups"] > 0 and out["datapath_kill_proxied"] > 0
+    assert out["datapath_kill_gap_ms"] > 0
+    assert rows["lookups unanswered across the datapath kill -9"]["target"] == {"op": "<=", "value": 0.0}
     assert dns_bench_leftovers() <= before, "pins or namespaces left behind"

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
+from testkit.controlplane import ControlPlane
 from testkit.harness import ROOT, NatsServer
 from tests.datapath_service.agent import InProcessAgent
-from tests.datapath_service.controlplane import ControlPlane
 from tests.datapath_service.helpers import eventually
 
 pytestmark = pytest.mark.root

@@ -30,29 +30,16 @@ from services.datapath.orders import GrpcPolicyClient
 from services.datapath.pluginapi import PluginApi, plugin_socket
 from services.datapath.service import Agent, start_agent
 from services.datapath.types import Address
+from testkit.controlplane import ControlPlane, control_plane
 from testkit.harness import NatsServer, channel, creds
-from tests.datapath_service.controlplane import ControlPlane
 
 #: The node the fixtures' control plane and agent are on.
 NODE = "node-a"
 
 
-@contextlib.asynccontextmanager
-async def control_plane(nats_url: str, node: str = NODE, **options: Any) -> AsyncIterator[ControlPlane]:
-    """A started control plane (policy, identity and IPAM services) for ``node``, on its own bus connection."""
-    bus = await Bus.connect([nats_url], name="control-plane", tls=creds())
-    plane = ControlPlane(bus, node, **options)  # type: ignore[abstract]
-    await plane.start()
-    try:
-        yield plane
-    finally:
-        await plane.stop()
-        await bus.close()
-
-
 @pytest.fixture
 async def cp(nats_server: NatsServer) -> AsyncIterator[ControlPlane]:
-    async with control_plane(nats_server.url) as plane:
+    async with control_plane(nats_server.url, NODE) as plane:
         yield plane
 
 

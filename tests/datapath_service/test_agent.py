@@ -15,9 +15,9 @@ from services.datapath.loader import ProgramConfig
 from services.datapath.maps import metricsmap
 from services.datapath.maps.sizes import MapSizes
 from testkit.builders import policy_entry
+from testkit.controlplane import ALLOW, DENY, ING, TCP, ControlPlane
 from testkit.harness import NatsServer
 from tests.datapath_service.agent import NODE, InProcessAgent
-from tests.datapath_service.controlplane import ALLOW, DENY, ING, TCP, ControlPlane
 from tests.datapath_service.helpers import create, eventually, labels
 
 

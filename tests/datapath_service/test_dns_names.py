@@ -7,8 +7,8 @@ from palisade.v1 import common_pb2
 from services.datapath import types as dt
 from services.datapath.dnsnames import NameSource
 from testkit.builders import policy_entry as entry
+from testkit.controlplane import ControlPlane
 from tests.datapath_service.agent import InProcessAgent
-from tests.datapath_service.controlplane import ControlPlane
 from tests.datapath_service.helpers import create, eventually
 
 EGR = common_pb2.DIRECTION_EGRESS

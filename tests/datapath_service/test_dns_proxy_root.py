@@ -28,10 +28,10 @@ from services.cli.main import main as palisade
 from services.datapath import dnsrouting, netns
 from services.datapath.types import IDENTITY_WORLD
 from testkit.builders import policy_entry as entry
+from testkit.controlplane import ControlPlane
 from testkit.dnsserver import DnsServer, Record, addresses, query
 from testkit.harness import ServiceProcess, pki
 from testkit.traffic import EchoServer, tcp_exchange
-from tests.datapath_service.controlplane import ControlPlane
 from tests.datapath_service.helpers import create_endpoint, started
 from tests.datapath_service.pods import Pods
 from tests.datapath_service.test_service_root import cp, start_datapath

@@ -23,9 +23,9 @@ from services.datapath.fake import FakeDatapath
 from services.datapath.flows import FlowFilter
 from services.datapath.metrics import AgentParts, DatapathMetrics, KernelTotals
 from testkit.builders import policy_entry
+from testkit.controlplane import ING, ControlPlane, control_plane
 from testkit.harness import Metrics, NatsServer, ServiceProcess, creds, datapath_flags, scrape
-from tests.datapath_service.agent import InProcessAgent, control_plane
-from tests.datapath_service.controlplane import ING, ControlPlane
+from tests.datapath_service.agent import InProcessAgent
 from tests.datapath_service.helpers import create as create_fake
 from tests.datapath_service.helpers import create_endpoint, eventually, in_thread, started
 from tests.datapath_service.pods import Pods

@@ -14,7 +14,7 @@ from services.datapath.orders import Apply, NeedResync, Sequencer, merge_diffs
 from services.datapath.realizer import IdentityPolicy
 from services.datapath.wire import diff_from_proto, entry_from_proto, entry_to_proto, order_from_proto
 from testkit.builders import policy_entry
-from tests.datapath_service.controlplane import EGR, ING
+from testkit.controlplane import EGR, ING
 
 
 def diff(identity: int, add=(), remove=(), full=False, ingress=True) -> common_pb2.IdentityPolicyDiff:

@@ -15,9 +15,8 @@ from grpc_health.v1 import health_pb2
 
 from palisade.v1 import common_pb2, datapath_pb2
 from testkit.builders import policy_entry
+from testkit.controlplane import ALLOW, ING, ControlPlane, control_plane
 from testkit.harness import NatsServer, ServiceProcess, datapath_flags, health_status
-from tests.datapath_service.agent import control_plane
-from tests.datapath_service.controlplane import ALLOW, ING, ControlPlane
 from tests.datapath_service.helpers import create_endpoint, in_thread, started
 from tests.datapath_service.pods import Pods
 

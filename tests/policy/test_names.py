@@ -127,6 +127,18 @@ def test_names_are_supported_not_reported() -> None:
     assert fqdn_rule.peers == ()  # adds no peer identity: the node learns the addresses
 
 
+def test_a_dns_rule_on_a_port_the_nodes_do_not_steer_is_reported() -> None:
+    """Its queries are allowed (L4) but their names neither filtered nor learned: the status says so."""
+    policy = parse_policy(
+        doc(
+            CNP_A
+            + "  egress:\n  - toPorts: [{ports: [{port: '5353', protocol: UDP}], rules: {dns: [{matchName: b.test}]}}]\n"
+        )
+    )
+    (note,) = policy.unsupported
+    assert note.startswith("spec.egress[0].toPorts[0].ports[0].port: DNS rules on port 5353: only port 53 is steered")
+
+
 def test_other_l7_rules_stay_reported() -> None:
     policy = parse_policy(
         doc(CNP_A + "  egress:\n  - toPorts: [{ports: [{port: '80'}], rules: {http: [{method: GET}]}}]\n")

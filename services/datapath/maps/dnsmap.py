@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
+from services.common import fqdn
 from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap
 from services.datapath.maps.sizes import MapSizes
 
@@ -18,7 +19,7 @@ NAME = "dns_steering"
 
 #: The only destination port the program hands to dns_steer (a pre-check in handle(): the full
 #: steering inline would pass the verifier's complexity limit in from_container).
-DNS_PORT = 53
+DNS_PORT = fqdn.DNS_PORT
 #: skb->mark of a steered packet; the node's policy routing delivers it to the local stack.
 PROXY_MARK = 0x0A00
 #: The bits of the mark Palisade owns.

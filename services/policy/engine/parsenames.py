@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from services.common.fqdn import FqdnError, validate_name, validate_pattern
+from services.common.fqdn import DNS_PORT, FqdnError, validate_name, validate_pattern
 from services.policy.engine.model import Direction, PortSpec
 from services.policy.engine.parsecontext import ParseContext, as_list, as_map
 
@@ -57,3 +57,9 @@ def check_dns_port(ctx: ParseContext, specs: list[PortSpec], path: str) -> None:
             raise ctx.error(f"{path}.port", "DNS rules need a port number (the DNS server's, usually 53)")
         if spec.port_low != spec.port_high:
             raise ctx.error(f"{path}.endPort", "DNS rules apply to one port, not a range")
+        if spec.port_low != DNS_PORT:
+            ctx.unsupported_feature(
+                f"{path}.port",
+                f"DNS rules on port {spec.port_low}: only port {DNS_PORT} is steered to the node's DNS proxy; "
+                f"queries to port {spec.port_low} are allowed, their names neither filtered nor learned",
+            )

@@ -10,9 +10,11 @@ the node's order sequence and publishes the diff as a regeneration order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 import grpc
 
@@ -308,3 +310,16 @@ class ControlPlane(
             prefix=f"{ip}/32", identity=identity, node=self.node, namespace=namespace, pod=pod
         )
         await self.bus.publish(ipcache_subject(entry.prefix), entry)
+
+
+@contextlib.asynccontextmanager
+async def control_plane(nats_url: str, node: str, **options: Any) -> AsyncIterator[ControlPlane]:
+    """A started control plane (policy, identity and IPAM services) for ``node``, on its own bus connection."""
+    bus = await Bus.connect([nats_url], name="control-plane", tls=creds())
+    plane = ControlPlane(bus, node, **options)  # type: ignore[abstract]
+    await plane.start()
+    try:
+        yield plane
+    finally:
+        await plane.stop()
+        await bus.close()
