@@ -164,30 +164,37 @@ def _lookups(pod: str, server: str, count: int, prefix: str, timeout: float = 2.
     return out
 
 
-def _first_connections(pod: str, server: str, count: int) -> tuple[int, int]:
+def _first_connections(pod: str, server: str, count: int) -> dict[str, Any]:
     """``count`` lookups of fresh names, each followed at once by a connection to the address it
-    answered (port 443, which only the toFQDNs rule allows): (connected, failed). A connection
-    fails if its first SYN was dropped (the retransmission comes after 1 s, past the timeout)."""
+    answered (port 443, which only the toFQDNs rule allows): how many connected, and of those that
+    did not, why and at which lookups. A connection fails if its first SYN was dropped (the
+    retransmission comes after 1 s, past the timeout)."""
     resolver = Resolver(pod, server)
-    connected = failed = 0
+    connected = 0
+    failures: dict[str, list[int]] = {}
     try:
         for i in range(count):
             raw = resolver.answer(f"first{i}.example.test", 2.0)
             answer = dns.message.from_wire(raw) if raw is not None else None
             ips = [rd.address for rrset in answer.answer for rd in rrset] if answer is not None else []
             if not ips:
-                failed += 1
+                failures.setdefault("no answer", []).append(i)
                 continue
             with socket_in(pod, socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.settimeout(0.9)
                 try:
                     sock.connect((ips[0], 443))
                     connected += 1
-                except OSError:
-                    failed += 1
+                except OSError as exc:
+                    failures.setdefault(type(exc).__name__, []).append(i)
     finally:
         resolver.close()
-    return connected, failed
+    failed = sum(len(v) for v in failures.values())
+    return {
+        "connected": connected,
+        "failed": failed,
+        "failures": {why: {"count": len(at), "first": at[:20]} for why, at in failures.items()},
+    }
 
 
 def _clients(fn: Callable[[int], list[float]], clients: int) -> list[float]:
@@ -345,9 +352,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     answered = multiprocessing.get_context("fork").Value("q", 0)
     server = multiprocessing.get_context("fork").Process(target=_serve_dns, args=(ext.name, server_ip, answered))
     server.start()
-    # The outside world holds all of OUTSIDE and answers on 443; the host routes the block to it.
+    # The outside world holds all of OUTSIDE and answers on 443; the host routes the block to it
+    # through its address (a device route would take a neighbour entry per destination, and past
+    # 1,024 of them, gc_thresh3, the host's table overflows and drops packets).
     subprocess.run(["ip", "-n", ext.name, "route", "add", "local", str(OUTSIDE), "dev", "lo"], check=True)
-    subprocess.run(["ip", "route", "replace", str(OUTSIDE), "dev", ext.host_ifname], check=True)
+    subprocess.run(["ip", "route", "replace", str(OUTSIDE), "via", server_ip, "dev", ext.host_ifname], check=True)
     web = EchoServer(ext.name, (443,), ())
     state = Path(tempfile.mkdtemp(prefix="palisade-dnsbench-"))
     port = 20000 + secrets.randbelow(20000)
@@ -400,7 +409,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
         firsts = 200 if args.quick else args.first_connections
         log(f"first connections: {firsts} lookups, each followed at once by a connection to its answer")
-        first_ok, first_failed = _first_connections(pod.name, server_ip, firsts)
+        first = _first_connections(pod.name, server_ip, firsts)
 
         log(f"throughput: {clients} clients back to back")
         started = time.perf_counter()
@@ -462,7 +471,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "learned_addresses": learned,
             "rss_mib": {"before": round(rss_before, 1), "after": round(rss_after, 1)},
             "restart_gap_ms": round(gap, 1),
-            "first_connections": {"connected": first_ok, "failed": first_failed},
+            "first_connections": first,
             **killed,
             "summary": [
                 {"metric": "proxy latency added p50", "value": added_p50, "unit": "ms"},
@@ -478,7 +487,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 {"metric": f"lookup p99 at {args.rate:g}/s, straight", "value": lat_direct_paced["p99"], "unit": "ms"},
                 {
                     "metric": f"first connections after a lookup failed (of {firsts}, each a fresh address)",
-                    "value": first_failed,
+                    "value": first["failed"],
                     "unit": "connections",
                     "target": target("<=", 0.0),
                 },
