@@ -12,8 +12,11 @@ proxies keep learned addresses at least 1 s (``--dns-min-ttl``) and refuse with 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -228,6 +231,62 @@ def test_analyze_with_the_worlds_names_agrees_with_real_packets(stack: Stack) ->
             got[port][pod] = {name: reached[f"{name}:{port}"] for name in table}
     assert {port: {pod: want[port][pod] for pod in (CLIENT, FREE)} for port in want} == got
     assert not got[80][CLIENT]["elsewhere.test"] and got[80][CLIENT]["api.example.test"], "the case tells them apart"
+
+
+def _proxy_pid(stack: Stack, node: str) -> int:
+    """The PID of ``node``'s DNS proxy process (the stack restarts it when it dies); 0: none."""
+    bpffs = f"{stack.bpffs}-{node}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"services.datapath.dnsproxyd" in cmdline and bpffs + b"\0" in cmdline + b"\0":
+                return int(entry)
+    return 0
+
+
+@pytest.mark.parametrize("victim", ["datapath", "proxy"])
+def test_a_kill_9_under_lookups_loses_no_lookup_for_longer_than_one_retry(stack: Stack, victim: str) -> None:
+    """The client resolves and connects steadily while its node's datapath (or DNS proxy) is killed
+    (-9) and started again by the node: every lookup is answered within one client retry (a stub
+    resolver's 1 s timeout, then a second try) and every connection to the answer gets through."""
+    netns, server = stack.netns(CLIENT), stack.addresses["dns"]
+    failures: list[str] = []
+    rounds = 0
+    stop = threading.Event()
+
+    def load() -> None:
+        nonlocal rounds
+        while not stop.is_set():
+            rounds += 1
+            answer = query(netns, server, "api.example.test", timeout=1.0) or query(
+                netns, server, "api.example.test", timeout=1.0
+            )
+            if addresses(answer) != ["192.0.2.10"]:
+                failures.append(f"lookup {rounds}")
+            elif not probe(netns, "192.0.2.10", 80):
+                failures.append(f"connection {rounds}")
+            time.sleep(0.05)
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    try:
+        time.sleep(1)
+        if victim == "datapath":
+            child = f"datapath-{CLIENT_NODE.rsplit('-', 1)[1]}"
+            stack.serving_again(child, stack.kill(child))
+        else:
+            old = _proxy_pid(stack, CLIENT_NODE)
+            assert old, "the client node runs no DNS proxy"
+            os.kill(old, signal.SIGKILL)
+            assert wait_for(lambda: _proxy_pid(stack, CLIENT_NODE) not in (0, old), 30), "the proxy was not restarted"
+        time.sleep(1)
+    finally:
+        stop.set()
+        worker.join()
+    assert rounds > 5 and failures == [], failures
 
 
 def test_zz_ctrl_c_removes_the_world(stack: Stack) -> None:
