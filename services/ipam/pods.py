@@ -20,6 +20,10 @@ tombstoned. Both halves live in etcd, so a restarted ipam rebuilds the joins (it
 named ports from the stored entries) at the post-sync sweep, and the sweep never
 releases what such an owner holds.
 
+A reference on a CIDR identity (the policy service holds one per prefix policies name, see
+:class:`CidrHolder`) gets the ipcache entry prefix -> identity, the lowest claimant of its
+prefix: a pod's or a node's address wins over it, and it comes back when they go.
+
 A pod known from the bus wins over an API endpoint with the same owner: while the
 bus has the pod (or, until the sweep, a tombstone of it), no join is published for
 that owner, and a reference the API moves or drops for an active bus pod on its

@@ -105,8 +105,7 @@ async def test_a_to_cidr_policy_gets_cidr_identities_from_ipam_and_releases_them
         # The policy goes: its prefixes' references are released, their entries tombstoned.
         await feed.policy(to_outside("web-to-outside"), delete=True)
         await eventually(lambda: _none_held(ipam_channel), "the CIDR identities released")
-        for prefix in PREFIXES:
-            await eventually(lambda p=prefix: view.ipcache[p].deleted, f"{prefix}'s entry tombstoned")
+        await eventually(lambda: all(view.ipcache[p].deleted for p in PREFIXES), "the entries tombstoned")
         await eventually(lambda: allowed(dp, web) == set(), "web's egress entries gone")
         assert (await details(policy))["cidr_identities"] == "0 of 0 prefixes"
         await dp.stop()
