@@ -42,9 +42,10 @@ RULES: dict[str, frozenset[str]] = {
     "palisade.v1.PolicyService/WaitForRevision": _CLI | _DATAPATH | _POLICY,
     "palisade.v1.PolicyService/Resync": _DATAPATH | _POLICY,
     "palisade.v1.PolicyService/ReportRealized": _DATAPATH | _POLICY,
-    # ipam: allocation only by datapaths (they make endpoints), reads by operators too.
-    "palisade.v1.IdentityService/AllocateIdentity": _DATAPATH,
-    "palisade.v1.IdentityService/ReleaseIdentity": _DATAPATH,
+    # ipam: allocation by datapaths (they make endpoints) and by the policy service (the CIDR
+    # identities of the prefixes policies name, and only those: ipam checks), reads by operators too.
+    "palisade.v1.IdentityService/AllocateIdentity": _DATAPATH | _POLICY,
+    "palisade.v1.IdentityService/ReleaseIdentity": _DATAPATH | _POLICY,
     "palisade.v1.IdentityService/ResolvePod": _DATAPATH,
     "palisade.v1.IdentityService/GetIdentity": _CLI | _DATAPATH | _POLICY,
     "palisade.v1.IdentityService/ListIdentities": _CLI | _DATAPATH | _POLICY,

@@ -22,6 +22,7 @@ from functools import cached_property
 from typing import Any, Protocol
 
 __all__ = [
+    "CIDR_HOLDER_NODE",
     "CLUSTER_NAME_DEFAULT",
     "LABEL_NAMESPACE_LABELS_PREFIX",
     "LABEL_NAMESPACE_NAME",
@@ -34,6 +35,7 @@ __all__ = [
     "ReservedIdentity",
     "cidr_identity_labels",
     "cidr_label",
+    "cidr_owner",
     "filter_identity_labels",
     "is_identity_label",
     "labels_from_wire",
@@ -343,6 +345,16 @@ def cidr_identity_labels(prefix: ipaddress.IPv4Network | ipaddress.IPv6Network |
     select such identities by prefix containment rather than by label.
     """
     return LabelSet((cidr_label(prefix), Label(LabelSource.RESERVED, "world")))
+
+
+#: The holder (ipam's pseudo-node) under which the policy service keeps a reference on the CIDR
+#: identity of every prefix accepted policies name; ipam keeps this node's lease alive itself.
+CIDR_HOLDER_NODE = "palisade-policy-cidrs"
+
+
+def cidr_owner(prefix: ipaddress.IPv4Network | ipaddress.IPv6Network | str) -> str:
+    """The owner of the policy service's reference on a prefix's CIDR identity: ``cidr/<prefix>``."""
+    return f"cidr/{ipaddress.ip_network(prefix, strict=False)}"
 
 
 def reserved_labels(identity: ReservedIdentity) -> LabelSet:

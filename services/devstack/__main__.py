@@ -239,13 +239,16 @@ def build(args: argparse.Namespace, run_dir: Path) -> list[Child]:
         # A second ipam on the port after the datapath's: replicas serve the same etcd state.
         second = f"{args.host}:{args.grpc_port_base + 4}"
         ipams.append(svc("ipam", address=second, replica=suffix(1)))
-    policies = [svc("policy", "--member", "policy" + suffix(0), replica=suffix(0))]
+    ipam_addresses = ",".join(c.grpc_address for c in ipams)
+    # The policy leader holds the CIDR identities of the prefixes policies name in ipam.
+    policies = [svc("policy", "--member", "policy" + suffix(0), "--ipam-address", ipam_addresses, replica=suffix(0))]
     if args.ha:
         # The second policy replica after the second ipam; the replicas elect one leader.
         second = f"{args.host}:{args.grpc_port_base + 5}"
-        policies.append(svc("policy", "--member", "policy-2", address=second, replica=suffix(1)))
+        policies.append(
+            svc("policy", "--member", "policy-2", "--ipam-address", ipam_addresses, address=second, replica=suffix(1))
+        )
     policy_addresses = ",".join(c.grpc_address for c in policies)
-    ipam_addresses = ",".join(c.grpc_address for c in ipams)
     datapaths = [
         Child(
             node.child,

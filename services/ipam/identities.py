@@ -164,6 +164,10 @@ class IdentityAllocator:
             log.warning("malformed identity key ignored", key=key.decode(errors="replace"), error=str(exc))
         return None
 
+    def labels_of(self, ident: int) -> LabelSet | None:
+        """The labels of an identity as the cache knows them (allocated, loaded or watched here)."""
+        return self._by_id.get(ident)
+
     def cached(self) -> list[Identity]:
         return [Identity(i, labels) for i, labels in sorted(self._by_id.items())]
 

@@ -20,6 +20,10 @@ tombstoned. Both halves live in etcd, so a restarted ipam rebuilds the joins (it
 named ports from the stored entries) at the post-sync sweep, and the sweep never
 releases what such an owner holds.
 
+A reference on a CIDR identity (the policy service holds one per prefix policies name, see
+:class:`CidrHolder`) gets the ipcache entry prefix -> identity, the lowest claimant of its
+prefix: a pod's or a node's address wins over it, and it comes back when they go.
+
 A pod known from the bus wins over an API endpoint with the same owner: while the
 bus has the pod (or, until the sweep, a tombstone of it), no join is published for
 that owner, and a reference the API moves or drops for an active bus pod on its
@@ -42,7 +46,7 @@ from services.ipam.errors import IpamError
 from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import StoreUnavailable
-from services.ipam.model import Identity
+from services.ipam.model import Identity, Kind, kind_of
 from services.ipam.podwatch import (
     Change,
     NamedPort,
@@ -119,8 +123,21 @@ class NodeHost:
     node: str
 
 
-#: Who claims ipcache entries: a pod from the bus, an API owner on a node, or a node itself.
-EntryKey = PodKey | ApiOwner | NodeHost
+@dataclasses.dataclass(frozen=True, slots=True)
+class CidrHolder:
+    """The entry of a CIDR identity's prefix, while ``owner`` on ``node`` holds a reference on it.
+
+    The policy service holds one for every prefix accepted policies name (node
+    :data:`~services.common.labels.CIDR_HOLDER_NODE`, owner ``cidr/<prefix>``). Such an entry
+    is the lowest claimant of its prefix: a pod's or a node's address always wins over it.
+    """
+
+    node: str
+    owner: str
+
+
+#: Who claims ipcache entries: a pod from the bus, an API owner on a node, a node itself, or a CIDR identity.
+EntryKey = PodKey | ApiOwner | NodeHost | CidrHolder
 
 #: The Node address types that are the node's (Cilium's node IPs): pods never use them.
 _NODE_ADDRESS_TYPES = ("InternalIP", "ExternalIP")
@@ -427,16 +444,38 @@ class PodManager:
             if pick(node, owner):
                 await self._join(node, owner)
 
+    async def _claim_cidr(self, node: str, owner: str, identity: int | None) -> None:
+        """Publish (or tombstone) the entry prefix -> CIDR identity while ``owner`` holds one on ``node``."""
+        holder = CidrHolder(node, owner)
+        entries: dict[str, identity_pb2.IpcacheEntry] = {}
+        if identity is not None and kind_of(identity) is Kind.CIDR:
+            labels = self._allocator.labels_of(identity)
+            prefix = Identity(identity, labels).cidr if labels is not None else ""
+            if prefix:
+                entries[prefix] = identity_pb2.IpcacheEntry(prefix=prefix, identity=identity)
+            else:
+                log.error("cidr identity without a known prefix, no ipcache entry", node=node, owner=owner, id=identity)
+        before = self._entries.get(holder)
+        if not entries and before is None:
+            return
+        await self._set_entries(holder, entries)
+        if entries and before != entries:
+            log.info("cidr identity entry set", node=node, owner=owner, id=identity, prefix=next(iter(entries)))
+        elif not entries:
+            log.info("cidr identity entry dropped", node=node, owner=owner)
+
     async def _join(self, node: str, owner: str) -> None:
         """Publish (or tombstone) the ipcache entries of what ``owner`` holds on ``node``."""
         holder = ApiOwner(node, owner)
         identity = self._allocator.held(node, owner)
+        await self._claim_cidr(node, owner, identity)
+        cidr = identity is not None and kind_of(identity) is Kind.CIDR
         ips = self._ipalloc.owner_ips(node, owner)
         if identity is None and not ips:
             self._ports.pop((node, owner), None)
         key = parse_owner(owner)
         entries: dict[str, identity_pb2.IpcacheEntry] = {}
-        if identity is not None and ips and not self._bus_owns(key):
+        if identity is not None and ips and not cidr and not self._bus_owns(key):
             namespace, pod = key if key is not None else ("", "")
             ports = self._api_ports(node, owner, ips)
             for ip in ips:
@@ -504,8 +543,12 @@ class PodManager:
             claimants = self._claims.setdefault(prefix, [])
             if key in claimants:
                 claimants.remove(key)
-            claimants.append(key)
-            await self._ipcache.upsert(entry)
+            if isinstance(key, CidrHolder):
+                claimants.insert(0, key)  # the lowest claimant: any pod's or node's address wins over it
+            else:
+                claimants.append(key)
+            if claimants[-1] == key:
+                await self._ipcache.upsert(entry)
 
     async def _sweep(self) -> None:
         """Rejoin API endpoints, then forget what etcd holds for pods that went while ipam was away."""

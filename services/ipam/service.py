@@ -17,6 +17,7 @@ import time
 
 from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc, k8s_pb2
 from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, Bus
+from services.common.labels import CIDR_HOLDER_NODE
 from services.common.largeobjects import follow_deltas
 from services.common.log import get_logger
 from services.common.members import MemberView, etcd_members
@@ -202,6 +203,9 @@ async def setup(ctx: ServiceContext[IPAMConfig]) -> None:
     ipam = build(cfg, bus, store)
     ctx.stack.push_async_callback(ipam.leases.close)
     loaded_at = await load_and_republish(ipam)
+    # The policy service's CIDR references live under this pseudo-node: no datapath keeps its lease
+    # alive, ipam does (adopting the recorded lease, so a restart within the TTL loses nothing).
+    await ipam.leases.lease_for(CIDR_HOLDER_NODE)
     mirror = Mirror(store, ipam.allocator, ipam.ipalloc, ipam.ipcache, ipam.identities, reload=lambda: _reload(ipam))
 
     ctx.server.errors.add_mapping(store_status)

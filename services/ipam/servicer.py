@@ -12,16 +12,17 @@ from collections.abc import Iterable
 import grpc
 
 from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc
+from services.common.access import caller
 from services.common.errors import Code, PalisadeError, clip
 from services.common.grpcserver import Status
-from services.common.labels import labels_from_wire
+from services.common.labels import CIDR_HOLDER_NODE, labels_from_wire
 from services.common.log import get_logger
 from services.common.validation import validate_identity_label, validate_name, validate_namespace
 from services.ipam.errors import IpamError
 from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocation, IPAllocator
 from services.ipam.kv import StoreError, StoreUnavailable
-from services.ipam.model import RESERVED, carries, reserved_identity
+from services.ipam.model import RESERVED, Kind, carries, classify, kind_of, reserved_identity
 from services.ipam.nodecidr import CIDRSource, NodeRecord
 from services.ipam.pods import OwnerChanged, PodManager, ReferenceChanged
 from services.ipam.podwatch import named_ports_from_proto
@@ -54,6 +55,16 @@ def check_owner(owner: str, field: str = "owner") -> None:
             f"{field} {clip(repr(owner), 120)} is invalid: must be 1-512 printable characters without spaces, "
             "e.g. pod/<namespace>/<name>",
             Code.INVALID_ARGUMENT,
+        )
+
+
+def check_policy_holder(node: str, kind: Kind) -> None:
+    """The policy service holds CIDR identities only, and only under its own pseudo-node."""
+    if kind is not Kind.CIDR or node != CIDR_HOLDER_NODE:
+        raise IpamError(
+            f"the policy service holds only CIDR identities (cidr: labels), on node {CIDR_HOLDER_NODE}; "
+            f"got a {kind} identity on node {node!r}",
+            Code.PERMISSION_DENIED,
         )
 
 
@@ -97,7 +108,10 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
             check_node(request.node)
         if request.owner:
             check_owner(request.owner)
-        result = await self._allocator.allocate(labels_from_wire(request.labels), request.node, request.owner)
+        labels = labels_from_wire(request.labels)
+        if caller(context) == "policy":
+            check_policy_holder(request.node, classify(labels)[0])
+        result = await self._allocator.allocate(labels, request.node, request.owner)
         if result.revision:
             await self._publisher.seen(result.identity, result.revision)
             self._pods.submit(ReferenceChanged(request.node, request.owner, held=True))
@@ -114,6 +128,8 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
             check_owner(request.owner)
         if any(int(r) == request.id for r in RESERVED):
             raise IpamError(f"identity {request.id} is reserved and holds no references", Code.INVALID_ARGUMENT)
+        if caller(context) == "policy":
+            check_policy_holder(request.node, kind_of(request.id))
         last = await self._allocator.release(request.id, request.node, request.owner)
         self._pods.submit(ReferenceChanged(request.node, request.owner, held=False))
         return identity_pb2.ReleaseIdentityResponse(last_reference=last)

@@ -6,6 +6,7 @@ import dataclasses
 import re
 
 from services.common.config import CommonConfig, ConfigError, setting
+from services.common.grpcserver import parse_addresses
 
 _BUCKET_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -53,6 +54,15 @@ class PolicyConfig(CommonConfig):
         "no report; WaitForRevision does not wait for it). 0 sends one with every change.",
         default=2.0,
     )
+    ipam_address: str = setting(
+        "IdentityService address host:port, or several (replicas), comma-separated: the leader holds the CIDR "
+        "identities of the prefixes policies name there.",
+        default="127.0.0.1:9403",
+    )
+    rpc_timeout: float = setting("Seconds one call to IdentityService may take.", default=10.0)
+    cidr_resync_interval: float = setting(
+        "Seconds between two checks that ipam still holds the CIDR identities the policies name.", default=60.0
+    )
     max_batch: int = setting(
         "Most queued changes folded into one engine batch (one order per node per batch).", default=512
     )
@@ -79,5 +89,13 @@ class PolicyConfig(CommonConfig):
             raise ConfigError(f"--member {self.member!r} is not a valid name; use letters, digits, - and _")
         if self.node_grace < 1:
             raise ConfigError(f"--node-grace {self.node_grace} must be at least 1 second (datapaths beat every 10)")
+        try:
+            parse_addresses(self.ipam_address)
+        except ValueError as exc:
+            raise ConfigError(f"--ipam-address {self.ipam_address!r}: {exc}; use host:port[,host:port...]") from None
+        if self.rpc_timeout <= 0:
+            raise ConfigError(f"--rpc-timeout must be positive, got {self.rpc_timeout}")
+        if self.cidr_resync_interval < 1:
+            raise ConfigError(f"--cidr-resync-interval {self.cidr_resync_interval} must be at least 1 second")
         if self.max_batch < 1:
             raise ConfigError(f"--max-batch {self.max_batch} must be at least 1")

@@ -106,8 +106,11 @@ class Controller:
         max_batch: int = 512,
         clock: Callable[[], float] = time.time,
         leading: Callable[[], bool] = lambda: True,
+        on_change: Callable[[PolicyCore], None] | None = None,
     ) -> None:
         self._core = core
+        #: Called after each batch with a change, on the owner task (reads the state, never waits).
+        self._on_change = on_change
         #: Whether this replica leads: only a leader persists and publishes what it planned.
         self._leading = leading
         self._sink = sink
@@ -195,6 +198,8 @@ class Controller:
         self._commit(outbox)
         self._check_waiters()
         if any(job.kind is JobKind.CHANGE for job in jobs):
+            if self._on_change is not None:
+                self._on_change(self._core)
             counts = self._core.registry.counts()
             for source in Source:
                 for rejected in (False, True):

@@ -22,11 +22,12 @@ from typing import Any
 from palisade.v1 import common_pb2, policy_pb2, policy_pb2_grpc
 from services.common.bus import ALL_STREAMS, TRANSIENT, Bus
 from services.common.gctuning import freeze_loaded, tune_gc
-from services.common.grpcserver import GrpcServer, StatusProvider
+from services.common.grpcserver import GrpcServer, StatusProvider, grpc_target, open_channel, parse_addresses
 from services.common.members import MemberView, nats_members
 from services.common.runner import ServiceContext, run_service
 from services.common.subjects import regen_subject
 from services.policy.apistore import ApiPolicyStore
+from services.policy.cidrs import CidrIdentities, GrpcCidrIdentities
 from services.policy.config import PolicyConfig
 from services.policy.controller import Controller, Encoding, JobKind, NotLeading
 from services.policy.documents import dump_document
@@ -71,7 +72,7 @@ class BusSink:
             await self._bus.publish(subject, message)
 
 
-def status_provider(controller: Controller, election: Election) -> StatusProvider:
+def status_provider(controller: Controller, election: Election, cidrs: CidrIdentities) -> StatusProvider:
     def fill(status: common_pb2.ServiceStatus) -> None:
         snap = controller.core.queries.status()
         leading = election.leading.is_set()
@@ -100,6 +101,7 @@ def status_provider(controller: Controller, election: Election) -> StatusProvide
                     "endpoints_behind": str(snap.endpoints_behind),
                     "endpoints_failed": str(snap.endpoints_failed),
                     "nodes_gone": str(snap.nodes_gone),
+                    **cidrs.status(),
                 }
             )
         status.members.extend(members_to_proto(election))
@@ -135,6 +137,7 @@ async def _go_live(
     election: Election,
     store: RevisionStore,
     imported: ApiPolicyStore,
+    cidrs: CidrIdentities,
 ) -> None:
     """Warm (inputs replayed) -> SERVING and a candidate for leader -> on election, take over."""
     await inputs.wait_synced()
@@ -150,11 +153,13 @@ async def _go_live(
         await election.leading.wait()
         try:
             await _take_over(ctx, bus, controller, election, store, imported)
+            cidrs.lead()
         except NotLeading as exc:
             ctx.log.warning("policy takeover abandoned: no longer the leader", member=election.member, reason=str(exc))
         await election.stepped_down.wait()
         # Back to a follower's state, as a replica that never led (warm inputs kept), then campaign again.
         await controller.call(lambda core, now: core.follow(), JobKind.CHANGE)
+        cidrs.follow()
         election.resume()
         ctx.log.info("policy replica following again", member=election.member)
 
@@ -247,19 +252,27 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
         ),
     )
     max_bytes = min(cfg.max_order_bytes, max(1024, bus.max_payload - _PAYLOAD_HEADROOM))
+    ipam_channel = open_channel(grpc_target(parse_addresses(cfg.ipam_address)), "ipam", ctx.credentials)
+    ctx.stack.push_async_callback(ipam_channel.close)
+    cidrs = CidrIdentities(
+        GrpcCidrIdentities(ipam_channel, cfg.rpc_timeout),
+        leading=election.leading.is_set,
+        resync_interval=cfg.cidr_resync_interval,
+    )
     controller = Controller(
         core,
         BusSink(bus, store, imported, election),
         encoding=Encoding(max_order_bytes=max_bytes, max_order_chunks=cfg.max_order_chunks),
         max_batch=cfg.max_batch,
         leading=election.leading.is_set,
+        on_change=lambda core: cidrs.want(core.cidr_prefixes()),
     )
     ctx.stack.push_async_callback(election.resign)
     forwarder = Forwarder(election, ctx.credentials)
     ctx.stack.push_async_callback(forwarder.close)
     servicer = PolicyServicer(controller, wait_timeout=cfg.wait_timeout, max_wait_timeout=cfg.max_wait_timeout)
     register(ctx.server, routed(servicer, election, forwarder))
-    ctx.server.status.provider = status_provider(controller, election)
+    ctx.server.status.provider = status_provider(controller, election, cidrs)
     servers = MemberView(nats_members(bus, f"KV_{cfg.state_bucket}"))
     ctx.server.status.add_members(servers)
     ctx.spawn(servers.run(), name="nats-members")
@@ -269,7 +282,8 @@ async def setup(ctx: ServiceContext[PolicyConfig]) -> None:
     inputs = Inputs(bus, controller)
     await inputs.start()
     ctx.stack.push_async_callback(inputs.stop)
-    ctx.spawn(_go_live(ctx, bus, inputs, controller, election, store, imported), name="policy-sync")
+    ctx.spawn(cidrs.run(), name="cidr-identities")
+    ctx.spawn(_go_live(ctx, bus, inputs, controller, election, store, imported, cidrs), name="policy-sync")
     ctx.spawn(expire_nodes(controller, cfg.node_grace), name="node-grace")
     if cfg.bump_interval > 0:
         ctx.spawn(send_owed_bumps(controller, cfg.bump_interval), name="owed-bumps")

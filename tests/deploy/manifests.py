@@ -109,9 +109,14 @@ def check_container_config(where: str, command: Sequence[str], env: Mapping[str,
     return name, loaded
 
 
+#: Settings naming a gRPC peer: checked per service by :func:`upstreams` (a host-network container
+#: reaches a peer at another address than a container on the compose network does).
+PEER_ADDRESSES = ("policy_address", "ipam_address")
+
+
 def disagreements(configs: Mapping[str, CommonConfig]) -> list[str]:
-    """Settings that several services declare (beyond the common ones) but set differently."""
-    common = {f.name for f in dataclasses.fields(CommonConfig)}
+    """Settings that several services declare (beyond the common ones and peer addresses) but set differently."""
+    common = {f.name for f in dataclasses.fields(CommonConfig)} | set(PEER_ADDRESSES)
     values: dict[str, dict[str, Any]] = {}
     for name, config in configs.items():
         for f in dataclasses.fields(config):
@@ -150,7 +155,7 @@ def upstreams(name: str, config: CommonConfig) -> Iterator[Upstream]:
     if uses_etcd(name):
         for host, port in config.etcd_endpoint_list():
             yield Upstream("etcd_endpoints", host, port)
-    for setting in ("policy_address", "ipam_address"):
+    for setting in PEER_ADDRESSES:
         address = getattr(config, setting, None)
         if address is not None:
             yield Upstream(setting, host_of(address), port_of(address))

@@ -8,6 +8,7 @@ ipcache, and an egress policy judges by the receiver's.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -29,7 +30,7 @@ from services.datapath.routing import RTPROT_PALISADE
 from services.devstack import __main__ as devstack
 from testkit import tuplereuse
 from testkit.harness import ROOT
-from testkit.stack import Stack, Traffic, assert_clean, probe, running_stack, wait_for
+from testkit.stack import Stack, Traffic, assert_clean, pod_server, probe, prober, running_stack, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.bcc]
 
@@ -332,10 +333,11 @@ def test_each_node_routes_the_others_pod_cidrs_itself(stack: Stack) -> None:
     assert not {r["dst"] for r in json.loads(root.stdout)} & set(cidrs.values())
 
 
-def test_pods_reach_a_server_outside_the_cluster_with_their_nodes_address(stack: Stack) -> None:
-    """ "The internet": a namespace made here at 198.51.100.10, joined to a node by a link of its own
-    (the node at 198.51.100.1) and knowing no way back to any pod CIDR. A pod's connection is
-    masqueraded by its node's datapath (the server sees the node's address) and its replies find it."""
+@contextlib.contextmanager
+def _outside_world(stack: Stack, *addresses: str) -> Iterator[str]:
+    """ "The internet": a namespace made here holding ``addresses`` (of 198.51.100.0/24), joined to
+    tools/debug's node by a link of its own (the node at 198.51.100.1) and knowing no way back to
+    any pod CIDR; yields its name."""
     node = str(stack.endpoints()["tools/debug"]["node"])
     host = _node_netns(stack)[node]
     internet = f"pal-inet-{secrets.token_hex(3)}"
@@ -345,10 +347,19 @@ def test_pods_reach_a_server_outside_the_cluster_with_their_nodes_address(stack:
             ["-n", host, "link", "add", "inet0", "type", "veth", "peer", "name", "eth0", "netns", internet],
             ["-n", host, "addr", "add", "198.51.100.1/24", "dev", "inet0"],
             ["-n", host, "link", "set", "inet0", "up"],
-            ["-n", internet, "addr", "add", "198.51.100.10/24", "dev", "eth0"],
+            *(["-n", internet, "addr", "add", f"{a}/24", "dev", "eth0"] for a in addresses),
             ["-n", internet, "link", "set", "eth0", "up"],
         ):
             subprocess.run(["ip", *args], check=True, capture_output=True)
+        yield internet
+    finally:
+        delete_netns(internet)
+
+
+def test_pods_reach_a_server_outside_the_cluster_with_their_nodes_address(stack: Stack) -> None:
+    """A pod's connection to a server outside the cluster is masqueraded by its node's datapath (the
+    server sees the node's address) and its replies find it."""
+    with _outside_world(stack, "198.51.100.10") as internet:
         peers: list[str] = []
         with in_netns(internet, socket.socket, socket.AF_INET, socket.SOCK_STREAM) as server:
             server.bind(("198.51.100.10", 8443))
@@ -369,8 +380,75 @@ def test_pods_reach_a_server_outside_the_cluster_with_their_nodes_address(stack:
             assert reached, "the handshake and the answer came back: replies found the pod"
         (peer,) = peers
         assert peer == "198.51.100.1", "the node's address, not the pod's"
-    finally:
-        delete_netns(internet)
+
+
+#: tools/debug's egress to the outside world: a toCIDR /32 on one port, a /24 less one address on another.
+CIDR_POLICY = """\
+apiVersion: cilium.io/v2
+kind: CiliumNetworkPolicy
+metadata: {name: debug-to-outside, namespace: tools}
+spec:
+  endpointSelector: {matchLabels: {app: debug}}
+  egress:
+    - toCIDR: [198.51.100.10/32]
+      toPorts: [{ports: [{port: "8443", protocol: TCP}]}]
+    - toCIDRSet: [{cidr: 198.51.100.0/24, except: [198.51.100.11/32]}]
+      toPorts: [{ports: [{port: "8444", protocol: TCP}]}]
+"""
+OUTSIDE = {"ten": "198.51.100.10", "eleven": "198.51.100.11", "twelve": "198.51.100.12"}
+#: (name, port) -> allowed, by the policy above.
+OUTSIDE_VERDICTS = {
+    ("ten", 8443): True,  # the toCIDR /32
+    ("eleven", 8443): False,
+    ("twelve", 8443): False,
+    ("ten", 8444): True,  # inside the /24 (its own /32 identity, selected by the /24 rule)
+    ("eleven", 8444): False,  # the except
+    ("twelve", 8444): True,  # the /24's own identity
+}
+
+
+def test_cidr_rules_to_outside_addresses_are_enforced_as_analyze_says(stack: Stack, tmp_path: Path) -> None:
+    """toCIDR and toCIDRSet with an except naming addresses outside the cluster: each prefix gets a
+    CIDR identity and an ipcache entry, so real packets get what `palisade analyze` says."""
+    netns = stack.netns("tools/debug")
+    with (
+        _outside_world(stack, *OUTSIDE.values()) as internet,
+        pod_server(internet, "internet", "--tcp", "8443", "--tcp", "8444"),
+    ):
+        targets = [
+            {"id": f"{name}:{port}", "ip": OUTSIDE[name], "port": port, "protocol": "TCP"}
+            for name, port in OUTSIDE_VERDICTS
+        ]
+        want = {f"{name}:{port}": allowed for (name, port), allowed in OUTSIDE_VERDICTS.items()}
+        assert all(prober(netns, targets).values()), "without an egress policy every address is reachable"
+        policy = stack.manifests / "75-debug-to-outside.yaml"
+        policy.write_text(CIDR_POLICY)
+        try:
+            got: dict[str, bool] = {}
+
+            def enforced() -> bool:
+                got.update(prober(netns, targets))
+                return got == want
+
+            assert wait_for(enforced, 60), f"measured {got}, the policy says {want}"
+            listed = stack.palisade("identity", "list", "--ipam-address", stack.address("ipam"), "-o", "json")
+            assert listed.returncode == 0, listed.stderr
+            for prefix in ("198.51.100.10/32", "198.51.100.11/32", "198.51.100.0/24"):
+                assert prefix in listed.stdout, f"no CIDR identity of {prefix} in `palisade identity list`"
+            dns = [f for name, ip in OUTSIDE.items() for f in ("--dns", f"{name}={ip}")]
+            analyzed = stack.palisade(
+                "analyze", "-f", str(stack.manifests), "--probe", "8443/TCP", "--probe", "8444/TCP", *dns, "-o", "json"
+            )
+            assert analyzed.returncode == 0, analyzed.stderr
+            said = {
+                f"{name}:{p['port']}": allowed
+                for p in json.loads(analyzed.stdout)["probes"]
+                for name, allowed in p["names"]["tools/debug"].items()
+            }
+            assert said == want == got
+        finally:
+            policy.unlink()
+        assert wait_for(lambda: all(prober(netns, targets).values()), 60), "the policy's removal was not enforced"
 
 
 def test_one_client_port_reaches_a_backend_on_another_node_by_cluster_ip_and_by_pod_address(stack: Stack) -> None:

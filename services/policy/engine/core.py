@@ -43,6 +43,7 @@ from services.policy.engine.queries import PolicyQueries
 from services.policy.engine.realized import EndpointKey, Lag, RealizedTable, Report
 from services.policy.engine.registry import ApiChange, Registry, StoredPolicy
 from services.policy.engine.resolve import ResolvedPolicy
+from services.policy.engine.selector import cidr_identity_prefixes
 from services.policy.engine.sources import Source, engine_key, object_key
 
 log = get_logger("policy")
@@ -676,6 +677,14 @@ class PolicyCore:
             for r in self.registry.search("")
             if r.policy is not None and self.audited(r.policy)
         ]
+
+    def cidr_prefixes(self) -> frozenset[str]:
+        """Every prefix the accepted policies name in CIDR rules and excepts (audited ones too, whose
+        would-be verdicts need the same identities), world (``/0``) excepted: each needs a CIDR identity."""
+        out = set(self.engine.cidr_identity_prefixes())
+        for policy in self.audited_policies():
+            out |= cidr_identity_prefixes(policy.referenced_selectors())
+        return frozenset(out)
 
     def _overlays(self) -> dict[int, AuditOverlay]:
         audited = self.audited_policies()

@@ -76,7 +76,7 @@ from services.policy.engine.resolve import (
     resolve_names,
     resolve_subject,
 )
-from services.policy.engine.selector import CIDRSelector, Selector
+from services.policy.engine.selector import Selector, cidr_identity_prefixes
 from services.policy.engine.selectorcache import SelectionChange, SelectorCache
 from services.policy.engine.servicepeers import ServiceRegistry, has_service_peers
 
@@ -265,13 +265,16 @@ class PolicyEngine:
         return self._resolved
 
     def referenced_cidrs(self) -> set[IPNetwork]:
-        """Every prefix used by CIDR rules (and excepts): each needs a CIDR identity."""
+        """Every prefix used by CIDR rules (and excepts) of the accepted policies."""
         out: set[IPNetwork] = set()
-        for sel in self._cache.selectors():
-            if isinstance(sel, CIDRSelector):
-                out.add(sel.cidr)
-                out.update(sel.excepts)
+        for sel in self._cache.cidr_selectors():
+            out.add(sel.cidr)
+            out.update(sel.excepts)
         return out
+
+    def cidr_identity_prefixes(self) -> frozenset[str]:
+        """The prefixes of the accepted policies that need a CIDR identity: see :func:`cidr_identity_prefixes`."""
+        return cidr_identity_prefixes(self._cache.cidr_selectors())
 
     def explain(self, identity: int) -> tuple[ResolvedPolicy, dict[EntryKey, list[RuleRef]]]:
         """Recompute one subject with provenance (which rules made each entry)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -176,6 +176,17 @@ class CIDRSelector:
 
 
 Selector = EndpointSelector | CIDRSelector
+
+
+def cidr_identity_prefixes(selectors: Iterable[Selector]) -> frozenset[str]:
+    """The prefixes that need a CIDR identity (and an ipcache entry) for these selectors to select by
+    address: each CIDR and each except, as canonical text; world prefixes (``/0``) excepted, which
+    select the ``world`` identity already. Pure."""
+    out: set[str] = set()
+    for sel in selectors:
+        if isinstance(sel, CIDRSelector):
+            out.update(str(p) for p in (sel.cidr, *sel.excepts) if p.prefixlen > 0)
+    return frozenset(out)
 
 
 def _subnet_of(a: IPNetwork, b: IPNetwork) -> bool:

@@ -46,6 +46,8 @@ class SelectorCache:
         self._anchored: dict[tuple[str, str], set[Selector]] = {}
         self._unanchored: set[Selector] = set()
         self._member_of: dict[int, set[Selector]] = {}
+        #: The registered CIDR selectors (what :meth:`cidr_selectors` answers without a scan).
+        self._cidr_selectors: set[CIDRSelector] = set()
 
     # --- selectors ---------------------------------------------------------------
 
@@ -56,6 +58,8 @@ class SelectorCache:
         if refs:
             return self.selection(selector)
         self._canonical[selector] = selector
+        if isinstance(selector, CIDRSelector):
+            self._cidr_selectors.add(selector)
         selected = {i for i in self._candidates(selector) if selector.matches(self._identities[i])}
         self._selections[selector] = selected
         for i in selected:
@@ -79,6 +83,8 @@ class SelectorCache:
             return
         del self._refs[selector]
         self._canonical.pop(selector, None)
+        if isinstance(selector, CIDRSelector):
+            self._cidr_selectors.discard(selector)
         for i in self._selections.pop(selector, set()):
             members = self._member_of.get(i)
             if members is not None:
@@ -114,6 +120,9 @@ class SelectorCache:
 
     def selectors(self) -> Iterable[Selector]:
         return self._refs.keys()
+
+    def cidr_selectors(self) -> Iterable[CIDRSelector]:
+        return self._cidr_selectors
 
     def __contains__(self, selector: object) -> bool:
         return selector in self._refs
