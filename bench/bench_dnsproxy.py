@@ -278,11 +278,14 @@ def _datapath_kill_gap(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         stop = threading.Event()
 
         def prober() -> None:
+            # As a stub resolver: a 1 s timeout, then one retry; unanswered is what both lost
+            # (a lookup lost once shows in the gap as a second or more).
             nonlocal sent
             resolver = Resolver(pod, dns_ip)
             while not stop.is_set():
                 sent += 1
-                if resolver.lookup(f"dpgap{sent}.example.test", 0.05):
+                name = f"dpgap{sent}.example.test"
+                if resolver.lookup(name, 1.0) or resolver.lookup(name, 1.0):
                     answers.append(time.perf_counter())
                 time.sleep(0.01)
             resolver.close()
@@ -500,7 +503,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "unit": "ms",
                 },
                 {
-                    "metric": "lookups unanswered across the datapath kill -9",
+                    "metric": "lookups unanswered within one retry across the datapath kill -9",
                     "value": killed["datapath_kill_unanswered"],
                     "unit": "lookups",
                     "target": target("<=", 0.0),

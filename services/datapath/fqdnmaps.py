@@ -99,6 +99,9 @@ class NameMaps:
         self.ipcache: dict[str, int] = {}
         #: Per endpoint, the entries written and how many learned pairs call for each.
         self.entries: dict[int, Counter[PolicyEntry]] = {}
+        #: Per endpoint, the entries written by remote identity (what a change re-encodes beside
+        #: its own entries, found without a scan of every entry).
+        self._by_remote: dict[int, dict[int, set[PolicyEntry]]] = {}
 
     def sync(self, cache: NameCache, endpoints: Iterable[NameEndpoint]) -> None:
         eps = {ep.ep_id: ep for ep in endpoints}
@@ -110,12 +113,20 @@ class NameMaps:
         for ep_id, want in entries.items():
             have = self.entries.get(ep_id, Counter())
             self._write(ep_id, set(have), set(want))
-            self.entries[ep_id] = want
+            self._held(ep_id, want)
         for ep_id in [e for e in self.entries if e not in eps]:
             del self.entries[ep_id]  # the endpoint is gone, and its policy map with it
+            self._by_remote.pop(ep_id, None)
         for prefix in [p for p in self.ipcache if p not in ipcache]:
             self._maps.ipcache_delete(prefix)
             del self.ipcache[prefix]
+
+    def _held(self, ep_id: int, counts: Counter[PolicyEntry]) -> None:
+        self.entries[ep_id] = counts
+        index: dict[int, set[PolicyEntry]] = {}
+        for entry in counts:
+            index.setdefault(entry.key.remote_identity, set()).add(entry)
+        self._by_remote[ep_id] = index
 
     def change(
         self,
@@ -124,10 +135,12 @@ class NameMaps:
         added: Iterable[tuple[str, str]],
         removed: Iterable[tuple[str, str]],
     ) -> None:
-        """Pairs the cache gained and lost: new addresses and entries first, then removals."""
+        """Pairs the cache gained and lost: new addresses and entries first, then removals. Work in
+        the change's size: an answer costs the same with 10 learned addresses as with 10,000."""
         eps = list(endpoints)
         added, removed = list(added), list(removed)
-        before = {ep.ep_id: set(self.entries.get(ep.ep_id, ())) for ep in eps}
+        gained: dict[int, set[PolicyEntry]] = {ep.ep_id: set() for ep in eps}
+        lost: dict[int, set[PolicyEntry]] = {ep.ep_id: set() for ep in eps}
         for name, ip in added:
             ident = cache.identity(ip)
             prefix = host_prefix(ip)
@@ -136,21 +149,57 @@ class NameMaps:
                 self._maps.ipcache_upsert(prefix, ident)
                 self.ipcache[prefix] = ident
             for ep in eps:
-                self.entries.setdefault(ep.ep_id, Counter()).update(_entries_for(ep, name, ip, ident, self._base))
+                counts = self.entries.setdefault(ep.ep_id, Counter())
+                for entry in _entries_for(ep, name, ip, ident, self._base):
+                    held = counts.get(entry, 0)
+                    if held <= 0:
+                        gained[ep.ep_id].add(entry)
+                        lost[ep.ep_id].discard(entry)
+                    counts[entry] = max(held, 0) + 1
         for name, ip in removed:
             ident = self.ipcache.get(host_prefix(ip))
             for ep in eps:
                 counts = self.entries.setdefault(ep.ep_id, Counter())
-                counts.subtract(_entries_for(ep, name, ip, ident, self._base))
-                for entry in [e for e, n in counts.items() if n <= 0]:
-                    del counts[entry]
+                for entry in _entries_for(ep, name, ip, ident, self._base):
+                    held = counts.get(entry, 0)
+                    if held > 1:
+                        counts[entry] = held - 1
+                        continue
+                    counts.pop(entry, None)
+                    if entry in gained[ep.ep_id]:
+                        gained[ep.ep_id].discard(entry)  # added and removed by this change: never written
+                    elif held == 1:
+                        lost[ep.ep_id].add(entry)
         for ep in eps:
-            self._write(ep.ep_id, before[ep.ep_id], set(self.entries.get(ep.ep_id, ())))
+            self._write_delta(ep.ep_id, gained[ep.ep_id], lost[ep.ep_id])
         for _, ip in removed:
             prefix = host_prefix(ip)
             if cache.identity(ip) is None and prefix in self.ipcache:
                 self._maps.ipcache_delete(prefix)
                 del self.ipcache[prefix]
+
+    def _write_delta(self, ep_id: int, add: set[PolicyEntry], remove: set[PolicyEntry]) -> None:
+        """``add`` and ``remove`` written, with the entries held beside them that share their
+        (remote identity, protocol, verdict): those are encoded together."""
+        if not add and not remove:
+            return
+        index = self._by_remote.setdefault(ep_id, {})
+        for entry in remove:
+            held = index.get(entry.key.remote_identity)
+            if held is not None:
+                held.discard(entry)
+                if not held:
+                    del index[entry.key.remote_identity]
+        for entry in add:
+            index.setdefault(entry.key.remote_identity, set()).add(entry)
+        groups = {(e.key.remote_identity, e.key.protocol, e.verdict) for e in add | remove}
+        keep = {
+            e
+            for ident in {g[0] for g in groups}
+            for e in index.get(ident, ())
+            if e not in add and (e.key.remote_identity, e.key.protocol, e.verdict) in groups
+        }
+        self._maps.apply_entries(ep_id, add=add, remove=remove, keep=keep)
 
     def _write(self, ep_id: int, have: set[PolicyEntry], want: set[PolicyEntry]) -> None:
         if want == have:
@@ -163,10 +212,12 @@ class NameMaps:
     def adopt(self, ipcache: Mapping[str, int], entries: Mapping[int, set[PolicyEntry]]) -> None:
         """What a previous run wrote (read back from the maps), so the next sync removes only the stale."""
         self.ipcache = dict(ipcache)
-        self.entries = {k: Counter(v) for k, v in entries.items()}
+        self.entries, self._by_remote = {}, {}
+        for ep_id, held in entries.items():
+            self._held(ep_id, Counter(held))
 
     def adopt_endpoint(self, ep_id: int, entries: set[PolicyEntry]) -> None:
-        self.entries[ep_id] = Counter(entries)
+        self._held(ep_id, Counter(entries))
 
 
 __all__ = ["NameEndpoint", "NameMaps", "PolicyMaps", "desired", "host_prefix"]

@@ -291,6 +291,10 @@ class RecordingMaps:
         added, removed = set(add), set(remove)
         assert not added & held, "an entry written twice"
         assert removed <= held, "an entry removed that was not written"
+        # What the writer re-encodes beside them: every entry held before and after that shares
+        # a changed entry's (remote identity, protocol, verdict), and nothing else.
+        groups = {(e.key.remote_identity, e.key.protocol, e.verdict) for e in added | removed}
+        assert set(keep) == {e for e in held - removed if (e.key.remote_identity, e.key.protocol, e.verdict) in groups}
         held |= added
         held -= removed
         return PolicyChange(added=len(added), removed=len(removed), enforcement_changed=False)
