@@ -44,6 +44,19 @@ async def _sleep(delay: float) -> bool:
     return False
 
 
+def raise_if_cancelled() -> None:
+    """Raise CancelledError when this task was asked to stop.
+
+    Python 3.11's ``asyncio.wait_for`` (which nats.py's requests use) can swallow a cancellation
+    that arrives as its inner awaitable finishes (fixed in 3.12): the caller gets a result, or a
+    timeout, and a loop around it would go on after its task was cancelled, and its owner, awaiting
+    it, would wait forever. A loop that goes on after such a call asks here first.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 async def retry(
     what: str,
     call: Callable[[], Awaitable[T]],
@@ -73,6 +86,8 @@ async def retry(
     n = 0
     while True:
         n += 1
+        if n > 1:
+            raise_if_cancelled()
         try:
             return await call()
         except final:

@@ -28,6 +28,7 @@ from typing import Protocol
 from google.protobuf.message import Message
 
 from services.common.log import get_logger
+from services.common.retry import raise_if_cancelled
 
 log = get_logger("watcher.publish")
 
@@ -99,6 +100,7 @@ class Publisher:
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
             while True:
+                raise_if_cancelled()  # a publish that swallowed this task's cancellation returned
                 item = await self._queue.get()
                 if item.barrier:
                     await self._idle.wait()

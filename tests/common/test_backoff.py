@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
 
@@ -149,3 +150,27 @@ async def test_failures_are_logged_on_the_first_attempt_and_every_nth() -> None:
 @pytest.mark.parametrize(("attempt", "every", "logged"), [(1, 20, True), (2, 20, False), (40, 20, True), (3, 0, False)])
 def test_the_log_throttle(attempt: int, every: int, logged: bool) -> None:
     assert should_log(attempt, every) is logged
+
+
+async def test_a_retry_stops_when_its_task_was_cancelled_even_if_a_call_swallowed_it() -> None:
+    """An attempt that swallows the cancellation (as Python 3.11's wait_for can) and fails: the
+    retry raises CancelledError instead of trying again, forever."""
+    attempts = 0
+    started = asyncio.Event()
+
+    async def swallowing() -> None:
+        nonlocal attempts
+        attempts += 1
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            pass
+        raise TimeoutError("no ack")
+
+    task = asyncio.create_task(retry("publish", swallowing, initial=0.01, maximum=0.01))
+    await asyncio.wait_for(started.wait(), 5)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=5)
+    assert task in done and task.cancelled()
+    assert attempts == 1

@@ -79,3 +79,27 @@ async def test_a_message_that_cannot_be_sent_is_reported_and_blocks_nothing(bus:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_a_cancellation_a_publish_swallowed_still_stops_the_publisher() -> None:
+    """Python 3.11's asyncio.wait_for (under nats.py's publish) can swallow a cancellation that
+    arrives as the ack does: the publish returns. The publisher must stop anyway, not wait for a
+    next item that never comes (a watcher's shutdown hung on it)."""
+    started = asyncio.Event()
+
+    async def swallowing(subject: str, message: object) -> int:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            pass  # as wait_for may, when the inner future finishes as the cancellation lands
+        return 1
+
+    publisher = Publisher(swallowing, max_inflight=4)
+    task = asyncio.create_task(publisher.run())
+    publisher.submit_barrier(SYNCED_SUBJECT, k8s_pb2.SyncedMarker(source="test"))
+    await asyncio.wait_for(started.wait(), 5)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=5)
+    assert task in done, "the publisher went on waiting for items after it was cancelled"
+    assert task.cancelled()
