@@ -74,6 +74,7 @@ from services.datapath.types import (
     PolicyEntry,
     PolicyKey,
 )
+from testkit.builders import policy_entry
 from testkit.controlplane import control_plane
 from testkit.dnsserver import DnsServer, Record, query
 from testkit.harness import NatsServer, ServiceProcess, datapath_flags, sync_channel
@@ -212,6 +213,7 @@ def _clients(fn: Callable[[int], list[float]], clients: int) -> list[float]:
 
 
 NODE = "bench-node"
+UDP, TCP = common_pb2.PROTOCOL_UDP, common_pb2.PROTOCOL_TCP
 T = TypeVar("T")
 
 
@@ -259,7 +261,8 @@ def _datapath_kill_gap(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 namespace=run_id, pod="a", labels=[common_pb2.Label(source="k8s", key="app", value="a")]
             )
             ep = datapath_pb2_grpc.DatapathServiceStub(ch).CreateEndpoint(request, timeout=60)
-        run(cp.set_policy(ep.identity, _dns_allowed(), ingress=False, egress=True))
+        dns_allowed = [policy_entry(common_pb2.DIRECTION_EGRESS, IDENTITY_WORLD, 53, p) for p in (UDP, TCP)]
+        run(cp.set_policy(ep.identity, dns_allowed, ingress=False, egress=True))
         names = common_pb2.DnsRule(protocol=common_pb2.PROTOCOL_ANY, port=53, selectors=["*.example.test"])
         fqdn = common_pb2.FqdnRule(
             selector="*.example.test", protocol=common_pb2.PROTOCOL_TCP, port_low=443, verdict=common_pb2.VERDICT_ALLOW
@@ -327,20 +330,6 @@ def _datapath_kill_gap(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if os.path.isdir(bpffs):
             teardown_all(bpffs)
         dnsrouting.remove()
-
-
-def _dns_allowed() -> list[common_pb2.PolicyEntry]:
-    """Egress to the world on port 53, UDP and TCP (the lookups may leave)."""
-    return [
-        common_pb2.PolicyEntry(
-            key=common_pb2.PolicyKey(
-                direction=common_pb2.DIRECTION_EGRESS, remote_identity=IDENTITY_WORLD, protocol=proto,
-                port_low=53, port_high=53,
-            ),
-            verdict=common_pb2.VERDICT_ALLOW,
-        )
-        for proto in (common_pb2.PROTOCOL_UDP, common_pb2.PROTOCOL_TCP)
-    ]  # fmt: skip
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:

@@ -91,6 +91,11 @@ class DnsServer:
             writer.close()
 
 
+def stub_query(ns: str, server: str, name: str, timeout: float = 1.0) -> dns.message.Message | None:
+    """A lookup as a stub resolver makes it: ``timeout`` for the answer, then one retry."""
+    return query(ns, server, name, timeout=timeout) or query(ns, server, name, timeout=timeout)
+
+
 def query(
     ns: str, server: str, name: str, *, tcp: bool = False, rdtype: str = "A", timeout: float = 3.0
 ) -> dns.message.Message | None:

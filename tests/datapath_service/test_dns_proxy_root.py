@@ -29,7 +29,7 @@ from services.datapath import dnsrouting, netns
 from services.datapath.types import IDENTITY_WORLD
 from testkit.builders import policy_entry as entry
 from testkit.controlplane import ControlPlane
-from testkit.dnsserver import DnsServer, Record, addresses, query
+from testkit.dnsserver import DnsServer, Record, addresses, query, stub_query
 from testkit.harness import ServiceProcess, pki
 from testkit.traffic import EchoServer, tcp_exchange
 from tests.datapath_service.helpers import create_endpoint, started
@@ -118,10 +118,7 @@ async def test_datapath_kill_9_loses_no_lookup(
             nonlocal rounds
             while not stop.is_set():
                 rounds += 1
-                # One client retry: a stub resolver's 1 s timeout, then a second try.
-                answer = query(pod, dns_ip, "api.example.test", timeout=1.0) or query(
-                    pod, dns_ip, "api.example.test", timeout=1.0
-                )
+                answer = stub_query(pod, dns_ip, "api.example.test")  # one client retry
                 if addresses(answer) != [server_ip]:
                     failures.append(f"lookup {rounds}")
                 elif not tcp_exchange(pod, server_ip, PORT, timeout=2.0):
