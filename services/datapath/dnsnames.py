@@ -6,13 +6,19 @@ endpoints with name rules to ``dns-endpoints.json`` in its state dir (written as
 renamed), then writes their ``dns_steering`` entries: a query steered to the proxy always
 finds its endpoint in the file, and the proxy re-reads the file when a query names an endpoint
 or rule it does not know yet. The entries stay while either process restarts.
+
+The file also carries the ipcache's CIDR prefixes (those holding ipam's CIDR identities): a
+learned address keeps what its former identity allowed, the longest of those prefixes holding
+it (else world), and the learned /32 hides that prefix in the LPM map, so the proxy takes the
+prefixes from here and follows them as policies add and remove CIDRs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from services.common.log import get_logger
@@ -71,7 +77,15 @@ def _entry_from_json(raw: list[Any]) -> PolicyEntry:
     return PolicyEntry(key, Verdict(verdict))
 
 
-def encode(endpoints: Iterable[NameEndpoint]) -> str:
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """What the datapath published: the endpoints with name rules, and the ipcache's CIDR prefixes."""
+
+    endpoints: list[NameEndpoint]
+    prefixes: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def encode(endpoints: Iterable[NameEndpoint], prefixes: Mapping[str, int] | None = None) -> str:
     eps = sorted(endpoints, key=lambda e: e.ep_id)
     body = [
         {
@@ -83,14 +97,15 @@ def encode(endpoints: Iterable[NameEndpoint]) -> str:
         }
         for e in eps
     ]
-    return json.dumps({"format": FORMAT, "endpoints": body}, sort_keys=True)
+    cidrs = sorted([p, i] for p, i in (prefixes or {}).items())
+    return json.dumps({"format": FORMAT, "endpoints": body, "prefixes": cidrs}, sort_keys=True)
 
 
-def decode(text: str) -> list[NameEndpoint]:
+def decode(text: str) -> Published:
     data = json.loads(text)
     if data.get("format") != FORMAT:
         raise ValueError(f"format {data.get('format')!r} is not {FORMAT}")
-    return [
+    endpoints = [
         NameEndpoint(
             int(e["id"]),
             int(e["identity"]),
@@ -100,6 +115,8 @@ def decode(text: str) -> list[NameEndpoint]:
         )
         for e in data["endpoints"]
     ]
+    # A file from before the prefixes were published has none: every learned address was world.
+    return Published(endpoints, {str(p): int(i) for p, i in data.get("prefixes", [])})
 
 
 class NameSource:
@@ -109,7 +126,7 @@ class NameSource:
         self.path = os.path.join(state_dir, FILE)
         self._seen: tuple[int, int] | None = None
 
-    def read_if_changed(self) -> list[NameEndpoint] | None:
+    def read_if_changed(self) -> Published | None:
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -119,12 +136,12 @@ class NameSource:
             return None
         try:
             with open(self.path, encoding="utf-8") as f:
-                endpoints = decode(f.read())
+                published = decode(f.read())
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.error("DNS endpoints file unreadable; keeping the last one", path=self.path, error=str(exc))
             return None
         self._seen = stamp
-        return endpoints
+        return published
 
 
 # --- the datapath's publisher ----------------------------------------------------------------------
@@ -139,19 +156,36 @@ class SteeringMaps(Protocol):
 
 
 class NamePublisher:
-    """Publishes the endpoints with name rules, then makes the steering entries match."""
+    """Publishes the endpoints with name rules and the ipcache's CIDR prefixes, then makes the
+    steering entries match the endpoints."""
 
-    def __init__(self, state_dir: str, maps: SteeringMaps, proxy_port: int) -> None:
+    def __init__(self, state_dir: str, maps: SteeringMaps, proxy_port: int, *, await_prefixes: bool = False) -> None:
+        """``await_prefixes``: the CIDR prefixes come later (:meth:`publish_prefixes`, once the
+        ipcache is loaded), and the file is written only once both are known, so a restarted
+        datapath never tells the proxy that the prefixes are gone."""
         self.path = os.path.join(state_dir, FILE)
         self._maps = maps
         self.proxy_port = proxy_port
+        self._prefixes: dict[str, int] | None = None if await_prefixes else {}
+        self._endpoints: list[NameEndpoint] | None = None
         self._last: str | None = None
         self.problems: list[str] = []
 
+    def publish_prefixes(self, prefixes: Mapping[str, int]) -> bool:
+        """The ipcache's CIDR prefixes changed (or were loaded); False when the file did not."""
+        self._prefixes = dict(prefixes)
+        return self._write()
+
     def publish(self, endpoints: Sequence[NameEndpoint]) -> bool:
         """False when nothing changed since the last publication."""
+        self._endpoints = list(endpoints)
+        return self._write()
+
+    def _write(self) -> bool:
+        if self._endpoints is None or self._prefixes is None:
+            return False
         # Endpoints without name rules still take learned addresses' former entries (aliased).
-        text = encode(e for e in endpoints if e.rules.fqdn or e.rules.dns or e.aliased)
+        text = encode((e for e in self._endpoints if e.rules.fqdn or e.rules.dns or e.aliased), self._prefixes)
         if text == self._last:
             return False
         tmp = self.path + ".tmp"
@@ -159,6 +193,11 @@ class NamePublisher:
             f.write(text)
         os.replace(tmp, self.path)
         self._last = text
+        self._steer(self._endpoints)
+        return True
+
+    def _steer(self, endpoints: Sequence[NameEndpoint]) -> None:
+        """The steering entries, after the file names every endpoint they steer."""
         keys, problems = steering_of(endpoints)
         for problem in problems:
             if problem not in self.problems:
@@ -170,4 +209,3 @@ class NamePublisher:
                 self._maps.dns_steer_set(*key, self.proxy_port)
         for key in held.keys() - keys:
             self._maps.dns_steer_delete(*key)
-        return True

@@ -27,7 +27,7 @@ import ipaddress
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from enum import StrEnum
 from typing import Protocol
 
@@ -40,7 +40,7 @@ from services.common import fqdn
 from services.common.log import get_logger
 from services.datapath.dnsnames import NameSource
 from services.datapath.fqdncache import CacheLimits, NameCache
-from services.datapath.fqdnmaps import NameEndpoint, NameMaps, PolicyMaps
+from services.datapath.fqdnmaps import CidrPrefixes, NameEndpoint, NameMaps, PolicyMaps
 from services.datapath.fqdnstore import NameStore
 from services.datapath.fqdnview import NamesView
 from services.datapath.fqdnview import view as names_view
@@ -189,10 +189,10 @@ class DnsProxy:
         self._wall = wall
         self._store = NameStore(config.state_dir)
         self.cache = NameCache(config.limits)
-        self._names = NameMaps(maps, self._base_identity)
-        #: Learned addresses' former identities (see NameEndpoint.aliased).
+        self._names = NameMaps(maps, self._base_identity, lambda prefix: self._prefixes.exact(prefix))
+        #: Learned addresses' former identities (see NameEndpoint.aliased), from the CIDR prefixes.
         self._base_ids: dict[str, int] = {}
-        self._non_local: list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, int]] | None = None
+        self._prefixes = CidrPrefixes({})
         self._endpoints: dict[int, NameEndpoint] = {}
         #: The endpoints with toFQDNs rules, and the selectors they use.
         self._fqdn_endpoints: list[NameEndpoint] = []
@@ -263,6 +263,17 @@ class DnsProxy:
 
     # -- endpoints -----------------------------------------------------------------------------
 
+    def set_prefixes(self, prefixes: Mapping[str, int]) -> bool:
+        """The ipcache's CIDR prefixes (see dnsnames); True if they changed. Learned addresses'
+        former identities are recomputed: the next sync rewrites the entries they inherit."""
+        # Host prefixes both a CIDR and a learned address hold: the learned entry is the map's.
+        self._names.reassert(p for p in prefixes if p in self._names.ipcache)
+        if prefixes == self._prefixes.held:
+            return False
+        self._prefixes = CidrPrefixes(prefixes)
+        self._base_ids = {}
+        return True
+
     def set_endpoints(self, endpoints: Iterable[NameEndpoint]) -> None:
         """The local endpoints and their name rules, whole; their learned policy entries follow."""
         self._endpoints = {ep.ep_id: ep for ep in endpoints}
@@ -281,10 +292,11 @@ class DnsProxy:
 
     def reload(self) -> bool:
         """Takes the published endpoints if they changed; True if they did."""
-        endpoints = None if self._source is None else self._source.read_if_changed()
-        if endpoints is None:
+        published = None if self._source is None else self._source.read_if_changed()
+        if published is None:
             return False
-        self.set_endpoints(endpoints)
+        self.set_prefixes(published.prefixes)
+        self.set_endpoints(published.endpoints)
         return True
 
     def _sync_maps(self) -> None:
@@ -386,21 +398,12 @@ class DnsProxy:
                     return raw
 
     def _base_identity(self, ip: str) -> int:
-        """The identity ``ip`` had before it was learned: the longest ipcache prefix's, else world."""
+        """The identity ``ip`` had before it was learned: the longest CIDR prefix's, else world."""
         known = self._base_ids.get(ip)
-        if known is not None:
-            return known
-        found = self._maps.ipcache_lookup(ip)
-        if found is not None and is_local_identity(found):
-            # Learned by an earlier run: the prefixes under its /32, from one read of the ipcache.
-            if self._non_local is None:
-                held = self._maps.ipcache_dump().items()
-                self._non_local = [(ipaddress.ip_network(p), i) for p, i in held if not is_local_identity(i)]
-            address = ipaddress.ip_address(ip)
-            holding = [(n.prefixlen, i) for n, i in self._non_local if address in n]
-            found = max(holding)[1] if holding else None
-        self._base_ids[ip] = base = IDENTITY_WORLD if found is None else found
-        return base
+        if known is None:
+            found = self._prefixes.longest(ip)
+            self._base_ids[ip] = known = IDENTITY_WORLD if found is None else found
+        return known
 
     # -- expiry --------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ pod can use it, and one that expired is removed from policies before its identit
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
@@ -56,6 +57,33 @@ class PolicyMaps(Protocol):
 BaseIdentity = Callable[[str], int]
 
 
+class CidrPrefixes:
+    """The ipcache's CIDR prefixes, for a learned address's former identity: the longest prefix
+    holding it, in one dict probe per prefix length held (not a scan of every prefix)."""
+
+    def __init__(self, prefixes: Mapping[str, int]) -> None:
+        self.held = dict(prefixes)
+        by_length: dict[tuple[int, int], dict[int, int]] = {}
+        for prefix, ident in self.held.items():
+            net = ipaddress.ip_network(prefix, strict=False)
+            by_length.setdefault((net.version, net.prefixlen), {})[int(net.network_address)] = ident
+        self._lengths = sorted(by_length.items(), key=lambda item: -item[0][1])
+
+    def longest(self, ip: str) -> int | None:
+        address = ipaddress.ip_address(ip)
+        bits, value = address.max_prefixlen, int(address)
+        for (version, length), networks in self._lengths:
+            if version == address.version:
+                found = networks.get(value >> (bits - length) << (bits - length))
+                if found is not None:
+                    return found
+        return None
+
+    def exact(self, prefix: str) -> int | None:
+        """The identity of exactly ``prefix`` (a learned /32 takes its place in the map)."""
+        return self.held.get(prefix)
+
+
 def desired(
     cache: NameCache, endpoints: Iterable[NameEndpoint], base: BaseIdentity
 ) -> tuple[dict[str, int], dict[int, Counter[PolicyEntry]]]:
@@ -93,9 +121,13 @@ class NameMaps:
     """Keeps the maps equal to :func:`desired`: incrementally for an answer or an expiry
     (:meth:`change`, work in the change's size), fully for new endpoints or rules (:meth:`sync`)."""
 
-    def __init__(self, maps: PolicyMaps, base: BaseIdentity) -> None:
+    def __init__(
+        self, maps: PolicyMaps, base: BaseIdentity, underneath: Callable[[str], int | None] = lambda _: None
+    ) -> None:
         self._maps = maps
         self._base = base
+        #: The CIDR identity of exactly a learned address's /32, put back when the address goes.
+        self._underneath = underneath
         self.ipcache: dict[str, int] = {}
         #: Per endpoint, the entries written and how many learned pairs call for each.
         self.entries: dict[int, Counter[PolicyEntry]] = {}
@@ -118,8 +150,7 @@ class NameMaps:
             del self.entries[ep_id]  # the endpoint is gone, and its policy map with it
             self._by_remote.pop(ep_id, None)
         for prefix in [p for p in self.ipcache if p not in ipcache]:
-            self._maps.ipcache_delete(prefix)
-            del self.ipcache[prefix]
+            self._release(prefix)
 
     def _held(self, ep_id: int, counts: Counter[PolicyEntry]) -> None:
         self.entries[ep_id] = counts
@@ -175,8 +206,24 @@ class NameMaps:
         for _, ip in removed:
             prefix = host_prefix(ip)
             if cache.identity(ip) is None and prefix in self.ipcache:
-                self._maps.ipcache_delete(prefix)
-                del self.ipcache[prefix]
+                self._release(prefix)
+
+    def _release(self, prefix: str) -> None:
+        """A learned address's /32 gone: removed, or given back to the CIDR prefix it hid."""
+        under = self._underneath(prefix)
+        if under is None:
+            self._maps.ipcache_delete(prefix)
+        else:
+            self._maps.ipcache_upsert(prefix, under)
+        del self.ipcache[prefix]
+
+    def reassert(self, prefixes: Iterable[str]) -> None:
+        """Learned /32s rewritten where the ipcache's own entry for the same prefix may have
+        replaced them (a datapath that restarted replays its CIDR /32s)."""
+        for prefix in prefixes:
+            ident = self.ipcache.get(prefix)
+            if ident is not None:
+                self._maps.ipcache_upsert(prefix, ident)
 
     def _write_delta(self, ep_id: int, add: set[PolicyEntry], remove: set[PolicyEntry]) -> None:
         """``add`` and ``remove`` written, with the entries held beside them that share their
@@ -220,4 +267,4 @@ class NameMaps:
         self._held(ep_id, Counter(entries))
 
 
-__all__ = ["NameEndpoint", "NameMaps", "PolicyMaps", "desired", "host_prefix"]
+__all__ = ["CidrPrefixes", "NameEndpoint", "NameMaps", "PolicyMaps", "desired", "host_prefix"]

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from palisade.v1 import identity_pb2
 from services.common.bus import Bus, Follower
 from services.common.labels import ReservedIdentity
 from services.common.log import get_logger
-from services.datapath.types import is_local_identity
+from services.datapath.types import MAX_CIDR_IDENTITY, MIN_CIDR_IDENTITY, is_local_identity
 
 log = get_logger("ipcache")
 
@@ -39,6 +39,8 @@ class IpcacheMap(Protocol):
 
     def ipcache_dump(self) -> Mapping[str, int]: ...
 
+    def ipcache_lookup(self, ip: str) -> int | None: ...
+
 
 class LocalEndpoints(Protocol):
     """The endpoint manager, as the ipcache sees it."""
@@ -46,6 +48,10 @@ class LocalEndpoints(Protocol):
     def local_prefixes(self) -> dict[str, int]: ...
 
     async def ipcache_identity(self, prefix: str, identity: int, namespace: str, pod: str) -> None: ...
+
+
+def is_cidr_identity(identity: int) -> bool:
+    return MIN_CIDR_IDENTITY <= identity <= MAX_CIDR_IDENTITY
 
 
 def normalize(prefix: str) -> str:
@@ -56,9 +62,19 @@ def normalize(prefix: str) -> str:
 class IpcacheSync:
     """Keeps the LPM map equal to the ipcache stream (plus the local endpoints' addresses)."""
 
-    def __init__(self, datapath: IpcacheMap, endpoints: LocalEndpoints, node: str = "") -> None:
+    def __init__(
+        self,
+        datapath: IpcacheMap,
+        endpoints: LocalEndpoints,
+        node: str = "",
+        on_cidrs: Callable[[Mapping[str, int]], object] | None = None,
+    ) -> None:
         self._dp = datapath
         self._endpoints = endpoints
+        #: Told the CIDR prefixes (ipam's CIDR identities) once loaded and whenever they change:
+        #: the DNS proxy's learned addresses keep what the prefix holding them allowed.
+        self._on_cidrs = on_cidrs
+        self.cidrs: dict[str, int] = {}
         #: This datapath's node: its own addresses are ``host``, other nodes' ``remote-node``.
         self._node = node
         #: The desired ipcache: prefix -> identity, as the stream says.
@@ -75,6 +91,7 @@ class IpcacheSync:
         await self._follower.caught_up.wait()
         removed = await self._prune()
         self.loaded.set()
+        self._tell_cidrs()
         log.info("ipcache loaded", prefixes=len(self.entries), stale_removed=removed)
 
     async def stop(self) -> None:
@@ -92,6 +109,10 @@ class IpcacheSync:
         if entry.deleted or not entry.identity:
             self.entries.pop(prefix, None)
             self.pods.pop(address, None)
+            if self.cidrs.pop(prefix, None) is not None:
+                self._tell_cidrs()
+                if await self._learned_holds(prefix):
+                    return
             if prefix in local:
                 return  # the endpoint still exists here: its address keeps its identity
             await asyncio.to_thread(self._dp.ipcache_delete, prefix)
@@ -108,8 +129,35 @@ class IpcacheSync:
                 if local[prefix] != identity:
                     await self._endpoints.ipcache_identity(prefix, identity, entry.namespace, entry.pod)
                 return
+            if is_cidr_identity(identity) or prefix in self.cidrs:
+                changed = self.cidrs.get(prefix) != identity
+                if is_cidr_identity(identity):
+                    self.cidrs[prefix] = identity
+                else:
+                    del self.cidrs[prefix]
+                if changed:
+                    self._tell_cidrs()
+                if await self._learned_holds(prefix):
+                    return
             await asyncio.to_thread(self._dp.ipcache_upsert, prefix, identity)
         self.updates += 1
+
+    async def _learned_holds(self, prefix: str) -> bool:
+        """True when the DNS proxy's learned address holds exactly ``prefix`` (a CIDR /32 of an
+        address a pod resolved): the proxy's entry stays, and the proxy puts the CIDR's back
+        when the address expires."""
+        network = ipaddress.ip_network(prefix)
+        if network.prefixlen != network.max_prefixlen:
+            return False
+        held = await asyncio.to_thread(self._dp.ipcache_lookup, str(network.network_address))
+        return held is not None and is_local_identity(held)
+
+    def _tell_cidrs(self) -> None:
+        if self._on_cidrs is not None and self.loaded.is_set():
+            try:
+                self._on_cidrs(dict(self.cidrs))
+            except OSError as exc:
+                log.error("CIDR prefixes not published to the DNS proxy", error=str(exc))
 
     async def _prune(self) -> int:
         held = await asyncio.to_thread(self._dp.ipcache_dump)

@@ -139,6 +139,8 @@ async def start_agent(
     node = cfg.node_name
     await bus.ensure_streams(K8S_STREAM, REGEN_STREAM, IPCACHE_STREAM)
     reporter = Reporter(node, policy, cfg.retry_backoff_max)
+    # The DNS proxy's file: written once both the endpoints and the ipcache's CIDR prefixes are known.
+    names = NamePublisher(cfg.state_dir, datapath, cfg.dns_proxy_port, await_prefixes=True)
     manager = EndpointManager(
         node=node,
         datapath=datapath,
@@ -148,10 +150,10 @@ async def start_agent(
         policy=policy,
         reporter=reporter,
         backoff_max=cfg.retry_backoff_max,
-        names=NamePublisher(cfg.state_dir, datapath, cfg.dns_proxy_port).publish,
+        names=names.publish,
     )
     consumer = OrderConsumer(node, policy, manager, backoff_max=cfg.retry_backoff_max)
-    ipcache = IpcacheSync(datapath, manager, cfg.node_name)
+    ipcache = IpcacheSync(datapath, manager, cfg.node_name, on_cidrs=names.publish_prefixes)
     services = ServiceSync(datapath, node)
 
     def pod_of(endpoint_id: int) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import socket
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from services.datapath.fqdncache import CacheLimits
 from services.datapath.fqdnmaps import NameEndpoint
 from services.datapath.types import (
     IDENTITY_WORLD,
+    MIN_CIDR_IDENTITY,
     Direction,
     DnsRule,
     Enforcement,
@@ -247,6 +249,62 @@ def test_ttl_expiry_waits_for_open_connections(world: World, proxies: Proxies) -
     assert addresses(query(a.name, world.dns, "api.example.test")) == [node.ext_except]
     assert tcp_exchange(a.name, node.ext_except, PORT)
     assert not tcp_exchange(a.name, node.ext_outside, PORT, timeout=DENY_TIMEOUT)
+
+
+def test_learned_address_follows_cidr_prefixes_published_after_the_lookup(world: World, proxies: Proxies) -> None:
+    """The learned /32 hides every prefix holding the address in the LPM map, so what it keeps of
+    its former identity follows the CIDR prefixes the datapath publishes: a toCIDR added after the
+    lookup allows through it, a removed one stops; a CIDR /32 of exactly the address gives way to
+    the learned entry and is put back when the address expires."""
+    node, a = world.node, world.node.a
+    cidr_id = MIN_CIDR_IDENTITY + 77
+    on_7000 = PolicyEntry(PolicyKey(Direction.EGRESS, cidr_id, L4Proto.TCP, 7000))
+    node.dp.sync_policy(a.ep_id, Enforcement(egress=True), [*DNS_ALLOWED, on_7000])
+    wide, host = str(ipaddress.ip_network(f"{node.ext_outside}/24", strict=False)), f"{node.ext_outside}/32"
+    publisher = NamePublisher(str(proxies.state_dir), node.dp, world.port)
+    me = [NameEndpoint(a.ep_id, a.identity, (a.v4, a.v6), RULES, (on_7000,))]
+
+    def publish(prefixes: dict[str, int]) -> None:
+        # As the datapath does: the ipcache's entries, then the file; the proxy reads it within a second.
+        for prefix in publisher_prefixes - prefixes.keys():
+            node.dp.ipcache_delete(prefix)
+        for prefix, ident in prefixes.items():
+            node.dp.ipcache_upsert(prefix, ident)
+        publisher_prefixes.clear()
+        publisher_prefixes.update(prefixes)
+        publisher.publish_prefixes(prefixes)
+        assert world.loop.call(proxy.reload)
+        node.dp.flush_conntrack(a.ep_id)
+
+    publisher_prefixes: set[str] = set()
+    proxy = proxies.start()
+    try:
+        publisher.publish(me)
+        world.loop.call(proxy.reload)
+        world.server.table["api.example.test"] = Record([node.ext_outside], ttl=1)
+        assert addresses(query(a.name, world.dns, "api.example.test")) == [node.ext_outside]
+        assert tcp_exchange(a.name, node.ext_outside, PORT), "by its name"
+        assert not tcp_exchange(a.name, node.ext_outside, 7000, timeout=DENY_TIMEOUT), "world: no 7000"
+        publish({wide: cidr_id})
+        assert tcp_exchange(a.name, node.ext_outside, 7000), "the toCIDR added after the lookup"
+        assert tcp_exchange(a.name, node.ext_outside, PORT)
+        publish({})
+        assert not tcp_exchange(a.name, node.ext_outside, 7000, timeout=DENY_TIMEOUT), "the toCIDR removed"
+        # The CIDR names exactly the address; its /32 lands on the learned one (as a restarted
+        # datapath's replay writes it), and the proxy puts the learned entry back.
+        publish({host: cidr_id})
+        assert is_local_identity(node.dp.ipcache_lookup(node.ext_outside) or 0)
+        assert tcp_exchange(a.name, node.ext_outside, PORT)
+        assert tcp_exchange(a.name, node.ext_outside, 7000)
+        node.dp.flush_conntrack(a.ep_id)
+        world.clock.now += 10
+        assert world.loop.call(proxy.expire) == 1
+        assert node.dp.ipcache_lookup(node.ext_outside) == cidr_id, "the CIDR's entry put back"
+        assert tcp_exchange(a.name, node.ext_outside, 7000), "by the CIDR rule alone"
+        assert not tcp_exchange(a.name, node.ext_outside, PORT, timeout=DENY_TIMEOUT), "the name expired"
+    finally:
+        for prefix in publisher_prefixes:
+            node.dp.ipcache_delete(prefix)
 
 
 def test_many_addresses_bounded_per_name(world: World, proxies: Proxies) -> None:

@@ -12,11 +12,11 @@ from palisade.v1 import common_pb2
 from palisade.v1 import common_pb2 as pb
 from services.common.fqdn import matches as match
 from services.datapath import wire
-from services.datapath.dnsnames import decode, encode, steering_of
+from services.datapath.dnsnames import Published, decode, encode, steering_of
 from services.datapath.dnsproxy import Decision, ProxyConfig, judge, rule_allows
 from services.datapath.errors import OrderError
 from services.datapath.fqdncache import CacheLimits, NameCache
-from services.datapath.fqdnmaps import NameEndpoint, NameMaps, desired
+from services.datapath.fqdnmaps import CidrPrefixes, NameEndpoint, NameMaps, desired
 from services.datapath.fqdnstore import NameStore
 from services.datapath.types import (
     IDENTITY_WORLD,
@@ -264,7 +264,7 @@ def test_wire_rejects_bad_dns_rules() -> None:
 
 def test_published_endpoints_round_trip() -> None:
     eps = [NameEndpoint(2, 1002, ("10.0.0.2", "fd00::2"), RULES), NameEndpoint(1, 1001, ("10.0.0.1",), NameRules())]
-    assert decode(encode(eps)) == sorted(eps, key=lambda e: e.ep_id)
+    assert decode(encode(eps)).endpoints == sorted(eps, key=lambda e: e.ep_id)
 
 
 class RecordingMaps:
@@ -373,8 +373,52 @@ def test_learned_address_keeps_its_former_identitys_entries() -> None:
     }
 
 
-def test_published_aliased_entries_round_trip() -> None:
-    assert decode(encode(EPS)) == EPS
+def test_published_aliased_entries_and_prefixes_round_trip() -> None:
+    prefixes = {"192.0.2.0/25": CIDR_ID, "2001:db8::/64": CIDR_ID + 1}
+    assert decode(encode(EPS, prefixes)) == Published(EPS, prefixes)
+    # A file written before the prefixes were published: none known.
+    assert decode(encode(EPS).replace(', "prefixes": []', "")) == Published(EPS, {})
+
+
+@pytest.mark.parametrize(
+    ("ip", "want"),
+    [
+        ("192.0.2.1", CIDR_ID + 2),  # the /32 is the longest holding it
+        ("192.0.2.2", CIDR_ID + 1),  # the /25
+        ("192.0.2.200", CIDR_ID),  # only the /24
+        ("192.0.3.1", CIDR_ID + 3),  # 0.0.0.0/0 holds everything v4
+        ("2001:db8::5", CIDR_ID + 4),
+        ("2001:db9::5", None),  # no v6 prefix holds it
+    ],
+)
+def test_a_learned_address_former_identity_is_its_longest_cidr_prefix(ip: str, want: int | None) -> None:
+    prefixes = CidrPrefixes({
+        "192.0.2.0/24": CIDR_ID, "192.0.2.0/25": CIDR_ID + 1, "192.0.2.1/32": CIDR_ID + 2,
+        "0.0.0.0/0": CIDR_ID + 3, "2001:db8::/64": CIDR_ID + 4,
+    })  # fmt: skip
+    assert prefixes.longest(ip) == want
+
+
+def test_learned_entries_follow_a_cidr_prefix_added_and_removed_after_the_lookup() -> None:
+    """The learned /32 hides any prefix holding the address, so its inherited entries follow the
+    prefixes the datapath publishes: a toCIDR added later allows through it, a removed one stops."""
+    prefixes = CidrPrefixes({})
+    cache, maps = NameCache(), RecordingMaps()
+    names = NameMaps(maps, lambda ip: prefixes.longest(ip) or IDENTITY_WORLD, lambda p: prefixes.exact(p))
+    lookup = cache.learn(1, "a.example.test", [("192.0.2.1", 60)], now=0)
+    names.change(cache, EPS, lookup.added, lookup.evicted)
+    learned = cache.identity("192.0.2.1")
+    assert learned is not None
+    world_allow = PolicyEntry(PolicyKey(Direction.EGRESS, learned, L4Proto.TCP, 80))
+    cidr_deny = PolicyEntry(PolicyKey(Direction.EGRESS, learned), Verdict.DENY)
+    assert maps.entries[3] == {world_allow}
+    prefixes = CidrPrefixes({"192.0.2.1/32": CIDR_ID})  # a toCIDR names exactly the address
+    names.sync(cache, EPS)
+    assert maps.entries[3] == {cidr_deny}
+    gone = cache.expire(120, in_use=set())
+    names.change(cache, EPS, (), gone)
+    assert maps.entries[3] == set()
+    assert maps.ipcache == {"192.0.2.1/32": CIDR_ID}, "the CIDR's own entry put back, not deleted"
 
 
 @pytest.mark.parametrize(

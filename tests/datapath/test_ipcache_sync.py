@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 
 from palisade.v1 import identity_pb2
 from services.common.labels import ReservedIdentity
 from services.datapath.ipcachesync import IpcacheSync
-from services.datapath.types import MIN_LOCAL_IDENTITY
+from services.datapath.types import MIN_CIDR_IDENTITY, MIN_LOCAL_IDENTITY
 
 
 class RecordingMap:
@@ -22,6 +23,11 @@ class RecordingMap:
 
     def ipcache_dump(self) -> Mapping[str, int]:
         return dict(self.prefixes)
+
+    def ipcache_lookup(self, ip: str) -> int | None:
+        address = ipaddress.ip_address(ip)
+        held = [(n.prefixlen, i) for p, i in self.prefixes.items() if address in (n := ipaddress.ip_network(p))]
+        return max(held)[1] if held else None
 
 
 class NoEndpoints:
@@ -62,3 +68,43 @@ async def test_prune_keeps_the_dns_proxys_learned_addresses() -> None:
     sync = IpcacheSync(bpf, NoEndpoints(), "node-a")
     assert await sync._prune() == 1
     assert bpf.prefixes == {"198.51.100.7/32": MIN_LOCAL_IDENTITY + 3}
+
+
+def _cidr_entry(prefix: str, identity: int = MIN_CIDR_IDENTITY + 5, deleted: bool = False) -> identity_pb2.IpcacheEntry:
+    return identity_pb2.IpcacheEntry(prefix=prefix, identity=0 if deleted else identity, deleted=deleted)
+
+
+async def test_cidr_prefixes_are_told_once_loaded_and_on_every_change() -> None:
+    """The DNS proxy's learned addresses keep what the CIDR prefix holding them allowed: it is
+    told the CIDR prefixes (ipam's CIDR identities only) after the replay and at each change."""
+    told: list[dict[str, int]] = []
+    sync = IpcacheSync(RecordingMap(), NoEndpoints(), "node-a", on_cidrs=lambda p: told.append(dict(p)))
+    await sync._on_entry("palisade.ipcache.a", _cidr_entry("203.0.113.0/24"))
+    pod = identity_pb2.IpcacheEntry(prefix="10.244.1.5/32", identity=300, node="node-b", namespace="x", pod="a")
+    await sync._on_entry("palisade.ipcache.b", pod)
+    assert told == [], "not during the replay"
+    sync.loaded.set()
+    sync._tell_cidrs()
+    assert told == [{"203.0.113.0/24": MIN_CIDR_IDENTITY + 5}]
+    await sync._on_entry("palisade.ipcache.c", _cidr_entry("198.51.100.0/25", MIN_CIDR_IDENTITY + 6))
+    await sync._on_entry("palisade.ipcache.b", pod)  # not a CIDR: nothing told
+    await sync._on_entry("palisade.ipcache.a", _cidr_entry("203.0.113.0/24", deleted=True))
+    assert told[1:] == [
+        {"203.0.113.0/24": MIN_CIDR_IDENTITY + 5, "198.51.100.0/25": MIN_CIDR_IDENTITY + 6},
+        {"198.51.100.0/25": MIN_CIDR_IDENTITY + 6},
+    ]
+
+
+async def test_a_cidr_host_prefix_leaves_a_learned_address_in_place() -> None:
+    """A CIDR /32 that a pod also resolved: the proxy's learned entry stays in the map (the proxy
+    puts the CIDR's back when the address expires); other CIDR prefixes are written as usual."""
+    bpf = RecordingMap()
+    learned = MIN_LOCAL_IDENTITY + 3
+    bpf.prefixes = {"198.51.100.7/32": learned}
+    sync = IpcacheSync(bpf, NoEndpoints(), "node-a")
+    await sync._on_entry("palisade.ipcache.a", _cidr_entry("198.51.100.7/32"))
+    await sync._on_entry("palisade.ipcache.b", _cidr_entry("198.51.100.0/24", MIN_CIDR_IDENTITY + 6))
+    assert bpf.prefixes == {"198.51.100.7/32": learned, "198.51.100.0/24": MIN_CIDR_IDENTITY + 6}
+    await sync._on_entry("palisade.ipcache.a", _cidr_entry("198.51.100.7/32", deleted=True))
+    assert bpf.prefixes == {"198.51.100.7/32": learned, "198.51.100.0/24": MIN_CIDR_IDENTITY + 6}
+    assert sync.cidrs == {"198.51.100.0/24": MIN_CIDR_IDENTITY + 6}

@@ -3,9 +3,11 @@ endpoints (dns-endpoints.json) and their steering entries, over the in-memory BP
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from palisade.v1 import common_pb2
 from services.datapath import types as dt
-from services.datapath.dnsnames import NameSource
+from services.datapath.dnsnames import FILE, NameSource, decode
 from testkit.builders import policy_entry as entry
 from testkit.controlplane import ControlPlane
 from tests.datapath_service.agent import InProcessAgent
@@ -27,7 +29,9 @@ async def test_name_rules_published_and_steered(agent: InProcessAgent, cp: Contr
     rev = await cp.set_names(web.identity, [FQDN], [DNS])
     await cp.wait_realized(rev, [web.id])
 
-    published = {ep.ep_id: ep for ep in source.read_if_changed() or []}
+    first = source.read_if_changed()
+    assert first is not None
+    published = {ep.ep_id: ep for ep in first.endpoints}
     assert list(published) == [web.id], "only endpoints with name rules or world/CIDR entries"
     got = published[web.id]
     assert got.rules.fqdn == (dt.FqdnRule("*.example.test", dt.L4Proto.TCP, 443),)
@@ -44,7 +48,8 @@ async def test_name_rules_published_and_steered(agent: InProcessAgent, cp: Contr
     rev = await cp.set_names(web.identity, [], [])
     await cp.wait_realized(rev, [web.id])
     assert agent.datapath.dns_steer_dump() == {}
-    assert source.read_if_changed() == []
+    last = source.read_if_changed()
+    assert last is not None and last.endpoints == []
 
 
 async def test_name_rules_come_back_with_a_restart(agent: InProcessAgent, cp: ControlPlane) -> None:
@@ -61,3 +66,26 @@ async def test_name_rules_come_back_with_a_restart(agent: InProcessAgent, cp: Co
     await eventually(lambda: bool(NameSource(agent.config.state_dir).read_if_changed()))
     assert NameSource(agent.config.state_dir).read_if_changed() == before
     assert agent.datapath is not None and len(agent.datapath.dns_steer_dump()) == 2
+
+
+async def test_cidr_prefixes_published_as_the_ipcache_gains_and_loses_them(
+    agent: InProcessAgent, cp: ControlPlane
+) -> None:
+    """The proxy's learned addresses keep what the CIDR prefix holding them allowed; the datapath
+    publishes the ipcache's CIDR prefixes (ipam's CIDR identities, not pods') as they change."""
+    web = await create(agent, "web", app="web")
+    rev = await cp.set_names(web.identity, [FQDN], [DNS])
+    await cp.wait_realized(rev, [web.id])
+    path = Path(agent.config.state_dir) / FILE
+    cidr = dt.MIN_CIDR_IDENTITY + 9
+
+    def published() -> dict[str, int]:
+        return decode(path.read_text()).prefixes
+
+    assert published() == {}
+    await cp.publish_ipcache("198.51.100.0/24", cidr)
+    await cp.publish_ipcache("10.99.0.7/32", 300)  # a pod elsewhere: not a CIDR prefix
+    await eventually(lambda: published() == {"198.51.100.0/24": cidr})
+    await cp.publish_ipcache("198.51.100.0/24", 0, deleted=True)
+    await eventually(lambda: published() == {})
+    assert agent.datapath is not None and agent.datapath.ipcache_lookup("198.51.100.1") is None
