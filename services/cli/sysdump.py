@@ -6,8 +6,10 @@ It holds, each as its own file under ``palisade-sysdump-<time>/``:
 - ``status.json``: every service's health, sync state, revision and figures, the members;
 - ``policies.json``, ``identities.json``, ``allocations.json``: the policy revisions and
   states (invalid ones with their errors), the identities, the IP allocations;
-- ``nodes/<node>/``: each node's datapath status, endpoints, Service frontends and a summary
-  of every endpoint's policy map (revision, enforcement, entries by verdict);
+- ``nodes/<node>/``: each node's datapath status, endpoints, Service frontends, a summary
+  of every endpoint's policy map (revision, enforcement, entries by verdict), and what its DNS
+  proxy learned (``fqdn.json``: every name and address with its identity, TTL left and
+  endpoints, and the toFQDNs selectors with the identities each holds);
 - ``logs/``: the recent lines of every service's log (``make run``'s log folder, or
   ``--logs-dir``; on a cluster ``kubectl logs`` of every Palisade pod);
 - ``config/``: the configuration: the local Palisade processes' flags and ``PALISADE_*``
@@ -178,6 +180,13 @@ def _node_services(stub: datapath_pb2_grpc.DatapathServiceStub) -> dict[str, Any
     return to_dict(call("datapath", stub.ListServices, datapath_pb2.ListServicesRequest()))
 
 
+def _node_names(stub: datapath_pb2_grpc.DatapathServiceStub) -> dict[str, Any]:
+    return {
+        "cache": to_dict(call("datapath", stub.ListFqdnCache, datapath_pb2.ListFqdnCacheRequest())),
+        "selectors": to_dict(call("datapath", stub.ListFqdnSelectors, datapath_pb2.ListFqdnSelectorsRequest())),
+    }
+
+
 def _node_maps(stub: datapath_pb2_grpc.DatapathServiceStub, listed: Any) -> list[dict[str, Any]]:
     return [_map_summary(stub, ep) for ep in listed.endpoints]
 
@@ -189,6 +198,7 @@ def _nodes(args: argparse.Namespace, archive: Archive) -> None:
             stub = datapath_pb2_grpc.DatapathServiceStub(ch)
             archive.part(f"{where}/status.json", functools.partial(_node_status, ch))
             archive.part(f"{where}/services.json", functools.partial(_node_services, stub))
+            archive.part(f"{where}/fqdn.json", functools.partial(_node_names, stub))
             try:
                 listed = call("datapath", stub.ListEndpoints, datapath_pb2.ListEndpointsRequest())
             except CLIError as exc:

@@ -220,6 +220,45 @@ def test_many_addresses_for_one_name_and_their_rotation(stack: Stack) -> None:
     every_address_reached(list(rotated))
 
 
+def test_a_to_cidr_imported_after_a_lookup_allows_through_the_learned_address(stack: Stack, tmp_path: Path) -> None:
+    """The learned /32 hides every prefix holding the address in the node's map: a toCIDR policy
+    imported while the pod holds a learned address allows through it, and stops once deleted
+    (the proxy follows the CIDR prefixes its datapath publishes). An open connection keeps the
+    address learned meanwhile."""
+    netns = stack.netns(CLIENT)
+    assert resolve(stack, CLIENT, "www.example.test") == (dns.rcode.NOERROR, ["192.0.2.11"])
+    policy = {
+        "apiVersion": "cilium.io/v2",
+        "kind": "CiliumNetworkPolicy",
+        "metadata": {"name": "client-cidr", "namespace": "names"},
+        "spec": {
+            "endpointSelector": {"matchLabels": {"app": "client"}},
+            "egress": [{"toCIDR": ["192.0.2.0/24"], "toPorts": [{"ports": [{"port": "443", "protocol": "TCP"}]}]}],
+        },
+    }
+    path = tmp_path / "cidr.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    with socket_in(netns, socket.AF_INET, socket.SOCK_STREAM) as conn:
+        conn.settimeout(5)
+        conn.connect(("192.0.2.11", 80))
+        assert conn.makefile("rb").readline() == b"world\n"
+        assert not probe(netns, "192.0.2.11", 443)
+        imported = stack.palisade("policy", "import", str(path), "--wait")
+        try:
+            assert imported.returncode == 0, imported.stderr
+            # The prefix's CIDR identity reaches the node after the revision (ipam holds it).
+            assert wait_for(lambda: probe(netns, "192.0.2.11", 443), 30), "the toCIDR hidden by the learned /32"
+            assert learned(stack, "192.0.2.11"), "still the learned address"
+            assert probe(netns, "192.0.2.12", 443), "the prefix itself"
+        finally:
+            deleted = stack.palisade("policy", "delete", "cnp", "client-cidr", "-n", "names")
+        assert deleted.returncode == 0, deleted.stderr
+        assert wait_for(lambda: not probe(netns, "192.0.2.11", 443), 30), "the removed toCIDR kept allowing"
+        assert learned(stack, "192.0.2.11")
+        conn.sendall(b"still there\n")
+        assert conn.recv(64) == b"still there\n"
+
+
 def test_analyze_with_the_worlds_names_agrees_with_real_packets(stack: Stack) -> None:
     table = {n: NAMES[n].addresses for n in ("api.example.test", "www.example.test", "elsewhere.test")}
     flags = [f for name, ips in table.items() for f in ("--dns", f"{name}={','.join(ips)}")]

@@ -116,9 +116,10 @@ def test_sysdump_writes_one_archive_with_every_part_and_no_key(stack: Stack, tmp
     node = "nodes/dev-node"
     for part in ("versions.json", "status.json", "policies.json", "identities.json", "allocations.json",
                  f"{node}/status.json", f"{node}/endpoints.json", f"{node}/services.json", f"{node}/maps.json",
-                 "config/processes.json", "errors.json", "README.txt"):  # fmt: skip
+                 f"{node}/fqdn.json", "config/processes.json", "errors.json", "README.txt"):  # fmt: skip
         assert part in files, f"no {part} in {sorted(files)}"
     assert json.loads(files["errors.json"]) == {}
+    assert set(json.loads(files[f"{node}/fqdn.json"])) == {"cache", "selectors"}, "the DNS proxy's view"
     for service in ("watcher", "policy", "ipam", "datapath"):
         assert f"logs/{service}.log" in files and files[f"logs/{service}.log"].strip(), service
     # Policy revisions, endpoints and their maps, the versions, the configuration.
