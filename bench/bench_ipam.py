@@ -110,7 +110,13 @@ async def bench(endpoint: str, identities: int, ips: int, levels: list[int]) -> 
         await client.close()
 
 
-async def _api_level(addresses: list[str], concurrency: int, identities: int, ips: int) -> dict[str, float]:
+#: Measures one phase of the API part: runs it, returns (operations per second, CPU ms per request by process).
+Phase = Callable[[str, Sequence[Callable[[], Awaitable[object]]]], Awaitable[float]]
+
+
+async def _api_level(
+    addresses: list[str], concurrency: int, identities: int, ips: int, phase: Phase
+) -> dict[str, float]:
     channels = [channel(address, "ipam", "datapath") for address in addresses]
     try:
         ident = [identity_pb2_grpc.IdentityServiceStub(c) for c in channels]
@@ -148,8 +154,8 @@ async def _api_level(addresses: list[str], concurrency: int, identities: int, ip
 
             return run
 
-        out = {"identity_new_per_s": await _timed([alloc_identity(i) for i in range(identities)], concurrency)}
-        out["ip_allocate_per_s"] = await _timed([alloc_ip(i) for i in range(ips)], concurrency)
+        out = {"identity_new_per_s": await phase("identity_new", [alloc_identity(i) for i in range(identities)])}
+        out["ip_allocate_per_s"] = await phase("ip_allocate", [alloc_ip(i) for i in range(ips)])
         assert len(got_ids) == identities and len(got_ips) == ips
         release = [
             functools.partial(
@@ -157,7 +163,7 @@ async def _api_level(addresses: list[str], concurrency: int, identities: int, ip
             )
             for i, (ip, owner) in enumerate(sorted(got_ips.items()))
         ]
-        out["ip_release_per_s"] = await _timed(release, concurrency)
+        out["ip_release_per_s"] = await phase("ip_release", release)
         return out
     finally:
         for c in channels:
@@ -186,16 +192,34 @@ async def bench_api(tmp: Path, replicas: int, concurrency: int, identities: int,
             name: [s.proc.pid for s in servers if s.proc is not None]
             for name, servers in (("replicas", procs), ("etcd", [etcd]), ("nats", [nats]))
         }
-        before = {k: _cpu_seconds(v) for k, v in pids.items()} | {"client": time.process_time()}
-        figures = await _api_level([p.address for p in procs], concurrency, identities, ips)
-        after = {k: _cpu_seconds(v) for k, v in pids.items()} | {"client": time.process_time()}
+
+        def cpu() -> dict[str, float]:
+            return {k: _cpu_seconds(v) for k, v in pids.items()} | {"client": time.process_time()}
+
+        by_phase: dict[str, dict[str, float]] = {}
+
+        async def phase(name: str, jobs: Sequence[Callable[[], Awaitable[object]]]) -> float:
+            before = cpu()
+            rate = await _timed(jobs, concurrency)
+            after = cpu()
+            by_phase[name] = {k: round((after[k] - before[k]) * 1000 / len(jobs), 3) for k in before}
+            return rate
+
+        figures = await _api_level([p.address for p in procs], concurrency, identities, ips, phase)
         requests = identities + 2 * ips
         return {
             "replicas": replicas,
             "concurrency": concurrency,
             **figures,
             # Where the machine's CPU went, per API request (allocations and releases alike).
-            "cpu_ms_per_request": {k: round((after[k] - before[k]) * 1000 / requests, 3) for k in before},
+            "cpu_ms_per_request": {
+                k: round(
+                    sum(by_phase[p][k] * n for p, n in zip(by_phase, (identities, ips, ips), strict=True)) / requests, 3
+                )
+                for k in by_phase["identity_new"]
+            },
+            # The same per phase: new identities, IP allocations, IP releases.
+            "cpu_ms_per_request_by_phase": by_phase,
         }
     finally:
         for proc in procs:
