@@ -108,8 +108,8 @@ async def test_two_replicas_announce_a_burst_of_identities_in_order(
     await K8s(bus).synced()
     args = ipam_args(nats_server, etcd_server, "--identity-gc-interval", "3600")
     a, b = Api(service("ipam", *args).address), Api(service("ipam", *args).address)
-    for api in (a, b):
-        await eventually(lambda api=api: _has(_details(api), "identities", "0"))
+    await eventually(lambda: _has(_details(a), "identities", "0"))
+    await eventually(lambda: _has(_details(b), "identities", "0"))
 
     # Written by allocators that died before announcing: 60 appear in one transaction, 30 of
     # them go in the next, 10 of those come back with other labels in the third. Every replica
@@ -147,5 +147,5 @@ async def test_two_replicas_announce_a_burst_of_identities_in_order(
     await eventually(lambda: {i: app(i) for i in ids} == want)
     # Tombstones are on the bus for the ones that went (not merely never announced).
     assert all(view.identities[i].deleted for i in ids[10:30])
-    for api in (a, b):
-        await eventually(lambda api=api: _has(_details(api), "identities", "40"))
+    await eventually(lambda: _has(_details(a), "identities", "40"))
+    await eventually(lambda: _has(_details(b), "identities", "40"))
