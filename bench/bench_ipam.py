@@ -13,11 +13,12 @@ data dirs) and prints one JSON object.
   TLS) as the datapath calls them, ``--api-concurrency`` requests in flight in all,
   spread round-robin over the replicas: new identities (each announced on NATS before
   the answer), IP allocations on one node (every replica allocating from the same node
-  CIDR) and their releases. No address or identity may be handed out twice.
+  CIDR) and their releases. No address or identity may be handed out twice. Then the
+  floor: as many GetNodeCIDR calls answered from memory (gRPC, TLS and the client alone).
 
 The ``summary`` rows carry the targets of issue 34 on the API figures, and the CPU each API
-request cost the replicas, etcd, nats-server and this client (the machine's ceiling is its
-cores divided by their sum).
+request cost the replicas, etcd, nats-server and this client; per phase too, with the ceiling
+that CPU puts on this machine (its cores over the sum, were they doing nothing else).
 """
 
 from __future__ import annotations
@@ -164,6 +165,11 @@ async def _api_level(
             for i, (ip, owner) in enumerate(sorted(got_ips.items()))
         ]
         out["ip_release_per_s"] = await phase("ip_release", release)
+        # The floor under every request: a call answered from memory (no etcd, no bus), so what
+        # gRPC, TLS, the interceptors and the client cost alone.
+        known = ipam_pb2.GetNodeCIDRRequest(node=node)
+        floor = [functools.partial(ipam[i % n].GetNodeCIDR, known, timeout=60) for i in range(ips)]
+        out["rpc_floor_per_s"] = await phase("rpc_floor", floor)
         return out
     finally:
         for c in channels:
@@ -206,19 +212,18 @@ async def bench_api(tmp: Path, replicas: int, concurrency: int, identities: int,
             return rate
 
         figures = await _api_level([p.address for p in procs], concurrency, identities, ips, phase)
-        requests = identities + 2 * ips
+        counts = {"identity_new": identities, "ip_allocate": ips, "ip_release": ips}
+        requests = sum(counts.values())
         return {
             "replicas": replicas,
             "concurrency": concurrency,
             **figures,
             # Where the machine's CPU went, per API request (allocations and releases alike).
             "cpu_ms_per_request": {
-                k: round(
-                    sum(by_phase[p][k] * n for p, n in zip(by_phase, (identities, ips, ips), strict=True)) / requests, 3
-                )
+                k: round(sum(by_phase[p][k] * n for p, n in counts.items()) / requests, 3)
                 for k in by_phase["identity_new"]
             },
-            # The same per phase: new identities, IP allocations, IP releases.
+            # The same per phase (and for the floor: a call answered from memory).
             "cpu_ms_per_request_by_phase": by_phase,
         }
     finally:
@@ -272,6 +277,23 @@ def summary(results: dict[str, dict[str, float]], api: dict[str, object]) -> lis
         *(
             {"metric": f"ipam API: CPU per request, {who}", "value": ms, "unit": "ms"}
             for who, ms in dict(api["cpu_ms_per_request"]).items()  # type: ignore[call-overload]
+        ),
+        *(
+            {
+                "metric": f"ipam API: CPU per request of all processes, {phase.replace('_', ' ')}",
+                "value": round(sum(cpu.values()), 3),
+                "unit": "ms",
+            }
+            for phase, cpu in dict(api["cpu_ms_per_request_by_phase"]).items()  # type: ignore[call-overload]
+        ),
+        *(
+            # What the machine could do were its cores doing nothing else: the cores over that CPU.
+            {
+                "metric": f"ipam API: CPU ceiling on {os.cpu_count()} cores, {phase.replace('_', ' ')}",
+                "value": round((os.cpu_count() or 1) * 1000 / sum(cpu.values()), 1),
+                "unit": "/s",
+            }
+            for phase, cpu in dict(api["cpu_ms_per_request_by_phase"]).items()  # type: ignore[call-overload]
         ),
     ]
 
