@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import random
 
-
 #: The jitter's source when none is given (seeding one per backoff read the OS's entropy each time).
 _RNG = random.Random()
 
