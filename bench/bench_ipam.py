@@ -13,11 +13,12 @@ data dirs) and prints one JSON object.
   TLS) as the datapath calls them, ``--api-concurrency`` requests in flight in all,
   spread round-robin over the replicas: new identities (each announced on NATS before
   the answer), IP allocations on one node (every replica allocating from the same node
-  CIDR) and their releases. No address or identity may be handed out twice.
+  CIDR) and their releases. No address or identity may be handed out twice. Then the
+  floor: as many GetNodeCIDR calls answered from memory (gRPC, TLS and the client alone).
 
 The ``summary`` rows carry the targets of issue 34 on the API figures, and the CPU each API
-request cost the replicas, etcd, nats-server and this client (the machine's ceiling is its
-cores divided by their sum).
+request cost the replicas, etcd, nats-server and this client; per phase too, with the ceiling
+that CPU puts on this machine (its cores over the sum, were they doing nothing else).
 """
 
 from __future__ import annotations
@@ -110,7 +111,13 @@ async def bench(endpoint: str, identities: int, ips: int, levels: list[int]) -> 
         await client.close()
 
 
-async def _api_level(addresses: list[str], concurrency: int, identities: int, ips: int) -> dict[str, float]:
+#: Measures one phase of the API part: runs it, returns (operations per second, CPU ms per request by process).
+Phase = Callable[[str, Sequence[Callable[[], Awaitable[object]]]], Awaitable[float]]
+
+
+async def _api_level(
+    addresses: list[str], concurrency: int, identities: int, ips: int, phase: Phase
+) -> dict[str, float]:
     channels = [channel(address, "ipam", "datapath") for address in addresses]
     try:
         ident = [identity_pb2_grpc.IdentityServiceStub(c) for c in channels]
@@ -148,8 +155,8 @@ async def _api_level(addresses: list[str], concurrency: int, identities: int, ip
 
             return run
 
-        out = {"identity_new_per_s": await _timed([alloc_identity(i) for i in range(identities)], concurrency)}
-        out["ip_allocate_per_s"] = await _timed([alloc_ip(i) for i in range(ips)], concurrency)
+        out = {"identity_new_per_s": await phase("identity_new", [alloc_identity(i) for i in range(identities)])}
+        out["ip_allocate_per_s"] = await phase("ip_allocate", [alloc_ip(i) for i in range(ips)])
         assert len(got_ids) == identities and len(got_ips) == ips
         release = [
             functools.partial(
@@ -157,7 +164,12 @@ async def _api_level(addresses: list[str], concurrency: int, identities: int, ip
             )
             for i, (ip, owner) in enumerate(sorted(got_ips.items()))
         ]
-        out["ip_release_per_s"] = await _timed(release, concurrency)
+        out["ip_release_per_s"] = await phase("ip_release", release)
+        # The floor under every request: a call answered from memory (no etcd, no bus), so what
+        # gRPC, TLS, the interceptors and the client cost alone.
+        known = ipam_pb2.GetNodeCIDRRequest(node=node)
+        floor = [functools.partial(ipam[i % n].GetNodeCIDR, known, timeout=60) for i in range(ips)]
+        out["rpc_floor_per_s"] = await phase("rpc_floor", floor)
         return out
     finally:
         for c in channels:
@@ -186,16 +198,33 @@ async def bench_api(tmp: Path, replicas: int, concurrency: int, identities: int,
             name: [s.proc.pid for s in servers if s.proc is not None]
             for name, servers in (("replicas", procs), ("etcd", [etcd]), ("nats", [nats]))
         }
-        before = {k: _cpu_seconds(v) for k, v in pids.items()} | {"client": time.process_time()}
-        figures = await _api_level([p.address for p in procs], concurrency, identities, ips)
-        after = {k: _cpu_seconds(v) for k, v in pids.items()} | {"client": time.process_time()}
-        requests = identities + 2 * ips
+
+        def cpu() -> dict[str, float]:
+            return {k: _cpu_seconds(v) for k, v in pids.items()} | {"client": time.process_time()}
+
+        by_phase: dict[str, dict[str, float]] = {}
+
+        async def phase(name: str, jobs: Sequence[Callable[[], Awaitable[object]]]) -> float:
+            before = cpu()
+            rate = await _timed(jobs, concurrency)
+            after = cpu()
+            by_phase[name] = {k: round((after[k] - before[k]) * 1000 / len(jobs), 3) for k in before}
+            return rate
+
+        figures = await _api_level([p.address for p in procs], concurrency, identities, ips, phase)
+        counts = {"identity_new": identities, "ip_allocate": ips, "ip_release": ips}
+        requests = sum(counts.values())
         return {
             "replicas": replicas,
             "concurrency": concurrency,
             **figures,
             # Where the machine's CPU went, per API request (allocations and releases alike).
-            "cpu_ms_per_request": {k: round((after[k] - before[k]) * 1000 / requests, 3) for k in before},
+            "cpu_ms_per_request": {
+                k: round(sum(by_phase[p][k] * n for p, n in counts.items()) / requests, 3)
+                for k in by_phase["identity_new"]
+            },
+            # The same per phase (and for the floor: a call answered from memory).
+            "cpu_ms_per_request_by_phase": by_phase,
         }
     finally:
         for proc in procs:
@@ -248,6 +277,23 @@ def summary(results: dict[str, dict[str, float]], api: dict[str, object]) -> lis
         *(
             {"metric": f"ipam API: CPU per request, {who}", "value": ms, "unit": "ms"}
             for who, ms in dict(api["cpu_ms_per_request"]).items()  # type: ignore[call-overload]
+        ),
+        *(
+            {
+                "metric": f"ipam API: CPU per request of all processes, {phase.replace('_', ' ')}",
+                "value": round(sum(cpu.values()), 3),
+                "unit": "ms",
+            }
+            for phase, cpu in dict(api["cpu_ms_per_request_by_phase"]).items()  # type: ignore[call-overload]
+        ),
+        *(
+            # What the machine could do were its cores doing nothing else: the cores over that CPU.
+            {
+                "metric": f"ipam API: CPU ceiling on {os.cpu_count()} cores, {phase.replace('_', ' ')}",
+                "value": round((os.cpu_count() or 1) * 1000 / sum(cpu.values()), 1),
+                "unit": "/s",
+            }
+            for phase, cpu in dict(api["cpu_ms_per_request_by_phase"]).items()  # type: ignore[call-overload]
         ),
     ]
 

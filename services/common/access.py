@@ -9,6 +9,7 @@ needs no certificate: that is how the CNI plugin and the node's CLI reach it.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import inspect
 from collections.abc import Awaitable, Callable
@@ -72,12 +73,23 @@ def may_call(peer: str, method: str) -> bool:
     return "*" in names or peer in names
 
 
+#: The caller of the call being handled, as the access check found it (each call runs in a task of
+#: its own, so the value is the call's): servicers asking again need not read the TLS state again.
+_CALLER: contextvars.ContextVar[tuple[object, str | None]] = contextvars.ContextVar("palisade_caller")
+
+
 def caller(context: grpc.aio.ServicerContext) -> str | None:
     """The caller's certificate name; "" for a local (unix socket) caller; None without either."""
+    known = _CALLER.get(None)
+    if known is not None and known[0] is context:
+        return known[1]
     if context.peer().startswith("unix:"):
-        return ""
-    names = context.auth_context().get("x509_common_name") or []
-    return names[0].decode() if names else None
+        who: str | None = ""
+    else:
+        names = context.auth_context().get("x509_common_name") or []
+        who = names[0].decode() if names else None
+    _CALLER.set((context, who))
+    return who
 
 
 Behavior = Callable[..., Any]
@@ -121,8 +133,11 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        method = details.method
-        return wrap_handler(await continuation(details), lambda behavior: _guard(method, behavior))
+        return self.wrap(details.method, await continuation(details))
+
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler | None) -> Any:
+        """``handler`` of ``method`` with the access check in front of its behavior."""
+        return wrap_handler(handler, lambda behavior: _guard(method, behavior))
 
 
 def wrap_handler(handler: grpc.RpcMethodHandler | None, wrap: Callable[[Behavior], Behavior]) -> Any:

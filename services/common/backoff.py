@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import random
 
+#: The jitter's source when none is given (seeding one per backoff read the OS's entropy each time).
+_RNG = random.Random()
+
 
 class Backoff:
     """Delays that double from ``initial`` up to ``maximum``; ``reset`` after a success.
@@ -25,7 +28,7 @@ class Backoff:
         self._max = maximum
         self._next = initial
         self._jitter = jitter
-        self._rng = rng or random.Random()
+        self._rng = rng or _RNG
 
     def reset(self) -> None:
         self._next = self._initial

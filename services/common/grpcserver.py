@@ -133,8 +133,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        method = details.method.rpartition("/")[2]
-        return wrap_handler(await continuation(details), lambda behavior: self._wrap(method, behavior))
+        return self.wrap(details.method, await continuation(details))
+
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler | None) -> Any:
+        """``handler`` of ``method`` (``/pkg.Service/Method``) with its errors mapped to statuses."""
+        name = method.rpartition("/")[2]
+        return wrap_handler(handler, lambda behavior: self._wrap(name, behavior))
 
     def _wrap(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         if inspect.isasyncgenfunction(behavior):
@@ -188,6 +192,41 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             observer(method, code, seconds)
 
 
+#: Wraps the handler of one method (``/pkg.Service/Method``) in what every call of it goes through.
+HandlerWrap = Callable[[str, Any], Any]
+
+
+class WrappedHandlers(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Interceptors as wraps of each method's handler, built once per method and kept.
+
+    A grpc.aio interceptor runs for every call and would wrap the method's handler again
+    each time; the wraps here depend on the method alone, so the wrapped handler of a
+    method is built on its first call and answered from then on. ``wraps`` go outermost
+    first. A method with no handler (unknown, or its service not added yet) is not kept.
+    """
+
+    def __init__(self, wraps: list[HandlerWrap]) -> None:
+        self._wraps = wraps
+        self._handlers: dict[str, Any] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = details.method
+        handler = self._handlers.get(method)
+        if handler is not None:
+            return handler
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        for wrap in reversed(self._wraps):
+            handler = wrap(method, handler)
+        self._handlers[method] = handler
+        return handler
+
+
 async def _abort(context: grpc.aio.ServicerContext, status: Status) -> None:
     code, message = status
     await context.abort(code, clip(message))
@@ -209,9 +248,9 @@ class GrpcServer:
         # Without credentials (--insecure) there is no caller name to judge: every call is let in.
         #: Maps what servicers raise to a gRPC status; services add their own mappings and observers.
         self.errors = ErrorInterceptor()
-        interceptors: list[grpc.aio.ServerInterceptor] = [AccessInterceptor()] if credentials is not None else []
-        interceptors.append(self.errors)
-        self.server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS, interceptors=interceptors)
+        wraps: list[HandlerWrap] = [AccessInterceptor().wrap] if credentials is not None else []
+        wraps.append(self.errors.wrap)
+        self.server = grpc.aio.server(options=MESSAGE_SIZE_OPTIONS, interceptors=[WrappedHandlers(wraps)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.status = StatusServicer(service, node)

@@ -44,6 +44,7 @@ from services.ipam.model import (
     kind_of,
     reserved_by_id,
 )
+from services.ipam.owners import OwnerIndexed
 
 log = get_logger("identities")
 
@@ -98,6 +99,10 @@ def _check_holder(node: str, owner: str) -> None:
         raise IpamError("owner is empty; pass who holds the reference, e.g. pod/ns/name", Code.INVALID_ARGUMENT)
 
 
+def _holder(key: tuple[str, str]) -> tuple[str, str]:
+    return key
+
+
 class IdentityAllocator:
     """Allocates identities and holds per-node references under the node's lease."""
 
@@ -116,7 +121,7 @@ class IdentityAllocator:
         self._rng = rng or random.Random()
         self._by_id: dict[int, LabelSet] = {}
         self._by_labels: dict[LabelSet, int] = {}
-        self._owners: dict[tuple[str, str], tuple[int, int]] = {}
+        self._owners: OwnerIndexed[tuple[str, str], tuple[int, int]] = OwnerIndexed(_holder)
         #: References this process took, so it can take them again if a lease is lost.
         self._held: dict[tuple[str, str], LabelSet] = {}
         self._quarantine: collections.deque[int] = collections.deque(maxlen=QUARANTINE)
@@ -191,7 +196,9 @@ class IdentityAllocator:
         for ident, (labels, _mod) in current.items():
             self._remember(ident, labels)
         owners, _ = await self._store.get_prefix(keys.IDENTITY_OWNERS.encode())
-        self._owners = {keys.parse_identity_owner(kv.key): (int(kv.value), kv.mod_revision) for kv in owners}
+        self._owners = OwnerIndexed(
+            _holder, ((keys.parse_identity_owner(kv.key), (int(kv.value), kv.mod_revision)) for kv in owners)
+        )
         return {i: labels for i, (labels, _) in current.items()}
 
     async def _list_ids(self) -> tuple[dict[int, tuple[LabelSet, int]], int]:
@@ -423,6 +430,10 @@ class IdentityAllocator:
     def owner_keys(self) -> set[tuple[str, str]]:
         """Every (node, owner) holding a reference, as this process knows it."""
         return set(self._owners)
+
+    def owner_nodes(self, owner: str) -> set[str]:
+        """The nodes where ``owner`` holds a reference, as this process knows it (no scan)."""
+        return self._owners.nodes_of(owner)
 
     async def holders(self, owner_prefix: str = "") -> list[Holder]:
         """Every owner key (across all processes), optionally only owners starting with ``owner_prefix``."""

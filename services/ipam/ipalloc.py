@@ -47,6 +47,7 @@ from services.ipam.kv import (
     value_is,
 )
 from services.ipam.nodecidr import CIDRSource, NodeCIDR, NodeRecord, desired
+from services.ipam.owners import OwnerIndexed
 from services.ipam.pool import (
     IPAddress,
     IPNetwork,
@@ -86,6 +87,11 @@ def _parse_ip(ip: str) -> IPAddress:
         raise IpamError(f"{ip!r} is not an IP address; pass e.g. 10.244.1.5", Code.INVALID_ARGUMENT) from None
 
 
+def _holder(key: tuple[str, int, str]) -> tuple[str, str]:
+    node, _family, owner = key
+    return node, owner
+
+
 class IPAllocator:
     """Node CIDR assignment and per-node address allocation."""
 
@@ -108,7 +114,7 @@ class IPAllocator:
         self._nodes: dict[str, NodeRecord] = {}
         self._claims: dict[IPNetwork, str] = {}
         self._ips: dict[str, dict[str, str]] = {}
-        self._owners: dict[tuple[str, int, str], str] = {}
+        self._owners: OwnerIndexed[tuple[str, int, str], str] = OwnerIndexed(_holder)
         #: Addresses in use per (node, family), as ints, kept in step with ``_ips``.
         self._used: dict[tuple[str, int], set[int]] = {}
         #: Addresses a transaction of this process is trying to take right now.
@@ -145,7 +151,7 @@ class IPAllocator:
         self._claims = {ipaddress.ip_network(keys.parse_ipam_pool(kv.key)): kv.value.decode() for kv in claims}
         ips, _ = await self._store.get_prefix(keys.IPAM_IPS.encode())
         self._ips = {}
-        self._owners = {}
+        self._owners = OwnerIndexed(_holder)
         self._used = {}
         for kv in ips:
             node, ip = keys.parse_ipam_ip(kv.key)
@@ -217,7 +223,11 @@ class IPAllocator:
 
     def owner_keys(self) -> set[tuple[str, str]]:
         """Every (node, owner) holding an address."""
-        return {(node, owner) for node, _family, owner in self._owners}
+        return self._owners.pairs()
+
+    def owner_nodes(self, owner: str) -> set[str]:
+        """The nodes where ``owner`` holds an address (no scan)."""
+        return self._owners.nodes_of(owner)
 
     def _family_in_use(self, node: str, family: int) -> int:
         return len(self._used.get((node, family), ()))

@@ -15,6 +15,7 @@ that revision away, the view is reloaded and the watch starts again after it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable
 
 from services.common.backoff import Backoff
@@ -27,6 +28,9 @@ from services.ipam.model import Identity
 from services.ipam.publish import IdentityPublisher, IpcacheWriter
 
 log = get_logger("mirror")
+
+#: Announcements published together at most.
+ANNOUNCE_BATCH = 256
 
 #: (identity, deleted, etcd revision)
 Announcement = tuple[Identity, bool, int]
@@ -89,10 +93,17 @@ class Mirror:
             await backoff.sleep()
 
     async def announce(self) -> None:
-        """Publish identities the watch saw appear or go (dropped by the publisher when already announced)."""
+        """Publish identities the watch saw appear or go (dropped by the publisher when already announced).
+
+        What queued up meanwhile goes at once: a run of announcements of one kind (appeared,
+        or went) is published together and its acks awaited together, runs in their order.
+        """
         while True:
-            identity, deleted, revision = await self._announcements.get()
-            if deleted:
-                await self._publisher.gone(identity)
-            else:
-                await self._publisher.seen(identity, revision)
+            pending = [await self._announcements.get()]
+            while len(pending) < ANNOUNCE_BATCH and not self._announcements.empty():
+                pending.append(self._announcements.get_nowait())
+            for deleted, run in itertools.groupby(pending, key=lambda a: a[1]):
+                if deleted:
+                    await asyncio.gather(*(self._publisher.gone(identity) for identity, _, _ in run))
+                else:
+                    await asyncio.gather(*(self._publisher.seen(identity, rev) for identity, _, rev in run))

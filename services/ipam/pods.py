@@ -209,6 +209,8 @@ class PodManager:
         #: Nodes where each API owner's addresses have entries.
         self._joined: dict[str, set[str]] = {}
         self.swept = asyncio.Event()
+        #: (node, owner) pairs looked at to join owners again after their changes (not the sweep's).
+        self.rejoin_visits = 0
 
     # -- feeding -----------------------------------------------------------
 
@@ -432,10 +434,15 @@ class PodManager:
         return self._allocator.owner_keys() | self._ipalloc.owner_keys() | joined
 
     async def _rejoin_owner(self, owner: str, *, scan: bool) -> None:
-        """Join ``owner`` again where it has entries (and, with ``scan``, wherever it holds something)."""
+        """Join ``owner`` again where it has entries (and, with ``scan``, wherever it holds something).
+
+        The allocators index their holdings by owner: a pod deletion looks at that owner's nodes
+        only, never at every (node, owner) of the cluster.
+        """
         nodes = set(self._joined.get(owner, ()))
         if scan:
-            nodes |= {n for n, o in self._api_candidates() if o == owner}
+            nodes |= self._allocator.owner_nodes(owner) | self._ipalloc.owner_nodes(owner)
+        self.rejoin_visits += len(nodes)
         for node in sorted(nodes):
             await self._join(node, owner)
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import grpc
 import pytest
 
 from palisade.v1 import common_pb2, common_pb2_grpc
+from services.common.access import wrap_handler
 from services.common.errors import MAX_MESSAGE, Code, PalisadeError, clip
-from services.common.grpcserver import ErrorInterceptor, Status, unimplemented
+from services.common.grpcserver import ErrorInterceptor, HandlerWrap, Status, WrappedHandlers, unimplemented
 
 
 class Failing(common_pb2_grpc.StatusServiceServicer):
@@ -119,3 +121,43 @@ async def test_unimplemented_servicer_answers_unimplemented() -> None:
     err = await _status_of(unimplemented(common_pb2_grpc.StatusServiceServicer))
     assert err.code() == grpc.StatusCode.UNIMPLEMENTED
     assert err.details() == "StatusServiceServicer.GetStatus is not implemented yet"
+
+
+async def test_each_methods_handler_is_wrapped_once_and_its_wraps_run_on_every_call() -> None:
+    wrapped: list[str] = []
+    ran: list[str] = []
+
+    def counting(tag: str) -> HandlerWrap:
+        def wrap(method: str, handler: Any) -> Any:
+            wrapped.append(f"{tag} {method}")
+
+            def around(behavior: Any) -> Any:
+                async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                    ran.append(tag)
+                    return await behavior(request, context)
+
+                return unary
+
+            return wrap_handler(handler, around)
+
+        return wrap
+
+    server = grpc.aio.server(interceptors=[WrappedHandlers([counting("outer"), counting("inner")])])
+    common_pb2_grpc.add_StatusServiceServicer_to_server(Answering(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = common_pb2_grpc.StatusServiceStub(channel)
+            for _ in range(3):
+                assert (await stub.GetStatus(common_pb2.GetStatusRequest(), timeout=5)).service == "ok"
+            # A method no service has is not kept: it stays unimplemented, and wraps nothing.
+            unknown = channel.unary_unary("/palisade.v1.Nothing/Here")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await unknown(b"", timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await server.stop(None)
+    method = "/palisade.v1.StatusService/GetStatus"
+    assert wrapped == [f"inner {method}", f"outer {method}"]
+    assert ran == ["outer", "inner"] * 3

@@ -10,7 +10,7 @@ from palisade.v1 import common_pb2, identity_pb2, ipam_pb2
 from services.common.bus import Bus
 from services.common.store import connect_etcd
 from services.ipam import keys
-from services.ipam.kv import Store
+from services.ipam.kv import Delete, Put, Store
 from testkit.harness import EtcdServer, NatsServer, ServiceProcess, creds
 from testkit.ipam import Api, BusView, K8s, eventually, ipam_args
 
@@ -98,3 +98,54 @@ async def _same(pending: object, want: object) -> bool:
 async def _has(pending: object, key: str, value: str) -> bool:
     details = await pending  # type: ignore[misc]
     return bool(details.get(key) == value)
+
+
+async def test_two_replicas_announce_a_burst_of_identities_in_order(
+    nats_server: NatsServer, etcd_server: EtcdServer, service: Callable[..., ServiceProcess], bus: Bus
+) -> None:
+    """Identities that appear and go faster than they are published go out together, in etcd's order."""
+    view = await BusView.start(bus)
+    await K8s(bus).synced()
+    args = ipam_args(nats_server, etcd_server, "--identity-gc-interval", "3600")
+    a, b = Api(service("ipam", *args).address), Api(service("ipam", *args).address)
+    await eventually(lambda: _has(_details(a), "identities", "0"))
+    await eventually(lambda: _has(_details(b), "identities", "0"))
+
+    # Written by allocators that died before announcing: 60 appear in one transaction, 30 of
+    # them go in the next, 10 of those come back with other labels in the third. Every replica
+    # finds them queued at once.
+    ids = range(5000, 5060)
+    host, port = etcd_server.endpoint.split(":")
+    client = await connect_etcd([(host, int(port))], tls=creds("ipam"))
+    try:
+        store = Store(client)
+
+        def put(ident: int, canonical: str) -> list[Put]:
+            return [
+                Put(keys.identity_labels(canonical), str(ident).encode()),
+                Put(keys.identity_id(ident), canonical.encode()),
+            ]
+
+        await store.txn([], [op for i in ids for op in put(i, f"k8s:app=burst-{i}")])
+        await store.txn(
+            [],
+            [
+                op
+                for i in ids[:30]
+                for op in (Delete(keys.identity_id(i)), Delete(keys.identity_labels(f"k8s:app=burst-{i}")))
+            ],
+        )
+        await store.txn([], [op for i in ids[:10] for op in put(i, f"k8s:app=again-{i}")])
+    finally:
+        await client.close()
+
+    def app(ident: int) -> str | None:
+        live = view.live_identity(ident)
+        return live.identity.labels[0].value if live is not None else None
+
+    want = {i: f"again-{i}" if i < 5010 else None if i < 5030 else f"burst-{i}" for i in ids}
+    await eventually(lambda: {i: app(i) for i in ids} == want)
+    # Tombstones are on the bus for the ones that went (not merely never announced).
+    assert all(view.identities[i].deleted for i in ids[10:30])
+    await eventually(lambda: _has(_details(a), "identities", "40"))
+    await eventually(lambda: _has(_details(b), "identities", "40"))
