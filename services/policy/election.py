@@ -182,7 +182,7 @@ class Election:
         except KeyNotFoundError:
             return False
         raw = _decode(entry.value)
-        if raw.get("address") != self.address() or raw.get("member") == self.member:
+        if not self._predecessor(raw):
             return False
         try:
             await self._kv.delete(LEADER_KEY, last=entry.revision)
@@ -191,6 +191,11 @@ class Election:
             return False
         log.info("took over the lease of this address's previous process", previous=str(raw.get("member")))
         return True
+
+    def _predecessor(self, raw: dict[str, object]) -> bool:
+        """A lease record naming this replica's address under another member: the process that
+        held this port before (only one process can), so it is gone."""
+        return raw.get("address") == self.address() and raw.get("member") != self.member
 
     async def _renew(self) -> None:
         try:
@@ -245,8 +250,14 @@ class Election:
         try:
             entry = await self._kv.get(LEADER_KEY)
             raw = _decode(entry.value)
-            self.leader = Member(str(raw.get("member", "")), str(raw.get("address", "")), "leader", 0.0)
-            self.leader_known.set()
+            if self._predecessor(raw):
+                # This address's previous process, gone (a kill -9): no leader to follow or forward
+                # to. The campaign takes its lease once this replica is warm; until then reads are
+                # answered here, as with no leader at all.
+                self.leader = None
+            else:
+                self.leader = Member(str(raw.get("member", "")), str(raw.get("address", "")), "leader", 0.0)
+                self.leader_known.set()
         except KeyNotFoundError:
             self.leader = None
         members = {}

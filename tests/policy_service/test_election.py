@@ -85,15 +85,35 @@ async def test_a_clean_stop_hands_over_at_once(nats_server: NatsServer) -> None:
             await eventually(lambda: "a" not in b.members, "a to leave the member list", 5)
 
 
+@contextlib.asynccontextmanager
+async def dead_leader(server: NatsServer, name: str, address: str) -> AsyncIterator[None]:
+    """The lease of a leader killed without a word (kill -9: never resigned), written as it left it."""
+    bus = await Bus.connect([server.url], name="dead", tls=creds("policy"))
+    try:
+        election = await Election.open(bus, BUCKET, member=name, address=lambda: address, lease=LEASE)
+        await election._kv.put(LEADER_KEY, election._value())
+        yield
+    finally:
+        await bus.close()
+
+
 async def test_a_replica_restarted_in_place_takes_its_predecessors_lease(nats_server: NatsServer) -> None:
-    async with replica(nats_server, "old", "10.0.0.1:1") as (old, old_task):
-        old.run_for_leader()
-        await asyncio.wait_for(old.leading.wait(), 5)
-        old_task.cancel()
     # Same address (it holds the port the dead process held), another name: no wait for the lease.
-    async with replica(nats_server, "new", "10.0.0.1:1") as (new, _):
+    async with dead_leader(nats_server, "old", "10.0.0.1:1"), replica(nats_server, "new", "10.0.0.1:1") as (new, _):
         new.run_for_leader()
         await asyncio.wait_for(new.leading.wait(), LEASE / 2)
+
+
+async def test_a_replica_restarted_in_place_never_takes_its_predecessor_for_a_leader(nats_server: NatsServer) -> None:
+    """Before it is warm, a replica restarted in place reads its dead predecessor's lease: that is
+    no leader to follow (the service would report SERVING and forward every call to itself, each
+    refused with "no policy leader right now"). It sees none until it takes the lease."""
+    async with dead_leader(nats_server, "old", "10.0.0.1:1"), replica(nats_server, "new", "10.0.0.1:1") as (new, _):
+        await new._refresh()  # not warm yet: not a candidate, reading the bucket
+        assert new.leader is None and not new.leader_known.is_set()
+        new.run_for_leader()
+        await asyncio.wait_for(new.leading.wait(), LEASE / 2)
+        assert new.leader_known.is_set() and _leads(new, "new")
 
 
 async def test_a_leader_whose_lease_was_taken_steps_down_and_can_lead_again(nats_server: NatsServer) -> None:
