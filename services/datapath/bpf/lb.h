@@ -90,23 +90,27 @@ static __always_inline __sum16 ip_csum_replace4(__sum16 check, __be32 from, __be
     return (__sum16)~sum;
 }
 
-/* lb_rewrite of an IPv4 TCP or UDP packet's destination, every packet of a connection to a frontend
- * (lb_egress): only the L4 checksum goes through a helper (how to update it depends on the skb's
- * checksum state, which only the kernel sees); the UDP checksum is read, and the address, the IPv4
- * checksum and the port written, straight in the packet: three helper calls fewer (measured, about
- * 70 ns a packet). Anything else, or headers past the directly readable part, goes through lb_rewrite.
- * Only from_container translates to a backend, and it already writes packets directly (hairpin_back),
- * so the verifier's unclone prologue that direct writes bring costs nothing more. */
-static __always_inline int lb_dnat(struct __sk_buff *skb, struct flow *f, const u8 *addr, __be16 port)
+/* lb_rewrite of an IPv4 TCP or UDP packet, for the paths every packet of a service connection takes
+ * (the DNAT of each packet to a frontend, lb_egress; the reverse NAT of each reply, lb_reverse): only
+ * the L4 checksum goes through a helper (how to update it depends on the skb's checksum state, which
+ * only the kernel sees); the UDP checksum is read, and the address, the IPv4 checksum and the port
+ * written, straight in the packet: three helper calls fewer (measured, DNAT: about 130 ns a packet).
+ * Anything else, or headers past the directly readable part, goes through lb_rewrite. Direct writes
+ * make the verifier put an unclone check before the program (a cloned packet is copied first):
+ * from_container and deliver write packets directly anyway (hairpin_back, forward_rewrite), so only
+ * they pass ``direct`` (from_container for DNAT, deliver for reverse NAT); to_container keeps the
+ * helpers. */
+static __always_inline int lb_rewrite_fast(struct __sk_buff *skb, struct flow *f, const u8 *addr, __be16 port,
+                                           int dst, int direct)
 {
     u32 l4 = f->l4_off;
-    if (f->family != FAMILY_V4 || (f->protocol != IPPROTO_TCP && f->protocol != IPPROTO_UDP) ||
+    if (!direct || f->family != FAMILY_V4 || (f->protocol != IPPROTO_TCP && f->protocol != IPPROTO_UDP) ||
         l4 > LOAD_DIRECT_MAX_OFF)
-        return lb_rewrite(skb, f, addr, port, 1);
+        return lb_rewrite(skb, f, addr, port, dst);
     void *data = (void *)(long)skb->data;
     void *data_end = (void *)(long)skb->data_end;
     if (data + l4 + UDP_HDR_LEN > data_end || data + ETH_HLEN + sizeof(struct iphdr) > data_end)
-        return lb_rewrite(skb, f, addr, port, 1);
+        return lb_rewrite(skb, f, addr, port, dst);
     u32 csum_off = l4 + (f->protocol == IPPROTO_TCP ? TCP_CSUM_OFF : UDP_CSUM_OFF);
     u64 mangled = 0;
     int l4_csum = 1;
@@ -115,10 +119,11 @@ static __always_inline int lb_dnat(struct __sk_buff *skb, struct flow *f, const 
         l4_csum = *udp_csum != 0;  /* IPv4 UDP without a checksum stays without one */
         mangled = BPF_F_MARK_MANGLED_0;
     }
+    u8 *cur = dst ? f->daddr : f->saddr;
     __be32 from, to;
-    __builtin_memcpy(&from, f->daddr, 4);
+    __builtin_memcpy(&from, cur, 4);
     __builtin_memcpy(&to, addr, 4);
-    __be16 old_port = f->dport;
+    __be16 old_port = dst ? f->dport : f->sport;
     if (l4_csum) {
         if (from != to && bpf_l4_csum_replace(skb, csum_off, from, to, BPF_F_PSEUDO_HDR | mangled | 4) < 0)
             return -1;
@@ -131,15 +136,22 @@ static __always_inline int lb_dnat(struct __sk_buff *skb, struct flow *f, const 
     struct iphdr *ip = data + ETH_HLEN;
     if ((void *)(ip + 1) > data_end || data + l4 + L4_PORTS_LEN > data_end)
         return -1;
+    __be16 *ports = data + l4;
     if (from != to) {
         ip->check = ip_csum_replace4(ip->check, from, to);
-        ip->daddr = to;
+        if (dst)
+            ip->daddr = to;
+        else
+            ip->saddr = to;
     }
-    __be16 *dport = data + l4 + L4_DPORT_OFF;
-    *dport = port;
-    __builtin_memcpy(f->daddr, addr, 16);
-    f->dport = port;
-    f->policy_port = bpf_ntohs(port);
+    ports[dst ? 1 : 0] = port;
+    __builtin_memcpy(cur, addr, 16);
+    if (dst) {
+        f->dport = port;
+        f->policy_port = bpf_ntohs(port);
+    } else {
+        f->sport = port;
+    }
     return 0;
 }
 
@@ -236,20 +248,21 @@ static __always_inline int lb_egress(struct __sk_buff *skb, struct flow *f, u32 
         nv.closing = closing;
         lb_conntrack.update(&ck, &nv);
     }
-    if (lb_dnat(skb, f, be->addr, be->port) < 0)
+    if (lb_rewrite_fast(skb, f, be->addr, be->port, 1, 1) < 0)
         return LB_DROP;
     *rev_nat = svc->rev_nat;
     return LB_DNAT;
 }
 
-/* A reply entering the client: the backend's address and port become the frontend's. */
-static __always_inline int lb_reverse(struct __sk_buff *skb, struct flow *f, u16 rev_nat)
+/* A reply entering the client: the backend's address and port become the frontend's (``direct``: see
+ * lb_rewrite_fast). */
+static __always_inline int lb_reverse(struct __sk_buff *skb, struct flow *f, u16 rev_nat, int direct)
 {
     struct lb_revnat_key rk = {.id = rev_nat};
     struct lb_revnat_value *rv = lb_revnat.lookup(&rk);
     if (!rv)
         return -1;
-    return lb_rewrite(skb, f, rv->addr, rv->port, 0);
+    return lb_rewrite_fast(skb, f, rv->addr, rv->port, 0, direct);
 }
 
 #endif /* PALISADE_LB_H */

@@ -79,9 +79,11 @@ static __always_inline int snat_step(struct __sk_buff *skb, struct flow *f, u32 
 
 /* A reply to a translated connection: the client's own port back (CT_F_SNAT), the pod's own address
  * for a hairpin connection, then the frontend as source. A reply whose service or port record is
- * gone is dropped: the client could not match it. */
+ * gone is dropped: the client could not match it. A reply entering the client by local delivery
+ * ("deliver": ingress, not ``via_host``) is reverse-NATed by direct writes (lb_rewrite_fast);
+ * to_container keeps to the helpers, and from_container too (its verifier budget is spent). */
 static __always_inline int reply_step(struct __sk_buff *skb, struct flow *f, u32 ifindex, u32 ep_id, u32 local_id,
-                                      u8 dir, u8 *host_flow, const struct ct_value *ct, int *action)
+                                      u8 dir, u8 via_host, u8 *host_flow, const struct ct_value *ct, int *action)
 {
     sctp_note_once(f, ep_id, dir, host_flow);
     int undone = 0;
@@ -97,7 +99,7 @@ static __always_inline int reply_step(struct __sk_buff *skb, struct flow *f, u32
         *host_flow |= OUT_HAIRPIN;
     }
     if (undone == 0 && ct->rev_nat)
-        undone = lb_reverse(skb, f, ct->rev_nat);
+        undone = lb_reverse(skb, f, ct->rev_nat, dir == DIR_INGRESS && !via_host);
     if (undone < 0) {
         drop_event(skb, ifindex, f, ep_id, local_id, ct->remote_identity, dir, REASON_NO_BACKEND);
         *action = TC_ACT_SHOT;
