@@ -37,7 +37,7 @@ def svc(net: Node) -> Iterator[Node]:
 def ones_sum(data: bytes) -> int:
     if len(data) % 2:
         data += b"\0"
-    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
+    total = sum(int(word) for word in struct.unpack(f"!{len(data) // 2}H", data))
     while total >> 16:
         total = (total & 0xFFFF) + (total >> 16)
     return total
