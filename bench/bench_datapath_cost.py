@@ -77,8 +77,6 @@ on Ctrl-C too. The FORWARD chain's policy is never changed.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import dataclasses
 import functools
 import ipaddress
@@ -91,10 +89,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.bareredirect import BareRedirect
+from bench.bpfstats import bpf_run_stats, runs_between, snapshot
 from bench.iptables import Iptables, forward_chain, forward_policy
 from bench.output import logger, run_as_json
 from bench.roles import (
@@ -112,7 +111,7 @@ from bench.roles import (
 from bench.stats import median, quartiles, round_to, summarize_bpf, target
 from services.datapath.datapath import Datapath, teardown_all
 from services.datapath.loader import ProgramConfig
-from services.datapath.maps.bpf import check, libbpf, prog_info, prog_test_run
+from services.datapath.maps.bpf import prog_test_run
 from services.datapath.netns import PodLink
 from services.datapath.types import (
     Direction,
@@ -247,28 +246,6 @@ def palisade_policy(n: int) -> dict[int, list[PolicyEntry]]:
             direction = Direction.INGRESS if (i // len(OTHER_EPS)) % 2 else Direction.EGRESS
         policy[ep].append(PolicyEntry(PolicyKey(direction, o.identity, o.protocol, o.port)))
     return policy
-
-
-BPF_STATS_RUN_TIME = 0
-
-
-def prog_run_stats(fd: int) -> tuple[int, int]:
-    """Total run time (ns) and run count the kernel has accounted to a program."""
-    info = prog_info(fd)
-    return int(info.run_time_ns), int(info.run_cnt)
-
-
-@contextlib.contextmanager
-def bpf_run_stats() -> Iterator[None]:
-    """Kernel BPF run-time accounting, on while the context lasts (BPF_ENABLE_STATS: off when the fd
-    closes, even if this process dies)."""
-    fn = libbpf().bpf_enable_stats
-    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-    fd = check(fn(BPF_STATS_RUN_TIME), "bpf_enable_stats")
-    try:
-        yield
-    finally:
-        os.close(fd)
 
 
 def sent_packets(ifname: str) -> int:
@@ -510,7 +487,7 @@ class Bench:
         out: dict[str, dict[str, float]] = {}
         with bpf_run_stats():
             for workload in ("udp_64b", "connections"):
-                before = {name: prog_run_stats(fd) for name, fd in fds.items()}
+                before = snapshot(fds)
                 if workload == "udp_64b":
                     got = iperf(self.src.name, self.dst_ip, seconds, udp=True, server=self.iperf_server)
                     units = got["value"] * seconds
@@ -519,14 +496,7 @@ class Bench:
                     got = connection_rate(self.src, self.dst_ip, seconds, self.next_conn)
                     self.next_conn = int(got["next"])
                     units = got["connections"]
-                after = {name: prog_run_stats(fd) for name, fd in fds.items()}
-                row: dict[str, float] = {}
-                total_ns = 0
-                for name in fds:
-                    ns, runs = after[name][0] - before[name][0], after[name][1] - before[name][1]
-                    total_ns += ns
-                    row[f"{name}_runs"] = runs
-                    row[f"{name}_ns_per_run"] = round(ns / runs, 1) if runs else 0.0
+                row, total_ns = runs_between(before, snapshot(fds))
                 if workload == "udp_64b":
                     # Each datagram crosses from_container at the source (deliver inside that run),
                     # or to_container at the destination without local delivery.

@@ -28,4 +28,10 @@ def test_quick_run_reports_every_variant_and_ratio() -> None:
     assert data["checks_passed"] is True, data["checks"]
     assert {c["variant"] for c in data["checks"]} == variants
     assert set(data["ratios"]) == {"100", "1000"}
+    # Each level's ClusterIP / direct ratios carry their target; the programs' own cost is measured.
+    targets = {r["metric"]: r["target"] for r in data["summary"] if "target" in r}
+    assert len(targets) == 4 and all(t == {"op": ">=", "value": 0.95} for t in targets.values()), targets
+    assert set(data["bpf_run_time"]) == {"direct", "clusterip-100", "clusterip-1000"}
+    for variant, cost in data["bpf_run_time"].items():
+        assert cost["udp_64b"]["ns_per_packet"] > 0 and cost["connections"]["ns_per_connection"] > 0, variant
     assert data["cleanup_ok"] is True, data["cleanup"]

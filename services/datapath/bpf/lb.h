@@ -75,6 +75,86 @@ static __always_inline int lb_rewrite(struct __sk_buff *skb, struct flow *f, con
     return 0;
 }
 
+/* The IPv4 header checksum ``check`` after a 32-bit word of the header changed from ``from`` to
+ * ``to`` (RFC 1624, as the kernel's csum_replace4): one's complement arithmetic, in the header's
+ * own byte order. */
+static __always_inline __sum16 ip_csum_replace4(__sum16 check, __be32 from, __be32 to)
+{
+    u64 sum = (u16)~check;
+    sum += (u32)~from;
+    sum += to;
+    sum = (sum & 0xffffffff) + (sum >> 32);
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    return (__sum16)~sum;
+}
+
+/* lb_rewrite of an IPv4 TCP or UDP packet, for the paths every packet of a service connection takes
+ * (the DNAT of each packet to a frontend, lb_egress; the reverse NAT of each reply, lb_reverse): only
+ * the L4 checksum goes through a helper (how to update it depends on the skb's checksum state, which
+ * only the kernel sees); the UDP checksum is read, and the address, the IPv4 checksum and the port
+ * written, straight in the packet: three helper calls fewer (measured, DNAT: about 130 ns a packet).
+ * Anything else, or headers past the directly readable part, goes through lb_rewrite. Direct writes
+ * make the verifier put an unclone check before the program (a cloned packet is copied first):
+ * from_container and deliver write packets directly anyway (hairpin_back, forward_rewrite), so only
+ * they pass ``direct`` (from_container for DNAT, deliver for reverse NAT); to_container keeps the
+ * helpers. */
+static __always_inline int lb_rewrite_fast(struct __sk_buff *skb, struct flow *f, const u8 *addr, __be16 port,
+                                           int dst, int direct)
+{
+    u32 l4 = f->l4_off;
+    if (!direct || f->family != FAMILY_V4 || (f->protocol != IPPROTO_TCP && f->protocol != IPPROTO_UDP) ||
+        l4 > LOAD_DIRECT_MAX_OFF)
+        return lb_rewrite(skb, f, addr, port, dst);
+    void *data = (void *)(long)skb->data;
+    void *data_end = (void *)(long)skb->data_end;
+    if (data + l4 + UDP_HDR_LEN > data_end || data + ETH_HLEN + sizeof(struct iphdr) > data_end)
+        return lb_rewrite(skb, f, addr, port, dst);
+    u32 csum_off = l4 + (f->protocol == IPPROTO_TCP ? TCP_CSUM_OFF : UDP_CSUM_OFF);
+    u64 mangled = 0;
+    int l4_csum = 1;
+    if (f->protocol == IPPROTO_UDP) {
+        __sum16 *udp_csum = data + l4 + UDP_CSUM_OFF;
+        l4_csum = *udp_csum != 0;  /* IPv4 UDP without a checksum stays without one */
+        mangled = BPF_F_MARK_MANGLED_0;
+    }
+    u8 *cur = dst ? f->daddr : f->saddr;
+    __be32 from, to;
+    __builtin_memcpy(&from, cur, 4);
+    __builtin_memcpy(&to, addr, 4);
+    __be16 old_port = dst ? f->dport : f->sport;
+    if (l4_csum) {
+        if (from != to && bpf_l4_csum_replace(skb, csum_off, from, to, BPF_F_PSEUDO_HDR | mangled | 4) < 0)
+            return -1;
+        if (old_port != port && bpf_l4_csum_replace(skb, csum_off, old_port, port, mangled | sizeof(port)) < 0)
+            return -1;
+    }
+    /* The helpers may have moved the packet: its pointers again. */
+    data = (void *)(long)skb->data;
+    data_end = (void *)(long)skb->data_end;
+    struct iphdr *ip = data + ETH_HLEN;
+    if ((void *)(ip + 1) > data_end || data + l4 + L4_PORTS_LEN > data_end)
+        return -1;
+    __be16 *ports = data + l4;
+    if (from != to) {
+        ip->check = ip_csum_replace4(ip->check, from, to);
+        if (dst)
+            ip->daddr = to;
+        else
+            ip->saddr = to;
+    }
+    ports[dst ? 1 : 0] = port;
+    __builtin_memcpy(cur, addr, 16);
+    if (dst) {
+        f->dport = port;
+        f->policy_port = bpf_ntohs(port);
+    } else {
+        f->sport = port;
+    }
+    return 0;
+}
+
 static __always_inline u32 lb_pick(const struct lb_service_key *sk, const struct lb_service_value *svc,
                                    const struct flow *f, u64 now)
 {
@@ -141,9 +221,16 @@ static __always_inline int lb_egress(struct __sk_buff *skb, struct flow *f, u32 
     }
     u8 closing = (f->tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) ? 1 : 0;
     if (be) {
-        /* The connection keeps its backend. */
-        cv->closing |= closing;
-        cv->expires_ns = now + ct_lifetime(f->protocol, cv->closing);
+        /* The connection keeps its backend. Its entry is written as conntrack's (ct_refresh): on a
+         * FIN or RST, else when its expiry is more than CT_REFRESH_NS behind; most packets only read it. */
+        if (unlikely(closing && !cv->closing)) {
+            cv->closing = 1;
+            cv->expires_ns = now + ct_lifetime(f->protocol, 1);
+        } else {
+            u64 expires = now + ct_lifetime(f->protocol, cv->closing);
+            if (unlikely(cv->expires_ns + CT_REFRESH_NS < expires))
+                cv->expires_ns = expires;
+        }
     } else {
         /* A new connection, or its backend went away: a live backend of the service
          * (the new one answers a mid-connection TCP segment with a reset: it ends cleanly). */
@@ -161,20 +248,21 @@ static __always_inline int lb_egress(struct __sk_buff *skb, struct flow *f, u32 
         nv.closing = closing;
         lb_conntrack.update(&ck, &nv);
     }
-    if (lb_rewrite(skb, f, be->addr, be->port, 1) < 0)
+    if (lb_rewrite_fast(skb, f, be->addr, be->port, 1, 1) < 0)
         return LB_DROP;
     *rev_nat = svc->rev_nat;
     return LB_DNAT;
 }
 
-/* A reply entering the client: the backend's address and port become the frontend's. */
-static __always_inline int lb_reverse(struct __sk_buff *skb, struct flow *f, u16 rev_nat)
+/* A reply entering the client: the backend's address and port become the frontend's (``direct``: see
+ * lb_rewrite_fast). */
+static __always_inline int lb_reverse(struct __sk_buff *skb, struct flow *f, u16 rev_nat, int direct)
 {
     struct lb_revnat_key rk = {.id = rev_nat};
     struct lb_revnat_value *rv = lb_revnat.lookup(&rk);
     if (!rv)
         return -1;
-    return lb_rewrite(skb, f, rv->addr, rv->port, 0);
+    return lb_rewrite_fast(skb, f, rv->addr, rv->port, 0, direct);
 }
 
 #endif /* PALISADE_LB_H */

@@ -189,7 +189,7 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
     *host_flow |= ct->flags & CT_F_VIA_HOST;
     ct_refresh(&f, ct, now);
     if (unlikely(reply && (ct->rev_nat || (ct->flags & CT_F_SNAT))) &&
-        reply_step(skb, &f, ifindex, ep_id, local_id, dir, host_flow, ct, &action))
+        reply_step(skb, &f, ifindex, ep_id, local_id, dir, via_host, host_flow, ct, &action))
         return action;  /* a reply to a translated connection whose translation cannot be undone */
     count(ep_id, REASON_ESTABLISHED, dir, skb->len);
     return TC_ACT_OK;

@@ -10,17 +10,22 @@
 #define PALISADE_TRANSLATE_H
 
 /* A packet leaving a pod that is established neither way: a connection to a service frontend is
- * translated first (established service flows are keyed by their backend, so they come here too).
- * A local endpoint's address is never a frontend: its identity is needed anyway, and found first.
- * After a DNAT, ``*ct`` and ``key`` are the backend's tuple's. */
+ * translated first (established service flows are keyed by their backend, so every packet of one
+ * comes here). The frontend is looked up first: a packet to a frontend then pays no endpoints lookup
+ * (its peer is the backend, looked up by policy_step only if the flow needs a verdict), and only a
+ * new flow to anything else pays the frontend miss. A local endpoint's address is never a frontend
+ * (pod and service addresses come from disjoint ranges). After a DNAT, ``*ct`` and ``key`` are the
+ * backend's tuple's. */
 static __always_inline int service_step(struct __sk_buff *skb, struct flow *f, u32 ifindex, u32 ep_id,
                                         u32 local_id, u8 dir, u64 now, u8 *host_flow, struct peer *peer,
                                         union ct_tuple *key, struct ct_value **ct, int *action)
 {
-    peer->remote_id = local_identity(f->family, f->daddr);
-    peer->remote_local = 0;
     sctp_note_once(f, ep_id, dir, host_flow);
-    int lb = peer->remote_id ? LB_NONE : lb_egress(skb, f, ep_id, now, &peer->rev_nat);
+    int lb = lb_egress(skb, f, ep_id, now, &peer->rev_nat);
+    if (lb == LB_NONE) {
+        peer->remote_id = local_identity(f->family, f->daddr);
+        peer->remote_local = 0;
+    }
     if (lb == LB_REJECT || lb == LB_DROP) {
         drop_event(skb, ifindex, f, ep_id, local_id, WORLD_ID, dir, REASON_NO_BACKEND);
         if (lb == LB_REJECT && lb_reject(skb, f) == 0)
@@ -74,9 +79,11 @@ static __always_inline int snat_step(struct __sk_buff *skb, struct flow *f, u32 
 
 /* A reply to a translated connection: the client's own port back (CT_F_SNAT), the pod's own address
  * for a hairpin connection, then the frontend as source. A reply whose service or port record is
- * gone is dropped: the client could not match it. */
+ * gone is dropped: the client could not match it. A reply entering the client by local delivery
+ * ("deliver": ingress, not ``via_host``) is reverse-NATed by direct writes (lb_rewrite_fast);
+ * to_container keeps to the helpers, and from_container too (its verifier budget is spent). */
 static __always_inline int reply_step(struct __sk_buff *skb, struct flow *f, u32 ifindex, u32 ep_id, u32 local_id,
-                                      u8 dir, u8 *host_flow, const struct ct_value *ct, int *action)
+                                      u8 dir, u8 via_host, u8 *host_flow, const struct ct_value *ct, int *action)
 {
     sctp_note_once(f, ep_id, dir, host_flow);
     int undone = 0;
@@ -92,7 +99,7 @@ static __always_inline int reply_step(struct __sk_buff *skb, struct flow *f, u32
         *host_flow |= OUT_HAIRPIN;
     }
     if (undone == 0 && ct->rev_nat)
-        undone = lb_reverse(skb, f, ct->rev_nat);
+        undone = lb_reverse(skb, f, ct->rev_nat, dir == DIR_INGRESS && !via_host);
     if (undone < 0) {
         drop_event(skb, ifindex, f, ep_id, local_id, ct->remote_identity, dir, REASON_NO_BACKEND);
         *action = TC_ACT_SHOT;

@@ -285,6 +285,18 @@ _SK_BUFF_IFINDEX = 40
 def prog_test_run(fd: int, frame: bytes, ifindex: int, repeat: int) -> tuple[int, int]:
     """Run a tc program ``repeat`` times on one Ethernet frame arriving on ``ifindex``
     (BPF_PROG_TEST_RUN): its return code and the mean nanoseconds per run."""
+    code, ns, _ = _test_run(fd, frame, ifindex, repeat)
+    return code, ns
+
+
+def prog_test_run_frame(fd: int, frame: bytes, ifindex: int) -> tuple[int, bytes]:
+    """Run a tc program once on one Ethernet frame arriving on ``ifindex``: its return code and the
+    frame as the program left it."""
+    code, _, out = _test_run(fd, frame, ifindex, 1)
+    return code, out
+
+
+def _test_run(fd: int, frame: bytes, ifindex: int, repeat: int) -> tuple[int, int, bytes]:
     ctx = ctypes.create_string_buffer(_SK_BUFF_SIZE)
     ctypes.c_uint32.from_buffer(ctx, _SK_BUFF_IFINDEX).value = ifindex
     data = ctypes.create_string_buffer(frame, len(frame))
@@ -300,7 +312,7 @@ def prog_test_run(fd: int, frame: bytes, ifindex: int, repeat: int) -> tuple[int
         repeat=repeat,
     )
     check(libbpf().bpf_prog_test_run_opts(fd, ctypes.byref(opts)), "prog test run")
-    return int(opts.retval), int(opts.duration)
+    return int(opts.retval), int(opts.duration), out.raw[: opts.data_size_out]
 
 
 def possible_cpus() -> int:
