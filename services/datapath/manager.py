@@ -25,6 +25,7 @@ from services.common.errors import Code
 from services.common.labels import LABEL_POD_NAMESPACE
 from services.common.log import get_logger
 from services.common.retry import retry
+from services.common.stopwatch import Stopwatch
 from services.datapath import deletequeue
 from services.datapath import netns as netns_mod
 from services.datapath import types as dt
@@ -277,6 +278,7 @@ class EndpointManager:
     # --- create --------------------------------------------------------------------------------
 
     async def create(self, request: dt.EndpointRequest) -> Endpoint:
+        watch = Stopwatch()
         wanted = validate_request(request)
         key = request.key
         owner = f"pod/{key}"
@@ -290,6 +292,7 @@ class EndpointManager:
                 with contextlib.suppress(EndpointNotFound, UpstreamUnavailable):
                     await self.delete(EndpointRef(old.id))
         ep_id = await self._do(lambda: self._reserve(key, netns))
+        watch.lap("reserve")
         if netns and not await asyncio.to_thread(self._net.exists, netns):
             await self._do(lambda: self._unreserve(ep_id, key))
             raise InvalidRequest(f"netns: network namespace {netns} does not exist; create it or leave netns empty")
@@ -312,6 +315,7 @@ class EndpointManager:
                     # The pod object is late (CNI ADD can come first): init until ipam publishes its identity.
                     identity = dt.IDENTITY_INIT
                     log.info("pod not known yet: endpoint starts with the init identity", pod=key)
+            watch.lap("identity")
             # 2. addresses (with the named ports, which ipam puts in the address's ipcache entry)
             addresses = []
             for family, ip in wanted:
@@ -320,6 +324,7 @@ class EndpointManager:
                 )
                 addresses.append(address)
                 undo.append(lambda ip=address.ip: self._ipam.release_ip(self.node, ip, owner))  # type: ignore[misc]
+            watch.lap("address")
             # 3. namespace, veth, addresses, routes (or, chained, the veth another plugin made)
             try:
                 if request.adopt_host_ifname:
@@ -345,6 +350,7 @@ class EndpointManager:
             except (OSError, ValueError) as exc:
                 raise DatapathFailure(f"cannot set up the network of {key}: {exc}") from exc
             undo.append(lambda: asyncio.to_thread(self._net.teardown, link))
+            watch.lap("network")
             record = EndpointRecord(
                 id=ep_id,
                 namespace=request.namespace,
@@ -366,10 +372,12 @@ class EndpointManager:
             )
             # 4. the identity's policy, fetched if no local endpoint has it yet
             fetched = await self._fetch_policy(identity)
+            watch.lap("policy")
             await asyncio.to_thread(self._store.save, record)
             undo.append(lambda: asyncio.to_thread(self._store.remove, ep_id))
+            watch.lap("store")
             # 5. programs and maps
-            ep = await self._do(lambda: self._commit(record, fetched))
+            ep = await self._do(lambda: self._commit(record, fetched, watch))
         except BaseException as exc:
             for step in reversed(undo):
                 try:
@@ -379,7 +387,6 @@ class EndpointManager:
             await self._do(lambda: self._unreserve(ep_id, key))
             log.warning("endpoint create failed", pod=key, error=str(exc))
             raise
-        log.info("endpoint created", endpoint=ep.id, pod=key, identity=identity, ips=",".join(record.ips))
         if identity == dt.IDENTITY_INIT:
             # The pod may have become known while the endpoint was being made: its ipcache entry then
             # arrived before there was an endpoint to move, so ask once more now that there is one.
@@ -389,6 +396,10 @@ class EndpointManager:
                 known = dt.IDENTITY_INIT
             if known != dt.IDENTITY_INIT:
                 ep = await self.switch_identity(ep.id, known)
+            watch.lap("late_identity")
+        log.info(
+            "endpoint created", endpoint=ep.id, pod=key, identity=ep.identity, ips=",".join(record.ips), **watch.fields()
+        )
         return ep
 
     async def _reserve(self, key: str, netns: str) -> int:
@@ -431,7 +442,8 @@ class EndpointManager:
                 return IdentityPolicy.of(policy, state.sequence, state.revision)
         return IdentityPolicy.empty(identity, state.sequence, state.revision)
 
-    async def _commit(self, record: EndpointRecord, fetched: IdentityPolicy | None) -> Endpoint:
+    async def _commit(self, record: EndpointRecord, fetched: IdentityPolicy | None, watch: Stopwatch) -> Endpoint:
+        watch.lap("queue")
         self._busy_ids.discard(record.id)
         self._busy_pods.discard(record.key)
         if fetched is not None:
@@ -447,23 +459,29 @@ class EndpointManager:
             except Exception:
                 pass
             raise DatapathFailure(f"cannot attach BPF programs for {record.key}: {exc}") from exc
+        watch.lap("attach")
         self.endpoints[record.id] = ep
         await self.realizer.realize(ep, full=True)
         # Reported at once: orders applied before it existed did not report it, and the next one
         # may be long in coming (bumps are held back), while PolicyService waits for its first policy.
         self.realizer.report([ep])
+        watch.lap("first_policy")
         return ep
 
     # --- delete --------------------------------------------------------------------------------
 
     async def delete(self, ref: EndpointRef) -> None:
+        watch = Stopwatch()
         record = await self._do(lambda: self._remove(ref))
+        watch.lap("detach")
         try:
             await asyncio.to_thread(self._net.teardown, link_of(record))
         except Exception as exc:
             log.warning("network teardown failed", pod=record.key, error=str(exc))
+        watch.lap("network")
         await asyncio.to_thread(self._store.remove, record.id)
         await self._do(lambda: self._unreserve(record.id, record.key))
+        watch.lap("store")
         errors = []
         for ip in record.ips:
             try:
@@ -481,7 +499,8 @@ class EndpointManager:
                     self._releases.put_nowait(
                         lambda: self._ipam.release_identity(record.identity, self.node, record.owner)
                     )
-        log.info("endpoint deleted", endpoint=record.id, pod=record.key)
+        watch.lap("release")
+        log.info("endpoint deleted", endpoint=record.id, pod=record.key, **watch.fields())
         if errors:
             raise UpstreamUnavailable(
                 f"endpoint {record.id} ({record.key}) is deleted, but IPAM did not take back "
