@@ -1,11 +1,11 @@
 """Where the time of a multi-step operation goes: milliseconds per named step, as log fields.
 
-    watch = Stopwatch()
-    await allocate()
-    watch.lap("ipam")
-    await attach()
-    watch.lap("attach")
-    log.info("endpoint created", **watch.fields())   # ipam_ms=.. attach_ms=.. total_ms=..
+watch = Stopwatch()
+await allocate()
+watch.lap("ipam")
+await attach()
+watch.lap("attach")
+log.info("endpoint created", **watch.fields())   # ipam_ms=.. attach_ms=.. total_ms=..
 """
 
 from __future__ import annotations

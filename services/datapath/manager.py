@@ -141,6 +141,8 @@ class EndpointManager:
         self._busy_ids: set[int] = set()
         self._busy_pods: set[str] = set()
         self._releases: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()
+        #: Policy fetches in flight, by identity (see :meth:`_fetch_policy`).
+        self._fetches: dict[int, asyncio.Task[IdentityPolicy | None]] = {}
         #: Told the endpoints and their name rules after every command (the DNS proxy's publisher).
         self._names = names
 
@@ -297,6 +299,7 @@ class EndpointManager:
             await self._do(lambda: self._unreserve(ep_id, key))
             raise InvalidRequest(f"netns: network namespace {netns} does not exist; create it or leave netns empty")
         undo: list[Callable[[], Awaitable[None]]] = []
+        policy: asyncio.Task[IdentityPolicy | None] | None = None
         try:
             # 1. identity (network I/O, outside the owning task)
             labels: tuple[dt.Label, ...] = ()
@@ -316,6 +319,8 @@ class EndpointManager:
                     identity = dt.IDENTITY_INIT
                     log.info("pod not known yet: endpoint starts with the init identity", pod=key)
             watch.lap("identity")
+            # The identity's policy, fetched if no local endpoint has it yet, while the rest is made.
+            policy = asyncio.create_task(self._fetch_policy(identity), name=f"policy of {key}")
             # 2. addresses (with the named ports, which ipam puts in the address's ipcache entry)
             addresses = []
             for family, ip in wanted:
@@ -370,8 +375,8 @@ class EndpointManager:
                 mac=link.pod_mac,
                 link_owned=link.link_owned,
             )
-            # 4. the identity's policy, fetched if no local endpoint has it yet
-            fetched = await self._fetch_policy(identity)
+            # 4. the identity's policy
+            fetched = await policy
             watch.lap("policy")
             await asyncio.to_thread(self._store.save, record)
             undo.append(lambda: asyncio.to_thread(self._store.remove, ep_id))
@@ -379,6 +384,15 @@ class EndpointManager:
             # 5. programs and maps
             ep = await self._do(lambda: self._commit(record, fetched, watch))
         except BaseException as exc:
+            if policy is not None:
+                if not policy.done():
+                    policy.cancel()
+                with contextlib.suppress(BaseException):
+                    await policy
+                # A fetched answer this endpoint will not commit is not kept for others: it would age.
+                shared = self._fetches.get(identity)
+                if shared is not None and shared.done():
+                    del self._fetches[identity]
             for step in reversed(undo):
                 try:
                     await step()
@@ -397,9 +411,8 @@ class EndpointManager:
             if known != dt.IDENTITY_INIT:
                 ep = await self.switch_identity(ep.id, known)
             watch.lap("late_identity")
-        log.info(
-            "endpoint created", endpoint=ep.id, pod=key, identity=ep.identity, ips=",".join(record.ips), **watch.fields()
-        )
+        ips = ",".join(record.ips)
+        log.info("endpoint created", endpoint=ep.id, pod=key, identity=ep.identity, ips=ips, **watch.fields())
         return ep
 
     async def _reserve(self, key: str, netns: str) -> int:
@@ -428,9 +441,35 @@ class EndpointManager:
         self._busy_pods.discard(key)
 
     async def _fetch_policy(self, identity: int) -> IdentityPolicy | None:
-        """The identity's policy from PolicyService unless orders keep it here already."""
+        """The identity's policy from PolicyService unless orders keep it here already.
+
+        Endpoints of one identity created together (a rollout's burst) share one fetch: its answer
+        stays shared until the owning task has learnt it (:meth:`_learnt`), so none of them asks again
+        in between; a failed fetch is forgotten at once, for the next endpoint to try again.
+        """
         if self.realizer.knows(identity):
             return None
+        pending = self._fetches.get(identity)
+        if pending is None:
+            pending = asyncio.create_task(self._fetch_policy_once(identity), name=f"policy of identity {identity}")
+            self._fetches[identity] = pending
+            pending.add_done_callback(lambda done: self._forget_failed_fetch(identity, done))
+        return await asyncio.shield(pending)
+
+    def _forget_failed_fetch(self, identity: int, done: asyncio.Task[IdentityPolicy | None]) -> None:
+        if self._fetches.get(identity) is done and (done.cancelled() or done.exception() or done.result() is None):
+            del self._fetches[identity]
+
+    def _learnt(self, fetched: IdentityPolicy | None) -> None:
+        """Take a fetched policy (in the owning task); later endpoints of its identity need no fetch."""
+        if fetched is None:
+            return
+        self.realizer.learn(fetched)
+        pending = self._fetches.get(fetched.identity)
+        if pending is not None and pending.done():
+            del self._fetches[fetched.identity]
+
+    async def _fetch_policy_once(self, identity: int) -> IdentityPolicy | None:
         try:
             state = await self._policy.resync(self.node, [identity])
         except Exception as exc:
@@ -446,8 +485,7 @@ class EndpointManager:
         watch.lap("queue")
         self._busy_ids.discard(record.id)
         self._busy_pods.discard(record.key)
-        if fetched is not None:
-            self.realizer.learn(fetched)
+        self._learnt(fetched)
         ep = Endpoint(record)
         try:
             await asyncio.to_thread(self._dp.attach_endpoint, spec_of(record))
@@ -473,12 +511,19 @@ class EndpointManager:
     async def delete(self, ref: EndpointRef) -> None:
         watch = Stopwatch()
         record = await self._do(lambda: self._remove(ref))
+        watch.lap("remove")
+        # Outside the owning task (its id stays reserved until the end, so no new endpoint takes it).
+        # A veth of our own goes first: its program links go with it, where detaching them while it
+        # is there costs the kernel an RCU grace period per hook (~13 ms each with tcx); its maps
+        # keep enforcing until then. Another plugin's veth stays: the programs come off it first.
+        if record.link_owned:
+            await self._teardown(record)
+            watch.lap("network")
+        await self._detach(record)
         watch.lap("detach")
-        try:
-            await asyncio.to_thread(self._net.teardown, link_of(record))
-        except Exception as exc:
-            log.warning("network teardown failed", pod=record.key, error=str(exc))
-        watch.lap("network")
+        if not record.link_owned:
+            await self._teardown(record)
+            watch.lap("network")
         await asyncio.to_thread(self._store.remove, record.id)
         await self._do(lambda: self._unreserve(record.id, record.key))
         watch.lap("store")
@@ -509,19 +554,29 @@ class EndpointManager:
             )
 
     async def _remove(self, ref: EndpointRef) -> EndpointRecord:
+        """Take the endpoint out of the table (no order or resync reaches it after this); its id stays busy."""
         ep = self.find(ref)
         self._busy_ids.add(ep.id)
         self._busy_pods.add(ep.record.key)
         del self.endpoints[ep.id]
         self._reporter.deleted(ep.id, ep.identity, ep.record.key)
         self.realizer.drop_orphans()
-        await asyncio.to_thread(self._dp.detach_endpoint, ep.id)
-        for ip in ep.record.ips:
+        return ep.record
+
+    async def _detach(self, record: EndpointRecord) -> None:
+        """Programs, maps and ipcache entries of a removed endpoint."""
+        await asyncio.to_thread(self._dp.detach_endpoint, record.id)
+        for ip in record.ips:
             try:
                 await asyncio.to_thread(self._dp.ipcache_delete, host_prefix(ip))
             except (KeyError, OSError):
                 pass
-        return ep.record
+
+    async def _teardown(self, record: EndpointRecord) -> None:
+        try:
+            await asyncio.to_thread(self._net.teardown, link_of(record))
+        except Exception as exc:
+            log.warning("network teardown failed", pod=record.key, error=str(exc))
 
     # --- identity changes --------------------------------------------------------------------------
 
@@ -574,8 +629,7 @@ class EndpointManager:
         ep = self.endpoints.get(ep_id)
         if ep is None:
             raise EndpointNotFound(f"endpoint {ep_id} was deleted while its identity changed")
-        if fetched is not None:
-            self.realizer.learn(fetched)
+        self._learnt(fetched)
         old = ep.identity
         record = dataclasses.replace(
             ep.record,
