@@ -179,18 +179,16 @@ def _plugin_env(command: str, i: int, netns: str) -> dict[str, str]:
     }
 
 
-def _plugins(command: str, count: int, netns: list[str], conf: bytes) -> list[subprocess.Popen[bytes]]:
+def _plugins(command: str, count: int, netns: list[str], conf: Path) -> list[subprocess.Popen[bytes]]:
+    """``count`` plugin calls started at once, each reading the network configuration from ``conf``."""
     plugin = str(Path(sys.executable).parent / "palisade-cni")
     procs = []
     for i in range(count):
-        proc = subprocess.Popen(
-            [plugin], env=_plugin_env(command, i, netns[i]), stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )  # fmt: skip
-        assert proc.stdin is not None
-        proc.stdin.write(conf)
-        proc.stdin.close()
-        procs.append(proc)
+        with conf.open("rb") as stdin:
+            procs.append(subprocess.Popen(
+                [plugin], env=_plugin_env(command, i, netns[i]), stdin=stdin,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            ))  # fmt: skip
     return procs
 
 
@@ -219,12 +217,13 @@ def enforced(ep: dict[str, Any]) -> bool:
     return ep.get("state") == READY and int(ep.get("identity", 0)) not in (0, INIT_IDENTITY)
 
 
-def run_burst(count: int, socket: str) -> dict[str, Any]:
+def run_burst(count: int, socket: str, work: Path) -> dict[str, Any]:
     names = [f"pal_burst_{i}" for i in range(count)]
     for name in names:
         subprocess.run(["ip", "netns", "add", name], check=True)
     netns = [f"/run/netns/{name}" for name in names]
-    conf = json.dumps({"cniVersion": "1.0.0", "name": "palisade", "type": "palisade", "socket": socket}).encode()
+    conf = work / "burst.conf"
+    conf.write_text(json.dumps({"cniVersion": "1.0.0", "name": "palisade", "type": "palisade", "socket": socket}))
     try:
         started = time.perf_counter()
         adds = _plugins("ADD", count, netns, conf)
@@ -269,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out.update(run_modes(args.sandboxes, args.rounds, socket, work))
         if args.burst:
             log(f"burst: {args.burst} palisade-cni ADDs at once")
-            out["burst"] = run_burst(args.burst, socket)
+            out["burst"] = run_burst(args.burst, socket, work)
     out["summary"] = summary(out)
     out["plots"] = []
     return out
@@ -277,7 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _identities(stack: Any, namespace: str) -> bool:
     """Whether the pods of ``namespace`` have identities yet."""
-    listed = stack.palisade("identity", "list", "-o", "json")
+    listed = stack.palisade("identity", "list", "-o", "json", "--ipam-address", stack.address("ipam"))
     if listed.returncode != 0:
         return False
     return any(
