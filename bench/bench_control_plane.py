@@ -670,6 +670,12 @@ def summary(out: dict[str, Any]) -> list[dict[str, Any]]:
         {"metric": f"{pols} policies: import -> realized", "value": sv["policy_import_to_realized_s"], "unit": "s"},
         {"metric": "CreateEndpoint p50 (4 in flight)", "value": sv["endpoint_create_ms"]["p50"], "unit": "ms"},
         {
+            "metric": "CreateEndpoint p99 (4 in flight)",
+            "value": sv["endpoint_create_ms"]["p99"],
+            "unit": "ms",
+            "target": target("<=", 30.0),
+        },
+        {
             "metric": f"engine full resolve ({eng['policies']} policies, {eng['identities']} identities)",
             "value": eng["full_resolve_s"],
             "unit": "s",

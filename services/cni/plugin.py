@@ -20,10 +20,8 @@ import json
 import os
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, TextIO
 
 from services.cni import spec
@@ -194,6 +192,10 @@ def cmd_del(env: spec.Environment, conf: spec.NetConf) -> None:
 
 
 def _queue(conf: spec.NetConf, env: spec.Environment) -> None:
+    # Imported here: only a DEL that finds the datapath away needs them, and every call pays for imports.
+    import tempfile
+    from pathlib import Path
+
     directory = Path(conf.socket).parent / QUEUE_DIR
     namespace, pod = env.pod
     record = {"container_id": env.container_id, "namespace": namespace, "pod": pod, "netns": env.netns}

@@ -7,7 +7,6 @@ with it). Codes are the specification's well-known ones.
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import json
 import os
@@ -171,6 +170,8 @@ def _check_keys(data: Mapping[str, Any]) -> None:
     for key, value in data.items():
         kinds = _KEY_TYPES.get(key)
         if kinds is None:
+            import difflib  # only for a mistyped key: every plugin call pays for imports
+
             close = difflib.get_close_matches(key, list(_KEY_TYPES), n=1, cutoff=0.8)
             if close:
                 raise CniError(

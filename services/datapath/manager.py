@@ -25,6 +25,7 @@ from services.common.errors import Code
 from services.common.labels import LABEL_POD_NAMESPACE
 from services.common.log import get_logger
 from services.common.retry import retry
+from services.common.stopwatch import Stopwatch
 from services.datapath import deletequeue
 from services.datapath import netns as netns_mod
 from services.datapath import types as dt
@@ -140,6 +141,8 @@ class EndpointManager:
         self._busy_ids: set[int] = set()
         self._busy_pods: set[str] = set()
         self._releases: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()
+        #: Policy fetches in flight, by identity (see :meth:`_fetch_policy`).
+        self._fetches: dict[int, asyncio.Task[IdentityPolicy | None]] = {}
         #: Told the endpoints and their name rules after every command (the DNS proxy's publisher).
         self._names = names
 
@@ -277,6 +280,7 @@ class EndpointManager:
     # --- create --------------------------------------------------------------------------------
 
     async def create(self, request: dt.EndpointRequest) -> Endpoint:
+        watch = Stopwatch()
         wanted = validate_request(request)
         key = request.key
         owner = f"pod/{key}"
@@ -290,10 +294,12 @@ class EndpointManager:
                 with contextlib.suppress(EndpointNotFound, UpstreamUnavailable):
                     await self.delete(EndpointRef(old.id))
         ep_id = await self._do(lambda: self._reserve(key, netns))
+        watch.lap("reserve")
         if netns and not await asyncio.to_thread(self._net.exists, netns):
             await self._do(lambda: self._unreserve(ep_id, key))
             raise InvalidRequest(f"netns: network namespace {netns} does not exist; create it or leave netns empty")
         undo: list[Callable[[], Awaitable[None]]] = []
+        policy: asyncio.Task[IdentityPolicy | None] | None = None
         try:
             # 1. identity (network I/O, outside the owning task)
             labels: tuple[dt.Label, ...] = ()
@@ -312,6 +318,9 @@ class EndpointManager:
                     # The pod object is late (CNI ADD can come first): init until ipam publishes its identity.
                     identity = dt.IDENTITY_INIT
                     log.info("pod not known yet: endpoint starts with the init identity", pod=key)
+            watch.lap("identity")
+            # The identity's policy, fetched if no local endpoint has it yet, while the rest is made.
+            policy = asyncio.create_task(self._fetch_policy(identity), name=f"policy of {key}")
             # 2. addresses (with the named ports, which ipam puts in the address's ipcache entry)
             addresses = []
             for family, ip in wanted:
@@ -320,6 +329,7 @@ class EndpointManager:
                 )
                 addresses.append(address)
                 undo.append(lambda ip=address.ip: self._ipam.release_ip(self.node, ip, owner))  # type: ignore[misc]
+            watch.lap("address")
             # 3. namespace, veth, addresses, routes (or, chained, the veth another plugin made)
             try:
                 if request.adopt_host_ifname:
@@ -345,6 +355,7 @@ class EndpointManager:
             except (OSError, ValueError) as exc:
                 raise DatapathFailure(f"cannot set up the network of {key}: {exc}") from exc
             undo.append(lambda: asyncio.to_thread(self._net.teardown, link))
+            watch.lap("network")
             record = EndpointRecord(
                 id=ep_id,
                 namespace=request.namespace,
@@ -364,13 +375,24 @@ class EndpointManager:
                 mac=link.pod_mac,
                 link_owned=link.link_owned,
             )
-            # 4. the identity's policy, fetched if no local endpoint has it yet
-            fetched = await self._fetch_policy(identity)
+            # 4. the identity's policy
+            fetched = await policy
+            watch.lap("policy")
             await asyncio.to_thread(self._store.save, record)
             undo.append(lambda: asyncio.to_thread(self._store.remove, ep_id))
+            watch.lap("store")
             # 5. programs and maps
-            ep = await self._do(lambda: self._commit(record, fetched))
+            ep = await self._do(lambda: self._commit(record, fetched, watch))
         except BaseException as exc:
+            if policy is not None:
+                if not policy.done():
+                    policy.cancel()
+                with contextlib.suppress(BaseException):
+                    await policy
+                # A fetched answer this endpoint will not commit is not kept for others: it would age.
+                shared = self._fetches.get(identity)
+                if shared is not None and shared.done():
+                    del self._fetches[identity]
             for step in reversed(undo):
                 try:
                     await step()
@@ -379,7 +401,6 @@ class EndpointManager:
             await self._do(lambda: self._unreserve(ep_id, key))
             log.warning("endpoint create failed", pod=key, error=str(exc))
             raise
-        log.info("endpoint created", endpoint=ep.id, pod=key, identity=identity, ips=",".join(record.ips))
         if identity == dt.IDENTITY_INIT:
             # The pod may have become known while the endpoint was being made: its ipcache entry then
             # arrived before there was an endpoint to move, so ask once more now that there is one.
@@ -389,6 +410,9 @@ class EndpointManager:
                 known = dt.IDENTITY_INIT
             if known != dt.IDENTITY_INIT:
                 ep = await self.switch_identity(ep.id, known)
+            watch.lap("late_identity")
+        ips = ",".join(record.ips)
+        log.info("endpoint created", endpoint=ep.id, pod=key, identity=ep.identity, ips=ips, **watch.fields())
         return ep
 
     async def _reserve(self, key: str, netns: str) -> int:
@@ -417,9 +441,35 @@ class EndpointManager:
         self._busy_pods.discard(key)
 
     async def _fetch_policy(self, identity: int) -> IdentityPolicy | None:
-        """The identity's policy from PolicyService unless orders keep it here already."""
+        """The identity's policy from PolicyService unless orders keep it here already.
+
+        Endpoints of one identity created together (a rollout's burst) share one fetch: its answer
+        stays shared until the owning task has learnt it (:meth:`_learnt`), so none of them asks again
+        in between; a failed fetch is forgotten at once, for the next endpoint to try again.
+        """
         if self.realizer.knows(identity):
             return None
+        pending = self._fetches.get(identity)
+        if pending is None:
+            pending = asyncio.create_task(self._fetch_policy_once(identity), name=f"policy of identity {identity}")
+            self._fetches[identity] = pending
+            pending.add_done_callback(lambda done: self._forget_failed_fetch(identity, done))
+        return await asyncio.shield(pending)
+
+    def _forget_failed_fetch(self, identity: int, done: asyncio.Task[IdentityPolicy | None]) -> None:
+        if self._fetches.get(identity) is done and (done.cancelled() or done.exception() or done.result() is None):
+            del self._fetches[identity]
+
+    def _learnt(self, fetched: IdentityPolicy | None) -> None:
+        """Take a fetched policy (in the owning task); later endpoints of its identity need no fetch."""
+        if fetched is None:
+            return
+        self.realizer.learn(fetched)
+        pending = self._fetches.get(fetched.identity)
+        if pending is not None and pending.done():
+            del self._fetches[fetched.identity]
+
+    async def _fetch_policy_once(self, identity: int) -> IdentityPolicy | None:
         try:
             state = await self._policy.resync(self.node, [identity])
         except Exception as exc:
@@ -431,11 +481,11 @@ class EndpointManager:
                 return IdentityPolicy.of(policy, state.sequence, state.revision)
         return IdentityPolicy.empty(identity, state.sequence, state.revision)
 
-    async def _commit(self, record: EndpointRecord, fetched: IdentityPolicy | None) -> Endpoint:
+    async def _commit(self, record: EndpointRecord, fetched: IdentityPolicy | None, watch: Stopwatch) -> Endpoint:
+        watch.lap("queue")
         self._busy_ids.discard(record.id)
         self._busy_pods.discard(record.key)
-        if fetched is not None:
-            self.realizer.learn(fetched)
+        self._learnt(fetched)
         ep = Endpoint(record)
         try:
             await asyncio.to_thread(self._dp.attach_endpoint, spec_of(record))
@@ -447,23 +497,36 @@ class EndpointManager:
             except Exception:
                 pass
             raise DatapathFailure(f"cannot attach BPF programs for {record.key}: {exc}") from exc
+        watch.lap("attach")
         self.endpoints[record.id] = ep
         await self.realizer.realize(ep, full=True)
         # Reported at once: orders applied before it existed did not report it, and the next one
         # may be long in coming (bumps are held back), while PolicyService waits for its first policy.
         self.realizer.report([ep])
+        watch.lap("first_policy")
         return ep
 
     # --- delete --------------------------------------------------------------------------------
 
     async def delete(self, ref: EndpointRef) -> None:
+        watch = Stopwatch()
         record = await self._do(lambda: self._remove(ref))
-        try:
-            await asyncio.to_thread(self._net.teardown, link_of(record))
-        except Exception as exc:
-            log.warning("network teardown failed", pod=record.key, error=str(exc))
+        watch.lap("remove")
+        # Outside the owning task (its id stays reserved until the end, so no new endpoint takes it).
+        # A veth of our own goes first: its program links go with it, where detaching them while it
+        # is there costs the kernel an RCU grace period per hook (~13 ms each with tcx); its maps
+        # keep enforcing until then. Another plugin's veth stays: the programs come off it first.
+        if record.link_owned:
+            await self._teardown(record)
+            watch.lap("network")
+        await self._detach(record)
+        watch.lap("detach")
+        if not record.link_owned:
+            await self._teardown(record)
+            watch.lap("network")
         await asyncio.to_thread(self._store.remove, record.id)
         await self._do(lambda: self._unreserve(record.id, record.key))
+        watch.lap("store")
         errors = []
         for ip in record.ips:
             try:
@@ -481,7 +544,8 @@ class EndpointManager:
                     self._releases.put_nowait(
                         lambda: self._ipam.release_identity(record.identity, self.node, record.owner)
                     )
-        log.info("endpoint deleted", endpoint=record.id, pod=record.key)
+        watch.lap("release")
+        log.info("endpoint deleted", endpoint=record.id, pod=record.key, **watch.fields())
         if errors:
             raise UpstreamUnavailable(
                 f"endpoint {record.id} ({record.key}) is deleted, but IPAM did not take back "
@@ -490,19 +554,29 @@ class EndpointManager:
             )
 
     async def _remove(self, ref: EndpointRef) -> EndpointRecord:
+        """Take the endpoint out of the table (no order or resync reaches it after this); its id stays busy."""
         ep = self.find(ref)
         self._busy_ids.add(ep.id)
         self._busy_pods.add(ep.record.key)
         del self.endpoints[ep.id]
         self._reporter.deleted(ep.id, ep.identity, ep.record.key)
         self.realizer.drop_orphans()
-        await asyncio.to_thread(self._dp.detach_endpoint, ep.id)
-        for ip in ep.record.ips:
+        return ep.record
+
+    async def _detach(self, record: EndpointRecord) -> None:
+        """Programs, maps and ipcache entries of a removed endpoint."""
+        await asyncio.to_thread(self._dp.detach_endpoint, record.id)
+        for ip in record.ips:
             try:
                 await asyncio.to_thread(self._dp.ipcache_delete, host_prefix(ip))
             except (KeyError, OSError):
                 pass
-        return ep.record
+
+    async def _teardown(self, record: EndpointRecord) -> None:
+        try:
+            await asyncio.to_thread(self._net.teardown, link_of(record))
+        except Exception as exc:
+            log.warning("network teardown failed", pod=record.key, error=str(exc))
 
     # --- identity changes --------------------------------------------------------------------------
 
@@ -555,8 +629,7 @@ class EndpointManager:
         ep = self.endpoints.get(ep_id)
         if ep is None:
             raise EndpointNotFound(f"endpoint {ep_id} was deleted while its identity changed")
-        if fetched is not None:
-            self.realizer.learn(fetched)
+        self._learnt(fetched)
         old = ep.identity
         record = dataclasses.replace(
             ep.record,

@@ -223,6 +223,25 @@ def test_detach_endpoint_removes_programs_and_state(net: Node, extra_pods: list[
         dp.detach_endpoint(p.ep_id)
 
 
+def test_an_endpoint_whose_veth_is_deleted_first_detaches_to_nothing(net: Node, extra_pods: list[Pod]) -> None:
+    """How a pod of its own veth is deleted: the veth goes first (its tcx links go with it, where
+    detaching them first costs a grace period each), then the endpoint: no pin, entry or program is left."""
+    dp = net.dp
+    p = extra_pods[1]
+    dp.attach_endpoint(p.spec)
+    dp.sync_policy(p.ep_id, Enforcement(ingress=True), [])
+    links = os.path.dirname(dp._loader._link_path(p.net.host_ifindex, "from_container"))
+    assert dp._loader.attachment(p.net.host_ifindex).complete
+    assert dp._loader.mechanism != "tcx" or os.listdir(links)
+
+    netns.delete_pod(p.net)
+    assert dp.detach_endpoint(p.ep_id)
+    assert not os.path.exists(links)
+    assert all(e.id != p.ep_id for e in dp.pinned_endpoints())
+    assert dp.dump_policy(p.ep_id) == (Enforcement(), [])
+    assert not dp.detach_endpoint(p.ep_id)
+
+
 def test_a_veth_attached_again_under_another_endpoint_is_judged_as_that_endpoint(
     net: Node, extra_pods: list[Pod]
 ) -> None:

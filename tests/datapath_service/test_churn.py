@@ -1,0 +1,88 @@
+"""Pods created and deleted together (a rollout's burst) over the in-memory BPF fake: real NATS and gRPC.
+
+Each pod gets its own endpoint, address and enforcement; endpoints of one new identity share one
+fetch of its policy; deleting them all leaves no endpoint, address, veth or map entry behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from palisade.v1 import datapath_pb2
+from services.datapath import types as dt
+from testkit.builders import policy_entry
+from testkit.controlplane import ING, ControlPlane
+from tests.datapath_service.agent import InProcessAgent
+from tests.datapath_service.helpers import create
+
+#: The identity the control plane hands the first label set it sees (its numbering starts there).
+FIRST_IDENTITY = 256
+#: An outside address: the world identity (2) in the ipcache.
+OUTSIDE = "198.51.100.7"
+
+
+def verdict(agent: InProcessAgent, ep_id: int, remote_ip: str, port: int) -> dt.Verdict:
+    assert agent.datapath is not None
+    return agent.datapath.evaluate(ep_id, dt.Direction.INGRESS, remote_ip, dt.L4Proto.TCP, port)[0]
+
+
+async def test_a_burst_of_creates_gets_one_policy_fetch_and_each_pod_its_own_address_and_enforcement(
+    agent: InProcessAgent, cp: ControlPlane
+) -> None:
+    # The identity's policy is known to PolicyService only (no order brings it): each new endpoint
+    # needs it fetched, and the burst's endpoints, all of that identity, share one fetch.
+    await cp.set_policy(FIRST_IDENTITY, [policy_entry(ING, dt.IDENTITY_WORLD, 80)], publish=False)
+    before = len(cp.resyncs)
+    count = 12
+    eps = await asyncio.gather(*(create(agent, f"web-{i}", app="web") for i in range(count)))
+
+    assert {ep.identity for ep in eps} == {FIRST_IDENTITY}
+    assert [list(r.identities) for r in cp.resyncs[before:]] == [[FIRST_IDENTITY]]
+    assert len({ep.id for ep in eps}) == count
+    assert len({ip for ep in eps for ip in ep.ips}) == count
+    assert sorted(cp.ips) == sorted(ip for ep in eps for ip in ep.ips)
+    for ep in eps:
+        assert ep.state == datapath_pb2.ENDPOINT_STATE_READY
+        assert verdict(agent, ep.id, OUTSIDE, 80) is dt.Verdict.ALLOW
+        assert verdict(agent, ep.id, OUTSIDE, 81) is dt.Verdict.DENY
+
+    # A later endpoint of that identity needs no fetch: the node has its policy.
+    late = await create(agent, "web-late", app="web")
+    assert len(cp.resyncs) == before + 1
+    assert verdict(agent, late.id, OUTSIDE, 80) is dt.Verdict.ALLOW
+
+
+async def test_creates_and_deletes_interleaved_leave_exactly_the_live_pods(
+    agent: InProcessAgent, cp: ControlPlane
+) -> None:
+    assert agent.stub is not None and agent.datapath is not None
+    await cp.set_policy(FIRST_IDENTITY, [policy_entry(ING, dt.IDENTITY_WORLD, 80)], publish=False)
+    first = await asyncio.gather(*(create(agent, f"a-{i}", app="web") for i in range(8)))
+
+    # Half of them go while as many new ones come, all at once.
+    gone = first[:4]
+    deletes = [
+        agent.stub.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=ep.id)) for ep in gone
+    ]  # fmt: skip
+    results = await asyncio.gather(*deletes, *(create(agent, f"b-{i}", app="web") for i in range(4)))
+    second = [r for r in results if isinstance(r, datapath_pb2.Endpoint)]
+    live = first[4:] + second
+
+    listed = (await agent.stub.ListEndpoints(datapath_pb2.ListEndpointsRequest())).endpoints
+    assert sorted(e.pod for e in listed) == sorted(e.pod for e in live)
+    assert all(e.state == datapath_pb2.ENDPOINT_STATE_READY for e in listed)
+    # Every live pod has an address of its own; the deleted ones' are back with IPAM (or reused).
+    assert len({ip for e in listed for ip in e.ips}) == len(live)
+    assert sorted(cp.ips) == sorted(ip for e in listed for ip in e.ips)
+    # Only live endpoints are in the maps, each enforcing its policy; no veth of a deleted pod is left.
+    assert [p.id for p in agent.datapath.pinned_endpoints()] == sorted(e.id for e in listed)
+    for e in listed:
+        assert verdict(agent, e.id, OUTSIDE, 80) is dt.Verdict.ALLOW
+        assert verdict(agent, e.id, OUTSIDE, 81) is dt.Verdict.DENY
+    assert sorted(agent.network.links) == sorted(e.host_ifname for e in listed)
+
+    await asyncio.gather(
+        *(agent.stub.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=e.id)) for e in listed)
+    )  # fmt: skip
+    assert not (await agent.stub.ListEndpoints(datapath_pb2.ListEndpointsRequest())).endpoints
+    assert cp.ips == {} and agent.network.links == {} and agent.datapath.pinned_endpoints() == []
