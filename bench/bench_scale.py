@@ -219,7 +219,7 @@ def start_stack(tmp: Path, world: World, log_level: str) -> Stack:
     plan = [
         ("watcher", ["--source", "manifests", "--manifests", str(stack.manifests)]),
         ("ipam", ["--cluster-cidrs", CLUSTER_CIDR]),
-        ("policy", []),
+        ("policy", []),  # given this stack's ipam below, once it listens
     ]
     # The cluster is in the folder before the watcher starts: its initial list is the whole world.
     write_world(world, stack.manifests)
@@ -228,6 +228,10 @@ def start_stack(tmp: Path, world: World, log_level: str) -> Stack:
         metrics = free_port()
         if name == "policy":
             stack.policy_metrics = metrics
+        if name == "policy":
+            # Its own stack's ipam (for the CIDR identities of policies), never a default port
+            # some other stack on the machine may hold.
+            extra = [*extra, "--ipam-address", stack.address("ipam")]
         cmd = [sys.executable, "-m", f"services.{name}", "--grpc-listen", address,
                "--metrics-listen", f"127.0.0.1:{metrics}", *common, *extra]  # fmt: skip
         child = Child(name, cmd, logs / f"{name}.log", grpc_address=address,
