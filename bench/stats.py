@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -86,3 +87,14 @@ def peak_rss_mib(pid: int) -> float:
     except FileNotFoundError:
         pass
     return 0.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    # After the command: state is field 3, utime and stime are fields 14 and 15 (1-based).
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.policy.engine.realized import RealizedTable, Report
 
@@ -131,3 +133,56 @@ def test_each_pod_of_an_identity_no_order_brought_realizes_the_commit_that_names
     assert [lag.pod for lag in table.behind(3)] == ["x/web-2"]
     table.report(Report(NODE, 0, WEB, 3, "x/web-2"), 3)
     assert table.behind(3) == []
+
+
+def test_a_change_on_one_node_waits_for_that_nodes_endpoints_of_the_identity_only() -> None:
+    """An identity spread over many nodes: a change recorded for (node, identity) holds the
+    endpoints of that identity on that node, none elsewhere."""
+    table = RealizedTable()
+    for n in range(50):
+        table.upsert_endpoint(f"n{n}", f"x/web-{n}", WEB, 1)
+    table.record_changes(2, [(f"n{n}", WEB) for n in range(50)], 0.0)
+    for n in range(50):
+        table.report(Report(f"n{n}", 0, WEB, 2, f"x/web-{n}"), 2)
+    table.record_changes(3, [("n7", WEB)], 0.0)
+    assert [(lag.node, lag.pod) for lag in table.behind(3)] == [("n7", "x/web-7")]
+    assert table.settled(3)[0] is False
+    table.report(Report("n7", 0, WEB, 3, "x/web-7"), 3)
+    assert table.behind(3) == [] and table.settled(3)[0] is True
+
+
+Op = tuple[str, int, int, int]  # (what, node, pod, identity)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["ipcache", "remove", "report", "forget"]),
+            st.integers(0, 2),
+            st.integers(0, 3),
+            st.sampled_from([WEB, DB, 258]),
+        ),
+        max_size=40,
+    )
+)
+def test_the_per_node_index_follows_every_endpoint_move(ops: list[Op]) -> None:
+    """Endpoints appearing, relabelled, removed, declared by a datapath and forgotten: the endpoints
+    of each (node, identity) are always those the table holds with that node and identity."""
+    table = RealizedTable()
+    for what, n, p, identity in ops:
+        node, pod = f"n{n}", f"x/p{p}"
+        if what == "ipcache":
+            table.upsert_endpoint(node, pod, identity, 1)
+        elif what == "remove":
+            table.remove_endpoint(node, pod)
+        elif what == "report":
+            table.report(Report(node, p + 1, identity, 1, pod), 1)
+        else:
+            table.forget(Report(node, p + 1, identity, 0, pod, deleted=True))
+        for nn in range(3):
+            for ident in (WEB, DB, 258):
+                held = sorted(
+                    (f"n{nn}", f"x/p{q}") for q in range(4) if table.identity_of(f"n{nn}", f"x/p{q}") == ident
+                )
+                assert table.endpoints_of(f"n{nn}", ident) == held

@@ -272,6 +272,31 @@ MALFORMED: list[tuple[str, object, str]] = [
         ),
         "reports[0].node",
     ),
+    # Names are checked once each (reports repeat them at every revision): a bad one after good
+    # ones, and the same bad one again, are still refused, naming the report.
+    *(
+        (
+            "ReportRealized",
+            policy_pb2.ReportRealizedRequest(
+                reports=[
+                    policy_pb2.RealizedReport(node="n1", identity=WEB, revision=1, pod="default/web-1"),
+                    policy_pb2.RealizedReport(node="n1", identity=WEB, revision=1, pod="Shop_NS!/web"),
+                ]
+            ),
+            "reports[1].pod namespace",
+        )
+        for _ in range(2)
+    ),
+    (
+        "ReportRealized",
+        policy_pb2.ReportRealizedRequest(
+            reports=[
+                policy_pb2.RealizedReport(node="n1", identity=WEB, revision=1, endpoint_id=3),
+                policy_pb2.RealizedReport(node="n 1", identity=WEB, revision=1, endpoint_id=3),
+            ]
+        ),
+        "reports[1].node",
+    ),
     ("DeletePolicy", policy_pb2.DeletePolicyRequest(ref=ref("x", namespace="../../etc")), "ref.namespace"),
     ("DeletePolicy", policy_pb2.DeletePolicyRequest(ref=ref("a.*.>")), "ref.name"),
     (

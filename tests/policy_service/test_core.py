@@ -501,3 +501,17 @@ def test_an_identity_above_what_the_engine_holds_is_ignored_and_the_rest_keeps_w
     world.policy(builders.netpol("p", {"app": "db"}, {"app": "web"}, 5432))
     world.commit()
     assert world.nodes["n2"].policies[DB][1] == {ingress_key(WEB, 5432): common_pb2.VERDICT_ALLOW}
+
+
+def test_the_nodes_naming_an_identity_host_it_until_it_is_released(world: World) -> None:
+    """Nodes found by identity (the index every change's planning reads) follow their requests."""
+    for node in ("x1", "x2"):
+        world.core.resync(node, [DB])
+    world.core.resync("x3", [WEB])
+    assert {"x1", "x2"} <= world.core.hosting(DB) and "x3" not in world.core.hosting(DB)
+    assert "x3" in world.core.hosting(WEB)
+    world.forget_identity(DB)
+    assert not {"x1", "x2"} & world.core.hosting(DB)
+    assert not world.core.hosts("x1", DB) and world.core.hosts("x3", WEB)
+    world.core.resync("x1", [DB])  # named again, hosted again
+    assert "x1" in world.core.hosting(DB) and "x2" not in world.core.hosting(DB)

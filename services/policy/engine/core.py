@@ -108,6 +108,10 @@ class PolicyCore:
         self._dirty: set[tuple[str, int]] = set()
         #: Identities nodes asked for by name in a Resync (hosted there, ipcache or not).
         self._requested: dict[str, set[int]] = {}
+        #: The same, by identity: the nodes that named it. Every datapath names the identities of
+        #: the endpoints it creates, so without it finding an identity's nodes walked every node,
+        #: for every identity a change touched.
+        self._requesters: dict[int, set[str]] = {}
         self._caused_at: float | None = None
         self._persisted = persisted
         self._api_changes: list[ApiChange] = []
@@ -152,7 +156,7 @@ class PolicyCore:
     def hosting(self, identity: int) -> set[str]:
         return (
             self.ipcache.nodes_of(identity)
-            | {node for node, ids in self._requested.items() if identity in ids}
+            | self._requesters.get(identity, set())
             | self.realized.declaring_nodes(identity)
         )
 
@@ -213,6 +217,7 @@ class PolicyCore:
         self._replace_pending = False
         self.realized = RealizedTable()
         self._requested.clear()
+        self._requesters.clear()
         self._seen.clear()
         self._dirty.clear()
         self._api_changes.clear()
@@ -502,8 +507,9 @@ class PolicyCore:
     def apply_identity(self, update: IdentityChange, now: float) -> None:
         number = update.number
         if update.deleted:
-            for node, requested in self._requested.items():
-                if number in requested:
+            for node in sorted(self._requesters.pop(number, ())):
+                requested = self._requested.get(node)
+                if requested is not None and number in requested:
                     requested.discard(number)
                     # The node stops holding it at the next commit, even if the identity is
                     # allocated again before then (its diff may then be empty).
@@ -646,6 +652,8 @@ class PolicyCore:
         wanted = {i for i in identities if is_endpoint_identity(i)}
         if wanted:
             self._requested.setdefault(node, set()).update(wanted)
+            for identity in wanted:
+                self._requesters.setdefault(identity, set()).add(node)
             for identity in wanted:
                 if self.engine.policy_for(identity) is not None:
                     self.planner.adopt(node, identity)

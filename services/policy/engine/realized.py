@@ -146,6 +146,10 @@ class RealizedTable:
     def __init__(self) -> None:
         self._endpoints: dict[EndpointKey, Endpoint] = {}
         self._by_identity: dict[int, set[EndpointKey]] = {}
+        #: The endpoints of each identity on each node: what a change of (node, identity) waits for,
+        #: found without walking the identity's endpoints on every other node (an identity spread
+        #: over N nodes made a cluster-wide change cost N x N).
+        self._by_pair: dict[tuple[str, int], set[EndpointKey]] = {}
         self._by_node_id: dict[tuple[str, int], EndpointKey] = {}
         self._declared: dict[str, Counter[int]] = {}
         self._changes: dict[tuple[str, int], list[int]] = {}
@@ -234,6 +238,10 @@ class RealizedTable:
     def declaring(self) -> set[str]:
         return set(self._declared)
 
+    def endpoints_of(self, node: str, identity: int) -> list[EndpointKey]:
+        """The endpoints of ``identity`` on ``node``, sorted."""
+        return sorted(self._by_pair.get((node, identity), ()))
+
     def drop_changes(self, node: str, identity: int) -> None:
         """The identity left the node: its change history there is no longer needed."""
         self._changes.pop((node, identity), None)
@@ -245,6 +253,7 @@ class RealizedTable:
     def _index(self, ep: Endpoint) -> None:
         key = (ep.node, ep.key)
         self._by_identity.setdefault(ep.identity, set()).add(key)
+        self._by_pair.setdefault((ep.node, ep.identity), set()).add(key)
         if ep.endpoint_id:
             self._by_node_id[(ep.node, ep.endpoint_id)] = key
         if not ep.in_ipcache:
@@ -257,6 +266,11 @@ class RealizedTable:
             bucket.discard(key)
             if not bucket:
                 del self._by_identity[ep.identity]
+        pair = self._by_pair.get((ep.node, ep.identity))
+        if pair is not None:
+            pair.discard(key)
+            if not pair:
+                del self._by_pair[(ep.node, ep.identity)]
         if ep.endpoint_id and self._by_node_id.get((ep.node, ep.endpoint_id)) == key:
             del self._by_node_id[(ep.node, ep.endpoint_id)]
         if not ep.in_ipcache:
@@ -298,10 +312,8 @@ class RealizedTable:
                 revs.append(revision)
             if len(revs) > _PRUNE_AT:
                 self._prune(pair, revs)
-            node, identity = pair
-            for key in self._by_identity.get(identity, ()):
-                ep = self._endpoints[key]
-                if ep.node == node and ep.realized < revision:
+            for key in self._by_pair.get(pair, ()):
+                if self._endpoints[key].realized < revision:
                     waiting.add(key)
         if waiting:
             self._pending[revision] = _Pending(caused_at, waiting)
@@ -309,10 +321,7 @@ class RealizedTable:
                 del self._pending[next(iter(self._pending))]
 
     def _prune(self, pair: tuple[str, int], revs: list[int]) -> None:
-        node, identity = pair
-        realized = [
-            self._endpoints[k].realized for k in self._by_identity.get(identity, ()) if self._endpoints[k].node == node
-        ]
+        realized = [self._endpoints[k].realized for k in self._by_pair.get(pair, ())]
         floor = min(realized, default=0)
         keep = bisect.bisect_right(revs, floor)
         # Keep the newest change at or below the floor: a late endpoint still needs it.
