@@ -23,7 +23,7 @@ from palisade.v1 import identity_pb2
 from services.common.bus import Bus, Follower
 from services.common.labels import ReservedIdentity
 from services.common.log import get_logger
-from services.datapath.types import MAX_CIDR_IDENTITY, MIN_CIDR_IDENTITY, is_local_identity
+from services.datapath.types import is_cidr_identity, is_local_identity
 
 log = get_logger("ipcache")
 
@@ -48,10 +48,6 @@ class LocalEndpoints(Protocol):
     def local_prefixes(self) -> dict[str, int]: ...
 
     async def ipcache_identity(self, prefix: str, identity: int, namespace: str, pod: str) -> None: ...
-
-
-def is_cidr_identity(identity: int) -> bool:
-    return MIN_CIDR_IDENTITY <= identity <= MAX_CIDR_IDENTITY
 
 
 def normalize(prefix: str) -> str:
@@ -104,17 +100,26 @@ class IpcacheSync:
         except ValueError:
             log.warning("ipcache entry with a bad prefix ignored", subject=subject, prefix=entry.prefix)
             return
+        before = self.cidrs.get(prefix)
+        identity = 0 if entry.deleted else entry.identity
+        if is_cidr_identity(identity):
+            self.cidrs[prefix] = identity
+        else:
+            self.cidrs.pop(prefix, None)
+        await self._apply(prefix, entry, cidr=before is not None or is_cidr_identity(identity))
+        if self.cidrs.get(prefix) != before:
+            self._tell_cidrs()  # after the map holds the change: the file says what the map has
+
+    async def _apply(self, prefix: str, entry: identity_pb2.IpcacheEntry, *, cidr: bool) -> None:
         local = self._endpoints.local_prefixes()
         address = prefix.partition("/")[0]
         if entry.deleted or not entry.identity:
             self.entries.pop(prefix, None)
             self.pods.pop(address, None)
-            if self.cidrs.pop(prefix, None) is not None:
-                self._tell_cidrs()
-                if await self._learned_holds(prefix):
-                    return
             if prefix in local:
                 return  # the endpoint still exists here: its address keeps its identity
+            if cidr and await self._learned_holds(prefix):
+                return
             await asyncio.to_thread(self._dp.ipcache_delete, prefix)
         else:
             identity = entry.identity
@@ -129,16 +134,8 @@ class IpcacheSync:
                 if local[prefix] != identity:
                     await self._endpoints.ipcache_identity(prefix, identity, entry.namespace, entry.pod)
                 return
-            if is_cidr_identity(identity) or prefix in self.cidrs:
-                changed = self.cidrs.get(prefix) != identity
-                if is_cidr_identity(identity):
-                    self.cidrs[prefix] = identity
-                else:
-                    del self.cidrs[prefix]
-                if changed:
-                    self._tell_cidrs()
-                if await self._learned_holds(prefix):
-                    return
+            if cidr and await self._learned_holds(prefix):
+                return
             await asyncio.to_thread(self._dp.ipcache_upsert, prefix, identity)
         self.updates += 1
 
