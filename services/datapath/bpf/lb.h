@@ -14,6 +14,18 @@ static __always_inline int lb_l4(const struct flow *f)
     return f->has_l4 && (f->protocol == IPPROTO_TCP || f->protocol == IPPROTO_UDP || f->protocol == IPPROTO_SCTP);
 }
 
+/* The flow as the packet now is, after its address and port on one side were rewritten. */
+static __always_inline void lb_flow_rewritten(struct flow *f, u8 *cur, const u8 *addr, __be16 port, int dst)
+{
+    __builtin_memcpy(cur, addr, 16);
+    if (dst) {
+        f->dport = port;
+        f->policy_port = bpf_ntohs(port);
+    } else {
+        f->sport = port;
+    }
+}
+
 /* Rewrite the destination (dst) or source address and port, keeping checksums right. SCTP's
  * checksum covers no address, and its port changes are accounted for once the packet is final
  * (sctp_fix_csum). */
@@ -65,13 +77,7 @@ static __always_inline int lb_rewrite(struct __sk_buff *skb, struct flow *f, con
         if (bpf_skb_store_bytes(skb, l4 + (dst ? L4_DPORT_OFF : L4_SPORT_OFF), &port, sizeof(port), store_flags) < 0)
             return -1;
     }
-    __builtin_memcpy(cur, addr, 16);
-    if (dst) {
-        f->dport = port;
-        f->policy_port = bpf_ntohs(port);
-    } else {
-        f->sport = port;
-    }
+    lb_flow_rewritten(f, cur, addr, port, dst);
     return 0;
 }
 
@@ -145,13 +151,7 @@ static __always_inline int lb_rewrite_fast(struct __sk_buff *skb, struct flow *f
             ip->saddr = to;
     }
     ports[dst ? 1 : 0] = port;
-    __builtin_memcpy(cur, addr, 16);
-    if (dst) {
-        f->dport = port;
-        f->policy_port = bpf_ntohs(port);
-    } else {
-        f->sport = port;
-    }
+    lb_flow_rewritten(f, cur, addr, port, dst);
     return 0;
 }
 
