@@ -61,7 +61,7 @@ log = get_logger("endpoints")
 
 def _aliased(remote: int) -> bool:
     """Entries a learned address inherits from its former identity: world's and CIDRs'."""
-    return remote == dt.IDENTITY_WORLD or dt.MIN_CIDR_IDENTITY <= remote <= dt.MAX_CIDR_IDENTITY
+    return remote == dt.IDENTITY_WORLD or dt.is_cidr_identity(remote)
 
 
 T = TypeVar("T")

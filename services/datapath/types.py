@@ -39,6 +39,10 @@ def is_local_identity(identity: int) -> bool:
     return MIN_LOCAL_IDENTITY <= identity <= MAX_LOCAL_IDENTITY
 
 
+def is_cidr_identity(identity: int) -> bool:
+    return MIN_CIDR_IDENTITY <= identity <= MAX_CIDR_IDENTITY
+
+
 class Direction(StrEnum):
     """Traffic direction seen from the local endpoint."""
 
