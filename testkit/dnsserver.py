@@ -13,6 +13,9 @@ import dataclasses
 import ipaddress
 import socket
 import struct
+import threading
+import time
+from collections.abc import Callable
 
 import dns.message
 
@@ -94,6 +97,47 @@ class DnsServer:
 def stub_query(ns: str, server: str, name: str, timeout: float = 1.0) -> dns.message.Message | None:
     """A lookup as a stub resolver makes it: ``timeout`` for the answer, then one retry."""
     return query(ns, server, name, timeout=timeout) or query(ns, server, name, timeout=timeout)
+
+
+class SteadyLookups:
+    """A client in ``ns`` that resolves ``name`` as a stub resolver does and connects to the answer,
+    again and again in a thread while the ``with`` block runs (the kill -9 tests' load): the rounds
+    made, and each lookup or connection that failed."""
+
+    def __init__(self, ns: str, server: str, name: str, want: list[str], connect: Callable[[str], bool]) -> None:
+        self._args = (ns, server, name)
+        self._want = want
+        self._connect = connect
+        self.rounds = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._worker = threading.Thread(target=self._run, name="steady-lookups")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.rounds += 1
+            got = addresses(stub_query(*self._args))  # one client retry
+            if got != self._want:
+                self.failures.append(f"lookup {self.rounds}")
+            elif not self._connect(got[0]):
+                self.failures.append(f"connection {self.rounds}")
+            time.sleep(0.05)
+
+    def __enter__(self) -> SteadyLookups:
+        self._worker.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._worker.join()
+
+    # On an event loop that serves the lookups (an in-process DNS server): joined off the loop.
+    async def __aenter__(self) -> SteadyLookups:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        await asyncio.to_thread(self._worker.join)
 
 
 def query(

@@ -16,9 +16,8 @@ import secrets
 import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from services.datapath import dnsrouting, netns
 from services.datapath.types import IDENTITY_WORLD
 from testkit.builders import policy_entry as entry
 from testkit.controlplane import ControlPlane
-from testkit.dnsserver import DnsServer, Record, addresses, query, stub_query
+from testkit.dnsserver import DnsServer, Record, SteadyLookups, addresses, query
 from testkit.harness import ServiceProcess, pki
 from testkit.traffic import EchoServer, tcp_exchange
 from tests.datapath_service.helpers import create_endpoint, started
@@ -110,33 +109,14 @@ async def test_datapath_kill_9_loses_no_lookup(
                 break
         assert addresses(first) == [server_ip]
 
-        failures: list[str] = []
-        rounds = 0
-        stop = threading.Event()
-
-        def load() -> None:
-            nonlocal rounds
-            while not stop.is_set():
-                rounds += 1
-                answer = stub_query(pod, dns_ip, "api.example.test")  # one client retry
-                if addresses(answer) != [server_ip]:
-                    failures.append(f"lookup {rounds}")
-                elif not tcp_exchange(pod, server_ip, PORT, timeout=2.0):
-                    failures.append(f"connection {rounds}")
-                time.sleep(0.05)
-
-        worker = threading.Thread(target=load)
-        worker.start()
-        try:
+        connect = partial(tcp_exchange, pod, port=PORT, timeout=2.0)
+        async with SteadyLookups(pod, dns_ip, "api.example.test", [server_ip], connect) as load:
             await asyncio.sleep(1)
             proc.kill()  # kill -9 of the datapath
             await asyncio.sleep(2)
             proc, stub = await started(start_datapath)
             await asyncio.sleep(2)
-        finally:
-            stop.set()
-            await asyncio.to_thread(worker.join)
-        assert rounds > 20 and failures == [], failures
+        assert load.rounds > 20 and load.failures == [], load.failures
         assert proc.terminate() == 0, proc.logs()[-3000:]
     finally:
         proxy.terminate()

@@ -15,9 +15,9 @@ import os
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import dns.rcode
@@ -28,7 +28,7 @@ from services.datapath.learnedmaps import LearnedMaps
 from services.datapath.types import is_local_identity
 from services.devstack import __main__ as devstack
 from services.devstack.dnsserver import Record, render_zone
-from testkit.dnsserver import addresses, query, stub_query
+from testkit.dnsserver import SteadyLookups, addresses, query
 from testkit.stack import Stack, analyze, probe, prober, running_stack, wait_for
 from testkit.traffic import socket_in
 
@@ -295,24 +295,8 @@ def test_a_kill_9_under_lookups_loses_no_lookup_for_longer_than_one_retry(stack:
     (-9) and started again by the node: every lookup is answered within one client retry (a stub
     resolver's 1 s timeout, then a second try) and every connection to the answer gets through."""
     netns, server = stack.netns(CLIENT), stack.addresses["dns"]
-    failures: list[str] = []
-    rounds = 0
-    stop = threading.Event()
-
-    def load() -> None:
-        nonlocal rounds
-        while not stop.is_set():
-            rounds += 1
-            answer = stub_query(netns, server, "api.example.test")  # one client retry
-            if addresses(answer) != ["192.0.2.10"]:
-                failures.append(f"lookup {rounds}")
-            elif not probe(netns, "192.0.2.10", 80):
-                failures.append(f"connection {rounds}")
-            time.sleep(0.05)
-
-    worker = threading.Thread(target=load)
-    worker.start()
-    try:
+    connect = partial(probe, netns, port=80)
+    with SteadyLookups(netns, server, "api.example.test", ["192.0.2.10"], connect) as load:
         time.sleep(1)
         if victim == "datapath":
             child = f"datapath-{CLIENT_NODE.rsplit('-', 1)[1]}"
@@ -323,10 +307,7 @@ def test_a_kill_9_under_lookups_loses_no_lookup_for_longer_than_one_retry(stack:
             os.kill(old, signal.SIGKILL)
             assert wait_for(lambda: _proxy_pid(stack, CLIENT_NODE) not in (0, old), 30), "the proxy was not restarted"
         time.sleep(1)
-    finally:
-        stop.set()
-        worker.join()
-    assert rounds > 5 and failures == [], failures
+    assert load.rounds > 5 and load.failures == [], load.failures
 
 
 def test_zz_ctrl_c_removes_the_world(stack: Stack) -> None:
