@@ -77,6 +77,20 @@ def ipam_service(service: Callable[..., ServiceProcess], nats: NatsServer, etcd:
     return service("ipam", *args, "--identity-gc-interval", "0.3", "--log-format", "text", wait=False)
 
 
+async def ipam_policy_and_web(
+    service: Callable[..., ServiceProcess], nats: NatsServer, etcd: EtcdServer, feed: Feed
+) -> tuple[ServiceProcess, ServiceProcess, Datapath, int]:
+    """ipam, the policy service using it, and node-a's datapath holding web-1 by its identity from ipam."""
+    ipam = ipam_service(service, nats, etcd)
+    await asyncio.to_thread(ipam.wait_serving)
+    policy = await start_policy(service, nats, "--ipam-address", ipam.address)
+    async with channel(ipam.address, "ipam", "datapath") as ipam_channel:
+        web = (await eventually(partial(resolve, ipam_channel, "web-1"), "web-1's identity")).identity.id
+    dp = Datapath(feed.bus, policy.address, "node-a", {f"{NS}/web-1": (1, web)})
+    await dp.start()
+    return ipam, policy, dp, web
+
+
 async def test_a_to_cidr_policy_gets_cidr_identities_from_ipam_and_releases_them(
     nats_server: NatsServer, etcd_server: EtcdServer, service: Callable[..., ServiceProcess]
 ) -> None:
@@ -86,14 +100,8 @@ async def test_a_to_cidr_policy_gets_cidr_identities_from_ipam_and_releases_them
     await apply(feed, pod("web-1", "web", "node-a", "10.244.0.10"))
     await feed.policy(to_outside("web-to-outside"))
     await feed.synced()
-    ipam = ipam_service(service, nats_server, etcd_server)
-    await asyncio.to_thread(ipam.wait_serving)
-    policy = await start_policy(service, nats_server, "--ipam-address", ipam.address)
+    ipam, policy, dp, web = await ipam_policy_and_web(service, nats_server, etcd_server, feed)
     async with channel(ipam.address, "ipam", "datapath") as ipam_channel:
-        web = (await eventually(partial(resolve, ipam_channel, "web-1"), "web-1's identity")).identity.id
-        dp = Datapath(feed.bus, policy.address, "node-a", {f"{NS}/web-1": (1, web)})
-        await dp.start()
-
         ids = await eventually(lambda: _all_held(ipam_channel), "a CIDR identity per prefix")
         for prefix in PREFIXES:
             entry = await eventually(partial(view.entry, prefix), f"the ipcache entry of {prefix}")
@@ -120,13 +128,7 @@ async def test_with_ipam_away_changes_commit_and_the_failure_shows_until_ipam_is
     await apply(feed, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})
     await apply(feed, pod("web-1", "web", "node-a", "10.244.0.10"))
     await feed.synced()
-    ipam = ipam_service(service, nats_server, etcd_server)
-    await asyncio.to_thread(ipam.wait_serving)
-    policy = await start_policy(service, nats_server, "--ipam-address", ipam.address)
-    async with channel(ipam.address, "ipam", "datapath") as ipam_channel:
-        web = (await eventually(partial(resolve, ipam_channel, "web-1"), "web-1's identity")).identity.id
-    dp = Datapath(feed.bus, policy.address, "node-a", {f"{NS}/web-1": (1, web)})
-    await dp.start()
+    ipam, policy, dp, web = await ipam_policy_and_web(service, nats_server, etcd_server, feed)
     ipam.kill()
 
     # The policy commits and reaches the node without its CIDR identities: egress is enforced at once.
