@@ -59,6 +59,7 @@ from services.datapath.maps import (
     lbaffinitymap,
     lbbackendmap,
     lbctmap,
+    lbportmap,
     lbrevnatmap,
     lbservicemap,
     metricsmap,
@@ -77,6 +78,7 @@ from services.datapath.maps.ipcachemap import IPCacheMap
 from services.datapath.maps.lbaffinitymap import LbAffinityMap
 from services.datapath.maps.lbbackendmap import LbBackendMap
 from services.datapath.maps.lbctmap import LbCtEntry, LbCtMap
+from services.datapath.maps.lbportmap import LbPortMap
 from services.datapath.maps.lbrevnatmap import LbRevNatMap
 from services.datapath.maps.lbservicemap import LbServiceMap
 from services.datapath.maps.metricsmap import MetricsMap
@@ -202,6 +204,7 @@ class Datapath:
             LbBackendMap(maps[lbbackendmap.NAME]),
             LbRevNatMap(maps[lbrevnatmap.NAME]),
             LbAffinityMap(maps[lbaffinitymap.NAME]),
+            LbPortMap(maps[lbportmap.NAME]),
         )
         self.lb_conntrack_map = LbCtMap(maps[lbctmap.NAME])
         self.snat_map = SnatMap(maps[snatmap.NAME])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from collections.abc import Iterator
 
 import pytest
 
 from services.datapath.datapath import Datapath
+from services.datapath.maps.lbctmap import LbCtEntry
 from services.datapath.types import (
     Backend,
     Direction,
@@ -165,3 +167,110 @@ def test_a_reopened_datapath_keeps_service_ids_and_established_connections(svc: 
         assert stream.ping()
     finally:
         stream.close()
+
+
+def udp_flow(ns: str, family: socket.AddressFamily) -> socket.socket:
+    """One UDP socket: every datagram it sends is one flow (the same source port)."""
+    s = socket_in(ns, family, socket.SOCK_DGRAM)
+    s.settimeout(ALLOW_TIMEOUT)
+    return s
+
+
+def echoed_from(s: socket.socket, ip: str, port: int) -> tuple[str, int]:
+    """Send a datagram to (ip, port) and return the address its echo came from."""
+    payload = os.urandom(8)
+    s.sendto(payload, (ip, port))
+    while True:
+        data, peer = s.recvfrom(65535)
+        if data == payload:
+            return peer[0], peer[1]
+
+
+def service_entry(dp: Datapath, ep_id: int, client_port: int, frontend_port: int) -> LbCtEntry:
+    (found,) = [
+        e
+        for e in dp.lb_conntrack()
+        if e.ep_id == ep_id and e.client_port == client_port and e.frontend_port == frontend_port
+    ]
+    return found
+
+
+def test_a_udp_flow_whose_backend_is_replaced_moves_to_the_new_one_and_its_replies_keep_the_clusterip(
+    svc: Node,
+) -> None:
+    dp, a, b, c = svc.dp, svc.a, svc.b, svc.c
+    dns = Frontend(VIP, 53, L4Proto.UDP)
+    dp.lb_upsert(LbService(dns, (Backend(b.v4, 8080),)))
+    with udp_flow(a.name, socket.AF_INET) as s:
+        assert echoed_from(s, VIP, 53) == (VIP, 53)
+        port = s.getsockname()[1]
+        before = service_entry(dp, a.ep_id, port, 53)
+        assert (before.backend, before.backend_port, before.revision) == (b.v4, 8080, dp.lb.revision(dns))
+        dp.lb_upsert(LbService(dns, (Backend(c.v4, 8080),)))
+        assert dp.lb.revision(dns) != before.revision  # b left
+        # The flow's next datagram goes to c (its entry's revision is old, its backend gone), and the
+        # echo comes back from the ClusterIP.
+        assert echoed_from(s, VIP, 53) == (VIP, 53)
+        after = service_entry(dp, a.ep_id, port, 53)
+        assert (after.backend, after.backend_port, after.revision) == (c.v4, 8080, dp.lb.revision(dns))
+        assert after.backend_id != before.backend_id
+        assert c.v4 in backends_used(dp, a.ep_id, 53)
+
+
+def test_a_flow_keeps_its_backend_when_another_backend_leaves_and_is_stamped_with_the_new_revision(svc: Node) -> None:
+    dp, a, b, c = svc.dp, svc.a, svc.b, svc.c
+    dns = Frontend(VIP, 53, L4Proto.UDP)
+    dp.lb_upsert(LbService(dns, (Backend(b.v4, 8080),)))
+    with udp_flow(a.name, socket.AF_INET) as s:
+        assert echoed_from(s, VIP, 53) == (VIP, 53)
+        port = s.getsockname()[1]
+        first = service_entry(dp, a.ep_id, port, 53)
+        # A backend added: nothing left, the revision stands and the entry is not written again.
+        dp.lb_upsert(LbService(dns, (Backend(b.v4, 8080), Backend(c.v4, 8080))))
+        assert dp.lb.revision(dns) == first.revision
+        assert echoed_from(s, VIP, 53) == (VIP, 53)
+        assert service_entry(dp, a.ep_id, port, 53).revision == first.revision
+        # The other backend leaves: the flow looks its own backend up again and keeps it.
+        dp.lb_upsert(LbService(dns, (Backend(b.v4, 8080),)))
+        assert dp.lb.revision(dns) != first.revision
+        assert echoed_from(s, VIP, 53) == (VIP, 53)
+        kept = service_entry(dp, a.ep_id, port, 53)
+        assert (kept.backend, kept.backend_id, kept.revision) == (b.v4, first.backend_id, dp.lb.revision(dns))
+
+
+def test_affine_flows_keep_their_backend_when_the_other_backend_leaves(svc: Node) -> None:
+    dp, a, b, c = svc.dp, svc.a, svc.b, svc.c
+    dns = Frontend(VIP, 53, L4Proto.UDP)
+    both = (Backend(b.v4, 8080), Backend(c.v4, 8080))
+    dp.lb_upsert(LbService(dns, both, affinity_timeout=600))
+    flows = [udp_flow(a.name, socket.AF_INET) for _ in range(8)]
+    try:
+        for s in flows:
+            assert echoed_from(s, VIP, 53) == (VIP, 53)
+        chosen = {service_entry(dp, a.ep_id, s.getsockname()[1], 53).backend for s in flows}
+        assert len(chosen) == 1  # one client, one backend
+        (kept,) = chosen
+        dp.lb_upsert(LbService(dns, tuple(x for x in both if x.address == kept), affinity_timeout=600))
+        for s in flows:
+            assert echoed_from(s, VIP, 53) == (VIP, 53)
+            entry_now = service_entry(dp, a.ep_id, s.getsockname()[1], 53)
+            assert (entry_now.backend, entry_now.revision) == (kept, dp.lb.revision(dns))
+    finally:
+        for s in flows:
+            s.close()
+
+
+def test_a_recreated_service_never_meets_its_predecessors_revision(svc: Node) -> None:
+    dp, b = svc.dp, svc.b
+    dns = Frontend(VIP, 53, L4Proto.UDP)
+    dp.lb_upsert(LbService(dns, (Backend(b.v4, 8080),)))
+    first = dp.lb.revision(dns)
+    dp.lb_delete(dns)
+    assert dp.lb.revision(dns) is None
+    dp.lb_upsert(LbService(dns, (Backend(b.v4, 8080),)))
+    assert dp.lb.revision(dns) not in (None, first)
+    reopened = Datapath.open(dp.base_dir)  # a restarted agent reads the revisions back
+    try:
+        assert reopened.lb.revision(dns) == dp.lb.revision(dns)
+    finally:
+        reopened.close()

@@ -2,7 +2,11 @@
 
 Keyed by (client address and port, ClusterIP and port, protocol, endpoint), the
 value keeps the backend id and the service id for the life of the connection,
-with the same idle lifetimes as ``ctmap``.
+with the same idle lifetimes as ``ctmap``, and the backend's address and port with
+the service's revision (``lbservicemap``) they were read at: while the service
+still has that revision no backend has left it, and a packet is rewritten from the
+entry alone; after, the backend is looked up by id again (kept if still there,
+else the connection gets another live backend).
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ class LbCtValue(ctypes.Structure):
         ("rev_nat", ctypes.c_uint16),
         ("closing", ctypes.c_uint8),
         ("pad", ctypes.c_uint8),
+        ("addr", ctypes.c_uint8 * 16),
+        ("port", ctypes.c_uint16),
+        ("pad2", ctypes.c_uint16),
+        ("revision", ctypes.c_uint32),
     ]
 
 
@@ -61,6 +69,10 @@ class LbCtEntry:
     backend_id: int
     service_id: int
     expires_ns: int
+    #: The backend the entry rewrites to (as read at ``revision``).
+    backend: str = ""
+    backend_port: int = 0
+    revision: int = 0
 
 
 class LbCtMap:
@@ -82,6 +94,9 @@ class LbCtMap:
                     backend_id=int(v.backend_id),
                     service_id=int(v.rev_nat),
                     expires_ns=int(v.expires_ns),
+                    backend=addresses.get(v.addr, family),
+                    backend_port=socket.ntohs(int(v.port)),
+                    revision=int(v.revision),
                 )
             )
         return out
