@@ -57,6 +57,14 @@ class LoadBalancer:
         self._revisions: dict[Frontend, int] = {}
         self.state: dict[Frontend, LbState] = self._restore()
         self._last_revision = max(self._revisions.values(), default=0)
+        for frontend, revision in list(self._revisions.items()):
+            if revision == 0:
+                # Written before services had revisions: a fresh one, so no entry stamped 0 (or
+                # zeroed) can ever pass for current.
+                self._revisions[frontend] = self._new_revision()
+                state = self.state[frontend]
+                master = Master(state.id, len(state.backends), state.affinity_timeout, self._revisions[frontend])
+                self._services.write_master(frontend, master)
         self._ports = ports
         ports.reset(frontend.port for frontend in self.state)
         used = [b for s in self.state.values() for b in s.backends]
@@ -140,6 +148,14 @@ class LoadBalancer:
         self._affinity.forget_service(old.id)
         self._service_ids.discard(old.id)
         return True
+
+    def backends_by_id(self) -> dict[int, Backend]:
+        """Every backend the maps hold, by backend id."""
+        return {i: b for s in self.state.values() for i, b in s.backends.items()}
+
+    def revisions_by_service(self) -> dict[int, int]:
+        """Every service's revision, by service id."""
+        return {s.id: self._revisions[f] for f, s in self.state.items()}
 
     def revision(self, frontend: Frontend) -> int | None:
         """The backend-set revision the service slot of ``frontend`` carries (None: no such service)."""

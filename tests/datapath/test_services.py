@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import socket
@@ -10,7 +11,11 @@ from collections.abc import Iterator
 import pytest
 
 from services.datapath.datapath import Datapath
+from services.datapath.maps import addresses, lbctmap, lbportmap
+from services.datapath.maps.bpf import MapSpec, MapType, PinnedMap, unpin
 from services.datapath.maps.lbctmap import LbCtEntry
+from services.datapath.maps.lbportmap import LbPortMap
+from services.datapath.maps.lbservicemap import Master
 from services.datapath.types import (
     Backend,
     Direction,
@@ -274,3 +279,97 @@ def test_a_recreated_service_never_meets_its_predecessors_revision(svc: Node) ->
         assert reopened.lb.revision(dns) == dp.lb.revision(dns)
     finally:
         reopened.close()
+
+
+def ports_in_kernel(dp: Datapath) -> set[int]:
+    """The frontend ports the pinned lb_ports map holds, read afresh from the kernel."""
+    pinned = PinnedMap.open(dp.base_dir, lbportmap.spec(dp.config.sizes))
+    try:
+        return LbPortMap(pinned).ports()
+    finally:
+        pinned.close()
+
+
+def test_the_frontend_port_hint_follows_the_frontends_and_survives_a_restart(svc: Node) -> None:
+    dp, b = svc.dp, svc.b
+    dns, dns_v6, web = Frontend(VIP, 53, L4Proto.UDP), Frontend(VIP6, 53, L4Proto.UDP), tcp(VIP, 80)
+    for frontend in (dns, dns_v6, web):
+        dp.lb_upsert(LbService(frontend, (Backend(b.v4 if frontend.address == VIP else b.v6, 8080),)))
+    assert ports_in_kernel(dp) == {53, 80}
+    dp.lb_delete(dns)
+    assert ports_in_kernel(dp) == {53, 80}  # the IPv6 frontend still listens on 53
+    dp.lb_delete(web)
+    assert ports_in_kernel(dp) == {53}
+    reopened = Datapath.open(dp.base_dir)
+    try:
+        assert ports_in_kernel(reopened) == {53}
+        reopened.lb_delete(dns_v6)
+        assert ports_in_kernel(reopened) == set()
+    finally:
+        reopened.close()
+
+
+def test_replies_to_a_client_port_that_is_also_a_frontend_port_still_pass(svc: Node) -> None:
+    # The reply leaving b goes to (a, 53): its port is a frontend's (the hint says "maybe a
+    # frontend"), the service map has no (a, 53), and the reversed tuple finds the flow.
+    dp, a, b = svc.dp, svc.a, svc.b
+    dp.lb_upsert(LbService(Frontend(VIP, 53, L4Proto.UDP), (Backend(b.v4, 8080),)))
+    dp.lb_upsert(LbService(tcp(VIP, 53), (Backend(b.v4, 8080),)))
+    dp.sync_policy(b.ep_id, EGRESS_ONLY, [])  # b's egress is enforced, nothing allowed: only replies pass
+    denied = dp.counters().packets(endpoint_id=b.ep_id, reason=Reason.DEFAULT_DENY)
+    with udp_flow(a.name, socket.AF_INET) as u:
+        u.bind(("0.0.0.0", 53))
+        assert echoed_from(u, b.v4, 8080) == (b.v4, 8080)
+    with socket_in(a.name, socket.AF_INET, socket.SOCK_STREAM) as t:
+        t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        t.bind(("0.0.0.0", 53))
+        t.settimeout(ALLOW_TIMEOUT)
+        t.connect((b.v4, 8080))
+        t.sendall(b"ping")
+        assert t.recv(16) == b"ping"
+    assert dp.counters().packets(endpoint_id=b.ep_id, reason=Reason.DEFAULT_DENY) == denied
+
+
+def test_service_connections_pinned_in_the_older_layout_keep_their_backends(bpf_base: str) -> None:
+    base = f"{bpf_base}-lbct"
+    web = Frontend("10.96.77.20", 80, L4Proto.TCP)
+    kept, gone = Backend("10.250.0.2", 8080), Backend("10.250.0.3", 8080)
+    dp = Datapath.open(base)
+    try:
+        state = dp.lb_upsert(LbService(web, (kept, gone)))
+        ids = {b: i for i, b in state.backends.items()}
+        dp.lb_upsert(LbService(web, (kept,)))  # ``gone``'s id is no more
+        # An older agent's service slot: no revision (the word was unused, zero).
+        dp.lb._services.write_master(web, Master(state.id, 1, 0, revision=0))
+        dp.close()
+        # An older agent's map: the same key, the value without address and revision.
+        path = os.path.join(base, lbctmap.NAME)
+        unpin(path)
+        older = MapSpec(
+            lbctmap.NAME,
+            MapType.LRU_HASH,
+            ctypes.sizeof(lbctmap.LbCtKey),
+            ctypes.sizeof(lbctmap.LegacyLbCtValue),
+            dp.config.sizes.lb_conntrack,
+        )
+        pinned = PinnedMap.open_or_create(base, older)
+        for client_port, backend in ((40000, kept), (40001, gone)):
+            key = lbctmap.LbCtKey(sport=socket.htons(client_port), vport=socket.htons(80), ep_id=7, protocol=6)
+            key.family = addresses.put(key.saddr, "10.250.0.9")
+            addresses.put(key.vaddr, web.address)
+            value = lbctmap.LegacyLbCtValue(expires_ns=2**62, backend_id=ids[backend], rev_nat=state.id)
+            pinned.update(key, value)
+        pinned.close()
+
+        dp = Datapath.open(base)
+        (carried,) = dp.lb_conntrack()  # the entry whose backend left is not carried over
+        assert (carried.client_port, carried.backend, carried.backend_port, carried.backend_id) == (
+            40000,
+            kept.address,
+            8080,
+            ids[kept],
+        )
+        assert (carried.service_id, carried.revision) == (state.id, dp.lb.revision(web))
+        assert dp.lb.revision(web) != 0  # a revision of its own: no zeroed entry can pass for current
+    finally:
+        dp.teardown()

@@ -142,12 +142,14 @@ struct lb_service_key {
     u8 pad[2];
 };
 struct lb_service_value {
-    u32 backend_id;  /* slot > 0 */
+    union {
+        u32 backend_id;  /* slot > 0 */
+        u32 revision;    /* slot 0: changes whenever a backend leaves the service (lb_ct_value.revision) */
+    };
     u16 count;       /* slot 0: number of backends (0: reject) */
     u16 rev_nat;     /* slot 0: service id, the reverse NAT index */
     u32 affinity_s;  /* slot 0: ClientIP affinity timeout */
     u32 flags;
-    u32 revision;    /* slot 0: changes whenever a backend leaves the service (lb_ct_value.revision) */
 };
 /* A backend id is per service: removing a backend from its service removes the id. */
 struct lb_backend_key {

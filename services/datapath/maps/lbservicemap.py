@@ -35,15 +35,21 @@ class LbServiceKey(ctypes.Structure):
     ]
 
 
+class SlotWord(ctypes.Union):
+    # The first word of struct lb_service_value (an anonymous union in C, as Cilium's lb4_service):
+    # a backend slot's backend id, the service slot's revision (the word no service slot used).
+    _fields_ = [("backend_id", ctypes.c_uint32), ("revision", ctypes.c_uint32)]
+
+
 class LbServiceValue(ctypes.Structure):
     # struct lb_service_value in bpf/palisade.c
+    _anonymous_ = ("word",)
     _fields_ = [
-        ("backend_id", ctypes.c_uint32),
+        ("word", SlotWord),
         ("count", ctypes.c_uint16),
         ("rev_nat", ctypes.c_uint16),
         ("affinity_s", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
-        ("revision", ctypes.c_uint32),
     ]
 
 
