@@ -520,7 +520,11 @@ def c_layout(struct: type[ctypes.Structure], c_name: str) -> list[str]:
         name = field[0]
         offset = getattr(struct, name).offset
         # An anonymous union (C11): its members are the struct's, at the union's offset.
-        members = [(m[0], offset) for m in field[1]._fields_] if name in anonymous else [(name, offset)]
+        kind = field[1]
+        if name in anonymous and issubclass(kind, ctypes.Union):
+            members = [(m[0], offset) for m in kind._fields_]
+        else:
+            members = [(name, offset)]
         for member, at in members:
             lines.append(
                 f'_Static_assert(__builtin_offsetof(struct {c_name}, {member}) == {at}, "offset of {c_name}.{member}");'
