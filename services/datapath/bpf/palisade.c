@@ -18,8 +18,10 @@
  *
  * Per packet:
  *   0. Leaving a pod (egress), TCP/UDP/SCTP to a service frontend (ClusterIP, port): the
- *      connection's backend (lb_conntrack), else one chosen (ClientIP affinity, else at
- *      random), is written into the packet (DNAT) before anything else, so policy
+ *      connection's backend (lb_conntrack: its address while the service's revision is the
+ *      entry's), else one chosen (ClientIP affinity, else at random), is written into the
+ *      packet (DNAT) before anything else (a port lb_ports names asks the service map before
+ *      the reversed conntrack tuple), so policy
  *      judges the backend's identity and port. A pod whose chosen backend is itself (hairpin)
  *      gets the connection from the hairpin address (169.254.42.1, 100::42), allowed as any
  *      connection of a pod to itself, both ways put straight back into the pod (CT_F_HAIRPIN).
