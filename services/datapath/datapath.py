@@ -59,6 +59,7 @@ from services.datapath.maps import (
     lbaffinitymap,
     lbbackendmap,
     lbctmap,
+    lbportmap,
     lbrevnatmap,
     lbservicemap,
     metricsmap,
@@ -77,6 +78,7 @@ from services.datapath.maps.ipcachemap import IPCacheMap
 from services.datapath.maps.lbaffinitymap import LbAffinityMap
 from services.datapath.maps.lbbackendmap import LbBackendMap
 from services.datapath.maps.lbctmap import LbCtEntry, LbCtMap
+from services.datapath.maps.lbportmap import LbPortMap
 from services.datapath.maps.lbrevnatmap import LbRevNatMap
 from services.datapath.maps.lbservicemap import LbServiceMap
 from services.datapath.maps.metricsmap import MetricsMap
@@ -177,6 +179,15 @@ def check_endpoint_id(ep_id: int, sizes: MapSizes) -> None:
 _RECREATED_ON_LAYOUT_CHANGE = frozenset({metricsmap.NAME})
 
 
+def _read_legacy_lb_ct(path: str) -> lbctmap.Legacy | None:
+    """The entries of an lb_conntrack pinned with the layout before backend addresses, if it has it."""
+    pinned = PinnedMap.open_any(os.path.dirname(path), os.path.basename(path))
+    try:
+        return lbctmap.read_legacy(pinned)
+    finally:
+        pinned.close()
+
+
 class Datapath:
     """The real datapath: pinned maps plus the shared program template. Use :meth:`open`."""
 
@@ -202,6 +213,7 @@ class Datapath:
             LbBackendMap(maps[lbbackendmap.NAME]),
             LbRevNatMap(maps[lbrevnatmap.NAME]),
             LbAffinityMap(maps[lbaffinitymap.NAME]),
+            LbPortMap(maps[lbportmap.NAME]),
         )
         self.lb_conntrack_map = LbCtMap(maps[lbctmap.NAME])
         self.snat_map = SnatMap(maps[snatmap.NAME])
@@ -238,6 +250,7 @@ class Datapath:
         specs = [module.spec(config.sizes) for module in bpf_maps.ALL]
         maps: dict[str, PinnedMap] = {}
         created = False
+        legacy_lb_ct: lbctmap.Legacy | None = None
         loader = Loader(base_dir, attach)
         try:
             for spec in specs:
@@ -246,6 +259,12 @@ class Datapath:
                 try:
                     maps[spec.name] = PinnedMap.open_or_create(base_dir, spec)
                 except MapLayoutError as exc:
+                    if spec.name == lbctmap.NAME and (legacy_lb_ct := _read_legacy_lb_ct(path)) is not None:
+                        log.warning("map replaced: its layout changed (entries carried over)", map=spec.name)
+                        unpin(path)
+                        created = True
+                        maps[spec.name] = PinnedMap.open_or_create(base_dir, spec)
+                        continue
                     if spec.name not in _RECREATED_ON_LAYOUT_CHANGE:
                         raise
                     log.warning(
@@ -258,6 +277,11 @@ class Datapath:
                 # Pinned programs refer to the maps they were loaded with; new maps need new programs.
                 loader.prune(keep=set())
             datapath = cls(base_dir, config, maps, loader)
+            if legacy_lb_ct is not None:
+                adopted = datapath.lb_conntrack_map.adopt(
+                    legacy_lb_ct, datapath.lb.backends_by_id(), datapath.lb.revisions_by_service()
+                )
+                log.info("service connections carried over", map=lbctmap.NAME, entries=adopted)
         except BaseException:
             for m in maps.values():
                 m.close()

@@ -190,16 +190,45 @@ static __always_inline u32 lb_pick(const struct lb_service_key *sk, const struct
 #define LB_REJECT 2    /* a frontend without backends: answered, the packet was consumed */
 #define LB_DROP 3      /* cannot be translated */
 
-static __always_inline int lb_egress(struct __sk_buff *skb, struct flow *f, u32 ep_id, u64 now, u16 *rev_nat)
+/* The service key of the packet's destination (slot 0: the service itself). */
+static __always_inline void lb_service_key_of(const struct flow *f, struct lb_service_key *sk)
+{
+    __builtin_memcpy(sk->addr, f->daddr, 16);
+    sk->port = f->dport;
+    sk->slot = 0;
+    sk->family = f->family;
+    sk->protocol = f->protocol;
+    sk->pad[0] = 0;
+    sk->pad[1] = 0;
+}
+
+/* The service the packet is addressed to, asked only where lb_ports says some frontend has its
+ * destination port (an array lookup, which the verifier inlines; *looked_up then says the service
+ * map was asked), else NULL. */
+static __always_inline struct lb_service_value *lb_hinted_frontend(const struct flow *f, int *looked_up)
+{
+    u16 port = bpf_ntohs(f->dport);
+    struct lb_port_key pk = {.word = port / 64};
+    struct lb_port_value *pv = lb_ports.lookup(&pk);
+    if (!pv || !((pv->bits >> (port % 64)) & 1))
+        return NULL;
+    *looked_up = 1;
+    struct lb_service_key sk;
+    lb_service_key_of(f, &sk);
+    return lb_services.lookup(&sk);
+}
+
+/* DNAT of a packet to a frontend. ``svc``, when ``looked_up``: the caller's lookup of the packet's
+ * service (NULL: not a frontend); otherwise it is looked up here. */
+static __always_inline int lb_egress(struct __sk_buff *skb, struct flow *f, u32 ep_id, u64 now, u16 *rev_nat,
+                                     struct lb_service_value *svc, int looked_up)
 {
     if (!lb_l4(f))
         return LB_NONE;
-    struct lb_service_key sk = {};
-    __builtin_memcpy(sk.addr, f->daddr, 16);
-    sk.port = f->dport;
-    sk.family = f->family;
-    sk.protocol = f->protocol;
-    struct lb_service_value *svc = lb_services.lookup(&sk);
+    struct lb_service_key sk;
+    lb_service_key_of(f, &sk);
+    if (!looked_up)
+        svc = lb_services.lookup(&sk);
     if (!svc)
         return LB_NONE;
 
@@ -211,16 +240,34 @@ static __always_inline int lb_egress(struct __sk_buff *skb, struct flow *f, u32 
     ck.ep_id = ep_id;
     ck.family = f->family;
     ck.protocol = f->protocol;
-    struct lb_backend_value *be = NULL;
+    const u8 *addr = NULL;
+    __be16 port = 0;
+    /* Read before any backend is: an entry is stamped with a revision no newer than its lookup. */
+    u32 revision = *(volatile u32 *)&svc->revision;
     struct lb_ct_value *cv = lb_conntrack.lookup(&ck);
     /* A bare SYN on a closing connection's entry opens a new connection: it is balanced anew. */
     int reopens = (f->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN;
     if (cv && cv->expires_ns >= now && cv->rev_nat == svc->rev_nat && !(reopens && cv->closing)) {
-        struct lb_backend_key bk = {.id = cv->backend_id};
-        be = lb_backends.lookup(&bk);
+        if (likely(cv->revision == revision)) {
+            /* No backend has left the service since the entry was written: its backend stands. */
+            addr = cv->addr;
+            port = cv->port;
+        } else {
+            /* A backend left: the connection keeps its own if that is still there (the entry
+             * then carries the service's current revision), else it is balanced anew below. */
+            struct lb_backend_key bk = {.id = cv->backend_id};
+            struct lb_backend_value *kept = lb_backends.lookup(&bk);
+            if (kept) {
+                __builtin_memcpy(cv->addr, kept->addr, 16);
+                cv->port = kept->port;
+                cv->revision = revision;
+                addr = kept->addr;
+                port = kept->port;
+            }
+        }
     }
     u8 closing = (f->tcp_flags & (TCP_FLAG_FIN | TCP_FLAG_RST)) ? 1 : 0;
-    if (be) {
+    if (addr) {
         /* The connection keeps its backend. Its entry is written as conntrack's (ct_refresh): on a
          * FIN or RST, else when its expiry is more than CT_REFRESH_NS behind; most packets only read it. */
         if (unlikely(closing && !cv->closing)) {
@@ -238,7 +285,7 @@ static __always_inline int lb_egress(struct __sk_buff *skb, struct flow *f, u32 
             return LB_REJECT;
         u32 id = lb_pick(&sk, svc, f, now);
         struct lb_backend_key bk = {.id = id};
-        be = lb_backends.lookup(&bk);
+        struct lb_backend_value *be = lb_backends.lookup(&bk);
         if (!be)
             return LB_DROP;
         struct lb_ct_value nv = {};
@@ -246,9 +293,14 @@ static __always_inline int lb_egress(struct __sk_buff *skb, struct flow *f, u32 
         nv.backend_id = id;
         nv.rev_nat = svc->rev_nat;
         nv.closing = closing;
+        __builtin_memcpy(nv.addr, be->addr, 16);
+        nv.port = be->port;
+        nv.revision = revision;
         lb_conntrack.update(&ck, &nv);
+        addr = be->addr;
+        port = be->port;
     }
-    if (lb_rewrite_fast(skb, f, be->addr, be->port, 1, 1) < 0)
+    if (lb_rewrite_fast(skb, f, addr, port, 1, 1) < 0)
         return LB_DROP;
     *rev_nat = svc->rev_nat;
     return LB_DNAT;

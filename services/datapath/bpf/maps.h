@@ -142,7 +142,10 @@ struct lb_service_key {
     u8 pad[2];
 };
 struct lb_service_value {
-    u32 backend_id;  /* slot > 0 */
+    union {
+        u32 backend_id;  /* slot > 0 */
+        u32 revision;    /* slot 0: changes whenever a backend leaves the service (lb_ct_value.revision) */
+    };
     u16 count;       /* slot 0: number of backends (0: reject) */
     u16 rev_nat;     /* slot 0: service id, the reverse NAT index */
     u32 affinity_s;  /* slot 0: ClientIP affinity timeout */
@@ -179,6 +182,16 @@ struct lb_affinity_value {
     u32 backend_id;
     u32 pad;
 };
+/* Frontend ports (lbportmap.py): port p (host order) is bit p % 64 of word p / 64, set while some
+ * frontend listens on p. A hint only (see handle()): it lets an established service connection skip
+ * the reversed conntrack lookup. */
+#define LB_PORT_WORDS 1024
+struct lb_port_key {
+    u32 word;
+};
+struct lb_port_value {
+    u64 bits;
+};
 /* A connection to a frontend, keyed as the client sent it: which backend it has. */
 struct lb_ct_key {
     u8 saddr[16];
@@ -190,12 +203,19 @@ struct lb_ct_key {
     u8 protocol;
     u8 pad[2];
 };
+/* The backend's address and port are kept in the entry: while the service's revision is the one the
+ * entry was written at, no backend of the service has left, so an established packet rewrites from
+ * the entry alone (no backend lookup). */
 struct lb_ct_value {
     u64 expires_ns;
     u32 backend_id;
     u16 rev_nat;
     u8 closing;
     u8 pad;
+    u8 addr[16];    /* the backend's, as lb_backend_value */
+    __be16 port;
+    u16 pad2;
+    u32 revision;   /* lb_service_value.revision when addr and port were read */
 };
 
 /* Ports given to clashing connections (CT_F_SNAT), both ways: SNAT_FORWARD keys a connection as its
@@ -251,6 +271,7 @@ BPF_TABLE_PINNED("hash", struct lb_revnat_key, struct lb_revnat_value, lb_revnat
                  PIN_DIR "/lb_revnat");
 BPF_TABLE_PINNED("lru_hash", struct lb_affinity_key, struct lb_affinity_value, lb_affinity, LB_AFFINITY_MAX,
                  PIN_DIR "/lb_affinity");
+BPF_TABLE_PINNED("array", struct lb_port_key, struct lb_port_value, lb_ports, LB_PORT_WORDS, PIN_DIR "/lb_ports");
 BPF_TABLE_PINNED("lru_hash", struct lb_ct_key, struct lb_ct_value, lb_conntrack, LB_CT_MAX,
                  PIN_DIR "/lb_conntrack");
 BPF_TABLE_PINNED("lru_hash", struct snat_key, struct snat_value, snat, SNAT_MAX, PIN_DIR "/snat");

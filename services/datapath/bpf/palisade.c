@@ -18,8 +18,10 @@
  *
  * Per packet:
  *   0. Leaving a pod (egress), TCP/UDP/SCTP to a service frontend (ClusterIP, port): the
- *      connection's backend (lb_conntrack), else one chosen (ClientIP affinity, else at
- *      random), is written into the packet (DNAT) before anything else, so policy
+ *      connection's backend (lb_conntrack: its address while the service's revision is the
+ *      entry's), else one chosen (ClientIP affinity, else at random), is written into the
+ *      packet (DNAT) before anything else (a port lb_ports names asks the service map before
+ *      the reversed conntrack tuple), so policy
  *      judges the backend's identity and port. A pod whose chosen backend is itself (hairpin)
  *      gets the connection from the hairpin address (169.254.42.1, 100::42), allowed as any
  *      connection of a pod to itself, both ways put straight back into the pod (CT_F_HAIRPIN).
@@ -158,16 +160,28 @@ static __always_inline int handle(struct __sk_buff *skb, u8 dir, u32 ifindex, u8
     int reversed = syn == (TCP_FLAG_SYN | TCP_FLAG_ACK);
     ct_key_of(&f, ep_id, dir, reversed, &key);
     struct ct_value *ct = ct_lookup(f.family, &key, now);
+    /* Leaving a pod, a packet its own tuple does not know whose destination port is a frontend's
+     * (lb_ports) asks the service map before the reversed tuple: a frontend is no pod's source
+     * address, so a packet to one is no reply, and an established service connection's packets
+     * (keyed by their backend in conntrack, by their frontend in lb_conntrack) skip that lookup. */
+    struct lb_service_value *svc = NULL;
+    int svc_looked_up = 0;
     if (!ct && syn != TCP_FLAG_SYN) {
-        reversed = !reversed;
-        ct_key_of(&f, ep_id, dir, reversed, &key);
-        ct = ct_lookup(f.family, &key, now);
+        if (dir == DIR_EGRESS && !reversed && lb_l4(&f)) {
+            svc = lb_hinted_frontend(&f, &svc_looked_up);
+        }
+        if (!svc) {
+            reversed = !reversed;
+            ct_key_of(&f, ep_id, dir, reversed, &key);
+            ct = ct_lookup(f.family, &key, now);
+        }
     }
     int reply = ct && reversed;
     struct peer peer = {.remote_local = 1};
     int action = TC_ACT_SHOT;  /* set by a step that decides the packet */
     if (unlikely(!ct && dir == DIR_EGRESS) &&
-        service_step(skb, &f, ifindex, ep_id, local_id, dir, now, host_flow, &peer, &key, &ct, &action))
+        service_step(skb, &f, ifindex, ep_id, local_id, dir, now, host_flow, &peer, &key, &ct, svc,
+                     svc_looked_up, &action))
         return action;  /* not established either way: a service's frontend is translated first */
     u8 given_port = 0;
     if (dir == DIR_EGRESS && !reply && !peer.hairpin && lb_l4(&f) &&

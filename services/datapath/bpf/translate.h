@@ -11,17 +11,18 @@
 
 /* A packet leaving a pod that is established neither way: a connection to a service frontend is
  * translated first (established service flows are keyed by their backend, so every packet of one
- * comes here). The frontend is looked up first: a packet to a frontend then pays no endpoints lookup
+ * comes here; ``svc``/``svc_looked_up``: handle() asked the service map already, see lb_egress). The frontend is looked up first: a packet to a frontend then pays no endpoints lookup
  * (its peer is the backend, looked up by policy_step only if the flow needs a verdict), and only a
  * new flow to anything else pays the frontend miss. A local endpoint's address is never a frontend
  * (pod and service addresses come from disjoint ranges). After a DNAT, ``*ct`` and ``key`` are the
  * backend's tuple's. */
 static __always_inline int service_step(struct __sk_buff *skb, struct flow *f, u32 ifindex, u32 ep_id,
                                         u32 local_id, u8 dir, u64 now, u8 *host_flow, struct peer *peer,
-                                        union ct_tuple *key, struct ct_value **ct, int *action)
+                                        union ct_tuple *key, struct ct_value **ct, struct lb_service_value *svc,
+                                        int svc_looked_up, int *action)
 {
     sctp_note_once(f, ep_id, dir, host_flow);
-    int lb = lb_egress(skb, f, ep_id, now, &peer->rev_nat);
+    int lb = lb_egress(skb, f, ep_id, now, &peer->rev_nat, svc, svc_looked_up);
     if (lb == LB_NONE) {
         peer->remote_id = local_identity(f->family, f->daddr);
         peer->remote_local = 0;

@@ -515,10 +515,18 @@ def c_layout(struct: type[ctypes.Structure], c_name: str) -> list[str]:
     lines = [
         f'_Static_assert(sizeof(struct {c_name}) == {ctypes.sizeof(struct)}, "size of struct {c_name}");',
     ]
+    anonymous = getattr(struct, "_anonymous_", ())
     for field in struct._fields_:
         name = field[0]
         offset = getattr(struct, name).offset
-        lines.append(
-            f'_Static_assert(__builtin_offsetof(struct {c_name}, {name}) == {offset}, "offset of {c_name}.{name}");'
-        )
+        # An anonymous union (C11): its members are the struct's, at the union's offset.
+        kind = field[1]
+        if name in anonymous and issubclass(kind, ctypes.Union):
+            members = [(m[0], offset) for m in kind._fields_]
+        else:
+            members = [(name, offset)]
+        for member, at in members:
+            lines.append(
+                f'_Static_assert(__builtin_offsetof(struct {c_name}, {member}) == {at}, "offset of {c_name}.{member}");'
+            )
     return lines

@@ -1,7 +1,8 @@
 """Service frontends: a hash from (ClusterIP, port, protocol, slot) to the service or one backend.
 
 Cilium's layout: slot 0 holds the service (its id, which is also its reverse NAT
-index, the number of backends and the ClientIP affinity timeout); slots 1..count
+index, the number of backends, the ClientIP affinity timeout and the revision of its
+backend set); slots 1..count
 hold the ids of its backends (``lbbackendmap``). The program picks a slot at random
 for a new connection. A service with count 0 is rejected at once.
 """
@@ -34,10 +35,17 @@ class LbServiceKey(ctypes.Structure):
     ]
 
 
+class SlotWord(ctypes.Union):
+    # The first word of struct lb_service_value (an anonymous union in C, as Cilium's lb4_service):
+    # a backend slot's backend id, the service slot's revision (the word no service slot used).
+    _fields_ = [("backend_id", ctypes.c_uint32), ("revision", ctypes.c_uint32)]
+
+
 class LbServiceValue(ctypes.Structure):
     # struct lb_service_value in bpf/palisade.c
+    _anonymous_ = ("word",)
     _fields_ = [
-        ("backend_id", ctypes.c_uint32),
+        ("word", SlotWord),
         ("count", ctypes.c_uint16),
         ("rev_nat", ctypes.c_uint16),
         ("affinity_s", ctypes.c_uint32),
@@ -65,6 +73,9 @@ class Master:
     id: int
     count: int
     affinity_timeout: int
+    #: Changes whenever a backend leaves the service: a connection's entry (``lbctmap``) written at
+    #: this revision still has a live backend, so the program rewrites from the entry alone.
+    revision: int = 0
 
 
 class LbServiceMap:
@@ -77,6 +88,7 @@ class LbServiceMap:
             rev_nat=master.id,
             affinity_s=master.affinity_timeout,
             flags=FLAG_AFFINITY if master.affinity_timeout else 0,
+            revision=master.revision,
         )
         self.map.update(make_key(frontend), value)
 
