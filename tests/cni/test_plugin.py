@@ -55,7 +55,7 @@ async def cni(
     netns: str = "",
     cid: str = "c1",
     pod: str = "web",
-    plugin: Path = PLUGIN,
+    plugin: Path | str = PLUGIN,
     **env: str,
 ) -> tuple[int, dict[str, Any]]:
     """Exec palisade-cni as a runtime does; returns (exit status, the JSON it printed)."""
