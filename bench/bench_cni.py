@@ -1,7 +1,7 @@
 """CNI through a real runtime: palisade-cni ADD and DEL times, sandboxes per second against the
 runtime with ptp + host-local alone, and a burst of pods on one node.
 
-    python -m bench.bench_cni [--sandboxes 60] [--rounds 6] [--burst 100] [--quick]
+    python -m bench.bench_cni [--sandboxes 60] [--rounds 6] [--burst 100] [--quick] [--python-plugin]
 
 The whole system runs as `make run --no-pods` brings it up; containerd's CRI plays kubelet.
 Three containerd instances run side by side, one per mode: ``ptp`` (ptp + host-local alone,
@@ -13,6 +13,12 @@ each batch is created one sandbox after another through RunPodSandbox, then remo
 as the runtime ran it; a mode's sandbox rate is its sandboxes over the time RunPodSandbox
 took in all (the runtime's own work included), and its ratio is that rate over the baseline's.
 The Pod objects are published first, so every endpoint gets its identity.
+
+The runtime runs the plugin executable (services/cni/shim.c), which has the datapath run the
+plugin's code. ``--python-plugin`` adds two modes to the turns, ``standalone-python`` and
+``chained-python``: the same configurations with the Python plugin started by the runtime for every
+call (``palisade-cni-python``, what the executable hands over to), so the executable's gain is
+measured in the same run, interleaved.
 
 The burst: ``--burst`` palisade-cni ADDs started at once on the one node, each in a network
 namespace of its own (made beforehand), for Pods that a NetworkPolicy selects; timed from the
@@ -44,8 +50,10 @@ from testkit.stack import running_stack, wait_for
 NS = "bench-cni"
 BURST_NS = "bench-burst"
 MODES = ("ptp", "standalone", "chained")
+#: With --python-plugin: the same configurations, the Python plugin run for every call.
+PYTHON_MODES = ("standalone-python", "chained-python")
 #: The baseline's and the chained mode's host-local ranges (apart, so no route is shared).
-SUBNETS = {"ptp": "10.79.0.0/16", "chained": "10.78.0.0/16"}
+SUBNETS = {"ptp": "10.79.0.0/16", "chained": "10.78.0.0/16", "chained-python": "10.77.0.0/16"}
 READY = "ENDPOINT_STATE_READY"
 INIT_IDENTITY = 5
 
@@ -95,17 +103,20 @@ class Runtime:
         self.timings = work / f"{mode}.timings"
         self.timings.touch()
         wrapper = work / f"{mode}-palisade"
-        wrapper.write_text(WRAPPER.format(plugin=Path(sys.executable).parent / "palisade-cni", log=self.timings))
+        plugin = "palisade-cni-python" if mode.endswith("-python") else "palisade-cni"
+        wrapper.write_text(WRAPPER.format(plugin=Path(sys.executable).parent / plugin, log=self.timings))
         wrapper.chmod(0o755)
         self.containerd.start(str(wrapper))
         self.cri: Cri = self.containerd.cri()
         cni_conf = self.containerd.cni_conf
+        mode = mode.removesuffix("-python")
         if mode == "standalone":
             self.containerd.write_conflist([{"type": "palisade", "socket": socket}])
         else:
-            ranges = [[{"subnet": SUBNETS[mode]}]]
+            ranges = [[{"subnet": SUBNETS[self.mode]}]]
+            ipam_dir = str(work / f"{self.mode}-ipam")
             ptp = {"type": "ptp", "ipMasq": False,
-                   "ipam": {"type": "host-local", "ranges": ranges, "dataDir": str(work / f"{mode}-ipam")}}  # fmt: skip
+                   "ipam": {"type": "host-local", "ranges": ranges, "dataDir": ipam_dir}}  # fmt: skip
             conf = {"cniVersion": "1.0.0", "name": "ptp-net", "plugins": [ptp]}
             (cni_conf / "10-ptp.conflist").write_text(json.dumps(conf))
             if mode == "chained":
@@ -148,20 +159,20 @@ class Runtime:
         return out
 
 
-def run_modes(count: int, rounds: int, socket: str, work: Path) -> dict[str, Any]:
+def run_modes(count: int, rounds: int, socket: str, work: Path, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
     runtimes: dict[str, Runtime] = {}
     try:
-        for mode in MODES:
+        for mode in modes:
             runtimes[mode] = Runtime(mode, socket, work)
         size = max(1, count // rounds)
         for r in range(rounds):
             log(f"round {r + 1}/{rounds}: {size} sandboxes per mode")
-            for mode in MODES:
+            for mode in modes:
                 runtimes[mode].batch(r * size, size)
     finally:
         for runtime in runtimes.values():
             runtime.close()
-    return {mode: runtimes[mode].result() for mode in MODES}
+    return {mode: runtimes[mode].result() for mode in modes}
 
 
 # -- the burst --------------------------------------------------------------------------------
@@ -265,7 +276,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log("warning: the pods' identities are not listed yet; endpoints may start with init")
         time.sleep(1.0)
         log(f"{args.sandboxes} sandboxes per mode through containerd, {args.rounds} rounds, modes interleaved")
-        out.update(run_modes(args.sandboxes, args.rounds, socket, work))
+        modes = MODES + (PYTHON_MODES if args.python_plugin else ())
+        out.update(run_modes(args.sandboxes, args.rounds, socket, work, modes))
         if args.burst:
             log(f"burst: {args.burst} palisade-cni ADDs at once")
             out["burst"] = run_burst(args.burst, socket, work)
@@ -292,6 +304,17 @@ def summary(out: dict[str, Any]) -> list[dict[str, Any]]:
     rows.append({"metric": "ptp + host-local alone: sandboxes per second via containerd", "value": base, "unit": "1/s"})
     for mode in ("standalone", "chained"):
         m = out[mode]
+        if f"{mode}-python" in out:
+            py = out[f"{mode}-python"]
+            rows += [
+                {"metric": f"{mode}, Python plugin per call: ADD {q}", "value": py["add_ms"][q], "unit": "ms"}
+                for q in ("p50", "p99")
+            ] + [
+                {"metric": f"{mode}, Python plugin per call: DEL {q}", "value": py["del_ms"][q], "unit": "ms"}
+                for q in ("p50", "p99")
+            ]
+            rows.append({"metric": f"{mode}, Python plugin per call: sandboxes per second / ptp + host-local alone",
+                         "value": round(py["sandboxes_per_s"] / base, 3), "unit": "x"})  # fmt: skip
         rows += [
             {"metric": f"{mode}: palisade-cni ADD p50", "value": m["add_ms"]["p50"], "unit": "ms"},
             {"metric": f"{mode}: palisade-cni ADD p99", "value": m["add_ms"]["p99"], "unit": "ms",
@@ -322,6 +345,11 @@ def main() -> int:
     p.add_argument("--sandboxes", type=int, help="sandboxes per mode (default 60; 12 with --quick)")
     p.add_argument("--rounds", type=int, help="batches per mode, interleaved (default 6; 3 with --quick)")
     p.add_argument("--burst", type=int, help="pods in the burst (default 100; 20 with --quick; 0: none)")
+    p.add_argument(
+        "--python-plugin",
+        action="store_true",
+        help="also the modes standalone-python and chained-python: the Python plugin run for every call",
+    )
     args = p.parse_args()
     args.sandboxes = args.sandboxes or (12 if args.quick else 60)
     args.rounds = args.rounds or (3 if args.quick else 6)
