@@ -33,29 +33,33 @@ def alone(tmp_path: Path) -> Path:
     return Path(shutil.copy2(PLUGIN, tmp_path / "bin" / "palisade"))
 
 
+#: An environment in which no Python interpreter starts (it finds no standard library).
+NO_PYTHON = {"PYTHONHOME": "/nonexistent"}
+
+
 @pytest.mark.root
 async def test_with_the_datapath_answering_every_command_needs_no_python(
     agent: InProcessAgent, netns: str, alone: Path
 ) -> None:
-    code, out = await cni("ADD", conf(agent), netns=netns, plugin=alone)
+    code, out = await cni("ADD", conf(agent), netns=netns, plugin=alone, **NO_PYTHON)
     assert code == 0, out
     assert (out["interfaces"][1]["name"], out["interfaces"][1]["sandbox"]) == ("eth0", netns)
     assert list(endpoints(agent)) == ["c1"]
-    code, out = await cni("CHECK", conf(agent, prevResult=out), netns=netns, plugin=alone)
+    code, out = await cni("CHECK", conf(agent, prevResult=out), netns=netns, plugin=alone, **NO_PYTHON)
     assert (code, out) == (0, {})
-    assert (await cni("STATUS", conf(agent, "1.1.0"), plugin=alone)) == (0, {})
+    assert (await cni("STATUS", conf(agent, "1.1.0"), plugin=alone, **NO_PYTHON)) == (0, {})
     valid = {"cni.dev/valid-attachments": [{"containerID": "c1", "ifname": "eth0"}]}
-    assert (await cni("GC", conf(agent, "1.1.0", **valid), plugin=alone)) == (0, {})
+    assert (await cni("GC", conf(agent, "1.1.0", **valid), plugin=alone, **NO_PYTHON)) == (0, {})
     assert list(endpoints(agent)) == ["c1"]
     # The plugin's own errors come from the datapath's run of its code, in the configuration's version.
     chained = conf(agent, "0.4.0", prevResult={"interfaces": [{"name": "eth0", "sandbox": netns}]})
-    code, out = await cni("ADD", chained, netns=netns, plugin=alone)
+    code, out = await cni("ADD", chained, netns=netns, plugin=alone, **NO_PYTHON)
     assert code == 1 and out["code"] == 7 and "host-side" in out["msg"] and out["cniVersion"] == "0.4.0", out
-    code, out = await cni("ADD", conf(agent, timeout=-1), netns=netns, plugin=alone)
+    code, out = await cni("ADD", conf(agent, timeout=-1), netns=netns, plugin=alone, **NO_PYTHON)
     assert code == 1 and out["code"] == 7 and "timeout" in out["msg"], out
-    code, out = await cni("ADD", conf(agent), netns=netns, plugin=alone, CNI_ARGS="IgnoreUnknown=1")
+    code, out = await cni("ADD", conf(agent), netns=netns, plugin=alone, CNI_ARGS="IgnoreUnknown=1", **NO_PYTHON)
     assert code == 1 and out["code"] == 4 and "K8S_POD_NAME" in out["msg"], out
-    assert (await cni("DEL", conf(agent), netns=netns, plugin=alone)) == (0, {})
+    assert (await cni("DEL", conf(agent), netns=netns, plugin=alone, **NO_PYTHON)) == (0, {})
     assert endpoints(agent) == {}
 
 
