@@ -26,8 +26,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import threading
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from google.protobuf import json_format
@@ -50,8 +50,8 @@ log = get_logger("pluginapi")
 MAX_REQUEST = 1 << 20
 #: The first line of a whole CNI call (services/cni/shim.c), before its two lengths.
 CNI_CALL = b"PALISADE-CNI 1 "
-#: CNI calls run at once (each in a thread of its own, waiting on this loop for the servicer).
-CNI_WORKERS = 16
+#: Seconds a CNI call's thread waits for the servicer beyond the configuration's timeout.
+CALL_GRACE = 20.0
 
 
 Method = Callable[[Any, Any], Awaitable[Message]]
@@ -70,7 +70,6 @@ class PluginApi:
         }
         self._server: asyncio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._workers = ThreadPoolExecutor(max_workers=CNI_WORKERS, thread_name_prefix="cni")
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -79,7 +78,6 @@ class PluginApi:
 
     async def stop(self) -> None:
         await close_unix_server(self._server, self.path)
-        self._workers.shutdown(wait=False, cancel_futures=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -128,12 +126,37 @@ class PluginApi:
             key, sep, value = entry.partition(b"=")
             if sep:
                 env[key.decode(errors="surrogateescape")] = value.decode(errors="surrogateescape")
-        assert self._loop is not None
-        status, out = await self._loop.run_in_executor(self._workers, self.run_cni, env, stdin)
+        status, out = await self._in_thread(env, stdin)
         if status is None:
             return b"handoff\n"
         data = out.encode(errors="surrogateescape")
         return b"exit %d %d\n" % (status, len(data)) + data
+
+    async def _in_thread(self, env: Mapping[str, str], stdin: bytes) -> tuple[int | None, str]:
+        """:meth:`run_cni` in a thread of its own. A daemon thread: one waiting on a loop that is
+        gone (the datapath stopping) must not hold the process's exit, as a pool's threads would."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[tuple[int | None, str]] = loop.create_future()
+
+        def settle(result: tuple[int | None, str] | None, exc: BaseException | None) -> None:
+            if done.done():  # the connection's task was cancelled meanwhile
+                return
+            if exc is not None:
+                done.set_exception(exc)
+            else:
+                assert result is not None
+                done.set_result(result)
+
+        def work() -> None:
+            try:
+                result = self.run_cni(env, stdin)
+            except BaseException as exc:  # handed to the loop, which logs it with the connection
+                loop.call_soon_threadsafe(settle, None, exc)
+            else:
+                loop.call_soon_threadsafe(settle, result, None)
+
+        threading.Thread(target=work, name="cni-call", daemon=True).start()
+        return await done
 
     def run_cni(self, env: Mapping[str, str], stdin: bytes) -> tuple[int | None, str]:
         """One CNI call by the plugin's code (in a worker thread): (exit status, stdout), or
@@ -143,12 +166,24 @@ class PluginApi:
             return plugin.run(env, stdin, out, _InProcessApi(self)), out.getvalue()
         except plugin.Handoff:
             return None, ""
+        except Exception as exc:  # a defect of the plugin's code: the runtime still gets an error object
+            log.error("CNI call failed", command=env.get("CNI_COMMAND", ""), error=repr(exc))
+            error = spec.CniError(spec.DATAPATH_ERROR, "palisade-cni failed in the datapath", clip(repr(exc)))
+            return 1, json.dumps(error.to_json(spec.CURRENT_VERSION)) + "\n"
 
-    def call(self, method: str, request: Mapping[str, Any]) -> dict[str, Any]:
-        """One call of the node API from a worker thread, answered in the loop."""
+    def call(self, method: str, request: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+        """One call of the node API from a CNI call's thread, answered in the loop."""
         assert self._loop is not None
         line = json.dumps({"method": method, "request": request}).encode()
-        answer = asyncio.run_coroutine_threadsafe(self.answer(line), self._loop).result()
+        try:
+            future = asyncio.run_coroutine_threadsafe(self.answer(line), self._loop)
+        except RuntimeError as exc:  # the loop is closed: the datapath is stopping
+            raise plugin.ApiError("UNAVAILABLE", f"the datapath did not answer {method}: {exc}") from None
+        try:
+            answer = future.result(timeout)
+        except TimeoutError as exc:
+            future.cancel()
+            raise plugin.ApiError("UNAVAILABLE", f"the datapath did not answer {method}: {exc!r}") from None
         return plugin.answer_to_response(answer)
 
 
@@ -159,7 +194,7 @@ class _InProcessApi:
         self._api = api
 
     def call(self, conf: spec.NetConf, method: str, request: Mapping[str, Any], *, wait: float) -> dict[str, Any]:
-        return self._api.call(method, request)
+        return self._api.call(method, request, conf.timeout + CALL_GRACE)
 
     def check_reachable(self, conf: spec.NetConf, wait: float) -> None:
         return None  # it answers this very call
