@@ -31,7 +31,6 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/time.h>
-#include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -233,9 +232,11 @@ static int read_config(char *socket_path, size_t cap) {
 
 /* --- the call ----------------------------------------------------------------------------- */
 
-static int write_all(int fd, struct iovec *iov, int count) {
+/* The request, whole; -1 if the peer went away (MSG_NOSIGNAL: an error, not a SIGPIPE). */
+static int send_all(int fd, struct iovec *iov, int count) {
 	while (count > 0) {
-		ssize_t w = writev(fd, iov, count);
+		struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)count};
+		ssize_t w = sendmsg(fd, &msg, MSG_NOSIGNAL);
 		if (w < 0 && errno == EINTR)
 			continue;
 		if (w < 0)
@@ -293,7 +294,7 @@ int main(int argc, char **argv, char **envp) {
 	char header[96];
 	int header_len = snprintf(header, sizeof header, "PALISADE-CNI 1 %zu %zu\n", env_len, input_len);
 	struct iovec iov[3] = {{header, (size_t)header_len}, {env, env_len}, {input, input_len}};
-	if (write_all(fd, iov, 3) < 0) {
+	if (send_all(fd, iov, 3) < 0) {
 		close(fd);
 		return fallback(); /* the request did not get there whole: the datapath did nothing */
 	}
