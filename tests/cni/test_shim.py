@@ -126,6 +126,7 @@ class Peer:
                 stream.close()
 
     def close(self) -> None:
+        self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone does not)
         self._listener.close()
         self._thread.join(5)
 
