@@ -73,6 +73,25 @@ async def test_what_it_cannot_hand_over_is_a_clear_error_object(agent: InProcess
 
 
 @pytest.mark.root
+async def test_it_finds_the_socket_past_any_json_and_hands_over_what_it_does_not_read(
+    agent: InProcessAgent, netns: str, alone: Path
+) -> None:
+    # Nested values holding braces, brackets, quotes and a "socket" of their own come first.
+    tricky = {"args": {"socket": "/not/this.sock", "x": '}"{', "y": [1, {"z": "]"}, [], {}]}, "dns": {}}
+    config = json.dumps({**tricky, **conf(agent)}, indent=2).encode()
+    code, out = await cni("ADD", config, netns=netns, plugin=alone, **NO_PYTHON)
+    assert code == 0, out
+    assert (await cni("DEL", config, netns=netns, plugin=alone, **NO_PYTHON)) == (0, {})
+    # A key written with an escape may be "socket": that is the Python plugin's to read, never a guess.
+    escaped = json.dumps(conf(agent)).replace('"socket"', '"\\u0073ocket"').encode()
+    assert json.loads(escaped)["socket"] == agent.config.cni_socket_path
+    code, out = await cni("ADD", escaped, netns=netns, plugin=alone)
+    assert code == 1 and out["code"] == 5 and "cannot run its Python plugin" in out["msg"], out
+    assert (await cni("ADD", escaped, netns=netns))[0] == 0  # which reads it
+    assert list(endpoints(agent)) == ["c1"]
+
+
+@pytest.mark.root
 async def test_the_socket_refuses_a_malformed_call_and_keeps_serving(agent: InProcessAgent, netns: str) -> None:
     path = plugin_socket(agent.config.cni_socket_path)
     for request in (
