@@ -20,6 +20,11 @@ plugin's code. ``--python-plugin`` adds two modes to the turns, ``standalone-pyt
 call (``palisade-cni-python``, what the executable hands over to), so the executable's gain is
 measured in the same run, interleaved.
 
+Where an ADD's and a DEL's time goes: ``plugin_own_ms`` is the plugin's own cost, from its exec to
+its exit (DEL, with a peer on a socket of its own that answers at once), so a call's time less
+it is the datapath's (reported as ``datapath_share_ms`` at p50), and RunPodSandbox's time less
+the ADD is containerd's and runc's (``runtime_share_ms``).
+
 The burst: ``--burst`` palisade-cni ADDs started at once on the one node, each in a network
 namespace of its own (made beforehand), for Pods that a NetworkPolicy selects; timed from the
 first start to the moment every endpoint is READY with its pod's identity (its policy written
@@ -31,9 +36,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket as socket_mod
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -175,6 +182,52 @@ def run_modes(count: int, rounds: int, socket: str, work: Path, modes: tuple[str
     return {mode: runtimes[mode].result() for mode in modes}
 
 
+# -- the plugin's own cost ----------------------------------------------------------------------
+
+
+def plugin_own_ms(plugin: Path, work: Path, calls: int = 100) -> dict[str, float]:
+    """Times of ``calls`` DELs by ``plugin``, exec to exit, with a peer on a socket of its own that
+    answers each at once (the framed call and the Python plugin's JSON line alike)."""
+    directory = Path(tempfile.mkdtemp(dir=work, prefix="own-"))
+    listener = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
+    listener.bind(plugin_socket(str(directory / "cni.sock")))
+    listener.listen(16)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn, conn.makefile("rb") as stream:
+                line = stream.readline()
+                if line.startswith(b"PALISADE-CNI 1 "):
+                    env_len, stdin_len = (int(n) for n in line.split()[2:])
+                    stream.read(env_len + stdin_len)
+                    conn.sendall(b"exit 0 0\n")
+                else:
+                    conn.sendall(b'{"response": {}}\n')
+                conn.shutdown(socket_mod.SHUT_RDWR)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    conf = json.dumps({"cniVersion": "1.0.0", "name": "own", "type": "palisade", "socket": str(directory / "cni.sock")})
+    env = {**_plugin_env("DEL", 0, "/run/netns/none"), "CNI_CONTAINERID": "own"}
+    times = []
+    try:
+        for _ in range(calls):
+            started = time.perf_counter()
+            done = subprocess.run([str(plugin)], input=conf.encode(), env=env, capture_output=True, check=False)
+            times.append((time.perf_counter() - started) * 1000)
+            if done.returncode != 0:
+                raise RuntimeError(f"{plugin} DEL against an answering peer failed: {done.stdout!r} {done.stderr!r}")
+    finally:
+        listener.shutdown(socket_mod.SHUT_RDWR)
+        listener.close()
+        thread.join(5)
+    return stats_ms(times)
+
+
 # -- the burst --------------------------------------------------------------------------------
 
 
@@ -278,6 +331,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log(f"{args.sandboxes} sandboxes per mode through containerd, {args.rounds} rounds, modes interleaved")
         modes = MODES + (PYTHON_MODES if args.python_plugin else ())
         out.update(run_modes(args.sandboxes, args.rounds, socket, work, modes))
+        bin_dir = Path(sys.executable).parent
+        out["plugin_own_ms"] = plugin_own_ms(bin_dir / "palisade-cni", work)
+        if args.python_plugin:
+            out["python_plugin_own_ms"] = plugin_own_ms(bin_dir / "palisade-cni-python", work)
+        for mode in modes[1:]:
+            m, own = out[mode], out["python_plugin_own_ms" if mode.endswith("-python") else "plugin_own_ms"]
+            m["datapath_share_ms"] = {c: round(m[f"{c}_ms"]["p50"] - own["p50"], 3) for c in ("add", "del")}
+            m["runtime_share_ms"] = round(m["run_sandbox_ms"]["p50"] - m["add_ms"]["p50"], 3)
         if args.burst:
             log(f"burst: {args.burst} palisade-cni ADDs at once")
             out["burst"] = run_burst(args.burst, socket, work)
@@ -302,8 +363,26 @@ def summary(out: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     base = out["ptp"]["sandboxes_per_s"]
     rows.append({"metric": "ptp + host-local alone: sandboxes per second via containerd", "value": base, "unit": "1/s"})
+    if "plugin_own_ms" in out:
+        rows += [
+            {"metric": f"palisade-cni's own cost (exec to exit, answered at once) {q}",
+             "value": out["plugin_own_ms"][q], "unit": "ms"}
+            for q in ("p50", "p99")
+        ]  # fmt: skip
+    if "python_plugin_own_ms" in out:
+        rows.append({"metric": "the Python plugin's own cost (exec to exit, answered at once) p50",
+                     "value": out["python_plugin_own_ms"]["p50"], "unit": "ms"})  # fmt: skip
     for mode in ("standalone", "chained"):
         m = out[mode]
+        if "datapath_share_ms" in m:
+            rows += [
+                {"metric": f"{mode}: ADD p50 less the plugin's own cost (the datapath's share)",
+                 "value": m["datapath_share_ms"]["add"], "unit": "ms"},
+                {"metric": f"{mode}: DEL p50 less the plugin's own cost (the datapath's share)",
+                 "value": m["datapath_share_ms"]["del"], "unit": "ms"},
+                {"metric": f"{mode}: RunPodSandbox p50 less ADD p50 (containerd's and runc's share)",
+                 "value": m["runtime_share_ms"], "unit": "ms"},
+            ]  # fmt: skip
         if f"{mode}-python" in out:
             py = out[f"{mode}-python"]
             rows += [
