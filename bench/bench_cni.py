@@ -380,7 +380,8 @@ def summary(out: dict[str, Any]) -> list[dict[str, Any]]:
                  "value": m["datapath_share_ms"]["add"], "unit": "ms"},
                 {"metric": f"{mode}: DEL p50 less the plugin's own cost (the datapath's share)",
                  "value": m["datapath_share_ms"]["del"], "unit": "ms"},
-                {"metric": f"{mode}: RunPodSandbox p50 less ADD p50 (containerd's and runc's share)",
+                {"metric": f"{mode}: RunPodSandbox p50 less ADD p50 (containerd's and runc's share"
+                 + (", ptp's and host-local's)" if mode == "chained" else ")"),
                  "value": m["runtime_share_ms"], "unit": "ms"},
             ]  # fmt: skip
         if f"{mode}-python" in out:
