@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import socket
 import threading
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from services.cni import spec
 from services.cni.spec import plugin_socket
 from tests.cni.test_plugin import PLUGIN, cni, conf, endpoints, netns
 from tests.datapath_service.agent import InProcessAgent
@@ -203,3 +205,11 @@ async def test_the_answer_is_written_as_it_came_with_its_exit_status(peer: Peer)
     code, out = await cni("CHECK", peer_conf(peer), netns="/run/netns/any")
     assert (code, out) == (1, json.loads(ERROR))
     assert peer.connections == 1
+
+
+def test_the_executable_and_the_plugin_agree_on_the_default_socket_and_the_plugin_socket() -> None:
+    """The two constants the C program repeats from services/cni/spec.py."""
+    source = (Path(__file__).parents[2] / "services" / "cni" / "shim.c").read_text()
+    defines = dict(re.findall(r'^#define (\w+) "([^"]*)"$', source, re.MULTILINE))
+    assert defines["DEFAULT_SOCKET"] == spec.DEFAULT_SOCKET
+    assert defines["PLUGIN_SOCKET"] == spec.PLUGIN_SOCKET
