@@ -1,7 +1,7 @@
 """CNI through a real runtime: palisade-cni ADD and DEL times, sandboxes per second against the
 runtime with ptp + host-local alone, and a burst of pods on one node.
 
-    python -m bench.bench_cni [--sandboxes 60] [--rounds 6] [--burst 100] [--quick]
+    python -m bench.bench_cni [--sandboxes 60] [--rounds 6] [--burst 100] [--quick] [--python-plugin]
 
 The whole system runs as `make run --no-pods` brings it up; containerd's CRI plays kubelet.
 Three containerd instances run side by side, one per mode: ``ptp`` (ptp + host-local alone,
@@ -14,6 +14,17 @@ as the runtime ran it; a mode's sandbox rate is its sandboxes over the time RunP
 took in all (the runtime's own work included), and its ratio is that rate over the baseline's.
 The Pod objects are published first, so every endpoint gets its identity.
 
+The runtime runs the plugin executable (services/cni/shim.c), which has the datapath run the
+plugin's code. ``--python-plugin`` adds two modes to the turns, ``standalone-python`` and
+``chained-python``: the same configurations with the Python plugin started by the runtime for every
+call (``palisade-cni-python``, what the executable hands over to), so the executable's gain is
+measured in the same run, interleaved.
+
+Where an ADD's and a DEL's time goes: ``plugin_own_ms`` is the plugin's own cost, from its exec to
+its exit (DEL, with a peer on a socket of its own that answers at once), so a call's time less
+it is the datapath's (reported as ``datapath_share_ms`` at p50), and RunPodSandbox's time less
+the ADD is containerd's and runc's (``runtime_share_ms``).
+
 The burst: ``--burst`` palisade-cni ADDs started at once on the one node, each in a network
 namespace of its own (made beforehand), for Pods that a NetworkPolicy selects; timed from the
 first start to the moment every endpoint is READY with its pod's identity (its policy written
@@ -25,9 +36,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket as socket_mod
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -44,8 +57,10 @@ from testkit.stack import running_stack, wait_for
 NS = "bench-cni"
 BURST_NS = "bench-burst"
 MODES = ("ptp", "standalone", "chained")
+#: With --python-plugin: the same configurations, the Python plugin run for every call.
+PYTHON_MODES = ("standalone-python", "chained-python")
 #: The baseline's and the chained mode's host-local ranges (apart, so no route is shared).
-SUBNETS = {"ptp": "10.79.0.0/16", "chained": "10.78.0.0/16"}
+SUBNETS = {"ptp": "10.79.0.0/16", "chained": "10.78.0.0/16", "chained-python": "10.77.0.0/16"}
 READY = "ENDPOINT_STATE_READY"
 INIT_IDENTITY = 5
 
@@ -95,17 +110,20 @@ class Runtime:
         self.timings = work / f"{mode}.timings"
         self.timings.touch()
         wrapper = work / f"{mode}-palisade"
-        wrapper.write_text(WRAPPER.format(plugin=Path(sys.executable).parent / "palisade-cni", log=self.timings))
+        plugin = "palisade-cni-python" if mode.endswith("-python") else "palisade-cni"
+        wrapper.write_text(WRAPPER.format(plugin=Path(sys.executable).parent / plugin, log=self.timings))
         wrapper.chmod(0o755)
         self.containerd.start(str(wrapper))
         self.cri: Cri = self.containerd.cri()
         cni_conf = self.containerd.cni_conf
+        mode = mode.removesuffix("-python")
         if mode == "standalone":
             self.containerd.write_conflist([{"type": "palisade", "socket": socket}])
         else:
-            ranges = [[{"subnet": SUBNETS[mode]}]]
+            ranges = [[{"subnet": SUBNETS[self.mode]}]]
+            ipam_dir = str(work / f"{self.mode}-ipam")
             ptp = {"type": "ptp", "ipMasq": False,
-                   "ipam": {"type": "host-local", "ranges": ranges, "dataDir": str(work / f"{mode}-ipam")}}  # fmt: skip
+                   "ipam": {"type": "host-local", "ranges": ranges, "dataDir": ipam_dir}}  # fmt: skip
             conf = {"cniVersion": "1.0.0", "name": "ptp-net", "plugins": [ptp]}
             (cni_conf / "10-ptp.conflist").write_text(json.dumps(conf))
             if mode == "chained":
@@ -148,20 +166,66 @@ class Runtime:
         return out
 
 
-def run_modes(count: int, rounds: int, socket: str, work: Path) -> dict[str, Any]:
+def run_modes(count: int, rounds: int, socket: str, work: Path, modes: tuple[str, ...] = MODES) -> dict[str, Any]:
     runtimes: dict[str, Runtime] = {}
     try:
-        for mode in MODES:
+        for mode in modes:
             runtimes[mode] = Runtime(mode, socket, work)
         size = max(1, count // rounds)
         for r in range(rounds):
             log(f"round {r + 1}/{rounds}: {size} sandboxes per mode")
-            for mode in MODES:
+            for mode in modes:
                 runtimes[mode].batch(r * size, size)
     finally:
         for runtime in runtimes.values():
             runtime.close()
-    return {mode: runtimes[mode].result() for mode in MODES}
+    return {mode: runtimes[mode].result() for mode in modes}
+
+
+# -- the plugin's own cost ----------------------------------------------------------------------
+
+
+def plugin_own_ms(plugin: Path, work: Path, calls: int = 100) -> dict[str, float]:
+    """Times of ``calls`` DELs by ``plugin``, exec to exit, with a peer on a socket of its own that
+    answers each at once (the framed call and the Python plugin's JSON line alike)."""
+    directory = Path(tempfile.mkdtemp(dir=work, prefix="own-"))
+    listener = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM)
+    listener.bind(plugin_socket(str(directory / "cni.sock")))
+    listener.listen(16)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn, conn.makefile("rb") as stream:
+                line = stream.readline()
+                if line.startswith(b"PALISADE-CNI 1 "):
+                    env_len, stdin_len = (int(n) for n in line.split()[2:])
+                    stream.read(env_len + stdin_len)
+                    conn.sendall(b"exit 0 0\n")
+                else:
+                    conn.sendall(b'{"response": {}}\n')
+                conn.shutdown(socket_mod.SHUT_RDWR)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    conf = json.dumps({"cniVersion": "1.0.0", "name": "own", "type": "palisade", "socket": str(directory / "cni.sock")})
+    env = {**_plugin_env("DEL", 0, "/run/netns/none"), "CNI_CONTAINERID": "own"}
+    times = []
+    try:
+        for _ in range(calls):
+            started = time.perf_counter()
+            done = subprocess.run([str(plugin)], input=conf.encode(), env=env, capture_output=True, check=False)
+            times.append((time.perf_counter() - started) * 1000)
+            if done.returncode != 0:
+                raise RuntimeError(f"{plugin} DEL against an answering peer failed: {done.stdout!r} {done.stderr!r}")
+    finally:
+        listener.shutdown(socket_mod.SHUT_RDWR)
+        listener.close()
+        thread.join(5)
+    return stats_ms(times)
 
 
 # -- the burst --------------------------------------------------------------------------------
@@ -265,7 +329,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log("warning: the pods' identities are not listed yet; endpoints may start with init")
         time.sleep(1.0)
         log(f"{args.sandboxes} sandboxes per mode through containerd, {args.rounds} rounds, modes interleaved")
-        out.update(run_modes(args.sandboxes, args.rounds, socket, work))
+        modes = MODES + (PYTHON_MODES if args.python_plugin else ())
+        out.update(run_modes(args.sandboxes, args.rounds, socket, work, modes))
+        bin_dir = Path(sys.executable).parent
+        out["plugin_own_ms"] = plugin_own_ms(bin_dir / "palisade-cni", work)
+        if args.python_plugin:
+            out["python_plugin_own_ms"] = plugin_own_ms(bin_dir / "palisade-cni-python", work)
+        for mode in modes[1:]:
+            m, own = out[mode], out["python_plugin_own_ms" if mode.endswith("-python") else "plugin_own_ms"]
+            m["datapath_share_ms"] = {c: round(m[f"{c}_ms"]["p50"] - own["p50"], 3) for c in ("add", "del")}
+            m["runtime_share_ms"] = round(m["run_sandbox_ms"]["p50"] - m["add_ms"]["p50"], 3)
         if args.burst:
             log(f"burst: {args.burst} palisade-cni ADDs at once")
             out["burst"] = run_burst(args.burst, socket, work)
@@ -290,8 +363,38 @@ def summary(out: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     base = out["ptp"]["sandboxes_per_s"]
     rows.append({"metric": "ptp + host-local alone: sandboxes per second via containerd", "value": base, "unit": "1/s"})
+    if "plugin_own_ms" in out:
+        rows += [
+            {"metric": f"palisade-cni's own cost (exec to exit, answered at once) {q}",
+             "value": out["plugin_own_ms"][q], "unit": "ms"}
+            for q in ("p50", "p99")
+        ]  # fmt: skip
+    if "python_plugin_own_ms" in out:
+        rows.append({"metric": "the Python plugin's own cost (exec to exit, answered at once) p50",
+                     "value": out["python_plugin_own_ms"]["p50"], "unit": "ms"})  # fmt: skip
     for mode in ("standalone", "chained"):
         m = out[mode]
+        if "datapath_share_ms" in m:
+            rows += [
+                {"metric": f"{mode}: ADD p50 less the plugin's own cost (the datapath's share)",
+                 "value": m["datapath_share_ms"]["add"], "unit": "ms"},
+                {"metric": f"{mode}: DEL p50 less the plugin's own cost (the datapath's share)",
+                 "value": m["datapath_share_ms"]["del"], "unit": "ms"},
+                {"metric": f"{mode}: RunPodSandbox p50 less ADD p50 (containerd's and runc's share"
+                 + (", ptp's and host-local's)" if mode == "chained" else ")"),
+                 "value": m["runtime_share_ms"], "unit": "ms"},
+            ]  # fmt: skip
+        if f"{mode}-python" in out:
+            py = out[f"{mode}-python"]
+            rows += [
+                {"metric": f"{mode}, Python plugin per call: ADD {q}", "value": py["add_ms"][q], "unit": "ms"}
+                for q in ("p50", "p99")
+            ] + [
+                {"metric": f"{mode}, Python plugin per call: DEL {q}", "value": py["del_ms"][q], "unit": "ms"}
+                for q in ("p50", "p99")
+            ]
+            rows.append({"metric": f"{mode}, Python plugin per call: sandboxes per second / ptp + host-local alone",
+                         "value": round(py["sandboxes_per_s"] / base, 3), "unit": "x"})  # fmt: skip
         rows += [
             {"metric": f"{mode}: palisade-cni ADD p50", "value": m["add_ms"]["p50"], "unit": "ms"},
             {"metric": f"{mode}: palisade-cni ADD p99", "value": m["add_ms"]["p99"], "unit": "ms",
@@ -322,6 +425,11 @@ def main() -> int:
     p.add_argument("--sandboxes", type=int, help="sandboxes per mode (default 60; 12 with --quick)")
     p.add_argument("--rounds", type=int, help="batches per mode, interleaved (default 6; 3 with --quick)")
     p.add_argument("--burst", type=int, help="pods in the burst (default 100; 20 with --quick; 0: none)")
+    p.add_argument(
+        "--python-plugin",
+        action="store_true",
+        help="also the modes standalone-python and chained-python: the Python plugin run for every call",
+    )
     args = p.parse_args()
     args.sandboxes = args.sandboxes or (12 if args.quick else 60)
     args.rounds = args.rounds or (3 if args.quick else 6)

@@ -83,4 +83,12 @@ fi
 
 # 5. Generated protobuf/gRPC code.
 make --no-print-directory proto VENV="$VENV" >/dev/null
+
+# 6. The CNI plugin executable (services/cni/shim.c) beside the Python plugin it hands to
+#    ($VENV/bin/palisade-cni-python, from pyproject.toml), as the node installer puts them.
+shim="$VENV/bin/palisade-cni"
+if [ ! -x "$shim" ] || [ services/cni/shim.c -nt "$shim" ] || [ "$(head -c4 "$shim" | tr -d '\177')" != ELF ]; then
+    gcc -O2 -Wall -Wextra -Werror -static -o "$shim.new" services/cni/shim.c && mv -f "$shim.new" "$shim"
+    say "built the CNI plugin executable $shim"
+fi
 say "ready ($("$VENV/bin/python" -c 'import bcc' 2>/dev/null && echo 'bcc importable' || echo 'bcc NOT importable: kernel tests will skip'))"

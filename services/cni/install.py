@@ -5,17 +5,19 @@ Run by the datapath DaemonSet's init container with the node's CNI folders mount
     python -m services.cni.install --bin-dir /host/opt/cni/bin --conf-dir /host/etc/cni/net.d \\
         --runtime-dir /host/opt/palisade-cni --runtime-path /opt/palisade-cni [--chain]
 
-The plugin is Python, so the image's interpreter and packages are copied beside it
-(``--runtime-dir``, seen by the node as ``--runtime-path``; each install into a folder of its
-own there, as that folder is the node's, mounted, and cannot itself be replaced) and
-``<bin-dir>/palisade`` is a small launcher; the node needs a glibc at least as new as the
-image's (Debian 12: 2.36).
+``<bin-dir>/palisade`` is the plugin executable the runtime starts (services/cni/shim.c, static:
+it asks nothing of the node), which has the datapath run the Python plugin's code in-process.
+What it hands to the Python plugin itself (no datapath answering, VERSION, input it cannot read)
+runs ``<bin-dir>/palisade-python``, a small launcher of the image's interpreter and packages,
+copied beside it (``--runtime-dir``, seen by the node as ``--runtime-path``; each install into a
+folder of its own there, as that folder is the node's, mounted, and cannot itself be replaced);
+the node needs a glibc at least as new as the image's (Debian 12: 2.36) for that one.
 
 Standalone (the default) writes ``05-palisade.conflist`` with Palisade as the only plugin.
 ``--chain`` puts Palisade after the plugins of the node's existing configuration (the first
 other ``*.conflist``/``*.conf`` file, e.g. kindnet's or flannel's): the same network name,
 written as ``05-palisade.conflist`` so the runtime picks it first. ``--uninstall`` removes the
-configuration, the launcher and the runtime (a chained node is left with its own plugin's
+configuration, the plugin, its launcher and the runtime (a chained node is left with its own plugin's
 configuration, as before the install), and with ``--bpffs``/``--state-dir`` also detaches the
 datapath's programs from the pods' veths, removes its pinned maps and its endpoint state: what
 ``palisade uninstall`` runs on every node (deploy/kubernetes/uninstall).
@@ -36,6 +38,10 @@ from typing import Any
 
 CONFLIST = "05-palisade.conflist"
 PLUGIN = "palisade"
+#: The Python plugin's launcher, beside the plugin: the name services/cni/shim.c runs.
+FALLBACK = PLUGIN + "-python"
+#: The plugin executable, built by scripts/setup.sh (and the image) beside the interpreter.
+SHIM = Path(sys.executable).parent / "palisade-cni"
 DEFAULT_SOCKET = "/var/run/palisade/datapath/cni.sock"
 
 
@@ -51,8 +57,27 @@ def _atomic_write(path: Path, text: str, mode: int = 0o644) -> None:
     os.replace(f.name, path)
 
 
+def shim_binary(path: Path = SHIM) -> bytes:
+    """The plugin executable as built; :class:`InstallError` if it is not there or not one."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InstallError(f"the plugin executable {path} is missing ({exc}); `make setup` builds it") from None
+    if not data.startswith(b"\x7fELF"):
+        raise InstallError(f"{path} is not the built plugin executable (services/cni/shim.c); `make setup` builds it")
+    return data
+
+
+def _atomic_write_bytes(path: Path, data: bytes, mode: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("wb", dir=path.parent, delete=False, prefix=f".{path.name}.") as f:
+        f.write(data)
+    os.chmod(f.name, mode)
+    os.replace(f.name, path)
+
+
 def launcher(runtime_path: str) -> str:
-    """The executable the runtime runs: the copied interpreter on the copied packages."""
+    """The Python plugin the executable hands to: the copied interpreter on the copied packages."""
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     return (
         "#!/bin/sh\n"
@@ -144,7 +169,10 @@ def install(args: argparse.Namespace) -> None:
     if not args.no_runtime:
         release = copy_runtime(Path(args.runtime_dir))
         runtime_path = f"{args.runtime_path.rstrip('/')}/{release}"
-    _atomic_write(bin_dir / PLUGIN, launcher(runtime_path), mode=0o755)
+    shim = shim_binary()
+    # The launcher first: the plugin, once in place, may hand to it at once.
+    _atomic_write(bin_dir / FALLBACK, launcher(runtime_path), mode=0o755)
+    _atomic_write_bytes(bin_dir / PLUGIN, shim, mode=0o755)
     _atomic_write(conf_dir / CONFLIST, json.dumps(conflist(conf_dir, chain=args.chain, socket=args.socket), indent=2))
     if release:
         prune_runtimes(Path(args.runtime_dir), keep=release)
@@ -153,7 +181,7 @@ def install(args: argparse.Namespace) -> None:
 
 
 def uninstall(args: argparse.Namespace) -> None:
-    for path in (Path(args.conf_dir) / CONFLIST, Path(args.bin_dir) / PLUGIN):
+    for path in (Path(args.conf_dir) / CONFLIST, Path(args.bin_dir) / PLUGIN, Path(args.bin_dir) / FALLBACK):
         path.unlink(missing_ok=True)
     runtime_dir = Path(args.runtime_dir)
     if runtime_dir.is_dir():

@@ -12,6 +12,11 @@ than the rest of an ADD. ADD waits up to
 ``timeout`` seconds for it (a restarting datapath), then answers "try again later" (11);
 DEL never fails for a pod that is gone, and while the datapath is down it queues the
 deletion in the socket's directory for the datapath to apply when it returns.
+
+The commands reach the datapath through a :class:`NodeApi`: over the socket (:class:`SocketApi`,
+this process run by the runtime), or in the datapath itself (services/datapath/pluginapi.py runs
+:func:`run` for the executable the runtime really starts, services/cni/shim.c, which hands to this
+process only what needs it: a datapath that is not there, VERSION, input it cannot read).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import socket
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from services.cni import spec
 from services.cni.spec import CniError
@@ -41,8 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-def run(env: Mapping[str, str], stdin: bytes, out: TextIO) -> int:
-    """One plugin call; prints the result or the error object, returns the exit status."""
+def run(env: Mapping[str, str], stdin: bytes, out: TextIO, api: NodeApi | None = None) -> int:
+    """One plugin call; prints the result or the error object, returns the exit status.
+
+    :class:`Handoff` from ``api`` goes up to the caller: the call is this process's to make.
+    """
+    node = api if api is not None else SocketApi()
     version = spec.CURRENT_VERSION
     try:
         environment = spec.parse_environment(env)
@@ -56,7 +65,7 @@ def run(env: Mapping[str, str], stdin: bytes, out: TextIO) -> int:
             return 0
         conf = spec.parse_config(stdin, environment.command)
         version = conf.version
-        result = COMMANDS[environment.command](environment, conf)
+        result = COMMANDS[environment.command](environment, conf, node)
     except CniError as err:
         _print(out, err.to_json(version))
         return 1
@@ -83,6 +92,60 @@ class ApiError(Exception):
         self.message = message
 
 
+class Handoff(Exception):
+    """What a :class:`NodeApi` in the datapath raises for what only the plugin's own process does
+    (queue a deletion on the node's file system): the caller runs the plugin's process instead."""
+
+
+class NodeApi(Protocol):
+    """How the commands reach the datapath."""
+
+    def call(self, conf: spec.NetConf, method: str, request: Mapping[str, Any], *, wait: float) -> dict[str, Any]:
+        """One call of the node API (protobuf's JSON mapping): the response, :class:`ApiError` with
+        the datapath's code, or :class:`CniError` (11) if it is not reached within ``wait`` seconds."""
+        ...
+
+    def check_reachable(self, conf: spec.NetConf, wait: float) -> None:
+        """Returns if the datapath answers within ``wait`` seconds, else :class:`CniError` (11)."""
+        ...
+
+    def queue_delete(self, conf: spec.NetConf, env: spec.Environment) -> None:
+        """Leaves a deletion for the datapath to apply when it is back."""
+        ...
+
+
+def answer_to_response(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The response in one answer of the plugin socket, or its error as :class:`ApiError`."""
+    if "error" in data:
+        raise ApiError(str(data["error"].get("code", "UNKNOWN")), str(data["error"].get("message", "")))
+    response: dict[str, Any] = data.get("response", {})
+    return response
+
+
+class SocketApi:
+    """The datapath over its plugin socket (JSON lines), from the plugin's own process."""
+
+    def call(self, conf: spec.NetConf, method: str, request: Mapping[str, Any], *, wait: float) -> dict[str, Any]:
+        with _connect(conf, wait) as sock:
+            sock.settimeout(conf.timeout + 20)
+            try:
+                sock.sendall(json.dumps({"method": method, "request": request}).encode() + b"\n")
+                answer = sock.makefile("rb").readline()
+            except OSError as exc:  # it went away mid-call (a timeout is one too)
+                raise ApiError("UNAVAILABLE", f"the datapath stopped answering: {exc}") from None
+        try:
+            data = json.loads(answer)
+        except ValueError:
+            raise ApiError("UNAVAILABLE", "the datapath closed the connection without an answer") from None
+        return answer_to_response(data)
+
+    def check_reachable(self, conf: spec.NetConf, wait: float) -> None:
+        _connect(conf, wait).close()
+
+    def queue_delete(self, conf: spec.NetConf, env: spec.Environment) -> None:
+        _queue(conf, env)
+
+
 def _connect(conf: spec.NetConf, wait: float) -> socket.socket:
     """A connection to the datapath's plugin socket, made within ``wait`` seconds, else error 11."""
     path = spec.plugin_socket(conf.socket)
@@ -103,25 +166,6 @@ def _connect(conf: spec.NetConf, wait: float) -> socket.socket:
             time.sleep(CONNECT_RETRY)
 
 
-def _call(conf: spec.NetConf, method: str, request: Mapping[str, Any], *, wait: float) -> dict[str, Any]:
-    """One call of the node API (protobuf's JSON mapping); raises ApiError with the datapath's code."""
-    with _connect(conf, wait) as sock:
-        sock.settimeout(conf.timeout + 20)
-        try:
-            sock.sendall(json.dumps({"method": method, "request": request}).encode() + b"\n")
-            answer = sock.makefile("rb").readline()
-        except OSError as exc:  # it went away mid-call (a timeout is one too)
-            raise ApiError("UNAVAILABLE", f"the datapath stopped answering: {exc}") from None
-    try:
-        data = json.loads(answer)
-    except ValueError:
-        raise ApiError("UNAVAILABLE", "the datapath closed the connection without an answer") from None
-    if "error" in data:
-        raise ApiError(str(data["error"].get("code", "UNKNOWN")), str(data["error"].get("message", "")))
-    response: dict[str, Any] = data.get("response", {})
-    return response
-
-
 def _api_error(what: str, err: ApiError) -> CniError:
     if err.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"):
         return CniError(spec.TRY_AGAIN_LATER, f"{what}: the datapath could not do it now", err.message)
@@ -135,7 +179,7 @@ def _api_error(what: str, err: ApiError) -> CniError:
 # --- commands -------------------------------------------------------------------------------
 
 
-def cmd_add(env: spec.Environment, conf: spec.NetConf) -> dict[str, Any]:
+def cmd_add(env: spec.Environment, conf: spec.NetConf, api: NodeApi) -> dict[str, Any]:
     namespace, pod = env.pod
     request: dict[str, Any] = {
         "namespace": namespace,
@@ -155,7 +199,7 @@ def cmd_add(env: spec.Environment, conf: spec.NetConf) -> dict[str, Any]:
     if not os.path.exists(env.netns):
         raise CniError(spec.CONTAINER_UNKNOWN, f"CNI_NETNS {env.netns} does not exist", "the sandbox is gone")
     try:
-        ep = _call(conf, "CreateEndpoint", request, wait=conf.timeout)
+        ep = api.call(conf, "CreateEndpoint", request, wait=conf.timeout)
     except ApiError as err:
         raise _api_error(f"adding pod {namespace}/{pod}", err) from None
     if prev is not None:
@@ -172,12 +216,12 @@ def cmd_add(env: spec.Environment, conf: spec.NetConf) -> dict[str, Any]:
     return spec.render_result(conf.version, result)
 
 
-def cmd_del(env: spec.Environment, conf: spec.NetConf) -> None:
+def cmd_del(env: spec.Environment, conf: spec.NetConf, api: NodeApi) -> None:
     namespace, pod = env.pod
     try:
-        _call(conf, "DeleteEndpoint", {"container_id": env.container_id}, wait=min(conf.timeout, 2.0))
+        api.call(conf, "DeleteEndpoint", {"container_id": env.container_id}, wait=min(conf.timeout, 2.0))
     except CniError:
-        _queue(conf, env)  # the datapath applies it when it is back; the runtime is never stuck
+        api.queue_delete(conf, env)  # the datapath applies it when it is back; the runtime is never stuck
         return None
     except ApiError as err:
         if err.code == "NOT_FOUND":
@@ -185,7 +229,7 @@ def cmd_del(env: spec.Environment, conf: spec.NetConf) -> None:
         if err.code == "UNAVAILABLE":
             # Deleted, with IPAM's release still pending (the datapath retries it), or the datapath
             # is going away: queue it, which is harmless if it was done.
-            _queue(conf, env)
+            api.queue_delete(conf, env)
             return None
         raise _api_error(f"deleting pod {namespace}/{pod}", err) from None
     return None
@@ -208,16 +252,16 @@ def _queue(conf: spec.NetConf, env: spec.Environment) -> None:
         raise CniError(spec.IO_FAILURE, f"cannot queue the deletion in {directory}", str(exc)) from None
 
 
-def _endpoints(conf: spec.NetConf) -> list[dict[str, Any]]:
+def _endpoints(conf: spec.NetConf, api: NodeApi) -> list[dict[str, Any]]:
     try:
-        listing = _call(conf, "ListEndpoints", {}, wait=conf.timeout)
+        listing = api.call(conf, "ListEndpoints", {}, wait=conf.timeout)
     except ApiError as err:
         raise _api_error("listing endpoints", err) from None
     return list(listing.get("endpoints", []))
 
 
-def cmd_check(env: spec.Environment, conf: spec.NetConf) -> None:
-    found = [ep for ep in _endpoints(conf) if ep.get("container_id") == env.container_id]
+def cmd_check(env: spec.Environment, conf: spec.NetConf, api: NodeApi) -> None:
+    found = [ep for ep in _endpoints(conf, api) if ep.get("container_id") == env.container_id]
     if not found:
         raise CniError(spec.ENDPOINT_MISMATCH, f"no endpoint for container {env.container_id}", "ADD it again")
     ep = found[0]
@@ -240,23 +284,23 @@ def cmd_check(env: spec.Environment, conf: spec.NetConf) -> None:
     return None
 
 
-def cmd_status(env: spec.Environment, conf: spec.NetConf) -> None:
+def cmd_status(env: spec.Environment, conf: spec.NetConf, api: NodeApi) -> None:
     try:
-        _connect(conf, min(conf.timeout, 2.0)).close()
+        api.check_reachable(conf, min(conf.timeout, 2.0))
     except CniError as err:
         raise CniError(spec.NOT_AVAILABLE, "the Palisade datapath is not available", err.details) from None
     return None
 
 
-def cmd_gc(env: spec.Environment, conf: spec.NetConf) -> None:
+def cmd_gc(env: spec.Environment, conf: spec.NetConf, api: NodeApi) -> None:
     valid = conf.raw.get("cni.dev/valid-attachments") or []
     if not isinstance(valid, list):
         raise CniError(spec.INVALID_CONFIG, "cni.dev/valid-attachments is not a list")
     keep = {str(a.get("containerID", "")) for a in valid if isinstance(a, dict)}
-    for ep in _endpoints(conf):
+    for ep in _endpoints(conf, api):
         if ep.get("container_id") and ep["container_id"] not in keep:  # only what a runtime added
             try:
-                _call(conf, "DeleteEndpoint", {"id": ep["id"]}, wait=conf.timeout)
+                api.call(conf, "DeleteEndpoint", {"id": ep["id"]}, wait=conf.timeout)
             except ApiError as err:
                 if err.code != "NOT_FOUND":  # gone meanwhile: what GC wanted
                     raise _api_error("garbage collection", err) from None

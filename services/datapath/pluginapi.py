@@ -8,19 +8,33 @@ writes one line, ``{"method": "CreateEndpoint", "request": {...}}``, and reads o
 requests and responses are the node API's own messages in protobuf's JSON mapping (field names
 as in the .proto), answered by the same servicer and error mapping as gRPC, so the two ways in
 can never disagree. It listens beside the gRPC node socket (``plugin.sock`` in its directory).
+
+The executable the runtime starts (services/cni/shim.c) is not Python: a Python interpreter's
+start alone costs 30-40 ms. It sends a whole CNI call instead, framed so that it needs no JSON:
+
+    request:  b"PALISADE-CNI 1 <env bytes> <stdin bytes>\n" + b"KEY=VALUE\0..." + stdin
+    answer:   b"exit <status> <stdout bytes>\n" + stdout     or     b"handoff\n"
+
+and the plugin's own code (services/cni/plugin.py's ``run``: the specification's checks, results
+and error objects) runs here, in a thread, calling this servicer in the loop. "handoff" asks the
+executable to run the Python plugin itself, for what only the node's side does (queueing a
+deletion on the node's file system while this datapath cannot delete).
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from palisade.v1 import datapath_pb2
+from services.cni import plugin, spec
 from services.cni.spec import plugin_socket
 from services.common.errors import Code, clip
 from services.common.grpcserver import ErrorInterceptor
@@ -34,6 +48,10 @@ log = get_logger("pluginapi")
 
 #: A request larger than this is refused: the plugin's requests are a few hundred bytes.
 MAX_REQUEST = 1 << 20
+#: The first line of a whole CNI call (services/cni/shim.c), before its two lengths.
+CNI_CALL = b"PALISADE-CNI 1 "
+#: Seconds a CNI call's thread waits for the servicer beyond the configuration's timeout.
+CALL_GRACE = 20.0
 
 
 Method = Callable[[Any, Any], Awaitable[Message]]
@@ -51,8 +69,10 @@ class PluginApi:
             "ListEndpoints": (datapath_pb2.ListEndpointsRequest, servicer.ListEndpoints),
         }
         self._server: asyncio.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._server = await start_unix_server(self.path, self._serve, limit=MAX_REQUEST)
         log.info("serving the CNI plugin", socket=self.path)
 
@@ -62,10 +82,13 @@ class PluginApi:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             line = await reader.readline()
-            answer = await self.answer(line)
-            writer.write(json.dumps(answer).encode() + b"\n")
+            if line.startswith(CNI_CALL):
+                writer.write(await self._cni_call(line, reader))
+            else:
+                answer = await self.answer(line)
+                writer.write(json.dumps(answer).encode() + b"\n")
             await writer.drain()
-        except (ConnectionError, ValueError, asyncio.LimitOverrunError) as exc:
+        except (ConnectionError, ValueError, asyncio.LimitOverrunError, asyncio.IncompleteReadError) as exc:
             log.warning("plugin connection failed", error=str(exc))
         finally:
             writer.close()
@@ -90,6 +113,94 @@ class PluginApi:
             code, text = status
             return _error(Code(code.name), text)
         return {"response": json_format.MessageToDict(response, preserving_proto_field_name=True)}
+
+    async def _cni_call(self, line: bytes, reader: asyncio.StreamReader) -> bytes:
+        """The answer to a whole CNI call; ValueError if the request is not one."""
+        env_len, stdin_len = (int(n) for n in line[len(CNI_CALL) :].split())
+        if not (0 <= env_len <= MAX_REQUEST and 0 <= stdin_len <= MAX_REQUEST):
+            raise ValueError(f"a CNI call of {env_len} + {stdin_len} bytes")
+        env_block = await reader.readexactly(env_len)
+        stdin = await reader.readexactly(stdin_len)
+        env = {}
+        for entry in env_block.split(b"\0"):
+            key, sep, value = entry.partition(b"=")
+            if sep:
+                env[key.decode(errors="surrogateescape")] = value.decode(errors="surrogateescape")
+        status, out = await self._in_thread(env, stdin)
+        if status is None:
+            return b"handoff\n"
+        data = out.encode(errors="surrogateescape")
+        return b"exit %d %d\n" % (status, len(data)) + data
+
+    async def _in_thread(self, env: Mapping[str, str], stdin: bytes) -> tuple[int | None, str]:
+        """:meth:`run_cni` in a thread of its own. A daemon thread: one waiting on a loop that is
+        gone (the datapath stopping) must not hold the process's exit, as a pool's threads would."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[tuple[int | None, str]] = loop.create_future()
+
+        def settle(result: tuple[int | None, str] | None, exc: BaseException | None) -> None:
+            if done.done():  # the connection's task was cancelled meanwhile
+                return
+            if exc is not None:
+                done.set_exception(exc)
+            else:
+                assert result is not None
+                done.set_result(result)
+
+        def work() -> None:
+            try:
+                result = self.run_cni(env, stdin)
+            except BaseException as exc:  # handed to the loop, which logs it with the connection
+                loop.call_soon_threadsafe(settle, None, exc)
+            else:
+                loop.call_soon_threadsafe(settle, result, None)
+
+        threading.Thread(target=work, name="cni-call", daemon=True).start()
+        return await done
+
+    def run_cni(self, env: Mapping[str, str], stdin: bytes) -> tuple[int | None, str]:
+        """One CNI call by the plugin's code (in a worker thread): (exit status, stdout), or
+        (None, "") when the plugin's own process must make it."""
+        out = io.StringIO()
+        try:
+            return plugin.run(env, stdin, out, _InProcessApi(self)), out.getvalue()
+        except plugin.Handoff:
+            return None, ""
+        except Exception as exc:  # a defect of the plugin's code: the runtime still gets an error object
+            log.error("CNI call failed", command=env.get("CNI_COMMAND", ""), error=repr(exc))
+            error = spec.CniError(spec.DATAPATH_ERROR, "palisade-cni failed in the datapath", clip(repr(exc)))
+            return 1, json.dumps(error.to_json(spec.CURRENT_VERSION)) + "\n"
+
+    def call(self, method: str, request: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+        """One call of the node API from a CNI call's thread, answered in the loop."""
+        assert self._loop is not None
+        line = json.dumps({"method": method, "request": request}).encode()
+        try:
+            future = asyncio.run_coroutine_threadsafe(self.answer(line), self._loop)
+        except RuntimeError as exc:  # the loop is closed: the datapath is stopping
+            raise plugin.ApiError("UNAVAILABLE", f"the datapath did not answer {method}: {exc}") from None
+        try:
+            answer = future.result(timeout)
+        except TimeoutError as exc:
+            future.cancel()
+            raise plugin.ApiError("UNAVAILABLE", f"the datapath did not answer {method}: {exc!r}") from None
+        return plugin.answer_to_response(answer)
+
+
+class _InProcessApi:
+    """:class:`services.cni.plugin.NodeApi` for a CNI call this datapath runs."""
+
+    def __init__(self, api: PluginApi) -> None:
+        self._api = api
+
+    def call(self, conf: spec.NetConf, method: str, request: Mapping[str, Any], *, wait: float) -> dict[str, Any]:
+        return self._api.call(method, request, conf.timeout + CALL_GRACE)
+
+    def check_reachable(self, conf: spec.NetConf, wait: float) -> None:
+        return None  # it answers this very call
+
+    def queue_delete(self, conf: spec.NetConf, env: spec.Environment) -> None:
+        raise plugin.Handoff()
 
 
 def _error(code: Code, message: str) -> dict[str, Any]:

@@ -17,15 +17,25 @@ def run(tmp_path: Path, *extra: str) -> int:
     )  # fmt: skip
 
 
-def test_standalone_writes_palisade_alone_and_a_launcher_on_the_copied_runtime(tmp_path: Path) -> None:
+def test_standalone_writes_palisade_alone_the_executable_and_a_launcher_on_the_copied_runtime(tmp_path: Path) -> None:
     assert run(tmp_path, "--socket", "/var/run/palisade/datapath/cni.sock") == 0
     conf = json.loads((tmp_path / "conf" / install.CONFLIST).read_text())
     assert conf["plugins"] == [{"type": "palisade", "socket": "/var/run/palisade/datapath/cni.sock"}]
-    launcher = tmp_path / "bin" / "palisade"
+    # The runtime starts the built executable; what it hands over runs the launcher beside it.
+    plugin = tmp_path / "bin" / "palisade"
+    assert plugin.stat().st_mode & 0o111 and plugin.read_bytes() == install.SHIM.read_bytes()
+    launcher = tmp_path / "bin" / "palisade-python"
     assert launcher.stat().st_mode & 0o111
     text = launcher.read_text()
     assert text.startswith("#!/bin/sh") and 'PYTHONHOME="/opt/palisade-cni/python"' in text
     assert "-m services.cni.plugin" in text
+
+
+def test_the_executable_must_be_built(tmp_path: Path) -> None:
+    (tmp_path / "not-built").write_text("#!/bin/sh\n")
+    for missing in (tmp_path / "absent", tmp_path / "not-built"):
+        with pytest.raises(install.InstallError, match="make setup"):
+            install.shim_binary(missing)
 
 
 def test_chained_goes_after_the_nodes_plugins_under_their_network_name(tmp_path: Path) -> None:
@@ -61,4 +71,4 @@ def test_uninstall_removes_what_install_put_there(tmp_path: Path) -> None:
     (tmp_path / "conf" / "10-other.conflist").write_text("{}")
     assert run(tmp_path, "--uninstall") == 0
     assert sorted(p.name for p in (tmp_path / "conf").iterdir()) == ["10-other.conflist"]
-    assert not (tmp_path / "bin" / "palisade").exists()
+    assert not (tmp_path / "bin" / "palisade").exists() and not (tmp_path / "bin" / "palisade-python").exists()

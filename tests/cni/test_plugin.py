@@ -2,7 +2,8 @@
 
 The datapath is the agent in this process over the in-memory BPF fake and a fake pod network,
 with real NATS, real gRPC on its unix socket, and real network namespace paths (root).
-Every command, both modes, and the error paths a runtime can meet.
+Every command, both modes, and the error paths a runtime can meet, through the executable a
+runtime starts (services/cni/shim.c, built by `make setup`), and what it hands to the Python plugin.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from tests.datapath_service.helpers import eventually
 pytestmark = pytest.mark.root
 
 INIT = 5
+#: The plugin executable as `make setup` builds it, beside the Python plugin it hands to.
+PLUGIN = Path(sys.executable).parent / "palisade-cni"
 
 
 @pytest.fixture
@@ -46,7 +49,14 @@ def conf(agent: InProcessAgent, version: str = "1.0.0", **extra: Any) -> dict[st
 
 
 async def cni(
-    command: str, config: dict[str, Any] | bytes, *, netns: str = "", cid: str = "c1", pod: str = "web", **env: str
+    command: str,
+    config: dict[str, Any] | bytes,
+    *,
+    netns: str = "",
+    cid: str = "c1",
+    pod: str = "web",
+    plugin: Path | str = PLUGIN,
+    **env: str,
 ) -> tuple[int, dict[str, Any]]:
     """Exec palisade-cni as a runtime does; returns (exit status, the JSON it printed)."""
     environment = {
@@ -61,9 +71,8 @@ async def cni(
     }
     data = config if isinstance(config, bytes) else json.dumps(config).encode()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cni.plugin", cwd=ROOT, env=environment,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        plugin, cwd=ROOT, env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     out, err = await proc.communicate(data)
     status = proc.returncode
     # 0 is success and 1 an error object: anything else is a crash or a signal, never an answer.

@@ -49,7 +49,7 @@ from nats.js.errors import NotFoundError
 
 from palisade.v1 import k8s_pb2
 from services.cli.install import MANIFESTS, load_kustomization, tls_secrets
-from services.cni.install import CONFLIST, DEFAULT_SOCKET, PLUGIN
+from services.cni.install import CONFLIST, DEFAULT_SOCKET, FALLBACK, PLUGIN
 from services.common.bus import K8S_STREAM, Bus
 from services.common.subjects import k8s_subject
 from services.common.trust import CA_NAME, Credentials, ensure_pki
@@ -227,8 +227,11 @@ def test_the_installer_puts_the_plugin_and_its_conflist_on_the_node(cluster: Clu
     conflist = json.loads((cluster.node.host_view("/etc/cni/net.d") / CONFLIST).read_text())
     assert conflist["plugins"] == [{"type": PLUGIN, "socket": DEFAULT_SOCKET}]
     (runtime,) = cluster.node.host_view("/opt/palisade-cni").iterdir()
-    assert (runtime / "python" / "bin").is_dir() and f"/opt/palisade-cni/{runtime.name}/" in plugin.read_text()
-    # The launcher runs on the node (outside the image) with the runtime it was given.
+    # The executable, and beside it the Python plugin's launcher on the runtime it was given.
+    assert plugin.read_bytes().startswith(b"\x7fELF")
+    launcher = cluster.node.host_view("/opt/cni/bin") / FALLBACK
+    assert (runtime / "python" / "bin").is_dir() and f"/opt/palisade-cni/{runtime.name}/" in launcher.read_text()
+    # Both run on the node (outside the image): VERSION is the Python plugin's.
     version = subprocess.run(
         ["nsenter", "-t", str(cluster.node.pid), "-m", "-n", "env", "CNI_COMMAND=VERSION", "/opt/cni/bin/palisade"],
         capture_output=True, text=True, timeout=60,
