@@ -397,7 +397,10 @@ class PodManager:
             except IpamError as exc:
                 log.error("pod identity not allocated", namespace=key[0], pod=key[1], error=exc.message)
                 return
-            await self._identities.seen(result.identity, result.revision)
+            if result.new:
+                await self._identities.created(result.identity, result.revision)
+            else:
+                await self._identities.seen(result.identity, result.revision)
             old = applied.identity.id if applied is not None else None
             applied = Applied(pod.node, labels, result.identity)
             self._applied[key] = applied
