@@ -344,7 +344,12 @@ class IdentityAllocator:
         owner_key = keys.identity_owner(node, owner)
         res = await self._store.txn(
             [value_is(owner_key, str(ident).encode())],
-            [Delete(keys.identity_ref(ident, node, owner)), Delete(owner_key)],
+            [
+                Delete(keys.identity_ref(ident, node, owner)),
+                Delete(owner_key),
+                # Counted after the deletes, in the same transaction: no second round trip.
+                Get(keys.identity_refs_of(ident), prefix=True, count_only=True),
+            ],
             [Get(owner_key), Get(keys.identity_id(ident))],
         )
         if not res.succeeded:
@@ -361,8 +366,7 @@ class IdentityAllocator:
         self._owners.pop((node, owner), None)
         self._held.pop((node, owner), None)
         metrics.IDENTITY_RELEASES.labels(kind_of(ident).value).inc()
-        remaining = await self._store.count(keys.identity_refs_of(ident))
-        return remaining == 0
+        return res.counts[0] == 0
 
     async def release_owner(self, node: str, owner: str) -> int | None:
         """Drop whatever ``owner`` holds on ``node``; returns the identity it held."""
