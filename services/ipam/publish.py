@@ -24,7 +24,7 @@ from services.common.labels import LabelSet
 from services.common.log import get_logger
 from services.common.subjects import identity_subject, ipcache_subject
 from services.ipam import keys
-from services.ipam.kv import Change, Store
+from services.ipam.kv import Change, Delete, Put, Store
 from services.ipam.model import Identity
 
 log = get_logger("publish")
@@ -202,13 +202,14 @@ class IpcacheWriter:
         known = self.entries.get(entry.prefix)
         if known is not None and same_entry(known, entry):
             return
-        await self._store.put(entry_key(entry), entry.SerializeToString(deterministic=True))
+        # As a transaction, so that entries written together (a wave of pods) share etcd batches.
+        await self._store.txn([], [Put(entry_key(entry), entry.SerializeToString(deterministic=True))])
         self.entries[entry.prefix] = entry
         await self._bus.publish(ipcache_subject(entry.prefix), entry)
 
     async def delete(self, prefix: str) -> None:
         known = self.entries.pop(prefix, None)
-        await self._store.delete(keys.ipcache(prefix))
+        await self._store.txn([], [Delete(keys.ipcache(prefix))])
         tombstone = identity_pb2.IpcacheEntry(prefix=prefix, deleted=True)
         if known is not None:
             tombstone.identity = known.identity
