@@ -383,11 +383,12 @@ class IdentityAllocator:
                 continue  # changed under us; look again
         return None
 
-    async def retake(self, node: str) -> list[tuple[str, int, int]]:
+    async def retake(self, node: str) -> list[tuple[str, int | None, IdentityAllocation]]:
         """After a node's lease was lost: take every reference this process held on it again.
 
-        Returns (owner, old id, new id) for the owners whose identity changed, which
-        happens only if the identity was collected in the meantime.
+        Returns (owner, old id if known, allocation) for the owners whose identity changed or
+        was created again, which happens only if it was collected in the meantime (the caller
+        announces the identities the allocations created).
         """
         moved = []
         # References of the node this process did not take went with the lease; forget them.
@@ -398,8 +399,8 @@ class IdentityAllocator:
                 continue
             old = self._owners.pop((n, owner), (None, 0))[0]
             result = await self.allocate(labels, n, owner)
-            if old is not None and old != result.identity.id:
-                moved.append((owner, old, result.identity.id))
+            if result.new or (old is not None and old != result.identity.id):
+                moved.append((owner, old, result))
         return moved
 
     async def drop_node(self, node: str) -> None:

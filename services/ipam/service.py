@@ -167,7 +167,12 @@ async def keep_leases(ipam: Ipam) -> None:
             for node in lost:
                 moved = await ipam.allocator.retake(node)
                 for owner, old, new in moved:
-                    log.warning("reference moved after lease loss", node=node, owner=owner, previous=old, id=new)
+                    if new.new:  # created here: announcing it is this replica's job
+                        await ipam.identities.created(new.identity, new.revision)
+                    if old is not None and old != new.identity.id:
+                        log.warning(
+                            "reference moved after lease loss", node=node, owner=owner, previous=old, id=new.identity.id
+                        )
                 ipam.pods.submit(NodeResync(node))
         except StoreError as exc:
             log.warning("lease keepalive failed", error=str(exc))
