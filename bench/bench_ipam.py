@@ -15,6 +15,8 @@ data dirs) and prints one JSON object.
   the answer), IP allocations on one node (every replica allocating from the same node
   CIDR) and their releases. No address or identity may be handed out twice. Then the
   floor: as many GetNodeCIDR calls answered from memory (gRPC, TLS and the client alone).
+  And how many messages the identity stream took per new identity (its sequence numbers:
+  1 when each identity is announced once).
 
 The ``summary`` rows carry the targets of issue 34 on the API figures, and the CPU each API
 request cost the replicas, etcd, nats-server and this client; per phase too, with the ceiling
@@ -38,7 +40,7 @@ from pathlib import Path
 
 from bench.stats import target
 from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc
-from services.common.bus import Bus
+from services.common.bus import IDENTITY_STREAM, Bus
 from services.common.labels import LabelSet
 from services.common.store import connect_etcd
 from services.ipam.config import IPAMMode
@@ -187,6 +189,7 @@ async def bench_api(tmp: Path, replicas: int, concurrency: int, identities: int,
         async with await Bus.connect([nats.url], name="bench", tls=creds()) as bus:
             await bus.ensure_streams()
             await K8s(bus).synced()
+            published_before = (await bus.js.stream_info(IDENTITY_STREAM.name)).state.last_seq
         args = ipam_args(nats, etcd, "--identity-gc-interval", "3600", "--log-level", "warning", *POOL)
         logs = tmp / "logs"
         logs.mkdir()
@@ -212,12 +215,20 @@ async def bench_api(tmp: Path, replicas: int, concurrency: int, identities: int,
             return rate
 
         figures = await _api_level([p.address for p in procs], concurrency, identities, ips, phase)
+        async with await Bus.connect([nats.url], name="bench", tls=creds()) as bus:
+            # The replicas announce from the watch too: wait until the stream stops growing.
+            published, last = 0, -1
+            while published != last:
+                last = published
+                await asyncio.sleep(1.0)
+                published = (await bus.js.stream_info(IDENTITY_STREAM.name)).state.last_seq - published_before
         counts = {"identity_new": identities, "ip_allocate": ips, "ip_release": ips}
         requests = sum(counts.values())
         return {
             "replicas": replicas,
             "concurrency": concurrency,
             **figures,
+            "identity_messages_per_new_identity": round(published / identities, 3),
             # Where the machine's CPU went, per API request (allocations and releases alike).
             "cpu_ms_per_request": {
                 k: round(sum(by_phase[p][k] * n for p, n in counts.items()) / requests, 3)
@@ -274,6 +285,11 @@ def summary(results: dict[str, dict[str, float]], api: dict[str, object]) -> lis
             "target": target(">=", TARGET_IPS),
         },
         {"metric": f"ipam API: IP releases, {where}", "value": api["ip_release_per_s"], "unit": "/s"},
+        {
+            "metric": f"ipam API: bus messages per new identity, {where}",
+            "value": api["identity_messages_per_new_identity"],
+            "unit": "messages",
+        },
         *(
             {"metric": f"ipam API: CPU per request, {who}", "value": ms, "unit": "ms"}
             for who, ms in dict(api["cpu_ms_per_request"]).items()  # type: ignore[call-overload]
