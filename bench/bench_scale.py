@@ -461,7 +461,7 @@ async def scenario(stack: Stack, world: World, args: argparse.Namespace) -> dict
 
         # -- identity churn through the manifest folder
         log(f"churn: {args.churn_rate} new pods/s for {args.churn_seconds}s")
-        out["churn"] = await churn(stack, world, cluster, api, args)
+        out["churn"] = await churn(stack, world, cluster, api, args, pids)
         log(f"churn: {out['churn']}")
         out["rss_policy_end_mib"] = rss_mib(policy_pid)
         out["rss_policy_peak_mib"] = peak_rss_mib(policy_pid)
@@ -470,7 +470,9 @@ async def scenario(stack: Stack, world: World, args: argparse.Namespace) -> dict
     return out
 
 
-async def churn(stack: Stack, world: World, cluster: Cluster, api: Api, args: argparse.Namespace) -> dict[str, Any]:
+async def churn(
+    stack: Stack, world: World, cluster: Cluster, api: Api, args: argparse.Namespace, pids: dict[str, int]
+) -> dict[str, Any]:
     """Every second a file of new pods (new label sets) appears, ``rate`` a second; files older than
     ``--churn-life`` go.
 
@@ -482,6 +484,7 @@ async def churn(stack: Stack, world: World, cluster: Cluster, api: Api, args: ar
     files: list[tuple[Path, int]] = []
     created = 0
     total = args.churn_rate * args.churn_seconds
+    cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     started = time.monotonic()
     tick = 0
     while created < total:
@@ -507,6 +510,8 @@ async def churn(stack: Stack, world: World, cluster: Cluster, api: Api, args: ar
             files.pop(0)[0].unlink()
         await asyncio.sleep(max(0.0, started + second + 1 - time.monotonic()))
     wrote_s = time.monotonic() - started
+    # Where the machine's cores went while the churn was written (of os.cpu_count() per second).
+    cpu_share = {name: round((cpu_seconds(pid) - cpu_before[name]) / wrote_s, 2) for name, pid in pids.items()}
     for path, _ in files:
         path.unlink()
     # Converged: ipam has handled every churn delta (a pod written last reaches the ipcache: the
@@ -540,6 +545,7 @@ async def churn(stack: Stack, world: World, cluster: Cluster, api: Api, args: ar
         "manifest_to_ipcache_ms": stats_ms(lags),
         "converged": converged,
         "converged_after_s": round(converged_s, 1),
+        "cpu_s_per_s_by_process": cpu_share,
     }
 
 
