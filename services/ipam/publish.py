@@ -50,8 +50,6 @@ class IdentityPublisher:
         self._published: dict[int, _Published] = {}
         #: Identities created here whose announcement failed, to send again (:meth:`retry_owed`).
         self._owed: dict[int, Identity] = {}
-        #: Identities sent by this process, for metrics and tests.
-        self.sent = 0
 
     def count(self) -> int:
         return len(self._published)
@@ -62,7 +60,6 @@ class IdentityPublisher:
     async def _send(self, identity: Identity, deleted: bool = False) -> None:
         update = identity_pb2.IdentityUpdate(identity=identity.to_proto(), deleted=deleted)
         await self._bus.publish(identity_subject(identity.id), update)
-        self.sent += 1
 
     async def _announce(self, identity: Identity, revision: int) -> None:
         self._published[identity.id] = _Published(identity.labels, revision)
