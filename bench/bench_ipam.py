@@ -15,6 +15,13 @@ data dirs) and prints one JSON object.
   the answer), IP allocations on one node (every replica allocating from the same node
   CIDR) and their releases. No address or identity may be handed out twice. Then the
   floor: as many GetNodeCIDR calls answered from memory (gRPC, TLS and the client alone).
+  And how many messages the identity stream took per new identity (its sequence numbers:
+  1 when each identity is announced once).
+- ``churn``: ipam's share of identity churn, the pod task of one ipam in this process on a
+  fresh etcd and nats-server: ``--churn-rate`` new pods a second (each a new label set, with
+  its address) for ``--churn-seconds``, each deleted ``--churn-life`` seconds after it came,
+  fed as the bus deltas are; timed from the delta to its ipcache entry on the bus, and until
+  the last is applied, with the CPU per pod change of this process, etcd and nats-server.
 
 The ``summary`` rows carry the targets of issue 34 on the API figures, and the CPU each API
 request cost the replicas, etcd, nats-server and this client; per phase too, with the ceiling
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import ipaddress
 import json
@@ -36,18 +44,22 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from bench.stats import target
+from bench.stats import stats_ms, target
 from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc
-from services.common.bus import Bus
+from services.common.bus import IDENTITY_STREAM, Bus
 from services.common.labels import LabelSet
 from services.common.store import connect_etcd
+from services.common.subjects import IPCACHE_ALL
 from services.ipam.config import IPAMMode
 from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases
+from services.ipam.pods import K8sChanged, PodManager
+from services.ipam.podwatch import Change, ObjectKind
+from services.ipam.publish import IdentityPublisher, IpcacheWriter
 from testkit.harness import EtcdServer, NatsServer, ServiceProcess, channel, creds
-from testkit.ipam import K8s, ipam_args
+from testkit.ipam import K8s, ipam_args, namespace, pod
 
 #: Issue 34's targets for the API at concurrency 16 with two replicas, per second.
 TARGET_IDENTITIES = 2000.0
@@ -187,6 +199,7 @@ async def bench_api(tmp: Path, replicas: int, concurrency: int, identities: int,
         async with await Bus.connect([nats.url], name="bench", tls=creds()) as bus:
             await bus.ensure_streams()
             await K8s(bus).synced()
+            published_before = (await bus.js.stream_info(IDENTITY_STREAM.name)).state.last_seq
         args = ipam_args(nats, etcd, "--identity-gc-interval", "3600", "--log-level", "warning", *POOL)
         logs = tmp / "logs"
         logs.mkdir()
@@ -212,12 +225,20 @@ async def bench_api(tmp: Path, replicas: int, concurrency: int, identities: int,
             return rate
 
         figures = await _api_level([p.address for p in procs], concurrency, identities, ips, phase)
+        async with await Bus.connect([nats.url], name="bench", tls=creds()) as bus:
+            # The replicas announce from the watch too: wait until the stream stops growing.
+            published, last = 0, -1
+            while published != last:
+                last = published
+                await asyncio.sleep(1.0)
+                published = (await bus.js.stream_info(IDENTITY_STREAM.name)).state.last_seq - published_before
         counts = {"identity_new": identities, "ip_allocate": ips, "ip_release": ips}
         requests = sum(counts.values())
         return {
             "replicas": replicas,
             "concurrency": concurrency,
             **figures,
+            "identity_messages_per_new_identity": round(published / identities, 3),
             # Where the machine's CPU went, per API request (allocations and releases alike).
             "cpu_ms_per_request": {
                 k: round(sum(by_phase[p][k] * n for p, n in counts.items()) / requests, 3)
@@ -235,6 +256,93 @@ async def bench_api(tmp: Path, replicas: int, concurrency: int, identities: int,
         etcd.stop()
 
 
+async def bench_churn(tmp: Path, rate: int, seconds: int, life: int) -> dict[str, object]:
+    """The pod task of one ipam under churn: ``rate`` new pods a second, each gone ``life`` s later."""
+    etcd = EtcdServer(tmp / "etcd-churn")
+    etcd.start()
+    nats = NatsServer(tmp / "nats-churn")
+    nats.start()
+    try:
+        host, port = etcd.endpoint.rsplit(":", 1)
+        client = await connect_etcd([(host, int(port))], tls=creds("ipam"))
+        store = Store(client)
+        async with await Bus.connect([nats.url], name="bench-churn", tls=creds()) as bus:
+            await bus.ensure_streams()
+            allocator = IdentityAllocator(store, NodeLeases(store, 60))
+            await allocator.load()
+            ipalloc = IPAllocator(
+                store, [ipaddress.ip_network("10.0.0.0/8")], mask_v4=24, mask_v6=112, mode=IPAMMode.CLUSTER_POOL
+            )
+            await ipalloc.load()
+            ipcache = IpcacheWriter(store, bus)
+            await ipcache.load()
+            pods = PodManager(allocator, ipalloc, IdentityPublisher(bus), ipcache, cluster="default")
+            runner = asyncio.create_task(pods.run())
+            namespaces = 50
+            for n in range(namespaces):
+                pods.submit(K8sChanged(Change(ObjectKind.NAMESPACE, "", f"ns-{n}", namespace(f"ns-{n}"))))
+            await pods.sweep()
+            written: dict[str, float] = {}
+            lags: list[float] = []
+            all_seen = asyncio.Event()
+
+            async def on_entry(subject: str, entry: identity_pb2.IpcacheEntry) -> None:
+                at = written.pop(entry.prefix, None)
+                if at is not None and not entry.deleted:
+                    lags.append((time.monotonic() - at) * 1000)
+                if not written:
+                    all_seen.set()
+
+            await bus.follow(IPCACHE_ALL, identity_pb2.IpcacheEntry, on_entry)
+            pids = {"etcd": [etcd.proc.pid] if etcd.proc else [], "nats": [nats.proc.pid] if nats.proc else []}
+            before = {k: _cpu_seconds(v) for k, v in pids.items()} | {"ipam and client": time.process_time()}
+            started = time.monotonic()
+
+            def change(c: int, gone: bool = False) -> K8sChanged:
+                ns, name = f"ns-{c % namespaces}", f"churn-{c}"
+                ip = f"10.{100 + c // 60000}.{(c // 250) % 240}.{c % 250 + 1}"
+                obj = (
+                    None
+                    if gone
+                    else pod(ns, name, {"app": f"a{c % 10}", "churn": f"c{c}"}, node=f"node-{c % 100}", ip=ip)
+                )
+                if not gone:
+                    written[f"{ip}/32"] = time.monotonic()
+                return K8sChanged(Change(ObjectKind.POD, ns, name, obj))
+
+            for second in range(seconds):
+                for k in range(rate):
+                    pods.submit(change(second * rate + k))
+                    if second >= life:
+                        pods.submit(change((second - life) * rate + k, gone=True))
+                await asyncio.sleep(max(0.0, started + second + 1 - time.monotonic()))
+            await pods.sweep()  # queued after every change: answered once all are applied
+            drained = time.monotonic() - started - seconds
+            if written:  # the last entries' messages are on their way back
+                all_seen.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(all_seen.wait(), 5.0)
+            after = {k: _cpu_seconds(v) for k, v in pids.items()} | {"ipam and client": time.process_time()}
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+        await client.close()
+        events = rate * seconds + rate * max(0, seconds - life)
+        return {
+            "rate_per_s": rate,
+            "seconds": seconds,
+            "life_s": life,
+            "pod_changes": events,
+            "delta_to_ipcache_ms": stats_ms(lags),
+            "missing_entries": len(written),
+            "applied_after_last_s": round(drained, 2),
+            "cpu_ms_per_pod_change": {k: round((after[k] - before[k]) * 1000 / events, 3) for k in before},
+            "waves": pods.waves,
+        }
+    finally:
+        nats.stop()
+        etcd.stop()
+
+
 def _cpu_seconds(pids: list[int]) -> float:
     """User plus system CPU seconds the processes have used so far."""
     ticks = os.sysconf("SC_CLK_TCK")
@@ -245,8 +353,32 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def summary(results: dict[str, dict[str, float]], api: dict[str, object]) -> list[dict[str, object]]:
-    """One row per figure: the allocators in this process per level, then the API with its targets."""
+def churn_rows(churn: dict[str, object]) -> list[dict[str, object]]:
+    if not churn:
+        return []
+    where = f"{churn['rate_per_s']} new pods/s, each deleted {churn['life_s']} s later"
+    lag = dict(churn["delta_to_ipcache_ms"])  # type: ignore[call-overload]
+    cpu = dict(churn["cpu_ms_per_pod_change"])  # type: ignore[call-overload]
+    return [
+        {"metric": f"ipam pod churn: delta -> ipcache entry p50, {where}", "value": lag["p50"], "unit": "ms"},
+        {"metric": f"ipam pod churn: delta -> ipcache entry p99, {where}", "value": lag["p99"], "unit": "ms"},
+        {
+            "metric": f"ipam pod churn: last change applied after the last delta, {where}",
+            "value": churn["applied_after_last_s"],
+            "unit": "s",
+        },
+        {
+            "metric": f"ipam pod churn: CPU per pod change of all processes, {where}",
+            "value": round(sum(cpu.values()), 3),
+            "unit": "ms",
+        },
+    ]
+
+
+def summary(
+    results: dict[str, dict[str, float]], api: dict[str, object], churn: dict[str, object] | None = None
+) -> list[dict[str, object]]:
+    """One row per figure: the allocators in this process per level, then the API with its targets, then churn."""
     rows: list[dict[str, object]] = [
         {
             "metric": f"allocator in process: {name.removesuffix('_per_s')}, {level.replace('_', ' ')}",
@@ -256,6 +388,7 @@ def summary(results: dict[str, dict[str, float]], api: dict[str, object]) -> lis
         for level, figures in results.items()
         for name, v in figures.items()
     ]
+    rows += churn_rows(churn or {})
     if not api:
         return rows
     where = f"{api['replicas']} replicas, concurrency {api['concurrency']}"
@@ -274,6 +407,11 @@ def summary(results: dict[str, dict[str, float]], api: dict[str, object]) -> lis
             "target": target(">=", TARGET_IPS),
         },
         {"metric": f"ipam API: IP releases, {where}", "value": api["ip_release_per_s"], "unit": "/s"},
+        {
+            "metric": f"ipam API: bus messages per new identity, {where}",
+            "value": api["identity_messages_per_new_identity"],
+            "unit": "messages",
+        },
         *(
             {"metric": f"ipam API: CPU per request, {who}", "value": ms, "unit": "ms"}
             for who, ms in dict(api["cpu_ms_per_request"]).items()  # type: ignore[call-overload]
@@ -305,9 +443,13 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,32", help="comma-separated numbers of requests in flight")
     parser.add_argument("--replicas", type=int, default=2, help="ipam processes behind the API figures (0: none)")
     parser.add_argument("--api-concurrency", type=int, default=16, help="API requests in flight over all replicas")
+    parser.add_argument("--churn-rate", type=int, default=300, help="new pods a second in the churn part (0: none)")
+    parser.add_argument("--churn-seconds", type=int, default=20, help="seconds new pods come in the churn part")
+    parser.add_argument("--churn-life", type=int, default=10, help="seconds a churn pod lives")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     api: dict[str, object] = {}
+    churn: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="palisade-bench-") as tmp:
         etcd = EtcdServer(Path(tmp) / "etcd")
         etcd.start()
@@ -317,6 +459,8 @@ def main() -> int:
             etcd.stop()
         if args.replicas > 0:
             api = asyncio.run(bench_api(Path(tmp), args.replicas, args.api_concurrency, args.identities, args.ips))
+        if args.churn_rate > 0:
+            churn = asyncio.run(bench_churn(Path(tmp), args.churn_rate, args.churn_seconds, args.churn_life))
     out = {
         "benchmark": "ipam",
         "identities": args.identities,
@@ -325,7 +469,8 @@ def main() -> int:
         "python": platform.python_version(),
         "results": results,
         "api": api,
-        "summary": summary(results, api),
+        "churn": churn,
+        "summary": summary(results, api, churn),
     }
     print(json.dumps(out, indent=2))
     return 0

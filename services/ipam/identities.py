@@ -45,6 +45,7 @@ from services.ipam.model import (
     reserved_by_id,
 )
 from services.ipam.owners import OwnerIndexed
+from services.ipam.replica import ReplicaLease
 
 log = get_logger("identities")
 
@@ -114,9 +115,12 @@ class IdentityAllocator:
         cluster_range: IdRange = CLUSTER_RANGE,
         cidr_range: IdRange = CIDR_RANGE,
         rng: random.Random | None = None,
+        replica: ReplicaLease | None = None,
     ) -> None:
         self._store = store
         self._leases = leases
+        #: When set, identities created here are recorded as this replica's to announce.
+        self._replica = replica
         self._ranges = {Kind.CLUSTER: cluster_range, Kind.CIDR: cidr_range}
         self._rng = rng or random.Random()
         self._by_id: dict[int, LabelSet] = {}
@@ -261,11 +265,17 @@ class IdentityAllocator:
         lease = await self._leases.lease_for(node)
         owner_id, owner_mod = self._owners.get((node, owner), (None, 0))
         known = self._by_labels.get(labels)
+        replica_lease = 0
         for _ in range(MAX_ATTEMPTS):
             creating = known is None
             ident = await self._fresh_candidate(kind) if known is None else known
             id_key = keys.identity_id(ident)
-            ops: list[Op] = [Put(id_key, canonical.encode())]
+            ops: list[Op] = []
+            if creating and self._replica is not None:
+                # Before the id key: a watcher meets the creator first, so it knows whose the announcement is.
+                replica_lease = await self._replica.lease()
+                ops.append(Put(keys.identity_creator(ident), self._replica.name.encode(), replica_lease))
+            ops.append(Put(id_key, canonical.encode()))
             if creating:
                 compares = [absent(label_key), absent(id_key), mod_is(owner_key, owner_mod)]
                 ops.append(Put(label_key, str(ident).encode()))
@@ -283,8 +293,11 @@ class IdentityAllocator:
             try:
                 res = await self._store.txn(compares, ops, [Get(label_key), Get(owner_key), Get(id_key)])
             except LeaseNotFound:
-                # The node's lease expired under us: its references are gone, start over on a new one.
+                # The node's lease (or this replica's) expired under us: the node's references are
+                # gone, start over on new ones.
                 self._leases.invalidate(node, lease)
+                if self._replica is not None and replica_lease:
+                    self._replica.invalidate(replica_lease)
                 self._owners.pop((node, owner), None)
                 owner_id, owner_mod = None, 0
                 lease = await self._leases.lease_for(node)
@@ -331,7 +344,12 @@ class IdentityAllocator:
         owner_key = keys.identity_owner(node, owner)
         res = await self._store.txn(
             [value_is(owner_key, str(ident).encode())],
-            [Delete(keys.identity_ref(ident, node, owner)), Delete(owner_key)],
+            [
+                Delete(keys.identity_ref(ident, node, owner)),
+                Delete(owner_key),
+                # Counted after the deletes, in the same transaction: no second round trip.
+                Get(keys.identity_refs_of(ident), prefix=True, count_only=True),
+            ],
             [Get(owner_key), Get(keys.identity_id(ident))],
         )
         if not res.succeeded:
@@ -348,8 +366,7 @@ class IdentityAllocator:
         self._owners.pop((node, owner), None)
         self._held.pop((node, owner), None)
         metrics.IDENTITY_RELEASES.labels(kind_of(ident).value).inc()
-        remaining = await self._store.count(keys.identity_refs_of(ident))
-        return remaining == 0
+        return res.counts[0] == 0
 
     async def release_owner(self, node: str, owner: str) -> int | None:
         """Drop whatever ``owner`` holds on ``node``; returns the identity it held."""
@@ -366,11 +383,12 @@ class IdentityAllocator:
                 continue  # changed under us; look again
         return None
 
-    async def retake(self, node: str) -> list[tuple[str, int, int]]:
+    async def retake(self, node: str) -> list[tuple[str, int | None, IdentityAllocation]]:
         """After a node's lease was lost: take every reference this process held on it again.
 
-        Returns (owner, old id, new id) for the owners whose identity changed, which
-        happens only if the identity was collected in the meantime.
+        Returns (owner, old id if known, allocation) for the owners whose identity changed or
+        was created again, which happens only if it was collected in the meantime (the caller
+        announces the identities the allocations created).
         """
         moved = []
         # References of the node this process did not take went with the lease; forget them.
@@ -381,8 +399,8 @@ class IdentityAllocator:
                 continue
             old = self._owners.pop((n, owner), (None, 0))[0]
             result = await self.allocate(labels, n, owner)
-            if old is not None and old != result.identity.id:
-                moved.append((owner, old, result.identity.id))
+            if result.new or (old is not None and old != result.identity.id):
+                moved.append((owner, old, result))
         return moved
 
     async def drop_node(self, node: str) -> None:
@@ -460,7 +478,11 @@ class IdentityAllocator:
             id_key = keys.identity_id(ident)
             res = await self._store.txn(
                 [mod_is(id_key, mod), none_under(keys.identity_refs_of(ident))],
-                [Delete(id_key), Txn((value_is(label_key, str(ident).encode()),), (Delete(label_key),))],
+                [
+                    Delete(id_key),
+                    Delete(keys.identity_creator(ident)),
+                    Txn((value_is(label_key, str(ident).encode()),), (Delete(label_key),)),
+                ],
             )
             tracker.forget(ident)
             if res.succeeded:

@@ -6,6 +6,7 @@ Everything lives under ``/palisade/``::
     /palisade/identities/labels/<canonical labels>  -> <id>
     /palisade/identities/refs/<id>/<node>/<owner>   -> ""        (attached to the node's lease)
     /palisade/identities/owners/<node>/<owner>      -> <id>      (attached to the node's lease)
+    /palisade/identities/creators/<id>              -> <replica> (attached to that ipam replica's lease)
     /palisade/leases/<node>                         -> <lease id, decimal> (attached to that lease)
     /palisade/ipam/nodes/<node>                     -> JSON {"cidrs": [{"cidr": ..., "source": ...}]}
     /palisade/ipam/pool/<cidr>                      -> <node>    (pool CIDR claimed by a node)
@@ -23,6 +24,11 @@ its ``refs/<id>/`` prefix, so a reference is never taken on a collected identity
 Taking a reference also rewrites the ``id`` key (same value) so its mod revision
 says "used since": the collector's grace period restarts on every use.
 
+The ``creators`` key names the ipam replica whose transaction created the identity, and it
+announces the identity on the bus; the other replicas only learn it from the watch. The key
+lives on the creator's lease: when the creator dies, etcd deletes it, and the replicas that
+see it go announce the identity themselves (the creator may have died before it could).
+
 Owners may contain ``/`` (``pod/<ns>/<name>``), so owners are always the last
 part of a key. Node names never contain ``/`` (Kubernetes names are DNS labels).
 """
@@ -37,6 +43,7 @@ IDENTITY_IDS = ROOT + "identities/id/"
 IDENTITY_LABELS = ROOT + "identities/labels/"
 IDENTITY_REFS = ROOT + "identities/refs/"
 IDENTITY_OWNERS = ROOT + "identities/owners/"
+IDENTITY_CREATORS = ROOT + "identities/creators/"
 LEASES = ROOT + "leases/"
 IPAM_NODES = ROOT + "ipam/nodes/"
 IPAM_POOL = ROOT + "ipam/pool/"
@@ -69,6 +76,10 @@ def identity_ref(identity: int, node: str, owner: str) -> bytes:
 
 def identity_owner(node: str, owner: str) -> bytes:
     return b(f"{IDENTITY_OWNERS}{node}/{owner}")
+
+
+def identity_creator(identity: int) -> bytes:
+    return b(f"{IDENTITY_CREATORS}{identity}")
 
 
 def lease(node: str) -> bytes:
@@ -135,6 +146,10 @@ def parse_identity_owner(key: bytes) -> tuple[str, str]:
     """(node, owner) of an ``owners`` key."""
     node, owner = _tail(key, IDENTITY_OWNERS).split("/", 1)
     return node, owner
+
+
+def parse_identity_creator(key: bytes) -> int:
+    return int(_tail(key, IDENTITY_CREATORS))
 
 
 def parse_lease(key: bytes) -> str:

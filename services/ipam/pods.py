@@ -2,10 +2,15 @@
 
 One task owns all pod state and applies events from a queue in order: object
 changes, IPAM allocations and identity references made over gRPC, lost node
-leases, and the post-sync sweep. For each pod it computes the identity labels
-(its own labels, its namespace's labels, service account, cluster), holds a
-reference on that identity under the pod's node (owner ``pod/<ns>/<name>``), and
-publishes an ipcache entry per pod address. A label change (of the pod or its
+leases, and the post-sync sweep. Changes of distinct pods that touch distinct
+owners and addresses are applied together (a *wave*: their etcd transactions and
+bus publishes go in flight at once), since applying them in any order gives the
+same state; every other event, and any pod change that overlaps one before it, waits
+for the wave before it to end, so each pod's and each address's changes keep their order.
+
+For each pod it computes the identity labels (its own labels, its namespace's labels,
+service account, cluster), holds a reference on that identity under the pod's node
+(owner ``pod/<ns>/<name>``), and publishes an ipcache entry per pod address. A label change (of the pod or its
 namespace) moves the reference in one transaction; a pod that goes, finishes or
 loses its node drops its reference and its entries are tombstoned.
 
@@ -62,6 +67,9 @@ from services.ipam.publish import IdentityPublisher, IpcacheWriter
 log = get_logger("pods")
 
 PodKey = tuple[str, str]
+
+#: Pod changes applied together at most.
+WAVE = 128
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -211,6 +219,9 @@ class PodManager:
         self.swept = asyncio.Event()
         #: (node, owner) pairs looked at to join owners again after their changes (not the sweep's).
         self.rejoin_visits = 0
+        #: Waves of more than one pod change applied, and the changes in them (for tests and metrics).
+        self.waves = 0
+        self.waved = 0
 
     # -- feeding -----------------------------------------------------------
 
@@ -254,16 +265,62 @@ class PodManager:
     # -- the loop ----------------------------------------------------------
 
     async def run(self) -> None:
+        held_back: Event | None = None
         while True:
-            event = await self._queue.get()
+            event = held_back if held_back is not None else await self._queue.get()
+            held_back = None
+            wave = [event]
+            taken = self._footprint(event)
+            while taken is not None and len(wave) < WAVE and not self._queue.empty():
+                following = self._queue.get_nowait()
+                more = self._footprint(following)
+                if more is None or not taken.isdisjoint(more):
+                    held_back = following  # first of the next wave: nothing overtakes it
+                    break
+                taken |= more
+                wave.append(following)
+            if len(wave) == 1:
+                await self._run_one(event)
+                continue
+            self.waves += 1
+            self.waved += len(wave)
+            await asyncio.gather(*(self._run_one(e) for e in wave))
+
+    async def _run_one(self, event: Event) -> None:
+        try:
+            await self._apply(event)
+        finally:
+            if isinstance(event, Sweep):
+                # Best effort: readiness and the collector never wait on a failed sweep.
+                self.swept.set()
+                if not event.done.done():
+                    event.done.set_result(None)
+
+    def _footprint(self, event: Event) -> set[object] | None:
+        """What a pod change may touch: its pod, its owner and every address it or its owner holds.
+
+        None for every other event (and a pod change that cannot be read): those run alone.
+        """
+        if not isinstance(event, K8sChanged) or event.change.kind != ObjectKind.POD:
+            return None
+        change = event.change
+        key = (change.namespace, change.name)
+        owner = pod_owner(*key)
+        prefixes = set(self._entries.get(key, ()))
+        nodes = self._allocator.owner_nodes(owner) | self._ipalloc.owner_nodes(owner)
+        nodes |= self._joined.get(owner, set())
+        if change.obj is not None:
             try:
-                await self._apply(event)
-            finally:
-                if isinstance(event, Sweep):
-                    # Best effort: readiness and the collector never wait on a failed sweep.
-                    self.swept.set()
-                    if not event.done.done():
-                        event.done.set_result(None)
+                pod = parse_pod(change)
+            except Exception:
+                return None
+            prefixes.update(host_prefix(ip) for ip in pod.ips)
+            nodes.add(pod.node)
+        for node in nodes:
+            prefixes.update(host_prefix(ip) for ip in self._ipalloc.owner_ips(node, owner))
+            prefixes.update(self._entries.get(ApiOwner(node, owner), ()))
+            prefixes.update(self._entries.get(CidrHolder(node, owner), ()))
+        return {("pod", key), ("owner", owner), *(("prefix", p) for p in prefixes)}
 
     async def _apply(self, event: Event) -> None:
         while True:
@@ -397,7 +454,10 @@ class PodManager:
             except IpamError as exc:
                 log.error("pod identity not allocated", namespace=key[0], pod=key[1], error=exc.message)
                 return
-            await self._identities.seen(result.identity, result.revision)
+            if result.new:
+                await self._identities.created(result.identity, result.revision)
+            else:
+                await self._identities.seen(result.identity, result.revision)
             old = applied.identity.id if applied is not None else None
             applied = Applied(pod.node, labels, result.identity)
             self._applied[key] = applied

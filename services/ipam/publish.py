@@ -6,13 +6,17 @@ pod address and a tombstone when the address goes. Both streams are compacted,
 so republishing is harmless and is how a restarted ipam makes sure consumers
 have everything. Reference counts are not published (they change with every
 pod and would churn the stream); IdentityService answers them.
+
+Each new identity is announced once, by the replica that created it (see
+:mod:`services.ipam.replica`); the others take note of it from the watch without
+publishing, and announce it themselves only when its creator's record goes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from palisade.v1 import identity_pb2
 from services.common.bus import Bus
@@ -20,7 +24,7 @@ from services.common.labels import LabelSet
 from services.common.log import get_logger
 from services.common.subjects import identity_subject, ipcache_subject
 from services.ipam import keys
-from services.ipam.kv import Change, Store
+from services.ipam.kv import Change, Delete, Put, Store
 from services.ipam.model import Identity
 
 log = get_logger("publish")
@@ -33,6 +37,8 @@ REPUBLISH_BATCH = 256
 class _Published:
     labels: LabelSet
     revision: int
+    #: Sent by this process; False: announced by the replica that created it.
+    sent: bool = True
 
 
 class IdentityPublisher:
@@ -40,24 +46,77 @@ class IdentityPublisher:
 
     def __init__(self, bus: Bus) -> None:
         self._bus = bus
+        #: What the bus holds as far as this process knows: sent here, or left to the creator.
         self._published: dict[int, _Published] = {}
+        #: Identities created here whose announcement failed, to send again (:meth:`retry_owed`).
+        self._owed: dict[int, Identity] = {}
 
     def count(self) -> int:
         return len(self._published)
 
+    def owed(self) -> int:
+        return len(self._owed)
+
     async def _send(self, identity: Identity, deleted: bool = False) -> None:
         update = identity_pb2.IdentityUpdate(identity=identity.to_proto(), deleted=deleted)
         await self._bus.publish(identity_subject(identity.id), update)
+
+    async def _announce(self, identity: Identity, revision: int) -> None:
+        self._published[identity.id] = _Published(identity.labels, revision)
+        try:
+            await self._send(identity)
+        except BaseException:
+            # Not on the bus: whoever meets the identity next (or the retry) sends it again.
+            if self._published.get(identity.id) == _Published(identity.labels, revision):
+                del self._published[identity.id]
+            raise
 
     async def seen(self, identity: Identity, revision: int) -> None:
         """An identity is in use (``revision``: when etcd said so); publish it if it is news."""
         known = self._published.get(identity.id)
         if known is not None and known.labels == identity.labels:
             if revision > known.revision:
-                self._published[identity.id] = _Published(identity.labels, revision)
+                self._published[identity.id] = dataclasses.replace(known, revision=revision)
             return
-        self._published[identity.id] = _Published(identity.labels, revision)
-        await self._send(identity)
+        await self._announce(identity, revision)
+
+    async def created(self, identity: Identity, revision: int) -> None:
+        """This process created the identity: announcing it is its job alone (the others only note it).
+
+        A failed announcement is kept and sent again by :meth:`retry_owed`.
+        """
+        known = self._published.get(identity.id)
+        if known is not None and known.sent and known.labels == identity.labels:
+            return
+        try:
+            await self._announce(identity, revision)
+        except Exception:
+            self._owed[identity.id] = identity
+            raise
+        self._owed.pop(identity.id, None)
+
+    def heard(self, identity: Identity, revision: int) -> None:
+        """Another replica created the identity and announces it: take note, publish nothing."""
+        known = self._published.get(identity.id)
+        if known is None or known.labels != identity.labels:
+            self._published[identity.id] = _Published(identity.labels, revision, sent=False)
+
+    async def orphaned(self, identity: Identity, revision: int) -> None:
+        """The identity's creator is gone (perhaps before announcing it): announce it unless sent here."""
+        known = self._published.get(identity.id)
+        if known is not None and known.sent and known.labels == identity.labels:
+            return
+        await self._announce(identity, revision)
+
+    async def retry_owed(self, labels_of: Callable[[int], LabelSet | None]) -> None:
+        """Send again the failed announcements of identities created here that still exist (``labels_of``)."""
+        for ident, identity in sorted(self._owed.items()):
+            if labels_of(ident) != identity.labels:
+                del self._owed[ident]
+                continue
+            known = self._published.get(ident)
+            await self._announce(identity, known.revision if known is not None else 0)
+            del self._owed[ident]
 
     async def gone(self, identity: Identity) -> None:
         """An identity was deleted (by any allocator): tombstone it if it was announced here."""
@@ -140,13 +199,14 @@ class IpcacheWriter:
         known = self.entries.get(entry.prefix)
         if known is not None and same_entry(known, entry):
             return
-        await self._store.put(entry_key(entry), entry.SerializeToString(deterministic=True))
+        # As a transaction, so that entries written together (a wave of pods) share etcd batches.
+        await self._store.txn([], [Put(entry_key(entry), entry.SerializeToString(deterministic=True))])
         self.entries[entry.prefix] = entry
         await self._bus.publish(ipcache_subject(entry.prefix), entry)
 
     async def delete(self, prefix: str) -> None:
         known = self.entries.pop(prefix, None)
-        await self._store.delete(keys.ipcache(prefix))
+        await self._store.txn([], [Delete(keys.ipcache(prefix))])
         tombstone = identity_pb2.IpcacheEntry(prefix=prefix, deleted=True)
         if known is not None:
             tombstone.identity = known.identity

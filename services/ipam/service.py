@@ -34,6 +34,7 @@ from services.ipam.mirror import Mirror
 from services.ipam.pods import K8sChanged, NodeResync, PodManager
 from services.ipam.podwatch import BadObject, decode
 from services.ipam.publish import IdentityPublisher, IpcacheWriter
+from services.ipam.replica import ReplicaLease
 from services.ipam.servicer import IdentityServicer, IPAMServicer, store_status
 
 log = get_logger("ipam")
@@ -50,6 +51,7 @@ class Ipam:
     bus: Bus
     store: Store
     leases: NodeLeases
+    replica: ReplicaLease
     allocator: IdentityAllocator
     ipalloc: IPAllocator
     identities: IdentityPublisher
@@ -73,14 +75,15 @@ class Ipam:
 
 def build(cfg: IPAMConfig, bus: Bus, store: Store) -> Ipam:
     leases = NodeLeases(store, cfg.identity_lease_ttl)
-    allocator = IdentityAllocator(store, leases)
+    replica = ReplicaLease(store, cfg.identity_lease_ttl)
+    allocator = IdentityAllocator(store, leases, replica=replica)
     ipalloc = IPAllocator(
         store, cfg.cluster_networks(), mask_v4=cfg.node_mask_v4, mask_v6=cfg.node_mask_v6, mode=cfg.mode
     )
     identities = IdentityPublisher(bus)
     ipcache = IpcacheWriter(store, bus)
     pods = PodManager(allocator, ipalloc, identities, ipcache, cluster=cfg.cluster_name)
-    return Ipam(cfg, bus, store, leases, allocator, ipalloc, identities, ipcache, pods)
+    return Ipam(cfg, bus, store, leases, replica, allocator, ipalloc, identities, ipcache, pods)
 
 
 async def load_view(ipam: Ipam) -> int:
@@ -159,11 +162,17 @@ async def keep_leases(ipam: Ipam) -> None:
     while True:
         await asyncio.sleep(interval)
         try:
+            await ipam.replica.refresh()
             lost = await ipam.leases.refresh_all()
             for node in lost:
                 moved = await ipam.allocator.retake(node)
                 for owner, old, new in moved:
-                    log.warning("reference moved after lease loss", node=node, owner=owner, previous=old, id=new)
+                    if new.new:  # created here: announcing it is this replica's job
+                        await ipam.identities.created(new.identity, new.revision)
+                    if old is not None and old != new.identity.id:
+                        log.warning(
+                            "reference moved after lease loss", node=node, owner=owner, previous=old, id=new.identity.id
+                        )
                 ipam.pods.submit(NodeResync(node))
         except StoreError as exc:
             log.warning("lease keepalive failed", error=str(exc))
@@ -202,11 +211,20 @@ async def setup(ctx: ServiceContext[IPAMConfig]) -> None:
     ctx.spawn(members.run(), "etcd-members")
     ipam = build(cfg, bus, store)
     ctx.stack.push_async_callback(ipam.leases.close)
+    ctx.stack.push_async_callback(ipam.replica.close)
     loaded_at = await load_and_republish(ipam)
     # The policy service's CIDR references live under this pseudo-node: no datapath keeps its lease
     # alive, ipam does (adopting the recorded lease, so a restart within the TTL loses nothing).
     await ipam.leases.lease_for(CIDR_HOLDER_NODE)
-    mirror = Mirror(store, ipam.allocator, ipam.ipalloc, ipam.ipcache, ipam.identities, reload=lambda: _reload(ipam))
+    mirror = Mirror(
+        store,
+        ipam.allocator,
+        ipam.ipalloc,
+        ipam.ipcache,
+        ipam.identities,
+        reload=lambda: _reload(ipam),
+        replica=ipam.replica.name,
+    )
 
     ctx.server.errors.add_mapping(store_status)
     ctx.server.errors.add_observer(metrics.served)

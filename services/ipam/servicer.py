@@ -113,7 +113,10 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
             check_policy_holder(request.node, classify(labels)[0])
         result = await self._allocator.allocate(labels, request.node, request.owner)
         if result.revision:
-            await self._publisher.seen(result.identity, result.revision)
+            if result.new:
+                await self._publisher.created(result.identity, result.revision)
+            else:
+                await self._publisher.seen(result.identity, result.revision)
             self._pods.submit(ReferenceChanged(request.node, request.owner, held=True))
         return identity_pb2.AllocateIdentityResponse(
             identity=result.identity.to_proto(result.references), new=result.new

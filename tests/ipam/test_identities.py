@@ -261,7 +261,7 @@ async def test_lost_lease_is_noticed_and_references_taken_again(store: Store) ->
     # Taking the references again recreates what was collected; the moves are reported.
     moved = await alloc.retake("n1")
     assert {owner for owner, _, _ in moved} == {"pod/prod/web", "pod/prod/db"}
-    assert all(old in (web, db) and new not in (web, db) for _, old, new in moved)
+    assert all(old in (web, db) and new.new and new.identity.id not in (web, db) for _, old, new in moved)
     assert await store.count(keys.IDENTITY_REFS.encode()) == 2
     second = await store.get(keys.lease("n1"))
     assert second is not None and second.value != first.value

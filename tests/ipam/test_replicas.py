@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
+import grpc
 import pytest
+from nats.aio.msg import Msg
 
 from palisade.v1 import common_pb2, identity_pb2, ipam_pb2
 from services.common.bus import Bus
@@ -149,3 +154,134 @@ async def test_two_replicas_announce_a_burst_of_identities_in_order(
     assert all(view.identities[i].deleted for i in ids[10:30])
     await eventually(lambda: _has(_details(a), "identities", "40"))
     await eventually(lambda: _has(_details(b), "identities", "40"))
+
+
+async def _count_identity_messages(bus: Bus) -> Counter[tuple[int, bool]]:
+    """Every identity message published from now on, counted by (id, deleted) (a plain subscription:
+    a stream consumer of the compacted stream may miss a message that a newer one replaced)."""
+    seen: Counter[tuple[int, bool]] = Counter()
+
+    async def on_msg(msg: Msg) -> None:
+        update = identity_pb2.IdentityUpdate()
+        update.ParseFromString(msg.data)
+        seen[(update.identity.id, update.deleted)] += 1
+
+    await bus.nc.subscribe("palisade.identity.>", cb=on_msg)
+    await bus.nc.flush()
+    return seen
+
+
+async def _write_orphan(etcd_server: EtcdServer, ident: int, canonical: str, *, creator_lease: int = 0) -> None:
+    """An identity as an allocator writes it; with ``creator_lease``, recorded as created by replica "gone"."""
+    host, port = etcd_server.endpoint.split(":")
+    client = await connect_etcd([(host, int(port))], tls=creds("ipam"))
+    try:
+        store = Store(client)
+        creator = [Put(keys.identity_creator(ident), b"gone", creator_lease)] if creator_lease else []
+        await store.txn(
+            [],
+            [
+                *creator,
+                Put(keys.identity_id(ident), canonical.encode()),
+                Put(keys.identity_labels(canonical), str(ident).encode()),
+            ],
+        )
+    finally:
+        await client.close()
+
+
+async def test_each_new_identity_is_announced_once_by_the_replica_that_created_it(
+    nats_server: NatsServer, etcd_server: EtcdServer, service: Callable[..., ServiceProcess], bus: Bus
+) -> None:
+    await K8s(bus).synced()
+    args = ipam_args(nats_server, etcd_server, "--identity-gc-interval", "3600")
+    replicas = [Api(service("ipam", *args).address), Api(service("ipam", *args).address)]
+    counted = await _count_identity_messages(bus)
+
+    made = []
+    for i in range(40):
+        labels = [common_pb2.Label(source="k8s", key="app", value=f"once-{i}")]
+        got = await replicas[i % 2].identity.AllocateIdentity(
+            identity_pb2.AllocateIdentityRequest(labels=labels, node=NODE, owner=f"pod/shop/once-{i}"), timeout=10
+        )
+        assert got.new
+        made.append(got.identity.id)
+    # A barrier: an identity written with no creator is announced by both replicas, each after
+    # everything its watch saw before it (the allocations above included).
+    await _write_orphan(etcd_server, 4321, "k8s:app=barrier")
+    await eventually(lambda: counted[(4321, False)] == 2)
+    assert {ident: counted[(ident, False)] for ident in made} == dict.fromkeys(made, 1)
+
+
+async def test_identities_of_a_creator_that_died_are_announced_by_the_others(
+    nats_server: NatsServer, etcd_server: EtcdServer, service: Callable[..., ServiceProcess], bus: Bus
+) -> None:
+    """A creator that wrote an identity to etcd and died before announcing it: its record goes with
+    its lease, and the replicas that see it go announce the identity."""
+    view = await BusView.start(bus)
+    await K8s(bus).synced()
+    args = ipam_args(nats_server, etcd_server, "--identity-gc-interval", "3600")
+    a, b = Api(service("ipam", *args).address), Api(service("ipam", *args).address)
+    counted = await _count_identity_messages(bus)
+    host, port = etcd_server.endpoint.split(":")
+    client = await connect_etcd([(host, int(port))], tls=creds("ipam"))
+    try:
+        store = Store(client)
+        lease = await store.grant(60)
+        await _write_orphan(etcd_server, 4400, "k8s:app=unannounced", creator_lease=lease)
+        await _write_orphan(etcd_server, 4321, "k8s:app=barrier")
+        await eventually(lambda: counted[(4321, False)] == 2)
+        # Both replicas saw it, and left it to its creator.
+        await eventually(lambda: _has(_details(a), "identities", "2"))
+        await eventually(lambda: _has(_details(b), "identities", "2"))
+        assert counted[(4400, False)] == 0
+        await store.revoke(lease)
+    finally:
+        await client.close()
+    announced = await eventually(lambda: view.live_identity(4400))
+    assert [(x.source, x.key, x.value) for x in announced.identity.labels] == [("k8s", "app", "unannounced")]
+
+
+async def test_no_identity_is_missed_when_a_replica_is_killed_mid_burst(
+    nats_server: NatsServer, etcd_server: EtcdServer, service: Callable[..., ServiceProcess], bus: Bus
+) -> None:
+    view = await BusView.start(bus)
+    await K8s(bus).synced()
+    args = ipam_args(nats_server, etcd_server, "--identity-gc-interval", "3600", "--identity-lease-ttl", "2")
+    doomed, survivor = service("ipam", *args), service("ipam", *args)
+    api = Api(doomed.address)
+    answered = 0
+    enough = asyncio.Event()
+
+    async def allocate(i: int) -> None:
+        nonlocal answered
+        labels = [common_pb2.Label(source="k8s", key="app", value=f"burst-{i}")]
+        request = identity_pb2.AllocateIdentityRequest(labels=labels, node=NODE, owner=f"pod/shop/burst-{i}")
+        with contextlib.suppress(grpc.RpcError):
+            await api.identity.AllocateIdentity(request, timeout=10)
+            answered += 1
+            if answered == 100:
+                enough.set()
+
+    queue = list(range(1000))
+
+    async def worker() -> None:
+        while queue:
+            await allocate(queue.pop())
+
+    workers = [asyncio.create_task(worker()) for _ in range(16)]
+    await enough.wait()
+    assert doomed.proc is not None
+    doomed.proc.kill()  # SIGKILL: allocations in flight may be in etcd and not on the bus
+    await asyncio.gather(*workers)
+    assert queue == []
+
+    # Every identity etcd holds is announced (those the dead replica created once its lease expired).
+    listed = await Api(survivor.address).identity.ListIdentities(identity_pb2.ListIdentitiesRequest(), timeout=10)
+    held = {i.id: i.labels[0].value for i in listed.identities}
+    assert len(held) >= 100
+
+    def announced() -> dict[int, str]:
+        return {i: live.identity.labels[0].value for i in held if (live := view.live_identity(i)) is not None}
+
+    await eventually(lambda: announced() == held, timeout=30)

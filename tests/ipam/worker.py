@@ -25,6 +25,7 @@ from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases
 from services.ipam.model import IdRange
+from services.ipam.replica import ReplicaLease
 from testkit.harness import creds
 
 T = TypeVar("T")
@@ -51,7 +52,12 @@ async def _gather_limited(jobs: list[Callable[[], Awaitable[T]]], limit: int) ->
 async def identities(args: argparse.Namespace, store: Store, leases: NodeLeases) -> dict[str, object]:
     rng = random.Random(args.seed)
     cluster = IdRange(256, 256 + args.range_size - 1) if args.range_size else None
-    allocator = IdentityAllocator(store, leases, rng=rng, **({"cluster_range": cluster} if cluster else {}))
+    # Each worker records its creations as a replica does, so the races run the service's transactions.
+    replica = ReplicaLease(store, 60, name=args.name)
+    if cluster is not None:
+        allocator = IdentityAllocator(store, leases, rng=rng, cluster_range=cluster, replica=replica)
+    else:
+        allocator = IdentityAllocator(store, leases, rng=rng, replica=replica)
     await allocator.load()
     wanted = [("shared", i, shared_labels(i)) for i in range(args.shared)]
     wanted += [("own", i, own_labels(args.name, i)) for i in range(args.own)]
