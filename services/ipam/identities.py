@@ -88,6 +88,8 @@ class GcPass:
     collected: list[Identity]
     #: Store revision of the listing ``current`` comes from.
     revision: int
+    #: Each identity's id key's revision (when it was written), by id.
+    modified: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def _check_holder(node: str, owner: str) -> None:
@@ -495,4 +497,9 @@ class IdentityAllocator:
             self._remember(ident, labels)
         for ident in set(self._by_id) - set(current):
             self._forget(ident)
-        return GcPass({i: labels for i, (labels, _) in current.items()}, collected, revision)
+        return GcPass(
+            {i: labels for i, (labels, _) in current.items()},
+            collected,
+            revision,
+            {i: mod for i, (_, mod) in current.items()},
+        )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from palisade.v1 import identity_pb2
 from services.common.bus import Bus
@@ -128,15 +128,27 @@ class IdentityPublisher:
         await self._send(identity, deleted=True)
         log.info("identity tombstoned", id=identity.id)
 
-    async def resync(self, current: Mapping[int, LabelSet], revision: int, *, republish: bool = False) -> None:
+    async def resync(
+        self,
+        current: Mapping[int, LabelSet],
+        revision: int,
+        *,
+        republish: bool = False,
+        unwatched: Collection[int] = (),
+    ) -> None:
         """Match the bus to etcd's identities as listed at ``revision``.
 
         Identities published after that revision are left alone: the listing
-        predates them, so their absence from it means nothing.
+        predates them, so their absence from it means nothing. Identities in
+        ``unwatched`` (written after the last change the etcd watch applied here)
+        are left to the watch too, unless known here already: it tells whether
+        their creator announces them, and a listing that overtook it does not.
         """
         send = []
         for ident, labels in sorted(current.items()):
             known = self._published.get(ident)
+            if known is None and ident in unwatched and not republish:
+                continue
             if republish or known is None or known.labels != labels:
                 self._published[ident] = _Published(labels, revision)
                 send.append(Identity(ident, labels))

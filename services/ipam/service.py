@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 
 from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, ipam_pb2_grpc, k8s_pb2
 from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, Bus
@@ -178,8 +179,12 @@ async def keep_leases(ipam: Ipam) -> None:
             log.warning("lease keepalive failed", error=str(exc))
 
 
-async def collect_identities(ipam: Ipam) -> None:
-    """Collect identities unreferenced for the grace period; keep the bus in step with etcd."""
+async def collect_identities(ipam: Ipam, watched: Callable[[], int]) -> None:
+    """Collect identities unreferenced for the grace period; keep the bus in step with etcd.
+
+    ``watched``: the last etcd revision the watch applied here. Identities written after it are
+    left to the watch, which knows whether their creator announces them.
+    """
     await ipam.pods.swept.wait()
     tracker = GcTracker(ipam.config.identity_gc_grace)
     while True:
@@ -188,7 +193,9 @@ async def collect_identities(ipam: Ipam) -> None:
             for identity in result.collected:
                 metrics.IDENTITIES_COLLECTED.labels(identity.kind.value).inc()
                 await ipam.identities.collected(identity)
-            await ipam.identities.resync(result.current, result.revision)
+            seen = watched()
+            unwatched = {i for i, mod in result.modified.items() if mod > seen}
+            await ipam.identities.resync(result.current, result.revision, unwatched=unwatched)
         except StoreError as exc:
             log.warning("identity collection skipped", error=str(exc))
         await asyncio.sleep(ipam.config.identity_gc_interval)
@@ -242,7 +249,7 @@ async def setup(ctx: ServiceContext[IPAMConfig]) -> None:
     ctx.spawn(follow_k8s(ipam, serve), "k8s")
     ctx.spawn(serve_when_ready(ctx, serve), "ready")
     ctx.spawn(keep_leases(ipam), "leases")
-    ctx.spawn(collect_identities(ipam), "identity-gc")
+    ctx.spawn(collect_identities(ipam, lambda: mirror.revision), "identity-gc")
     ctx.spawn(mirror.run(loaded_at), "etcd-watch")
     ctx.spawn(mirror.announce(), "identity-announce")
 

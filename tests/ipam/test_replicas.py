@@ -13,9 +13,12 @@ from nats.aio.msg import Msg
 
 from palisade.v1 import common_pb2, identity_pb2, ipam_pb2
 from services.common.bus import Bus
+from services.common.labels import LabelSet
 from services.common.store import connect_etcd
 from services.ipam import keys
 from services.ipam.kv import Delete, Put, Store
+from services.ipam.model import Identity
+from services.ipam.publish import IdentityPublisher
 from testkit.harness import EtcdServer, NatsServer, ServiceProcess, creds
 from testkit.ipam import Api, BusView, K8s, eventually, ipam_args
 
@@ -240,6 +243,28 @@ async def test_identities_of_a_creator_that_died_are_announced_by_the_others(
         await client.close()
     announced = await eventually(lambda: view.live_identity(4400))
     assert [(x.source, x.key, x.value) for x in announced.identity.labels] == [("k8s", "app", "unannounced")]
+
+
+async def test_a_collection_pass_leaves_identities_its_watch_has_not_reached_to_the_watch(bus: Bus) -> None:
+    """The collector's listing can overtake the etcd watch: an identity another replica just created
+    is listed before the watch says whose it is. Announcing it then would send it twice (its creator
+    sends it); the pass leaves such identities to the watch, and sends only what it knows is owed."""
+    counted = await _count_identity_messages(bus)
+    publisher = IdentityPublisher(bus)
+    fresh, heard, old = (LabelSet.of([f"k8s:app={app}", "k8s:io.kubernetes.pod.namespace=gc"]) for app in "abc")
+    publisher.heard(Identity(5002, heard), revision=7)
+    await publisher.resync({5001: fresh, 5002: heard, 5003: old}, revision=9, unwatched={5001, 5002})
+    await bus.nc.flush()
+    # 5003 predates the watch's position and is unknown here: owed. 5002 is its creator's to send.
+    await eventually(lambda: counted[(5003, False)] == 1)
+    # A barrier through the same connection: everything sent before it has arrived.
+    await publisher.resync({5001: fresh, 5002: heard, 5003: old, 5004: old}, revision=10, unwatched={5001, 5002})
+    await eventually(lambda: counted[(5004, False)] == 1)
+    assert counted[(5001, False)] == 0 and counted[(5002, False)] == 0 and counted[(5003, False)] == 1
+    # The watch catches up: the next pass finds 5001 still unannounced and owed to no creator.
+    await publisher.resync({5001: fresh, 5002: heard, 5003: old, 5004: old}, revision=11)
+    await eventually(lambda: counted[(5001, False)] == 1)
+    assert counted[(5002, False)] == 0 and not any(deleted for _, deleted in counted)
 
 
 async def test_no_identity_is_missed_when_a_replica_is_killed_mid_burst(
