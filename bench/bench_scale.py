@@ -512,8 +512,14 @@ async def churn(
     wrote_s = time.monotonic() - started
     # Where the machine's cores went while the churn was written (of os.cpu_count() per second).
     cpu_share = {name: round((cpu_seconds(pid) - cpu_before[name]) / wrote_s, 2) for name, pid in pids.items()}
-    for path, _ in files:
-        path.unlink()
+    # The last files live out their --churn-life too: removed at once, a file the watcher has not read
+    # yet would take its pods with it unseen (a folder is not a watch: it keeps no history).
+    while files:
+        second = int(time.monotonic() - started)
+        while files and files[0][1] <= second - args.churn_life:
+            files.pop(0)[0].unlink()
+        await asyncio.sleep(max(0.0, started + second + 1 - time.monotonic()))
+    last_write = time.monotonic()
     # Converged: ipam has handled every churn delta (a pod written last reaches the ipcache: the
     # stream is in order), no churn pod is left in the ipcache (all were deleted), and the
     # cluster's revision is realized everywhere. A pod deleted before ipam got to it never reaches
@@ -535,7 +541,7 @@ async def churn(
         except RuntimeError as exc:
             log(f"churn: not realized within --churn-patience: {exc}")
             converged = False
-    converged_s = time.monotonic() - started - wrote_s
+    converged_s = time.monotonic() - last_write
     lags = [(cluster.seen[p] - t) * 1000 for p, t in written.items() if p in cluster.seen]
     return {
         "pods_created": created,
