@@ -112,6 +112,8 @@ class FakeDatapath:
             self._check_open()
             record = self._k.endpoints.pop(ep_id, None)
             if record is None:
+                self._k.policy.pop(ep_id, None)
+                self._k.enforcement.pop(ep_id, None)
                 return False
             self._k.attached.discard(record.ifindex)
             self._k.policy.pop(ep_id, None)

@@ -381,8 +381,21 @@ class EndpointManager:
             await asyncio.to_thread(self._store.save, record)
             undo.append(lambda: asyncio.to_thread(self._store.remove, ep_id))
             watch.lap("store")
-            # 5. programs and maps
-            ep = await self._do(lambda: self._commit(record, fetched, watch))
+            # 5. the first policy, in the owning task, before any packet meets the programs
+            undo.append(lambda: self._detach_id(ep_id))
+            ep = await self._do(lambda: self._first_policy(record, fetched))
+            watch.lap("first_policy")
+            # 6. programs and ipcache entries, outside the owning task: the kernel's attach waits
+            # grace periods, and the owner applies orders and creates other endpoints meanwhile
+            try:
+                await asyncio.to_thread(self._dp.attach_endpoint, spec_of(record))
+                for ip in record.ips:
+                    await asyncio.to_thread(self._dp.ipcache_upsert, host_prefix(ip), record.identity)
+            except Exception as exc:
+                raise DatapathFailure(f"cannot attach BPF programs for {record.key}: {exc}") from exc
+            watch.lap("attach")
+            # 7. into the table, with what orders changed since the first write
+            await self._do(lambda: self._commit(ep, fetched, watch))
         except BaseException as exc:
             if policy is not None:
                 if not policy.done():
@@ -481,30 +494,34 @@ class EndpointManager:
                 return IdentityPolicy.of(policy, state.sequence, state.revision)
         return IdentityPolicy.empty(identity, state.sequence, state.revision)
 
-    async def _commit(self, record: EndpointRecord, fetched: IdentityPolicy | None, watch: Stopwatch) -> Endpoint:
-        watch.lap("queue")
-        self._busy_ids.discard(record.id)
-        self._busy_pods.discard(record.key)
+    async def _first_policy(self, record: EndpointRecord, fetched: IdentityPolicy | None) -> Endpoint:
+        """Write the identity's policy into the new endpoint's map (keyed by id; nothing attached yet).
+
+        The endpoint is not in the table yet: orders applied until :meth:`_commit` do not reach it,
+        and :meth:`_commit` writes what they changed.
+        """
         self._learnt(fetched)
         ep = Endpoint(record)
-        try:
-            await asyncio.to_thread(self._dp.attach_endpoint, spec_of(record))
-            for ip in record.ips:
-                await asyncio.to_thread(self._dp.ipcache_upsert, host_prefix(ip), record.identity)
-        except Exception as exc:
-            try:
-                await asyncio.to_thread(self._dp.detach_endpoint, record.id)
-            except Exception:
-                pass
-            raise DatapathFailure(f"cannot attach BPF programs for {record.key}: {exc}") from exc
-        watch.lap("attach")
-        self.endpoints[record.id] = ep
         await self.realizer.realize(ep, full=True)
+        return ep
+
+    async def _detach_id(self, ep_id: int) -> None:
+        """Programs and policy of an endpoint whose creation failed (whatever of them was written)."""
+        await asyncio.to_thread(self._dp.detach_endpoint, ep_id)
+
+    async def _commit(self, ep: Endpoint, fetched: IdentityPolicy | None, watch: Stopwatch) -> None:
+        watch.lap("queue")
+        record = ep.record
+        self._busy_ids.discard(record.id)
+        self._busy_pods.discard(record.key)
+        # Again: the identity's kept policy may have been dropped meanwhile (its last endpoint deleted).
+        self._learnt(fetched)
+        self.endpoints[record.id] = ep
+        await self.realizer.realize(ep, full=False)
         # Reported at once: orders applied before it existed did not report it, and the next one
         # may be long in coming (bumps are held back), while PolicyService waits for its first policy.
         self.realizer.report([ep])
-        watch.lap("first_policy")
-        return ep
+        watch.lap("commit")
 
     # --- delete --------------------------------------------------------------------------------
 
