@@ -124,7 +124,8 @@ class DatapathAPI(Protocol):
     max_endpoint_id: int
 
     def attach_endpoint(self, spec: EndpointSpec) -> None: ...
-    def detach_endpoint(self, ep_id: int) -> bool: ...
+    def detach_endpoint(self, ep_id: int, *, veth_going: bool = False) -> bool: ...
+    def reap_links(self) -> int: ...
     def set_identity(self, ep_id: int, identity: int) -> None: ...
     def apply_policy(
         self,
@@ -343,10 +344,13 @@ class Datapath:
         for ip in record.ips:
             self.delivery.remove(ip, record.ifindex)
 
-    def detach_endpoint(self, ep_id: int) -> bool:
+    def detach_endpoint(self, ep_id: int, *, veth_going: bool = False) -> bool:
         """Detach the programs and forget the endpoint and its policy; False if it was unknown.
 
         The policy of an id never attached (written before its attach, which failed) goes too.
+        ``veth_going``: another plugin deletes the veth next (a chained DEL). Its tcx links then
+        stay until it goes, passing every packet (no endpoint is theirs any more), and
+        :meth:`reap_links` unpins them: detaching a tcx link of a live veth waits a grace period.
         """
         with self._lock:
             self._check_open()
@@ -358,7 +362,8 @@ class Datapath:
             self._forget_delivery(record)
         # Outside the writer lock, as for the attach: detaching a tcx link of a live veth waits a
         # grace period. The endpoint's entry stays until its programs are off.
-        self._loader.detach(record.ifindex)
+        if not (veth_going and self._loader.mechanism == "tcx"):
+            self._loader.detach(record.ifindex)
         with self._lock:
             self.endpoint_map.remove(record)
             self.policy.delete(self.policy.read(ep_id).get(ep_id, {}))
@@ -368,6 +373,21 @@ class Datapath:
             self.state.bump_epoch()
             log.info("endpoint detached", endpoint=ep_id, ifindex=record.ifindex)
             return True
+
+    def reap_links(self) -> int:
+        """Unpin the program links of veths no endpoint holds (left by :meth:`detach_endpoint` with
+        ``veth_going``): a gone veth's are only unpinned, a live one's detached. Returns how many veths.
+
+        Under the writer lock: an attach registers its endpoint before its programs go on, so a
+        veth being attached is never reaped.
+        """
+        with self._lock:
+            self._check_open()
+            held = {r.ifindex for r in self._endpoints.values()}
+            reaped = self._loader.release_links(keep=held)
+        if reaped:
+            log.info("program links of deleted endpoints released", veths=len(reaped))
+        return len(reaped)
 
     def set_identity(self, ep_id: int, identity: int) -> None:
         """Relabel an endpoint (see the relabel protocol in the module docstring)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -206,7 +207,10 @@ class EndpointManager:
         await self._do(lambda: self.realizer.apply_resync(state))
 
     async def sweep(self, queue: Path) -> int:
-        """Apply queued CNI deletions and delete endpoints whose adopted namespace vanished; returns how many."""
+        """Apply queued CNI deletions and delete endpoints whose adopted namespace vanished; returns how many.
+
+        Then the program links that chained DELs left on their veths are released (see :meth:`_detach`).
+        """
         removed = 0
         for item in await asyncio.to_thread(deletequeue.pending, queue):
             ref = EndpointRef(container_id=item.container_id)
@@ -228,6 +232,7 @@ class EndpointManager:
             with contextlib.suppress(EndpointNotFound, UpstreamUnavailable):
                 await self.delete(EndpointRef(ep.id))
                 removed += 1
+        await asyncio.to_thread(self._dp.reap_links)
         return removed
 
     async def repair(self) -> int:
@@ -536,7 +541,7 @@ class EndpointManager:
         if record.link_owned:
             await self._teardown(record)
             watch.lap("network")
-        await self._detach(record)
+        await self._detach(record, veth_going=not record.link_owned)
         watch.lap("detach")
         if not record.link_owned:
             await self._teardown(record)
@@ -580,9 +585,13 @@ class EndpointManager:
         self.realizer.drop_orphans()
         return ep.record
 
-    async def _detach(self, record: EndpointRecord) -> None:
-        """Programs, maps and ipcache entries of a removed endpoint."""
-        await asyncio.to_thread(self._dp.detach_endpoint, record.id)
+    async def _detach(self, record: EndpointRecord, *, veth_going: bool = False) -> None:
+        """Programs, maps and ipcache entries of a removed endpoint.
+
+        Another plugin's veth keeps its programs until it goes (it deletes it after this DEL, and
+        they pass every packet once the endpoint is out of the maps); :meth:`sweep` unpins them.
+        """
+        await asyncio.to_thread(functools.partial(self._dp.detach_endpoint, record.id, veth_going=veth_going))
         for ip in record.ips:
             try:
                 await asyncio.to_thread(self._dp.ipcache_delete, host_prefix(ip))
@@ -692,6 +701,8 @@ class EndpointManager:
         for ep_id in sorted(pinned - known):
             log.info("pinned endpoint without state detached", endpoint=ep_id)
             await asyncio.to_thread(self._dp.detach_endpoint, ep_id)
+        # Links a chained DEL left before the restart, whose veth may be gone by now.
+        await asyncio.to_thread(self._dp.reap_links)
         # Every endpoint now runs this version's programs: conntrack entries the version before
         # wrote in a layout this one no longer reads are copied, and released there.
         await asyncio.to_thread(self._dp.migrate_conntrack, True)
