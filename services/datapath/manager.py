@@ -305,62 +305,46 @@ class EndpointManager:
             raise InvalidRequest(f"netns: network namespace {netns} does not exist; create it or leave netns empty")
         undo: list[Callable[[], Awaitable[None]]] = []
         policy: asyncio.Task[IdentityPolicy | None] | None = None
-        try:
-            # 1. identity (network I/O, outside the owning task)
-            labels: tuple[dt.Label, ...] = ()
-            if request.labels:
-                labels = identity_labels(request.namespace, request.labels)
-                identity = await self._node_ipam.call(
-                    f"allocate an identity for {key}", self._ipam.allocate_identity(labels, self.node, owner)
-                )
-                undo.append(lambda: self._ipam.release_identity(identity, self.node, owner))
-            else:
-                try:
-                    identity = await self._node_ipam.resolve_pod(request.namespace, request.pod)
-                except EndpointNotFound:
-                    if not request.init_identity:
-                        raise
-                    # The pod object is late (CNI ADD can come first): init until ipam publishes its identity.
-                    identity = dt.IDENTITY_INIT
-                    log.info("pod not known yet: endpoint starts with the init identity", pod=key)
-            watch.lap("identity")
-            # The identity's policy, fetched if no local endpoint has it yet, while the rest is made.
+        labels: tuple[dt.Label, ...] = identity_labels(request.namespace, request.labels) if request.labels else ()
+        identity = dt.IDENTITY_INIT
+
+        async def identity_and_policy() -> None:
+            # 1. identity, then its policy fetched (if no local endpoint has it yet) while the rest is made
+            nonlocal identity, policy
+            started = time.perf_counter()
+            identity = await self._identity_of(request, labels, owner, undo)
+            watch.record("identity", time.perf_counter() - started)
             policy = asyncio.create_task(self._fetch_policy(identity), name=f"policy of {key}")
+
+        async def addresses_and_network() -> PodLink:
             # 2. addresses (with the named ports, which ipam puts in the address's ipcache entry)
-            addresses = []
+            started = time.perf_counter()
             for family, ip in wanted:
                 address = await self._node_ipam.allocate_ip(
                     owner, family, request.ports, ip, outside_pool=request.outside_pool
                 )
                 addresses.append(address)
                 undo.append(lambda ip=address.ip: self._ipam.release_ip(self.node, ip, owner))  # type: ignore[misc]
-            watch.lap("address")
+            watch.record("address", time.perf_counter() - started)
             # 3. namespace, veth, addresses, routes (or, chained, the veth another plugin made)
-            try:
-                if request.adopt_host_ifname:
-                    link = await asyncio.to_thread(
-                        self._net.adopt, netns=netns, host_ifname=request.adopt_host_ifname, addresses=addresses
-                    )
-                else:
-                    link = await asyncio.to_thread(
-                        self._net.setup,
-                        netns=netns or netns_mod.netns_path(netns_name(request.namespace, request.pod)),
-                        create=not netns,
-                        host_ifname=host_ifname(request.namespace, request.pod),
-                        addresses=addresses,
-                        pod_ifname=request.ifname or netns_mod.POD_IFNAME,
-                    )
-            except FileNotFoundError as exc:
-                raise PreconditionFailed(f"cannot set up the network of {key}: {exc.strerror or exc}") from None
-            except FileExistsError as exc:
-                field = "netns" if netns else "pod"
-                raise PreconditionFailed(
-                    f"{field}: cannot set up the network of {key}: {exc.strerror or exc}"
-                ) from None
-            except (OSError, ValueError) as exc:
-                raise DatapathFailure(f"cannot set up the network of {key}: {exc}") from exc
+            started = time.perf_counter()
+            link = await self._pod_network(request, netns, addresses)
             undo.append(lambda: asyncio.to_thread(self._net.teardown, link))
-            watch.lap("network")
+            watch.record("network", time.perf_counter() - started)
+            return link
+
+        addresses: list[dt.Address] = []
+        try:
+            # The identity and the pod's network need nothing of each other: both go at once, each
+            # recording its undo steps as it makes progress (both run to their end before a failure
+            # of either is raised, so the undo list is complete).
+            outcome = await asyncio.gather(identity_and_policy(), addresses_and_network(), return_exceptions=True)
+            for result in outcome:
+                if isinstance(result, BaseException):
+                    raise result
+            link = outcome[1]
+            assert isinstance(link, PodLink)
+            watch.lap("identity_address_network")
             record = EndpointRecord(
                 id=ep_id,
                 namespace=request.namespace,
@@ -381,6 +365,7 @@ class EndpointManager:
                 link_owned=link.link_owned,
             )
             # 4. the identity's policy
+            assert policy is not None
             fetched = await policy
             watch.lap("policy")
             await asyncio.to_thread(self._store.save, record)
@@ -432,6 +417,54 @@ class EndpointManager:
         ips = ",".join(record.ips)
         log.info("endpoint created", endpoint=ep.id, pod=key, identity=ep.identity, ips=ips, **watch.fields())
         return ep
+
+    async def _identity_of(
+        self,
+        request: dt.EndpointRequest,
+        labels: tuple[dt.Label, ...],
+        owner: str,
+        undo: list[Callable[[], Awaitable[None]]],
+    ) -> int:
+        """The new endpoint's identity: allocated for its labels, or its pod's (init while unknown)."""
+        key = request.key
+        if labels:
+            identity = await self._node_ipam.call(
+                f"allocate an identity for {key}", self._ipam.allocate_identity(labels, self.node, owner)
+            )
+            undo.append(lambda: self._ipam.release_identity(identity, self.node, owner))
+            return identity
+        try:
+            return await self._node_ipam.resolve_pod(request.namespace, request.pod)
+        except EndpointNotFound:
+            if not request.init_identity:
+                raise
+            # The pod object is late (CNI ADD can come first): init until ipam publishes its identity.
+            log.info("pod not known yet: endpoint starts with the init identity", pod=key)
+            return dt.IDENTITY_INIT
+
+    async def _pod_network(self, request: dt.EndpointRequest, netns: str, addresses: list[dt.Address]) -> PodLink:
+        """Namespace, veth, addresses and routes of a new endpoint (or, chained, the veth another plugin made)."""
+        key = request.key
+        try:
+            if request.adopt_host_ifname:
+                return await asyncio.to_thread(
+                    self._net.adopt, netns=netns, host_ifname=request.adopt_host_ifname, addresses=addresses
+                )
+            return await asyncio.to_thread(
+                self._net.setup,
+                netns=netns or netns_mod.netns_path(netns_name(request.namespace, request.pod)),
+                create=not netns,
+                host_ifname=host_ifname(request.namespace, request.pod),
+                addresses=addresses,
+                pod_ifname=request.ifname or netns_mod.POD_IFNAME,
+            )
+        except FileNotFoundError as exc:
+            raise PreconditionFailed(f"cannot set up the network of {key}: {exc.strerror or exc}") from None
+        except FileExistsError as exc:
+            field = "netns" if netns else "pod"
+            raise PreconditionFailed(f"{field}: cannot set up the network of {key}: {exc.strerror or exc}") from None
+        except (OSError, ValueError) as exc:
+            raise DatapathFailure(f"cannot set up the network of {key}: {exc}") from exc
 
     async def _reserve(self, key: str, netns: str) -> int:
         if key in self._busy_pods or any(ep.record.key == key for ep in self.endpoints.values()):
