@@ -219,7 +219,9 @@ class Stack:
     services: dict[str, ServiceProcess] = field(default_factory=dict)
 
 
-def start_stack(tmp: Path, prefix: str, bpffs: str, cleanup: Cleanup, *, log_level_info: bool = False) -> Stack:
+def start_stack(
+    tmp: Path, prefix: str, bpffs: str, cleanup: Cleanup, *, log_level_info: bool = False, attach: str = ""
+) -> Stack:
     nats = NatsServer(tmp / "nats")
     nats.start()
     cleanup.push("stop nats", nats.stop)
@@ -252,6 +254,7 @@ def start_stack(tmp: Path, prefix: str, bpffs: str, cleanup: Cleanup, *, log_lev
             *datapath_flags(
                 stack.services["policy"].address, stack.services["ipam"].address, tmp / "datapath-state", bpffs
             ),
+            *(["--attach", attach] if attach else []),
         ],
     )
     cleanup.push("remove the datapath's pins", lambda: teardown_bpffs(bpffs))
@@ -752,7 +755,8 @@ def run_endpoints_only(args: argparse.Namespace, out: dict[str, Any]) -> dict[st
     cleanup.push("remove the temporary directory", lambda: shutil.rmtree(tmp, ignore_errors=True))
     try:
         log("starting nats, etcd, watcher, ipam, policy, datapath")
-        stack = start_stack(tmp, prefix, bpffs, cleanup, log_level_info=bool(args.keep_logs))
+        stack = start_stack(tmp, prefix, bpffs, cleanup, log_level_info=bool(args.keep_logs), attach=args.attach)
+        out["attach"] = args.attach or "default"
         cleanup.push("delete the endpoints", lambda: delete_endpoints(stack.services["datapath"].address))
         out["services"] = asyncio.run(services_part(stack, args))
         if args.keep_logs:
@@ -845,6 +849,9 @@ def main() -> int:
         "--endpoints-only",
         action="store_true",
         help="only part 1's endpoint creation (CreateEndpoint 4 in flight), no policies, rates, memory or engine",
+    )
+    p.add_argument(
+        "--attach", default="", help="with --endpoints-only: the datapath's --attach mode (default: its own default)"
     )
     p.add_argument("--keep-logs", metavar="DIR", help="with --endpoints-only: copy the services' logs (info) there")
     args = p.parse_args()
