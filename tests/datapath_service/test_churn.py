@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import grpc
+import pytest
+
 from palisade.v1 import datapath_pb2
 from services.datapath import types as dt
 from testkit.builders import policy_entry
@@ -121,3 +124,24 @@ async def test_a_new_endpoints_programs_meet_its_policy_and_an_order_during_thei
     assert ep.state == datapath_pb2.ENDPOINT_STATE_READY
     assert verdict(agent, ep.id, OUTSIDE, 80) is dt.Verdict.DENY
     assert verdict(agent, ep.id, OUTSIDE, 81) is dt.Verdict.ALLOW
+
+
+async def test_a_create_whose_pod_is_unknown_leaves_nothing_of_the_address_and_network_made_meanwhile(
+    agent: InProcessAgent, cp: ControlPlane
+) -> None:
+    assert agent.stub is not None and agent.datapath is not None
+    # No labels: the pod's identity is resolved, and ipam does not know the pod. Its address and
+    # network are made at the same time as the identity is asked for.
+    request = datapath_pb2.CreateEndpointRequest(namespace="x", pod="ghost")
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await agent.stub.CreateEndpoint(request)
+    assert failed.value.code() is grpc.StatusCode.NOT_FOUND
+    assert cp.ips == {} and agent.network.links == {}
+    assert not (await agent.stub.ListEndpoints(datapath_pb2.ListEndpointsRequest())).endpoints
+    assert agent.datapath.pinned_endpoints() == []
+
+    # Once ipam knows it, the same pod is created (nothing of the failed attempt stands in the way).
+    cp.pods["x/ghost"] = FIRST_IDENTITY + 40
+    ep = await agent.stub.CreateEndpoint(request)
+    assert ep.identity == FIRST_IDENTITY + 40 and len(ep.ips) == 1
+    assert sorted(cp.ips) == list(ep.ips) and list(agent.network.links) == [ep.host_ifname]
