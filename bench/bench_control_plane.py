@@ -219,7 +219,9 @@ class Stack:
     services: dict[str, ServiceProcess] = field(default_factory=dict)
 
 
-def start_stack(tmp: Path, prefix: str, bpffs: str, cleanup: Cleanup) -> Stack:
+def start_stack(
+    tmp: Path, prefix: str, bpffs: str, cleanup: Cleanup, *, log_level_info: bool = False, attach: str = ""
+) -> Stack:
     nats = NatsServer(tmp / "nats")
     nats.start()
     cleanup.push("stop nats", nats.stop)
@@ -229,7 +231,8 @@ def start_stack(tmp: Path, prefix: str, bpffs: str, cleanup: Cleanup) -> Stack:
     stack = Stack(tmp, prefix, bpffs, nats, etcd)
     manifests = tmp / "manifests"
     manifests.mkdir()
-    common = ["--nats-url", nats.url, "--node-name", NODE, "--log-level", "warning", "--log-format", "text"]
+    level = "info" if log_level_info else "warning"
+    common = ["--nats-url", nats.url, "--node-name", NODE, "--log-level", level, "--log-format", "text"]
     logs = tmp / "logs"
     logs.mkdir()
     # Upstreams first: each reports SERVING once what it consumes is synced.
@@ -251,6 +254,7 @@ def start_stack(tmp: Path, prefix: str, bpffs: str, cleanup: Cleanup) -> Stack:
             *datapath_flags(
                 stack.services["policy"].address, stack.services["ipam"].address, tmp / "datapath-state", bpffs
             ),
+            *(["--attach", attach] if attach else []),
         ],
     )
     cleanup.push("remove the datapath's pins", lambda: teardown_bpffs(bpffs))
@@ -412,6 +416,8 @@ async def services_part(stack: Stack, args: argparse.Namespace) -> dict[str, Any
         result["identities_of_endpoints"] = len({ep.identity for ep in eps})
         result["endpoint_create_ms"] = stats_ms([t * 1000 for t in create_times])
         result["endpoint_create_total_s"] = round(create_s, 2)
+        if args.endpoints_only:
+            return result
 
         log(f"importing {args.policies} policies")
         started = time.perf_counter()
@@ -740,8 +746,42 @@ def summary(out: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def run_endpoints_only(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
+    """Part 1's endpoint creation alone: the stack, ``--endpoints`` CreateEndpoint calls 4 at a time."""
+    tmp = Path(tempfile.mkdtemp(prefix="palisade-bench-cp-"))
+    prefix = f"bcp{secrets.token_hex(3)}"
+    bpffs = f"/sys/fs/bpf/palisade-bench-{secrets.token_hex(4)}"
+    cleanup = Cleanup()
+    cleanup.push("remove the temporary directory", lambda: shutil.rmtree(tmp, ignore_errors=True))
+    try:
+        log("starting nats, etcd, watcher, ipam, policy, datapath")
+        stack = start_stack(tmp, prefix, bpffs, cleanup, log_level_info=bool(args.keep_logs), attach=args.attach)
+        out["attach"] = args.attach or "default"
+        cleanup.push("delete the endpoints", lambda: delete_endpoints(stack.services["datapath"].address))
+        out["services"] = asyncio.run(services_part(stack, args))
+        if args.keep_logs:
+            delete_endpoints(stack.services["datapath"].address)
+            stop_service(stack.services["datapath"])
+            shutil.copytree(tmp / "logs", args.keep_logs, dirs_exist_ok=True)
+    finally:
+        cleanup.run()
+    sv = out["services"]
+    out["summary"] = [
+        {"metric": "CreateEndpoint p50 (4 in flight)", "value": sv["endpoint_create_ms"]["p50"], "unit": "ms"},
+        {
+            "metric": "CreateEndpoint p99 (4 in flight)",
+            "value": sv["endpoint_create_ms"]["p99"],
+            "unit": "ms",
+            "target": target("<=", 30.0),
+        },
+    ]
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"benchmark": "control_plane", "quick": args.quick}
+    if args.endpoints_only:
+        return run_endpoints_only(args, out)
     log(f"engine: {args.engine_policies} policies x {args.engine_identities} identities")
     started = time.perf_counter()
     out["engine"] = run_engine_child(args)
@@ -761,6 +801,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         started = time.perf_counter()
         out["services"] = asyncio.run(services_part(stack, args))
         out["services"]["wall_s"] = round(time.perf_counter() - started, 1)
+        if args.endpoints_only:
+            return out
         log("stopping the services")
         cleanup.run()  # frees the CPU for the next part; removes tmp too
         tmp.mkdir(parents=True)
@@ -804,6 +846,15 @@ def main() -> int:
     # 100, not fewer: the p99 of 20 samples is their maximum, one scheduler stall on a shared machine.
     p.add_argument("--engine-samples", type=int, default=100)
     p.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--endpoints-only",
+        action="store_true",
+        help="only part 1's endpoint creation (CreateEndpoint 4 in flight), no policies, rates, memory or engine",
+    )
+    p.add_argument(
+        "--attach", default="", help="with --endpoints-only: the datapath's --attach mode (default: its own default)"
+    )
+    p.add_argument("--keep-logs", metavar="DIR", help="with --endpoints-only: copy the services' logs (info) there")
     args = p.parse_args()
     if args.quick:
         args.endpoints, args.policies, args.changes = 10, 100, 5

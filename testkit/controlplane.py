@@ -222,7 +222,8 @@ class ControlPlane(
         new = labels not in self.identities
         identity = self.identities.setdefault(labels, 256 + len(self.identities))
         self.owner_identity[request.owner] = identity
-        for ip, owner in self.ips.items():
+        # A copy: addresses are allocated meanwhile (a datapath asks for both at once).
+        for ip, owner in list(self.ips.items()):
             if owner == request.owner:
                 await self._ipcache(ip, identity, owner)
         return identity_pb2.AllocateIdentityResponse(identity=identity_pb2.Identity(id=identity), new=new)
@@ -249,7 +250,7 @@ class ControlPlane(
         """As ipam does when the watcher reports new labels: new identity, new ipcache entry."""
         owner = f"pod/{namespace}/{pod}"
         self.pods[f"{namespace}/{pod}"] = identity
-        for ip, held in self.ips.items():
+        for ip, held in list(self.ips.items()):
             if held == owner:
                 await self._ipcache(ip, identity, owner)
 

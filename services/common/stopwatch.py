@@ -31,6 +31,10 @@ class Stopwatch:
         self.laps[step] = self.laps.get(step, 0.0) + seconds
         return seconds
 
+    def record(self, step: str, seconds: float) -> None:
+        """Add ``seconds`` to ``step`` without closing a lap (a step timed apart, e.g. run concurrently)."""
+        self.laps[step] = self.laps.get(step, 0.0) + seconds
+
     def total(self) -> float:
         """Seconds since the stopwatch started."""
         return self._clock() - self._start

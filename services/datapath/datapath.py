@@ -126,7 +126,8 @@ class DatapathAPI(Protocol):
     max_endpoint_id: int
 
     def attach_endpoint(self, spec: EndpointSpec) -> None: ...
-    def detach_endpoint(self, ep_id: int) -> bool: ...
+    def detach_endpoint(self, ep_id: int, *, veth_going: bool = False) -> bool: ...
+    def reap_links(self) -> int: ...
     def set_identity(self, ep_id: int, identity: int) -> None: ...
     def apply_policy(
         self,
@@ -300,7 +301,12 @@ class Datapath:
     # -- endpoints -----------------------------------------------------------
 
     def attach_endpoint(self, spec: EndpointSpec) -> None:
-        """Register the endpoint in the maps, then attach (or re-attach) both programs to its veth."""
+        """Register the endpoint in the maps, then attach (or re-attach) both programs to its veth.
+
+        The kernel's attach runs outside the writer lock: a tcx link waits an RCU grace period
+        per hook (~13 ms each), and policy, ipcache and DNS proxy writes of other endpoints need
+        not wait for it. The endpoint's policy may be written before (it is keyed by id).
+        """
         with self._lock:
             self._check_open()
             check_endpoint_id(spec.id, self.config.sizes)
@@ -309,27 +315,39 @@ class Datapath:
                     raise ValueError(f"ifindex {spec.ifindex} already belongs to endpoint {other.id}")
             record = EndpointEntry(spec.id, spec.ifindex, spec.identity, spec.ips)
             old = self._endpoints.get(spec.id)
+            moved_from = 0
             if old is not None and (old.ifindex != record.ifindex or set(old.ips) - set(record.ips)):
                 self._forget_delivery(old)
                 self.endpoint_map.remove(old)
                 if old.ifindex != record.ifindex:
-                    self._loader.detach(old.ifindex)
+                    moved_from = old.ifindex
             self.endpoint_map.write(record)
             self._endpoints[spec.id] = record
-            try:
-                self._loader.attach(self.template, spec.ifindex)
-            except BaseException:
+            template = self.template
+        try:
+            if moved_from:
+                self._loader.detach(moved_from)
+            self._loader.attach(template, spec.ifindex)
+        except BaseException:
+            with self._lock:
                 # Leave no record claiming an endpoint whose programs never ran (and no program's
                 # endpoint cache holding it: the epoch moves on every endpoint write).
-                self._forget_delivery(record)
-                self.endpoint_map.remove(record)
-                del self._endpoints[spec.id]
-                self.state.bump_epoch()
-                raise
+                if self._endpoints.get(spec.id) is record:
+                    self._forget_delivery(record)
+                    self.endpoint_map.remove(record)
+                    del self._endpoints[spec.id]
+                    self.state.bump_epoch()
+            raise
+        with self._lock:
+            if self._endpoints.get(spec.id) is not record:
+                # Detached meanwhile: programs no record claims do not stay on the veth.
+                if all(other.ifindex != spec.ifindex for other in self._endpoints.values()):
+                    self._loader.detach(spec.ifindex)
+                return
             # Only now: other endpoints' programs deliver straight to this one once it runs these.
             self._offer_delivery(record)
             self.state.bump_epoch()
-            log.info("endpoint attached", endpoint=spec.id, ifindex=spec.ifindex, identity=spec.identity)
+        log.info("endpoint attached", endpoint=spec.id, ifindex=spec.ifindex, identity=spec.identity)
 
     def _offer_delivery(self, record: EndpointEntry) -> None:
         """Let other endpoints deliver to ``record``'s addresses directly: each one whose pod
@@ -350,15 +368,27 @@ class Datapath:
         for ip in record.ips:
             self.delivery.remove(ip, record.ifindex)
 
-    def detach_endpoint(self, ep_id: int) -> bool:
-        """Detach the programs and forget the endpoint and its policy; False if it was unknown."""
+    def detach_endpoint(self, ep_id: int, *, veth_going: bool = False) -> bool:
+        """Detach the programs and forget the endpoint and its policy; False if it was unknown.
+
+        The policy of an id never attached (written before its attach, which failed) goes too.
+        ``veth_going``: another plugin deletes the veth next (a chained DEL). Its tcx links then
+        stay until it goes, passing every packet (no endpoint is theirs any more), and
+        :meth:`reap_links` unpins them: detaching a tcx link of a live veth waits a grace period.
+        """
         with self._lock:
             self._check_open()
             record = self._endpoints.pop(ep_id, None)
             if record is None:
+                self.policy.delete(self.policy.read(ep_id).get(ep_id, {}))
+                self.enforcement.delete(ep_id)
                 return False
             self._forget_delivery(record)
+        # Outside the writer lock, as for the attach: detaching a tcx link of a live veth waits a
+        # grace period. The endpoint's entry stays until its programs are off.
+        if not (veth_going and self._loader.mechanism == "tcx"):
             self._loader.detach(record.ifindex)
+        with self._lock:
             self.endpoint_map.remove(record)
             self.policy.delete(self.policy.read(ep_id).get(ep_id, {}))
             self.enforcement.delete(ep_id)
@@ -367,6 +397,21 @@ class Datapath:
             self.state.bump_epoch()
             log.info("endpoint detached", endpoint=ep_id, ifindex=record.ifindex)
             return True
+
+    def reap_links(self) -> int:
+        """Unpin the program links of veths no endpoint holds (left by :meth:`detach_endpoint` with
+        ``veth_going``): a gone veth's are only unpinned, a live one's detached. Returns how many veths.
+
+        Under the writer lock: an attach registers its endpoint before its programs go on, so a
+        veth being attached is never reaped.
+        """
+        with self._lock:
+            self._check_open()
+            held = {r.ifindex for r in self._endpoints.values()}
+            reaped = self._loader.release_links(keep=held)
+        if reaped:
+            log.info("program links of deleted endpoints released", veths=len(reaped))
+        return len(reaped)
 
     def set_identity(self, ep_id: int, identity: int) -> None:
         """Relabel an endpoint (see the relabel protocol in the module docstring)."""

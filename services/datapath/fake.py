@@ -107,11 +107,16 @@ class FakeDatapath:
             self._k.attached.add(spec.ifindex)
             self.attached_here.add(spec.id)
 
-    def detach_endpoint(self, ep_id: int) -> bool:
+    def reap_links(self) -> int:
+        return 0  # the fake pins no links: a detached endpoint's programs are off at once
+
+    def detach_endpoint(self, ep_id: int, *, veth_going: bool = False) -> bool:
         with self._lock:
             self._check_open()
             record = self._k.endpoints.pop(ep_id, None)
             if record is None:
+                self._k.policy.pop(ep_id, None)
+                self._k.enforcement.pop(ep_id, None)
                 return False
             self._k.attached.discard(record.ifindex)
             self._k.policy.pop(ep_id, None)

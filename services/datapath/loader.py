@@ -431,6 +431,16 @@ class Loader:
             found = self._tcx_detach(ifindex)
             return self._tc_detach(ifindex) or found
 
+    def release_links(self, keep: set[int]) -> list[int]:
+        """Detach and unpin the tcx links of every veth but those in ``keep``; the ifindexes released."""
+        with self._lock:
+            root = os.path.join(self.pin_dir, LINKS_DIR)
+            found = sorted(int(d) for d in os.listdir(root) if d.isdigit()) if os.path.isdir(root) else []
+            released = [ifindex for ifindex in found if ifindex not in keep]
+            for ifindex in released:
+                self._tcx_detach(ifindex)
+            return released
+
     def attachment(self, ifindex: int) -> Attachment:
         """Which Palisade programs run on the hooks of ``ifindex``, as the kernel reports them."""
         with self._lock:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -206,7 +207,10 @@ class EndpointManager:
         await self._do(lambda: self.realizer.apply_resync(state))
 
     async def sweep(self, queue: Path) -> int:
-        """Apply queued CNI deletions and delete endpoints whose adopted namespace vanished; returns how many."""
+        """Apply queued CNI deletions and delete endpoints whose adopted namespace vanished; returns how many.
+
+        Then the program links that chained DELs left on their veths are released (see :meth:`_detach`).
+        """
         removed = 0
         for item in await asyncio.to_thread(deletequeue.pending, queue):
             ref = EndpointRef(container_id=item.container_id)
@@ -228,6 +232,7 @@ class EndpointManager:
             with contextlib.suppress(EndpointNotFound, UpstreamUnavailable):
                 await self.delete(EndpointRef(ep.id))
                 removed += 1
+        await asyncio.to_thread(self._dp.reap_links)
         return removed
 
     async def repair(self) -> int:
@@ -300,62 +305,46 @@ class EndpointManager:
             raise InvalidRequest(f"netns: network namespace {netns} does not exist; create it or leave netns empty")
         undo: list[Callable[[], Awaitable[None]]] = []
         policy: asyncio.Task[IdentityPolicy | None] | None = None
-        try:
-            # 1. identity (network I/O, outside the owning task)
-            labels: tuple[dt.Label, ...] = ()
-            if request.labels:
-                labels = identity_labels(request.namespace, request.labels)
-                identity = await self._node_ipam.call(
-                    f"allocate an identity for {key}", self._ipam.allocate_identity(labels, self.node, owner)
-                )
-                undo.append(lambda: self._ipam.release_identity(identity, self.node, owner))
-            else:
-                try:
-                    identity = await self._node_ipam.resolve_pod(request.namespace, request.pod)
-                except EndpointNotFound:
-                    if not request.init_identity:
-                        raise
-                    # The pod object is late (CNI ADD can come first): init until ipam publishes its identity.
-                    identity = dt.IDENTITY_INIT
-                    log.info("pod not known yet: endpoint starts with the init identity", pod=key)
-            watch.lap("identity")
-            # The identity's policy, fetched if no local endpoint has it yet, while the rest is made.
+        labels: tuple[dt.Label, ...] = identity_labels(request.namespace, request.labels) if request.labels else ()
+        identity = dt.IDENTITY_INIT
+
+        async def identity_and_policy() -> None:
+            # 1. identity, then its policy fetched (if no local endpoint has it yet) while the rest is made
+            nonlocal identity, policy
+            started = time.perf_counter()
+            identity = await self._identity_of(request, labels, owner, undo)
+            watch.record("identity", time.perf_counter() - started)
             policy = asyncio.create_task(self._fetch_policy(identity), name=f"policy of {key}")
+
+        async def addresses_and_network() -> PodLink:
             # 2. addresses (with the named ports, which ipam puts in the address's ipcache entry)
-            addresses = []
+            started = time.perf_counter()
             for family, ip in wanted:
                 address = await self._node_ipam.allocate_ip(
                     owner, family, request.ports, ip, outside_pool=request.outside_pool
                 )
                 addresses.append(address)
                 undo.append(lambda ip=address.ip: self._ipam.release_ip(self.node, ip, owner))  # type: ignore[misc]
-            watch.lap("address")
+            watch.record("address", time.perf_counter() - started)
             # 3. namespace, veth, addresses, routes (or, chained, the veth another plugin made)
-            try:
-                if request.adopt_host_ifname:
-                    link = await asyncio.to_thread(
-                        self._net.adopt, netns=netns, host_ifname=request.adopt_host_ifname, addresses=addresses
-                    )
-                else:
-                    link = await asyncio.to_thread(
-                        self._net.setup,
-                        netns=netns or netns_mod.netns_path(netns_name(request.namespace, request.pod)),
-                        create=not netns,
-                        host_ifname=host_ifname(request.namespace, request.pod),
-                        addresses=addresses,
-                        pod_ifname=request.ifname or netns_mod.POD_IFNAME,
-                    )
-            except FileNotFoundError as exc:
-                raise PreconditionFailed(f"cannot set up the network of {key}: {exc.strerror or exc}") from None
-            except FileExistsError as exc:
-                field = "netns" if netns else "pod"
-                raise PreconditionFailed(
-                    f"{field}: cannot set up the network of {key}: {exc.strerror or exc}"
-                ) from None
-            except (OSError, ValueError) as exc:
-                raise DatapathFailure(f"cannot set up the network of {key}: {exc}") from exc
+            started = time.perf_counter()
+            link = await self._pod_network(request, netns, addresses)
             undo.append(lambda: asyncio.to_thread(self._net.teardown, link))
-            watch.lap("network")
+            watch.record("network", time.perf_counter() - started)
+            return link
+
+        addresses: list[dt.Address] = []
+        try:
+            # The identity and the pod's network need nothing of each other: both go at once, each
+            # recording its undo steps as it makes progress (both run to their end before a failure
+            # of either is raised, so the undo list is complete).
+            outcome = await asyncio.gather(identity_and_policy(), addresses_and_network(), return_exceptions=True)
+            for result in outcome:
+                if isinstance(result, BaseException):
+                    raise result
+            link = outcome[1]
+            assert isinstance(link, PodLink)
+            watch.lap("identity_address_network")
             record = EndpointRecord(
                 id=ep_id,
                 namespace=request.namespace,
@@ -376,13 +365,27 @@ class EndpointManager:
                 link_owned=link.link_owned,
             )
             # 4. the identity's policy
+            assert policy is not None
             fetched = await policy
             watch.lap("policy")
             await asyncio.to_thread(self._store.save, record)
             undo.append(lambda: asyncio.to_thread(self._store.remove, ep_id))
             watch.lap("store")
-            # 5. programs and maps
-            ep = await self._do(lambda: self._commit(record, fetched, watch))
+            # 5. the first policy, in the owning task, before any packet meets the programs
+            undo.append(lambda: self._detach_id(ep_id))
+            ep = await self._do(lambda: self._first_policy(record, fetched))
+            watch.lap("first_policy")
+            # 6. programs and ipcache entries, outside the owning task: the kernel's attach waits
+            # grace periods, and the owner applies orders and creates other endpoints meanwhile
+            try:
+                await asyncio.to_thread(self._dp.attach_endpoint, spec_of(record))
+                for ip in record.ips:
+                    await asyncio.to_thread(self._dp.ipcache_upsert, host_prefix(ip), record.identity)
+            except Exception as exc:
+                raise DatapathFailure(f"cannot attach BPF programs for {record.key}: {exc}") from exc
+            watch.lap("attach")
+            # 7. into the table, with what orders changed since the first write
+            await self._do(lambda: self._commit(ep, fetched, watch))
         except BaseException as exc:
             if policy is not None:
                 if not policy.done():
@@ -414,6 +417,54 @@ class EndpointManager:
         ips = ",".join(record.ips)
         log.info("endpoint created", endpoint=ep.id, pod=key, identity=ep.identity, ips=ips, **watch.fields())
         return ep
+
+    async def _identity_of(
+        self,
+        request: dt.EndpointRequest,
+        labels: tuple[dt.Label, ...],
+        owner: str,
+        undo: list[Callable[[], Awaitable[None]]],
+    ) -> int:
+        """The new endpoint's identity: allocated for its labels, or its pod's (init while unknown)."""
+        key = request.key
+        if labels:
+            identity = await self._node_ipam.call(
+                f"allocate an identity for {key}", self._ipam.allocate_identity(labels, self.node, owner)
+            )
+            undo.append(lambda: self._ipam.release_identity(identity, self.node, owner))
+            return identity
+        try:
+            return await self._node_ipam.resolve_pod(request.namespace, request.pod)
+        except EndpointNotFound:
+            if not request.init_identity:
+                raise
+            # The pod object is late (CNI ADD can come first): init until ipam publishes its identity.
+            log.info("pod not known yet: endpoint starts with the init identity", pod=key)
+            return dt.IDENTITY_INIT
+
+    async def _pod_network(self, request: dt.EndpointRequest, netns: str, addresses: list[dt.Address]) -> PodLink:
+        """Namespace, veth, addresses and routes of a new endpoint (or, chained, the veth another plugin made)."""
+        key = request.key
+        try:
+            if request.adopt_host_ifname:
+                return await asyncio.to_thread(
+                    self._net.adopt, netns=netns, host_ifname=request.adopt_host_ifname, addresses=addresses
+                )
+            return await asyncio.to_thread(
+                self._net.setup,
+                netns=netns or netns_mod.netns_path(netns_name(request.namespace, request.pod)),
+                create=not netns,
+                host_ifname=host_ifname(request.namespace, request.pod),
+                addresses=addresses,
+                pod_ifname=request.ifname or netns_mod.POD_IFNAME,
+            )
+        except FileNotFoundError as exc:
+            raise PreconditionFailed(f"cannot set up the network of {key}: {exc.strerror or exc}") from None
+        except FileExistsError as exc:
+            field = "netns" if netns else "pod"
+            raise PreconditionFailed(f"{field}: cannot set up the network of {key}: {exc.strerror or exc}") from None
+        except (OSError, ValueError) as exc:
+            raise DatapathFailure(f"cannot set up the network of {key}: {exc}") from exc
 
     async def _reserve(self, key: str, netns: str) -> int:
         if key in self._busy_pods or any(ep.record.key == key for ep in self.endpoints.values()):
@@ -481,30 +532,34 @@ class EndpointManager:
                 return IdentityPolicy.of(policy, state.sequence, state.revision)
         return IdentityPolicy.empty(identity, state.sequence, state.revision)
 
-    async def _commit(self, record: EndpointRecord, fetched: IdentityPolicy | None, watch: Stopwatch) -> Endpoint:
-        watch.lap("queue")
-        self._busy_ids.discard(record.id)
-        self._busy_pods.discard(record.key)
+    async def _first_policy(self, record: EndpointRecord, fetched: IdentityPolicy | None) -> Endpoint:
+        """Write the identity's policy into the new endpoint's map (keyed by id; nothing attached yet).
+
+        The endpoint is not in the table yet: orders applied until :meth:`_commit` do not reach it,
+        and :meth:`_commit` writes what they changed.
+        """
         self._learnt(fetched)
         ep = Endpoint(record)
-        try:
-            await asyncio.to_thread(self._dp.attach_endpoint, spec_of(record))
-            for ip in record.ips:
-                await asyncio.to_thread(self._dp.ipcache_upsert, host_prefix(ip), record.identity)
-        except Exception as exc:
-            try:
-                await asyncio.to_thread(self._dp.detach_endpoint, record.id)
-            except Exception:
-                pass
-            raise DatapathFailure(f"cannot attach BPF programs for {record.key}: {exc}") from exc
-        watch.lap("attach")
-        self.endpoints[record.id] = ep
         await self.realizer.realize(ep, full=True)
+        return ep
+
+    async def _detach_id(self, ep_id: int) -> None:
+        """Programs and policy of an endpoint whose creation failed (whatever of them was written)."""
+        await asyncio.to_thread(self._dp.detach_endpoint, ep_id)
+
+    async def _commit(self, ep: Endpoint, fetched: IdentityPolicy | None, watch: Stopwatch) -> None:
+        watch.lap("queue")
+        record = ep.record
+        self._busy_ids.discard(record.id)
+        self._busy_pods.discard(record.key)
+        # Again: the identity's kept policy may have been dropped meanwhile (its last endpoint deleted).
+        self._learnt(fetched)
+        self.endpoints[record.id] = ep
+        await self.realizer.realize(ep, full=False)
         # Reported at once: orders applied before it existed did not report it, and the next one
         # may be long in coming (bumps are held back), while PolicyService waits for its first policy.
         self.realizer.report([ep])
-        watch.lap("first_policy")
-        return ep
+        watch.lap("commit")
 
     # --- delete --------------------------------------------------------------------------------
 
@@ -519,7 +574,7 @@ class EndpointManager:
         if record.link_owned:
             await self._teardown(record)
             watch.lap("network")
-        await self._detach(record)
+        await self._detach(record, veth_going=not record.link_owned)
         watch.lap("detach")
         if not record.link_owned:
             await self._teardown(record)
@@ -527,23 +582,29 @@ class EndpointManager:
         await asyncio.to_thread(self._store.remove, record.id)
         await self._do(lambda: self._unreserve(record.id, record.key))
         watch.lap("store")
-        errors = []
-        for ip in record.ips:
+        # Every address and the identity reference at once: one IPAM round trip, not one each.
+        errors: list[str] = []
+
+        async def release(what: str, give_back: Callable[[], Awaitable[None]]) -> None:
             try:
-                await self._ipam.release_ip(self.node, ip, record.owner)
+                await give_back()
             except UpstreamError as exc:
                 if exc.code is not Code.NOT_FOUND:
-                    errors.append(f"address {ip}: {exc}")
-                    self._releases.put_nowait(lambda ip=ip: self._ipam.release_ip(self.node, ip, record.owner))  # type: ignore[misc]
+                    errors.append(f"{what}: {exc}")
+                    self._releases.put_nowait(give_back)
+
+        releases = [
+            release(f"address {ip}", functools.partial(self._ipam.release_ip, self.node, ip, record.owner))
+            for ip in record.ips
+        ]
         if record.identity_owned:
-            try:
-                await self._ipam.release_identity(record.identity, self.node, record.owner)
-            except UpstreamError as exc:
-                if exc.code is not Code.NOT_FOUND:
-                    errors.append(f"identity {record.identity}: {exc}")
-                    self._releases.put_nowait(
-                        lambda: self._ipam.release_identity(record.identity, self.node, record.owner)
-                    )
+            releases.append(
+                release(
+                    f"identity {record.identity}",
+                    functools.partial(self._ipam.release_identity, record.identity, self.node, record.owner),
+                )
+            )
+        await asyncio.gather(*releases)
         watch.lap("release")
         log.info("endpoint deleted", endpoint=record.id, pod=record.key, **watch.fields())
         if errors:
@@ -563,9 +624,13 @@ class EndpointManager:
         self.realizer.drop_orphans()
         return ep.record
 
-    async def _detach(self, record: EndpointRecord) -> None:
-        """Programs, maps and ipcache entries of a removed endpoint."""
-        await asyncio.to_thread(self._dp.detach_endpoint, record.id)
+    async def _detach(self, record: EndpointRecord, *, veth_going: bool = False) -> None:
+        """Programs, maps and ipcache entries of a removed endpoint.
+
+        Another plugin's veth keeps its programs until it goes (it deletes it after this DEL, and
+        they pass every packet once the endpoint is out of the maps); :meth:`sweep` unpins them.
+        """
+        await asyncio.to_thread(functools.partial(self._dp.detach_endpoint, record.id, veth_going=veth_going))
         for ip in record.ips:
             try:
                 await asyncio.to_thread(self._dp.ipcache_delete, host_prefix(ip))
@@ -675,6 +740,8 @@ class EndpointManager:
         for ep_id in sorted(pinned - known):
             log.info("pinned endpoint without state detached", endpoint=ep_id)
             await asyncio.to_thread(self._dp.detach_endpoint, ep_id)
+        # Links a chained DEL left before the restart, whose veth may be gone by now.
+        await asyncio.to_thread(self._dp.reap_links)
         # Every endpoint now runs this version's programs: conntrack entries the version before
         # wrote in a layout this one no longer reads are copied, and released there.
         await asyncio.to_thread(self._dp.migrate_conntrack, True)

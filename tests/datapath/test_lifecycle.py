@@ -242,6 +242,53 @@ def test_an_endpoint_whose_veth_is_deleted_first_detaches_to_nothing(net: Node, 
     assert not dp.detach_endpoint(p.ep_id)
 
 
+def test_a_chained_delete_leaves_its_links_to_the_veths_deletion_and_the_reap_releases_them(
+    net: Node, extra_pods: list[Pod]
+) -> None:
+    """A chained DEL: the other plugin deletes the veth next, so its tcx links are not detached
+    (a grace period each); the endpoint leaves the maps at once and its programs pass everything."""
+    dp, a = net.dp, net.a
+    if dp._loader.mechanism != "tcx":
+        pytest.skip("deferred only for tcx links (tc filters are not pinned and go with the veth)")
+    p, q = extra_pods
+    for pod in (p, q):
+        dp.attach_endpoint(pod.spec)
+        dp.sync_policy(pod.ep_id, Enforcement(ingress=True), [])
+    assert not tcp_exchange(a.name, p.v4, 8080, timeout=DENY_TIMEOUT)
+    links = {
+        pod.ep_id: os.path.dirname(dp._loader._link_path(pod.net.host_ifindex, "from_container")) for pod in (p, q)
+    }
+
+    assert dp.detach_endpoint(p.ep_id, veth_going=True)
+    assert all(e.id != p.ep_id for e in dp.pinned_endpoints())
+    assert dp.dump_policy(p.ep_id) == (Enforcement(), [])
+    assert dp._loader.attachment(p.net.host_ifindex).complete and os.listdir(links[p.ep_id])
+    assert tcp_exchange(a.name, p.v4, 8080), "no endpoint is the programs': they pass"
+
+    # Reattached before the reap (the same veth under a new endpoint): the reap leaves it alone.
+    again = dataclasses.replace(p.spec, id=p.ep_id + 2)
+    dp.attach_endpoint(again)
+    dp.sync_policy(again.id, Enforcement(ingress=True), [])
+    try:
+        dp.reap_links()
+        assert dp._loader.attachment(p.net.host_ifindex).complete
+        assert not tcp_exchange(a.name, p.v4, 8080, timeout=DENY_TIMEOUT)
+        assert dp.detach_endpoint(again.id, veth_going=True)
+    finally:
+        dp.detach_endpoint(again.id)
+
+    # The other plugin deletes q's veth (its links go defunct); p's stays: the reap releases both.
+    assert dp.detach_endpoint(q.ep_id, veth_going=True)
+    netns.delete_pod(q.net)
+    assert os.listdir(links[q.ep_id])
+    assert dp.reap_links() >= 2
+    assert not os.path.exists(links[p.ep_id]) and not os.path.exists(links[q.ep_id])
+    assert not dp._loader.attachment(p.net.host_ifindex).programs
+    assert tcp_exchange(a.name, p.v4, 8080)
+    assert net.a.ep_id in {e.id for e in dp.pinned_endpoints() if e.attached}, "live endpoints keep theirs"
+    assert dp._loader.attachment(net.a.net.host_ifindex).complete
+
+
 def test_a_veth_attached_again_under_another_endpoint_is_judged_as_that_endpoint(
     net: Node, extra_pods: list[Pod]
 ) -> None:

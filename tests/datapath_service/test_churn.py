@@ -7,13 +7,17 @@ fetch of its policy; deleting them all leaves no endpoint, address, veth or map 
 from __future__ import annotations
 
 import asyncio
+import threading
+
+import grpc
+import pytest
 
 from palisade.v1 import datapath_pb2
 from services.datapath import types as dt
 from testkit.builders import policy_entry
 from testkit.controlplane import ING, ControlPlane
 from tests.datapath_service.agent import InProcessAgent
-from tests.datapath_service.helpers import create
+from tests.datapath_service.helpers import create, eventually
 
 #: The identity the control plane hands the first label set it sees (its numbering starts there).
 FIRST_IDENTITY = 256
@@ -86,3 +90,58 @@ async def test_creates_and_deletes_interleaved_leave_exactly_the_live_pods(
     )  # fmt: skip
     assert not (await agent.stub.ListEndpoints(datapath_pb2.ListEndpointsRequest())).endpoints
     assert cp.ips == {} and agent.network.links == {} and agent.datapath.pinned_endpoints() == []
+
+
+async def test_a_new_endpoints_programs_meet_its_policy_and_an_order_during_their_attach_reaches_it(
+    agent: InProcessAgent, cp: ControlPlane
+) -> None:
+    assert agent.datapath is not None and agent.agent is not None
+    dp, manager = agent.datapath, agent.agent.manager
+    await cp.set_policy(FIRST_IDENTITY, [policy_entry(ING, dt.IDENTITY_WORLD, 80)], publish=False)
+    # The attach is held (our fake's method, wrapped) until an order has changed the identity's policy.
+    attach = dp.attach_endpoint
+    seen: list[tuple[dt.Verdict, dt.Verdict]] = []
+    release = threading.Event()
+
+    def held_attach(spec: dt.EndpointSpec) -> None:
+        # What the endpoint's map says as its programs go on: its identity's policy already.
+        seen.append((verdict(agent, spec.id, OUTSIDE, 80), verdict(agent, spec.id, OUTSIDE, 81)))
+        assert release.wait(30)
+        attach(spec)
+
+    dp.attach_endpoint = held_attach  # type: ignore[method-assign]
+    creating = asyncio.create_task(create(agent, "web-0", app="web"))
+    try:
+        await eventually(lambda: bool(seen))
+        assert seen == [(dt.Verdict.ALLOW, dt.Verdict.DENY)]
+        # The owner is free while the programs attach: it applies an order meanwhile.
+        revision = await cp.set_policy(FIRST_IDENTITY, [policy_entry(ING, dt.IDENTITY_WORLD, 81)])
+        await eventually(lambda: manager.revision >= revision)
+    finally:
+        release.set()
+    ep = await creating
+    # The endpoint, not in the table when that order was applied, has it all the same.
+    assert ep.state == datapath_pb2.ENDPOINT_STATE_READY
+    assert verdict(agent, ep.id, OUTSIDE, 80) is dt.Verdict.DENY
+    assert verdict(agent, ep.id, OUTSIDE, 81) is dt.Verdict.ALLOW
+
+
+async def test_a_create_whose_pod_is_unknown_leaves_nothing_of_the_address_and_network_made_meanwhile(
+    agent: InProcessAgent, cp: ControlPlane
+) -> None:
+    assert agent.stub is not None and agent.datapath is not None
+    # No labels: the pod's identity is resolved, and ipam does not know the pod. Its address and
+    # network are made at the same time as the identity is asked for.
+    request = datapath_pb2.CreateEndpointRequest(namespace="x", pod="ghost")
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await agent.stub.CreateEndpoint(request)
+    assert failed.value.code() is grpc.StatusCode.NOT_FOUND
+    assert cp.ips == {} and agent.network.links == {}
+    assert not (await agent.stub.ListEndpoints(datapath_pb2.ListEndpointsRequest())).endpoints
+    assert agent.datapath.pinned_endpoints() == []
+
+    # Once ipam knows it, the same pod is created (nothing of the failed attempt stands in the way).
+    cp.pods["x/ghost"] = FIRST_IDENTITY + 40
+    ep = await agent.stub.CreateEndpoint(request)
+    assert ep.identity == FIRST_IDENTITY + 40 and len(ep.ips) == 1
+    assert sorted(cp.ips) == list(ep.ips) and list(agent.network.links) == [ep.host_ifname]
