@@ -110,7 +110,7 @@ from bench.roles import (
 )
 from bench.stats import median, quartiles, round_to, summarize_bpf, target
 from services.datapath.datapath import Datapath, teardown_all
-from services.datapath.loader import ProgramConfig
+from services.datapath.loader import ATTACH_MODES, ProgramConfig
 from services.datapath.maps.bpf import prog_test_run
 from services.datapath.netns import PodLink
 from services.datapath.types import (
@@ -285,8 +285,9 @@ class Bench:
         self.dst_ip = self.dst.ips[0]
         extra = (PROBE_INGRESS_PORT, PROBE_EGRESS_PORT)
         self.iperf_server, self.accept_server = start_servers(self.dst, extra, self.servers)
-        self.dp = Datapath.open(self.base)
-        self.dp_host = Datapath.open(self.host_base, config=ProgramConfig(local_delivery=False))
+        self.dp = Datapath.open(self.base, attach=self.args.attach)
+        host = ProgramConfig(local_delivery=False)
+        self.dp_host = Datapath.open(self.host_base, config=host, attach=self.args.attach)
         self.redirect = BareRedirect((self.src, self.dst))
         self._reader = threading.Thread(target=self._read_flows, name="flow-reader", daemon=True)
         self._reader.start()
@@ -864,6 +865,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="repetitions of the final kernel BPF run-time measurement of Palisade's programs "
         "(default 5, --quick 1; 0 skips it)",
+    )
+    p.add_argument(
+        "--attach", choices=ATTACH_MODES, default="auto", help="how Palisade's programs go on the veths (default auto)"
     )
     args = p.parse_args(argv)
     if args.rounds is None:
