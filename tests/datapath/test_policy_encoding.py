@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 from pathlib import Path
 
@@ -270,8 +271,17 @@ def test_program_source_pins_every_shared_struct() -> None:
     for struct, name in C_STRUCTS:
         assert f"struct {name} {{" in source, name
         assert f"sizeof(struct {name}) == " in source
+        anonymous = getattr(struct, "_anonymous_", ())
         for field in struct._fields_:
-            assert f"__builtin_offsetof(struct {name}, {field[0]})" in source
+            # An anonymous union has no name in C: its members are pinned, at the union's offset.
+            kind = field[1]
+            members = (
+                [m[0] for m in kind._fields_]
+                if issubclass(kind, ctypes.Union) and field[0] in anonymous
+                else [field[0]]
+            )
+            for member in members:
+                assert f"__builtin_offsetof(struct {name}, {member})" in source, (name, member)
 
 
 def test_template_hash_follows_source_and_config() -> None:
