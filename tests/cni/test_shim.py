@@ -20,8 +20,12 @@ from typing import Any
 
 import pytest
 
+from palisade.v1 import datapath_pb2
 from services.cni import spec
 from services.cni.spec import plugin_socket
+from services.common.grpcserver import ErrorInterceptor
+from services.datapath.pluginapi import CNI_CALLS, PluginApi
+from testkit.ipam import eventually
 from tests.cni.test_plugin import PLUGIN, cni, conf, endpoints, netns
 from tests.datapath_service.agent import InProcessAgent
 
@@ -213,3 +217,43 @@ def test_the_executable_and_the_plugin_agree_on_the_default_socket_and_the_plugi
     defines = dict(re.findall(r'^#define (\w+) "([^"]*)"$', source, re.MULTILINE))
     assert defines["DEFAULT_SOCKET"] == spec.DEFAULT_SOCKET
     assert defines["PLUGIN_SOCKET"] == spec.PLUGIN_SOCKET
+
+
+class _HeldServicer:
+    """A datapath servicer whose DeleteEndpoint waits until released, counting the calls in it."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.peak = 0
+        self.release = asyncio.Event()
+
+    async def DeleteEndpoint(self, request: Any, context: Any) -> datapath_pb2.DeleteEndpointResponse:
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            await self.release.wait()
+        finally:
+            self.in_flight -= 1
+        return datapath_pb2.DeleteEndpointResponse()
+
+    CreateEndpoint = ListEndpoints = DeleteEndpoint
+
+
+@pytest.mark.root
+async def test_a_burst_of_calls_runs_at_most_cni_calls_at_once_and_the_rest_wait_their_turn(tmp_path: Path) -> None:
+    held = _HeldServicer()
+    node_socket = str(tmp_path / "cni.sock")
+    api = PluginApi(held, ErrorInterceptor(), plugin_socket(node_socket))  # type: ignore[arg-type]
+    await api.start()
+    try:
+        config = {"cniVersion": "1.0.0", "name": "burst", "type": "palisade", "socket": node_socket, "timeout": 30}
+        calls = 3 * CNI_CALLS
+        burst = [asyncio.create_task(cni("DEL", config, cid=f"c{i}", **NO_PYTHON)) for i in range(calls)]
+        # Every call has reached the socket: CNI_CALLS in the datapath's code, the rest queued.
+        await eventually(lambda: held.in_flight == CNI_CALLS and api.queued == calls - CNI_CALLS)
+        assert held.peak == CNI_CALLS
+        held.release.set()
+        assert [code for code, _ in await asyncio.gather(*burst)] == [0] * calls
+        assert held.peak == CNI_CALLS and api.queued == 0
+    finally:
+        await api.stop()
