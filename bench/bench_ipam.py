@@ -55,11 +55,10 @@ from services.ipam.identities import IdentityAllocator
 from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store
 from services.ipam.leases import NodeLeases
-from services.ipam.pods import K8sChanged, PodManager
+from services.ipam.pods import K8sChanged
 from services.ipam.podwatch import Change, ObjectKind
-from services.ipam.publish import IdentityPublisher, IpcacheWriter
 from testkit.harness import EtcdServer, NatsServer, ServiceProcess, channel, creds
-from testkit.ipam import K8s, ipam_args, namespace, pod
+from testkit.ipam import K8s, ipam_args, namespace, pod, pod_task
 
 #: Issue 34's targets for the API at concurrency 16 with two replicas, per second.
 TARGET_IDENTITIES = 2000.0
@@ -268,15 +267,7 @@ async def bench_churn(tmp: Path, rate: int, seconds: int, life: int) -> dict[str
         store = Store(client)
         async with await Bus.connect([nats.url], name="bench-churn", tls=creds()) as bus:
             await bus.ensure_streams()
-            allocator = IdentityAllocator(store, NodeLeases(store, 60))
-            await allocator.load()
-            ipalloc = IPAllocator(
-                store, [ipaddress.ip_network("10.0.0.0/8")], mask_v4=24, mask_v6=112, mode=IPAMMode.CLUSTER_POOL
-            )
-            await ipalloc.load()
-            ipcache = IpcacheWriter(store, bus)
-            await ipcache.load()
-            pods = PodManager(allocator, ipalloc, IdentityPublisher(bus), ipcache, cluster="default")
+            pods = (await pod_task(store, bus)).pods
             runner = asyncio.create_task(pods.run())
             namespaces = 50
             for n in range(namespaces):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -16,6 +17,13 @@ from grpc_health.v1 import health_pb2
 from palisade.v1 import common_pb2_grpc, identity_pb2, identity_pb2_grpc, ipam_pb2_grpc, k8s_pb2
 from services.common.bus import IDENTITY_STREAM, IPCACHE_STREAM, K8S_STREAM, Bus
 from services.common.subjects import IDENTITY_ALL, IPCACHE_ALL, SYNCED_SUBJECT
+from services.ipam.config import IPAMMode
+from services.ipam.identities import IdentityAllocator
+from services.ipam.ipalloc import IPAllocator
+from services.ipam.kv import Store
+from services.ipam.leases import NodeLeases
+from services.ipam.pods import PodManager
+from services.ipam.publish import IdentityPublisher, IpcacheWriter
 from testkit.builders import delta, delta_subject
 from testkit.harness import ROOT, EtcdServer, NatsServer, channel
 
@@ -34,6 +42,29 @@ async def eventually(check: Callable[[], Any], timeout: float = 20.0) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not reached within {timeout}s; last value {last!r}")
         await asyncio.sleep(0.05)
+
+
+class PodTask(NamedTuple):
+    """ipam's pod task and the allocators and ipcache writer it works on."""
+
+    pods: PodManager
+    allocator: IdentityAllocator
+    ipalloc: IPAllocator
+    ipcache: IpcacheWriter
+
+
+async def pod_task(store: Store, bus: Bus) -> PodTask:
+    """ipam's pod task as the service builds it (cluster pool 10.0.0.0/8), its allocators loaded; not running."""
+    allocator = IdentityAllocator(store, NodeLeases(store, 60))
+    await allocator.load()
+    ipalloc = IPAllocator(
+        store, [ipaddress.ip_network("10.0.0.0/8")], mask_v4=24, mask_v6=112, mode=IPAMMode.CLUSTER_POOL
+    )
+    await ipalloc.load()
+    ipcache = IpcacheWriter(store, bus)
+    await ipcache.load()
+    pods = PodManager(allocator, ipalloc, IdentityPublisher(bus), ipcache, cluster="default")
+    return PodTask(pods, allocator, ipalloc, ipcache)
 
 
 def pod(

@@ -9,24 +9,18 @@ owner, and these tests count the pairs a deletion looks at.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 from collections.abc import AsyncIterator
 
 import pytest
 
 from services.common.bus import Bus
 from services.common.labels import LabelSet
-from services.ipam.config import IPAMMode
-from services.ipam.identities import IdentityAllocator
-from services.ipam.ipalloc import IPAllocator
 from services.ipam.kv import Store
-from services.ipam.leases import NodeLeases
 from services.ipam.owners import OwnerIndexed
-from services.ipam.pods import K8sChanged, OwnerChanged, PodManager, ReferenceChanged
+from services.ipam.pods import K8sChanged, OwnerChanged, ReferenceChanged
 from services.ipam.podwatch import Change, ObjectKind
-from services.ipam.publish import IdentityPublisher, IpcacheWriter
 from testkit.harness import NatsServer, creds
-from testkit.ipam import namespace, pod
+from testkit.ipam import namespace, pod, pod_task
 
 #: API endpoints on another node: what a scan over every (node, owner) would look at.
 API_OWNERS = 40
@@ -68,15 +62,7 @@ def _pod_change(ns: str, name: str, *, ip: str = "", gone: bool = False) -> K8sC
 
 
 async def test_a_pod_deletion_looks_only_at_its_own_owner(store: Store, bus: Bus) -> None:
-    allocator = IdentityAllocator(store, NodeLeases(store, 60))
-    await allocator.load()
-    ipalloc = IPAllocator(
-        store, [ipaddress.ip_network("10.0.0.0/8")], mask_v4=24, mask_v6=112, mode=IPAMMode.CLUSTER_POOL
-    )
-    await ipalloc.load()
-    ipcache = IpcacheWriter(store, bus)
-    await ipcache.load()
-    pods = PodManager(allocator, ipalloc, IdentityPublisher(bus), ipcache, cluster="default")
+    pods, allocator, ipalloc, ipcache = await pod_task(store, bus)
     runner = asyncio.create_task(pods.run())
     try:
         pods.submit(K8sChanged(Change(ObjectKind.NAMESPACE, "", "web", namespace("web"))))
@@ -130,15 +116,7 @@ async def test_a_burst_of_pod_changes_shares_transactions_and_keeps_each_address
 ) -> None:
     """Changes of distinct pods go in flight together (their transactions share etcd batches);
     a pod that takes the address of one deleted before it still comes after it."""
-    allocator = IdentityAllocator(store, NodeLeases(store, 60))
-    await allocator.load()
-    ipalloc = IPAllocator(
-        store, [ipaddress.ip_network("10.0.0.0/8")], mask_v4=24, mask_v6=112, mode=IPAMMode.CLUSTER_POOL
-    )
-    await ipalloc.load()
-    ipcache = IpcacheWriter(store, bus)
-    await ipcache.load()
-    pods = PodManager(allocator, ipalloc, IdentityPublisher(bus), ipcache, cluster="default")
+    pods, allocator, _, ipcache = await pod_task(store, bus)
     pods.submit(K8sChanged(Change(ObjectKind.NAMESPACE, "", "web", namespace("web"))))
     # Nothing runs yet: the burst is queued whole, as a backlog of bus deltas is.
     for i in range(100):
