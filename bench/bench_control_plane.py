@@ -746,13 +746,17 @@ def summary(out: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def run_endpoints_only(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
-    """Part 1's endpoint creation alone: the stack, ``--endpoints`` CreateEndpoint calls 4 at a time."""
+def stack_places() -> tuple[Path, str, str, Cleanup]:
+    """A run's temporary directory, netns prefix and bpffs folder, and the cleanup that removes the directory."""
     tmp = Path(tempfile.mkdtemp(prefix="palisade-bench-cp-"))
-    prefix = f"bcp{secrets.token_hex(3)}"
-    bpffs = f"/sys/fs/bpf/palisade-bench-{secrets.token_hex(4)}"
     cleanup = Cleanup()
     cleanup.push("remove the temporary directory", lambda: shutil.rmtree(tmp, ignore_errors=True))
+    return tmp, f"bcp{secrets.token_hex(3)}", f"/sys/fs/bpf/palisade-bench-{secrets.token_hex(4)}", cleanup
+
+
+def run_endpoints_only(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
+    """Part 1's endpoint creation alone: the stack, ``--endpoints`` CreateEndpoint calls 4 at a time."""
+    tmp, prefix, bpffs, cleanup = stack_places()
     try:
         log("starting nats, etcd, watcher, ipam, policy, datapath")
         stack = start_stack(tmp, prefix, bpffs, cleanup, log_level_info=bool(args.keep_logs), attach=args.attach)
@@ -787,11 +791,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out["engine"] = run_engine_child(args)
     out["engine"]["wall_s"] = round(time.perf_counter() - started, 1)
 
-    tmp = Path(tempfile.mkdtemp(prefix="palisade-bench-cp-"))
-    prefix = f"bcp{secrets.token_hex(3)}"
-    bpffs = f"/sys/fs/bpf/palisade-bench-{secrets.token_hex(4)}"
-    cleanup = Cleanup()
-    cleanup.push("remove the temporary directory", lambda: shutil.rmtree(tmp, ignore_errors=True))
+    tmp, prefix, bpffs, cleanup = stack_places()
     try:
         log("starting nats, etcd, watcher, ipam, policy, datapath")
         started = time.perf_counter()
