@@ -48,22 +48,22 @@ static char *input;
 static size_t input_len;
 static char version[64] = DEFAULT_VERSION;
 
+/* The inside of a JSON string: quotes and backslashes escaped, control characters left out. */
+static void put_json_text(const char *text) {
+	for (const char *p = text; *p; p++) {
+		if (*p == '"' || *p == '\\')
+			putchar('\\');
+		if ((unsigned char)*p >= 0x20)
+			putchar(*p);
+	}
+}
+
 /* An error object (the specification's), printed as the plugin prints it; exit status 1. */
 static int fail(int code, const char *msg, const char *details) {
 	printf("{\"cniVersion\": \"%s\", \"code\": %d, \"msg\": \"", version, code);
-	for (const char *p = msg; *p; p++) {
-		if (*p == '"' || *p == '\\')
-			putchar('\\');
-		if ((unsigned char)*p >= 0x20)
-			putchar(*p);
-	}
+	put_json_text(msg);
 	printf("\", \"details\": \"");
-	for (const char *p = details; *p; p++) {
-		if (*p == '"' || *p == '\\')
-			putchar('\\');
-		if ((unsigned char)*p >= 0x20)
-			putchar(*p);
-	}
+	put_json_text(details);
 	printf("\"}\n");
 	fflush(stdout);
 	return 1;
