@@ -23,6 +23,10 @@ all measured in one run:
   off (``--local-delivery false``): packets go through the host's routing as
   in ``none``, each judged at both veths. What local delivery is worth, and
   what enforcement costs on the host's path;
+- ``palisade-other-N`` (the top level only, with ``--compare-attach``): ``palisade-N`` with
+  its programs attached the other way (clsact filters where the run attaches with tcx, tcx
+  links where it attaches with tc), from a third datapath with pins of its own: what the
+  attach mechanism costs per packet, measured in the same rounds;
 - ``redirect``: the limit of the packet path: a tc program that only forwards
   (bench/bareredirect.py: destination lookup, Ethernet addresses, TTL, then
   ``bpf_redirect_peer``, as local delivery does), no conntrack and no policy.
@@ -172,8 +176,10 @@ def human(n: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    kind: str  # "none" | "redirect" | "palisade" | "palisade-host" | "iptables"
+    kind: str  # "none" | "redirect" | "palisade" | "palisade-host" | "palisade-other" | "iptables"
     entries: int = 0
+    #: palisade-other: the mechanism its programs are attached with ("tc" or "tcx").
+    mechanism: str = ""
 
     @property
     def name(self) -> str:
@@ -189,11 +195,13 @@ class Variant:
             return f"Palisade {human(self.entries)} entries"
         if self.kind == "palisade-host":
             return f"Palisade {human(self.entries)} entries through the host (local delivery off)"
+        if self.kind == "palisade-other":
+            return f"Palisade {human(self.entries)} entries attached with {self.mechanism}"
         return f"iptables {human(self.entries)} rules"
 
     @property
     def runs_palisade(self) -> bool:
-        return self.kind in ("palisade", "palisade-host")
+        return self.kind in ("palisade", "palisade-host", "palisade-other")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +277,9 @@ class Bench:
         self.dp: Datapath | None = None
         #: A second datapath (own pins) whose programs have local delivery off: palisade-host-N.
         self.dp_host: Datapath | None = None
+        #: With --compare-attach, a third (own pins) attaching the other way: palisade-other-N.
+        self.dp_other: Datapath | None = None
+        self.other_base = f"{self.base}-other"
         self.ipt: Iptables | None = None
         self.redirect: BareRedirect | None = None
         self.current: Variant | None = None
@@ -288,6 +299,8 @@ class Bench:
         self.dp = Datapath.open(self.base, attach=self.args.attach)
         host = ProgramConfig(local_delivery=False)
         self.dp_host = Datapath.open(self.host_base, config=host, attach=self.args.attach)
+        if self.args.compare_attach:
+            self.dp_other = Datapath.open(self.other_base, attach=other_mechanism(self.args.attach))
         self.redirect = BareRedirect((self.src, self.dst))
         self._reader = threading.Thread(target=self._read_flows, name="flow-reader", daemon=True)
         self._reader.start()
@@ -305,10 +318,9 @@ class Bench:
     def _read_flows(self) -> None:
         """The agent's flow reader with nobody observing, as the flow hub does it: take what is
         there without decoding it, then wait one poll."""
-        assert self.dp is not None and self.dp_host is not None
         began = time.thread_time()
         while not self._stop_reading.is_set():
-            for dp in (self.dp, self.dp_host):
+            for dp in self.datapaths():
                 self.events["taken"] += dp.skip_flows(0)
             self._stop_reading.wait(FLOW_READ_POLL_MS / 1000)
         self.events["reader_cpu_s"] = round(time.thread_time() - began, 3)
@@ -327,16 +339,22 @@ class Bench:
         if self.dp_host is not None:
             steps.append(("datapath (local delivery off) teardown", self.dp_host.teardown))
         steps.append(("teardown_all (local delivery off)", functools.partial(teardown_all, self.host_base)))
+        if self.dp_other is not None:
+            steps.append(("datapath (other attach) teardown", self.dp_other.teardown))
+            steps.append(("teardown_all (other attach)", functools.partial(teardown_all, self.other_base)))
         out = clean_up(self.prefix, self.base, self.servers, self.pods, steps)
-        out["bpf_dir_left"] = out["bpf_dir_left"] or os.path.exists(self.host_base)
+        out["bpf_dir_left"] = out["bpf_dir_left"] or os.path.exists(self.host_base) or os.path.exists(self.other_base)
         out["iptables_chains_left"] = sorted(self.ipt.our_chains()) if self.ipt is not None else []
         return out
 
     # variants ---------------------------------------------------------------------------
 
+    def datapaths(self) -> list[Datapath]:
+        return [dp for dp in (self.dp, self.dp_host, self.dp_other) if dp is not None]
+
     def datapath(self, variant: Variant) -> Datapath:
         """The datapath whose programs a Palisade variant runs."""
-        dp = self.dp_host if variant.kind == "palisade-host" else self.dp
+        dp = {"palisade-host": self.dp_host, "palisade-other": self.dp_other}.get(variant.kind, self.dp)
         assert dp is not None
         return dp
 
@@ -378,9 +396,7 @@ class Bench:
 
     def drain_events(self) -> None:
         lost = 0
-        for dp in (self.dp, self.dp_host):
-            if dp is None:
-                continue
+        for dp in self.datapaths():
             while events := dp.read_flows(0):
                 self.events["drained"] += len(events)
             lost += dp.counters().events_lost
@@ -612,6 +628,12 @@ def analyse(
                     if m == "udp_64b_rate" and v.entries == max(levels):
                         row["target"] = target(">=", LIMIT_TARGET)
                     summary.append(row)
+        for v in variants:
+            same = f"palisade-{v.entries}"
+            if v.kind == "palisade-other" and medians[same][m]:
+                value = round_to(medians[v.name][m] / medians[same][m])
+                label = f"{meta['label']}, {v.label} / attached with {other_mechanism(v.mechanism)}"
+                summary.append({"metric": label, "value": value, "unit": "x"})
     plots = []
     for m, meta in METRICS.items():
         series: dict[str, list[list[float]]] = {
@@ -690,6 +712,11 @@ def analyse(
     }
 
 
+def other_mechanism(mechanism: str) -> str:
+    """The other way to attach: tc for tcx (and for auto, tcx where the kernel has it), tcx for tc."""
+    return "tcx" if mechanism == "tc" else "tc"
+
+
 def tool_version(argv: list[str]) -> str:
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=10)
@@ -705,6 +732,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         variants += [Variant("palisade", n), Variant("iptables", n)]
     variants.append(Variant("palisade-host", levels[len(levels) // 2]))
     bench = Bench(args)
+    if args.compare_attach:
+        variants.append(Variant("palisade-other", max(levels), other_mechanism(args.attach)))
     result: dict[str, Any] = {
         "config": {
             "rounds": args.rounds,
@@ -763,7 +792,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     f"udp {samples[v.name]['udp_64b_rate'][-1]:.0f} pps, "
                     f"conn {samples[v.name]['connection_rate'][-1]:.0f}/s"
                 )
-        palisade = [v for v in variants if v.runs_palisade]
+        # The attach mechanism does not change a program's own run time: palisade-other is left out.
+        palisade = [v for v in variants if v.runs_palisade and v.kind != "palisade-other"]
         for r in range(args.bpf_stats_rounds):
             for v in palisade if r % 2 == 0 else palisade[::-1]:
                 bench.switch(v)
@@ -868,6 +898,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--attach", choices=ATTACH_MODES, default="auto", help="how Palisade's programs go on the veths (default auto)"
+    )
+    p.add_argument(
+        "--compare-attach",
+        action="store_true",
+        help="also run Palisade at the top level attached the other way (tc / tcx), in the same rounds",
     )
     args = p.parse_args(argv)
     if args.rounds is None:

@@ -1,8 +1,11 @@
 """Per-endpoint state directories: everything needed to restore an endpoint after a restart.
 
 Layout: ``<state_dir>/<endpoint id>/endpoint.json``, one directory per endpoint, like
-Cilium's ``/var/run/cilium/state/<id>``. A file is written to a temporary name, synced
-and renamed, so a crash leaves either the old or the new version, never half of one.
+Cilium's ``/var/run/cilium/state/<id>``. A file is written to a temporary name and renamed,
+so a crash of the process leaves either the old or the new version, never half of one. It
+is not synced to disk: the state describes veths and pinned BPF objects that a reboot
+removes anyway (and /var/run is a tmpfs on a node), and a sync waits on the disk's journal
+in every endpoint's create.
 Only what cannot be recomputed is stored: the pod, its namespace and veth, its
 addresses, and where its identity came from. Policy is not stored: after a restart
 it is fetched again from PolicyService (Resync), and until then the pinned maps keep
@@ -128,15 +131,9 @@ class EndpointStore:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.write(fd, data)
-            os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
     def remove(self, endpoint_id: int) -> None:
         shutil.rmtree(self.directory(endpoint_id), ignore_errors=True)
