@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket as socket_mod
 import subprocess
 import sys
@@ -342,6 +343,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.burst:
             log(f"burst: {args.burst} palisade-cni ADDs at once")
             out["burst"] = run_burst(args.burst, socket, work)
+        if args.keep_logs:
+            # The datapath's "endpoint created" / "endpoint deleted" lines carry each step's milliseconds.
+            shutil.copytree(stack.run_dir / "logs", args.keep_logs, dirs_exist_ok=True)
     out["summary"] = summary(out)
     out["plots"] = []
     return out
@@ -422,6 +426,7 @@ def summary(out: dict[str, Any]) -> list[dict[str, Any]]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="12 sandboxes per mode in 3 rounds, a burst of 20")
+    p.add_argument("--keep-logs", metavar="DIR", help="copy the services' logs there at the end")
     p.add_argument("--sandboxes", type=int, help="sandboxes per mode (default 60; 12 with --quick)")
     p.add_argument("--rounds", type=int, help="batches per mode, interleaved (default 6; 3 with --quick)")
     p.add_argument("--burst", type=int, help="pods in the burst (default 100; 20 with --quick; 0: none)")
