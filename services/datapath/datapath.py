@@ -127,7 +127,7 @@ class DatapathAPI(Protocol):
 
     def attach_endpoint(self, spec: EndpointSpec) -> None: ...
     def detach_endpoint(self, ep_id: int, *, veth_going: bool = False) -> bool: ...
-    def reap_links(self) -> int: ...
+    def reap_links(self, keep: Iterable[int] = ()) -> int: ...
     def set_identity(self, ep_id: int, identity: int) -> None: ...
     def apply_policy(
         self,
@@ -398,16 +398,17 @@ class Datapath:
             log.info("endpoint detached", endpoint=ep_id, ifindex=record.ifindex)
             return True
 
-    def reap_links(self) -> int:
+    def reap_links(self, keep: Iterable[int] = ()) -> int:
         """Unpin the program links of veths no endpoint holds (left by :meth:`detach_endpoint` with
         ``veth_going``): a gone veth's are only unpinned, a live one's detached. Returns how many veths.
+        ``keep``: ifindexes of veths being deleted, whose links go with them (left for a later reap).
 
         Under the writer lock: an attach registers its endpoint before its programs go on, so a
         veth being attached is never reaped.
         """
         with self._lock:
             self._check_open()
-            held = {r.ifindex for r in self._endpoints.values()}
+            held = {r.ifindex for r in self._endpoints.values()} | set(keep)
             reaped = self._loader.release_links(keep=held)
         if reaped:
             log.info("program links of deleted endpoints released", veths=len(reaped))

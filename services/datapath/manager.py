@@ -144,6 +144,9 @@ class EndpointManager:
         self._releases: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()
         #: Policy fetches in flight, by identity (see :meth:`_fetch_policy`).
         self._fetches: dict[int, asyncio.Task[IdentityPolicy | None]] = {}
+        #: Networks of deleted CNI endpoints being torn down, by host veth name (see :meth:`delete`).
+        self._teardowns: dict[str, asyncio.Task[None]] = {}
+        self._going: dict[str, EndpointRecord] = {}
         #: Told the endpoints and their name rules after every command (the DNS proxy's publisher).
         self._names = names
 
@@ -232,7 +235,7 @@ class EndpointManager:
             with contextlib.suppress(EndpointNotFound, UpstreamUnavailable):
                 await self.delete(EndpointRef(ep.id))
                 removed += 1
-        await asyncio.to_thread(self._dp.reap_links)
+        await asyncio.to_thread(self._dp.reap_links, self._going_ifindexes())
         return removed
 
     async def repair(self) -> int:
@@ -450,6 +453,7 @@ class EndpointManager:
                 return await asyncio.to_thread(
                     self._net.adopt, netns=netns, host_ifname=request.adopt_host_ifname, addresses=addresses
                 )
+            await self._teardown_done(host_ifname(request.namespace, request.pod))
             return await asyncio.to_thread(
                 self._net.setup,
                 netns=netns or netns_mod.netns_path(netns_name(request.namespace, request.pod)),
@@ -568,18 +572,33 @@ class EndpointManager:
         record = await self._do(lambda: self._remove(ref))
         watch.lap("remove")
         # Outside the owning task (its id stays reserved until the end, so no new endpoint takes it).
-        # A veth of our own goes first: its program links go with it, where detaching them while it
-        # is there costs the kernel an RCU grace period per hook (~13 ms each with tcx); its maps
-        # keep enforcing until then. Another plugin's veth stays: the programs come off it first.
-        if record.link_owned:
-            await self._teardown(record)
-            watch.lap("network")
-        await self._detach(record, veth_going=not record.link_owned)
-        watch.lap("detach")
-        if not record.link_owned:
-            await self._teardown(record)
-            watch.lap("network")
-        await asyncio.to_thread(self._store.remove, record.id)
+        if record.link_owned and record.container_id:
+            # A runtime's DEL of a veth of our own: the endpoint leaves the maps and the ipcache now,
+            # and its veth (with its routes and program links) is deleted after the answer. Deleting
+            # a veth costs the kernel ~20-40 ms of grace periods, and the runtime removes the
+            # sandbox's namespace next anyway. Its state is kept aside until then, so a restart
+            # finishes the teardown; an ADD for the same pod waits for it (the same veth name).
+            await self._detach(record, veth_going=True)
+            watch.lap("detach")
+            try:
+                going: Path | None = await asyncio.to_thread(self._store.mark_going, record.id)
+            except FileNotFoundError:
+                going = None  # no state was written: nothing to finish after a restart
+            self._teardown_later(record, going)
+            watch.lap("store")
+        else:
+            # A veth of our own goes first: its program links go with it, where detaching them while
+            # it is there costs the kernel an RCU grace period per hook (~13 ms each with tcx); its
+            # maps keep enforcing until then. Another plugin's veth stays: the programs come off first.
+            if record.link_owned:
+                await self._teardown(record)
+                watch.lap("network")
+            await self._detach(record, veth_going=not record.link_owned)
+            watch.lap("detach")
+            if not record.link_owned:
+                await self._teardown(record)
+                watch.lap("network")
+            await asyncio.to_thread(self._store.remove, record.id)
         await self._do(lambda: self._unreserve(record.id, record.key))
         watch.lap("store")
         # Every address and the identity reference at once: one IPAM round trip, not one each.
@@ -642,6 +661,41 @@ class EndpointManager:
             await asyncio.to_thread(self._net.teardown, link_of(record))
         except Exception as exc:
             log.warning("network teardown failed", pod=record.key, error=str(exc))
+
+    def _teardown_later(self, record: EndpointRecord, going: Path | None) -> None:
+        """Delete a deleted endpoint's network off the caller's path (see :meth:`delete`)."""
+        name = record.host_ifname
+
+        async def run() -> None:
+            try:
+                await self._teardown(record)
+                # Its links are defunct now (the veth is gone): unpinned, nothing waited for.
+                await asyncio.to_thread(self._dp.reap_links, self._going_ifindexes(but=name))
+                if going is not None:
+                    await asyncio.to_thread(self._store.forget, going)
+            finally:
+                if self._teardowns.get(name) is task:
+                    del self._teardowns[name]
+                    del self._going[name]
+
+        task = asyncio.create_task(run(), name=f"teardown of {record.key}")
+        self._teardowns[name] = task
+        self._going[name] = record
+
+    def _going_ifindexes(self, but: str = "") -> list[int]:
+        """The veths being deleted (their links go with them: never detached while they do)."""
+        return [r.host_ifindex for name, r in self._going.items() if name != but]
+
+    async def _teardown_done(self, host_ifname: str) -> None:
+        """Wait until a deleted endpoint's veth of this name is gone (a new pod takes the name)."""
+        pending = self._teardowns.get(host_ifname)
+        if pending is not None:
+            await asyncio.shield(pending)
+
+    async def settled(self) -> None:
+        """Wait until the networks of every deleted endpoint are torn down."""
+        while self._teardowns:
+            await asyncio.gather(*[asyncio.shield(t) for t in list(self._teardowns.values())])
 
     # --- identity changes --------------------------------------------------------------------------
 
@@ -736,6 +790,11 @@ class EndpointManager:
                 log.error("endpoint restore failed", endpoint=record.id, pod=record.key, error=str(exc))
                 continue
             restored.append(record)
+        for path, record in await asyncio.to_thread(self._store.going):
+            # Deleted (DEL answered) but its veth not yet removed when the datapath stopped.
+            log.info("teardown of a deleted endpoint finished", endpoint=record.id, pod=record.key)
+            await self._teardown(record)
+            await asyncio.to_thread(self._store.forget, path)
         known = {r.id for r in records}
         for ep_id in sorted(pinned - known):
             log.info("pinned endpoint without state detached", endpoint=ep_id)

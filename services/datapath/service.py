@@ -53,6 +53,9 @@ from services.datapath.types import EndpointState
 
 log = get_logger("datapath")
 
+#: Seconds a stop waits for the veths of deleted endpoints to go.
+TEARDOWN_WAIT = 5.0
+
 
 async def _repair_loop(manager: EndpointManager, interval: float) -> None:
     while True:
@@ -164,6 +167,14 @@ async def start_agent(
 
     spawn(manager.run(), "endpoints")
     spawn(manager.run_releases(), "releases")
+
+    async def finish_teardowns() -> None:
+        # Veths of deleted endpoints still going: a stop waits for them a little; a restart
+        # finishes any left (their state is kept aside until then).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(manager.settled(), TEARDOWN_WAIT)
+
+    stack.push_async_callback(finish_teardowns)
     spawn(reporter.run(), "reporter")
     spawn(flows.run(), "flows")
 

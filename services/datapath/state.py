@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ from services.datapath.types import Address, Label, PortRecord
 
 FORMAT_VERSION = 1
 STATE_FILE = "endpoint.json"
+#: A deleted endpoint whose network is still being torn down: ``<state_dir>/going-<id>-<random>``.
+#: Never restored; a restart finishes its teardown (:meth:`EndpointStore.going`).
+GOING_PREFIX = "going-"
 
 
 class StateError(ValueError):
@@ -137,6 +141,30 @@ class EndpointStore:
 
     def remove(self, endpoint_id: int) -> None:
         shutil.rmtree(self.directory(endpoint_id), ignore_errors=True)
+
+    def mark_going(self, endpoint_id: int) -> Path:
+        """Move a deleted endpoint's state out of the restorable set while its network is torn
+        down (its id may be reused at once); the path to :meth:`forget` when that is done."""
+        path = self.root / f"{GOING_PREFIX}{endpoint_id}-{secrets.token_hex(4)}"
+        os.rename(self.directory(endpoint_id), path)
+        return path
+
+    def going(self) -> list[tuple[Path, EndpointRecord]]:
+        """The deleted endpoints whose teardown a stop interrupted (unreadable ones are forgotten)."""
+        out: list[tuple[Path, EndpointRecord]] = []
+        if not self.root.is_dir():
+            return out
+        for entry in sorted(self.root.iterdir()):
+            if not entry.name.startswith(GOING_PREFIX):
+                continue
+            try:
+                out.append((entry, EndpointRecord.from_json(json.loads((entry / STATE_FILE).read_text()))))
+            except (OSError, ValueError, KeyError, TypeError):
+                shutil.rmtree(entry, ignore_errors=True)
+        return out
+
+    def forget(self, path: Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
 
     def load_all(self) -> tuple[list[EndpointRecord], list[StateError]]:
         """Every readable endpoint (sorted by id) and one error per unreadable directory."""

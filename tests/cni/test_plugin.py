@@ -14,12 +14,14 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from services.datapath.netns import PodLink
 from testkit.controlplane import ControlPlane
 from testkit.harness import ROOT, NatsServer
 from tests.datapath_service.agent import InProcessAgent
@@ -121,6 +123,8 @@ async def test_standalone_add_check_del_and_del_again(agent: InProcessAgent, cp:
     code, out = await cni("DEL", conf(agent), netns=netns)
     assert (code, out) == (0, {})
     assert endpoints(agent) == {} and cp.ips == {}
+    assert agent.agent is not None
+    await agent.agent.manager.settled()  # the veth goes after the answer (see the test below)
     assert ep.record.host_ifname not in agent.network.links
     # DEL is idempotent, and never fails for a namespace that is gone.
     code, _ = await cni("DEL", conf(agent), netns=netns)
@@ -152,6 +156,58 @@ async def test_add_again_replaces_the_endpoint_and_a_new_sandbox_replaces_the_ol
         assert list(endpoints(agent)) == ["c2"]
         assert len(cp.ips) == 1
     finally:
+        await asyncio.to_thread(subprocess.run, ["ip", "netns", "del", os.path.basename(other)], capture_output=True)
+
+
+def state_dirs(state: Path) -> list[str]:
+    return sorted(d.name for d in state.iterdir() if d.is_dir())
+
+
+async def test_del_answers_before_its_veth_goes_and_an_add_of_the_same_pod_waits_for_the_veth_to_go(
+    agent: InProcessAgent, cp: ControlPlane, netns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert agent.agent is not None and agent.datapath is not None
+    code, out = await cni("ADD", conf(agent), netns=netns)
+    assert code == 0, out
+    ep = endpoints(agent)["c1"]
+    state = Path(agent.config.state_dir)
+    # The kernel's veth deletion, held until the test lets it go.
+    going = threading.Event()
+    teardown = agent.network.teardown
+
+    def held_teardown(link: PodLink) -> None:
+        assert going.wait(30)
+        teardown(link)
+
+    monkeypatch.setattr(agent.network, "teardown", held_teardown)
+    code, out = await cni("DEL", conf(agent), netns=netns)
+    assert (code, out) == (0, {})
+    # Answered: out of the table, the maps and IPAM; the veth still going, its state kept aside
+    # (a restart finishes the teardown, and never restores the endpoint).
+    assert endpoints(agent) == {} and cp.ips == {}
+    assert ep.id not in {p.id for p in agent.datapath.pinned_endpoints()}
+    assert ep.record.host_ifname in agent.network.links
+    assert [name.split("-")[:2] for name in state_dirs(state)] == [["going", str(ep.id)]]
+
+    # A new sandbox of the same pod gets the same veth name: its ADD waits for the old one to go.
+    other = netns + "b"
+    await asyncio.to_thread(subprocess.run, ["ip", "netns", "add", os.path.basename(other)], check=True)
+    agent.network.namespaces.add(other)
+    try:
+        add = asyncio.create_task(cni("ADD", conf(agent), netns=other, cid="c2"))
+        await asyncio.sleep(0.5)
+        assert not add.done() and list(endpoints(agent)) == []
+        going.set()
+        code, out = await add
+        assert code == 0, out
+        new = endpoints(agent)["c2"]
+        assert (
+            new.record.host_ifname == ep.record.host_ifname and agent.network.pod_side[new.record.host_ifname] == other
+        )
+        await agent.agent.manager.settled()
+        assert state_dirs(state) == [str(new.id)]
+    finally:
+        going.set()
         await asyncio.to_thread(subprocess.run, ["ip", "netns", "del", os.path.basename(other)], capture_output=True)
 
 

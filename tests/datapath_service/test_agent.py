@@ -14,6 +14,7 @@ from services.datapath.fake import FakeDatapath
 from services.datapath.loader import ProgramConfig
 from services.datapath.maps import metricsmap
 from services.datapath.maps.sizes import MapSizes
+from services.datapath.state import EndpointStore
 from testkit.builders import policy_entry
 from testkit.controlplane import ALLOW, DENY, ING, TCP, ControlPlane
 from testkit.harness import NatsServer
@@ -263,6 +264,31 @@ async def test_restart_restores_endpoints_cleans_stale_ones_and_catches_up(
     assert agent.agent is not None
     agent.agent.status(status)
     assert status.synced and status.revision == rev2 and status.details["endpoints"] == "2"
+
+
+async def test_a_restart_finishes_the_teardown_of_an_endpoint_deleted_before_the_stop_and_never_restores_it(
+    agent: InProcessAgent, cp: ControlPlane
+) -> None:
+    assert agent.stub is not None
+    netns = "/run/netns/cni-sandbox"
+    agent.network.namespaces.add(netns)
+    request = datapath_pb2.CreateEndpointRequest(
+        namespace="x", pod="web", container_id="c1", netns=netns, labels=labels(app="web")
+    )
+    ep = await agent.stub.CreateEndpoint(request)
+    kept = await create(agent, "db", app="db")
+    await agent.stop()
+    # As a stop leaves a DEL answered before its veth went: the state kept aside, the veth there.
+    store = EndpointStore(agent.config.state_dir)
+    aside = store.mark_going(ep.id)
+    assert ep.host_ifname in agent.network.links
+
+    await agent.start()
+    await agent.wait_synced()
+    listed = await agent.stub.ListEndpoints(datapath_pb2.ListEndpointsRequest())
+    assert [e.pod for e in listed.endpoints] == [kept.pod]
+    assert ep.host_ifname not in agent.network.links and kept.host_ifname in agent.network.links
+    assert not aside.exists() and store.going() == []
 
 
 async def test_relabel_switches_identity_with_new_policy_first(agent: InProcessAgent, cp: ControlPlane) -> None:
