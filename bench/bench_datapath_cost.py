@@ -114,7 +114,7 @@ from bench.roles import (
 )
 from bench.stats import median, quartiles, round_to, summarize_bpf, target
 from services.datapath.datapath import Datapath, teardown_all
-from services.datapath.loader import ATTACH_MODES, ProgramConfig
+from services.datapath.loader import ATTACH_MODES, DEFAULT_ATTACH, ProgramConfig
 from services.datapath.maps.bpf import prog_test_run
 from services.datapath.netns import PodLink
 from services.datapath.types import (
@@ -897,16 +897,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default 5, --quick 1; 0 skips it)",
     )
     p.add_argument(
-        "--attach", choices=ATTACH_MODES, default="auto", help="how Palisade's programs go on the veths (default auto)"
+        "--attach",
+        choices=ATTACH_MODES,
+        default=DEFAULT_ATTACH,
+        help=f"how Palisade's programs go on the veths (default {DEFAULT_ATTACH}, the datapath's)",
     )
     p.add_argument(
         "--compare-attach",
-        action="store_true",
-        help="also run Palisade at the top level attached the other way (tc / tcx), in the same rounds",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run Palisade at the top level attached the other way (tc / tcx), in the same rounds "
+        "(default: on, off with --quick)",
     )
     args = p.parse_args(argv)
     if args.rounds is None:
         args.rounds = 1 if args.quick else 12
+    if args.compare_attach is None:
+        args.compare_attach = not args.quick
     if args.bpf_stats_rounds is None:
         args.bpf_stats_rounds = 1 if args.quick else 5
     if args.seconds is None:

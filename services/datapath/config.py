@@ -8,7 +8,7 @@ import os
 
 from services.common.config import CommonConfig, ConfigError, setting
 from services.common.grpcserver import parse_addresses
-from services.datapath.loader import ATTACH_MODES
+from services.datapath.loader import ATTACH_MODES, DEFAULT_ATTACH
 from services.datapath.routing import MODES as ROUTING_MODES
 
 #: --allow-localhost values: host traffic always allowed, or judged by policy.
@@ -27,9 +27,10 @@ class DatapathConfig(CommonConfig):
     state_dir: str = setting("Per-endpoint state directory.", default="/var/run/palisade/datapath")
     bpffs: str = setting("Where maps and programs are pinned.", default="/sys/fs/bpf/palisade")
     attach: str = setting(
-        "How programs go on pod veths: tcx (BPF links, kernel 6.6+), tc (clsact filters, any kernel), "
-        "or auto (tcx where the kernel has it).",
-        default="auto",
+        "How programs go on pod veths: tc (clsact filters, any kernel), tcx (BPF links, kernel 6.6+: each "
+        "attach waits an RCU grace period under the rtnl lock, ~26 ms per pod), or auto (tcx where the kernel "
+        "has it).",
+        default=DEFAULT_ATTACH,
     )
     local_delivery: bool = setting(
         "Pass packets between pods of this node straight into the destination pod (its ingress policy "

@@ -46,7 +46,7 @@ from services.common.log import get_logger
 from services.datapath import maps as bpf_maps
 from services.datapath import netns
 from services.datapath.loadbalancer import LoadBalancer
-from services.datapath.loader import LINKS_DIR, PROGRAMS_DIR, Loader, ProgramConfig, Template
+from services.datapath.loader import DEFAULT_ATTACH, LINKS_DIR, PROGRAMS_DIR, Loader, ProgramConfig, Template
 from services.datapath.maps import (
     ct4map,
     ctmap,
@@ -240,7 +240,7 @@ class Datapath:
 
     @classmethod
     def open(
-        cls, base_dir: str = DEFAULT_BASE_DIR, *, config: ProgramConfig | None = None, attach: str = "auto"
+        cls, base_dir: str = DEFAULT_BASE_DIR, *, config: ProgramConfig | None = None, attach: str = DEFAULT_ATTACH
     ) -> Datapath:
         """Mount bpffs if needed, open or create the pinned maps, reuse or compile the programs.
 

@@ -31,12 +31,17 @@ Attaching puts ``from_container`` on the tc ingress hook of the pod's
 host-side veth (packets leaving the pod) and ``to_container`` on its tc egress
 hook (packets entering it), in one of two ways:
 
-- tcx (kernel 6.6+, the default where the kernel has it, as in Cilium): one
+- tc (the default, :data:`DEFAULT_ATTACH`): a ``clsact`` qdisc with one
+  direct-action ``bpf`` filter per hook, always at the same priority and handle
+  and written with replace semantics.
+- tcx (kernel 6.6+; ``auto`` picks it where the kernel has it, as Cilium does): one
   BPF link per hook, pinned under ``<pin_dir>/links/<ifindex>/``. No qdisc and
-  no classifier walk: cheaper per packet than a filter. Re-attaching updates
-  the link's program atomically.
-- tc: a ``clsact`` qdisc with one direct-action ``bpf`` filter per hook, always
-  at the same priority and handle and written with replace semantics.
+  no classifier walk per packet. Re-attaching updates the link's program
+  atomically. But the kernel waits an RCU grace period under the rtnl lock for
+  every link attached (~13 ms here): two per pod, serialized with every other
+  pod's network work on the node, so a pod's start pays ~26 ms and a burst of
+  pods queues behind them. A filter's attach waits for none, and per packet
+  the two measured alike (``bench_datapath_cost --compare-attach``).
 
 Either way, re-attaching a new template swaps the program in place with no
 window where the hook is empty, and the pins or filters hold the programs, so
@@ -114,10 +119,12 @@ HOOKS = (
     (FROM_CONTAINER, BPF_TCX_INGRESS, TC_INGRESS_PARENT),
     (TO_CONTAINER, BPF_TCX_EGRESS, TC_EGRESS_PARENT),
 )
-#: "tcx": BPF links on the tc hooks (kernel 6.6+: no qdisc, no classifier walk, a few percent of
-#: packet rate cheaper); "tc": a clsact qdisc with bpf filters (any kernel); "auto": tcx where the
-#: kernel has it.
+#: "tcx": BPF links on the tc hooks (kernel 6.6+: no qdisc, no classifier walk; each attach waits a
+#: grace period under rtnl); "tc": a clsact qdisc with bpf filters (any kernel); "auto": tcx where
+#: the kernel has it.
 ATTACH_MODES = ("auto", "tcx", "tc")
+#: How the datapath attaches unless told otherwise (see the module docstring).
+DEFAULT_ATTACH = "tc"
 
 #: Every struct the program shares with Python, as (ctypes struct, C struct name).
 C_STRUCTS = tuple(struct for module in maps.ALL for struct in module.C_STRUCTS)
@@ -316,7 +323,7 @@ class Attachment:
 class Loader:
     """Owns the program templates of one pin directory and the attachments to pod veths."""
 
-    def __init__(self, pin_dir: str, attach: str = "auto") -> None:
+    def __init__(self, pin_dir: str, attach: str = DEFAULT_ATTACH) -> None:
         if attach not in ATTACH_MODES:
             raise ValueError(f"attach mode {attach!r}: give one of {', '.join(ATTACH_MODES)}")
         self.pin_dir = pin_dir

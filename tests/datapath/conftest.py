@@ -44,7 +44,9 @@ def node(run_id: str, bpf_base: str) -> Iterator[Node]:
     o2, o3 = _subnet()
     v4 = f"10.{o2}.{o3}"
     v6 = f"fd10:{o2:x}{o3:02x}:{run_id[2:]}"
-    dp = Datapath.open(bpf_base)
+    # tcx here (the service's tests run the default, tc): every enforcement test then covers the
+    # links, and test_lifecycle's switch between the two covers the filters as well.
+    dp = Datapath.open(bpf_base, attach="tcx")
     created: list[PodLink] = []
     servers: list[EchoServer] = []
     try:
