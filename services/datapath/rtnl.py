@@ -197,7 +197,7 @@ def new_veth(name: str, mac: str, peer: str, peer_mac: str, peer_netns_fd: int) 
     """A veth ``name`` (down) whose peer ``peer`` is made directly in the namespace ``peer_netns_fd``."""
     peer_info = _ifinfo() + attr(IFLA_IFNAME, asciiz(peer)) + attr(IFLA_ADDRESS, mac_bytes(peer_mac))
     peer_info += attr(IFLA_NET_NS_FD, u32(peer_netns_fd))
-    info = attr(IFLA_INFO_KIND, b"veth") + attr(IFLA_INFO_DATA, attr(VETH_INFO_PEER, peer_info))
+    info = attr(IFLA_INFO_KIND, asciiz("veth")) + attr(IFLA_INFO_DATA, attr(VETH_INFO_PEER, peer_info))
     body = _ifinfo() + attr(IFLA_IFNAME, asciiz(name)) + attr(IFLA_ADDRESS, mac_bytes(mac)) + attr(IFLA_LINKINFO, info)
     return Request(RTM_NEWLINK, CREATE, body, f"creating veth {name} with peer {peer}")
 
@@ -286,6 +286,12 @@ def replace_bpf_filter(
     return Request(RTM_NEWTFILTER, REPLACE, body, f"attaching bpf filter {name} to interface {index}")
 
 
+def packed(req: Request, seq: int) -> bytes:
+    """``req`` as sent: the netlink header (REQUEST, and ACK unless it is a dump) and its body."""
+    flags = NLM_F_REQUEST | req.flags | (0 if req.dump else NLM_F_ACK)
+    return _NLMSGHDR.pack(_NLMSGHDR.size + len(req.body), req.type, flags, seq, 0) + req.body
+
+
 # -- decoding -------------------------------------------------------------------------
 
 
@@ -366,12 +372,8 @@ class Rtnl:
         an OSError naming what was being done; the rest were answered (and read) all the same.
         At most one dump, and last: the kernel serves one dump at a time per socket."""
         first = self._seq + 1
-        out = bytearray()
-        for number, req in enumerate(requests, first):
-            flags = NLM_F_REQUEST | req.flags | (0 if req.dump else NLM_F_ACK)
-            out += _NLMSGHDR.pack(_NLMSGHDR.size + len(req.body), req.type, flags, number, 0) + req.body
         self._seq += len(requests)
-        self._sock.send(out)
+        self._sock.send(b"".join(packed(req, number) for number, req in enumerate(requests, first)))
         errors: dict[int, tuple[int, str]] = {}
         replies: dict[int, list[Message]] = {number: [] for number in range(first, first + len(requests))}
         pending = set(replies)
