@@ -28,7 +28,7 @@ import os
 import secrets
 import socket
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 # Message types (linux/rtnetlink.h, linux/netlink.h).
 NLMSG_ERROR = 2
@@ -417,8 +417,3 @@ def _ext_ack_message(flags: int, payload: bytes) -> str:
         return ""
     found = attrs(payload, _ERRNO.size + _NLMSGHDR.size).get(NLMSGERR_ATTR_MSG, b"")
     return found.rstrip(b"\0").decode(errors="replace")
-
-
-def expect(requests: Sequence[Request], *codes: int) -> list[Request]:
-    """``requests`` with ``codes`` taken as answers too."""
-    return [dataclasses.replace(r, expected=r.expected | frozenset(codes)) for r in requests]
