@@ -236,20 +236,22 @@ def name() -> Iterator[str]:
 def test_pods_made_with_it_pass_packets_both_families(name: str) -> None:
     from testkit.traffic import EchoServer, tcp_exchange, udp_exchange
 
-    a = netns.create_pod(name, name, ["10.251.249.1", "fd10:fb:f9::1"])
-    b = netns.create_pod(name + "b", name + "b", ["10.251.249.2", "fd10:fb:f9::2"])
+    o2, o3 = 200 + secrets.randbelow(50), secrets.randbelow(256)  # apart from a concurrent run's pods
+    a4, a6, b4, b6 = f"10.{o2}.{o3}.1", f"fd10:{o2:x}:{o3:x}::1", f"10.{o2}.{o3}.2", f"fd10:{o2:x}:{o3:x}::2"
+    a = netns.create_pod(name, name, [a4, a6])
+    b = netns.create_pod(name + "b", name + "b", [b4, b6])
     netns.enable_forwarding()
     assert a.pod_mac != a.host_mac and netns.link_mac(a.host_ifindex) == a.host_mac
     server = EchoServer(b.name, [7007], [7008])
     try:
-        assert tcp_exchange(a.name, "10.251.249.2", 7007)
-        assert tcp_exchange(a.name, "fd10:fb:f9::2", 7007)
-        assert udp_exchange(a.name, "fd10:fb:f9::2", 7008)
+        assert tcp_exchange(a.name, b4, 7007)
+        assert tcp_exchange(a.name, b6, 7007)
+        assert udp_exchange(a.name, b6, 7008)
     finally:
         server.close()
     # The host's neighbour entries are the pod's MAC as chosen, for both families.
-    assert netns.neighbour_mac(b.host_ifindex, "10.251.249.2") == b.pod_mac
-    assert netns.neighbour_mac(b.host_ifindex, "fd10:fb:f9::2") == b.pod_mac
+    assert netns.neighbour_mac(b.host_ifindex, b4) == b.pod_mac
+    assert netns.neighbour_mac(b.host_ifindex, b6) == b.pod_mac
     netns.delete_pod(a)
     netns.delete_pod(b)
     assert not netns.pod_alive(a) and netns.link_mac(a.host_ifindex) is None
@@ -271,8 +273,9 @@ def test_a_refusal_names_its_step_and_the_socket_stays_in_step(name: str) -> Non
 
 @pytest.mark.root
 def test_a_duplicate_address_is_refused_by_name_and_undone(name: str) -> None:
+    ip = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(256)}.3"
     with pytest.raises(FileExistsError) as err:
-        netns.create_pod(name, name, ["10.251.249.3", "10.251.249.3"])
-    assert f"netlink refused setting up namespace {name}: adding address 10.251.249.3" in str(err.value)
+        netns.create_pod(name, name, [ip, ip])
+    assert f"netlink refused setting up namespace {name}: adding address {ip}" in str(err.value)
     assert name not in netns.list_netns(name), "the namespace made for it is removed again"
     assert subprocess.run(["ip", "link", "show", name], capture_output=True).returncode != 0
