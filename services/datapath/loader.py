@@ -43,6 +43,11 @@ hook (packets entering it), in one of two ways:
   pods queues behind them. A filter's attach waits for none, and per packet
   the two measured alike (``bench_datapath_cost --compare-attach``).
 
+The tc qdisc and both filters go to the kernel in one netlink send
+(:mod:`services.datapath.rtnl`, not pyroute2, whose per-request event loop cost
+more CPU than the attach itself); reading them back (:meth:`Loader.attachment`)
+still parses pyroute2's dump.
+
 Either way, re-attaching a new template swaps the program in place with no
 window where the hook is empty, and the pins or filters hold the programs, so
 enforcement continues when this process exits. Attaching one way removes an
@@ -65,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.log import get_logger
-from services.datapath import maps
+from services.datapath import maps, rtnl
 from services.datapath.maps import constants
 from services.datapath.maps.bpf import (
     BPF_TCX_EGRESS,
@@ -83,6 +88,7 @@ from services.datapath.maps.bpf import (
     prog_query,
 )
 from services.datapath.maps.sizes import MapSizes
+from services.datapath.rtnl import Rtnl
 from services.datapath.types import IDENTITY_WORLD
 
 log = get_logger("loader")
@@ -331,7 +337,8 @@ class Loader:
         self._tcx_missing = False
         self._templates: dict[str, Template] = {}
         self._lock = threading.Lock()
-        self._ipr: Any = None
+        self._ipr: Any = None  # pyroute2, for reading the tc filters back
+        self._nl: Rtnl | None = None  # for attaching and detaching them
 
     def _programs_dir(self, digest: str) -> str:
         return os.path.join(self.pin_dir, PROGRAMS_DIR, digest[:32])
@@ -545,41 +552,32 @@ class Loader:
 
     # tc: a clsact qdisc with one direct-action bpf filter per hook -------------------
 
-    def _tc_attach(self, template: Template, ifindex: int) -> None:
-        from pyroute2.netlink.exceptions import NetlinkError
+    def _rtnl(self) -> Rtnl:
+        if self._nl is None:
+            self._nl = Rtnl()
+        return self._nl
 
-        ipr = self._iproute()
-        try:
-            ipr.tc("add", "clsact", index=ifindex)
-        except NetlinkError as exc:
-            if exc.code != errno.EEXIST:
-                raise
-        for name, _attach_type, parent in HOOKS:
-            ipr.tc(
-                "replace-filter",
-                "bpf",
-                index=ifindex,
-                handle=FILTER_HANDLE,
-                prio=FILTER_PRIO,
-                protocol=ETH_P_ALL,
+    def _tc_attach(self, template: Template, ifindex: int) -> None:
+        """The qdisc (if not there yet) and both filters, in one send."""
+        filters = [
+            rtnl.replace_bpf_filter(
+                ifindex,
                 parent=parent,
-                fd=template.fd(name),
+                prio=FILTER_PRIO,
+                handle=FILTER_HANDLE,
+                protocol=ETH_P_ALL,
+                prog_fd=template.fd(name),
                 name=f"{FILTER_NAME_PREFIX}_{name}_{template.short}",
-                classid=1,
-                direct_action=True,
             )
+            for name, _attach_type, parent in HOOKS
+        ]
+        self._rtnl().request(rtnl.add_clsact(ifindex), *filters)
 
     def _tc_detach(self, ifindex: int) -> bool:
         """Remove the clsact qdisc (and with it both filters); False if there was none."""
-        from pyroute2.netlink.exceptions import NetlinkError
-
-        try:
-            self._iproute().tc("del", "clsact", index=ifindex)
-        except NetlinkError as exc:
-            if exc.code in (errno.ENODEV, errno.ENOENT, errno.EINVAL):
-                return False
-            raise
-        return True
+        gone = frozenset({errno.ENODEV, errno.ENOENT, errno.EINVAL})
+        (answer,) = self._rtnl().request(rtnl.del_clsact(ifindex, expected=gone))
+        return answer.error == 0
 
     def _tc_attachment(self, ifindex: int) -> Attachment:
         from pyroute2.netlink.exceptions import NetlinkError
@@ -609,6 +607,9 @@ class Loader:
             if self._ipr is not None:
                 self._ipr.close()
                 self._ipr = None
+            if self._nl is not None:
+                self._nl.close()
+                self._nl = None
 
 
 def program_ids(template: Template) -> tuple[int, int]:

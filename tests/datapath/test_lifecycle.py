@@ -528,6 +528,29 @@ def test_tc_and_tcx_attachments_enforce_alike_and_replace_each_other(
         tc.close()
 
 
+def test_tc_filters_are_replaced_in_place_and_a_refusal_names_its_step(
+    net: Node, extra_pods: list[Pod], bpf_base: str
+) -> None:
+    """The tc attach (qdisc and both filters in one netlink send): again is a replace, not a third
+    filter; detach says whether there was an attachment; a missing veth is refused by name."""
+    dp = net.dp
+    ifindex = extra_pods[0].net.host_ifindex
+    tc = Loader(bpf_base, "tc")
+    try:
+        for _ in range(2):
+            tc.attach(dp.template, ifindex)
+            attachment = tc.attachment(ifindex)
+            assert (attachment.mechanism, attachment.programs, attachment.template()) == ("tc", 2, dp.template.short)
+            assert _bpf_filter_count(ifindex) == 2
+        assert tc.detach(ifindex) and _bpf_filter_count(ifindex) == 0
+        assert not tc.detach(ifindex), "nothing left to detach"
+        missing = ifindex + 100000
+        with pytest.raises(OSError, match=f"adding the clsact qdisc to interface {missing}: No such device"):
+            tc.attach(dp.template, missing)
+    finally:
+        tc.close()
+
+
 def test_a_pinned_link_of_another_veth_is_replaced(net: Node, extra_pods: list[Pod], bpf_base: str) -> None:
     """A link pinned for an ifindex whose veth was deleted (and the number reused) is not updated but
     replaced: updating it would run the program on the wrong veth, or on none."""
