@@ -15,9 +15,11 @@ Calico do):
 
 This module is the one way pods are wired: the service (through
 :class:`NetnsPodNetwork`), the tests and the benchmarks all call :func:`create_pod`
-and :func:`delete_pod`. Namespaces are created with ``ip netns add``, which forks
-and execs: pyroute2's in-process creation forks without exec, which is not safe in a
-process running gRPC threads.
+and :func:`delete_pod`. Named namespaces are made as ``ip netns add`` makes them (a
+bind mount of a namespace under a shared /run/netns), but in the process: a thread
+unshares its network namespace and mounts it, with no fork of a process that runs gRPC
+threads (pyroute2's way forks without exec) and no exec of ``ip`` (a fork of this
+process costs milliseconds per pod).
 
 The netlink messages are our own (:mod:`services.datapath.rtnl`), not pyroute2's: pyroute2 runs
 an event loop per request, and a pod's ~15 requests cost more CPU than the kernel's work. A
@@ -35,7 +37,6 @@ import functools
 import ipaddress
 import os
 import socket
-import subprocess
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -107,25 +108,84 @@ def name_of(netns: str) -> str:
     return path.name
 
 
-def _ip(*args: str) -> None:
-    result = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise OSError(f"ip {' '.join(args)} failed: {result.stderr.strip() or result.returncode}")
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_SHARED = 1 << 20
+MNT_DETACH = 2
+_netns_dir_lock = threading.Lock()
+_netns_dir_shared = False
+
+
+def _mount(source: str, target: str, flags: int) -> None:
+    if _libc().mount(source.encode(), target.encode(), b"none", flags, None) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mount {source or '(propagation)'} on {target}: {os.strerror(code)}")
+
+
+def _shared_netns_dir() -> None:
+    """/run/netns as ``ip netns`` keeps it: a shared mount, so namespaces mounted there are seen
+    from other mount namespaces (the runtime's, a pod's) and their unmount propagates."""
+    global _netns_dir_shared
+    with _netns_dir_lock:
+        if _netns_dir_shared:
+            return
+        os.makedirs(NETNS_DIR, mode=0o755, exist_ok=True)
+        try:
+            _mount("", NETNS_DIR, MS_SHARED | MS_REC)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: not a mount point yet
+                raise
+            _mount(NETNS_DIR, NETNS_DIR, MS_BIND | MS_REC)
+            _mount("", NETNS_DIR, MS_SHARED | MS_REC)
+        _netns_dir_shared = True
 
 
 def create_netns(name: str) -> None:
-    if os.path.exists(netns_path(name)):
+    """A new network namespace, named ``name`` under /run/netns (``ip netns add name``)."""
+    path = netns_path(name)
+    _shared_netns_dir()
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0))
+    except FileExistsError:
         raise FileExistsError(
             errno.EEXIST,
             f"network namespace {name} already exists (left over?); delete it (ip netns del {name}) "
             "or pass it as netns to adopt it",
-        )
-    _ip("netns", "add", name)
+        ) from None
+    failure: list[OSError] = []
+
+    def make() -> None:
+        # The thread's own namespace changes (network namespaces are per thread), then the mount
+        # holds it after the thread ends.
+        if _libc().unshare(CLONE_NEWNET) != 0:
+            code = ctypes.get_errno()
+            failure.append(OSError(code, f"unshare(CLONE_NEWNET): {os.strerror(code)}"))
+            return
+        try:
+            _mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", path, MS_BIND)
+        except OSError as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=make, name=f"netns-add-{name}")
+    thread.start()
+    thread.join()
+    if failure:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise OSError(failure[0].errno, f"cannot create network namespace {name}: {failure[0].strerror}")
 
 
 def delete_netns(name: str) -> None:
-    if os.path.exists(netns_path(name)):
-        _ip("netns", "del", name)
+    """Remove the name (``ip netns del name``); the kernel frees the namespace once nothing uses it."""
+    path = netns_path(name)
+    if not os.path.exists(path):
+        return
+    if _libc().umount2(path.encode(), MNT_DETACH) != 0:
+        code = ctypes.get_errno()
+        if code != errno.EINVAL:  # EINVAL: not mounted (a half-made name)
+            raise OSError(code, f"umount {path}: {os.strerror(code)}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 @functools.cache

@@ -52,3 +52,21 @@ def test_an_adopted_namespace_is_left_to_its_owner(name: str) -> None:
     netns.delete_pod(pod)
     assert not netns.pod_alive(pod)
     assert netns.NetnsPodNetwork().exists(pod.netns), "the caller's namespace stays"
+
+
+def test_a_named_namespace_is_made_and_removed_as_ip_netns_does_it(name: str) -> None:
+    netns.create_netns(name)
+    # ip sees it and enters it: a namespace of its own (only a loopback), under a shared /run/netns.
+    assert name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    links = subprocess.run(["ip", "-n", name, "-o", "link"], capture_output=True, text=True, check=True).stdout
+    assert [line.split(":")[1].strip() for line in links.splitlines()] == ["lo"]
+    propagation = subprocess.run(
+        ["findmnt", "-n", "-o", "PROPAGATION", netns.NETNS_DIR], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert "shared" in propagation
+    with pytest.raises(FileExistsError, match=f"network namespace {name} already exists"):
+        netns.create_netns(name)
+
+    netns.delete_netns(name)
+    assert name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    netns.delete_netns(name)  # gone already: nothing to do
