@@ -237,10 +237,12 @@ class FakeDatapath:
             self._check_open()
             return sorted(self._k.services.values(), key=lambda s: s.frontend)
 
-    def counters(self) -> Counters:
+    def counters(self, endpoints: Iterable[int] | None = None) -> Counters:
         with self._lock:
             self._check_open()
-            return Counters(values=dict(self._k.counters), events_lost=0)
+            wanted = None if endpoints is None else set(endpoints)
+            values = {k: v for k, v in self._k.counters.items() if wanted is None or k.endpoint_id in wanted}
+            return Counters(values=values, events_lost=0)
 
     def read_flows(self, timeout_ms: int = 0) -> list[FlowEvent]:
         with self._flow_ready:

@@ -40,6 +40,9 @@ def test_without_policy_everything_passes(net: Node) -> None:
     counters = net.dp.counters()
     assert counters.packets(endpoint_id=net.b.ep_id, reason=Reason.NOT_ENFORCED, direction=Direction.INGRESS) > passed
     assert drops(net.dp, net.b.ep_id) == dropped
+    # One endpoint's counters alone (what GetEndpoint shows): the same figures, nobody else's.
+    own = net.dp.counters([net.b.ep_id])
+    assert own.values == {k: v for k, v in counters.values.items() if k.endpoint_id == net.b.ep_id} != {}
 
 
 def test_tcp_allowed_by_identity_and_port(net: Node) -> None:

@@ -117,3 +117,5 @@ def test_simulated_flows_are_read_and_counted(fake: FakeDatapath) -> None:
     assert fake.read_flows(0) == [event]
     assert fake.read_flows(10) == []
     assert fake.counters().packets(endpoint_id=B.id, reason=Reason.DEFAULT_DENY) == 1
+    assert fake.counters([A.id]).packets(endpoint_id=B.id) == 0
+    assert fake.counters([B.id]).packets(endpoint_id=B.id, reason=Reason.DEFAULT_DENY) == 1
