@@ -75,7 +75,7 @@ class PodNetwork(Protocol):
         self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[dt.Address], pod_ifname: str = "eth0"
     ) -> PodLink: ...
 
-    def adopt(self, *, netns: str, host_ifname: str, addresses: Sequence[dt.Address]) -> PodLink:
+    def adopt(self, *, netns: str, host_ifname: str, ips: Sequence[str]) -> PodLink:
         """Chained CNI: the host-side veth another plugin made, as it is."""
         ...
 
@@ -319,7 +319,7 @@ class EndpointManager:
             watch.record("identity", time.perf_counter() - started)
             policy = asyncio.create_task(self._fetch_policy(identity), name=f"policy of {key}")
 
-        async def addresses_and_network() -> PodLink:
+        async def allocate_addresses() -> None:
             # 2. addresses (with the named ports, which ipam puts in the address's ipcache entry)
             started = time.perf_counter()
             for family, ip in wanted:
@@ -329,12 +329,27 @@ class EndpointManager:
                 addresses.append(address)
                 undo.append(lambda ip=address.ip: self._ipam.release_ip(self.node, ip, owner))  # type: ignore[misc]
             watch.record("address", time.perf_counter() - started)
+
+        async def network() -> PodLink:
             # 3. namespace, veth, addresses, routes (or, chained, the veth another plugin made)
             started = time.perf_counter()
             link = await self._pod_network(request, netns, addresses)
             undo.append(lambda: asyncio.to_thread(self._net.teardown, link))
             watch.record("network", time.perf_counter() - started)
             return link
+
+        async def addresses_and_network() -> PodLink:
+            if not request.adopt_host_ifname:
+                await allocate_addresses()
+                return await network()
+            # Chained: the other plugin's veth and addresses are there already; found while IPAM
+            # records the addresses (each branch runs to its end, so the undo list is complete).
+            found, recorded = await asyncio.gather(network(), allocate_addresses(), return_exceptions=True)
+            for result in (recorded, found):
+                if isinstance(result, BaseException):
+                    raise result
+            assert isinstance(found, PodLink)
+            return found
 
         addresses: list[dt.Address] = []
         try:
@@ -371,7 +386,8 @@ class EndpointManager:
             assert policy is not None
             fetched = await policy
             watch.lap("policy")
-            await asyncio.to_thread(self._store.save, record)
+            # In the loop: a small file renamed into place (not synced), cheaper than a thread hop.
+            self._store.save(record)
             undo.append(lambda: asyncio.to_thread(self._store.remove, ep_id))
             watch.lap("store")
             # 5. the first policy, in the owning task, before any packet meets the programs
@@ -381,9 +397,7 @@ class EndpointManager:
             # 6. programs and ipcache entries, outside the owning task: the kernel's attach waits
             # grace periods, and the owner applies orders and creates other endpoints meanwhile
             try:
-                await asyncio.to_thread(self._dp.attach_endpoint, spec_of(record))
-                for ip in record.ips:
-                    await asyncio.to_thread(self._dp.ipcache_upsert, host_prefix(ip), record.identity)
+                await asyncio.to_thread(self._attach, record)
             except Exception as exc:
                 raise DatapathFailure(f"cannot attach BPF programs for {record.key}: {exc}") from exc
             watch.lap("attach")
@@ -421,6 +435,12 @@ class EndpointManager:
         log.info("endpoint created", endpoint=ep.id, pod=key, identity=ep.identity, ips=ips, **watch.fields())
         return ep
 
+    def _attach(self, record: EndpointRecord) -> None:
+        """Programs on the veth, then the pod's ipcache entries (one thread hop for both)."""
+        self._dp.attach_endpoint(spec_of(record))
+        for ip in record.ips:
+            self._dp.ipcache_upsert(host_prefix(ip), record.identity)
+
     async def _identity_of(
         self,
         request: dt.EndpointRequest,
@@ -451,7 +471,7 @@ class EndpointManager:
         try:
             if request.adopt_host_ifname:
                 return await asyncio.to_thread(
-                    self._net.adopt, netns=netns, host_ifname=request.adopt_host_ifname, addresses=addresses
+                    self._net.adopt, netns=netns, host_ifname=request.adopt_host_ifname, ips=request.ips
                 )
             await self._teardown_done(host_ifname(request.namespace, request.pod))
             return await asyncio.to_thread(

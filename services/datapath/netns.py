@@ -417,9 +417,9 @@ class NetnsPodNetwork:
         enable_forwarding()
         return create_pod(netns, host_ifname, [a.ip for a in addresses], create=create, pod_ifname=pod_ifname)
 
-    def adopt(self, *, netns: str, host_ifname: str, addresses: Sequence[Address]) -> PodLink:
+    def adopt(self, *, netns: str, host_ifname: str, ips: Sequence[str]) -> PodLink:
         enable_forwarding()
-        return adopt_pod(netns, host_ifname, [a.ip for a in addresses])
+        return adopt_pod(netns, host_ifname, ips)
 
     def teardown(self, link: PodLink) -> None:
         delete_pod(link)

@@ -81,12 +81,12 @@ class FakeNetwork:
         ips = tuple(a.ip for a in addresses)
         return PodLink(netns, create, host_ifname, self.links[host_ifname], ips=ips, pod_ifname=pod_ifname)
 
-    def adopt(self, *, netns: str, host_ifname: str, addresses: Sequence[Address]) -> PodLink:
+    def adopt(self, *, netns: str, host_ifname: str, ips: Sequence[str]) -> PodLink:
         if netns not in self.namespaces:
             raise FileNotFoundError(errno.ENOENT, f"network namespace {netns} does not exist")
         if host_ifname not in self.links:
             raise FileNotFoundError(errno.ENOENT, f"host interface {host_ifname} does not exist")
-        ips = tuple(a.ip for a in addresses)
+        ips = tuple(ips)
         return PodLink(netns, False, host_ifname, self.links[host_ifname], ips=ips, link_owned=False)
 
     def plug(self, netns: str, host_ifname: str) -> None:
