@@ -161,6 +161,13 @@ def apply_diff(policies: dict[int, ResolvedPolicy], diff: PolicyDiff) -> None:
 _SLICES_BEFORE_FULL = 32
 
 
+def _for_identity(diff: PolicyDiff, identity: int) -> PolicyDiff:
+    """``diff`` made for another subject with the same policy, as ``identity``'s (the parts shared)."""
+    return PolicyDiff(
+        identity, diff.ingress_enforced, diff.egress_enforced, diff.added, diff.removed, diff.deleted, diff.names
+    )
+
+
 def _plain(srules: SubjectRules) -> bool:
     """No rule names a port by name or has DNS/FQDN rules: every entry follows from the rules
     that select its remote identity alone."""
@@ -183,6 +190,8 @@ class _Subject:
     rules: SubjectRules
     #: Its DNS rules name their servers: an identity change may change its names.
     names_follow_remotes: bool = False
+    #: No rule names a port by name or has DNS/FQDN rules (see :func:`_plain`).
+    plain: bool = False
     #: Built at the first slice: a rule edit that only touches the wildcard entries needs none.
     _index: PeerIndex | None = None
 
@@ -773,7 +782,7 @@ class PolicyEngine:
             and made[0].ingress_enforced == old.ingress_enforced
             and made[0].egress_enforced == old.egress_enforced
         ):
-            return None if made[1] is None else replace(made[1], identity=i)
+            return None if made[1] is None else _for_identity(made[1], i)
         d = diff_policies(old, new, i)
         shared.diffs[id(old.entries)] = (old, d)
         return d
@@ -786,8 +795,8 @@ class PolicyEngine:
             needs = any(
                 pr.direction is Direction.INGRESS and pr.has_named_ports for _, r in srules.rules for pr in r.peer_rules
             )
-            sub = _Subject(rids, srules, names_follow_remotes(srules))
-            ruleset = _RuleSetShare(sub, needs, _plain(srules))
+            sub = _Subject(rids, srules, names_follow_remotes(srules), _plain(srules))
+            ruleset = _RuleSetShare(sub, needs, sub.plain)
             if self._distilled is not None:
                 self._distilled[rids] = ruleset
         return ruleset
@@ -832,7 +841,7 @@ class PolicyEngine:
                 or old_rules.egress_enforced != new_rules.egress_enforced
                 or old_rules.ingress_requirements != new_rules.ingress_requirements
                 or old_rules.egress_requirements != new_rules.egress_requirements
-                or not _plain(old_rules)
+                or not sub.plain
             )
         ):
             return self._recompute_whole(i)
@@ -849,10 +858,11 @@ class PolicyEngine:
             and made[0].ingress_enforced == old.ingress_enforced
             and made[0].egress_enforced == old.egress_enforced
         ):
-            new = made[2] if made[2].identity == i else replace(made[2], identity=i)
+            p = made[2]
+            new = ResolvedPolicy(i, p.ingress_enforced, p.egress_enforced, p.entries, p.names)
             self._subjects[i] = new_sub
             self._resolved[i] = new
-            return None if made[3] is None else replace(made[3], identity=i)
+            return None if made[3] is None else _for_identity(made[3], i)
         codes = entries.codes
         own_ports = self.named_ports(i)
         runs: dict[int, list[int]] = {}
