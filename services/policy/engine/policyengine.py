@@ -9,7 +9,15 @@ previous entries always yields a full recomputation's result.
 Work is proportional to what a change can affect:
 
 * A policy change recomputes, whole, the subjects its rules' subject
-  selectors select (their rule sets changed).
+  selectors select (their rule sets changed), each distinct rule set once
+  per flush: subjects with the same rules share one computed policy (and,
+  when their old policies were shared too, one diff).
+* A policy edited in place (same object, its rules' subjects still selecting
+  a subject) recomputes, in each subject whose rule set is still the same
+  rules, only the entries of the remotes the old and new rules name (the
+  wildcard for rules without peers), unless a rule names ports by name or
+  has DNS/FQDN rules, or the edit changed enforcement or requirements: a
+  cluster-wide rule's new port touches each subject's wildcard entries only.
 * An identity change (add, remove, relabel, IPs, named ports) of identity X
   recomputes only the *slice* of entries whose remote identity is X, in the
   subjects whose rules may select X: the selector cache reports which
