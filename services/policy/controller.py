@@ -19,16 +19,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from palisade.v1 import common_pb2, policy_pb2
+from palisade.v1 import policy_pb2
 from services.common.errors import Code, PalisadeError
 from services.common.log import get_logger
 from services.policy import metrics
 from services.policy.engine.core import Commit, PolicyCore
-from services.policy.engine.orders import OrderDiff, PlannedOrder, PolicyEpoch
+from services.policy.engine.orders import PlannedOrder, PolicyEpoch
 from services.policy.engine.realized import EndpointKey, Lag
 from services.policy.engine.registry import ApiChange
 from services.policy.engine.sources import Source
-from services.policy.wire import encode
+from services.policy.wire import DiffProtos, encode
 
 log = get_logger("controller")
 
@@ -264,7 +264,7 @@ class Controller:
         if epoch is not None:
             await self._sink.save_epoch(epoch)
         per_node: dict[str, list[policy_pb2.RegenerationOrder]] = {}
-        converted: dict[int, tuple[OrderDiff, common_pb2.IdentityPolicyDiff]] = {}
+        converted = DiffProtos()
         for box in boxes:
             for order in box.orders:
                 messages = encode(

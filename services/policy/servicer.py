@@ -551,25 +551,30 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
         reports = []
         nodes_checked: set[str] = set()
         for i, r in enumerate(request.reports):
+            # Each field read once: a cluster-wide change brings a report of every endpoint.
+            node, pod, revision, identity, endpoint_id, deleted = (
+                r.node, r.pod, r.revision, r.identity, r.endpoint_id, r.deleted
+            )  # fmt: skip
             problem = ""
-            if not r.node:
+            if not node:
                 problem = "node is required"
-            elif not r.revision and not r.deleted:
+            elif not revision and not deleted:
                 problem = "revision is required"
-            elif not r.identity:
+            elif not identity:
                 problem = "identity is required"
-            elif not r.endpoint_id and not r.pod:
+            elif not endpoint_id and not pod:
                 problem = "endpoint_id or pod is required"
-            elif r.pod and "/" not in r.pod:
-                problem = f"pod {r.pod!r} must be namespace/name"
+            elif pod and "/" not in pod:
+                problem = f"pod {pod!r} must be namespace/name"
             if problem:
                 raise PalisadeError(f"reports[{i}]: {problem}", Code.INVALID_ARGUMENT)
-            if r.node not in nodes_checked:
-                validate_name(r.node, f"reports[{i}].node")
-                nodes_checked.add(r.node)
-            if r.pod and not _pod_valid(r.pod):
-                validate_peer(policy_pb2.TracePeer(pod=r.pod), f"reports[{i}]")  # raises, naming the report
-            reports.append(Report(r.node, r.endpoint_id, r.identity, r.revision, r.pod, r.deleted, clip(r.error)))
+            if node not in nodes_checked:
+                validate_name(node, f"reports[{i}].node")
+                nodes_checked.add(node)
+            if pod and not _pod_valid(pod):
+                validate_peer(policy_pb2.TracePeer(pod=pod), f"reports[{i}]")  # raises, naming the report
+            error = r.error
+            reports.append(Report(node, endpoint_id, identity, revision, pod, deleted, clip(error) if error else ""))
 
         if request.node:
             validate_name(request.node, "node")

@@ -156,6 +156,60 @@ def diff_to_proto(diff: OrderDiff) -> common_pb2.IdentityPolicyDiff:
     return out
 
 
+class DiffProtos:
+    """The protobuf of each diff of one publish, converted once.
+
+    Nodes' orders share diff objects, so a diff is found by object. Diffs that differ only
+    in their identity (subjects with one rule set share their policy's entries, so a
+    cluster-wide change gives thousands of identities the same ``add`` and ``remove``) are
+    copied from the first one's protobuf, with their own identity, instead of converting
+    the same entries again.
+    """
+
+    def __init__(self) -> None:
+        #: By ``id`` of the diff; the diff is held, so its id is not reused meanwhile.
+        self._by_diff: dict[int, tuple[OrderDiff, common_pb2.IdentityPolicyDiff]] = {}
+        #: By :func:`_content_key`; the diff is held, so the ids in the key stay its parts'.
+        self._by_content: dict[tuple[object, ...], tuple[OrderDiff, common_pb2.IdentityPolicyDiff]] = {}
+
+    def proto(self, diff: OrderDiff) -> common_pb2.IdentityPolicyDiff:
+        held = self._by_diff.get(id(diff))
+        if held is not None and held[0] is diff:
+            return held[1]
+        key = _content_key(diff)
+        same = self._by_content.get(key)
+        if same is None:
+            out = diff_to_proto(diff)
+            self._by_content[key] = (diff, out)
+        else:
+            out = common_pb2.IdentityPolicyDiff()
+            out.CopyFrom(same[1])
+            out.identity = diff.identity
+        self._by_diff[id(diff)] = (diff, out)
+        return out
+
+
+def _content_key(diff: OrderDiff) -> tuple[object, ...]:
+    """What a diff's protobuf is made of besides its identity; mappings by object (empty ones
+    are all alike), as only subjects sharing a policy share them."""
+
+    def part(value: object) -> object:
+        return id(value) if value else 0
+
+    return (
+        part(diff.add),
+        part(diff.remove),
+        part(diff.audit_add),
+        part(diff.audit_remove),
+        None if diff.names is None else part(diff.names),
+        diff.ingress_enforced,
+        diff.egress_enforced,
+        diff.full,
+        diff.audit_ingress,
+        diff.audit_egress,
+    )
+
+
 def policy_to_proto(policy: ResolvedPolicy, audit: AuditOverlay | None = None) -> common_pb2.IdentityPolicy:
     out = common_pb2.IdentityPolicy(
         identity=policy.identity,
@@ -284,22 +338,18 @@ def encode(
     *,
     max_bytes: int,
     max_chunks: int,
-    converted: dict[int, tuple[OrderDiff, common_pb2.IdentityPolicyDiff]] | None = None,
+    converted: DiffProtos | None = None,
 ) -> list[policy_pb2.RegenerationOrder]:
     """The message(s) to publish for one order.
 
     Whole if it fits in ``max_bytes``; else split into at most ``max_chunks`` chunks
     (one identity's diff is never split); else one ``fetch=true`` order telling
     the datapath to call Resync. ``converted`` keeps the protobuf of every diff across
-    the orders of one commit (they share diff objects), so each is converted once.
+    the orders of one commit (they share diff objects), so each is converted once (see
+    :class:`DiffProtos`).
     """
-    memo = {} if converted is None else converted
-    diffs = []
-    for diff in order.diffs:
-        held = memo.get(id(diff))
-        if held is None or held[0] is not diff:
-            held = memo[id(diff)] = (diff, diff_to_proto(diff))
-        diffs.append(held[1])
+    memo = DiffProtos() if converted is None else converted
+    diffs = [memo.proto(diff) for diff in order.diffs]
 
     def header() -> policy_pb2.RegenerationOrder:
         msg = policy_pb2.RegenerationOrder(

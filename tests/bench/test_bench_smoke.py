@@ -154,6 +154,16 @@ def test_scale_quick() -> None:
     assert scale_runs() <= before, "temporary directory left behind"
 
 
+def test_policy_change_quick() -> None:
+    """The policy service's own work for bench_scale's change (no stack, so no lock)."""
+    out = run_quick("bench_policy_change.py")
+    assert out["world"] == {"nodes": 20, "pods": 400, "namespaces": 10, "policies": 40}
+    assert out["change_order_bytes"] > 0
+    for key in ("change_commit_and_encode_cpu_s", "change_answer_status_cpu_s", "change_reports_cpu_s"):
+        assert 0 <= out[key]["min"] <= out[key]["median"], key  # a tiny world can round to 0 s
+    assert len(out["summary"]) == 3
+
+
 def dns_bench_leftovers() -> set[str]:
     """bench_dnsproxy's bpffs directories and namespaces (``pb`` and four hex digits)."""
     pins = {p.name for p in Path("/sys/fs/bpf").iterdir() if re.fullmatch(r"palisade-pb[0-9a-f]{4}", p.name)}

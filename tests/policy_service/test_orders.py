@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from palisade.v1 import common_pb2
+from services.policy import wire
 from services.policy.engine.model import Direction, EntryKey, IpProto, Verdict
 from services.policy.engine.orders import OrderDiff, PlannedOrder
-from services.policy.wire import diff_to_proto, encode
+from services.policy.wire import DiffProtos, diff_to_proto, encode
 
 
 def diff(identity: int, entries: int) -> OrderDiff:
@@ -61,3 +64,26 @@ def test_a_diff_is_encoded_as_its_entries_sorted_with_its_enforcement() -> None:
         (70001, common_pb2.PROTOCOL_TCP, 1, common_pb2.VERDICT_ALLOW),
         (70002, common_pb2.PROTOCOL_TCP, 2, common_pb2.VERDICT_ALLOW),
     ]
+
+
+def test_diffs_that_differ_only_in_identity_are_converted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Subjects sharing one rule set share their diff's entries: a cluster-wide change converts
+    them once, and each identity still gets exactly its own diff's protobuf."""
+    shared = diff(256, 3)
+    same = [dataclasses.replace(shared, identity=i) for i in range(257, 261)]
+    other_flags = dataclasses.replace(shared, identity=261, egress_enforced=True)
+    other_entries = diff(262, 3)  # equal entries, another object: converted on its own
+    conversions: list[int] = []
+
+    def counting(d: OrderDiff) -> common_pb2.IdentityPolicyDiff:
+        conversions.append(d.identity)
+        return diff_to_proto(d)
+
+    monkeypatch.setattr(wire, "diff_to_proto", counting)
+    protos = DiffProtos()
+    everything = (shared, *same, other_flags, other_entries)
+    first = encode(order(*everything), max_bytes=1 << 20, max_chunks=4, converted=protos)
+    again = encode(order(*everything[::-1]), max_bytes=1 << 20, max_chunks=4, converted=protos)
+    assert conversions == [256, 261, 262]
+    assert list(first[0].diffs) == [diff_to_proto(d) for d in everything]
+    assert list(again[0].diffs) == [diff_to_proto(d) for d in everything[::-1]]

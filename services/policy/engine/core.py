@@ -592,18 +592,22 @@ class PolicyCore:
     def report(self, reports: Iterable[Report], now: float) -> list[tuple[int, float]]:
         """Apply realized reports; returns (revision, caused_at) of revisions now fully realized."""
         batch = list(reports)
+        current = self.revision
         for i, r in enumerate(batch):
-            if not r.deleted and r.revision > self.revision:
+            if not r.deleted and r.revision > current:
                 raise RequestError(
-                    f"reports[{i}]: revision {r.revision} is above the current revision {self.revision}; "
+                    f"reports[{i}]: revision {r.revision} is above the current revision {current}; "
                     "report only revisions received in orders"
                 )
         done: list[tuple[int, float]] = []
         for node in {r.node for r in batch}:
             self.node_seen(node, now)
+        # Once per batch: a cluster-wide change brings a report of every endpoint of the cluster.
+        realized = self.realized
+        committed = self.engine.committed_revision
         for r in batch:
             if r.deleted:
-                gone = self.realized.forget(r)
+                gone = realized.forget(r)
                 if gone is not None and not self.hosts(gone.node, gone.identity):
                     self._change(now)
                     self._dirty.add((gone.node, gone.identity))
@@ -619,8 +623,11 @@ class PolicyCore:
                     error=r.error,
                 )
             known = self.hosts(r.node, r.identity)
-            before = self.realized.identity_of(*self.realized.key_of(r))
-            done.extend(self.realized.report(r, self.engine.committed_revision))
+            key = realized.key_of(r)
+            before = realized.identity_of(*key)
+            finished = realized.report(r, committed, key)
+            if finished:
+                done.extend(finished)
             if before is not None and before != r.identity and not self.hosts(r.node, before):
                 self._change(now)
                 self._dirty.add((r.node, before))

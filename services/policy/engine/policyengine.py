@@ -9,7 +9,15 @@ previous entries always yields a full recomputation's result.
 Work is proportional to what a change can affect:
 
 * A policy change recomputes, whole, the subjects its rules' subject
-  selectors select (their rule sets changed).
+  selectors select (their rule sets changed), each distinct rule set once
+  per flush: subjects with the same rules share one computed policy (and,
+  when their old policies were shared too, one diff).
+* A policy edited in place (same object, its rules' subjects still selecting
+  a subject) recomputes, in each subject whose rule set is still the same
+  rules, only the entries of the remotes the old and new rules name (the
+  wildcard for rules without peers), unless a rule names ports by name or
+  has DNS/FQDN rules, or the edit changed enforcement or requirements: a
+  cluster-wide rule's new port touches each subject's wildcard entries only.
 * An identity change (add, remove, relabel, IPs, named ports) of identity X
   recomputes only the *slice* of entries whose remote identity is X, in the
   subjects whose rules may select X: the selector cache reports which
@@ -51,6 +59,7 @@ from services.policy.engine.identity import (
     reserved_identity,
 )
 from services.policy.engine.model import (
+    WILDCARD_IDENTITY,
     Direction,
     EntryKey,
     IPAddress,
@@ -71,10 +80,13 @@ from services.policy.engine.resolve import (
     ResolvedPolicy,
     RuleRef,
     SubjectRules,
+    has_named_ports,
+    has_names,
     names_follow_remotes,
     peer_index,
     resolve_names,
     resolve_subject,
+    wildcard_run,
 )
 from services.policy.engine.selector import Selector, cidr_identity_prefixes
 from services.policy.engine.selectorcache import SelectionChange, SelectorCache
@@ -156,6 +168,20 @@ def apply_diff(policies: dict[int, ResolvedPolicy], diff: PolicyDiff) -> None:
 #: has entries: past that, one full resolve is cheaper than the slices.
 _SLICES_BEFORE_FULL = 32
 
+
+def _for_identity(diff: PolicyDiff, identity: int) -> PolicyDiff:
+    """``diff`` made for another subject with the same policy, as ``identity``'s (the parts shared)."""
+    return PolicyDiff(
+        identity, diff.ingress_enforced, diff.egress_enforced, diff.added, diff.removed, diff.deleted, diff.names
+    )
+
+
+def _plain(srules: SubjectRules) -> bool:
+    """No rule names a port by name or has DNS/FQDN rules: every entry follows from the rules
+    that select its remote identity alone."""
+    return not has_named_ports(srules) and not has_names(srules)
+
+
 #: Identities of node addresses (the ipcache maps them; CIDR selection ignores them).
 _NODE_IDENTITIES = frozenset({int(ReservedIdentity.HOST), int(ReservedIdentity.REMOTE_NODE)})
 
@@ -170,9 +196,54 @@ class _Subject:
 
     rids: tuple[RuleId, ...]
     rules: SubjectRules
-    index: PeerIndex
     #: Its DNS rules name their servers: an identity change may change its names.
     names_follow_remotes: bool = False
+    #: No rule names a port by name or has DNS/FQDN rules (see :func:`_plain`).
+    plain: bool = False
+    #: Built at the first slice: a rule edit that only touches the wildcard entries needs none.
+    _index: PeerIndex | None = None
+
+    @property
+    def index(self) -> PeerIndex:
+        if self._index is None:
+            self._index = peer_index(self.rules)
+        return self._index
+
+
+@dataclass(slots=True)
+class _Distilled:
+    """One rule set's computed policy in one flush, shared by every subject it selects alike.
+
+    A subject's policy depends on its rules and, when they name ingress ports, its own named
+    ports, never on which identity it is (Cilium's distillery shares one computed policy per
+    identity; this shares one per rule set): a cluster-wide rule edit resolves each distinct
+    rule set once, not each of the thousands of identities it selects.
+    """
+
+    subject: _Subject
+    policy: ResolvedPolicy
+    #: The diffs made from ``policy``, by the ``id`` of the old entries each was made against
+    #: (the old policy is held, so the id is not reused): subjects that shared their old
+    #: policy too share the diff.
+    diffs: dict[int, tuple[ResolvedPolicy, PolicyDiff | None]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _RuleSetShare:
+    """A rule set met in one flush: whether its policy depends on the subject's own named ports,
+    its :class:`_Distilled` policies (by the subject's own named ports when it does), and the
+    results of the rule-edit path (see :meth:`PolicyEngine._recompute_edited`)."""
+
+    subject: _Subject
+    needs_own_ports: bool
+    #: No rule names a port by name or has DNS/FQDN rules: an edit can be applied by remote.
+    plain: bool
+    by_ports: dict[Any, _Distilled] = field(default_factory=dict)
+    #: By ``id`` of the old entries: (old policy, the remotes recomputed, new policy, diff); the
+    #: old policy and the remotes are held, so their ids are not reused meanwhile.
+    edits: dict[int, tuple[ResolvedPolicy, AbstractSet[int], ResolvedPolicy, PolicyDiff | None]] = field(
+        default_factory=dict
+    )
 
 
 class PolicyEngine:
@@ -204,9 +275,14 @@ class PolicyEngine:
         # change, or at end_batch while batching.
         self._pending_full: set[int] = set()
         self._pending_slices: dict[int, set[int]] = {}
+        #: Subjects of edited rules whose rule set may be the same: the remote identities whose
+        #: entries the edits can have changed (see :meth:`_recompute_edited`).
+        self._pending_edits: dict[int, AbstractSet[int]] = {}
         self._batching = False
         self._batch_start_revision = 0
         self._memo: Memo | None = None
+        #: Within a flush, each rule set's computed policy (see :class:`_Distilled`).
+        self._distilled: dict[tuple[RuleId, ...], _RuleSetShare] | None = None
         if with_reserved:
             for r in DEFAULT_RESERVED:
                 ident = reserved_identity(r)
@@ -367,10 +443,22 @@ class PolicyEngine:
 
     def _put_policy(self, policy: Policy) -> ChangeResult:
         old = self._repo.get(policy.key)
-        if old is not None:
-            self._pending_full |= self._unregister(old)
-        self._repo.upsert(policy)
-        self._pending_full |= self._register(policy)
+        if old is None:
+            self._repo.upsert(policy)
+            self._pending_full |= self._register(policy)
+        else:
+            # An edit: a subject whose rule set is the same gets only the entries of the remotes
+            # the old or the new rules name recomputed (the selections, before the old rules'
+            # selectors leave the cache).
+            before = self._policy_remotes(old)
+            affected = self._unregister(old)
+            self._repo.upsert(policy)
+            affected |= self._register(policy)
+            after = self._policy_remotes(policy)
+            if before is None or after is None:
+                self._pending_full |= affected
+            else:
+                self._edited(affected, frozenset(before | after))
         result = self._flush(policy_change=True)
         return ChangeResult(result.revision, result.diffs, policy)
 
@@ -554,6 +642,29 @@ class PolicyEngine:
             if not bucket:
                 del index[sel]
 
+    def _policy_remotes(self, policy: Policy) -> set[int] | None:
+        """The remote identities a policy's rules make entries for (0: every remote), or None when
+        its entries do not follow from remotes alone (named ports, DNS and FQDN rules)."""
+        out: set[int] = set()
+        for rule in policy.rules:
+            for pr in rule.peer_rules:
+                if pr.has_named_ports or pr.fqdns or pr.dns:
+                    return None
+                if pr.peers is None:
+                    out.add(WILDCARD_IDENTITY)
+                    continue
+                for sel in pr.peers:
+                    out |= self._cache.selection_set(sel)
+        return out
+
+    def _edited(self, subjects: Iterable[int], remotes: frozenset[int]) -> None:
+        full, edits = self._pending_full, self._pending_edits
+        for s in subjects:
+            if s in full:
+                continue
+            pending = edits.get(s)
+            edits[s] = remotes if pending is None or pending is remotes else pending | remotes
+
     def _rule_ids_for(self, identity: int) -> list[RuleId]:
         rids: set[RuleId] = set()
         for sel in self._cache.selectors_selecting(identity):
@@ -624,19 +735,27 @@ class PolicyEngine:
         """
         if self._batching:
             return ChangeResult(self.revision)
-        full, slices = self._pending_full, self._pending_slices
-        self._pending_full, self._pending_slices = set(), {}
+        full, slices, edits = self._pending_full, self._pending_slices, self._pending_edits
+        self._pending_full, self._pending_slices, self._pending_edits = set(), {}, {}
         diffs: dict[int, PolicyDiff] = {}
-        self._memo = {}  # selections are fixed until the flush ends: subjects share peer rules' codes
+        # Selections are fixed until the flush ends: subjects share peer rules' codes, and
+        # subjects with the same rule set share their whole policy.
+        self._memo, self._distilled = {}, {}
         try:
             for i in full:
                 d = self._recompute_whole(i)
                 if d is not None:
                     diffs[i] = d
+            for i, remotes in edits.items():
+                if i in full:
+                    continue
+                d = self._recompute_edited(i, remotes, slices.get(i))
+                if d is not None:
+                    diffs[i] = d
         finally:
-            self._memo = None
+            self._memo, self._distilled = None, None
         for i, remotes in slices.items():
-            if i in full:
+            if i in full or i in edits:
                 continue
             d = self._recompute_slices(i, remotes)
             if d is not None:
@@ -653,11 +772,140 @@ class PolicyEngine:
             self._subjects.pop(i, None)
             return diff_policies(old, None, i)
         rids = tuple(self._rule_ids_for(i))
-        srules = SubjectRules.of((rid[0], self._rules[rid]) for rid in rids)
-        new = resolve_subject(i, srules, self, memo=self._memo)
-        self._subjects[i] = _Subject(rids, srules, peer_index(srules), names_follow_remotes(srules))
+        shared = self._shared(i, rids)
+        if shared.policy.identity == i:
+            new = shared.policy
+        else:
+            p = shared.policy
+            new = ResolvedPolicy(i, p.ingress_enforced, p.egress_enforced, p.entries, p.names)
+        self._subjects[i] = shared.subject
         self._resolved[i] = new
-        return diff_policies(old, new, i)
+        if old is None:
+            return diff_policies(old, new, i)
+        made = shared.diffs.get(id(old.entries))
+        if (
+            made is not None
+            and made[0].entries is old.entries
+            and made[0].names == old.names
+            and made[0].ingress_enforced == old.ingress_enforced
+            and made[0].egress_enforced == old.egress_enforced
+        ):
+            return None if made[1] is None else _for_identity(made[1], i)
+        d = diff_policies(old, new, i)
+        shared.diffs[id(old.entries)] = (old, d)
+        return d
+
+    def _ruleset(self, rids: tuple[RuleId, ...]) -> _RuleSetShare:
+        """What is shared in this flush by the subjects with rules ``rids``."""
+        ruleset = self._distilled.get(rids) if self._distilled is not None else None
+        if ruleset is None:
+            srules = SubjectRules.of((rid[0], self._rules[rid]) for rid in rids)
+            needs = any(
+                pr.direction is Direction.INGRESS and pr.has_named_ports for _, r in srules.rules for pr in r.peer_rules
+            )
+            sub = _Subject(rids, srules, names_follow_remotes(srules), _plain(srules))
+            ruleset = _RuleSetShare(sub, needs, sub.plain)
+            if self._distilled is not None:
+                self._distilled[rids] = ruleset
+        return ruleset
+
+    def _shared(self, i: int, rids: tuple[RuleId, ...]) -> _Distilled:
+        """Subject ``i``'s policy under rules ``rids``, computed once per rule set and flush."""
+        ruleset = self._ruleset(rids)
+        ports_key = tuple(sorted(self.named_ports(i).items())) if ruleset.needs_own_ports else None
+        shared = ruleset.by_ports.get(ports_key)
+        if shared is None:
+            policy = resolve_subject(i, ruleset.subject.rules, self, memo=self._memo)
+            shared = ruleset.by_ports[ports_key] = _Distilled(ruleset.subject, policy)
+        return shared
+
+    def _recompute_edited(self, i: int, remotes: AbstractSet[int], slices: set[int] | None) -> PolicyDiff | None:
+        """Subject ``i`` after rule edits that may have changed its entries for ``remotes`` only
+        (identity 0: the wildcard entries), and identity changes for ``slices``.
+
+        When ``i``'s rule set is the same rules (edited in place), its enforcement and
+        requirements did not change and no rule names ports by name or has DNS/FQDN rules, its
+        entries for every other remote are what they were: each remote's entries come from the
+        rules that select it, and an edited rule selects only ``remotes``, before and after. So
+        only those runs are recomputed, from every rule of the subject (allow/deny overlap
+        between rules stays right). Otherwise, or when that is most of its entries, it is
+        recomputed whole.
+        """
+        old = self._resolved.get(i)
+        sub = self._subjects.get(i)
+        ident = self._identities.get(i)
+        if old is None or sub is None or ident is None or not ident.is_endpoint:
+            return self._recompute_whole(i)
+        rids = tuple(self._rule_ids_for(i))
+        if rids != sub.rids:
+            return self._recompute_whole(i)
+        ruleset = self._ruleset(rids)
+        new_sub = ruleset.subject
+        new_rules, old_rules = new_sub.rules, sub.rules
+        if not ruleset.plain or (
+            old_rules is not new_rules
+            and (
+                old_rules.ingress_enforced != new_rules.ingress_enforced
+                or old_rules.egress_enforced != new_rules.egress_enforced
+                or old_rules.ingress_requirements != new_rules.ingress_requirements
+                or old_rules.egress_requirements != new_rules.egress_requirements
+                or not sub.plain
+            )
+        ):
+            return self._recompute_whole(i)
+        wanted = remotes if not slices else remotes | slices
+        entries = old.entries
+        if len(wanted) > _SLICES_BEFORE_FULL and len(wanted) * 4 > len(entries):
+            return self._recompute_whole(i)
+        made = ruleset.edits.get(id(old.entries)) if not slices else None
+        if (
+            made is not None
+            and made[0].entries is old.entries
+            and made[1] is remotes
+            and made[0].names == old.names
+            and made[0].ingress_enforced == old.ingress_enforced
+            and made[0].egress_enforced == old.egress_enforced
+        ):
+            p = made[2]
+            new = ResolvedPolicy(i, p.ingress_enforced, p.egress_enforced, p.entries, p.names)
+            self._subjects[i] = new_sub
+            self._resolved[i] = new
+            return None if made[3] is None else _for_identity(made[3], i)
+        codes = entries.codes
+        own_ports = self.named_ports(i)
+        runs: dict[int, list[int]] = {}
+        added: list[int] = []
+        removed: list[int] = []
+        for x in wanted:
+            if x == WILDCARD_IDENTITY:
+                run = wildcard_run(new_rules)
+            elif x in self._identities:
+                run = new_sub.index.slice(x, own_ports, self)
+            else:
+                run = []
+            low, high = entries.run(x)
+            if high - low == len(run) and codes[low:high].tolist() == run:
+                continue
+            runs[x] = run
+            run_added, run_removed = changes(codes[low:high], run)
+            added.extend(run_added)
+            removed.extend(run_removed)
+        # A new set, not an edit: policies handed out never change.
+        new = ResolvedPolicy(
+            i,
+            new_rules.ingress_enforced,
+            new_rules.egress_enforced,
+            entries.with_runs(runs) if runs else entries,
+            old.names,
+        )
+        d: PolicyDiff | None = None
+        if runs or old.ingress_enforced != new.ingress_enforced or old.egress_enforced != new.egress_enforced:
+            d = PolicyDiff(i, new.ingress_enforced, new.egress_enforced, EntrySet(sorted(added)), KeySet(removed))
+        self._subjects[i] = new_sub
+        self._resolved[i] = new
+        if not slices:
+            ruleset.edits[id(old.entries)] = (old, remotes, new, d)
+        return d
 
     def _recompute_slices(self, i: int, remotes: set[int]) -> PolicyDiff | None:
         """Recompute subject ``i``'s entries for each remote in ``remotes``; its other entries stay.

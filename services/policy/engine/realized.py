@@ -327,9 +327,11 @@ class RealizedTable:
         # Keep the newest change at or below the floor: a late endpoint still needs it.
         del revs[: max(0, keep - 1)]
 
-    def report(self, report: Report, current_revision: int) -> list[tuple[int, float]]:
-        """Apply one report; returns (revision, caused_at) of revisions now fully realized."""
-        key = self._resolve(report, current_revision)
+    def report(self, report: Report, current_revision: int, key: EndpointKey | None = None) -> list[tuple[int, float]]:
+        """Apply one report; returns (revision, caused_at) of revisions now fully realized.
+
+        ``key`` is :meth:`key_of` the report, when the caller has it already."""
+        key = self._resolve(report, current_revision, key)
         ep = self._endpoints[key]
         if ep.identity != report.identity:
             return []  # realized an identity the endpoint no longer has
@@ -346,13 +348,16 @@ class RealizedTable:
             ep.error = ""
         ep.realized = report.revision
         done: list[tuple[int, float]] = []
-        for revision, pending in list(self._pending.items()):
+        # Pending revisions are in ascending order (recorded as they come): only those up to
+        # the one realized wait for this endpoint.
+        for revision, pending in self._pending.items():
             if revision > ep.realized:
                 break
             pending.waiting.discard(key)
             if not pending.waiting:
                 done.append((revision, pending.caused_at))
-                del self._pending[revision]
+        for revision, _ in done:
+            del self._pending[revision]
         return done
 
     def key_of(self, report: Report) -> EndpointKey:
@@ -361,9 +366,10 @@ class RealizedTable:
         found = self._by_node_id.get((report.node, report.endpoint_id))
         return found if found is not None else (report.node, f"#{report.endpoint_id}")
 
-    def _resolve(self, report: Report, current_revision: int) -> EndpointKey:
-        """Find (or create) the endpoint a report is about."""
-        key = self.key_of(report)
+    def _resolve(self, report: Report, current_revision: int, key: EndpointKey | None = None) -> EndpointKey:
+        """Find (or create) the endpoint a report is about (``key``: :meth:`key_of` it, if known)."""
+        if key is None:
+            key = self.key_of(report)
         ep = self._endpoints.get(key)
         if ep is None:
             # Not (or not yet) in the ipcache: the datapath's word is all there is.
@@ -428,10 +434,11 @@ class RealizedTable:
 
     def behind(self, revision: int) -> list[Lag]:
         """Endpoints that ``revision`` affects and that have not reported it, sorted."""
+        gone, is_behind = self._gone, self.is_behind
         out = [
             self._lag(ep, revision)
             for ep in self._endpoints.values()
-            if ep.node not in self._gone and self.is_behind(ep, revision)
+            if ep.realized < revision and ep.node not in gone and is_behind(ep, revision)
         ]
         out.sort(key=lambda lag: (lag.node, lag.pod, lag.endpoint_id))
         return out
@@ -467,7 +474,13 @@ class RealizedTable:
             left, fresh = self._behind_keys(revision), True
 
     def _behind_keys(self, revision: int) -> list[EndpointKey]:
-        return [key for key, ep in self._endpoints.items() if self._counts_behind(ep, revision)]
+        # The first test inline: once a change is realized, every endpoint of the cluster passes it.
+        gone, is_behind = self._gone, self.is_behind
+        return [
+            key
+            for key, ep in self._endpoints.items()
+            if ep.realized < revision and ep.node not in gone and is_behind(ep, revision)
+        ]
 
     def _counts_behind(self, ep: Endpoint, revision: int) -> bool:
         return ep.node not in self._gone and self.is_behind(ep, revision)
@@ -482,10 +495,17 @@ class RealizedTable:
                     per_node.setdefault(ep.node, []).append(ep)
         nodes = []
         failures = []
+        is_behind = self.is_behind
         for node in sorted(per_node):
             eps = per_node[node]
-            realized = sum(1 for ep in eps if not self.is_behind(ep, revision))
-            failed = [self._lag(ep, revision) for ep in eps if self.has_failed(ep, revision)]
+            # One pass per node: a policy selecting every pod rolls up every endpoint of the cluster.
+            realized = 0
+            failed = []
+            for ep in eps:
+                if ep.realized >= revision or not is_behind(ep, revision):
+                    realized += 1
+                elif ep.failed and self.has_failed(ep, revision):
+                    failed.append(self._lag(ep, revision))
             failures.extend(failed)
             nodes.append(NodeRollup(node, len(eps), realized, min(ep.realized for ep in eps), len(failed)))
         failures.sort(key=lambda lag: (lag.node, lag.pod, lag.endpoint_id))

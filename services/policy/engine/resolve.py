@@ -383,6 +383,29 @@ def resolve_names(srules: SubjectRules, ctx: ResolveContext, requirements: list[
     return NameRules.of(fqdn, dns)
 
 
+def has_named_ports(srules: SubjectRules) -> bool:
+    return any(pr.has_named_ports for _, rule in srules.rules for pr in rule.peer_rules)
+
+
+def wildcard_run(srules: SubjectRules) -> list[int]:
+    """The codes of a subject's entries for every remote (identity 0: peer rules without peers), sorted.
+
+    Exactly :func:`resolve_subject`'s entries whose remote identity is the wildcard, for rules
+    that name no port by name (a named port resolves per remote or per subject).
+    """
+    allow: set[int] = set()
+    deny: set[int] = set()
+    wild = identity_part(WILDCARD_IDENTITY)
+    for _, rule in srules.rules:
+        for pr in rule.peer_rules:
+            if pr.peers is not None or (pr.verdict is Verdict.ALLOW and not srules.enforced(pr.direction)):
+                continue
+            target = deny if pr.verdict is Verdict.DENY else allow
+            for spec in pr.ports:
+                target.update(wild | part for part in _port_parts(pr.direction, spec))
+    return merge(allow, deny)
+
+
 def names_follow_remotes(srules: SubjectRules) -> bool:
     """Whether the subject's names change with identities (its DNS rules name their servers)."""
     return any(pr.dns and pr.peers is not None for _, rule in srules.rules for pr in rule.peer_rules)
