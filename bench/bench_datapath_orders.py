@@ -137,7 +137,7 @@ class DummyLinks:
         self.names.append(name)
         return PodLink(netns, False, name, index)
 
-    def adopt(self, *, netns: str, host_ifname: str, addresses: Sequence[dt.Address]) -> PodLink:
+    def adopt(self, *, netns: str, host_ifname: str, ips: Sequence[str]) -> PodLink:
         raise NotImplementedError("the benchmark creates its own links")
 
     def teardown(self, link: PodLink) -> None:
