@@ -415,7 +415,10 @@ class IPAllocator:
         )
         if kind is not None:
             raise IpamError(f"cannot reserve {addr}: it is a {kind} address", Code.INVALID_ARGUMENT)
-        await self._refresh_nodes()
+        # The nodes as the watch keeps them (observe): reading every node record again here cost an
+        # etcd round trip and a parse per node in every reservation, and a node written between that
+        # read and the transaction was missed all the same. Inside the cluster pool, the pool-claim
+        # guards below make the transaction itself refuse an address in a node's carved CIDR.
         for name, record in sorted(self._nodes.items()):
             for c in record.cidrs:
                 if name != node and addr in c.cidr:
