@@ -19,6 +19,8 @@ VARIANTS = {
     "redirect",
     *(f"{kind}-{n}" for kind in ("palisade", "iptables") for n in LEVELS),
     "palisade-host-1000",
+    # --compare-attach: the top level attached the other way (tcx, the default being tc).
+    "palisade-other-10000",
 }
 METRICS = ("tcp_throughput", "udp_64b_rate", "connection_rate")
 
@@ -28,7 +30,7 @@ def test_quick_run_reports_every_variant_and_metric() -> None:
     for tool in ("iperf3", "iptables-restore", "ip"):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} is not installed")
-    data = run_bench("bench_datapath_cost", "--quick", timeout=170)
+    data = run_bench("bench_datapath_cost", "--quick", "--compare-attach", timeout=170)
     assert "error" not in data, data["error"]
 
     assert set(data["medians"]) == VARIANTS
@@ -65,6 +67,7 @@ def test_quick_run_reports_every_variant_and_metric() -> None:
     assert "TCP throughput, Palisade 10k entries / no filter" in labels
     assert "New-connection rate, iptables 10k rules / no filter" in labels
     assert "64-byte UDP rate, Palisade 10k entries / bare redirect" in labels
+    assert "64-byte UDP rate, Palisade 10k entries attached with tcx / attached with tc" in labels
     assert {p["name"] for p in data["plots"]} == {*(f"cost_{m}" for m in METRICS), "cost_bpf_run_time"}
     for plot in (p for p in data["plots"] if p["name"] != "cost_bpf_run_time"):
         assert plot["logx"] is True
