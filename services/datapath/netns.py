@@ -23,7 +23,7 @@ process costs milliseconds per pod).
 
 The netlink messages are our own (:mod:`services.datapath.rtnl`), not pyroute2's: pyroute2 runs
 an event loop per request, and a pod's ~15 requests cost more CPU than the kernel's work. A
-pod's network is now three sends on the host's socket and one on a socket opened in its
+pod's network is three sends on the host's socket and one on a socket opened in its
 namespace (a short thread enters it to make the socket; everything is sent from the caller).
 """
 
