@@ -320,6 +320,14 @@ def run_burst(count: int, socket: str, work: Path) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="palisade-bench-cni-"))
+    try:
+        return _run(args, work)
+    finally:
+        # Three runtimes' state, the stack's data and logs: ~20 MB a run (--keep-logs copies the logs).
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"sandboxes": args.sandboxes, "rounds": args.rounds}
     with running_stack(work, None, "--no-pods") as stack:
         (stack.manifests / "pods.yaml").write_text(yaml.safe_dump_all(pods(args.sandboxes, args.burst)))

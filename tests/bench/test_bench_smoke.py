@@ -90,7 +90,10 @@ def test_denied_needs_an_unbroken_run_of_failures_for_the_confirm_window() -> No
 @pytest.mark.bcc
 @pytest.mark.timeout(240)
 def test_cni_quick() -> None:
+    before = set(Path(tempfile.gettempdir()).glob("palisade-bench-cni-*"))
     out = run_quick("bench_cni.py")
+    # Its working folder (three runtimes' state, the stack's data) goes with the run.
+    assert set(Path(tempfile.gettempdir()).glob("palisade-bench-cni-*")) <= before
     for mode in ("standalone", "chained"):
         assert out[mode]["plugin_failures"] == 0
         assert out[mode]["add_ms"]["p50"] > 0 and out[mode]["del_ms"]["p50"] > 0
