@@ -42,6 +42,7 @@ import itertools
 import multiprocessing
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -510,6 +511,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             netns.delete_pod(link)
         dp.teardown()
         dnsrouting.remove()
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

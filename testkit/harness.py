@@ -7,10 +7,12 @@ by the fixtures in ``conftest.py``. Nothing here mocks the bus or the store.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,7 +69,10 @@ def pki() -> Path:
         if (inherited / f"{TEST_IDENTITY}.crt").is_file():
             _pki.append(inherited)
         else:
-            _pki.append(ensure_pki(Path(tempfile.mkdtemp(prefix="palisade-pki-")), (*COMPONENTS, TEST_IDENTITY)))
+            made = Path(tempfile.mkdtemp(prefix="palisade-pki-"))
+            # Gone with the process that made it (each test session, each worker): they piled up in /tmp.
+            atexit.register(shutil.rmtree, made, ignore_errors=True)
+            _pki.append(ensure_pki(made, (*COMPONENTS, TEST_IDENTITY)))
     return _pki[0]
 
 
