@@ -145,8 +145,7 @@ class EndpointManager:
         #: Policy fetches in flight, by identity (see :meth:`_fetch_policy`).
         self._fetches: dict[int, asyncio.Task[IdentityPolicy | None]] = {}
         #: Networks of deleted CNI endpoints being torn down, by host veth name (see :meth:`delete`).
-        self._teardowns: dict[str, asyncio.Task[None]] = {}
-        self._going: dict[str, EndpointRecord] = {}
+        self._teardowns: dict[str, tuple[EndpointRecord, asyncio.Task[None]]] = {}
         #: Told the endpoints and their name rules after every command (the DNS proxy's publisher).
         self._names = names
 
@@ -694,28 +693,26 @@ class EndpointManager:
                 if going is not None:
                     await asyncio.to_thread(self._store.forget, going)
             finally:
-                if self._teardowns.get(name) is task:
+                if self._teardowns.get(name, (None, None))[1] is task:
                     del self._teardowns[name]
-                    del self._going[name]
 
         task = asyncio.create_task(run(), name=f"teardown of {record.key}")
-        self._teardowns[name] = task
-        self._going[name] = record
+        self._teardowns[name] = (record, task)
 
     def _going_ifindexes(self, but: str = "") -> list[int]:
         """The veths being deleted (their links go with them: never detached while they do)."""
-        return [r.host_ifindex for name, r in self._going.items() if name != but]
+        return [r.host_ifindex for name, (r, _task) in self._teardowns.items() if name != but]
 
     async def _teardown_done(self, host_ifname: str) -> None:
         """Wait until a deleted endpoint's veth of this name is gone (a new pod takes the name)."""
         pending = self._teardowns.get(host_ifname)
         if pending is not None:
-            await asyncio.shield(pending)
+            await asyncio.shield(pending[1])
 
     async def settled(self) -> None:
         """Wait until the networks of every deleted endpoint are torn down."""
         while self._teardowns:
-            await asyncio.gather(*[asyncio.shield(t) for t in list(self._teardowns.values())])
+            await asyncio.gather(*[asyncio.shield(t) for _record, t in list(self._teardowns.values())])
 
     # --- identity changes --------------------------------------------------------------------------
 
