@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import secrets
 import statistics
@@ -26,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench.output import run_as_json
 from services.datapath import netns
 from services.datapath.datapath import Datapath
 from services.datapath.loader import Loader
@@ -51,14 +51,7 @@ def timed(fn: Callable[[], Any], cpu: list[float], wall: list[float]) -> Any:
     return result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pods", type=int, default=40)
-    args = parser.parse_args()
-    if os.geteuid() != 0:
-        print(json.dumps({"error": "needs root (network namespaces, BPF)"}))
-        return 2
-
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     run = "pw" + secrets.token_hex(2)
     base = f"/sys/fs/bpf/palisade-{run}"
     o2 = 200 + secrets.randbelow(50)
@@ -107,8 +100,18 @@ def main() -> int:
         for what in kinds
         for kind in ("cpu", "wall")
     ]
-    print(json.dumps(result, indent=2))
-    return 0
+    return result
+
+
+def missing() -> str | None:
+    return None if os.geteuid() == 0 else "needs root (network namespaces, BPF)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pods", type=int, default=40)
+    # The shared runner: the root check, and SIGTERM unwinding the run so its namespaces go too.
+    return run_as_json(run_bench, parser.parse_args(argv), missing=missing)
 
 
 if __name__ == "__main__":
