@@ -19,28 +19,17 @@ import argparse
 import functools
 import os
 import secrets
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from bench.output import run_as_json
+from bench.stats import stats_ms
 from services.datapath import netns
 from services.datapath.datapath import Datapath
 from services.datapath.loader import Loader
 from services.datapath.netns import PodLink
-
-
-def summary(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    return {
-        "count": len(ordered),
-        "mean_ms": round(statistics.fmean(ordered) * 1e3, 3),
-        "p50_ms": round(ordered[len(ordered) // 2] * 1e3, 3),
-        "p95_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))] * 1e3, 3),
-        "max_ms": round(ordered[-1] * 1e3, 3),
-    }
 
 
 def timed(fn: Callable[[], Any], cpu: list[float], wall: list[float]) -> Any:
@@ -94,9 +83,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             netns.delete_pod(pod)
         for name in names:
             netns.delete_netns(name)
-    result |= {key: summary(values) for key, values in samples.items()}
+    result |= {f"{key}_ms": stats_ms([v * 1e3 for v in values]) for key, values in samples.items()}
     result["summary"] = [
-        {"metric": f"{what} {kind} per pod (mean)", "value": result[f"{what}_{kind}"]["mean_ms"], "unit": "ms"}
+        {"metric": f"{what} {kind} per pod (mean)", "value": result[f"{what}_{kind}_ms"]["mean"], "unit": "ms"}
         for what in kinds
         for kind in ("cpu", "wall")
     ]
