@@ -871,25 +871,14 @@ class PolicyEngine:
             self._subjects[i] = new_sub
             self._resolved[i] = new
             return None if made[3] is None else _for_identity(made[3], i)
-        codes = entries.codes
         own_ports = self.named_ports(i)
-        runs: dict[int, list[int]] = {}
-        added: list[int] = []
-        removed: list[int] = []
-        for x in wanted:
+
+        def run_of(x: int) -> list[int]:
             if x == WILDCARD_IDENTITY:
-                run = wildcard_run(new_rules)
-            elif x in self._identities:
-                run = new_sub.index.slice(x, own_ports, self)
-            else:
-                run = []
-            low, high = entries.run(x)
-            if high - low == len(run) and codes[low:high].tolist() == run:
-                continue
-            runs[x] = run
-            run_added, run_removed = changes(codes[low:high], run)
-            added.extend(run_added)
-            removed.extend(run_removed)
+                return wildcard_run(new_rules)
+            return new_sub.index.slice(x, own_ports, self) if x in self._identities else []
+
+        runs, added, removed = changed_runs(entries, ((x, run_of(x)) for x in wanted))
         # A new set, not an edit: policies handed out never change.
         new = ResolvedPolicy(
             i,
@@ -918,22 +907,12 @@ class PolicyEngine:
         if sub is None or old is None:
             return None
         entries = old.entries
-        codes = entries.codes
         own_ports = self.named_ports(i)
-        runs: dict[int, list[int]] = {}
-        added: list[int] = []
-        removed: list[int] = []
         names = resolve_names(sub.rules, self) if sub.names_follow_remotes else old.names
         names_diff = None if names == old.names else names
-        for x in remotes:
-            new = sub.index.slice(x, own_ports, self) if x in self._identities else []
-            low, high = entries.run(x)
-            if high - low == len(new) and codes[low:high].tolist() == new:
-                continue
-            runs[x] = new
-            run_added, run_removed = changes(codes[low:high], new)
-            added.extend(run_added)
-            removed.extend(run_removed)
+        runs, added, removed = changed_runs(
+            entries, ((x, sub.index.slice(x, own_ports, self) if x in self._identities else []) for x in remotes)
+        )
         if not runs and names_diff is None:
             return None
         # A new set, not an edit: policies handed out never change.
@@ -943,3 +922,23 @@ class PolicyEngine:
         return PolicyDiff(
             i, old.ingress_enforced, old.egress_enforced, EntrySet(sorted(added)), KeySet(removed), names=names_diff
         )
+
+
+def changed_runs(
+    entries: EntrySet, wanted: Iterable[tuple[int, list[int]]]
+) -> tuple[dict[int, list[int]], list[int], list[int]]:
+    """Of each remote's wanted run of codes, those that differ from ``entries``' own run: by
+    remote, with the codes they add and the codes they remove."""
+    codes = entries.codes
+    runs: dict[int, list[int]] = {}
+    added: list[int] = []
+    removed: list[int] = []
+    for x, run in wanted:
+        low, high = entries.run(x)
+        if high - low == len(run) and codes[low:high].tolist() == run:
+            continue
+        runs[x] = run
+        run_added, run_removed = changes(codes[low:high], run)
+        added.extend(run_added)
+        removed.extend(run_removed)
+    return runs, added, removed
