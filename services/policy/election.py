@@ -8,10 +8,12 @@ it by updating it, compare-and-set on its own last write, several times per leas
 leader that dies stops renewing; its key expires and a follower creates it.
 
 The lease decides who *tries* to lead; the state bucket's compare-and-set decides who
-*can*: a new leader writes the revision and sequences first, so a deposed leader that
-has not noticed yet fails its next write (EpochConflictError) before it publishes
-anything. Either way (a renewal refused, or that write failing while the lease names
-another replica) the replica steps down: ``stepped_down`` is set, it stops leading, and it
+*can*: a new leader reads the revision and sequences, confirms it still holds the lease,
+and writes them back (its claim) before it plans anything, so a deposed leader that has
+not noticed yet fails its next write (EpochConflictError) before it publishes anything,
+and one whose takeover reads the state only after the claim finds the lease another's.
+Either way (a renewal refused, or that write failing while the lease names another
+replica or nobody) the replica steps down: ``stepped_down`` is set, it stops leading, and it
 campaigns again only once the service has put its state back to a follower's
 (:meth:`Election.resume`). The process never exits over it: losing the leader's seat to a
 NATS server's loss, or to a partition, is an ordinary event.
@@ -200,16 +202,11 @@ class Election:
     async def _renew(self) -> None:
         try:
             self._revision = await self._kv.update(LEADER_KEY, self._value(), last=self._revision)
-            return
         except KeyWrongLastSequenceError:
-            pass
-        try:
-            # The lease expired while NATS was away and nobody took it: take it again. Had
-            # another replica led meanwhile, the state bucket's compare-and-set stops us.
-            self._revision = await self._kv.create(LEADER_KEY, self._value())
-            log.warning("leader lease expired and was taken again", member=self.member)
-        except KeyWrongLastSequenceError:
-            self._step_down(f"it could not renew its lease within {self.lease:g}s, and another replica took it")
+            # Taken by another replica, or expired while NATS was away. Even a lease nobody took
+            # is not simply taken again: another replica may have led (and published) meanwhile,
+            # so this one steps down and, if it wins again, takes over anew from the stored state.
+            self._step_down(f"it could not renew its lease within {self.lease:g}s")
 
     def _step_down(self, why: str) -> None:
         if not self.leading.is_set():
@@ -225,20 +222,23 @@ class Election:
         self._wake.set()
 
     async def confirm(self) -> bool:
-        """Whether this leader still holds its lease, read now; if another replica holds it, step down.
+        """Whether this leader still holds its lease, read now; if not (another replica holds it,
+        or it expired), step down.
 
-        For a leader whose state write was refused: a new leader took over (step down), or, while
-        the lease is still its own, somebody else writes the state bucket (a real conflict).
+        For a leader taking over, after it read the stored state; and for a leader whose state write
+        was refused: a new leader took over (step down), or, while the lease is still its own,
+        somebody else writes the state bucket (a real conflict).
         """
         if not self.leading.is_set():
             return False
         try:
             raw = _decode((await self._kv.get(LEADER_KEY)).value)
         except KeyNotFoundError:
-            return True  # expired, nobody took it: the next renewal takes it again
+            self._step_down(f"its lease expired (not renewed within {self.lease:g}s)")
+            return False
         if raw.get("member") == self.member and raw.get("address") == self.address():
             return True
-        self._step_down(f"{raw.get('member')} holds the lease and wrote the policy state")
+        self._step_down(f"{raw.get('member')} holds the lease")
         return False
 
     async def _heartbeat(self) -> None:

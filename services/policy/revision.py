@@ -5,12 +5,19 @@ always continues above anything a datapath has seen: the revision never goes
 back and a node's sequence never repeats. Writes are compare-and-set on the
 bucket entry's own revision, so a second policy service writing the same bucket
 is detected instead of silently interleaving sequences.
+
+A new leader's first write is a claim (:meth:`RevisionStore.claim`): the state it read,
+written back under its own writer name once it has confirmed it still holds the lease.
+From then on a deposed leader's next write fails, and a deposed leader whose takeover reads
+the state only later finds the lease another's: it never continues, and so never repeats,
+the sequences of the leader that replaced it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,8 +44,12 @@ class EpochCorruptError(RuntimeError):
     """The stored state cannot be read."""
 
 
-def encode_epoch(epoch: PolicyEpoch) -> bytes:
-    return json.dumps({"revision": epoch.revision, "sequences": dict(sorted(epoch.sequences.items()))}).encode()
+def encode_epoch(epoch: PolicyEpoch, writer: str = "") -> bytes:
+    """``writer`` names the leader (and its claim) that wrote it: no two leaders write the same bytes."""
+    record: dict[str, Any] = {"revision": epoch.revision, "sequences": dict(sorted(epoch.sequences.items()))}
+    if writer:
+        record["writer"] = writer
+    return json.dumps(record).encode()
 
 
 def decode_epoch(data: bytes, *, where: str) -> PolicyEpoch:
@@ -69,6 +80,8 @@ class RevisionStore:
         self._pause = pause
         self._last = 0
         self._saved: PolicyEpoch | None = None
+        #: Written with every save after a claim (see :meth:`claim`).
+        self._writer = ""
 
     @classmethod
     async def open(
@@ -111,11 +124,25 @@ class RevisionStore:
         log.info("state loaded", revision=self._saved.revision, nodes=len(self._saved.sequences))
         return self._saved
 
+    async def claim(self, member: str) -> None:
+        """Write back the state just loaded, under this claim's name: a new leader's first write.
+
+        It moves the entry's revision, so the compare-and-set of a leader deposed meanwhile
+        fails from now on; EpochConflictError if somebody wrote since the load (read again).
+        The writer's name (member and a claim id) makes the entry's bytes this claim's own:
+        a retried write whose ack was lost is recognised as ours, another leader's never is.
+        """
+        assert self._saved is not None, "claim() follows load()"
+        self._writer = f"{member}/{secrets.token_hex(6)}"
+        await self._write(self._saved)
+
     async def save(self, epoch: PolicyEpoch) -> None:
         """Write ``epoch``; retries until NATS answers, raises EpochConflictError on a foreign write."""
-        if epoch == self._saved:
-            return
-        data = encode_epoch(epoch)
+        if epoch != self._saved:
+            await self._write(epoch)
+
+    async def _write(self, epoch: PolicyEpoch) -> None:
+        data = encode_epoch(epoch, self._writer)
 
         async def once() -> None:
             try:

@@ -173,10 +173,7 @@ async def _take_over(
     imported: ApiPolicyStore,
 ) -> None:
     started = time.perf_counter()
-    # Read after winning the lease: whatever the previous leader persisted is final by now,
-    # or its next write fails against ours (the state's compare-and-set).
-    # The state's stream may have lost its leader with a NATS server: the takeover waits for another.
-    persisted = await bus.retry("load policy state", store.load, only=TRANSIENT)
+    persisted = await claim_state(bus, election, store)
     stored = await bus.retry("load imported policies", imported.load, only=TRANSIENT)
     documents = await asyncio.to_thread(lambda: [(p, dump_document(p.object)) for p in stored])
     await controller.call(lambda core, now: core.lead(persisted, documents, now), JobKind.CHANGE, durable=True)
@@ -188,6 +185,28 @@ async def _take_over(
         imported=len(stored),
         seconds=round(time.perf_counter() - started, 3),
     )
+
+
+async def claim_state(bus: Bus, election: Election, store: RevisionStore) -> PolicyEpoch:
+    """Read the stored state, confirm the lease is still ours, and write the state back (the claim).
+
+    A takeover slowed down (a NATS server lost) may read the state only after another replica
+    won the lease and published: it must not continue those sequences, so the lease is read
+    after the state. Once claimed, a deposed leader's next write fails against ours; a deposed
+    leader's write landing between our read and our claim is read again. Every call waits out a
+    stream that lost its leader with a NATS server.
+    """
+    while True:
+        persisted = await bus.retry("load policy state", store.load, only=TRANSIENT)
+        if not await bus.retry("read leader lease", election.confirm, only=TRANSIENT):
+            raise NotLeading("the lease was lost while the policy state was read")
+        try:
+            await store.claim(election.member)
+        except EpochConflictError:
+            if not election.leading.is_set():
+                raise NotLeading("stepped down while claiming the policy state") from None
+            continue
+        return persisted
 
 
 async def expire_nodes(controller: Controller, grace: float) -> None:
