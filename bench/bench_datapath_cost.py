@@ -114,7 +114,7 @@ from bench.roles import (
 )
 from bench.stats import median, quartiles, round_to, summarize_bpf, target
 from services.datapath.datapath import Datapath, teardown_all
-from services.datapath.loader import ATTACH_MODES, DEFAULT_ATTACH, ProgramConfig
+from services.datapath.loader import ATTACH_MODES, ProgramConfig, default_attach
 from services.datapath.maps.bpf import prog_test_run
 from services.datapath.netns import PodLink
 from services.datapath.types import (
@@ -300,7 +300,7 @@ class Bench:
         host = ProgramConfig(local_delivery=False)
         self.dp_host = Datapath.open(self.host_base, config=host, attach=self.args.attach)
         if self.args.compare_attach:
-            self.dp_other = Datapath.open(self.other_base, attach=other_mechanism(self.args.attach))
+            self.dp_other = Datapath.open(self.other_base, attach=other_mechanism(main_mechanism(self.args)))
         self.redirect = BareRedirect((self.src, self.dst))
         self._reader = threading.Thread(target=self._read_flows, name="flow-reader", daemon=True)
         self._reader.start()
@@ -712,6 +712,11 @@ def analyse(
     }
 
 
+def main_mechanism(args: argparse.Namespace) -> str:
+    """How palisade-N attaches: ``--attach``, else the datapath's default with local delivery."""
+    return str(args.attach or default_attach(ProgramConfig()))
+
+
 def other_mechanism(mechanism: str) -> str:
     """The other way to attach: tc for tcx (and for auto, tcx where the kernel has it), tcx for tc."""
     return "tcx" if mechanism == "tc" else "tc"
@@ -733,13 +738,17 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     variants.append(Variant("palisade-host", levels[len(levels) // 2]))
     bench = Bench(args)
     if args.compare_attach:
-        variants.append(Variant("palisade-other", max(levels), other_mechanism(args.attach)))
+        variants.append(Variant("palisade-other", max(levels), other_mechanism(main_mechanism(args))))
     result: dict[str, Any] = {
         "config": {
             "rounds": args.rounds,
             "bpf_stats_rounds": args.bpf_stats_rounds,
             "seconds_per_sample": args.seconds,
             "levels": levels,
+            "attach": {
+                "palisade": main_mechanism(args),
+                "palisade-host": args.attach or default_attach(ProgramConfig(local_delivery=False)),
+            },
             "order": "each round runs every variant once; forward order on even rounds, backward on odd",
             "variants": {v.name: v.label for v in variants},
             "metrics": METRICS,
@@ -899,8 +908,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--attach",
         choices=ATTACH_MODES,
-        default=DEFAULT_ATTACH,
-        help=f"how Palisade's programs go on the veths (default {DEFAULT_ATTACH}, the datapath's)",
+        default="",
+        help="how Palisade's programs go on the veths (default: the datapath's, by its local delivery: tc for "
+        "palisade-N, tcx where the kernel has it for palisade-host)",
     )
     p.add_argument(
         "--compare-attach",

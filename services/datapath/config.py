@@ -8,7 +8,7 @@ import os
 
 from services.common.config import CommonConfig, ConfigError, setting
 from services.common.grpcserver import parse_addresses
-from services.datapath.loader import ATTACH_MODES, DEFAULT_ATTACH
+from services.datapath.loader import ATTACH_MODES
 from services.datapath.routing import MODES as ROUTING_MODES
 
 #: --allow-localhost values: host traffic always allowed, or judged by policy.
@@ -28,9 +28,10 @@ class DatapathConfig(CommonConfig):
     bpffs: str = setting("Where maps and programs are pinned.", default="/sys/fs/bpf/palisade")
     attach: str = setting(
         "How programs go on pod veths: tc (clsact filters, any kernel), tcx (BPF links, kernel 6.6+: each "
-        "attach waits an RCU grace period under the rtnl lock, ~26 ms per pod), or auto (tcx where the kernel "
-        "has it).",
-        default=DEFAULT_ATTACH,
+        "attach waits an RCU grace period under the rtnl lock, ~26 ms per pod, and a packet crossing both "
+        "hooks costs less), or auto (tcx where the kernel has it). Unset: tc with --local-delivery, auto "
+        "without it (every packet then crosses both hooks).",
+        default="",
     )
     local_delivery: bool = setting(
         "Pass packets between pods of this node straight into the destination pod (its ingress policy "
@@ -125,7 +126,7 @@ class DatapathConfig(CommonConfig):
             raise ConfigError("--state-dir is empty; give a directory for per-endpoint state")
         if not self.bpffs:
             raise ConfigError("--bpffs is empty; give a directory under /sys/fs/bpf")
-        if self.attach not in ATTACH_MODES:
+        if self.attach and self.attach not in ATTACH_MODES:
             raise ConfigError(f"--attach {self.attach!r}: give one of {', '.join(ATTACH_MODES)}")
         if self.allow_localhost not in ALLOW_LOCALHOST:
             raise ConfigError(f"--allow-localhost {self.allow_localhost!r}: give one of {', '.join(ALLOW_LOCALHOST)}")

@@ -46,7 +46,7 @@ from services.common.log import get_logger
 from services.datapath import maps as bpf_maps
 from services.datapath import netns
 from services.datapath.loadbalancer import LoadBalancer
-from services.datapath.loader import DEFAULT_ATTACH, LINKS_DIR, PROGRAMS_DIR, Loader, ProgramConfig, Template
+from services.datapath.loader import LINKS_DIR, PROGRAMS_DIR, Loader, ProgramConfig, Template, default_attach
 from services.datapath.maps import (
     ct4map,
     ctmap,
@@ -240,12 +240,14 @@ class Datapath:
 
     @classmethod
     def open(
-        cls, base_dir: str = DEFAULT_BASE_DIR, *, config: ProgramConfig | None = None, attach: str = DEFAULT_ATTACH
+        cls, base_dir: str = DEFAULT_BASE_DIR, *, config: ProgramConfig | None = None, attach: str = ""
     ) -> Datapath:
         """Mount bpffs if needed, open or create the pinned maps, reuse or compile the programs.
 
-        ``attach`` chooses how programs go on the veths: "tcx", "tc", or "auto" (see loader)."""
+        ``attach`` chooses how programs go on the veths: "tcx", "tc", or "auto" (see loader); empty,
+        the configuration's default (:func:`default_attach`)."""
         config = config or ProgramConfig()
+        attach = attach or default_attach(config)
         base_dir = os.path.abspath(base_dir)
         ensure_bpffs(base_dir)
         specs = [module.spec(config.sizes) for module in bpf_maps.ALL]

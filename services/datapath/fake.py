@@ -20,7 +20,7 @@ from services.datapath.datapath import (
     check_endpoint_id,
     check_identity,
 )
-from services.datapath.loader import DEFAULT_ATTACH, ProgramConfig
+from services.datapath.loader import ProgramConfig
 from services.datapath.maps import ipcachemap, metricsmap, policymap
 from services.datapath.maps.endpointmap import EndpointEntry
 from services.datapath.maps.policymap import Prefix, PrefixMap
@@ -83,7 +83,7 @@ class FakeDatapath:
 
     @classmethod
     def open(
-        cls, base_dir: str = DEFAULT_BASE_DIR, *, config: ProgramConfig | None = None, attach: str = DEFAULT_ATTACH
+        cls, base_dir: str = DEFAULT_BASE_DIR, *, config: ProgramConfig | None = None, attach: str = ""
     ) -> FakeDatapath:
         with cls._pinned_lock:
             kernel = cls._pinned.setdefault(base_dir, _FakeKernel())

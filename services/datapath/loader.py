@@ -29,9 +29,10 @@ main file only, and the template hash, taken over that text, covers every file.
 
 Attaching puts ``from_container`` on the tc ingress hook of the pod's
 host-side veth (packets leaving the pod) and ``to_container`` on its tc egress
-hook (packets entering it), in one of two ways:
+hook (packets entering it), in one of two ways (by default, :func:`default_attach`:
+tc with local delivery, tcx where the kernel has it without):
 
-- tc (the default, :data:`DEFAULT_ATTACH`): a ``clsact`` qdisc with one
+- tc: a ``clsact`` qdisc with one
   direct-action ``bpf`` filter per hook, always at the same priority and handle
   and written with replace semantics.
 - tcx (kernel 6.6+; ``auto`` picks it where the kernel has it, as Cilium does): one
@@ -43,7 +44,9 @@ hook (packets entering it), in one of two ways:
   pods queues behind them. A filter's attach waits for none. Per packet the
   two measured alike where a packet crosses one hook (local delivery;
   ``bench_datapath_cost --compare-attach``); across two (local delivery off)
-  tcx kept ~3.5 % more of the 64-byte UDP rate.
+  tcx kept ~3.5 % more of the 64-byte UDP rate. Hence the default: where
+  every packet crosses both hooks, the per-packet saving is worth the pod-start
+  cost; where it crosses one, it is not.
 
 The tc qdisc and both filters go to the kernel in one netlink send
 (:mod:`services.datapath.rtnl`, not pyroute2, whose per-request event loop cost
@@ -131,7 +134,8 @@ HOOKS = (
 #: grace period under rtnl); "tc": a clsact qdisc with bpf filters (any kernel); "auto": tcx where
 #: the kernel has it.
 ATTACH_MODES = ("auto", "tcx", "tc")
-#: How the datapath attaches unless told otherwise (see the module docstring).
+#: How a loader attaches unless told otherwise; the datapath's default depends on its
+#: configuration (:func:`default_attach`).
 DEFAULT_ATTACH = "tc"
 
 #: Every struct the program shares with Python, as (ctypes struct, C struct name).
@@ -326,6 +330,13 @@ class Attachment:
         if not self.complete or not self.from_container or self.from_container != self.to_container:
             return None
         return self.from_container
+
+
+def default_attach(config: ProgramConfig) -> str:
+    """How a datapath of this configuration attaches unless told: tc filters with local delivery
+    (a packet crosses one hook; a pod's start waits no grace period), tcx links where the kernel
+    has them without it (every packet crosses both hooks, and tcx's per-hook saving shows)."""
+    return "tc" if config.local_delivery else "auto"
 
 
 class Loader:

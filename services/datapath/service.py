@@ -36,7 +36,7 @@ from services.datapath.dnsnames import NamePublisher
 from services.datapath.flows import FlowHub
 from services.datapath.ipamclient import GrpcIpam, IpamPort
 from services.datapath.ipcachesync import IpcacheSync
-from services.datapath.loader import ProgramConfig
+from services.datapath.loader import ProgramConfig, default_attach
 from services.datapath.manager import EndpointManager, PodNetwork
 from services.datapath.masquerade import NftMasquerade
 from services.datapath.metrics import AgentParts, DatapathMetrics
@@ -229,6 +229,12 @@ async def setup(ctx: ServiceContext[DatapathConfig]) -> None:
             f"cannot open the BPF datapath at {cfg.bpffs}: {exc}; run as root with bcc and kernel headers "
             "installed (`make setup`), or fix --bpffs"
         ) from exc
+    ctx.log.info(
+        "datapath open",
+        bpffs=cfg.bpffs,
+        attach=cfg.attach or default_attach(program),
+        local_delivery=cfg.local_delivery,
+    )
 
     async def close_datapath() -> None:
         # Let a flow read in flight return first; close() keeps programs and maps pinned.

@@ -618,3 +618,24 @@ def test_auto_falls_back_to_tc_where_the_kernel_has_no_tcx(
         auto.close()
         dp.detach_endpoint(p.ep_id)
     assert _bpf_filter_count(ifindex) == 0
+
+
+def test_the_default_attach_follows_local_delivery(net: Node, extra_pods: list[Pod], bpf_base: str) -> None:
+    """With local delivery a packet crosses one hook and tc filters (no grace period per attach) are
+    the default; without it every packet crosses both, and the default is tcx links where the
+    kernel has them. Asked for explicitly, either is kept."""
+    p = extra_pods[0]
+    ifindex = p.net.host_ifindex
+    host_routed = dataclasses.replace(net.dp.config, local_delivery=False)
+    for config, attach, mechanism in (
+        (net.dp.config, "", "tc"),
+        (host_routed, "", "tcx"),
+        (host_routed, "tc", "tc"),
+    ):
+        dp = Datapath.open(bpf_base, config=config, attach=attach)
+        try:
+            dp.attach_endpoint(p.spec)
+            assert dp._loader.attachment(ifindex).mechanism == mechanism, (config.local_delivery, attach)
+            assert dp.detach_endpoint(p.ep_id)
+        finally:
+            dp.close()
