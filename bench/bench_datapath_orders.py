@@ -32,7 +32,7 @@ from services.datapath import wire
 from services.datapath.datapath import Datapath, DatapathAPI
 from services.datapath.fake import FakeDatapath
 from services.datapath.manager import EndpointManager
-from services.datapath.netns import PodLink
+from services.datapath.netns import PodLink, PodPlug
 from services.datapath.orders import OrderConsumer, Reporter
 from services.datapath.state import EndpointStore
 from testkit.builders import policy_entry
@@ -121,9 +121,13 @@ class DummyLinks:
         self.names: list[str] = []
         self.count = 0
 
-    def setup(
-        self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[dt.Address], pod_ifname: str = "eth0"
-    ) -> PodLink:
+    def plug(self, *, netns: str, create: bool, host_ifname: str, pod_ifname: str = "eth0") -> PodPlug:
+        return PodPlug(self._link(netns, host_ifname), 2)
+
+    def address(self, plug: PodPlug, addresses: Sequence[dt.Address]) -> PodLink:
+        return plug.link
+
+    def _link(self, netns: str, host_ifname: str) -> PodLink:
         self.count += 1
         if not self.real:
             return PodLink(netns, False, host_ifname, 1000 + self.count)

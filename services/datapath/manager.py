@@ -52,7 +52,7 @@ from services.datapath.errors import (
 )
 from services.datapath.fqdnmaps import NameEndpoint
 from services.datapath.ipamclient import IpamPort, NodeIpam
-from services.datapath.netns import PodLink
+from services.datapath.netns import PodLink, PodPlug
 from services.datapath.realizer import IdentityPolicy, RealizationSink, Realizer
 from services.datapath.state import EndpointRecord, EndpointStore
 from services.datapath.validate import validate_labels, validate_request
@@ -71,9 +71,13 @@ T = TypeVar("T")
 class PodNetwork(Protocol):
     """Network namespaces, veths, addresses and routes (blocking calls); ``netns.NetnsPodNetwork`` in the service."""
 
-    def setup(
-        self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[dt.Address], pod_ifname: str = "eth0"
-    ) -> PodLink: ...
+    def plug(self, *, netns: str, create: bool, host_ifname: str, pod_ifname: str = "eth0") -> PodPlug:
+        """The namespace (created, or adopted) joined to the host by a veth, nothing routed yet."""
+        ...
+
+    def address(self, plug: PodPlug, addresses: Sequence[dt.Address]) -> PodLink:
+        """The addresses on the pod and routed to it; the caller tears the link down on failure."""
+        ...
 
     def adopt(self, *, netns: str, host_ifname: str, ips: Sequence[str]) -> PodLink:
         """Chained CNI: the host-side veth another plugin made, as it is."""
@@ -329,26 +333,35 @@ class EndpointManager:
                 undo.append(lambda ip=address.ip: self._ipam.release_ip(self.node, ip, owner))  # type: ignore[misc]
             watch.record("address", time.perf_counter() - started)
 
-        async def network() -> PodLink:
-            # 3. namespace, veth, addresses, routes (or, chained, the veth another plugin made)
+        async def network() -> PodLink | PodPlug:
+            # 3. namespace and veth, nothing routed yet (or, chained, the veth another plugin made)
             started = time.perf_counter()
-            link = await self._pod_network(request, netns, addresses)
+            made = await self._pod_network(request, netns)
+            link = made if isinstance(made, PodLink) else made.link
             undo.append(lambda: asyncio.to_thread(self._net.teardown, link))
             watch.record("network", time.perf_counter() - started)
-            return link
+            return made
 
         async def addresses_and_network() -> PodLink:
-            if not request.adopt_host_ifname:
-                await allocate_addresses()
-                return await network()
-            # Chained: the other plugin's veth and addresses are there already; found while IPAM
-            # records the addresses (each branch runs to its end, so the undo list is complete).
-            found, recorded = await asyncio.gather(network(), allocate_addresses(), return_exceptions=True)
-            for result in (recorded, found):
+            # The addresses are allocated while the namespace and the veth are made (chained: while
+            # the other plugin's veth is found); each branch runs to its end, so the undo list is
+            # complete when either fails.
+            made, recorded = await asyncio.gather(network(), allocate_addresses(), return_exceptions=True)
+            for result in (recorded, made):
                 if isinstance(result, BaseException):
+                    if isinstance(made, PodPlug):
+                        made.close()
                     raise result
-            assert isinstance(found, PodLink)
-            return found
+            if isinstance(made, PodLink):
+                return made
+            assert isinstance(made, PodPlug)
+            started = time.perf_counter()
+            try:
+                link = await asyncio.to_thread(self._net.address, made, addresses)
+            except (OSError, ValueError) as exc:
+                raise DatapathFailure(f"cannot set up the network of {key}: {exc}") from exc
+            watch.record("routes", time.perf_counter() - started)
+            return link
 
         addresses: list[dt.Address] = []
         try:
@@ -464,8 +477,8 @@ class EndpointManager:
             log.info("pod not known yet: endpoint starts with the init identity", pod=key)
             return dt.IDENTITY_INIT
 
-    async def _pod_network(self, request: dt.EndpointRequest, netns: str, addresses: list[dt.Address]) -> PodLink:
-        """Namespace, veth, addresses and routes of a new endpoint (or, chained, the veth another plugin made)."""
+    async def _pod_network(self, request: dt.EndpointRequest, netns: str) -> PodLink | PodPlug:
+        """Namespace and veth of a new endpoint, unrouted (or, chained, the veth another plugin made)."""
         key = request.key
         try:
             if request.adopt_host_ifname:
@@ -474,11 +487,10 @@ class EndpointManager:
                 )
             await self._teardown_done(host_ifname(request.namespace, request.pod))
             return await asyncio.to_thread(
-                self._net.setup,
+                self._net.plug,
                 netns=netns or netns_mod.netns_path(netns_name(request.namespace, request.pod)),
                 create=not netns,
                 host_ifname=host_ifname(request.namespace, request.pod),
-                addresses=addresses,
                 pod_ifname=request.ifname or netns_mod.POD_IFNAME,
             )
         except FileNotFoundError as exc:

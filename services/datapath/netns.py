@@ -24,7 +24,13 @@ process costs milliseconds per pod).
 The netlink messages are our own (:mod:`services.datapath.rtnl`), not pyroute2's: pyroute2 runs
 an event loop per request, and a pod's ~15 requests cost more CPU than the kernel's work. A
 pod's network is three sends on the host's socket and one on a socket opened in its
-namespace (a short thread enters it to make the socket; everything is sent from the caller).
+namespace (by the thread that made the namespace, before it ends; everything is sent from
+the caller).
+
+It is made in two steps, so that the first can run while the pod's addresses are being
+allocated: :func:`plug_pod` (the namespace and the veth, nothing routed) and
+:func:`address_pod` (addresses, routes and neighbours on both sides). :func:`create_pod`
+is both.
 """
 
 from __future__ import annotations
@@ -140,8 +146,12 @@ def _shared_netns_dir() -> None:
         _netns_dir_shared = True
 
 
-def create_netns(name: str) -> None:
-    """A new network namespace, named ``name`` under /run/netns (``ip netns add name``)."""
+def create_netns(name: str, inside: Callable[[], T] | None = None) -> T | None:
+    """A new network namespace, named ``name`` under /run/netns (``ip netns add name``).
+
+    ``inside`` runs in the new namespace before the thread that made it ends (a socket it opens
+    stays in the namespace): its result is returned.
+    """
     path = netns_path(name)
     _shared_netns_dir()
     try:
@@ -153,6 +163,7 @@ def create_netns(name: str) -> None:
             "or pass it as netns to adopt it",
         ) from None
     failure: list[OSError] = []
+    result: list[T] = []
 
     def make() -> None:
         # The thread's own namespace changes (network namespaces are per thread), then the mount
@@ -163,6 +174,8 @@ def create_netns(name: str) -> None:
             return
         try:
             _mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", path, MS_BIND)
+            if inside is not None:
+                result.append(inside())
         except OSError as exc:
             failure.append(exc)
 
@@ -171,8 +184,11 @@ def create_netns(name: str) -> None:
     thread.join()
     if failure:
         with contextlib.suppress(OSError):
+            _libc().umount2(path.encode(), MNT_DETACH)
+        with contextlib.suppress(OSError):
             os.unlink(path)
         raise OSError(failure[0].errno, f"cannot create network namespace {name}: {failure[0].strerror}")
+    return result[0] if result else None
 
 
 def delete_netns(name: str) -> None:
@@ -274,36 +290,52 @@ def _pod_requests(index: int, addrs: tuple[str, ...], host_mac: str) -> list[rtn
     return out
 
 
-def create_pod(
-    netns: str, host_ifname: str, ips: Sequence[str], *, create: bool = True, pod_ifname: str = POD_IFNAME
-) -> PodLink:
-    """Join namespace ``netns`` (a name or a path under /run/netns) to the host and route ``ips`` to it.
+@dataclasses.dataclass
+class PodPlug:
+    """A pod's namespace joined to the host by its veth, nothing routed yet (:func:`plug_pod`)."""
+
+    #: The link as :func:`address_pod` completes it (``ips`` empty until then).
+    link: PodLink
+    #: The pod interface's index inside its namespace.
+    pod_index: int
+    #: A netlink socket in the pod's namespace, made with a namespace this module created
+    #: (None: opened when the pod is addressed); :func:`address_pod` closes it.
+    inside: Rtnl | None = None
+
+    def close(self) -> None:
+        if self.inside is not None:
+            self.inside.close()
+            self.inside = None
+
+
+def plug_pod(netns: str, host_ifname: str, *, create: bool = True, pod_ifname: str = POD_IFNAME) -> PodPlug:
+    """Join namespace ``netns`` (a name or a path under /run/netns) to the host by a veth, unrouted.
 
     With ``create`` the namespace is created first (it must not exist) and belongs to the
-    pod; otherwise it must exist and is adopted (the caller keeps it). A veth pair joins
-    it to the host: ``pod_ifname`` inside, ``host_ifname`` on the host, where the BPF
-    programs attach. On failure everything created so far is removed again.
-    Failures are OSErrors: FileExistsError when the namespace (created), the host
-    interface or the pod's interface (in an adopted namespace) is already there.
+    pod; otherwise it must exist and is adopted (the caller keeps it). The veth pair is
+    ``pod_ifname`` inside and ``host_ifname`` on the host, where the BPF programs attach.
+    On failure everything created so far is removed again. Failures are OSErrors:
+    FileExistsError when the namespace (created), the host interface or the pod's interface
+    (in an adopted namespace) is already there.
 
     The veth is made with its peer already in the namespace (moving a device between
     namespaces costs the kernel far more) and both MACs chosen here, so nothing is read back
-    but the two ifindexes; the pod side is configured over a socket opened in its namespace.
+    but the two ifindexes.
     """
     if len(host_ifname) > IFNAMSIZ:
         raise ValueError(f"interface name {host_ifname!r} is longer than {IFNAMSIZ} characters")
     name = name_of(netns)
-    addrs = tuple(str(ipaddress.ip_address(ip)) for ip in ips)
     with Rtnl() as nl:
         if nl.links(rtnl.get_link(name=host_ifname))[0] is not None:
             raise FileExistsError(
                 errno.EEXIST, f"interface {host_ifname} already exists on the host; delete the old endpoint first"
             )
+        inside: Rtnl | None = None
         if create:
-            create_netns(name)
+            inside = create_netns(name, _new_namespace_socket)
         elif not os.path.exists(netns_path(name)):
             raise FileNotFoundError(errno.ENOENT, f"network namespace {netns_path(name)} does not exist")
-        link = PodLink(netns_path(name), create, host_ifname, 0, ips=addrs)
+        link = PodLink(netns_path(name), create, host_ifname, 0, pod_ifname=pod_ifname)
         host_mac, pod_mac = rtnl.random_mac(), rtnl.random_mac()
         try:
             ns_fd = os.open(netns_path(name), os.O_RDONLY | os.O_CLOEXEC)
@@ -318,18 +350,49 @@ def create_pod(
                 os.close(ns_fd)
             host = rtnl.link_of(found.messages[0])
             _sysctl(f"/proc/sys/net/ipv6/conf/{host_ifname}/accept_dad", "0")
-            try:
-                nl.request(*_host_requests(host.index, addrs, pod_mac))
-                with in_netns(name, _pod_socket, pod_ifname) as pod_nl:
-                    # The veth's peer index (IFLA_LINK) is the pod interface's index in its namespace.
-                    pod_nl.request(*_pod_requests(host.peer_index, addrs, host_mac))
-            except OSError as exc:
-                raise _refusal(name, exc) from exc
         except BaseException:
+            if inside is not None:
+                inside.close()
             delete_pod(link)
             raise
-    log.info("pod network created", netns=name, veth=host_ifname, ifindex=host.index, ips=",".join(addrs))
-    return dataclasses.replace(link, host_ifindex=host.index, host_mac=host_mac, pod_mac=pod_mac, pod_ifname=pod_ifname)
+    link = dataclasses.replace(link, host_ifindex=host.index, host_mac=host_mac, pod_mac=pod_mac)
+    # The veth's peer index (IFLA_LINK) is the pod interface's index in its namespace.
+    return PodPlug(link, host.peer_index, inside)
+
+
+def address_pod(plug: PodPlug, ips: Sequence[str]) -> PodLink:
+    """Route ``ips`` to a plugged pod: the host side up with a route and a neighbour entry per
+    address, the pod side up with its addresses and its routes to the gateway. The plug's socket
+    is closed either way; on failure the caller removes the pod's network (:func:`delete_pod`)."""
+    link = plug.link
+    addrs = tuple(str(ipaddress.ip_address(ip)) for ip in ips)
+    try:
+        with Rtnl() as nl:
+            nl.request(*_host_requests(link.host_ifindex, addrs, link.pod_mac))
+        inside = plug.inside or in_netns(link.netns, _pod_socket, link.pod_ifname)
+        plug.inside = inside
+        inside.request(*_pod_requests(plug.pod_index, addrs, link.host_mac))
+    except OSError as exc:
+        raise _refusal(link.name, exc) from exc
+    finally:
+        plug.close()
+    log.info(
+        "pod network created", netns=link.name, veth=link.host_ifname, ifindex=link.host_ifindex, ips=",".join(addrs)
+    )
+    return dataclasses.replace(link, ips=addrs)
+
+
+def create_pod(
+    netns: str, host_ifname: str, ips: Sequence[str], *, create: bool = True, pod_ifname: str = POD_IFNAME
+) -> PodLink:
+    """:func:`plug_pod` and :func:`address_pod` at once; on failure everything made is removed."""
+    addrs = tuple(str(ipaddress.ip_address(ip)) for ip in ips)
+    plug = plug_pod(netns, host_ifname, create=create, pod_ifname=pod_ifname)
+    try:
+        return address_pod(plug, addrs)
+    except BaseException:
+        delete_pod(plug.link)
+        raise
 
 
 def _refusal(name: str, exc: OSError, pod_ifname: str = "") -> OSError:
@@ -370,6 +433,13 @@ def _sysctl(path: str, value: str) -> None:
         f.write(value)
 
 
+def _new_namespace_socket() -> Rtnl:
+    """Runs in a namespace just made (see :func:`create_netns`): interfaces made in it from now on
+    do no duplicate address detection, and a netlink socket that stays in it."""
+    _sysctl("/proc/sys/net/ipv6/conf/default/accept_dad", "0")
+    return Rtnl()
+
+
 def _pod_socket(pod_ifname: str) -> Rtnl:
     """Runs inside the pod's namespace (see :func:`in_netns`): no duplicate address detection on
     its interface (before it comes up), and a netlink socket that stays in the namespace."""
@@ -405,17 +475,12 @@ def list_netns(prefix: str = "") -> list[str]:
 class NetnsPodNetwork:
     """The endpoint manager's pod network over this module (blocking calls)."""
 
-    def setup(
-        self,
-        *,
-        netns: str,
-        create: bool,
-        host_ifname: str,
-        addresses: Sequence[Address],
-        pod_ifname: str = POD_IFNAME,
-    ) -> PodLink:
+    def plug(self, *, netns: str, create: bool, host_ifname: str, pod_ifname: str = POD_IFNAME) -> PodPlug:
         enable_forwarding()
-        return create_pod(netns, host_ifname, [a.ip for a in addresses], create=create, pod_ifname=pod_ifname)
+        return plug_pod(netns, host_ifname, create=create, pod_ifname=pod_ifname)
+
+    def address(self, plug: PodPlug, addresses: Sequence[Address]) -> PodLink:
+        return address_pod(plug, [a.ip for a in addresses])
 
     def adopt(self, *, netns: str, host_ifname: str, ips: Sequence[str]) -> PodLink:
         enable_forwarding()

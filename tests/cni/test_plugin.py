@@ -214,7 +214,7 @@ async def test_del_answers_before_its_veth_goes_and_an_add_of_the_same_pod_waits
 async def test_chained_adopts_the_previous_plugins_veth_and_passes_its_result_on(
     agent: InProcessAgent, cp: ControlPlane, netns: str
 ) -> None:
-    agent.network.plug(netns, "veth0a1b2c3d")
+    agent.network.plug_other(netns, "veth0a1b2c3d")
     prev = {
         "cniVersion": "1.0.0",
         "interfaces": [{"name": "veth0a1b2c3d", "mac": "aa:bb:cc:dd:ee:01"},

@@ -6,6 +6,7 @@ import errno
 import secrets
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +71,26 @@ def test_a_named_namespace_is_made_and_removed_as_ip_netns_does_it(name: str) ->
     netns.delete_netns(name)
     assert name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     netns.delete_netns(name)  # gone already: nothing to do
+
+
+def test_a_pod_is_plugged_first_and_addressed_after(name: str) -> None:
+    """The service plugs a pod (namespace, veth) while IPAM allocates its addresses, then addresses
+    it: nothing is routed to the pod before, and its interface does no duplicate address detection
+    (the namespace's default, set as it was made)."""
+    plug = netns.plug_pod(name, name)
+    try:
+        assert plug.link.ips == () and plug.link.host_ifindex > 0 and plug.inside is not None
+        routes = subprocess.run(["ip", "-o", "route", "show", "dev", name], capture_output=True, text=True).stdout
+        assert routes == "", "nothing is routed to a plugged pod"
+        dad = netns.in_netns(name, Path("/proc/sys/net/ipv6/conf/eth0/accept_dad").read_text)
+        assert dad.strip() == "0"
+        pod = netns.address_pod(plug, ["10.251.250.12", "fd00:251:250::12"])
+        assert plug.inside is None, "the plug's socket is closed once it is addressed"
+        assert pod.ips == ("10.251.250.12", "fd00:251:250::12") and netns.pod_alive(pod)
+        routes = subprocess.run(["ip", "-o", "route", "show", "dev", name], capture_output=True, text=True).stdout
+        assert "10.251.250.12" in routes
+        inside = subprocess.run(["ip", "-n", name, "-o", "addr", "show", "eth0"], capture_output=True, text=True)
+        assert "10.251.250.12/32" in inside.stdout and "fd00:251:250::12/128" in inside.stdout
+    finally:
+        netns.delete_pod(plug.link)
+    assert not netns.pod_alive(plug.link) and name not in netns.list_netns(name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import itertools
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -25,7 +26,7 @@ from services.datapath.config import DatapathConfig
 from services.datapath.fake import FakeDatapath
 from services.datapath.ipamclient import GrpcIpam
 from services.datapath.loader import ProgramConfig
-from services.datapath.netns import PodLink
+from services.datapath.netns import PodLink, PodPlug
 from services.datapath.orders import GrpcPolicyClient
 from services.datapath.pluginapi import PluginApi, plugin_socket
 from services.datapath.service import Agent, start_agent
@@ -65,9 +66,7 @@ class FakeNetwork:
         self.pod_side: dict[str, str] = {}
         self._ifindex = itertools.count(100)
 
-    def setup(
-        self, *, netns: str, create: bool, host_ifname: str, addresses: Sequence[Address], pod_ifname: str = "eth0"
-    ) -> PodLink:
+    def plug(self, *, netns: str, create: bool, host_ifname: str, pod_ifname: str = "eth0") -> PodPlug:
         if create:
             if netns in self.namespaces:
                 raise FileExistsError(errno.EEXIST, f"network namespace {netns} already exists")
@@ -78,8 +77,10 @@ class FakeNetwork:
             raise FileExistsError(errno.EEXIST, f"network namespace {netns} already has an interface {pod_ifname}")
         self.links[host_ifname] = next(self._ifindex)
         self.pod_side[host_ifname] = netns
-        ips = tuple(a.ip for a in addresses)
-        return PodLink(netns, create, host_ifname, self.links[host_ifname], ips=ips, pod_ifname=pod_ifname)
+        return PodPlug(PodLink(netns, create, host_ifname, self.links[host_ifname], pod_ifname=pod_ifname), 2)
+
+    def address(self, plug: PodPlug, addresses: Sequence[Address]) -> PodLink:
+        return dataclasses.replace(plug.link, ips=tuple(a.ip for a in addresses))
 
     def adopt(self, *, netns: str, host_ifname: str, ips: Sequence[str]) -> PodLink:
         if netns not in self.namespaces:
@@ -89,7 +90,7 @@ class FakeNetwork:
         ips = tuple(ips)
         return PodLink(netns, False, host_ifname, self.links[host_ifname], ips=ips, link_owned=False)
 
-    def plug(self, netns: str, host_ifname: str) -> None:
+    def plug_other(self, netns: str, host_ifname: str) -> None:
         """What another CNI plugin does before Palisade's, chained: a namespace and a veth into it."""
         self.namespaces.add(netns)
         self.links[host_ifname] = next(self._ifindex)
