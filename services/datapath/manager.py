@@ -291,6 +291,31 @@ class EndpointManager:
     # --- create --------------------------------------------------------------------------------
 
     async def create(self, request: dt.EndpointRequest) -> Endpoint:
+        """Create the endpoint of a pod: identity, addresses, network, programs and first policy.
+
+        A caller that goes away meanwhile (a deadline, a cancelled call) does not stop it half-way:
+        parts of it run in threads and owner commands that finish whatever the caller does, so
+        the create runs to its end and what it made is then deleted again. Nothing is left behind
+        (no veth, address, identity reference or reservation of the pod).
+        """
+        task = asyncio.ensure_future(self._create(request))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            try:
+                ep = await task
+            except Exception:  # it failed, and undid itself
+                raise asyncio.CancelledError() from None
+            log.info("endpoint created for a caller that went away; deleting it", endpoint=ep.id, pod=request.key)
+            try:
+                await self.delete(EndpointRef(ep.id))
+            except EndpointNotFound:
+                pass  # deleted meanwhile (the runtime's DEL after its ADD timed out)
+            except Exception as exc:
+                log.warning("deleting an abandoned endpoint failed", endpoint=ep.id, pod=request.key, error=str(exc))
+            raise
+
+    async def _create(self, request: dt.EndpointRequest) -> Endpoint:
         watch = Stopwatch()
         wanted = validate_request(request)
         key = request.key

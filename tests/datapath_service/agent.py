@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import errno
 import itertools
+import threading
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,12 @@ class FakeNetwork:
         #: Host interface -> the namespace its pod end is in.
         self.pod_side: dict[str, str] = {}
         self._ifindex = itertools.count(100)
+        #: While set, :meth:`plug` waits for it (a veth the kernel is slow to make, in its thread).
+        self.gate: threading.Event | None = None
 
     def plug(self, *, netns: str, create: bool, host_ifname: str, pod_ifname: str = "eth0") -> PodPlug:
+        if self.gate is not None:
+            self.gate.wait(30)
         if create:
             if netns in self.namespaces:
                 raise FileExistsError(errno.EEXIST, f"network namespace {netns} already exists")

@@ -12,7 +12,7 @@ import threading
 import grpc
 import pytest
 
-from palisade.v1 import datapath_pb2
+from palisade.v1 import common_pb2, datapath_pb2
 from services.datapath import types as dt
 from testkit.builders import policy_entry
 from testkit.controlplane import ING, ControlPlane
@@ -145,3 +145,37 @@ async def test_a_create_whose_pod_is_unknown_leaves_nothing_of_the_address_and_n
     ep = await agent.stub.CreateEndpoint(request)
     assert ep.identity == FIRST_IDENTITY + 40 and len(ep.ips) == 1
     assert sorted(cp.ips) == list(ep.ips) and list(agent.network.links) == [ep.host_ifname]
+
+
+async def test_a_create_whose_caller_goes_away_is_finished_and_undone(agent: InProcessAgent, cp: ControlPlane) -> None:
+    """A deadline that passes mid-create (here while the pod's veth is being made, in a thread that
+    cannot be stopped) leaves nothing: no veth, address, identity reference, endpoint or reservation
+    of the pod; the same pod is created afterwards as if the first attempt never was."""
+    assert agent.stub is not None and agent.datapath is not None and agent.agent is not None
+    request = datapath_pb2.CreateEndpointRequest(
+        namespace="x", pod="late", labels=[common_pb2.Label(source="k8s", key="app", value="late")]
+    )
+    gate = threading.Event()
+    agent.network.gate = gate
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await agent.stub.CreateEndpoint(request, timeout=0.5)
+    assert failed.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert agent.network.links == {}, "the veth is still being made"
+    gate.set()  # the kernel finishes the veth after the caller has gone
+
+    def undone() -> bool:
+        assert agent.datapath is not None and agent.agent is not None
+        return (
+            agent.network.links == {}
+            and agent.network.namespaces == set()
+            and cp.ips == {}
+            and cp.owner_identity == {}
+            and not agent.agent.manager.endpoints
+            and agent.datapath.pinned_endpoints() == []
+        )
+
+    await eventually(undone)
+    await agent.agent.manager.settled()
+    agent.network.gate = None
+    ep = await agent.stub.CreateEndpoint(request)
+    assert list(agent.network.links) == [ep.host_ifname] and sorted(cp.ips) == list(ep.ips)
