@@ -52,19 +52,17 @@ def run(env: Mapping[str, str], stdin: bytes, out: TextIO, api: NodeApi | None =
     :class:`Handoff` from ``api`` goes up to the caller: the call is this process's to make.
     """
     node = api if api is not None else SocketApi()
-    version = spec.CURRENT_VERSION
+    declared = _declared_version(stdin)
+    # Errors are answered in the configuration's version where it gives one this plugin speaks,
+    # whatever the error (the environment's, the configuration's own, the datapath's).
+    version = declared if declared in spec.SUPPORTED_VERSIONS else spec.CURRENT_VERSION
     try:
         environment = spec.parse_environment(env)
         if environment.command == "VERSION":
             # VERSION answers whatever the configuration says (it may not even be given).
-            try:
-                version = str(json.loads(stdin or b"{}").get("cniVersion") or version)
-            except (ValueError, AttributeError):
-                pass
-            _print(out, {"cniVersion": version, "supportedVersions": list(spec.SUPPORTED_VERSIONS)})
+            _print(out, {"cniVersion": declared or version, "supportedVersions": list(spec.SUPPORTED_VERSIONS)})
             return 0
         conf = spec.parse_config(stdin, environment.command)
-        version = conf.version
         result = COMMANDS[environment.command](environment, conf, node)
     except CniError as err:
         _print(out, err.to_json(version))
@@ -72,6 +70,15 @@ def run(env: Mapping[str, str], stdin: bytes, out: TextIO, api: NodeApi | None =
     if result is not None:
         _print(out, result)
     return 0
+
+
+def _declared_version(stdin: bytes) -> str:
+    """The ``cniVersion`` the configuration gives, read leniently ("" if it gives none)."""
+    try:
+        version = json.loads(stdin or b"{}").get("cniVersion")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return ""
+    return version if isinstance(version, str) else ""
 
 
 def _print(out: TextIO, data: Mapping[str, Any]) -> None:

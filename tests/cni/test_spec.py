@@ -58,6 +58,29 @@ def test_an_invalid_configuration_is_code_7_naming_the_field(
     assert field in text and words in text, text
 
 
+def test_an_error_object_is_in_the_configurations_version() -> None:
+    import io
+
+    from services.cni import plugin
+
+    """Whatever the error (the configuration's own, or the environment's), where the configuration
+    gives a version this plugin speaks; else the plugin's current one."""
+    env = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_NETNS": "/run/netns/x", "CNI_IFNAME": "eth0",
+           "CNI_PATH": "/opt/cni/bin", "CNI_ARGS": "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p"}  # fmt: skip
+    cases = [
+        ("0.4.0", env, spec.INVALID_CONFIG, "0.4.0"),
+        ("1.0.0", env, spec.INVALID_CONFIG, "1.0.0"),
+        ("9.9.9", env, spec.INCOMPATIBLE_VERSION, spec.CURRENT_VERSION),
+        ("0.4.0", {k: v for k, v in env.items() if k != "CNI_ARGS"}, 4, "0.4.0"),
+    ]
+    for version, environment, code, answered in cases:
+        out = io.StringIO()
+        stdin = json.dumps({"cniVersion": version, "name": "n", "type": "palisade", "timeout": -1}).encode()
+        assert plugin.run(environment, stdin, out) == 1
+        error = json.loads(out.getvalue())
+        assert (error["code"], error["cniVersion"]) == (code, answered), error
+
+
 def test_keys_of_runtimes_and_other_plugins_are_left_alone() -> None:
     conf = spec.parse_config(config(**{"cni.dev/valid-attachments": [], "mtu": 1450, "capabilities": {}}), "ADD")
     assert conf.raw["mtu"] == 1450
