@@ -347,19 +347,24 @@ class Datapath:
                     self._loader.detach(spec.ifindex)
                 return
             # Only now: other endpoints' programs deliver straight to this one once it runs these.
-            self._offer_delivery(record)
+            self._offer_delivery(record, spec.host_mac, spec.pod_mac)
             self.state.bump_epoch()
         log.info("endpoint attached", endpoint=spec.id, ifindex=spec.ifindex, identity=spec.identity)
 
-    def _offer_delivery(self, record: EndpointEntry) -> None:
+    def _offer_delivery(self, record: EndpointEntry, host_mac: str = "", pod_mac: str = "") -> None:
         """Let other endpoints deliver to ``record``'s addresses directly: each one whose pod
-        Ethernet address the host knows (the neighbour entry on the veth; Palisade's own veths
-        always have one, another plugin's may not yet). An address without goes through the host."""
+        Ethernet address is known (given: Palisade chose both of its own veth's; else the neighbour
+        entry on the veth, which another plugin's may not have yet). An address without goes
+        through the host."""
         if not self.config.local_delivery:
             return
-        host_mac = netns.link_mac(record.ifindex)
+        if host_mac and pod_mac:
+            for ip in record.ips:
+                self.delivery.write(DeliveryTarget(ip, record.ifindex, pod_mac, host_mac))
+            return
+        host_mac = netns.link_mac(record.ifindex) or ""
         for ip in record.ips:
-            pod_mac = netns.neighbour_mac(record.ifindex, ip) if host_mac else None
+            pod_mac = (netns.neighbour_mac(record.ifindex, ip) or "") if host_mac else ""
             if host_mac and pod_mac:
                 self.delivery.write(DeliveryTarget(ip, record.ifindex, pod_mac, host_mac))
             else:

@@ -93,6 +93,8 @@ def spec_of(record: EndpointRecord) -> EndpointSpec:
         host_ifname=record.host_ifname,
         ips=tuple(record.ips),
         identity=record.identity,
+        host_mac=record.host_mac if record.link_owned else "",
+        pod_mac=record.mac if record.link_owned else "",
     )
 
 

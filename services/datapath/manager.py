@@ -60,11 +60,6 @@ from services.datapath.validate import validate_labels, validate_request
 log = get_logger("endpoints")
 
 
-def _aliased(remote: int) -> bool:
-    """Entries a learned address inherits from its former identity: world's and CIDRs'."""
-    return remote == dt.IDENTITY_WORLD or dt.is_cidr_identity(remote)
-
-
 T = TypeVar("T")
 
 
@@ -152,6 +147,8 @@ class EndpointManager:
         self._teardowns: dict[str, tuple[EndpointRecord, asyncio.Task[None]]] = {}
         #: Told the endpoints and their name rules after every command (the DNS proxy's publisher).
         self._names = names
+        #: What the last publication was made of (see :meth:`_publish_names`).
+        self._names_made_of: tuple[tuple[int, int, tuple[dt.Address, ...], int], ...] | None = None
 
     # --- the owning task ---------------------------------------------------------------------
 
@@ -179,8 +176,7 @@ class EndpointManager:
             if policy is None:
                 out.append(NameEndpoint(ep.id, ep.identity, ep.record.ips, dt.NO_NAMES))
                 continue
-            aliased = tuple(e for e in policy.entries.values() if _aliased(e.key.remote_identity))
-            out.append(NameEndpoint(ep.id, ep.identity, ep.record.ips, policy.names, aliased))
+            out.append(NameEndpoint(ep.id, ep.identity, ep.record.ips, policy.names, policy.aliased))
         return out
 
     def _publish_names(self) -> None:
@@ -188,10 +184,21 @@ class EndpointManager:
         # steering and the proxy's learned names until the policy came back.
         if self._names is None or not self.realizer.synced:
             return
+        # After every command, so cheaply: what it is made of (endpoints, their addresses and their
+        # identities' policy versions) is compared before anything is built.
+        policies = self.realizer.policies
+        made_of = tuple(
+            (ep.id, ep.identity, ep.record.addresses, p.version if (p := policies.get(ep.identity)) else 0)
+            for ep in self.endpoints.values()
+        )
+        if made_of == self._names_made_of:
+            return
         try:
             self._names(self.name_endpoints())
         except OSError as exc:
             log.error("DNS proxy endpoints not published", error=str(exc))
+            return
+        self._names_made_of = made_of
 
     async def _do(self, fn: Callable[[], Awaitable[T]]) -> T:
         done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
@@ -418,6 +425,7 @@ class EndpointManager:
                 ifname=link.pod_ifname,
                 mac=link.pod_mac,
                 link_owned=link.link_owned,
+                host_mac=link.host_mac,
             )
             # 4. the identity's policy
             assert policy is not None

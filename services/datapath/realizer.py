@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 from collections.abc import Iterable, Mapping
 from typing import Protocol
@@ -42,6 +43,11 @@ class RealizationSink(Protocol):
 
 
 _versions = itertools.count(1)
+
+
+def aliased(remote: int) -> bool:
+    """Entries a learned address inherits from its former identity: world's and CIDRs'."""
+    return remote == dt.IDENTITY_WORLD or dt.is_cidr_identity(remote)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +74,12 @@ class IdentityPolicy:
     removed: tuple[dt.PolicyEntry, ...] = ()
     #: The identity's toFQDNs and DNS rules (the node's DNS proxy applies them).
     names: dt.NameRules = dt.NO_NAMES
+
+    @functools.cached_property
+    def aliased(self) -> tuple[dt.PolicyEntry, ...]:
+        """Entries a learned address inherits from its former identity (world's and CIDRs'): what the
+        DNS proxy needs of every endpoint of the identity, found once per version (it is immutable)."""
+        return tuple(e for e in self.entries.values() if aliased(e.key.remote_identity))
 
     @classmethod
     def build(

@@ -63,6 +63,8 @@ class EndpointRecord:
     mac: str = ""
     #: False when another plugin made the veth (chained CNI): it is never deleted here.
     link_owned: bool = True
+    #: The host end's MAC address, where Palisade made the veth ("" in records written before).
+    host_mac: str = ""
 
     @property
     def key(self) -> str:
@@ -106,6 +108,7 @@ class EndpointRecord:
             ifname=str(data.get("ifname", "eth0")),
             mac=str(data.get("mac", "")),
             link_owned=bool(data.get("link_owned", True)),
+            host_mac=str(data.get("host_mac", "")),
         )
 
 

@@ -258,6 +258,10 @@ class EndpointSpec:
     #: The pod's addresses (IPv4 and/or IPv6), without prefix length.
     ips: tuple[str, ...]
     identity: int
+    #: The MACs of the veth's host and pod ends, where known (Palisade made the veth): local
+    #: delivery then needs no lookup of the host's neighbour table.
+    host_mac: str = ""
+    pod_mac: str = ""
 
     def __post_init__(self) -> None:
         # The highest id depends on the map sizes: the datapath checks it (``max_endpoint_id``).

@@ -268,3 +268,19 @@ def test_a_failed_tail_call_leaves_the_packet_on_the_hosts_path(empty_deliver_sl
         assert udp_exchange(a.name, b.v4, 5353)
         assert forwarded() == 2  # the datagram and its echo, through the host; to_container judged
         assert not udp_exchange(c.name, b.v4, 5353, timeout=DENY_TIMEOUT)
+
+
+def test_the_macs_given_with_an_endpoint_are_offered_without_a_lookup(net: Node) -> None:
+    """The service knows both MACs of a veth it made (it chose them): it gives them, and the datapath
+    reads neither the link nor the host's neighbour table (a dump that grows with the node's pods)."""
+    b = net.b
+    before = b_targets(net)
+    given = dataclasses.replace(b.spec, host_mac="02:00:00:00:0a:0a", pod_mac="02:00:00:00:0b:0b")
+    try:
+        net.dp.attach_endpoint(given)
+        assert {(t.ip, t.pod_mac, t.host_mac) for t in b_targets(net)} == {
+            (ip, "02:00:00:00:0b:0b", "02:00:00:00:0a:0a") for ip in (b.v4, b.v6)
+        }
+    finally:
+        net.dp.attach_endpoint(b.spec)
+    assert b_targets(net) == before
