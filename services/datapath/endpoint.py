@@ -8,6 +8,7 @@ changes its record (create, relabel, restore), the realizer its policy state and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import ipaddress
 from collections.abc import Mapping
@@ -80,8 +81,10 @@ def netns_name(namespace: str, pod: str) -> str:
     return f"pal_{namespace}_{pod}"
 
 
+@functools.lru_cache(maxsize=8192)
 def host_prefix(ip: str) -> str:
-    """The ipcache prefix of one address (/32 or /128)."""
+    """The ipcache prefix of one address (/32 or /128). Cached: every ipcache event asks it of
+    every local endpoint's addresses (:meth:`EndpointManager.local_prefixes`)."""
     return f"{ip}/{ipaddress.ip_address(ip).max_prefixlen}"
 
 
