@@ -15,7 +15,6 @@ prints one JSON object. Everything is removed afterwards.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import socket
@@ -23,6 +22,8 @@ import statistics
 import sys
 import time
 
+from bench.output import run_as_json
+from bench.stats import stats_ms
 from services.datapath import netns
 from services.datapath.datapath import Datapath
 from services.datapath.netns import PodLink
@@ -39,15 +40,8 @@ from testkit.traffic import tcp_connects
 
 
 def summary(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    return {
-        "count": len(ordered),
-        "mean_ms": round(statistics.fmean(ordered) * 1e3, 3),
-        "p50_ms": round(ordered[len(ordered) // 2] * 1e3, 3),
-        "p95_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))] * 1e3, 3),
-        "max_ms": round(ordered[-1] * 1e3, 3),
-        "total_s": round(sum(ordered), 4),
-    }
+    """Milliseconds (:func:`bench.stats.stats_ms`) and the total in seconds."""
+    return {**stats_ms([x * 1e3 for x in samples]), "count": len(samples), "total_s": round(sum(samples), 4)}
 
 
 def policy_for(identity_base: int) -> list[PolicyEntry]:
@@ -74,14 +68,11 @@ def check_enforcement(first: PodLink, last: PodLink) -> dict[str, bool]:
             s.close()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--endpoints", type=int, default=50)
-    args = parser.parse_args()
-    if os.geteuid() != 0:
-        print(json.dumps({"error": "needs root (network namespaces, BPF)"}))
-        return 2
+def missing() -> str | None:
+    return None if os.geteuid() == 0 else "needs root (network namespaces, BPF)"
 
+
+def run_bench(args: argparse.Namespace) -> dict[str, object]:
     run = "pb" + secrets.token_hex(2)
     base = f"/sys/fs/bpf/palisade-{run}"
     o2 = 200 + secrets.randbelow(50)
@@ -151,17 +142,9 @@ def main() -> int:
         result["summary"] = [
             {"metric": "compile (once)", "value": round(template.compile_seconds * 1e3, 1), "unit": "ms"},
             {"metric": "attach per endpoint (mean)", "value": round(mean_attach * 1e3, 3), "unit": "ms"},
-            {
-                "metric": "attach per endpoint (p95)",
-                "value": summary(attach)["p95_ms"],
-                "unit": "ms",
-            },
-            {"metric": "policy sync per endpoint (mean)", "value": summary(policy)["mean_ms"], "unit": "ms"},
-            {
-                "metric": "policy delta, one entry, per endpoint (mean)",
-                "value": summary(delta)["mean_ms"],
-                "unit": "ms",
-            },
+            {"metric": "attach per endpoint (p90)", "value": summary(attach)["p90"], "unit": "ms"},
+            {"metric": "policy sync per endpoint (mean)", "value": summary(policy)["mean"], "unit": "ms"},
+            {"metric": "policy delta, one entry, per endpoint (mean)", "value": summary(delta)["mean"], "unit": "ms"},
             {"metric": f"compiles for {args.endpoints} endpoints", "value": result["compiles"], "unit": ""},
             {
                 "metric": "reopen after restart (pinned, no compile)",
@@ -184,8 +167,14 @@ def main() -> int:
             dp.teardown()
         for pod in pods:
             netns.delete_pod(pod)
-    print(json.dumps(result, indent=2))
-    return 0
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--endpoints", type=int, default=50)
+    # The shared runner: the root check, and SIGTERM unwinding the run so its namespaces go too.
+    return run_as_json(run_bench, parser.parse_args(argv), missing=missing)
 
 
 if __name__ == "__main__":
