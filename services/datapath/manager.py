@@ -310,7 +310,9 @@ class EndpointManager:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             try:
-                ep = await task
+                # Shielded again: cancelled once more (the service stopping), the create still
+                # finishes rather than stopping half-way; it is then an endpoint like any other.
+                ep = await asyncio.shield(task)
             except Exception:  # it failed, and undid itself
                 raise asyncio.CancelledError() from None
             log.info("endpoint created for a caller that went away; deleting it", endpoint=ep.id, pod=request.key)
