@@ -309,20 +309,24 @@ class EndpointManager:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            try:
-                # Shielded again: cancelled once more (the service stopping), the create still
-                # finishes rather than stopping half-way; it is then an endpoint like any other.
-                ep = await asyncio.shield(task)
-            except Exception:  # it failed, and undid itself
-                raise asyncio.CancelledError() from None
-            log.info("endpoint created for a caller that went away; deleting it", endpoint=ep.id, pod=request.key)
-            try:
-                await self.delete(EndpointRef(ep.id))
-            except EndpointNotFound:
-                pass  # deleted meanwhile (the runtime's DEL after its ADD timed out)
-            except Exception as exc:
-                log.warning("deleting an abandoned endpoint failed", endpoint=ep.id, pod=request.key, error=str(exc))
+            await self._undo_abandoned(task, request.key)
             raise
+
+    async def _undo_abandoned(self, task: asyncio.Future[Endpoint], key: str) -> None:
+        """Wait for a create whose caller went away, and delete what it made (a failed one undid itself)."""
+        try:
+            # Shielded again: cancelled once more (the service stopping), the create still
+            # finishes rather than stopping half-way; it is then an endpoint like any other.
+            ep = await asyncio.shield(task)
+        except Exception:
+            return
+        log.info("endpoint created for a caller that went away; deleting it", endpoint=ep.id, pod=key)
+        try:
+            await self.delete(EndpointRef(ep.id))
+        except EndpointNotFound:
+            pass  # deleted meanwhile (the runtime's DEL after its ADD timed out)
+        except Exception as exc:
+            log.warning("deleting an abandoned endpoint failed", endpoint=ep.id, pod=key, error=str(exc))
 
     async def _create(self, request: dt.EndpointRequest) -> Endpoint:
         watch = Stopwatch()
