@@ -358,13 +358,12 @@ class Datapath:
         through the host."""
         if not self.config.local_delivery:
             return
-        if host_mac and pod_mac:
-            for ip in record.ips:
-                self.delivery.write(DeliveryTarget(ip, record.ifindex, pod_mac, host_mac))
-            return
-        host_mac = netns.link_mac(record.ifindex) or ""
+        given = bool(host_mac and pod_mac)
+        if not given:
+            host_mac = netns.link_mac(record.ifindex) or ""
         for ip in record.ips:
-            pod_mac = (netns.neighbour_mac(record.ifindex, ip) or "") if host_mac else ""
+            if not given:
+                pod_mac = (netns.neighbour_mac(record.ifindex, ip) or "") if host_mac else ""
             if host_mac and pod_mac:
                 self.delivery.write(DeliveryTarget(ip, record.ifindex, pod_mac, host_mac))
             else:

@@ -336,7 +336,7 @@ def default_attach(config: ProgramConfig) -> str:
     """How a datapath of this configuration attaches unless told: tc filters with local delivery
     (a packet crosses one hook; a pod's start waits no grace period), tcx links where the kernel
     has them without it (every packet crosses both hooks, and tcx's per-hook saving shows)."""
-    return "tc" if config.local_delivery else "auto"
+    return DEFAULT_ATTACH if config.local_delivery else "auto"
 
 
 class Loader:
