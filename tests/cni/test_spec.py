@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 from typing import Any
 
 import pytest
 
-from services.cni import spec
+from services.cni import plugin, spec
 
 GOOD: dict[str, Any] = {"cniVersion": "1.0.0", "name": "k8s-pod-network", "type": "palisade"}
 REMOVE = object()
@@ -59,10 +60,6 @@ def test_an_invalid_configuration_is_code_7_naming_the_field(
 
 
 def test_an_error_object_is_in_the_configurations_version() -> None:
-    import io
-
-    from services.cni import plugin
-
     """Whatever the error (the configuration's own, or the environment's), where the configuration
     gives a version this plugin speaks; else the plugin's current one."""
     env = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_NETNS": "/run/netns/x", "CNI_IFNAME": "eth0",
