@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -51,6 +52,13 @@ def test_control_plane_quick() -> None:
     targeted = {row["metric"] for row in out["summary"] if "target" in row}
     assert {"engine identity add p99", "engine process RSS at that scale"} <= targeted
     assert services["allocation"]["identity_new_per_s_c16"] > 0 and services["allocation"]["ip_allocate_per_s_c16"] > 0
+    # CreateEndpoint's CPU over every process, and the mean latency that CPU allows on these cores.
+    rows = {row["metric"]: row["value"] for row in out["summary"]}
+    cpu = rows["CreateEndpoint CPU per create, all processes"]
+    assert cpu == pytest.approx(sum(services["endpoint_create_cpu_ms"].values()), abs=0.01) and cpu > 0
+    assert services["endpoint_create_cpu_ms"]["datapath"] > 0 and services["endpoint_create_cpu_ms"]["ipam"] > 0
+    floor = rows[f"CreateEndpoint mean, CPU-bound floor (4 in flight, {os.cpu_count()} cores)"]
+    assert floor == pytest.approx(4 * cpu / (os.cpu_count() or 1), abs=0.01)
     assert leftovers() <= before, "pins or namespaces left behind"
 
 
