@@ -205,6 +205,8 @@ class Reporter:
         #: Deleted endpoints to report, by (endpoint id, pod); sent before the live reports of a batch,
         #: so an id reused by a new endpoint is reported after its old endpoint went.
         self._gone: dict[tuple[int, str], policy_pb2.RealizedReport] = {}
+        #: Endpoints forgotten while a delivery is out (None when none is): their reports in it are not put back.
+        self._forgotten_in_flight: set[int] | None = None
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -245,6 +247,8 @@ class Reporter:
     def forget(self, endpoint_id: int) -> None:
         """Drop an unsent report of a deleted endpoint."""
         self._pending.pop(endpoint_id, None)
+        if self._forgotten_in_flight is not None:
+            self._forgotten_in_flight.add(endpoint_id)
 
     def deleted(self, endpoint_id: int, identity: int, pod: str) -> None:
         """An endpoint was deleted: drop its unsent report and tell PolicyService to forget it.
@@ -294,15 +298,23 @@ class Reporter:
         orders, self._orders = self._orders, []
         live = sorted(batch.values(), key=lambda r: r.endpoint_id)
         reports = [gone[k] for k in sorted(gone)] + live
+        forgotten: set[int] = set()
+        self._forgotten_in_flight = forgotten
         try:
             await self._policy.report(reports, self._node)
         except Exception:
             for key, report in gone.items():
                 self._gone.setdefault(key, report)
-            for report in live:  # put back unless a newer one arrived meanwhile
-                self._pending.setdefault(report.endpoint_id, report)
+            for report in live:
+                # Put back unless a newer one arrived meanwhile, or its endpoint was deleted meanwhile:
+                # sent after its deletion, it would bring back an endpoint that never reports again,
+                # and WaitForRevision would wait on it for good.
+                if report.endpoint_id not in forgotten:
+                    self._pending.setdefault(report.endpoint_id, report)
             self._orders = orders + self._orders
             raise
+        finally:
+            self._forgotten_in_flight = None
         self.delivered += len(reports)
         log.debug("realized reported", reports=len(reports), revision=max(r.revision for r in reports))
         if self.on_delivered is not None:

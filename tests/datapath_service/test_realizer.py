@@ -253,3 +253,46 @@ async def test_a_refused_report_is_sent_again_behind_what_arrived_meanwhile() ->
     assert policy.refused == 1
     assert [(r.endpoint_id, r.revision) for r in policy.reports] == [(1, 12), (2, 11)]
     assert len(realized) == 2 and reporter.delivered == 2
+
+
+class RefusingWhileDeleted(Capture):
+    """Refuses the first report; while that call is in flight endpoint 1 is deleted (and id 3's
+    endpoint is deleted and its id reused by a new one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reporter: Reporter | None = None
+        self.refused = 0
+
+    async def report(self, reports: Sequence[policy_pb2.RealizedReport], node: str = "") -> None:
+        if reports and not self.refused:
+            self.refused += 1
+            assert self.reporter is not None
+            self.reporter.deleted(1, DB, "x/a")
+            self.reporter.deleted(3, DB, "x/c")
+            self.reporter.add([dt.Realized(3, WEB, 12, "x/d")])
+            raise ConnectionError("policy service away")
+        await super().report(reports, node)
+
+
+async def test_a_refused_report_of_an_endpoint_deleted_meanwhile_is_not_sent_again() -> None:
+    """Sent after the endpoint's deletion, its live report would bring back an endpoint that never
+    reports again, and WaitForRevision would wait on it for good (seen in a churn while the policy
+    service changed leaders)."""
+    policy = RefusingWhileDeleted()
+    reporter = policy.reporter = Reporter("n1", policy, backoff_max=0.05)
+    task = asyncio.create_task(reporter.run())
+    try:
+        reporter.add([dt.Realized(1, DB, 11, "x/a"), dt.Realized(2, DB, 11, "x/b"), dt.Realized(3, DB, 11, "x/c")])
+        await asyncio.wait_for(reporter.flushed(), 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert policy.refused == 1
+    # The deletions first, then the live reports: endpoint 2 as it was, id 3's new endpoint; never endpoint 1.
+    assert [(r.endpoint_id, r.pod, r.revision, r.deleted) for r in policy.reports] == [
+        (1, "x/a", 0, True),
+        (3, "x/c", 0, True),
+        (2, "x/b", 11, False),
+        (3, "x/d", 12, False),
+    ]
