@@ -41,7 +41,7 @@ class PolicyConfig(CommonConfig):
     )
     leader_lease: float = setting(
         "Seconds a leader's lease lasts without renewal: a follower takes over about this long after the leader dies.",
-        default=3.0,
+        default=15.0,
     )
     node_grace: float = setting(
         "Seconds a node's datapath may stay silent (datapaths send a heartbeat every 10 s) before its "
