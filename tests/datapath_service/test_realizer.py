@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import secrets
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import pytest
 
@@ -221,10 +221,11 @@ async def test_an_idle_reporter_beats_with_its_node_name() -> None:
 
 
 class Refusing(Capture):
-    """Refuses the first report; while that call is in flight a newer revision of endpoint 1 arrives."""
+    """Refuses the first report; ``meanwhile`` is done to the reporter while that call is in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, meanwhile: Callable[[Reporter], None]) -> None:
         super().__init__()
+        self.meanwhile = meanwhile
         self.reporter: Reporter | None = None
         self.refused = 0
 
@@ -232,14 +233,15 @@ class Refusing(Capture):
         if reports and not self.refused:
             self.refused += 1
             assert self.reporter is not None
-            self.reporter.add([dt.Realized(1, DB, 12, "x/a")], arrived=0.0)
+            self.meanwhile(self.reporter)
             raise ConnectionError("policy service away")
         await super().report(reports, node)
 
 
 async def test_a_refused_report_is_sent_again_behind_what_arrived_meanwhile() -> None:
     """A failed delivery puts its reports back unless newer ones came; the retry sends the merge."""
-    policy = Refusing()
+    # A newer revision of endpoint 1 arrives while the refused call is out.
+    policy = Refusing(lambda reporter: reporter.add([dt.Realized(1, DB, 12, "x/a")], arrived=0.0))
     reporter = policy.reporter = Reporter("n1", policy, backoff_max=0.05)
     realized: list[float] = []
     reporter.on_order_realized = realized.append
@@ -255,31 +257,18 @@ async def test_a_refused_report_is_sent_again_behind_what_arrived_meanwhile() ->
     assert len(realized) == 2 and reporter.delivered == 2
 
 
-class RefusingWhileDeleted(Capture):
-    """Refuses the first report; while that call is in flight endpoint 1 is deleted (and id 3's
-    endpoint is deleted and its id reused by a new one)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reporter: Reporter | None = None
-        self.refused = 0
-
-    async def report(self, reports: Sequence[policy_pb2.RealizedReport], node: str = "") -> None:
-        if reports and not self.refused:
-            self.refused += 1
-            assert self.reporter is not None
-            self.reporter.deleted(1, DB, "x/a")
-            self.reporter.deleted(3, DB, "x/c")
-            self.reporter.add([dt.Realized(3, WEB, 12, "x/d")])
-            raise ConnectionError("policy service away")
-        await super().report(reports, node)
+def delete_and_reuse(reporter: Reporter) -> None:
+    """Endpoint 1 is deleted; so is endpoint 3, whose id a new endpoint takes at once."""
+    reporter.deleted(1, DB, "x/a")
+    reporter.deleted(3, DB, "x/c")
+    reporter.add([dt.Realized(3, WEB, 12, "x/d")])
 
 
 async def test_a_refused_report_of_an_endpoint_deleted_meanwhile_is_not_sent_again() -> None:
     """Sent after the endpoint's deletion, its live report would bring back an endpoint that never
     reports again, and WaitForRevision would wait on it for good (seen in a churn while the policy
     service changed leaders)."""
-    policy = RefusingWhileDeleted()
+    policy = Refusing(delete_and_reuse)
     reporter = policy.reporter = Reporter("n1", policy, backoff_max=0.05)
     task = asyncio.create_task(reporter.run())
     try:
