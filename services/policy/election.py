@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,6 +98,9 @@ class Election:
         #: Set whenever a leader is known (this replica or another).
         self.leader_known = asyncio.Event()
         self._revision = 0
+        #: This process's own mark in the lease: a process restarted in place under the same member
+        #: name (``make run``'s ``--member policy``) tells its predecessor's lease from its own by it.
+        self._instance = secrets.token_hex(8)
         self.leader: Member | None = None
         self.members: dict[str, Member] = {}
 
@@ -145,7 +149,8 @@ class Election:
         self._wake.set()
 
     def _value(self) -> bytes:
-        return json.dumps({"member": self.member, "address": self.address(), "at": time.time()}).encode()
+        record = {"member": self.member, "address": self.address(), "instance": self._instance, "at": time.time()}
+        return json.dumps(record).encode()
 
     async def run(self) -> None:
         while not self._resigned:
@@ -195,9 +200,14 @@ class Election:
         return True
 
     def _predecessor(self, raw: dict[str, object]) -> bool:
-        """A lease record naming this replica's address under another member: the process that
-        held this port before (only one process can), so it is gone."""
-        return raw.get("address") == self.address() and raw.get("member") != self.member
+        """A lease record naming this replica's address, written by another process (another member,
+        or this member's name from another process): the process that held this port before (only
+        one process can), so it is gone."""
+        return raw.get("address") == self.address() and not self._own(raw)
+
+    def _own(self, raw: dict[str, object]) -> bool:
+        """A lease record this very process wrote."""
+        return raw.get("member") == self.member and raw.get("instance") == self._instance
 
     async def _renew(self) -> None:
         try:
@@ -236,7 +246,7 @@ class Election:
         except KeyNotFoundError:
             self._step_down(f"its lease expired (not renewed within {self.lease:g}s)")
             return False
-        if raw.get("member") == self.member and raw.get("address") == self.address():
+        if self._own(raw) and raw.get("address") == self.address():
             return True
         self._step_down(f"{raw.get('member')} holds the lease")
         return False

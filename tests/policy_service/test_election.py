@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import pytest
 from nats.js.errors import KeyNotFoundError
 
 from services.common.bus import Bus
@@ -97,11 +98,19 @@ async def dead_leader(server: NatsServer, name: str, address: str) -> AsyncItera
         await bus.close()
 
 
-async def test_a_replica_restarted_in_place_takes_its_predecessors_lease(nats_server: NatsServer) -> None:
-    # Same address (it holds the port the dead process held), another name: no wait for the lease.
-    async with dead_leader(nats_server, "old", "10.0.0.1:1"), replica(nats_server, "new", "10.0.0.1:1") as (new, _):
+@pytest.mark.parametrize("old_name", ["old", "new"])
+async def test_a_replica_restarted_in_place_takes_its_predecessors_lease(
+    nats_server: NatsServer, old_name: str
+) -> None:
+    # Same address (it holds the port the dead process held), under another name or its own (make
+    # run names its one replica "policy" every time): no wait for the lease.
+    async with (
+        dead_leader(nats_server, old_name, "10.0.0.1:1"),
+        replica(nats_server, "new", "10.0.0.1:1") as (new, _),
+    ):
         new.run_for_leader()
         await asyncio.wait_for(new.leading.wait(), LEASE / 2)
+        assert await new.confirm()  # its own lease now, not its predecessor's
 
 
 async def test_a_replica_restarted_in_place_never_takes_its_predecessor_for_a_leader(nats_server: NatsServer) -> None:
