@@ -44,10 +44,10 @@ async def leader(server: NatsServer, name: str) -> AsyncIterator[tuple[Bus, Elec
         await bus.close()
 
 
-async def take_lease(bus: Bus, name: str) -> None:
-    """The lease passes to ``name``, as when it wins after the holder's lease expired."""
+async def take_lease(bus: Bus, winner: Election) -> None:
+    """The lease passes to ``winner``, as when it wins after the holder's lease expired."""
     kv = await bus.js.key_value(LEASE_BUCKET)
-    await kv.put(LEADER_KEY, json.dumps({"member": name, "address": f"{name}:1"}).encode())
+    await kv.put(LEADER_KEY, winner._value())
 
 
 async def stored(bus: Bus) -> dict[str, object]:
@@ -64,7 +64,7 @@ async def test_a_takeover_that_reads_the_state_after_another_leader_published_st
         assert slow.leading.is_set()
         # The lease passes to "quick" (slow's takeover is stalled); quick claims and publishes.
         async with leader(nats_server, "quick") as (quick_bus, quick, quick_store):
-            await take_lease(quick_bus, "quick")
+            await take_lease(quick_bus, quick)
             quick.leading.set()
             assert await claim_state(quick_bus, quick, quick_store) == PolicyEpoch()
             await quick_store.save(PolicyEpoch(12, {"n1": 6}))
@@ -82,7 +82,7 @@ async def test_a_deposed_leaders_write_fails_once_the_new_leader_claimed(nats_se
         assert await claim_state(old_bus, old, old_store) == PolicyEpoch()
         await old_store.save(PolicyEpoch(5, {"n1": 2}))
         async with leader(nats_server, "new") as (new_bus, new, new_store):
-            await take_lease(new_bus, "new")
+            await take_lease(new_bus, new)
             new.leading.set()
             assert await claim_state(new_bus, new, new_store) == PolicyEpoch(5, {"n1": 2})
             # The old leader has not noticed yet: its next write (before any order) is refused.
@@ -97,7 +97,7 @@ async def test_a_deposed_leaders_write_between_the_read_and_the_claim_is_read_ag
         await claim_state(old_bus, old, old_store)
         await old_store.save(PolicyEpoch(5, {"n1": 2}))
         async with leader(nats_server, "new") as (new_bus, new, new_store):
-            await take_lease(new_bus, "new")
+            await take_lease(new_bus, new)
             new.leading.set()
             load = new_store.load
             reads: list[PolicyEpoch] = []
