@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -56,6 +57,7 @@ def outage_status(exc: Exception, method: str) -> Status | None:
 async def _serve(
     servicer: common_pb2_grpc.StatusServiceServicer, errors: ErrorInterceptor | None = None
 ) -> AsyncIterator[common_pb2_grpc.StatusServiceStub]:
+    before = asyncio.all_tasks()
     server = grpc.aio.server(interceptors=[errors or ErrorInterceptor()])
     common_pb2_grpc.add_StatusServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -65,6 +67,11 @@ async def _serve(
             yield common_pb2_grpc.StatusServiceStub(channel)
     finally:
         await server.stop(None)
+        # stop() returns before the tasks of the calls it cut short have ended (under load, a few
+        # loop turns later): wait for them, so the test ends with the server quiet.
+        serving = asyncio.all_tasks() - before - {asyncio.current_task()}
+        if serving:
+            await asyncio.wait(serving, timeout=5)
 
 
 async def _status_of(
