@@ -106,6 +106,10 @@ def _holder(key: tuple[str, str]) -> tuple[str, str]:
     return key
 
 
+def _identity_of(held: tuple[int, int]) -> int:
+    return held[0]
+
+
 class IdentityAllocator:
     """Allocates identities and holds per-node references under the node's lease."""
 
@@ -127,7 +131,7 @@ class IdentityAllocator:
         self._rng = rng or random.Random()
         self._by_id: dict[int, LabelSet] = {}
         self._by_labels: dict[LabelSet, int] = {}
-        self._owners: OwnerIndexed[tuple[str, str], tuple[int, int]] = OwnerIndexed(_holder)
+        self._owners: OwnerIndexed[tuple[str, str], tuple[int, int]] = OwnerIndexed(_holder, tally=_identity_of)
         #: References this process took, so it can take them again if a lease is lost.
         self._held: dict[tuple[str, str], LabelSet] = {}
         self._quarantine: collections.deque[int] = collections.deque(maxlen=QUARANTINE)
@@ -203,7 +207,9 @@ class IdentityAllocator:
             self._remember(ident, labels)
         owners, _ = await self._store.get_prefix(keys.IDENTITY_OWNERS.encode())
         self._owners = OwnerIndexed(
-            _holder, ((keys.parse_identity_owner(kv.key), (int(kv.value), kv.mod_revision)) for kv in owners)
+            _holder,
+            ((keys.parse_identity_owner(kv.key), (int(kv.value), kv.mod_revision)) for kv in owners),
+            tally=_identity_of,
         )
         return {i: labels for i, (labels, _) in current.items()}
 
@@ -433,6 +439,10 @@ class IdentityAllocator:
 
     async def references(self, ident: int) -> int:
         return await self._store.count(keys.identity_refs_of(ident))
+
+    def known_references(self, ident: int) -> int:
+        """The references on ``ident`` as this process knows them (its own and the watched), without a read."""
+        return self._owners.count(ident)
 
     async def reference_counts(self) -> dict[int, int]:
         kvs, _ = await self._store.get_prefix(keys.IDENTITY_REFS.encode(), keys_only=True)

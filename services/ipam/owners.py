@@ -5,12 +5,13 @@ on each node: an identity reference keyed by (node, owner), an address keyed by
 (node, family, owner). Joining an owner's holdings after a change (a bus pod deleted,
 an address released) asks where that owner holds anything; answering it from the whole
 map costs one look per holding in the cluster, on every pod deletion. :class:`OwnerIndexed`
-is a mapping that keeps that answer at hand.
+is a mapping that keeps that answer at hand; given a ``tally``, it also counts its values by
+what the tally makes of them (how many owners hold each identity), likewise without a scan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, MutableMapping
 from typing import Generic, TypeVar, overload
 
 K = TypeVar("K")
@@ -24,13 +25,31 @@ Split = Callable[[K], tuple[str, str]]
 class OwnerIndexed(MutableMapping[K, V], Generic[K, V]):
     """A dict whose keys each name a (node, owner), answering :meth:`nodes_of` an owner without a scan."""
 
-    def __init__(self, split: Split[K], items: Iterable[tuple[K, V]] = ()) -> None:
+    def __init__(
+        self, split: Split[K], items: Iterable[tuple[K, V]] = (), tally: Callable[[V], Hashable] | None = None
+    ) -> None:
         self._split = split
         self._data: dict[K, V] = {}
         #: owner -> node -> how many keys of the owner name that node.
         self._nodes: dict[str, dict[str, int]] = {}
+        self._tally = tally
+        #: tally(value) -> how many keys hold such a value.
+        self._counts: dict[Hashable, int] = {}
         for key, value in items:
             self[key] = value
+
+    def count(self, tallied: Hashable) -> int:
+        """How many keys hold a value whose tally is ``tallied`` (0 without a tally)."""
+        return self._counts.get(tallied, 0)
+
+    def _uncount(self, value: V) -> None:
+        if self._tally is not None:
+            tallied = self._tally(value)
+            left = self._counts[tallied] - 1
+            if left:
+                self._counts[tallied] = left
+            else:
+                del self._counts[tallied]
 
     def nodes_of(self, owner: str) -> set[str]:
         """The nodes where ``owner`` has a key."""
@@ -58,10 +77,15 @@ class OwnerIndexed(MutableMapping[K, V], Generic[K, V]):
             node, owner = self._split(key)
             nodes = self._nodes.setdefault(owner, {})
             nodes[node] = nodes.get(node, 0) + 1
+        else:
+            self._uncount(self._data[key])
         self._data[key] = value
+        if self._tally is not None:
+            tallied = self._tally(value)
+            self._counts[tallied] = self._counts.get(tallied, 0) + 1
 
     def __delitem__(self, key: K) -> None:
-        del self._data[key]
+        self._uncount(self._data.pop(key))
         node, owner = self._split(key)
         nodes = self._nodes[owner]
         nodes[node] -= 1
@@ -79,3 +103,4 @@ class OwnerIndexed(MutableMapping[K, V], Generic[K, V]):
     def clear(self) -> None:
         self._data.clear()
         self._nodes.clear()
+        self._counts.clear()

@@ -181,7 +181,9 @@ class IdentityServicer(identity_pb2_grpc.IdentityServiceServicer):
                 f"pod {request.namespace}/{request.name} has no identity: {found.reason}",
                 Code.FAILED_PRECONDITION,
             )
-        refs = await self._allocator.references(found.identity.id)
+        # The count as the watch keeps it, not read from etcd: a datapath asks this on every CNI
+        # ADD, and a read there waited for the address transaction it runs beside (GetIdentity reads).
+        refs = self._allocator.known_references(found.identity.id)
         return identity_pb2.ResolvePodResponse(
             identity=found.identity.to_proto(refs), ips=list(found.ips), node=found.node
         )

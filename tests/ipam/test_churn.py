@@ -49,6 +49,27 @@ def test_owner_index_follows_adds_and_removals() -> None:
     assert held.pairs() == set() and not held
 
 
+def test_owner_index_counts_values_by_their_tally() -> None:
+    # (node, owner) -> (identity, revision), counted by identity: the references each identity has.
+    held: OwnerIndexed[tuple[str, str], tuple[int, int]] = OwnerIndexed(
+        lambda k: k, [(("n1", "pod/a/x"), (300, 1))], tally=lambda v: v[0]
+    )
+    held[("n1", "pod/a/y")] = (300, 2)
+    held[("n2", "pod/a/z")] = (301, 3)
+    assert (held.count(300), held.count(301), held.count(302)) == (2, 1, 0)
+    held[("n1", "pod/a/y")] = (301, 4)  # moved to another identity
+    assert (held.count(300), held.count(301)) == (1, 2)
+    held[("n1", "pod/a/y")] = (301, 5)  # written again: still one
+    assert held.count(301) == 2
+    del held[("n2", "pod/a/z")]
+    assert held.pop(("n1", "pod/a/x")) == (300, 1)
+    assert (held.count(300), held.count(301)) == (0, 1)
+    held.clear()
+    assert held.count(301) == 0
+    untallied: OwnerIndexed[tuple[str, str], int] = OwnerIndexed(lambda k: k, [(("n1", "o"), 7)])
+    assert untallied.count(7) == 0
+
+
 @pytest.fixture
 async def bus(nats_server: NatsServer) -> AsyncIterator[Bus]:
     async with await Bus.connect([nats_server.url], name="test", tls=creds()) as b:

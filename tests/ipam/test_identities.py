@@ -72,6 +72,28 @@ async def test_owner_holds_one_identity_and_moves_atomically(store: Store) -> No
     assert [(h.node, h.owner, h.identity) for h in holders] == [("n1", "pod/prod/p", moved.identity.id)]
 
 
+async def test_known_references_follow_own_writes_and_those_of_other_processes_the_watch_brings(
+    store: Store,
+) -> None:
+    a, b = allocator(store), allocator(store)
+    await a.load()
+    start = (await store.get_prefix(keys.ROOT.encode()))[1]
+    web = (await a.allocate(WEB, "n1", "pod/prod/web-1")).identity.id
+    await a.allocate(WEB, "n1", "pod/prod/web-2")
+    db = (await a.allocate(DB, "n1", "pod/prod/web-2")).identity.id  # moved
+    await b.allocate(WEB, "n2", "pod/prod/web-3")
+    await b.allocate(DB, "n2", "pod/prod/db-1")
+    await b.release(db, "n2", "pod/prod/db-1")
+    assert (a.known_references(web), a.known_references(db)) == (1, 1)  # its own writes alone so far
+    last = keys.identity_owner("n2", "pod/prod/db-1")
+    async for change in store.watch(keys.ROOT.encode(), start + 1):
+        a.observe(change)  # as the mirror applies every change under the root
+        if change.deleted and change.kv.key == last:
+            break
+    assert (a.known_references(web), a.known_references(db)) == (2, 1)
+    assert (await a.references(web), await a.references(db)) == (2, 1)
+
+
 async def test_release_answers_clear_errors_and_reports_last_reference(store: Store) -> None:
     alloc = allocator(store)
     web = await alloc.allocate(WEB, "n1", "a")

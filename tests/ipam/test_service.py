@@ -61,6 +61,14 @@ async def test_pod_identity_follows_pod_and_namespace_labels(
     web_id = r1.identity.id
     assert r2.identity.id == web_id and 256 <= web_id <= 65535
     assert (list(r1.ips), r1.node, list(r2.ips), r2.node) == (["10.244.0.10"], "node-a", ["10.244.0.11"], "node-b")
+
+    # Its references, as the replica's view counts them (both pods hold it) and as etcd has them.
+    async def both_referenced() -> bool:
+        resolved = await api.resolve("shop", "web-1")
+        stored = await api.identity.GetIdentity(identity_pb2.GetIdentityRequest(id=web_id), timeout=5)
+        return resolved is not None and resolved.identity.references == stored.references == 2
+
+    await eventually(both_referenced)
     labels = {f"{x.source}:{x.key}={x.value}" for x in r1.identity.labels}
     assert {
         "k8s:app=web",
