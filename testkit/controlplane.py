@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import ipaddress
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -74,6 +74,8 @@ class ControlPlane(
         self.arriving: dict[str, int] = {}
         #: While set, Resync answers UNAVAILABLE (a policy service that is not up yet).
         self.refuse_resync = False
+        #: When set, awaited before an address is reserved (an IPAM whose answer takes its time).
+        self.reserving: Callable[[ipam_pb2.AllocateIPRequest], Awaitable[None]] | None = None
         self.server: grpc.aio.Server | None = None
         #: The policy API answers as "policy", identities and addresses as "ipam", each on its own
         #: mutual-TLS port (a datapath checks which service it reached by the certificate).
@@ -259,6 +261,8 @@ class ControlPlane(
     async def AllocateIP(
         self, request: ipam_pb2.AllocateIPRequest, context: grpc.aio.ServicerContext
     ) -> ipam_pb2.IPAllocation:
+        if self.reserving is not None:
+            await self.reserving(request)
         if request.ip:
             if ipaddress.ip_address(request.ip) not in self.net and not request.outside_pool:
                 # As ipam answers: an address chosen elsewhere needs outside_pool.

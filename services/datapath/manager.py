@@ -140,6 +140,8 @@ class EndpointManager:
         #: Ids and pod keys of endpoints being created or deleted (not in ``endpoints`` yet / anymore).
         self._busy_ids: set[int] = set()
         self._busy_pods: set[str] = set()
+        #: Addresses of chained creates whose programs go in before IPAM confirmed the addresses.
+        self._unconfirmed_ips: set[str] = set()
         self._releases: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()
         #: Policy fetches in flight, by identity (see :meth:`_fetch_policy`).
         self._fetches: dict[int, asyncio.Task[IdentityPolicy | None]] = {}
@@ -274,6 +276,10 @@ class EndpointManager:
                     return ep
         raise EndpointNotFound(f"{ref} does not exist on node {self.node}; list endpoints to see what does")
 
+    def _held_here(self, ips: set[str]) -> bool:
+        """Whether an endpoint of this node, or a chained create not yet confirmed, has one of ``ips``."""
+        return bool(ips & self._unconfirmed_ips) or any(self.by_ip(ip) is not None for ip in ips)
+
     def by_ip(self, ip: str) -> Endpoint | None:
         for ep in self.endpoints.values():
             if ip in ep.record.ips:
@@ -402,17 +408,36 @@ class EndpointManager:
             return link
 
         addresses: list[dt.Address] = []
+        # Chained, the other plugin chose the addresses and set them up: nothing before the commit
+        # needs IPAM's answer, so reserving them goes on while the first policy and the programs go
+        # in (its round trip was the longest step of a chained ADD). The pod's ipcache entries and
+        # its state wait for it. Not when an endpoint of this node has one of the addresses (a
+        # duplicate from the other plugin's IPAM): the programs' entries for it would replace that
+        # endpoint's, so IPAM must refuse first.
+        chosen = {ip for _, ip in wanted}
+        reservation: asyncio.Future[None] | None = None
+        if request.adopt_host_ifname and all(chosen) and not self._held_here(chosen):
+            self._unconfirmed_ips |= chosen
+            reservation = asyncio.ensure_future(allocate_addresses())
         try:
             # The identity and the pod's network need nothing of each other: both go at once, each
             # recording its undo steps as it makes progress (both run to their end before a failure
             # of either is raised, so the undo list is complete).
-            outcome = await asyncio.gather(identity_and_policy(), addresses_and_network(), return_exceptions=True)
+            outcome = await asyncio.gather(
+                identity_and_policy(),
+                network() if reservation is not None else addresses_and_network(),
+                return_exceptions=True,
+            )
             for result in outcome:
                 if isinstance(result, BaseException):
                     raise result
             link = outcome[1]
             assert isinstance(link, PodLink)
             watch.lap("identity_address_network")
+            first_addresses = tuple(addresses)
+            if reservation is not None:
+                # Provisional until IPAM answers (which adds each address's pod CIDR and gateway).
+                first_addresses = tuple(dt.Address(ip=ip, cidr="", gateway="", family=family) for family, ip in wanted)
             record = EndpointRecord(
                 id=ep_id,
                 namespace=request.namespace,
@@ -421,7 +446,7 @@ class EndpointManager:
                 netns_owned=link.netns_owned,
                 host_ifname=link.host_ifname,
                 host_ifindex=link.host_ifindex,
-                addresses=tuple(addresses),
+                addresses=first_addresses,
                 labels=labels,
                 identity_owned=bool(labels),
                 identity=identity,
@@ -437,10 +462,9 @@ class EndpointManager:
             assert policy is not None
             fetched = await policy
             watch.lap("policy")
-            # In the loop: a small file renamed into place (not synced), cheaper than a thread hop.
-            self._store.save(record)
-            undo.append(lambda: asyncio.to_thread(self._store.remove, ep_id))
-            watch.lap("store")
+            if reservation is None:
+                self._save(record, undo)
+                watch.lap("store")
             # 5. the first policy, in the owning task, before any packet meets the programs
             undo.append(lambda: self._detach_id(ep_id))
             ep = await self._do(lambda: self._first_policy(record, fetched))
@@ -448,13 +472,26 @@ class EndpointManager:
             # 6. programs and ipcache entries, outside the owning task: the kernel's attach waits
             # grace periods, and the owner applies orders and creates other endpoints meanwhile
             try:
-                await asyncio.to_thread(self._attach, record)
+                await asyncio.to_thread(self._attach, record, reservation is None)
             except Exception as exc:
                 raise DatapathFailure(f"cannot attach BPF programs for {record.key}: {exc}") from exc
             watch.lap("attach")
+            if reservation is not None:
+                # A refused reservation (another pod holds the address) undoes the create here,
+                # before the address's ipcache entry on this node was touched.
+                await reservation
+                watch.lap("address_reserved")
+                record = dataclasses.replace(record, addresses=tuple(addresses))
+                self._save(record, undo)
+                await asyncio.to_thread(self._ipcache_upsert, record)
+                watch.lap("store")
             # 7. into the table, with what orders changed since the first write
-            await self._do(lambda: self._commit(ep, fetched, watch))
+            await self._do(lambda: self._commit(ep, fetched, watch, record))
         except BaseException as exc:
+            if reservation is not None:
+                # Its release is in the undo list only once it has ended.
+                with contextlib.suppress(BaseException):
+                    await reservation
             if policy is not None:
                 if not policy.done():
                     policy.cancel()
@@ -472,6 +509,9 @@ class EndpointManager:
             await self._do(lambda: self._unreserve(ep_id, key))
             log.warning("endpoint create failed", pod=key, error=str(exc))
             raise
+        finally:
+            if reservation is not None:
+                self._unconfirmed_ips -= chosen
         if identity == dt.IDENTITY_INIT:
             # The pod may have become known while the endpoint was being made: its ipcache entry then
             # arrived before there was an endpoint to move, so ask once more now that there is one.
@@ -486,9 +526,18 @@ class EndpointManager:
         log.info("endpoint created", endpoint=ep.id, pod=key, identity=ep.identity, ips=ips, **watch.fields())
         return ep
 
-    def _attach(self, record: EndpointRecord) -> None:
-        """Programs on the veth, then the pod's ipcache entries (one thread hop for both)."""
+    def _save(self, record: EndpointRecord, undo: list[Callable[[], Awaitable[None]]]) -> None:
+        # In the loop: a small file renamed into place (not synced), cheaper than a thread hop.
+        self._store.save(record)
+        undo.append(lambda: asyncio.to_thread(self._store.remove, record.id))
+
+    def _attach(self, record: EndpointRecord, ipcache: bool = True) -> None:
+        """Programs on the veth, then (unless told not to) the pod's ipcache entries: one thread hop for both."""
         self._dp.attach_endpoint(spec_of(record))
+        if ipcache:
+            self._ipcache_upsert(record)
+
+    def _ipcache_upsert(self, record: EndpointRecord) -> None:
         for ip in record.ips:
             self._dp.ipcache_upsert(host_prefix(ip), record.identity)
 
@@ -621,9 +670,11 @@ class EndpointManager:
         """Programs and policy of an endpoint whose creation failed (whatever of them was written)."""
         await asyncio.to_thread(self._dp.detach_endpoint, ep_id)
 
-    async def _commit(self, ep: Endpoint, fetched: IdentityPolicy | None, watch: Stopwatch) -> None:
+    async def _commit(
+        self, ep: Endpoint, fetched: IdentityPolicy | None, watch: Stopwatch, record: EndpointRecord
+    ) -> None:
         watch.lap("queue")
-        record = ep.record
+        ep.record = record  # with IPAM's answer for the addresses reserved meanwhile (chained)
         self._busy_ids.discard(record.id)
         self._busy_pods.discard(record.key)
         # Again: the identity's kept policy may have been dropped meanwhile (its last endpoint deleted).

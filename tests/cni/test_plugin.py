@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from services.datapath.netns import PodLink
+from services.datapath.state import STATE_FILE
 from testkit.controlplane import ControlPlane
 from testkit.harness import ROOT, NatsServer
 from tests.datapath_service.agent import InProcessAgent
@@ -34,8 +35,7 @@ INIT = 5
 PLUGIN = Path(sys.executable).parent / "palisade-cni"
 
 
-@pytest.fixture
-def netns(agent: InProcessAgent) -> Iterator[str]:
+def sandbox_netns(agent: InProcessAgent) -> Iterator[str]:
     """A real network namespace, as the runtime makes for a sandbox, known to the fake pod network."""
     name = f"cnitest-{secrets.token_hex(3)}"
     subprocess.run(["ip", "netns", "add", name], check=True)
@@ -43,6 +43,17 @@ def netns(agent: InProcessAgent) -> Iterator[str]:
     agent.network.namespaces.add(path)
     yield path
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.fixture
+def netns(agent: InProcessAgent) -> Iterator[str]:
+    yield from sandbox_netns(agent)
+
+
+@pytest.fixture
+def second_netns(agent: InProcessAgent) -> Iterator[str]:
+    """Another sandbox's."""
+    yield from sandbox_netns(agent)
 
 
 def conf(agent: InProcessAgent, version: str = "1.0.0", **extra: Any) -> dict[str, Any]:
@@ -234,6 +245,92 @@ async def test_chained_adopts_the_previous_plugins_veth_and_passes_its_result_on
     code, _ = await cni("DEL", conf(agent, prevResult=prev), netns=netns)
     assert code == 0
     assert endpoints(agent) == {} and "veth0a1b2c3d" in agent.network.links  # not ours to delete
+
+
+def state_files(agent: InProcessAgent) -> list[Path]:
+    return list(Path(agent.config.state_dir).glob(f"*/{STATE_FILE}"))
+
+
+def chained_prev(netns: str, host_ifname: str, ip: str) -> dict[str, Any]:
+    """The result ptp leaves for the next plugin: its veth and the address host-local chose."""
+    return {
+        "cniVersion": "1.0.0",
+        "interfaces": [{"name": host_ifname}, {"name": "eth0", "sandbox": netns}],
+        "ips": [{"address": f"{ip}/24", "gateway": "10.22.0.1", "interface": 1}],
+        "routes": [{"dst": "0.0.0.0/0"}],
+        "dns": {},
+    }
+
+
+async def test_chained_reserves_the_address_while_the_programs_go_in_and_its_entries_after(
+    agent: InProcessAgent, cp: ControlPlane, netns: str
+) -> None:
+    agent.network.plug_other(netns, "veth0a1b2c3e")
+    dp = agent.datapath
+    assert dp is not None
+    seen: dict[str, object] = {}
+
+    async def slow_ipam(request: Any) -> None:
+        # IPAM answers only once the programs are attached (or after 1 s): a create that waited
+        # for the reservation before attaching would show nothing attached here.
+        for _ in range(100):
+            if dp.attached_here:
+                break
+            await asyncio.sleep(0.01)
+        seen["attached"] = bool(dp.attached_here)
+        seen["entry"] = dp.ipcache_dump().get("10.22.0.6/32")
+        seen["state"] = state_files(agent)
+
+    cp.reserving = slow_ipam
+    code, out = await cni("ADD", conf(agent, prevResult=chained_prev(netns, "veth0a1b2c3e", "10.22.0.6")), netns=netns)
+    assert code == 0, out
+    # The programs went in meanwhile; the pod's ipcache entry and its state waited for IPAM.
+    assert seen == {"attached": True, "entry": None, "state": []}
+    ep = endpoints(agent)["c1"]
+    assert ep.record.addresses[0].gateway == cp.gateway  # IPAM's answer, not the provisional one
+    assert dp.ipcache_dump().get("10.22.0.6/32") == ep.identity
+    assert state_files(agent) == [Path(agent.config.state_dir) / str(ep.id) / STATE_FILE]
+
+
+async def test_chained_with_an_address_another_pod_holds_fails_and_leaves_nothing_behind(
+    agent: InProcessAgent, cp: ControlPlane, netns: str
+) -> None:
+    agent.network.plug_other(netns, "veth0a1b2c3f")
+    dp = agent.datapath
+    assert dp is not None
+    cp.ips["10.22.0.7"] = "pod/x/other"
+    await cp.publish_ipcache("10.22.0.7/32", 777)  # the other pod's entry, as every node has it
+    await eventually(lambda: dp.ipcache_lookup("10.22.0.7") == 777)
+    code, out = await cni("ADD", conf(agent, prevResult=chained_prev(netns, "veth0a1b2c3f", "10.22.0.7")), netns=netns)
+    assert code == 1 and "10.22.0.7 belongs to pod/x/other" in out["details"], out
+    assert endpoints(agent) == {} and dp.pinned_endpoints() == []
+    assert dp.ipcache_dump().get("10.22.0.7/32") == 777  # the other pod's entry untouched
+    assert state_files(agent) == []
+    assert cp.ips == {"10.22.0.7": "pod/x/other"} and "veth0a1b2c3f" in agent.network.links
+
+
+async def test_chained_with_an_address_an_endpoint_here_has_asks_ipam_before_touching_the_programs(
+    agent: InProcessAgent, cp: ControlPlane, netns: str, second_netns: str
+) -> None:
+    dp = agent.datapath
+    assert dp is not None
+    agent.network.plug_other(netns, "veth0a1b2c40")
+    code, out = await cni("ADD", conf(agent, prevResult=chained_prev(netns, "veth0a1b2c40", "10.22.0.8")), netns=netns)
+    assert code == 0, out
+    first = endpoints(agent)["c1"]
+    attached: list[set[int]] = []
+
+    async def watching_ipam(request: Any) -> None:
+        attached.append(set(dp.attached_here))
+
+    cp.reserving = watching_ipam
+    # Another sandbox given the same address (the other plugin's IPAM handed it out twice).
+    agent.network.plug_other(second_netns, "veth0a1b2c41")
+    prev = chained_prev(second_netns, "veth0a1b2c41", "10.22.0.8")
+    code, out = await cni("ADD", conf(agent, prevResult=prev), netns=second_netns, cid="c2", pod="dup")
+    assert code == 1 and "10.22.0.8 belongs to pod/x/web" in out["details"], out
+    assert attached == [{first.id}]  # IPAM refused before the new endpoint's programs went in
+    assert set(endpoints(agent)) == {"c1"} and dp.ipcache_dump().get("10.22.0.8/32") == first.identity
 
 
 @pytest.mark.parametrize(
