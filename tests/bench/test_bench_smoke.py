@@ -106,6 +106,8 @@ def test_cni_quick() -> None:
         assert out[mode]["plugin_failures"] == 0
         assert out[mode]["add_ms"]["p50"] > 0 and out[mode]["del_ms"]["p50"] > 0
         assert out[mode]["sandboxes_per_s"] > 0
+        # The rate's rounds ran the plugin itself (no timing wrapper); only the timed rounds' calls were timed.
+        assert out[mode]["rate_sandboxes"] == out[mode]["timed_sandboxes"] == out[mode]["add_calls"] == 8
         share = out[mode]["datapath_share_ms"]
         assert share["add"] == round(out[mode]["add_ms"]["p50"] - out["plugin_own_ms"]["p50"], 3)
     assert 0 < out["plugin_own_ms"]["p50"] < out["standalone"]["add_ms"]["p50"]
