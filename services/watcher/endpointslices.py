@@ -12,6 +12,7 @@ one is the number. A Service whose slices the folder defines itself keeps those.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import ipaddress
 import json
@@ -95,34 +96,55 @@ def _slices_for(service: KObject, pods: list[KObject], addresses: PodAddresses) 
     return out
 
 
-def with_endpoint_slices(
-    objects: Mapping[ObjectKey, KObject], addresses: PodAddresses, uid: UidOf
-) -> dict[ObjectKey, KObject]:
-    """``objects`` plus the slices the controller would keep for their Services."""
-    info = lookup("discovery.k8s.io/v1", "EndpointSlice")
-    assert info is not None
-    out = dict(objects)
+@dataclasses.dataclass(frozen=True, slots=True)
+class SliceInputs:
+    """What a set of objects gives the controller to work from: the Services whose slices it keeps
+    and the pods of each namespace. Taken once per change of the objects, so a change of the
+    pods' addresses alone costs the Services' slices, not a pass over every object."""
+
+    services: tuple[KObject, ...]
+    pods_by_ns: Mapping[str, tuple[KObject, ...]]
+
+
+def slice_inputs(objects: Mapping[ObjectKey, KObject]) -> SliceInputs:
     defined = {
         (key.namespace, slice_service(obj.body)) for key, obj in objects.items() if key.kind is Kind.ENDPOINT_SLICE
     }
     pods_by_ns: dict[str, list[KObject]] = {}
+    services = []
     for key, obj in objects.items():
         if key.kind is Kind.POD:
             pods_by_ns.setdefault(key.namespace, []).append(obj)
-    for key, service in objects.items():
-        if key.kind is not Kind.SERVICE or (key.namespace, key.name) in defined:
-            continue
-        spec = as_map(service.body.get("spec"))
-        selector = as_map(spec.get("selector"))
-        if not selector or spec.get("type") == "ExternalName":
-            continue  # no selector: the user keeps the slices (Kubernetes does not manage them)
+        elif key.kind is Kind.SERVICE and (key.namespace, key.name) not in defined:
+            spec = as_map(obj.body.get("spec"))
+            # No selector: the user keeps the slices (Kubernetes does not manage them).
+            if as_map(spec.get("selector")) and spec.get("type") != "ExternalName":
+                services.append(obj)
+    return SliceInputs(tuple(services), {ns: tuple(pods) for ns, pods in pods_by_ns.items()})
+
+
+def endpoint_slices(inputs: SliceInputs, addresses: PodAddresses, uid: UidOf) -> dict[ObjectKey, KObject]:
+    """The slices the controller keeps for ``inputs``' Services, given the pods' ``addresses``."""
+    info = lookup("discovery.k8s.io/v1", "EndpointSlice")
+    assert info is not None
+    out: dict[ObjectKey, KObject] = {}
+    for service in inputs.services:
+        ns = service.key.namespace
+        selector = as_map(as_map(service.body.get("spec")).get("selector"))
         members = [
             pod
-            for pod in pods_by_ns.get(key.namespace, [])
+            for pod in inputs.pods_by_ns.get(ns, ())
             if all(as_map(as_map(pod.body.get("metadata")).get("labels")).get(k) == v for k, v in selector.items())
         ]
         for body in _slices_for(service, members, addresses):
-            body["metadata"]["uid"] = uid(info, key.namespace, body["metadata"]["name"])
+            body["metadata"]["uid"] = uid(info, ns, body["metadata"]["name"])
             obj = from_api(info, body, origin=ORIGIN)
             out[obj.key] = obj
     return out
+
+
+def with_endpoint_slices(
+    objects: Mapping[ObjectKey, KObject], addresses: PodAddresses, uid: UidOf
+) -> dict[ObjectKey, KObject]:
+    """``objects`` plus the slices the controller would keep for their Services."""
+    return {**objects, **endpoint_slices(slice_inputs(objects), addresses, uid)}

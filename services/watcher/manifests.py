@@ -41,7 +41,7 @@ from services.common.errors import PalisadeError, clip
 from services.common.log import get_logger
 from services.common.manifests import Document, DocumentError, split_documents
 from services.watcher.clusterips import assign_cluster_ips
-from services.watcher.endpointslices import PodAddresses, with_endpoint_slices
+from services.watcher.endpointslices import PodAddresses, SliceInputs, endpoint_slices, slice_inputs
 from services.watcher.inotify import FolderWatch
 from services.watcher.kinds import KINDS, Kind, KindInfo, lookup
 from services.watcher.objects import KObject, ObjectKey, check_names, from_api
@@ -222,6 +222,9 @@ class ManifestSource:
         self.notified: bool | None = None
         self._files: dict[str, _File] = {}
         self._versions: dict[ObjectKey, tuple[str, str]] = {}
+        #: The last listing's objects before the dev cluster's slices, and what those slices are made from.
+        self._base: dict[ObjectKey, KObject] = {}
+        self._slice_inputs: SliceInputs | None = None
         self._last_rv = 0
         self._listed_once = False
         self._folder_error = ""
@@ -315,9 +318,10 @@ class ManifestSource:
 
         present = set(self._walk())
         changed = not self._listed_once
-        if addresses is not None and addresses != self._listed_addresses:
+        moved = addresses is not None and addresses != self._listed_addresses
+        if moved:
+            assert addresses is not None
             self._listed_addresses = addresses
-            changed = True
         for rel in sorted(set(self._files) - present):
             gone = self._files.pop(rel)
             changed = True
@@ -330,6 +334,10 @@ class ManifestSource:
         if changed:
             events.extend(self._listing())
             self._listed_once = True
+        elif moved:
+            # Only the pods' addresses: only the dev cluster's slices can follow (one pod starting
+            # in a cluster of thousands must not cost a pass over every object).
+            events.extend(self._slice_listing())
         return events
 
     def _walk(self) -> Iterator[str]:
@@ -402,18 +410,37 @@ class ManifestSource:
             merged = schedule(merged, self._dev_nodes)
         if self._service_cidr:
             merged = assign_cluster_ips(merged, self._service_cidr)
-            merged = with_endpoint_slices(merged, self._listed_addresses, synthetic_uid)
-        versions: dict[ObjectKey, tuple[str, str]] = {}
+            self._base, self._slice_inputs = merged, slice_inputs(merged)
+            merged = {**merged, **endpoint_slices(self._slice_inputs, self._listed_addresses, synthetic_uid)}
         per_kind: dict[Kind, list[KObject]] = {info.kind: [] for info in self.kinds}
+        for key in self._versions.keys() - merged.keys():
+            del self._versions[key]
         for key, obj in merged.items():
-            content = json.dumps(obj.body, sort_keys=True, separators=(",", ":"))
-            previous = self._versions.get(key)
-            rv = previous[1] if previous is not None and previous[0] == content else self._next_rv()
-            versions[key] = (content, rv)
+            rv = self._version(key, obj)
             if key.kind in per_kind:
                 per_kind[key.kind].append(with_resource_version(obj, rv))
-        self._versions = versions
         return [*events, *(Listed(kind, tuple(objs)) for kind, objs in per_kind.items())]
+
+    def _slice_listing(self) -> list[SourceEvent]:
+        """The slices kind listed again, after a change of the pods' addresses alone."""
+        if self._slice_inputs is None or Kind.ENDPOINT_SLICE not in {info.kind for info in self.kinds}:
+            return []
+        derived = endpoint_slices(self._slice_inputs, self._listed_addresses, synthetic_uid)
+        slices = {k: o for k, o in self._base.items() if k.kind is Kind.ENDPOINT_SLICE} | derived
+        for key in [k for k in self._versions if k.kind is Kind.ENDPOINT_SLICE and k not in slices]:
+            del self._versions[key]
+        listed = []
+        for key, obj in slices.items():
+            listed.append(with_resource_version(obj, self._version(key, obj)))
+        return [Listed(Kind.ENDPOINT_SLICE, tuple(listed))]
+
+    def _version(self, key: ObjectKey, obj: KObject) -> str:
+        """The object's resource version: its last one while its content is the same, else a new one."""
+        content = json.dumps(obj.body, sort_keys=True, separators=(",", ":"))
+        previous = self._versions.get(key)
+        rv = previous[1] if previous is not None and previous[0] == content else self._next_rv()
+        self._versions[key] = (content, rv)
+        return rv
 
     def _resolve_conflicts(self, events: list[SourceEvent]) -> dict[ObjectKey, KObject]:
         """One definition per object: the one in force stays, else the first in path order.

@@ -7,6 +7,7 @@ from typing import Any
 
 import yaml
 
+from services.common.k8sobjects import SERVICE_NAME_LABEL
 from services.watcher.clusterips import assign_cluster_ips
 from services.watcher.endpointslices import with_endpoint_slices
 from services.watcher.kinds import Kind, lookup
@@ -118,6 +119,28 @@ def test_the_manifest_source_of_a_dev_cluster_lists_slices_when_addresses_arrive
     assert sl.resource_version  # versioned like every listed object
     gone = {e.kind: e.objects for e in source.scan({}) if isinstance(e, Listed)}
     assert gone[Kind.ENDPOINT_SLICE] == ()
+
+
+def test_an_address_change_alone_lists_the_slices_again_and_nothing_else(tmp_path: Path) -> None:
+    docs = [service(selector={"app": "web"}), service("db", selector={"app": "db"})]
+    docs += [pod("a", HTTP, app="web"), pod("b", HTTP, app="db")]
+    (tmp_path / "app.yaml").write_text(yaml.safe_dump_all(docs))
+    source = ManifestSource(tmp_path, dev_nodes={"n1": "172.31.255.2"}, service_cidr="10.96.0.0/16")
+    source.scan()
+    (listing,) = source.scan({("prod", "a"): ("10.0.0.1",), ("prod", "b"): ("10.0.0.2",)})
+    assert isinstance(listing, Listed) and listing.kind is Kind.ENDPOINT_SLICE
+    first = {s.body["metadata"]["labels"][SERVICE_NAME_LABEL]: s for s in listing.objects}
+    assert sorted(first) == ["db", "web"]
+    # Pod a goes: web's slice changes (a new version), db's stays as it was (its version kept).
+    (event,) = source.scan({("prod", "b"): ("10.0.0.2",)})
+    assert isinstance(event, Listed) and event.kind is Kind.ENDPOINT_SLICE
+    (db,) = event.objects
+    assert db.resource_version == first["db"].resource_version and db.body == first["db"].body
+    # A file change after it lists every kind again, with the addresses as they are now.
+    (tmp_path / "more.yaml").write_text(yaml.safe_dump(pod("c", HTTP, app="web")))
+    listed = {e.kind: e.objects for e in source.scan() if isinstance(e, Listed)}
+    assert {Kind.POD, Kind.SERVICE, Kind.ENDPOINT_SLICE} <= listed.keys() and len(listed[Kind.POD]) == 3
+    assert [s.resource_version for s in listed[Kind.ENDPOINT_SLICE]] == [db.resource_version]
 
 
 def test_cluster_ips_are_stable_unique_and_never_taken_from_written_ones() -> None:
