@@ -47,6 +47,8 @@ class LocalEndpoints(Protocol):
 
     def local_prefixes(self) -> dict[str, int]: ...
 
+    def local_identity(self, prefix: str) -> int | None: ...
+
     async def ipcache_identity(self, prefix: str, identity: int, namespace: str, pod: str) -> None: ...
 
 
@@ -111,12 +113,13 @@ class IpcacheSync:
             self._tell_cidrs()  # after the map holds the change: the file says what the map has
 
     async def _apply(self, prefix: str, entry: identity_pb2.IpcacheEntry, *, cidr: bool) -> None:
-        local = self._endpoints.local_prefixes()
+        # One look for the entry's prefix: every node sees every pod's entry of the cluster.
+        local = self._endpoints.local_identity(prefix)
         address = prefix.partition("/")[0]
         if entry.deleted or not entry.identity:
             self.entries.pop(prefix, None)
             self.pods.pop(address, None)
-            if prefix in local:
+            if local is not None:
                 return  # the endpoint still exists here: its address keeps its identity
             if cidr and await self._learned_holds(prefix):
                 return
@@ -130,8 +133,8 @@ class IpcacheSync:
                 self.pods[address] = f"{entry.namespace}/{entry.pod}"
             else:
                 self.pods.pop(address, None)
-            if prefix in local:
-                if local[prefix] != identity:
+            if local is not None:
+                if local != identity:
                     await self._endpoints.ipcache_identity(prefix, identity, entry.namespace, entry.pod)
                 return
             if cidr and await self._learned_holds(prefix):

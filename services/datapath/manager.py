@@ -142,6 +142,8 @@ class EndpointManager:
         self._busy_pods: set[str] = set()
         #: Addresses of chained creates whose programs go in before IPAM confirmed the addresses.
         self._unconfirmed_ips: set[str] = set()
+        #: Address -> id of the endpoint in the table that has it (ipcache entries ask per address).
+        self._by_ip: dict[str, int] = {}
         self._releases: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()
         #: Policy fetches in flight, by identity (see :meth:`_fetch_policy`).
         self._fetches: dict[int, asyncio.Task[IdentityPolicy | None]] = {}
@@ -281,14 +283,32 @@ class EndpointManager:
         return bool(ips & self._unconfirmed_ips) or any(self.by_ip(ip) is not None for ip in ips)
 
     def by_ip(self, ip: str) -> Endpoint | None:
-        for ep in self.endpoints.values():
-            if ip in ep.record.ips:
-                return ep
-        return None
+        ep_id = self._by_ip.get(ip)
+        return None if ep_id is None else self.endpoints.get(ep_id)
+
+    def _enter(self, ep: Endpoint) -> None:
+        """Into the table (the only way in: the address index follows it)."""
+        self.endpoints[ep.id] = ep
+        for ip in ep.record.ips:
+            self._by_ip[ip] = ep.id
+
+    def _leave(self, ep: Endpoint) -> None:
+        del self.endpoints[ep.id]
+        for ip in ep.record.ips:
+            if self._by_ip.get(ip) == ep.id:
+                del self._by_ip[ip]
 
     def local_prefixes(self) -> dict[str, int]:
         """Host prefixes of local endpoints and their identities."""
         return {host_prefix(ip): ep.identity for ep in self.endpoints.values() for ip in ep.record.ips}
+
+    def local_identity(self, prefix: str) -> int | None:
+        """The identity of the local endpoint whose host prefix ``prefix`` is (None: no such endpoint)."""
+        address = prefix.partition("/")[0]
+        ep = self.by_ip(address)
+        if ep is None or host_prefix(address) != prefix:
+            return None
+        return ep.identity
 
     def realized_revision(self) -> int:
         """Lowest realized revision over endpoints (the node's when it has none)."""
@@ -462,17 +482,15 @@ class EndpointManager:
             assert policy is not None
             fetched = await policy
             watch.lap("policy")
-            if reservation is None:
-                self._save(record, undo)
-                watch.lap("store")
+            undo.append(lambda: asyncio.to_thread(self._store.remove, ep_id))
             # 5. the first policy, in the owning task, before any packet meets the programs
             undo.append(lambda: self._detach_id(ep_id))
             ep = await self._do(lambda: self._first_policy(record, fetched))
             watch.lap("first_policy")
-            # 6. programs and ipcache entries, outside the owning task: the kernel's attach waits
-            # grace periods, and the owner applies orders and creates other endpoints meanwhile
+            # 6. state, programs and ipcache entries, outside the owning task: the kernel's attach
+            # waits grace periods, and the owner applies orders and creates other endpoints meanwhile
             try:
-                await asyncio.to_thread(self._attach, record, reservation is None)
+                await asyncio.to_thread(self._attach, record, confirmed=reservation is None)
             except Exception as exc:
                 raise DatapathFailure(f"cannot attach BPF programs for {record.key}: {exc}") from exc
             watch.lap("attach")
@@ -482,8 +500,7 @@ class EndpointManager:
                 await reservation
                 watch.lap("address_reserved")
                 record = dataclasses.replace(record, addresses=tuple(addresses))
-                self._save(record, undo)
-                await asyncio.to_thread(self._ipcache_upsert, record)
+                await asyncio.to_thread(self._confirm, record)
                 watch.lap("store")
             # 7. into the table, with what orders changed since the first write
             await self._do(lambda: self._commit(ep, fetched, watch, record))
@@ -526,16 +543,20 @@ class EndpointManager:
         log.info("endpoint created", endpoint=ep.id, pod=key, identity=ep.identity, ips=ips, **watch.fields())
         return ep
 
-    def _save(self, record: EndpointRecord, undo: list[Callable[[], Awaitable[None]]]) -> None:
-        # In the loop: a small file renamed into place (not synced), cheaper than a thread hop.
-        self._store.save(record)
-        undo.append(lambda: asyncio.to_thread(self._store.remove, record.id))
-
-    def _attach(self, record: EndpointRecord, ipcache: bool = True) -> None:
-        """Programs on the veth, then (unless told not to) the pod's ipcache entries: one thread hop for both."""
+    def _attach(self, record: EndpointRecord, *, confirmed: bool) -> None:
+        """The programs on the veth; with addresses IPAM ``confirmed``, the state file before them and
+        the pod's ipcache entries after them (one thread hop, out of the loop: a file written on a
+        disk-backed state directory costs about a millisecond)."""
+        if confirmed:
+            self._store.save(record)
         self._dp.attach_endpoint(spec_of(record))
-        if ipcache:
+        if confirmed:
             self._ipcache_upsert(record)
+
+    def _confirm(self, record: EndpointRecord) -> None:
+        """State and ipcache entries of a chained endpoint whose programs went in before IPAM's answer."""
+        self._store.save(record)
+        self._ipcache_upsert(record)
 
     def _ipcache_upsert(self, record: EndpointRecord) -> None:
         for ip in record.ips:
@@ -679,7 +700,7 @@ class EndpointManager:
         self._busy_pods.discard(record.key)
         # Again: the identity's kept policy may have been dropped meanwhile (its last endpoint deleted).
         self._learnt(fetched)
-        self.endpoints[record.id] = ep
+        self._enter(ep)
         await self.realizer.realize(ep, full=False)
         # Reported at once: orders applied before it existed did not report it, and the next one
         # may be long in coming (bumps are held back), while PolicyService waits for its first policy.
@@ -759,7 +780,7 @@ class EndpointManager:
         ep = self.find(ref)
         self._busy_ids.add(ep.id)
         self._busy_pods.add(ep.record.key)
-        del self.endpoints[ep.id]
+        self._leave(ep)
         self._reporter.deleted(ep.id, ep.identity, ep.record.key)
         self.realizer.drop_orphans()
         return ep.record
@@ -930,7 +951,7 @@ class EndpointManager:
         await asyncio.to_thread(self._dp.attach_endpoint, spec_of(record))
         for ip in record.ips:
             await asyncio.to_thread(self._dp.ipcache_upsert, host_prefix(ip), record.identity)
-        self.endpoints[record.id] = Endpoint(record, state=dt.EndpointState.RESTORING)
+        self._enter(Endpoint(record, state=dt.EndpointState.RESTORING))
 
     async def _drop_stale(self, record: EndpointRecord) -> None:
         await asyncio.to_thread(self._dp.detach_endpoint, record.id)

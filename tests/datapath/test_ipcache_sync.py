@@ -34,6 +34,9 @@ class NoEndpoints:
     def local_prefixes(self) -> dict[str, int]:
         return {}
 
+    def local_identity(self, prefix: str) -> int | None:
+        return None
+
     async def ipcache_identity(self, prefix: str, identity: int, namespace: str, pod: str) -> None:
         raise AssertionError("no local endpoint here")
 

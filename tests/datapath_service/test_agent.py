@@ -264,6 +264,15 @@ async def test_restart_restores_endpoints_cleans_stale_ones_and_catches_up(
     assert agent.agent is not None
     agent.agent.status(status)
     assert status.synced and status.revision == rev2 and status.details["endpoints"] == "2"
+    # The address index follows the table through the restore: restored endpoints are found by
+    # address, the stale one is not.
+    manager = agent.agent.manager
+    ip = web.ips[0]
+    assert manager.local_identity(f"{ip}/32") == web.identity and manager.local_identity(f"{ip}/24") is None
+    assert manager.local_identity(f"{gone.ips[0]}/32") is None
+    await agent.stub.DeleteEndpoint(datapath_pb2.DeleteEndpointRequest(id=web.id))
+    assert manager.by_ip(ip) is None and manager.local_identity(f"{ip}/32") is None
+    assert manager.by_ip(db.ips[0]) is manager.endpoints[db.id]
 
 
 async def test_a_restart_finishes_the_teardown_of_an_endpoint_deleted_before_the_stop_and_never_restores_it(
