@@ -222,6 +222,9 @@ class ManifestSource:
         self.notified: bool | None = None
         self._files: dict[str, _File] = {}
         self._versions: dict[ObjectKey, tuple[str, str]] = {}
+        #: Per object, the instance the last listing versioned and what it made of it: an object
+        #: of a file that did not change is the same instance, and needs no serializing again.
+        self._listed: dict[ObjectKey, tuple[KObject, KObject]] = {}
         #: The last listing's objects before the dev cluster's slices, and what those slices are made from.
         self._base: dict[ObjectKey, KObject] = {}
         self._slice_inputs: SliceInputs | None = None
@@ -415,10 +418,11 @@ class ManifestSource:
         per_kind: dict[Kind, list[KObject]] = {info.kind: [] for info in self.kinds}
         for key in self._versions.keys() - merged.keys():
             del self._versions[key]
+            self._listed.pop(key, None)
         for key, obj in merged.items():
-            rv = self._version(key, obj)
+            versioned = self._versioned(key, obj)
             if key.kind in per_kind:
-                per_kind[key.kind].append(with_resource_version(obj, rv))
+                per_kind[key.kind].append(versioned)
         return [*events, *(Listed(kind, tuple(objs)) for kind, objs in per_kind.items())]
 
     def _slice_listing(self) -> list[SourceEvent]:
@@ -429,18 +433,22 @@ class ManifestSource:
         slices = {k: o for k, o in self._base.items() if k.kind is Kind.ENDPOINT_SLICE} | derived
         for key in [k for k in self._versions if k.kind is Kind.ENDPOINT_SLICE and k not in slices]:
             del self._versions[key]
-        listed = []
-        for key, obj in slices.items():
-            listed.append(with_resource_version(obj, self._version(key, obj)))
-        return [Listed(Kind.ENDPOINT_SLICE, tuple(listed))]
+        for key in [k for k in self._listed if k.kind is Kind.ENDPOINT_SLICE and k not in slices]:
+            del self._listed[key]
+        return [Listed(Kind.ENDPOINT_SLICE, tuple(self._versioned(key, obj) for key, obj in slices.items()))]
 
-    def _version(self, key: ObjectKey, obj: KObject) -> str:
-        """The object's resource version: its last one while its content is the same, else a new one."""
+    def _versioned(self, key: ObjectKey, obj: KObject) -> KObject:
+        """The object with its resource version: its last one while its content is the same, else a new one."""
+        seen = self._listed.get(key)
+        if seen is not None and seen[0] is obj:
+            return seen[1]
         content = json.dumps(obj.body, sort_keys=True, separators=(",", ":"))
         previous = self._versions.get(key)
         rv = previous[1] if previous is not None and previous[0] == content else self._next_rv()
         self._versions[key] = (content, rv)
-        return rv
+        versioned = with_resource_version(obj, rv)
+        self._listed[key] = (obj, versioned)
+        return versioned
 
     def _resolve_conflicts(self, events: list[SourceEvent]) -> dict[ObjectKey, KObject]:
         """One definition per object: the one in force stays, else the first in path order.

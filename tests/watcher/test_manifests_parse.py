@@ -144,6 +144,26 @@ def test_scan_emits_only_on_change_and_versions_move_only_with_content(tmp_path:
     assert [obj.key.name for obj in pods] == ["a"]
 
 
+def test_a_file_change_serializes_only_the_objects_it_brought(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cluster of many pods in many files: one file written must not cost a pass of every object.
+    for i in range(5):
+        (tmp_path / f"f{i}.yaml").write_text(yaml.safe_dump_all([o.pod(f"p{i}-{j}", "prod") for j in range(20)]))
+    source = ManifestSource(tmp_path)
+    source.scan()
+    dumped: list[object] = []
+    real = json.dumps
+
+    def counting(obj: object, **kw: object) -> str:
+        dumped.append(obj)
+        return real(obj, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("services.watcher.manifests.json.dumps", counting)
+    (tmp_path / "new.yaml").write_text(yaml.safe_dump(o.pod("late", "prod")))
+    listed = {e.kind: e for e in source.scan() if isinstance(e, Listed)}
+    assert len(listed[Kind.POD].objects) == 101
+    assert [d["metadata"]["name"] for d in dumped if isinstance(d, dict)] == ["late"]
+
+
 def test_a_vanished_folder_is_reported_and_keeps_the_objects(tmp_path: Path) -> None:
     folder = tmp_path / "m"
     folder.mkdir()
