@@ -61,8 +61,13 @@ class ObjectCache:
 
     def upsert(self, obj: KObject) -> Diff:
         """An added or modified object; a delta only if its relevant view changed."""
+        stored = self._objects[obj.key.kind].get(obj.key)
+        if stored is obj:
+            # The very object stored (a source's listing repeats what did not change; objects are
+            # never mutated): nothing to compare, which costs a view per object of the listing.
+            return Diff(skipped=1)
         view = _view(obj)
-        known = obj.key in self._objects[obj.key.kind]
+        known = stored is not None
         same = known and self._views[obj.key] == view
         self._store(obj, view)
         if same:

@@ -6,7 +6,7 @@ Pure: conversion from API/manifest dicts, no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.errors import Code, PalisadeError, clip
@@ -28,6 +28,15 @@ class ObjectKey:
     #: "" for cluster-scoped kinds.
     namespace: str
     name: str
+    #: Computed once: a listing of a big cluster looks every key up several times (an enum's
+    #: hash is Python code).
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.kind.value, self.namespace, self.name)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def subject(self) -> str:

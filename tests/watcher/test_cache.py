@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from services.watcher import cache as cache_module
 from services.watcher.cache import Change, ObjectCache, Op
 from services.watcher.kinds import BY_KIND, Kind
 from services.watcher.objects import KObject, from_api
@@ -56,6 +57,24 @@ def test_replace_diffs_a_full_list_against_the_store() -> None:
     assert diff.skipped == 1
     # Other kinds are not touched by a list of pods.
     assert cache.count(Kind.NAMESPACE) == 1
+
+
+def test_a_listing_repeating_the_stored_objects_costs_no_view_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = ObjectCache()
+    stored = [pod(f"p{i}") for i in range(50)]
+    cache.replace(Kind.POD, stored)
+    viewed: list[str] = []
+    real = cache_module._view
+
+    def counting(obj: KObject) -> dict[str, object]:
+        viewed.append(obj.key.name)
+        return real(obj)
+
+    monkeypatch.setattr(cache_module, "_view", counting)
+    changed = pod("p7", rv=2, tier="x")
+    diff = cache.replace(Kind.POD, [*stored[:7], changed, *stored[8:], pod("new")])
+    assert summary(diff.changes) == [("upsert", "p7"), ("upsert", "new")] and diff.skipped == 49
+    assert sorted(viewed) == ["new", "p7"]  # the 49 objects stored as they are: not looked at again
 
 
 def test_seeded_objects_are_compared_not_republished() -> None:
