@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from services.datapath.fake import FakeDatapath
 from services.datapath.netns import PodLink
 from services.datapath.state import STATE_FILE
 from testkit.controlplane import ControlPlane
@@ -251,6 +252,13 @@ def state_files(agent: InProcessAgent) -> list[Path]:
     return list(Path(agent.config.state_dir).glob(f"*/{STATE_FILE}"))
 
 
+def plugged(agent: InProcessAgent, netns: str, host_ifname: str) -> FakeDatapath:
+    """The veth another plugin made in ``netns``; returns the agent's BPF fake."""
+    agent.network.plug_other(netns, host_ifname)
+    assert agent.datapath is not None
+    return agent.datapath
+
+
 def chained_prev(netns: str, host_ifname: str, ip: str) -> dict[str, Any]:
     """The result ptp leaves for the next plugin: its veth and the address host-local chose."""
     return {
@@ -265,9 +273,7 @@ def chained_prev(netns: str, host_ifname: str, ip: str) -> dict[str, Any]:
 async def test_chained_reserves_the_address_while_the_programs_go_in_and_its_entries_after(
     agent: InProcessAgent, cp: ControlPlane, netns: str
 ) -> None:
-    agent.network.plug_other(netns, "veth0a1b2c3e")
-    dp = agent.datapath
-    assert dp is not None
+    dp = plugged(agent, netns, "veth0a1b2c3e")
     seen: dict[str, object] = {}
 
     async def slow_ipam(request: Any) -> None:
@@ -295,9 +301,7 @@ async def test_chained_reserves_the_address_while_the_programs_go_in_and_its_ent
 async def test_chained_with_an_address_another_pod_holds_fails_and_leaves_nothing_behind(
     agent: InProcessAgent, cp: ControlPlane, netns: str
 ) -> None:
-    agent.network.plug_other(netns, "veth0a1b2c3f")
-    dp = agent.datapath
-    assert dp is not None
+    dp = plugged(agent, netns, "veth0a1b2c3f")
     cp.ips["10.22.0.7"] = "pod/x/other"
     await cp.publish_ipcache("10.22.0.7/32", 777)  # the other pod's entry, as every node has it
     await eventually(lambda: dp.ipcache_lookup("10.22.0.7") == 777)
@@ -312,9 +316,7 @@ async def test_chained_with_an_address_another_pod_holds_fails_and_leaves_nothin
 async def test_chained_with_an_address_an_endpoint_here_has_asks_ipam_before_touching_the_programs(
     agent: InProcessAgent, cp: ControlPlane, netns: str, second_netns: str
 ) -> None:
-    dp = agent.datapath
-    assert dp is not None
-    agent.network.plug_other(netns, "veth0a1b2c40")
+    dp = plugged(agent, netns, "veth0a1b2c40")
     code, out = await cni("ADD", conf(agent, prevResult=chained_prev(netns, "veth0a1b2c40", "10.22.0.8")), netns=netns)
     assert code == 0, out
     first = endpoints(agent)["c1"]
