@@ -98,18 +98,19 @@ def _slices_for(service: KObject, pods: list[KObject], addresses: PodAddresses) 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SliceInputs:
-    """What a set of objects gives the controller to work from: the Services whose slices it keeps
-    and the pods of each namespace. Taken once per change of the objects, so a change of the
-    pods' addresses alone costs the Services' slices, not a pass over every object."""
+    """What a set of objects gives the controller to work from: the Services whose slices it keeps,
+    the pods of each namespace, and the slices the objects define themselves. Taken once per change
+    of the objects, so a change of the pods' addresses alone costs the Services' slices, not a pass
+    over every object."""
 
     services: tuple[KObject, ...]
     pods_by_ns: Mapping[str, tuple[KObject, ...]]
+    slices: Mapping[ObjectKey, KObject]
 
 
 def slice_inputs(objects: Mapping[ObjectKey, KObject]) -> SliceInputs:
-    defined = {
-        (key.namespace, slice_service(obj.body)) for key, obj in objects.items() if key.kind is Kind.ENDPOINT_SLICE
-    }
+    slices = {key: obj for key, obj in objects.items() if key.kind is Kind.ENDPOINT_SLICE}
+    defined = {(key.namespace, slice_service(obj.body)) for key, obj in slices.items()}
     pods_by_ns: dict[str, list[KObject]] = {}
     services = []
     for key, obj in objects.items():
@@ -120,7 +121,7 @@ def slice_inputs(objects: Mapping[ObjectKey, KObject]) -> SliceInputs:
             # No selector: the user keeps the slices (Kubernetes does not manage them).
             if as_map(spec.get("selector")) and spec.get("type") != "ExternalName":
                 services.append(obj)
-    return SliceInputs(tuple(services), {ns: tuple(pods) for ns, pods in pods_by_ns.items()})
+    return SliceInputs(tuple(services), {ns: tuple(pods) for ns, pods in pods_by_ns.items()}, slices)
 
 
 def endpoint_slices(inputs: SliceInputs, addresses: PodAddresses, uid: UidOf) -> dict[ObjectKey, KObject]:

@@ -177,6 +177,17 @@ def with_resource_version(obj: KObject, rv: str) -> KObject:
 # -- the polling source -----------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class _Version:
+    """What a listing made of one object: the instance it was given, its content, and the object
+    with its resource version. A file that did not change gives the same instance again, which
+    needs no serializing."""
+
+    given: KObject
+    content: str
+    listed: KObject
+
+
 @dataclass(slots=True)
 class _File:
     fingerprint: tuple[int, int, int]
@@ -221,12 +232,9 @@ class ManifestSource:
         #: Whether notifications drive the scans (None until :meth:`run` starts).
         self.notified: bool | None = None
         self._files: dict[str, _File] = {}
-        self._versions: dict[ObjectKey, tuple[str, str]] = {}
-        #: Per object, the instance the last listing versioned and what it made of it: an object
-        #: of a file that did not change is the same instance, and needs no serializing again.
-        self._listed: dict[ObjectKey, tuple[KObject, KObject]] = {}
-        #: The last listing's objects before the dev cluster's slices, and what those slices are made from.
-        self._base: dict[ObjectKey, KObject] = {}
+        #: Per kind, what the last listing made of each object (a kind is pruned alone).
+        self._versions: dict[Kind, dict[ObjectKey, _Version]] = {}
+        #: What the dev cluster's slices are made from, as of the last listing.
         self._slice_inputs: SliceInputs | None = None
         self._last_rv = 0
         self._listed_once = False
@@ -413,12 +421,11 @@ class ManifestSource:
             merged = schedule(merged, self._dev_nodes)
         if self._service_cidr:
             merged = assign_cluster_ips(merged, self._service_cidr)
-            self._base, self._slice_inputs = merged, slice_inputs(merged)
+            self._slice_inputs = slice_inputs(merged)
             merged = {**merged, **endpoint_slices(self._slice_inputs, self._listed_addresses, synthetic_uid)}
         per_kind: dict[Kind, list[KObject]] = {info.kind: [] for info in self.kinds}
-        for key in self._versions.keys() - merged.keys():
-            del self._versions[key]
-            self._listed.pop(key, None)
+        for versions in self._versions.values():
+            self._prune(versions, merged)
         for key, obj in merged.items():
             versioned = self._versioned(key, obj)
             if key.kind in per_kind:
@@ -429,26 +436,27 @@ class ManifestSource:
         """The slices kind listed again, after a change of the pods' addresses alone."""
         if self._slice_inputs is None or Kind.ENDPOINT_SLICE not in {info.kind for info in self.kinds}:
             return []
-        derived = endpoint_slices(self._slice_inputs, self._listed_addresses, synthetic_uid)
-        slices = {k: o for k, o in self._base.items() if k.kind is Kind.ENDPOINT_SLICE} | derived
-        for key in [k for k in self._versions if k.kind is Kind.ENDPOINT_SLICE and k not in slices]:
-            del self._versions[key]
-        for key in [k for k in self._listed if k.kind is Kind.ENDPOINT_SLICE and k not in slices]:
-            del self._listed[key]
+        inputs = self._slice_inputs
+        slices = {**inputs.slices, **endpoint_slices(inputs, self._listed_addresses, synthetic_uid)}
+        self._prune(self._versions.get(Kind.ENDPOINT_SLICE, {}), slices)
         return [Listed(Kind.ENDPOINT_SLICE, tuple(self._versioned(key, obj) for key, obj in slices.items()))]
+
+    @staticmethod
+    def _prune(versions: dict[ObjectKey, _Version], present: Mapping[ObjectKey, KObject]) -> None:
+        for key in [k for k in versions if k not in present]:
+            del versions[key]
 
     def _versioned(self, key: ObjectKey, obj: KObject) -> KObject:
         """The object with its resource version: its last one while its content is the same, else a new one."""
-        seen = self._listed.get(key)
-        if seen is not None and seen[0] is obj:
-            return seen[1]
+        versions = self._versions.setdefault(key.kind, {})
+        known = versions.get(key)
+        if known is not None and known.given is obj:
+            return known.listed
         content = json.dumps(obj.body, sort_keys=True, separators=(",", ":"))
-        previous = self._versions.get(key)
-        rv = previous[1] if previous is not None and previous[0] == content else self._next_rv()
-        self._versions[key] = (content, rv)
-        versioned = with_resource_version(obj, rv)
-        self._listed[key] = (obj, versioned)
-        return versioned
+        rv = known.listed.resource_version if known is not None and known.content == content else self._next_rv()
+        listed = with_resource_version(obj, rv)
+        versions[key] = _Version(obj, content, listed)
+        return listed
 
     def _resolve_conflicts(self, events: list[SourceEvent]) -> dict[ObjectKey, KObject]:
         """One definition per object: the one in force stays, else the first in path order.
