@@ -18,6 +18,7 @@ from palisade.v1 import common_pb2, identity_pb2, identity_pb2_grpc, ipam_pb2, i
 from services.common.errors import Code
 from services.datapath import types as dt
 from services.datapath import wire
+from services.datapath.addresspick import AddressPicker
 from services.datapath.errors import (
     EndpointError,
     EndpointNotFound,
@@ -144,11 +145,15 @@ def answer(what: str, exc: UpstreamError) -> EndpointError:
 
 
 class NodeIpam:
-    """IPAM as one node's endpoint manager uses it: each failure becomes an answer naming what failed."""
+    """IPAM as one node's endpoint manager uses it: each failure becomes an answer naming what failed.
+
+    Every answer for an address of this node teaches :attr:`picker` the node's pod CIDR.
+    """
 
     def __init__(self, port: IpamPort, node: str) -> None:
         self._port = port
         self._node = node
+        self.picker = AddressPicker()
 
     async def call(self, what: str, call: Awaitable[T]) -> T:
         try:
@@ -175,12 +180,16 @@ class NodeIpam:
         With ``ip``, exactly that address (reserving it again for the same owner is idempotent).
         """
         if ip:
-            return await self.call(
+            address = await self.call(
                 f"reserve {ip} for {owner}",
                 self._port.allocate_ip(self._node, owner, family, ip, ports, outside_pool=outside_pool),
             )
+            self.picker.learn(address, chosen_by_ipam=False)
+            return address
         try:
-            return await self._port.allocate_ip(self._node, owner, family, ports=ports)
+            address = await self._port.allocate_ip(self._node, owner, family, ports=ports)
+            self.picker.learn(address, chosen_by_ipam=True)
+            return address
         except UpstreamError as exc:
             if exc.code is not Code.ALREADY_EXISTS:
                 raise answer(f"allocate an address for {owner}", exc) from None
@@ -193,6 +202,25 @@ class NodeIpam:
                     f"reserve {ip} for {owner}", self._port.allocate_ip(self._node, owner, family, ip, ports)
                 )
         raise UpstreamUnavailable(f"IPAMService says {owner} already has an address but does not list it; retry")
+
+    async def reserve_picked(self, owner: str, picked: dt.Address, ports: Sequence[dt.PortRecord]) -> dt.Address | None:
+        """Record ``picked`` (from :attr:`picker`) for ``owner``; None when ipam refuses it.
+
+        Refused because another owner holds it (taken meanwhile by another process), ``owner`` holds
+        another address already (a half-finished earlier create), or it is not in the node's CIDR
+        (the CIDR changed: the picker forgets it). The create then asks ipam to choose instead.
+        """
+        try:
+            address = await self._port.allocate_ip(self._node, owner, picked.family, picked.ip, ports)
+        except UpstreamError as exc:
+            if exc.code is Code.INVALID_ARGUMENT:
+                self.picker.forget(picked.family)
+                return None
+            if exc.code in (Code.ALREADY_EXISTS, Code.FAILED_PRECONDITION):
+                return None
+            raise answer(f"reserve {picked.ip} for {owner}", exc) from None
+        self.picker.learn(address, chosen_by_ipam=False)
+        return address
 
     async def release_ip_quietly(self, ip: str, owner: str) -> None:
         """Release an address; one IPAM no longer holds for ``owner`` is already released."""

@@ -83,6 +83,10 @@ class IpcacheSync:
         self.updates = 0
         self._follower: Follower | None = None
 
+    def holds(self, ip: str) -> bool:
+        """Whether the stream has an entry for the address (someone in the cluster holds it)."""
+        return normalize(ip) in self.entries
+
     async def start(self, bus: Bus) -> None:
         """Replay the stream into the map, remove what it no longer has, then keep following."""
         self._follower = await bus.follow(SUBJECT, identity_pb2.IpcacheEntry, self._on_entry)

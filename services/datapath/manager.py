@@ -103,6 +103,14 @@ def identity_labels(namespace: str, labels: Sequence[dt.Label]) -> tuple[dt.Labe
     return tuple(out)
 
 
+class _PickRefused(Exception):
+    """IPAM refused an address picked here; the create was undone and starts over."""
+
+    def __init__(self, ip: str) -> None:
+        super().__init__(f"IPAM refused the picked address {ip}")
+        self.ip = ip
+
+
 @dataclasses.dataclass
 class _Command:
     run: Callable[[], Awaitable[Any]]
@@ -124,6 +132,7 @@ class EndpointManager:
         reporter: RealizationSink,
         backoff_max: float = 5.0,
         names: Callable[[list[NameEndpoint]], object] | None = None,
+        published: Callable[[str], bool] = lambda ip: False,
     ) -> None:
         self.node = node
         self._dp = datapath
@@ -140,8 +149,11 @@ class EndpointManager:
         #: Ids and pod keys of endpoints being created or deleted (not in ``endpoints`` yet / anymore).
         self._busy_ids: set[int] = set()
         self._busy_pods: set[str] = set()
-        #: Addresses of chained creates whose programs go in before IPAM confirmed the addresses.
+        #: Addresses of creates whose programs go in before IPAM confirmed the addresses (chained,
+        #: or picked here).
         self._unconfirmed_ips: set[str] = set()
+        #: Whether the ipcache has an entry for an address (someone holds it): not picked here.
+        self._published = published
         #: Address -> id of the endpoint in the table that has it (ipcache entries ask per address).
         self._by_ip: dict[str, int] = {}
         self._releases: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()
@@ -355,6 +367,28 @@ class EndpointManager:
             log.warning("deleting an abandoned endpoint failed", endpoint=ep.id, pod=key, error=str(exc))
 
     async def _create(self, request: dt.EndpointRequest) -> Endpoint:
+        try:
+            return await self._create_once(request, pick=True)
+        except _PickRefused as refused:
+            # Another process took the address meanwhile (or the node's CIDR changed): the create
+            # was undone whole; ipam chooses this time.
+            log.info("picked address refused by IPAM; asking it for one", pod=request.key, ip=refused.ip)
+            return await self._create_once(request, pick=False)
+
+    def _taken(self, ip: str) -> bool:
+        return self._held_here({ip}) or self._published(ip)
+
+    def _pick(self, wanted: Sequence[tuple[int, str]]) -> tuple[dt.Address, ...]:
+        """Addresses picked here for a create that asks for none (empty: ipam chooses)."""
+        picked = []
+        for family, ip in wanted:
+            address = None if ip else self._node_ipam.picker.pick(family, self._taken)
+            if address is None:
+                return ()
+            picked.append(address)
+        return tuple(picked)
+
+    async def _create_once(self, request: dt.EndpointRequest, *, pick: bool) -> Endpoint:
         watch = Stopwatch()
         wanted = validate_request(request)
         key = request.key
@@ -406,12 +440,24 @@ class EndpointManager:
             watch.record("network", time.perf_counter() - started)
             return made
 
+        async def reserve_picked() -> None:
+            # 2'. the addresses picked here, recorded by ipam (None: refused, the create starts over)
+            started = time.perf_counter()
+            for chosen_here in picked:
+                address = await self._node_ipam.reserve_picked(owner, chosen_here, request.ports)
+                if address is None:
+                    raise _PickRefused(chosen_here.ip)
+                addresses.append(address)
+                undo.append(lambda ip=address.ip: self._ipam.release_ip(self.node, ip, owner))  # type: ignore[misc]
+            watch.record("address", time.perf_counter() - started)
+
         async def addresses_and_network() -> PodLink:
-            # The addresses are allocated while the namespace and the veth are made (chained: while
-            # the other plugin's veth is found); each branch runs to its end, so the undo list is
-            # complete when either fails.
-            made, recorded = await asyncio.gather(network(), allocate_addresses(), return_exceptions=True)
-            for result in (recorded, made):
+            # The addresses are allocated while the namespace and the veth are made (picked here:
+            # known already); each branch runs to its end, so the undo list is complete when
+            # either fails.
+            branches = [network()] if picked else [network(), allocate_addresses()]
+            made, *recorded = await asyncio.gather(*branches, return_exceptions=True)
+            for result in (*recorded, made):
                 if isinstance(result, BaseException):
                     if isinstance(made, PodPlug):
                         made.close()
@@ -421,7 +467,7 @@ class EndpointManager:
             assert isinstance(made, PodPlug)
             started = time.perf_counter()
             try:
-                link = await asyncio.to_thread(self._net.address, made, addresses)
+                link = await asyncio.to_thread(self._net.address, made, picked or addresses)
             except (OSError, ValueError) as exc:
                 raise DatapathFailure(f"cannot set up the network of {key}: {exc}") from exc
             watch.record("routes", time.perf_counter() - started)
@@ -434,18 +480,30 @@ class EndpointManager:
         # its state wait for it. Not when an endpoint of this node has one of the addresses (a
         # duplicate from the other plugin's IPAM): the programs' entries for it would replace that
         # endpoint's, so IPAM must refuse first.
+        #
+        # Standalone, a create that asks for no address gets the next one of the node's CIDR picked
+        # here (see addresspick): IPAM records it meanwhile in the same way, so the pod's network is
+        # made without waiting for IPAM's round trip first.
         chosen = {ip for _, ip in wanted}
         reservation: asyncio.Future[None] | None = None
-        if request.adopt_host_ifname and all(chosen) and not self._held_here(chosen):
-            self._unconfirmed_ips |= chosen
-            reservation = asyncio.ensure_future(allocate_addresses())
+        picked: tuple[dt.Address, ...] = ()
+        if request.adopt_host_ifname:
+            if all(chosen) and not self._held_here(chosen):
+                self._unconfirmed_ips |= chosen
+                reservation = asyncio.ensure_future(allocate_addresses())
+        elif pick and not any(chosen):
+            picked = self._pick(wanted)
+            if picked:
+                chosen = {a.ip for a in picked}
+                self._unconfirmed_ips |= chosen
+                reservation = asyncio.ensure_future(reserve_picked())
         try:
             # The identity and the pod's network need nothing of each other: both go at once, each
             # recording its undo steps as it makes progress (both run to their end before a failure
             # of either is raised, so the undo list is complete).
             outcome = await asyncio.gather(
                 identity_and_policy(),
-                network() if reservation is not None else addresses_and_network(),
+                network() if request.adopt_host_ifname and reservation is not None else addresses_and_network(),
                 return_exceptions=True,
             )
             for result in outcome:
@@ -454,8 +512,8 @@ class EndpointManager:
             link = outcome[1]
             assert isinstance(link, PodLink)
             watch.lap("identity_address_network")
-            first_addresses = tuple(addresses)
-            if reservation is not None:
+            first_addresses = picked or tuple(addresses)
+            if reservation is not None and not picked:
                 # Provisional until IPAM answers (which adds each address's pod CIDR and gateway).
                 first_addresses = tuple(dt.Address(ip=ip, cidr="", gateway="", family=family) for family, ip in wanted)
             record = EndpointRecord(
@@ -496,7 +554,8 @@ class EndpointManager:
             watch.lap("attach")
             if reservation is not None:
                 # A refused reservation (another pod holds the address) undoes the create here,
-                # before the address's ipcache entry on this node was touched.
+                # before the address's ipcache entry on this node was touched (picked here: and
+                # the create starts over with an address IPAM chooses).
                 await reservation
                 watch.lap("address_reserved")
                 record = dataclasses.replace(record, addresses=tuple(addresses))
@@ -524,7 +583,8 @@ class EndpointManager:
                 except Exception as cleanup:
                     log.warning("cleanup after failed create failed", pod=key, error=str(cleanup))
             await self._do(lambda: self._unreserve(ep_id, key))
-            log.warning("endpoint create failed", pod=key, error=str(exc))
+            if not isinstance(exc, _PickRefused):
+                log.warning("endpoint create failed", pod=key, error=str(exc))
             raise
         finally:
             if reservation is not None:

@@ -154,6 +154,8 @@ async def start_agent(
         reporter=reporter,
         backoff_max=cfg.retry_backoff_max,
         names=names.publish,
+        # Addresses the ipcache has are not picked for a new pod (the stream is defined below).
+        published=lambda ip: ipcache.holds(ip),
     )
     consumer = OrderConsumer(node, policy, manager, backoff_max=cfg.retry_backoff_max)
     ipcache = IpcacheSync(datapath, manager, cfg.node_name, on_cidrs=names.publish_prefixes)

@@ -28,6 +28,15 @@ from typing import Any
 
 from services.common.errors import Code
 from services.common.log import get_logger
+from services.common.podcidr import (
+    IPAddress,
+    IPNetwork,
+    assignable_problem,
+    capacity,
+    gateway,
+    host_range,
+    next_free_address,
+)
 from services.ipam import keys
 from services.ipam.config import IPAMMode
 from services.ipam.errors import IpamError
@@ -48,17 +57,7 @@ from services.ipam.kv import (
 )
 from services.ipam.nodecidr import CIDRSource, NodeCIDR, NodeRecord, desired
 from services.ipam.owners import OwnerIndexed
-from services.ipam.pool import (
-    IPAddress,
-    IPNetwork,
-    assignable_problem,
-    by_family,
-    capacity,
-    gateway,
-    host_range,
-    next_free_address,
-    next_free_subnet,
-)
+from services.ipam.pool import by_family, next_free_subnet
 
 log = get_logger("ipalloc")
 

@@ -17,8 +17,8 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from services.common.podcidr import IPNetwork
 from services.ipam.config import IPAMMode
-from services.ipam.pool import IPNetwork
 
 ANNOTATIONS = {
     4: ("network.cilium.io/ipv4-pod-cidr", "io.cilium.network.ipv4-pod-cidr"),

@@ -1,17 +1,13 @@
-"""Cluster-pool arithmetic: carve node CIDRs out of cluster CIDRs, pick addresses. Pure.
+"""Cluster-pool arithmetic: carve node CIDRs out of cluster CIDRs. Pure.
 
-In a node's pod CIDR the network address is never handed out, the next one is
-the gateway (the node's side of every pod route), and for IPv4 the broadcast
-address is skipped too, as Cilium does.
+The addresses inside a node's CIDR are :mod:`services.common.podcidr`'s.
 """
 
 from __future__ import annotations
 
-import ipaddress
-from collections.abc import Collection, Container, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+from services.common.podcidr import IPNetwork
 
 
 def next_free_subnet(clusters: Sequence[IPNetwork], mask: int, used: Collection[IPNetwork]) -> IPNetwork | None:
@@ -31,47 +27,6 @@ def next_free_subnet(clusters: Sequence[IPNetwork], mask: int, used: Collection[
             if any(subnet.version == other.version and subnet.overlaps(other) for other in irregular):
                 continue
             return subnet
-    return None
-
-
-def gateway(cidr: IPNetwork) -> IPAddress:
-    """The node's address in its pod CIDR: the first after the network address."""
-    return cidr.network_address + 1
-
-
-def host_range(cidr: IPNetwork) -> tuple[int, int]:
-    """First and last address (as ints) that may be given to a pod."""
-    first = int(cidr.network_address) + 2
-    last = int(cidr.broadcast_address) - (1 if cidr.version == 4 else 0)
-    return first, last
-
-
-def capacity(cidr: IPNetwork) -> int:
-    first, last = host_range(cidr)
-    return max(0, last - first + 1)
-
-
-def next_free_address(cidr: IPNetwork, used: Container[int], after: int | None = None) -> IPAddress | None:
-    """The first free address after ``after`` (wrapping around), so released addresses are reused last."""
-    first, last = host_range(cidr)
-    size = last - first + 1
-    if size <= 0:
-        return None
-    start = after + 1 if after is not None and first <= after + 1 <= last else first
-    for i in range(size):
-        candidate = first + (start - first + i) % size
-        if candidate not in used:
-            return ipaddress.ip_address(candidate) if cidr.version == 4 else ipaddress.IPv6Address(candidate)
-    return None
-
-
-def assignable_problem(cidr: IPNetwork, ip: IPAddress) -> str | None:
-    """Why ``ip`` cannot be given to a pod in ``cidr`` (None when it can)."""
-    if ip.version != cidr.version or ip not in cidr:
-        return f"{ip} is outside the node's pod CIDR {cidr}"
-    first, last = host_range(cidr)
-    if not first <= int(ip) <= last:
-        return f"{ip} is the network, gateway or broadcast address of {cidr}"
     return None
 
 

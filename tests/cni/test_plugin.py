@@ -335,6 +335,91 @@ async def test_chained_with_an_address_an_endpoint_here_has_asks_ipam_before_tou
     assert set(endpoints(agent)) == {"c1"} and dp.ipcache_dump().get("10.22.0.8/32") == first.identity
 
 
+async def first_standalone(agent: InProcessAgent, netns: str) -> None:
+    """A standalone ADD (ipam chooses its address: the node has not learnt its CIDR yet)."""
+    code, out = await cni("ADD", conf(agent), netns=netns)
+    assert code == 0, out
+    assert endpoints(agent)["c1"].record.ips == ("10.244.7.2",)
+
+
+async def test_standalone_picks_the_next_address_here_and_ipam_records_it_while_the_programs_go_in(
+    agent: InProcessAgent, cp: ControlPlane, netns: str, second_netns: str
+) -> None:
+    await first_standalone(agent, netns)
+    assert agent.datapath is not None
+    dp = agent.datapath
+    first = endpoints(agent)["c1"].id
+    seen: dict[str, object] = {}
+
+    async def slow_ipam(request: Any) -> None:
+        # IPAM answers only once the new endpoint's programs are attached (or after 1 s): a create
+        # that waited for IPAM's choice before making the pod's network would show nothing here.
+        for _ in range(100):
+            if dp.attached_here - {first}:
+                break
+            await asyncio.sleep(0.01)
+        entry = dp.ipcache_dump().get(f"{request.ip}/32")
+        seen.update(ip=request.ip, attached=bool(dp.attached_here - {first}), entry=entry)
+
+    cp.reserving = slow_ipam
+    code, out = await cni("ADD", conf(agent), netns=second_netns, cid="c2", pod="db")
+    assert code == 0, out
+    # The next address, picked here; IPAM recorded it after the programs went in, and the pod's
+    # ipcache entry waited for IPAM's answer.
+    assert seen == {"ip": "10.244.7.3", "attached": True, "entry": None}
+    ep = endpoints(agent)["c2"]
+    assert out["ips"][0]["address"] == "10.244.7.3/32" and cp.ips["10.244.7.3"] == "pod/x/db"
+    (address,) = ep.record.addresses
+    assert (address.cidr, address.gateway) == (str(cp.net), cp.gateway)  # IPAM's answer
+    assert dp.ipcache_dump().get("10.244.7.3/32") == ep.identity
+    assert len(state_files(agent)) == 2
+
+
+async def test_standalone_address_another_process_took_meanwhile_is_given_up_for_one_ipam_chooses(
+    agent: InProcessAgent, cp: ControlPlane, netns: str, second_netns: str
+) -> None:
+    await first_standalone(agent, netns)
+    assert agent.datapath is not None
+    dp = agent.datapath
+    # Taken through IPAM by another process; no ipcache entry has reached this node yet.
+    cp.ips["10.244.7.3"] = "pod/x/other"
+    asked: list[str] = []
+
+    async def recording(request: Any) -> None:
+        asked.append(request.ip)
+
+    cp.reserving = recording
+    code, out = await cni("ADD", conf(agent), netns=second_netns, cid="c2", pod="db")
+    assert code == 0, out
+    # The pick was refused; the create was undone and made again with the address IPAM chose.
+    assert asked == ["10.244.7.3", ""]
+    assert endpoints(agent)["c2"].record.ips == ("10.244.7.4",)
+    assert cp.ips == {"10.244.7.2": "pod/x/web", "10.244.7.3": "pod/x/other", "10.244.7.4": "pod/x/db"}
+    assert "10.244.7.3/32" not in dp.ipcache_dump()
+    assert sorted(p.id for p in dp.pinned_endpoints()) == sorted(ep.id for ep in endpoints(agent).values())
+    assert len(state_files(agent)) == 2
+
+
+async def test_standalone_does_not_pick_an_address_the_ipcache_has(
+    agent: InProcessAgent, cp: ControlPlane, netns: str, second_netns: str
+) -> None:
+    await first_standalone(agent, netns)
+    assert agent.datapath is not None
+    dp = agent.datapath
+    await cp.publish_ipcache("10.244.7.3/32", 777)  # held by a pod this node has not heard of from IPAM
+    await eventually(lambda: dp.ipcache_lookup("10.244.7.3") == 777)
+    asked: list[str] = []
+
+    async def recording(request: Any) -> None:
+        asked.append(request.ip)
+
+    cp.reserving = recording
+    code, out = await cni("ADD", conf(agent), netns=second_netns, cid="c2", pod="db")
+    assert code == 0, out
+    assert asked == ["10.244.7.4"] and endpoints(agent)["c2"].record.ips == ("10.244.7.4",)
+    assert dp.ipcache_lookup("10.244.7.3") == 777
+
+
 @pytest.mark.parametrize(
     ("config", "env", "code", "words"),
     [

@@ -14,6 +14,7 @@ from palisade.v1 import common_pb2, k8s_pb2
 from services.common.config import ConfigError, load_config
 from services.common.errors import Code
 from services.common.labels import LabelSet, ReservedIdentity
+from services.common.podcidr import assignable_problem, capacity, gateway, host_range, next_free_address
 from services.ipam import keys
 from services.ipam.config import IPAMConfig, IPAMMode
 from services.ipam.errors import IpamError
@@ -21,14 +22,7 @@ from services.ipam.gc import GcTracker
 from services.ipam.model import CIDR_RANGE, CLUSTER_RANGE, Kind, carries, classify, kind_of
 from services.ipam.nodecidr import CIDRSource, NodeCIDR, NodeRecord, desired
 from services.ipam.podwatch import BadObject, ObjectKind, decode, host_prefix, parse_owner, parse_pod, pod_owner
-from services.ipam.pool import (
-    assignable_problem,
-    capacity,
-    gateway,
-    host_range,
-    next_free_address,
-    next_free_subnet,
-)
+from services.ipam.pool import next_free_subnet
 from testkit.ipam import node, pod
 
 net = ipaddress.ip_network
