@@ -686,12 +686,12 @@ class PolicyCore:
         return self.engine.policy_for(identity)
 
     def audited_policies(self) -> list[Policy]:
-        """Every policy in audit mode, keyed as the engine would key it."""
-        return [
-            dataclasses.replace(r.policy, key=engine_key(r.source, r.key))
-            for r in self.registry.search("")
-            if r.policy is not None and self.audited(r.policy)
-        ]
+        """Every policy in audit mode, keyed as the engine would key it (in the registry's order).
+
+        Asked on every commit: the scan is unordered and only the few audited records are sorted."""
+        found = [r for r in self.registry.unordered() if r.policy is not None and self.audited(r.policy)]
+        found.sort(key=lambda r: (r.key, r.source))
+        return [dataclasses.replace(r.policy, key=engine_key(r.source, r.key)) for r in found if r.policy is not None]
 
     def cidr_prefixes(self) -> frozenset[str]:
         """Every prefix the accepted policies name in CIDR rules and excepts (audited ones too, whose
