@@ -154,6 +154,9 @@ class NodeIpam:
         self._port = port
         self._node = node
         self.picker = AddressPicker()
+        #: Addresses picked here that IPAM recorded, and that it refused (the create then asked it).
+        self.picks_recorded = 0
+        self.picks_refused = 0
 
     async def call(self, what: str, call: Awaitable[T]) -> T:
         try:
@@ -213,13 +216,14 @@ class NodeIpam:
         try:
             address = await self._port.allocate_ip(self._node, owner, picked.family, picked.ip, ports)
         except UpstreamError as exc:
+            if exc.code not in (Code.INVALID_ARGUMENT, Code.ALREADY_EXISTS, Code.FAILED_PRECONDITION):
+                raise answer(f"reserve {picked.ip} for {owner}", exc) from None
             if exc.code is Code.INVALID_ARGUMENT:
                 self.picker.forget(picked.family)
-                return None
-            if exc.code in (Code.ALREADY_EXISTS, Code.FAILED_PRECONDITION):
-                return None
-            raise answer(f"reserve {picked.ip} for {owner}", exc) from None
+            self.picks_refused += 1
+            return None
         self.picker.learn(address, chosen_by_ipam=False)
+        self.picks_recorded += 1
         return address
 
     async def release_ip_quietly(self, ip: str, owner: str) -> None:

@@ -375,6 +375,11 @@ class EndpointManager:
             log.info("picked address refused by IPAM; asking it for one", pod=request.key, ip=refused.ip)
             return await self._create_once(request, pick=False)
 
+    @property
+    def address_picks(self) -> tuple[int, int]:
+        """Addresses picked here that IPAM recorded, and that it refused (see addresspick)."""
+        return self._node_ipam.picks_recorded, self._node_ipam.picks_refused
+
     def _taken(self, ip: str) -> bool:
         return self._held_here({ip}) or self._published(ip)
 

@@ -129,6 +129,7 @@ class AgentCollector(Collector):
             ring_skipped=p.flows.ring_skipped,
             flows={count_key(raw): n for raw, n in p.flows.counts.copy().items()},
             ring=len(p.flows.ring),
+            address_picks=p.manager.address_picks,
         )
         totals, events_lost = self._read_kernel()
         return _families(figures, totals, events_lost)
@@ -150,6 +151,7 @@ class _Figures:
     ring_skipped: int = 0
     flows: dict[FlowCountKey, int] = dataclasses.field(default_factory=dict)
     ring: int = 0
+    address_picks: tuple[int, int] = (0, 0)
 
 
 def _families(f: _Figures, totals: Totals, events_lost: int) -> Iterator[prometheus_client.Metric]:
@@ -177,6 +179,15 @@ def _families(f: _Figures, totals: Totals, events_lost: int) -> Iterator[prometh
     yield CounterMetricFamily(
         "palisade_datapath_resyncs", "Full resyncs fetched from PolicyService and applied.", value=f.resyncs
     )
+    picks = CounterMetricFamily(
+        "palisade_datapath_address_picks",
+        "Pod addresses picked on the node, by IPAM's outcome (refused: another process took the address "
+        "meanwhile, and the create asked IPAM to choose).",
+        labels=["outcome"],
+    )
+    picks.add_metric(["recorded"], f.address_picks[0])
+    picks.add_metric(["refused"], f.address_picks[1])
+    yield picks
     yield CounterMetricFamily(
         "palisade_datapath_sequence_gaps",
         "Gaps found in the node's order sequence (each is repaired by a resync).",

@@ -335,19 +335,31 @@ async def test_chained_with_an_address_an_endpoint_here_has_asks_ipam_before_tou
     assert set(endpoints(agent)) == {"c1"} and dp.ipcache_dump().get("10.22.0.8/32") == first.identity
 
 
-async def first_standalone(agent: InProcessAgent, netns: str) -> None:
-    """A standalone ADD (ipam chooses its address: the node has not learnt its CIDR yet)."""
+async def first_standalone(agent: InProcessAgent, netns: str) -> FakeDatapath:
+    """A standalone ADD (ipam chooses its address: the node has not learnt its CIDR yet); returns
+    the agent's BPF fake."""
     code, out = await cni("ADD", conf(agent), netns=netns)
     assert code == 0, out
     assert endpoints(agent)["c1"].record.ips == ("10.244.7.2",)
+    assert agent.datapath is not None
+    return agent.datapath
+
+
+def addresses_asked(cp: ControlPlane) -> list[str]:
+    """The address of every AllocateIP call from now on ("": ipam chooses)."""
+    asked: list[str] = []
+
+    async def recording(request: Any) -> None:
+        asked.append(request.ip)
+
+    cp.reserving = recording
+    return asked
 
 
 async def test_standalone_picks_the_next_address_here_and_ipam_records_it_while_the_programs_go_in(
     agent: InProcessAgent, cp: ControlPlane, netns: str, second_netns: str
 ) -> None:
-    await first_standalone(agent, netns)
-    assert agent.datapath is not None
-    dp = agent.datapath
+    dp = await first_standalone(agent, netns)
     first = endpoints(agent)["c1"].id
     seen: dict[str, object] = {}
 
@@ -373,22 +385,16 @@ async def test_standalone_picks_the_next_address_here_and_ipam_records_it_while_
     assert (address.cidr, address.gateway) == (str(cp.net), cp.gateway)  # IPAM's answer
     assert dp.ipcache_dump().get("10.244.7.3/32") == ep.identity
     assert len(state_files(agent)) == 2
+    assert agent.agent is not None and agent.agent.manager.address_picks == (1, 0)
 
 
 async def test_standalone_address_another_process_took_meanwhile_is_given_up_for_one_ipam_chooses(
     agent: InProcessAgent, cp: ControlPlane, netns: str, second_netns: str
 ) -> None:
-    await first_standalone(agent, netns)
-    assert agent.datapath is not None
-    dp = agent.datapath
+    dp = await first_standalone(agent, netns)
     # Taken through IPAM by another process; no ipcache entry has reached this node yet.
     cp.ips["10.244.7.3"] = "pod/x/other"
-    asked: list[str] = []
-
-    async def recording(request: Any) -> None:
-        asked.append(request.ip)
-
-    cp.reserving = recording
+    asked = addresses_asked(cp)
     code, out = await cni("ADD", conf(agent), netns=second_netns, cid="c2", pod="db")
     assert code == 0, out
     # The pick was refused; the create was undone and made again with the address IPAM chose.
@@ -396,6 +402,7 @@ async def test_standalone_address_another_process_took_meanwhile_is_given_up_for
     assert endpoints(agent)["c2"].record.ips == ("10.244.7.4",)
     assert cp.ips == {"10.244.7.2": "pod/x/web", "10.244.7.3": "pod/x/other", "10.244.7.4": "pod/x/db"}
     assert "10.244.7.3/32" not in dp.ipcache_dump()
+    assert agent.agent is not None and agent.agent.manager.address_picks == (0, 1)
     assert sorted(p.id for p in dp.pinned_endpoints()) == sorted(ep.id for ep in endpoints(agent).values())
     assert len(state_files(agent)) == 2
 
@@ -403,17 +410,10 @@ async def test_standalone_address_another_process_took_meanwhile_is_given_up_for
 async def test_standalone_does_not_pick_an_address_the_ipcache_has(
     agent: InProcessAgent, cp: ControlPlane, netns: str, second_netns: str
 ) -> None:
-    await first_standalone(agent, netns)
-    assert agent.datapath is not None
-    dp = agent.datapath
+    dp = await first_standalone(agent, netns)
     await cp.publish_ipcache("10.244.7.3/32", 777)  # held by a pod this node has not heard of from IPAM
     await eventually(lambda: dp.ipcache_lookup("10.244.7.3") == 777)
-    asked: list[str] = []
-
-    async def recording(request: Any) -> None:
-        asked.append(request.ip)
-
-    cp.reserving = recording
+    asked = addresses_asked(cp)
     code, out = await cni("ADD", conf(agent), netns=second_netns, cid="c2", pod="db")
     assert code == 0, out
     assert asked == ["10.244.7.4"] and endpoints(agent)["c2"].record.ips == ("10.244.7.4",)

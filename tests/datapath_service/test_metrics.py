@@ -108,6 +108,9 @@ async def test_service_metrics_follow_endpoints_orders_and_packets(
     assert m.get("palisade_datapath_forwarded_bytes_total") >= 40 * m.get("palisade_datapath_forwarded_packets_total")
     assert m.get("palisade_datapath_flow_events_total") >= 1
     assert m.get("palisade_datapath_flow_events_lost_total", stage="ring_buffer") == 0
+    # web's address was IPAM's choice (the node had not learnt its CIDR yet); db's picked here.
+    assert m.get("palisade_datapath_address_picks_total", outcome="recorded") == 1
+    assert m.get("palisade_datapath_address_picks_total", outcome="refused") == 0
 
     # An order lost in transit: the next one shows the gap, which a resync repairs.
     await cp.set_policy(db.identity, [policy_entry(ING, web.identity, 8081)], publish=False)
