@@ -426,12 +426,20 @@ class EndpointManager:
             policy = asyncio.create_task(self._fetch_policy(identity), name=f"policy of {key}")
 
         async def allocate_addresses() -> None:
-            # 2. addresses (with the named ports, which ipam puts in the address's ipcache entry)
+            # 2. addresses (with the named ports, which ipam puts in the address's ipcache entry);
+            # those picked here (in ``wanted``'s order) are recorded by ipam, or refused, and the
+            # create then starts over
             started = time.perf_counter()
-            for family, ip in wanted:
-                address = await self._node_ipam.allocate_ip(
-                    owner, family, request.ports, ip, outside_pool=request.outside_pool
-                )
+            for n, (family, ip) in enumerate(wanted):
+                if picked:
+                    recorded = await self._node_ipam.reserve_picked(owner, picked[n], request.ports)
+                    if recorded is None:
+                        raise _PickRefused(picked[n].ip)
+                    address = recorded
+                else:
+                    address = await self._node_ipam.allocate_ip(
+                        owner, family, request.ports, ip, outside_pool=request.outside_pool
+                    )
                 addresses.append(address)
                 undo.append(lambda ip=address.ip: self._ipam.release_ip(self.node, ip, owner))  # type: ignore[misc]
             watch.record("address", time.perf_counter() - started)
@@ -444,17 +452,6 @@ class EndpointManager:
             undo.append(lambda: asyncio.to_thread(self._net.teardown, link))
             watch.record("network", time.perf_counter() - started)
             return made
-
-        async def reserve_picked() -> None:
-            # 2'. the addresses picked here, recorded by ipam (None: refused, the create starts over)
-            started = time.perf_counter()
-            for chosen_here in picked:
-                address = await self._node_ipam.reserve_picked(owner, chosen_here, request.ports)
-                if address is None:
-                    raise _PickRefused(chosen_here.ip)
-                addresses.append(address)
-                undo.append(lambda ip=address.ip: self._ipam.release_ip(self.node, ip, owner))  # type: ignore[misc]
-            watch.record("address", time.perf_counter() - started)
 
         async def addresses_and_network() -> PodLink:
             # The addresses are allocated while the namespace and the veth are made (picked here:
@@ -501,7 +498,7 @@ class EndpointManager:
             if picked:
                 chosen = {a.ip for a in picked}
                 self._unconfirmed_ips |= chosen
-                reservation = asyncio.ensure_future(reserve_picked())
+                reservation = asyncio.ensure_future(allocate_addresses())
         try:
             # The identity and the pod's network need nothing of each other: both go at once, each
             # recording its undo steps as it makes progress (both run to their end before a failure
